@@ -1,0 +1,31 @@
+# Every target creates/updates .venv first, so a fresh clone needs only `make test` / `make demo`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint bench conformance clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --timeout=900 tests
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check fulmen tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+conformance: $(STAMP)
+	$(BIN)/python -m pytest -q tests/ops/test_opinfo.py -m "slow or not slow" --opinfo-samples=all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,40 @@
+"""fulmen: a trace-based, source-to-source compiler for PyTorch.
+
+    import fulmen
+    jfn = fulmen.jit(fn)
+    jfn(x)
+    print(fulmen.last_traces(jfn)[-1])
+"""
+
+from fulmen import executors as _executors  # noqa: F401
+from fulmen.core import FulmenError, NotYetSupportedError, Trace
+from fulmen.executors import (
+    get_default_executors,
+    get_executor,
+    register_executor,
+    set_default_executors,
+)
+from fulmen.executors.python import python_ex
+from fulmen.executors.torch import torch_ex
+from fulmen.jit import cache_hits, cache_misses, compile_stats, jit, last_traces
+
+set_default_executors([torch_ex])
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FulmenError",
+    "NotYetSupportedError",
+    "Trace",
+    "cache_hits",
+    "cache_misses",
+    "compile_stats",
+    "get_default_executors",
+    "get_executor",
+    "jit",
+    "last_traces",
+    "python_ex",
+    "register_executor",
+    "set_default_executors",
+    "torch_ex",
+]

@@ -1,0 +1,25 @@
+"""The IR of fulmen: traces, symbols, bound symbols, names, printing and verification.
+
+`core` imports nothing else from fulmen; every other part builds on it.
+"""
+
+from fulmen.core.errors import FulmenError, NotYetSupportedError
+from fulmen.core.proxy import Proxy
+from fulmen.core.source import SourceLocation
+from fulmen.core.symbol import BoundSymbol, Symbol
+from fulmen.core.trace import Trace, TraceCtx, get_tracectx, tracing
+from fulmen.core.verify import check_trace
+
+__all__ = [
+    "BoundSymbol",
+    "FulmenError",
+    "NotYetSupportedError",
+    "Proxy",
+    "SourceLocation",
+    "Symbol",
+    "Trace",
+    "TraceCtx",
+    "check_trace",
+    "get_tracectx",
+    "tracing",
+]

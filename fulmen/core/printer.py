@@ -1,0 +1,168 @@
+"""Trace -> Python source. A pure function of the trace; IR objects carry no printing state.
+
+Layout of a printed trace (valid Python first, commentary second):
+
+    # fulmen · computation · constructed by tracing (0.41 ms)
+    import torch
+    from fulmen.ops import ltorch, prims
+
+    def computation(x, w):
+      # x: "cpu f32[8, 16]"
+      # w: "cpu f32[16]"
+
+      # model.py:12  y = (x * w).sum(dim=1)
+      t0 = ltorch.mul(x, w)  # t0: "cpu f32[8, 16]"
+        # t1 = prims.broadcast_in_dim(w, (8, 16), (1,))
+        # t0 = prims.mul(x, t1)
+      return t0
+
+Values that have no literal form (an arbitrary Python object passed to an opaque op) are bound
+to names `_c0, _c1, ...` in the namespace `python_callable` executes the source in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import torch
+
+from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.symbol import BoundSymbol
+
+INDENT = "  "
+
+_DTYPE_NAMES = {
+    dtype: str(dtype).removeprefix("torch.")
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype)
+}
+
+
+class _Printer:
+    def __init__(self) -> None:
+        self.namespace: dict[str, Any] = {"torch": torch}
+        self.imports: set[str] = {"import torch"}
+
+    def constant(self, value: Any) -> str:
+        name = f"_c{sum(key.startswith('_c') for key in self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def value(self, value: Any) -> str:
+        """A Python expression for `value`."""
+        if isinstance(value, Proxy):
+            return value.name
+        if value is None or isinstance(value, (bool, int, str)) and not isinstance(value, enum.Enum):
+            return repr(value)
+        if isinstance(value, float):
+            if math.isnan(value):
+                return "float('nan')"
+            if math.isinf(value):
+                return "float('inf')" if value > 0 else "-float('inf')"
+            return repr(value)
+        if isinstance(value, complex):
+            return f"complex({self.value(value.real)}, {self.value(value.imag)})"
+        if isinstance(value, torch.dtype):
+            return f"torch.{_DTYPE_NAMES.get(value, value)}"
+        if isinstance(value, torch.device):
+            return f"torch.device({str(value)!r})"
+        if isinstance(value, (torch.memory_format, torch.layout)):
+            return str(value)
+        if value is Ellipsis:
+            return "..."
+        if isinstance(value, slice):
+            return f"slice({self.value(value.start)}, {self.value(value.stop)}, {self.value(value.step)})"
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            items = [self.value(item) for item in value]
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        if isinstance(value, list):
+            return f"[{', '.join(self.value(item) for item in value)}]"
+        if isinstance(value, dict) and all(isinstance(key, (str, int)) for key in value):
+            return "{" + ", ".join(f"{key!r}: {self.value(item)}" for key, item in value.items()) + "}"
+        return self.constant(value)
+
+    def target(self, output: Any) -> str:
+        """An assignment target for `output` (`t0`, `(t0, t1)`); constants become `_`."""
+        if isinstance(output, Proxy):
+            return output.name
+        if isinstance(output, (tuple, list)):
+            items = [self.target(item) for item in output]
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        return "_"
+
+    def call(self, bsym: BoundSymbol) -> str:
+        sym = bsym.sym
+        if sym.namespace.value is not None:
+            self.namespace[sym.namespace.alias] = sym.namespace.resolve()
+        if sym.namespace.import_line:
+            self.imports.add(sym.namespace.import_line)
+        args = [self.value(arg) for arg in bsym.args]
+        args += [f"{key}={self.value(arg)}" for key, arg in bsym.kwargs.items()]
+        return f"{sym.python_name}({', '.join(args)})"
+
+    def statement(self, bsym: BoundSymbol) -> str:
+        """One line of Python for `bsym`, without its comments."""
+        if bsym.sym.python_name == "del":
+            return "del " + ", ".join(proxy.name for proxy in iter_proxies(bsym.args))
+        call = self.call(bsym)
+        if not list(iter_proxies(bsym.output)):
+            return call
+        return f"{self.target(bsym.output)} = {call}"
+
+    def body(self, bsyms, depth: int, lines: list[str]) -> None:
+        last_source = None
+        for bsym in bsyms:
+            pad = INDENT * depth
+            if depth == 1 and bsym.source is not None and bsym.source != last_source:
+                lines.append(f"{pad}# {bsym.source}")
+                last_source = bsym.source
+            line = pad + self.statement(bsym)
+            types = type_comment(bsym.output)
+            if types:
+                line += f"  # {types}"
+            lines.append(line)
+            self.decomposition(bsym.subsymbols, depth + 1, lines)
+
+    def decomposition(self, bsyms, depth: int, lines: list[str]) -> None:
+        for bsym in bsyms:
+            lines.append(f"{INDENT * depth}# {self.statement(bsym)}")
+            self.decomposition(bsym.subsymbols, depth + 1, lines)
+
+
+def type_comment(output: Any) -> str:
+    """`t0: "cpu f32[4, 4]"` for each proxy in `output`."""
+    return ", ".join(f'{p.name}: "{p.type_string()}"' for p in iter_proxies(output))
+
+
+def print_trace(trace) -> tuple[str, dict[str, Any]]:
+    """Return `(source, namespace)`: the trace as a Python module and the globals it needs."""
+    printer = _Printer()
+    lines: list[str] = []
+    printer.body(trace.bsyms, 1, lines)
+    ret = f"{INDENT}return {printer.value(trace.output)}"
+    signature = ", ".join(trace.arg_names)
+    arg_comments = [f'{INDENT}# {proxy.name}: "{proxy.type_string()}"' for proxy in trace.args]
+    header = f"# fulmen · {trace.name} · {trace.provenance}"
+    if trace.seconds:
+        header += f" ({trace.seconds * 1e3:.2f} ms)"
+    imports = sorted(printer.imports, key=lambda line: (not line.startswith("import"), line))
+    parts = [header, *imports, "", f"def {trace.name}({signature}):", *arg_comments]
+    if arg_comments:
+        parts.append("")
+    source = "\n".join([*parts, *lines, ret]) + "\n"
+    return source, printer.namespace
+
+
+def highlight_html(source: str) -> str:
+    """Syntax-highlighted HTML for notebooks (pygments when installed, else a plain <pre>)."""
+    try:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+    except ImportError:
+        import html
+
+        return f"<pre>{html.escape(source)}</pre>"
+    return highlight(source, PythonLexer(), HtmlFormatter(noclasses=True))

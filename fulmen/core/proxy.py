@@ -1,0 +1,53 @@
+"""The proxy interface seen by core: anything with an SSA `name` and a printable type.
+
+Concrete proxies (`TensorProxy`, ...) live in `fulmen.proxies`; core only needs to name them,
+print their types and walk them inside nested arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+class Proxy:
+    """Mixin for values that stand for run-time values while tracing.
+
+    Subclasses set `name` (a valid Python identifier, unique within a trace) and implement
+    `type_string()`, e.g. `'cpu f32[4, 4]'`.
+    """
+
+    name: str
+
+    def type_string(self) -> str:
+        raise NotImplementedError
+
+
+def iter_proxies(value: Any) -> Iterator[Proxy]:
+    """Yield every proxy inside nested tuples, lists, dicts and slices, in order."""
+    if isinstance(value, Proxy):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from iter_proxies(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from iter_proxies(item)
+    elif isinstance(value, slice):
+        yield from iter_proxies((value.start, value.stop, value.step))
+
+
+def map_proxies(fn, value: Any) -> Any:
+    """Rebuild `value` with `fn(proxy)` in place of every proxy (containers copied)."""
+    if isinstance(value, Proxy):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [map_proxies(fn, item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [map_proxies(fn, item) for item in value]
+    if isinstance(value, dict):
+        return {key: map_proxies(fn, item) for key, item in value.items()}
+    if isinstance(value, slice):
+        return slice(*map_proxies(fn, (value.start, value.stop, value.step)))
+    return value

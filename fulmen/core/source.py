@@ -1,0 +1,61 @@
+"""Where an operation came from in the user's code.
+
+`user_source_location()` walks the Python stack outward and returns the first frame that is not
+inside fulmen or torch: that is the line the user wrote. It is called only while tracing.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+
+_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR: str | None = None
+_SKIP_PREFIXES = ("<frozen", "<string>")
+
+
+def _torch_dir() -> str:
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        spec = sys.modules.get("torch")
+        _TORCH_DIR = os.path.dirname(spec.__file__) if spec is not None else "\0"
+    return _TORCH_DIR
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLocation:
+    """A line of user code: file name, line number and the stripped source text."""
+
+    filename: str
+    lineno: int
+    text: str
+
+    @property
+    def short(self) -> str:
+        """`file.py:12`: the base name and line number."""
+        return f"{os.path.basename(self.filename)}:{self.lineno}"
+
+    def __str__(self) -> str:
+        return f"{self.short}  {self.text}" if self.text else self.short
+
+
+def _is_internal(filename: str) -> bool:
+    if filename.startswith(_SKIP_PREFIXES):
+        return True
+    if filename.startswith(_FULMEN_DIR + os.sep) and os.sep + "tests" + os.sep not in filename:
+        return True
+    return filename.startswith(_torch_dir() + os.sep)
+
+
+def user_source_location(skip: int = 1) -> SourceLocation | None:
+    """Return the innermost stack frame outside fulmen and torch, or None if there is none."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_internal(filename):
+            text = linecache.getline(filename, frame.f_lineno).strip()
+            return SourceLocation(filename, frame.f_lineno, text)
+        frame = frame.f_back
+    return None

@@ -1,0 +1,146 @@
+"""Symbols and bound symbols: the statements of a trace.
+
+A `Symbol` is an operation: a prim (its function is a meta function), a torch-level op (its
+function is a decomposition into other symbols), or an executor's operation (it prints as the
+executor's callable and runs its implementation). A `BoundSymbol` is one call of a symbol in a
+trace: arguments (proxies and constants), output, the symbols its decomposition called
+(`subsymbols`) and the user's source line.
+
+Calling a symbol while a trace is being recorded records a bound symbol; calling it outside
+tracing runs its implementation (`Symbol.impl`) on real values, which is what lets every printed
+trace run as Python.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.source import SourceLocation
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """How a printed trace reaches a symbol: `import_line` binds `alias` to `value`.
+
+    `value` is the object itself, or the dotted path of a module to import.
+    """
+
+    alias: str
+    value: Any
+    import_line: str
+
+    def resolve(self) -> Any:
+        if isinstance(self.value, str):
+            return importlib.import_module(self.value)
+        return self.value
+
+
+class Symbol:
+    """An operation that can appear in a trace.
+
+    Attributes:
+        name: short name, e.g. `"add"`.
+        fn: at trace time, the meta function (prims) or decomposition (torch-level ops) called
+            on proxies; it returns the output proxies.
+        namespace: where printed traces find the symbol (`prims`, `ltorch`, `torch`, ...).
+        python_name: the dotted expression a printed trace calls, e.g. `"torch.add"`.
+        is_prim: prims have no decomposition; their `fn` must not call other symbols.
+        impl: what runs on real tensors when the symbol is called outside tracing.
+        tags: free-form labels (`"elementwise"`, `"reduction"`, `"opaque"`, ...).
+        torch_fn: for torch-level ops, the torch callable the symbol stands for.
+    """
+
+    __slots__ = ("name", "fn", "namespace", "python_name", "is_prim", "impl", "tags", "torch_fn",
+                 "executor", "__weakref__")
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable | None,
+        *,
+        namespace: Namespace,
+        python_name: str | None = None,
+        is_prim: bool = False,
+        impl: Callable | None = None,
+        tags: frozenset[str] | set[str] = frozenset(),
+        torch_fn: Callable | None = None,
+        executor: Any = None,
+    ):
+        self.name = name
+        self.fn = fn
+        self.namespace = namespace
+        self.python_name = python_name or f"{namespace.alias}.{name}"
+        self.is_prim = is_prim
+        self.impl = impl
+        self.tags = frozenset(tags)
+        self.torch_fn = torch_fn
+        self.executor = executor
+
+    @property
+    def id(self) -> str:
+        return f"{self.namespace.alias}.{self.name}"
+
+    def __repr__(self) -> str:
+        return f"<Symbol {self.python_name}>"
+
+    def __call__(self, *args, **kwargs):
+        ctx = _TRACECTX.get()
+        if ctx is None:
+            if self.impl is None:
+                raise FulmenError("has no implementation to run outside tracing", op=self.id)
+            return self.impl(*args, **kwargs)
+        return ctx.record(self, args, kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundSymbol:
+    """One statement of a trace: `output = sym(*args, **kwargs)`.
+
+    `subsymbols` are the bound symbols the symbol's decomposition recorded (empty for prims and
+    executor operations); `source` is the user's line, set on top-level statements.
+    """
+
+    sym: Symbol
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    subsymbols: tuple[BoundSymbol, ...] = ()
+    source: SourceLocation | None = None
+
+    def replace(self, **changes) -> BoundSymbol:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def proxy_inputs(self) -> list[Proxy]:
+        """Proxies read by this statement, in argument order, without repeats."""
+        seen: dict[str, Proxy] = {}
+        for proxy in iter_proxies((self.args, self.kwargs)):
+            seen.setdefault(proxy.name, proxy)
+        return list(seen.values())
+
+    @property
+    def proxy_outputs(self) -> list[Proxy]:
+        return list(iter_proxies(self.output))
+
+    @property
+    def input_names(self) -> set[str]:
+        return {proxy.name for proxy in iter_proxies((self.args, self.kwargs))}
+
+    @property
+    def output_names(self) -> set[str]:
+        return {proxy.name for proxy in iter_proxies(self.output)}
+
+    @property
+    def has_side_effects(self) -> bool:
+        return "side_effect" in self.sym.tags
+
+
+# The trace being recorded in this thread/context, or None. Set by `fulmen.core.trace.tracing`.
+_TRACECTX: contextvars.ContextVar = contextvars.ContextVar("fulmen_tracectx", default=None)

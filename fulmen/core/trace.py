@@ -1,0 +1,170 @@
+"""Traces and the context that records them.
+
+A `Trace` is an immutable value: a name, the input proxies (its signature), a tuple of bound
+symbols, and an output (a proxy, a constant, or tuples/lists/dicts of them). It prints as Python
+(`str(trace)`) and runs (`trace.python_callable()`).
+
+A `TraceCtx` is the mutable recorder used while tracing: it allocates names and collects the
+bound symbols that symbol calls produce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import linecache
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.names import NameAllocator
+from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.source import user_source_location
+from fulmen.core.symbol import _TRACECTX, BoundSymbol, Namespace, Symbol
+
+CORE_NAMESPACE = Namespace("fulmen_core", None, "")
+
+# `del a, b`: frees the named tensors. Inserted by the delete-last-used pass; prints specially.
+DEL = Symbol("del", None, namespace=CORE_NAMESPACE, python_name="del", tags={"side_effect"})
+
+_callable_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """A program in SSA form. See the module docstring.
+
+    Example:
+        >>> trace = fulmen.last_traces(jfn)[-1]
+        >>> print(trace)          # Python source
+        >>> trace.python_callable()(x, w)
+    """
+
+    name: str
+    args: tuple[Proxy, ...]
+    bsyms: tuple[BoundSymbol, ...]
+    output: Any
+    provenance: str = "constructed by tracing"
+    seconds: float = 0.0
+
+    def replace(self, **changes) -> Trace:
+        """A copy with the given fields changed (traces are never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(proxy.name for proxy in self.args)
+
+    @property
+    def output_names(self) -> set[str]:
+        return {proxy.name for proxy in iter_proxies(self.output)}
+
+    def source(self) -> str:
+        """The trace as a Python module."""
+        from fulmen.core.printer import print_trace
+
+        return print_trace(self)[0]
+
+    def __str__(self) -> str:
+        return self.source()
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.name!r}: {len(self.bsyms)} statements, {self.provenance}>"
+
+    def python_callable(self) -> Callable:
+        """Compile the printed trace and return its function.
+
+        The source is registered with `linecache` under a unique file name, so tracebacks and
+        debuggers show the trace's lines.
+        """
+        from fulmen.core.printer import print_trace
+
+        source, namespace = print_trace(self)
+        filename = f"<fulmen {self.name} #{next(_callable_ids)}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        code = compile(source, filename, "exec")
+        exec(code, namespace)
+        fn = namespace[self.name]
+        fn.__fulmen_trace__ = self
+        return fn
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(self.source())
+
+    def _repr_html_(self) -> str:
+        from fulmen.core.printer import highlight_html
+
+        return highlight_html(self.source())
+
+
+class TraceCtx:
+    """Records symbol calls while a function runs on proxies.
+
+    `scopes` is a stack of statement lists: the bottom one is the trace body; a symbol's
+    decomposition runs with a fresh list on top, which becomes its `subsymbols`.
+    The tracer sets `torch_function` to route torch calls on proxies.
+    """
+
+    def __init__(self, name: str = "computation") -> None:
+        self.name = name
+        self.names = NameAllocator()
+        self.scopes: list[list[BoundSymbol]] = [[]]
+        self.torch_function: Callable | None = None
+
+    @property
+    def bsyms(self) -> list[BoundSymbol]:
+        return self.scopes[0]
+
+    def record(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
+        """Run `sym.fn` on proxies and append the resulting bound symbol to the open scope.
+
+        A call whose outputs are all proxies that existed before it (an identity such as
+        `x.float()` on a float tensor) records nothing and returns those proxies, as eager
+        returns the same tensor.
+        """
+        if sym.fn is None:
+            raise FulmenError("cannot be traced (no meta function)", op=sym.id)
+        start = self.names.serial
+        scope: list[BoundSymbol] = []
+        self.scopes.append(scope)
+        try:
+            output = sym.fn(*args, **kwargs)
+        finally:
+            self.scopes.pop()
+        if sym.is_prim and scope:
+            raise FulmenError("a prim's meta function must not call other symbols", op=sym.id)
+        if not any(self.names.serial_of(p.name) >= start for p in iter_proxies(output)):
+            return output
+        source = user_source_location(3) if len(self.scopes) == 1 else None
+        self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, tuple(scope), source))
+        return output
+
+    def to_trace(self, args: tuple[Proxy, ...], output: Any, **fields) -> Trace:
+        return Trace(self.name, tuple(args), tuple(self.scopes[0]), output, **fields)
+
+
+def get_tracectx() -> TraceCtx | None:
+    """The trace being recorded in this context, or None outside tracing."""
+    return _TRACECTX.get()
+
+
+@contextlib.contextmanager
+def tracing(ctx: TraceCtx) -> Iterator[TraceCtx]:
+    """Make `ctx` the recording context for symbol calls inside the block."""
+    token = _TRACECTX.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _TRACECTX.reset(token)
+
+
+@contextlib.contextmanager
+def not_tracing() -> Iterator[None]:
+    """Run a block with no recording context (symbols called inside run their implementation)."""
+    token = _TRACECTX.set(None)
+    try:
+        yield
+    finally:
+        _TRACECTX.reset(token)

@@ -1,0 +1,57 @@
+"""`check_trace`: the structural invariants every trace keeps.
+
+- SSA: every name is assigned once (inputs count as assignments).
+- Def-before-use: every proxy a statement reads is an input or an earlier output, not deleted.
+- Metadata: every mention of a name has the same type (shape, dtype, device).
+- The trace's outputs are defined, and its printed source compiles.
+"""
+
+from __future__ import annotations
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.proxy import iter_proxies
+
+
+def _fail(trace, message: str, bsym=None) -> FulmenError:
+    where = bsym.source if bsym is not None else None
+    return FulmenError(f"invalid trace {trace.name!r} ({trace.provenance}): {message}", where=where)
+
+
+def check_trace(trace) -> None:
+    """Raise `FulmenError` describing the first broken invariant of `trace`."""
+    types: dict[str, str] = {}
+    live: set[str] = set()
+
+    def define(proxy, bsym=None):
+        if proxy.name in types:
+            raise _fail(trace, f"{proxy.name} is assigned twice", bsym)
+        types[proxy.name] = proxy.type_string()
+        live.add(proxy.name)
+
+    def use(proxy, bsym=None):
+        if proxy.name not in live:
+            state = "deleted" if proxy.name in types else "undefined"
+            raise _fail(trace, f"{proxy.name} is used but {state}", bsym)
+        if types[proxy.name] != proxy.type_string():
+            raise _fail(
+                trace,
+                f"{proxy.name} is {proxy.type_string()} here but {types[proxy.name]} where defined",
+                bsym,
+            )
+
+    for proxy in trace.args:
+        define(proxy)
+    for bsym in trace.bsyms:
+        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
+            use(proxy, bsym)
+        if bsym.sym.python_name == "del":
+            live.difference_update(proxy.name for proxy in iter_proxies(bsym.args))
+            continue
+        for proxy in iter_proxies(bsym.output):
+            define(proxy, bsym)
+    for proxy in iter_proxies(trace.output):
+        use(proxy)
+    try:
+        compile(trace.source(), f"<check {trace.name}>", "exec")
+    except SyntaxError as error:
+        raise _fail(trace, f"printed source does not compile: {error}") from error

@@ -1,0 +1,22 @@
+"""Executors: who runs each operation. The extension API lives in `base` and `registry`; each
+built-in executor is a package of its own that uses only that API."""
+
+from fulmen.executors.base import Executor, FusionExecutor, OperatorExecutor
+from fulmen.executors.registry import (
+    get_default_executors,
+    get_executor,
+    register_executor,
+    resolve_executors,
+    set_default_executors,
+)
+
+__all__ = [
+    "Executor",
+    "FusionExecutor",
+    "OperatorExecutor",
+    "get_default_executors",
+    "get_executor",
+    "register_executor",
+    "resolve_executors",
+    "set_default_executors",
+]

@@ -1,0 +1,223 @@
+"""The user API: `jit`, `last_traces`, cache statistics and `compile_stats`.
+
+    jfn = fulmen.jit(fn)              # or fulmen.jit(model)
+    out = jfn(x, w)                   # traces, transforms, claims, compiles; then cached
+    fulmen.last_traces(jfn)           # every stage, in order, each printable and runnable
+
+Each call computes a cache key (see `fulmen.tracer.guards`); a hit runs the cached compiled
+callable, a miss traces and compiles anew.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import Trace
+from fulmen.executors import Executor, resolve_executors
+from fulmen.executors.claim import claim_executors
+from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.transforms import dce, delete_last_used
+
+
+@dataclass
+class CacheEntry:
+    """A compiled specialisation: the callable, its traces and how to feed it."""
+
+    fn: Callable
+    traces: list[Trace]
+    tensor_positions: tuple[int, ...]
+    captured: tuple[torch.Tensor, ...]
+    output_spec: Any
+    stage_seconds: dict[str, float]
+
+
+@dataclass
+class CompileStats:
+    """Counters and timings of one jitted callable.
+
+    `stage_seconds` maps each stage of the last compilation (tracing, each pass, Python
+    compilation) to seconds; `calls`, `cache_hits` and `cache_misses` count calls.
+    """
+
+    calls: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    last_traces: list[Trace] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Jitted:
+    """Shared machinery of `JittedFunction` and `JittedModule`."""
+
+    def _setup(self, fn, module, executors, transforms) -> None:
+        self._fn = fn
+        self._module = module
+        self._executors = resolve_executors(executors)
+        self._transforms = list(transforms or ())
+        self._cache: dict[tuple, CacheEntry] = {}
+        self._stats = CompileStats()
+        modules = tuple(module.modules()) if module is not None else ()
+        self._guard = CacheKeyBuilder(modules)
+        self._state_slots = self._collect_state_slots(module)
+
+    @staticmethod
+    def _collect_state_slots(module) -> list[tuple[dict, str]]:
+        """(owner dict, key) for each unique parameter and buffer, in `named_parameters()` +
+        `named_buffers()` order, so the current tensors are fetched at every call."""
+        if module is None:
+            return []
+        slots = []
+        for kind in ("_parameters", "_buffers"):
+            seen = set()
+            for _, sub in module.named_modules(remove_duplicate=False):
+                for key, tensor in getattr(sub, kind).items():
+                    if tensor is None or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    slots.append((getattr(sub, kind), key))
+        return slots
+
+    def _state(self) -> list[torch.Tensor]:
+        return [owner[key] for owner, key in self._state_slots]
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        state = self._state()
+        key, leaves = self._guard.key(args, kwargs, state)
+        self._stats.calls += 1
+        entry = self._cache.get(key)
+        if entry is None:
+            self._stats.cache_misses += 1
+            entry = self._compile(args, kwargs)
+            self._cache[key] = entry
+        else:
+            self._stats.cache_hits += 1
+        tensors = [leaves[i] for i in entry.tensor_positions]
+        out = entry.fn(*tensors, *state, *entry.captured)
+        if entry.output_spec is not None:
+            out = pytree.tree_unflatten(list(out), entry.output_spec)
+        return out
+
+    def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
+        seconds: dict[str, float] = {}
+        program = trace_program(self._fn, args, kwargs, module=self._module)
+        seconds["tracing"] = program.seconds
+        traces = [program.trace]
+
+        def run(stage, *extra):
+            result = stage(traces[-1], *extra)
+            seconds[result.provenance.removeprefix("after ")] = result.seconds
+            if result is not traces[-1]:
+                traces.append(result)
+
+        run(dce)
+        for user_transform in self._transforms:
+            run(user_transform)
+        run(claim_executors, self._executors)
+        run(delete_last_used)
+        start = time.perf_counter()
+        fn = traces[-1].python_callable()
+        seconds["python compilation"] = time.perf_counter() - start
+        self._stats.last_traces = traces
+        self._stats.stage_seconds = seconds
+        return CacheEntry(fn, traces, program.tensor_positions, program.captured,
+                          program.output_spec, seconds)
+
+
+class JittedFunction(_Jitted):
+    """A function compiled by `fulmen.jit`; call it like the original."""
+
+    def __init__(self, fn: Callable, executors=None, transforms=None) -> None:
+        self._setup(fn, None, executors, transforms)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(args, kwargs)
+
+
+class JittedModule(torch.nn.Module):
+    """An `nn.Module` compiled by `fulmen.jit`.
+
+    It holds the original module as `_orig_mod` and shares its parameters and buffers, so
+    `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors.
+    """
+
+    def __init__(self, module: torch.nn.Module, executors=None, transforms=None) -> None:
+        super().__init__()
+        self._orig_mod = module
+        self._jit = _Jitted()
+        self._jit._setup(module.forward, module, executors, transforms)
+
+    def forward(self, *args, **kwargs):
+        return self._jit._call(args, kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+
+def jit(
+    fn: Callable | torch.nn.Module,
+    *,
+    executors: Sequence[Executor | str] | None = None,
+    transforms: Sequence[Callable[[Trace], Trace]] | None = None,
+) -> JittedFunction | JittedModule:
+    """Compile a function or `nn.Module` with fulmen.
+
+    Args:
+        fn: a function of tensors, Python numbers and nested tuples/lists/dicts of them, or an
+            `nn.Module` (its parameters and buffers become trace inputs).
+        executors: priority list of executors (objects or names); `"torch"` is appended if
+            missing. Defaults to `fulmen.get_default_executors()`.
+        transforms: extra passes `Trace -> Trace`, applied after dce and before executors claim.
+
+    Returns:
+        A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
+
+    Raises:
+        FulmenError: at call time, when the function cannot be traced; the message names the op
+            and the user's source line.
+
+    Example:
+        >>> jfn = fulmen.jit(lambda x: torch.nn.functional.gelu(x) * 2)
+        >>> jfn(torch.randn(4))
+    """
+    if isinstance(fn, torch.nn.Module):
+        return JittedModule(fn, executors, transforms)
+    return JittedFunction(fn, executors, transforms)
+
+
+def _jitted(jfn) -> _Jitted:
+    if isinstance(jfn, JittedModule):
+        return jfn._jit
+    if isinstance(jfn, _Jitted):
+        return jfn
+    raise TypeError(f"{jfn!r} is not a function or module returned by fulmen.jit")
+
+
+def last_traces(jfn) -> list[Trace]:
+    """Every trace of the last compilation, in order: traced, then after each pass."""
+    return list(_jitted(jfn)._stats.last_traces)
+
+
+def cache_hits(jfn) -> int:
+    """How many calls of `jfn` ran a cached compilation."""
+    return _jitted(jfn)._stats.cache_hits
+
+
+def cache_misses(jfn) -> int:
+    """How many calls of `jfn` had to trace and compile."""
+    return _jitted(jfn)._stats.cache_misses
+
+
+def compile_stats(jfn) -> CompileStats:
+    """Call counters and seconds per stage of the last compilation."""
+    return _jitted(jfn)._stats

@@ -1,0 +1,64 @@
+"""The opaque fallback: a torch op with no decomposition is still traced.
+
+Its meta comes from PyTorch's meta kernels (the op runs on storage-less meta tensors), the torch
+executor runs it, and it is never fused. A model never fails to trace because fulmen lacks a
+decomposition; only when PyTorch itself cannot describe the op's output (no meta kernel, an
+output shape that depends on values) does tracing raise, naming the op and the source line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fulmen.core import FulmenError, Symbol
+from fulmen.core.source import user_source_location
+from fulmen.core.symbol import Namespace
+from fulmen.ops.meta import run_meta
+from fulmen.ops.torch.base import torch_qualname
+
+OPAQUE_NAMESPACE = Namespace("opaque", "fulmen.ops.opaque", "from fulmen.ops import opaque")
+_OPAQUE: dict[Callable, Symbol] = {}
+_BY_NAME: dict[str, Symbol] = {}
+
+
+def opaque_name(fn: Callable) -> str:
+    qualname = torch_qualname(fn)
+    if qualname is not None:
+        return qualname.removeprefix("torch.").replace(".", "_")
+    return getattr(fn, "__name__", "op").strip("_") or "op"
+
+
+def opaque_symbol(fn: Callable) -> Symbol:
+    """The (cached) opaque symbol for torch callable `fn`."""
+    sym = _OPAQUE.get(fn)
+    if sym is not None:
+        return sym
+    name = opaque_name(fn)
+    while name in _BY_NAME:
+        name += "_"
+    label = torch_qualname(fn) or getattr(fn, "__qualname__", repr(fn))
+
+    def meta(*args, **kwargs):
+        try:
+            return run_meta(fn, *args, **kwargs)
+        except FulmenError:
+            raise
+        except Exception as error:
+            raise FulmenError(
+                f"PyTorch cannot describe this op's output without running it: {error}",
+                op=label,
+                where=user_source_location(),
+                hint="the op may have a value-dependent output shape or no meta kernel",
+            ) from error
+
+    sym = Symbol(name, meta, namespace=OPAQUE_NAMESPACE, impl=fn, torch_fn=fn, tags={"opaque"})
+    _OPAQUE[fn] = sym
+    _BY_NAME[name] = sym
+    return sym
+
+
+def __getattr__(name: str) -> Symbol:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise AttributeError(name) from None

@@ -1,0 +1,75 @@
+"""Contraction, neural-network and creation prims.
+
+Shape rules of `matmul`, `linear`, `convolution` and `embedding` are PyTorch's own: their meta
+functions run PyTorch's meta kernels. Creation prims take an explicit dtype and device. RNG prims
+draw from torch's global generator, so eager and traced programs see the same stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Number
+
+import torch
+
+from fulmen.ops.meta import run_meta
+from fulmen.ops.prims.base import check, prim
+from fulmen.proxies import TensorProxy
+
+__all__ = [
+    "matmul", "linear", "convolution", "embedding", "full", "iota", "uniform", "dropout",
+]  # fmt: skip
+
+
+@prim("matmul", tags=["matmul"])
+def matmul(a: TensorProxy, b: TensorProxy) -> TensorProxy:
+    """`torch.matmul` semantics: vector/matrix products with broadcast batch dims."""
+    check(a.dtype == b.dtype, "matmul", f"dtypes differ: {a.dtype} vs {b.dtype}")
+    return run_meta(torch.matmul, a, b)
+
+
+@prim("linear", tags=["matmul"])
+def linear(a: TensorProxy, weight: TensorProxy, bias: TensorProxy | None) -> TensorProxy:
+    """`a @ weight.T + bias`, weight of shape (out, in)."""
+    return run_meta(torch.nn.functional.linear, a, weight, bias)
+
+
+@prim("convolution", tags=["matmul"])
+def convolution(a, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """N-d convolution with `torch.convolution`'s arguments."""
+    return run_meta(torch.convolution, a, weight, bias, stride, padding, dilation, transposed,
+                    output_padding, groups)
+
+
+@prim("embedding", tags=["gather"])
+def embedding(indices: TensorProxy, weight: TensorProxy) -> TensorProxy:
+    """Rows of `weight` (num, dim) picked by integer `indices`: shape indices.shape + (dim,)."""
+    check(not indices.dtype.is_floating_point, "embedding", "indices must be integers")
+    return TensorProxy.like(weight, shape=(*indices.shape, weight.shape[-1]))
+
+
+@prim("full", tags=["creation"])
+def full(shape: Sequence[int], fill_value: Number, dtype: torch.dtype, device: torch.device) -> TensorProxy:
+    """A tensor of `shape` filled with `fill_value`."""
+    return TensorProxy(None, tuple(shape), dtype, device)
+
+
+@prim("iota", tags=["creation"])
+def iota(length: int, start: Number, step: Number, dtype: torch.dtype, device: torch.device) -> TensorProxy:
+    """`[start, start + step, ...]`, `length` elements."""
+    check(length >= 0, "iota", f"negative length {length}")
+    return TensorProxy(None, (length,), dtype, device)
+
+
+@prim("uniform", tags=["creation", "random"])
+def uniform(shape: Sequence[int], low: Number, high: Number, dtype: torch.dtype,
+            device: torch.device) -> TensorProxy:
+    """Uniform samples in [low, high) from torch's global generator."""
+    return TensorProxy(None, tuple(shape), dtype, device)
+
+
+@prim("dropout", tags=["random"])
+def dropout(a: TensorProxy, p: float) -> TensorProxy:
+    """Training-mode dropout drawing its mask from torch's global generator, like eager."""
+    check(0.0 <= p <= 1.0, "dropout", f"probability {p} outside [0, 1]")
+    return TensorProxy.like(a)

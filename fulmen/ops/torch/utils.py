@@ -1,0 +1,102 @@
+"""Type promotion, broadcasting and dimension helpers for torch-level decompositions.
+
+Type promotion is PyTorch's own (`torch._prims_common.elementwise_dtypes`), so results have
+exactly eager's dtypes, including the rules for Python scalars and 0-d tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Number
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promotion
+from torch._prims_common import elementwise_dtypes
+
+from fulmen.core import FulmenError
+from fulmen.ops import prims
+
+__all__ = [
+    "Promotion", "broadcast_shapes", "broadcast_to", "canonical_dim", "canonical_dims",
+    "elementwise", "promote", "to_dtype", "is_number", "scalar_to_tensor_like",
+]  # fmt: skip
+
+
+def is_number(value) -> bool:
+    return isinstance(value, Number) and not isinstance(value, torch.Tensor)
+
+
+def promote(*args, kind: Promotion = Promotion.DEFAULT) -> tuple[torch.dtype, torch.dtype]:
+    """(computation dtype, result dtype) of an elementwise op on `args`, as in eager."""
+    return elementwise_dtypes(*[a for a in args if a is not None], type_promotion_kind=kind)
+
+
+def to_dtype(a, dtype: torch.dtype):
+    """`a` converted to `dtype` (tensors through `prims.convert_element_type`)."""
+    if isinstance(a, torch.Tensor):
+        return a if a.dtype == dtype else prims.convert_element_type(a, dtype)
+    if dtype == torch.bool:
+        return bool(a)
+    if dtype.is_complex:
+        return complex(a)
+    if dtype.is_floating_point:
+        return float(a)
+    return int(a)
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError as error:
+        raise FulmenError(str(error), op="broadcast") from None
+
+
+def broadcast_to(a, shape: Sequence[int]):
+    """Broadcast tensor `a` to `shape` with numpy rules (numbers pass through)."""
+    if not isinstance(a, torch.Tensor) or tuple(a.shape) == tuple(shape):
+        return a
+    offset = len(shape) - a.ndim
+    if offset < 0:
+        raise FulmenError(f"cannot broadcast {tuple(a.shape)} to {tuple(shape)}", op="broadcast")
+    return prims.broadcast_in_dim(a, tuple(shape), tuple(range(offset, len(shape))))
+
+
+def elementwise(prim, *args, kind: Promotion = Promotion.DEFAULT, compute_dtype=None):
+    """Apply an elementwise prim with eager's type promotion and broadcasting.
+
+    Operands are converted to the computation dtype (float16/bfloat16 compute in float32), the
+    prim is applied, and the result is converted to the result dtype.
+    """
+    computation, result = promote(*args, kind=kind)
+    if compute_dtype is not None:
+        computation = compute_dtype
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        raise FulmenError("needs at least one tensor operand", op=prim.id)
+    shape = broadcast_shapes(*[t.shape for t in tensors])
+    operands = [broadcast_to(to_dtype(a, computation) if isinstance(a, torch.Tensor) else a, shape)
+                for a in args]
+    out = prim(*operands)
+    return to_dtype(out, result) if out.dtype != torch.bool else out
+
+
+def scalar_to_tensor_like(value: Number, like: torch.Tensor, dtype: torch.dtype | None = None):
+    """A tensor filled with `value`, with `like`'s shape and device."""
+    return prims.full(tuple(like.shape), value, dtype or like.dtype, like.device)
+
+
+def canonical_dim(dim: int, rank: int, *, op: str = "op") -> int:
+    """Wrap a possibly negative `dim` into [0, rank) (rank 0 accepts -1 and 0)."""
+    bound = max(rank, 1)
+    if not -bound <= dim < bound:
+        raise FulmenError(f"dimension {dim} out of range for a tensor of rank {rank}", op=op)
+    return dim % bound
+
+
+def canonical_dims(dims, rank: int, *, op: str = "op") -> tuple[int, ...]:
+    """None -> all dims; int or sequence -> sorted, wrapped dims."""
+    if dims is None:
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted({canonical_dim(d, rank, op=op) for d in dims}))

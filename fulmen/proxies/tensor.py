@@ -1,0 +1,160 @@
+"""`TensorProxy`: a `torch.Tensor` wrapper subclass without storage.
+
+Being a real `torch.Tensor` subclass matters: model code checks `isinstance(x, torch.Tensor)`
+and reads `.shape`, `.dtype`, `.device`, `.dim()`, `.stride()`; all of these are answered by the
+wrapper's own metadata, which PyTorch stores in C++. Every other torch call on a proxy arrives in
+`__torch_function__` and is handed to the trace being recorded (`TraceCtx.torch_function`, set
+by the tracer), which records it as a symbol. Nothing ever computes on a proxy: if a call slips
+past `__torch_function__` into the dispatcher, `__torch_dispatch__` raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.names import NameAllocator
+from fulmen.core.proxy import Proxy
+from fulmen.core.trace import get_tracectx
+
+_DTYPE_SHORT = {
+    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2",
+    torch.complex64: "c64", torch.complex128: "c128", torch.complex32: "c32",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.uint16: "u16", torch.uint32: "u32", torch.uint64: "u64",
+    torch.bool: "b8",
+}  # fmt: skip
+
+_fallback_names = NameAllocator()
+
+_T = torch.Tensor
+_METADATA_PROPERTIES = (
+    "shape", "dtype", "device", "ndim", "requires_grad", "layout", "is_leaf", "is_cuda", "is_cpu",
+    "is_meta", "is_sparse", "is_quantized", "is_mps", "is_xpu", "is_nested", "itemsize", "nbytes",
+    "grad_fn", "is_mkldnn", "is_sparse_csr", "output_nr", "_version", "grad",
+)  # fmt: skip
+_METADATA_METHODS = (
+    "size", "dim", "ndimension", "stride", "numel", "nelement", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "element_size", "get_device",
+    "storage_offset", "__len__", "__hash__", "is_inference", "has_names", "is_shared",
+    "is_pinned", "__sizeof__",
+)  # fmt: skip
+# Calls answered from the proxy's own metadata, with no tracing involved.
+METADATA_FUNCTIONS = frozenset(
+    [getattr(_T, name).__get__ for name in _METADATA_PROPERTIES if hasattr(_T, name)]
+    + [getattr(_T, name) for name in _METADATA_METHODS if hasattr(_T, name)]
+    + [torch.is_floating_point, torch.is_complex, torch.numel]
+)
+
+
+def dtype_short_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `'f32'` (the notation of type comments)."""
+    return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major strides (in elements) for `shape`."""
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class TensorProxy(torch.Tensor, Proxy):
+    """A tensor's metadata (shape, dtype, device, strides, requires_grad) and an SSA name.
+
+    Example:
+        >>> p = TensorProxy("x", (4, 4), torch.float32, torch.device("cpu"))
+        >>> p.shape, p.type_string()
+        (torch.Size([4, 4]), 'cpu f32[4, 4]')
+    """
+
+    @property
+    def name(self) -> str:
+        """The SSA name of this proxy in its trace."""
+        return self._fulmen_name
+
+    @staticmethod
+    def __new__(
+        cls,
+        name: str | None,
+        shape,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        requires_grad: bool = False,
+        strides=None,
+    ):
+        shape = tuple(int(size) for size in shape)
+        strides = contiguous_strides(shape) if strides is None else tuple(strides)
+        proxy = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=strides,
+            dtype=dtype,
+            device=torch.device(device),
+            requires_grad=requires_grad,
+        )
+        if name is None:
+            ctx = get_tracectx()
+            name = ctx.names.new() if ctx is not None else _fallback_names.new("p")
+        proxy._fulmen_name = name
+        return proxy
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def like(cls, other: torch.Tensor, *, shape=None, dtype=None, device=None) -> TensorProxy:
+        """A new proxy with `other`'s metadata, with shape/dtype/device overridden if given."""
+        return cls(
+            None,
+            other.shape if shape is None else shape,
+            other.dtype if dtype is None else dtype,
+            other.device if device is None else device,
+        )
+
+    def type_string(self) -> str:
+        dims = ", ".join(str(size) for size in self.shape)
+        return f"{self.device} {dtype_short_name(self.dtype)}[{dims}]"
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f'<TensorProxy {self.name}: "{self.type_string()}">'
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+    def __reduce_ex__(self, protocol):
+        raise FulmenError("a traced tensor cannot be pickled or deep-copied", op="pickle")
+
+    def __deepcopy__(self, memo):
+        raise FulmenError("a traced tensor cannot be deep-copied while tracing", op="copy.deepcopy")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in METADATA_FUNCTIONS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        ctx = get_tracectx()
+        if ctx is None or ctx.torch_function is None:
+            raise FulmenError(
+                "a TensorProxy was used outside tracing; traced tensors cannot escape the trace",
+                op=getattr(func, "__name__", str(func)),
+            )
+        return ctx.torch_function(func, types, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise FulmenError(
+            "reached the dispatcher with a traced tensor (an op escaped __torch_function__)",
+            op=str(func),
+            hint="please report this: the op needs routing in fulmen.tracer.dispatch",
+        )
+
+
+def is_proxy(value) -> bool:
+    return isinstance(value, TensorProxy)

@@ -1,0 +1,94 @@
+"""Cache keys: what a trace was specialised on.
+
+A trace is valid for another call when the key of that call equals the key it was traced under.
+The key covers the input tree's structure; for each tensor its shape, dtype, device,
+requires_grad and layout class (contiguous or not); the values of Python scalars and other
+constants; grad mode, autocast state and the default dtype; and, for modules, the `training`
+flag of every submodule.
+
+Computing the key is the whole cost of a cache hit besides the call itself, so the common case
+(positional tensor arguments, no kwargs) avoids pytree flattening.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import NotYetSupportedError
+
+Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_get_default_dtype = torch.get_default_dtype
+_is_autocast_enabled = torch.is_autocast_enabled
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return _tensor_key(leaf)
+    if isinstance(leaf, float) and leaf != leaf:
+        return (float, "nan")
+    if isinstance(leaf, Hashable):
+        try:
+            return (type(leaf), leaf)
+        except TypeError:
+            pass
+    return (type(leaf), id(leaf))
+
+
+class CacheKeyBuilder:
+    """Builds the cache key of a call; `modules` are the submodules whose `training` is guarded.
+
+    `key(args, kwargs, state)` returns `(key, flat_leaves)`; `flat_leaves` is the flattened
+    `(args, kwargs)` the runtime takes tensor inputs from; `state` are the module's current
+    parameters and buffers (their requires_grad flags are guarded).
+
+    Raises:
+        NotYetSupportedError: when grad mode is on and an input tensor requires grad (autodiff
+            is not implemented yet; a silently detached result would be wrong).
+    """
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...] = ()) -> None:
+        self.modules = modules
+
+    def global_key(self) -> tuple:
+        return (
+            _is_grad_enabled(),
+            _get_default_dtype(),
+            _is_autocast_enabled("cpu"),
+            _is_autocast_enabled("cuda"),
+            tuple(module.training for module in self.modules),
+        )
+
+    def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
+        if not kwargs and all(type(a) is Tensor for a in args):
+            leaves = list(args)
+            structure: Any = len(args)
+            leaf_keys = tuple(_tensor_key(a) for a in args)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            structure = spec
+            leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
+        global_key = self.global_key()
+        state_key = tuple(t.requires_grad for t in state)
+        if global_key[0]:
+            self._check_no_grad_required(leaves, state_key)
+        return (structure, leaf_keys, global_key, state_key), leaves
+
+    def _check_no_grad_required(self, leaves: list, state_key: tuple) -> None:
+        if any(state_key) or any(
+            isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves
+        ):
+            raise NotYetSupportedError(
+                "inputs that require grad, with grad mode on, need autodiff, which fulmen does "
+                "not support yet",
+                op="fulmen.jit",
+                hint="call under torch.no_grad() / torch.inference_mode(), or detach the inputs",
+            )

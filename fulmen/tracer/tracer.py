@@ -1,0 +1,153 @@
+"""`trace_program`: run a function or module once on proxies and record its Trace.
+
+Inputs: tensor leaves of the call's arguments become input proxies named after the parameters
+they were passed as (`x`, `batch_0`, `kwargs_mask`); module parameters and buffers become inputs
+named after their qualified names (`layers_0_weight`); real tensors the code closes over become
+`captured*` inputs. Non-tensor leaves (Python numbers, strings, None) are constants baked into
+the trace; the cache key guards their values.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.func import functional_call
+
+from fulmen.core import Trace, tracing
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+
+
+@dataclass
+class TracedProgram:
+    """A trace plus what the runtime needs to call it.
+
+    Attributes:
+        trace: the computation trace; its inputs are, in order, the call's tensor leaves, the
+            module's parameters/buffers (`state_names`), and captured tensors.
+        tensor_positions: indices of the tensor leaves among the flattened `(args, kwargs)`.
+        state_names: qualified names of the module parameters/buffers passed as inputs.
+        captured: real tensors closed over by the traced code, passed after the state.
+        output_spec: treespec to rebuild the output from the trace's flat tuple, or None when the
+            trace returns the user's structure directly.
+        seconds: time spent tracing.
+    """
+
+    trace: Trace
+    tensor_positions: tuple[int, ...]
+    state_names: tuple[str, ...] = ()
+    captured: tuple[torch.Tensor, ...] = ()
+    output_spec: Any = None
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _path_name(path, param_names: list[str]) -> str:
+    """`(SequenceKey(0), SequenceKey(1), MappingKey('a'))` -> `w_a` for parameter `w`."""
+    top, rest = path[0], path[1:]
+    parts = []
+    if top.idx == 0:  # positional argument
+        index = rest[0].idx
+        parts.append(param_names[index] if index < len(param_names) else f"arg{index}")
+    else:  # keyword argument
+        parts.append(str(rest[0].key))
+    for key in rest[1:]:
+        for attr in ("idx", "key", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "_".join(parts)
+
+
+def _positional_names(fn: Callable) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for param in params:
+        if param.kind == param.VAR_POSITIONAL:
+            break
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            names.append(param.name)
+    return names
+
+
+def _is_printable_spec(spec) -> bool:
+    if spec.is_leaf():
+        return True
+    if spec.type not in (tuple, list, dict):
+        return False
+    if spec.type is dict and not all(isinstance(k, (str, int)) for k in spec.context):
+        return False
+    return all(_is_printable_spec(child) for child in spec.children_specs)
+
+
+def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
+                  name: str = "computation") -> TracedProgram:
+    """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
+
+    Raises:
+        FulmenError: when the program does something that cannot be traced (value-dependent
+            control flow, an op PyTorch cannot describe); the message names the user's line.
+    """
+    start = time.perf_counter()
+    ctx = TracerCtx(name)
+    target = module.forward if module is not None else fn
+    param_names = _positional_names(target)
+    leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+
+    inputs: list[TensorProxy] = []
+    positions: list[int] = []
+    proxied_leaves = []
+    for index, (path, leaf) in enumerate(leaves_with_paths):
+        if isinstance(leaf, torch.Tensor):
+            proxy = TensorProxy(ctx.names.named(_path_name(path, param_names)), leaf.shape,
+                                leaf.dtype, leaf.device, requires_grad=leaf.requires_grad,
+                                strides=leaf.stride())
+            inputs.append(proxy)
+            positions.append(index)
+            proxied_leaves.append(proxy)
+        else:
+            proxied_leaves.append(leaf)
+    proxy_args, proxy_kwargs = pytree.tree_unflatten(proxied_leaves, in_spec)
+
+    state_names: list[str] = []
+    state: dict[str, TensorProxy] = {}
+    if module is not None:
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        for qualname, tensor in named:
+            proxy = TensorProxy(ctx.names.named(qualname), tensor.shape, tensor.dtype,
+                                tensor.device, requires_grad=tensor.requires_grad,
+                                strides=tensor.stride())
+            state[qualname] = proxy
+            state_names.append(qualname)
+
+    with tracing(ctx), FactoryMode(ctx):
+        if module is not None:
+            out = functional_call(module, state, proxy_args, proxy_kwargs, tie_weights=True,
+                                  strict=False)
+        else:
+            out = fn(*proxy_args, **proxy_kwargs)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
+                      and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
+
+    if _is_printable_spec(out_spec):
+        output, output_spec = pytree.tree_unflatten(out_leaves, out_spec), None
+    else:
+        output, output_spec = tuple(out_leaves), out_spec
+
+    captured = [tensor for tensor, _ in ctx.captured.values()]
+    captured_proxies = [proxy for _, proxy in ctx.captured.values()]
+    seconds = time.perf_counter() - start
+    trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
+                         provenance="constructed by tracing", seconds=seconds)
+    return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
+                         output_spec, seconds)
