@@ -23,6 +23,7 @@ from fulmen.core import Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.tracer.tracer import state_slots
 from fulmen.transforms import dce, delete_last_used
 
 
@@ -65,27 +66,10 @@ class _Jitted:
         self._stats = CompileStats()
         modules = tuple(module.modules()) if module is not None else ()
         self._guard = CacheKeyBuilder(modules)
-        self._state_slots = self._collect_state_slots(module)
-
-    @staticmethod
-    def _collect_state_slots(module) -> list[tuple[dict, str]]:
-        """(owner dict, key) for each unique parameter and buffer, in `named_parameters()` +
-        `named_buffers()` order, so the current tensors are fetched at every call."""
-        if module is None:
-            return []
-        slots = []
-        for kind in ("_parameters", "_buffers"):
-            seen = set()
-            for _, sub in module.named_modules(remove_duplicate=False):
-                for key, tensor in getattr(sub, kind).items():
-                    if tensor is None or id(tensor) in seen:
-                        continue
-                    seen.add(id(tensor))
-                    slots.append((getattr(sub, kind), key))
-        return slots
+        self._state_slots = state_slots(module) if module is not None else []
 
     def _state(self) -> list[torch.Tensor]:
-        return [owner[key] for owner, key in self._state_slots]
+        return [slot.get() for slot in self._state_slots]
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         state = self._state()
@@ -152,7 +136,7 @@ class JittedModule(torch.nn.Module):
         super().__init__()
         self._orig_mod = module
         self._jit = _Jitted()
-        self._jit._setup(module.forward, module, executors, transforms)
+        self._jit._setup(module, module, executors, transforms)
 
     def forward(self, *args, **kwargs):
         return self._jit._call(args, kwargs)

@@ -50,11 +50,18 @@ def set_default_executors(executors: Sequence[Executor | str]) -> None:
 
 
 def resolve_executors(executors: Sequence[Executor | str] | None) -> list[Executor]:
-    """Executor objects for a user's priority list, with `torch` appended if missing."""
+    """Executor objects for a user's priority list, with `torch` appended if missing.
+
+    Executor objects in the list are registered under their names (printed traces look
+    executors up by name).
+    """
     if executors is None:
         resolved = get_default_executors()
     else:
         resolved = [get_executor(ex) if isinstance(ex, str) else ex for ex in executors]
+    for ex in resolved:
+        if _REGISTRY.get(ex.name) is not ex:
+            register_executor(ex)
     if not any(ex.name == "torch" for ex in resolved):
         resolved.append(get_executor("torch"))
     return resolved

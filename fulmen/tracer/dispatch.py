@@ -7,7 +7,8 @@ calls with no tensor argument, such as `torch.zeros`). The route, in order:
 1. a value-dependent call (`.item()`, `bool(t)`, `.tolist()`, ...) raises a `FulmenError` naming
    the construct and the user's line;
 2. an in-place or `out=` call raises `NotYetSupportedError` (never a dropped mutation);
-3. a torch callable with a fulmen decomposition records that torch-level symbol;
+3. a torch callable with a fulmen decomposition records that torch-level symbol (a
+   decomposition that raises `NotYetSupportedError` for some arguments falls through to 4);
 4. anything else records the opaque symbol for the callable (PyTorch's meta kernel gives the
    output); a call whose result holds no tensor (a metadata query) returns that result as a
    constant and records nothing.
@@ -118,9 +119,12 @@ class TracerCtx(TraceCtx):
             )
         args, kwargs = self._proxify((args, kwargs))
         sym = symbol_for(func)
-        if sym is None:
-            sym = opaque_symbol(func)
-        return sym(*args, **kwargs)
+        if sym is not None:
+            try:
+                return sym(*args, **kwargs)
+            except NotYetSupportedError:
+                pass  # the decomposition does not cover these arguments: run the op whole
+        return opaque_symbol(func)(*args, **kwargs)
 
 
 class FactoryMode(TorchFunctionMode):

@@ -9,15 +9,15 @@ the trace; the cache key guards their values.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.func import functional_call
 
 from fulmen.core import Trace, tracing
 from fulmen.proxies import TensorProxy
@@ -46,6 +46,56 @@ class TracedProgram:
     output_spec: Any = None
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """Where a module keeps one parameter or buffer: `owner[key]`, first reached as `qualname`."""
+
+    owner: dict
+    key: str
+    qualname: str
+
+    def get(self) -> torch.Tensor:
+        return self.owner[self.key]
+
+
+def state_slots(module: torch.nn.Module) -> list[StateSlot]:
+    """One slot per distinct parameter/buffer tensor of `module` (tied tensors once), parameters
+    first, in `named_parameters()` order then `named_buffers()` order."""
+    slots: list[StateSlot] = []
+    seen: set[int] = set()
+    modules = list(module.named_modules())
+    for kind in ("_parameters", "_buffers"):
+        for prefix, sub in modules:
+            owner = getattr(sub, kind)
+            for key, tensor in owner.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                slots.append(StateSlot(owner, key, f"{prefix}.{key}" if prefix else key))
+    return slots
+
+
+@contextlib.contextmanager
+def swapped_state(module: torch.nn.Module, proxies: dict[int, TensorProxy]) -> Iterator[None]:
+    """Temporarily replace every parameter/buffer tensor `t` of `module` by `proxies[id(t)]`.
+
+    Swapping the owning dicts directly handles modules reachable under several names and tensors
+    shared between modules (tied weights).
+    """
+    undo: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for sub in module.modules():
+            for owner in (sub._parameters, sub._buffers):
+                for key, tensor in list(owner.items()):
+                    if tensor is not None and id(tensor) in proxies:
+                        undo.append((owner, key, tensor))
+                        owner[key] = proxies[id(tensor)]
+        yield
+    finally:
+        for owner, key, tensor in reversed(undo):
+            owner[key] = tensor
 
 
 def _path_name(path, param_names: list[str]) -> str:
@@ -86,7 +136,7 @@ def _is_printable_spec(spec) -> bool:
         return False
     if spec.type is dict and not all(isinstance(k, (str, int)) for k in spec.context):
         return False
-    return all(_is_printable_spec(child) for child in spec.children_specs)
+    return all(_is_printable_spec(child) for child in spec.children())
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
@@ -119,20 +169,18 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     proxy_args, proxy_kwargs = pytree.tree_unflatten(proxied_leaves, in_spec)
 
     state_names: list[str] = []
-    state: dict[str, TensorProxy] = {}
-    if module is not None:
-        named = list(module.named_parameters()) + list(module.named_buffers())
-        for qualname, tensor in named:
-            proxy = TensorProxy(ctx.names.named(qualname), tensor.shape, tensor.dtype,
-                                tensor.device, requires_grad=tensor.requires_grad,
-                                strides=tensor.stride())
-            state[qualname] = proxy
-            state_names.append(qualname)
+    state: dict[int, TensorProxy] = {}
+    for slot in state_slots(module) if module is not None else ():
+        tensor = slot.get()
+        state[id(tensor)] = TensorProxy(ctx.names.named(slot.qualname), tensor.shape,
+                                        tensor.dtype, tensor.device,
+                                        requires_grad=tensor.requires_grad, strides=tensor.stride())
+        state_names.append(slot.qualname)
 
     with tracing(ctx), FactoryMode(ctx):
         if module is not None:
-            out = functional_call(module, state, proxy_args, proxy_kwargs, tie_weights=True,
-                                  strict=False)
+            with swapped_state(module, state):
+                out = module(*proxy_args, **proxy_kwargs)
         else:
             out = fn(*proxy_args, **proxy_kwargs)
         out_leaves, out_spec = pytree.tree_flatten(out)

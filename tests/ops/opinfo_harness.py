@@ -1,0 +1,90 @@
+"""Run PyTorch's OpInfo samples through fulmen.jit and compare with eager.
+
+Each registered torch callable with a fulmen decomposition is matched to the OpInfos whose
+function variant is that callable. A sample is run three ways: eager; jit with the torch executor
+(the op runs whole); jit with `decompose_to_prims` (the decomposition runs, prim by prim).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils._pytree as pytree
+from torch.testing._internal.common_methods_invocations import op_db
+
+import fulmen
+from fulmen.ops.torch import registered_torch_callables
+from fulmen.transforms import decompose_to_prims
+
+MODES = {
+    "whole": {},
+    "decomposed": {"transforms": [decompose_to_prims]},
+}
+
+
+@functools.cache
+def matched_opinfos() -> list:
+    """OpInfos whose function (or method) variant fulmen decomposes."""
+    registered = registered_torch_callables()
+    matched = []
+    for info in op_db:
+        variants = [info.op, getattr(info, "method_variant", None)]
+        if any(v is not None and _safe_in(v, registered) for v in variants):
+            matched.append(info)
+    return matched
+
+
+def _safe_in(fn, table) -> bool:
+    try:
+        return fn in table
+    except TypeError:
+        return False
+
+
+def pick_dtype(info) -> torch.dtype:
+    supported = info.supported_dtypes("cpu")
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        if dtype in supported:
+            return dtype
+    return next(iter(supported))
+
+
+def samples(info, limit: int | None, dtype=None):
+    dtype = dtype or pick_dtype(info)
+    out = []
+    for sample in info.sample_inputs("cpu", dtype, requires_grad=False):
+        out.append(sample)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def run_sample(info, sample, mode: str):
+    """Return (eager, jit, jfn) for one sample; exceptions propagate."""
+    op = info.op
+    kwargs = sample.kwargs
+
+    def fn(input, *args):
+        return op(input, *args, **kwargs)
+
+    with torch.no_grad():
+        expected = fn(sample.input, *sample.args)
+        jfn = fulmen.jit(fn, **MODES[mode])
+        actual = jfn(sample.input, *sample.args)
+    return expected, actual, jfn
+
+
+def assert_same(expected, actual, info) -> None:
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    act_leaves, act_spec = pytree.tree_flatten(actual)
+    assert len(exp_leaves) == len(act_leaves), f"{info.name}: output structure differs"
+    for e, a in zip(exp_leaves, act_leaves):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor), f"{info.name}: expected a tensor, got {a!r}"
+            assert e.shape == a.shape, f"{info.name}: shape {a.shape} != eager {e.shape}"
+            assert e.dtype == a.dtype, f"{info.name}: dtype {a.dtype} != eager {e.dtype}"
+            torch.testing.assert_close(a, e, equal_nan=True, atol=1e-5, rtol=1.3e-6,
+                                       msg=lambda m: f"{info.name}: {m}")
+        else:
+            assert e == a or (e != e and a != a), f"{info.name}: {a!r} != eager {e!r}"

@@ -1,0 +1,115 @@
+"""Caching under guards: hits do no tracing; every guarded property retraces."""
+
+import sys
+
+import pytest
+import torch
+
+import fulmen
+from fulmen import NotYetSupportedError
+
+
+def f(x, y):
+    return x * y + 1
+
+
+def _count_traces(monkeypatch):
+    jit_module = sys.modules["fulmen.jit"]  # the module, shadowed by the function fulmen.jit
+    calls = []
+    original = jit_module.trace_program
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(jit_module, "trace_program", counting)
+    return calls
+
+
+def test_same_metadata_hits_and_does_not_trace(monkeypatch):
+    traced = _count_traces(monkeypatch)
+    jfn = fulmen.jit(f)
+    jfn(torch.randn(4, 4), torch.randn(4, 4))
+    jfn(torch.randn(4, 4), torch.randn(4, 4))
+    assert (fulmen.cache_misses(jfn), fulmen.cache_hits(jfn)) == (1, 1)
+    assert len(traced) == 1
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        lambda: (torch.randn(8, 4), torch.randn(8, 4)),  # shape
+        lambda: (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4)),  # dtype
+        lambda: (torch.randn(4, 4).t(), torch.randn(4, 4)),  # layout
+        lambda: (torch.randn(4, 4), 2.0),  # tensor -> Python scalar
+    ],
+    ids=["shape", "dtype", "layout", "scalar"],
+)
+def test_changed_metadata_retraces(second):
+    jfn = fulmen.jit(f)
+    jfn(torch.randn(4, 4), torch.randn(4, 4))
+    x, y = second()
+    torch.testing.assert_close(jfn(x, y), f(x, y))
+    assert fulmen.cache_misses(jfn) == 2
+
+
+def test_scalar_values_are_guarded():
+    jfn = fulmen.jit(f)
+    x = torch.randn(3)
+    torch.testing.assert_close(jfn(x, 2.0), f(x, 2.0))
+    torch.testing.assert_close(jfn(x, 3.0), f(x, 3.0))
+    torch.testing.assert_close(jfn(x, 2.0), f(x, 2.0))
+    assert (fulmen.cache_misses(jfn), fulmen.cache_hits(jfn)) == (2, 1)
+
+
+def test_requires_grad_and_grad_mode():
+    jfn = fulmen.jit(f)
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+    with pytest.raises(NotYetSupportedError, match="autodiff"):
+        jfn(x, y)
+    with torch.no_grad():
+        out = jfn(x, y)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, f(x, y).detach())
+    jfn(x.detach(), y)  # grad mode on, nothing requires grad: a different key
+    assert fulmen.cache_misses(jfn) == 2
+
+
+def test_default_dtype_is_guarded():
+    def make(x):
+        return x + torch.ones(3)
+
+    jfn = fulmen.jit(make)
+    x = torch.zeros(3, dtype=torch.float64)
+    assert jfn(x).dtype == torch.float64
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert jfn(x).dtype == torch.float64
+        assert fulmen.cache_misses(jfn) == 2
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_module_train_eval_retraces_and_matches():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(jmodel(x), model(x))
+        model.train()
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(jmodel(x), expected)
+    assert fulmen.cache_misses(jmodel) == 2
+
+
+def test_compile_stats_has_seconds_per_stage():
+    jfn = fulmen.jit(f)
+    jfn(torch.randn(2), torch.randn(2))
+    stats = fulmen.compile_stats(jfn)
+    assert {"tracing", "claiming by executors", "python compilation"} <= set(stats.stage_seconds)
+    assert all(seconds >= 0 for seconds in stats.stage_seconds.values())
+    assert stats.calls == 1
