@@ -23,6 +23,7 @@ from fulmen.core import Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.tracer.guards import check_no_grad_required
 from fulmen.tracer.tracer import state_slots
 from fulmen.transforms import dce, delete_last_used
 
@@ -37,6 +38,7 @@ class CacheEntry:
     captured: tuple[torch.Tensor, ...]
     output_spec: Any
     stage_seconds: dict[str, float]
+    all_leaves_are_inputs: bool = False
 
 
 @dataclass
@@ -68,22 +70,23 @@ class _Jitted:
         self._guard = CacheKeyBuilder(modules)
         self._state_slots = state_slots(module) if module is not None else []
 
-    def _state(self) -> list[torch.Tensor]:
-        return [slot.get() for slot in self._state_slots]
-
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        state = self._state()
+        state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
         key, leaves = self._guard.key(args, kwargs, state)
-        self._stats.calls += 1
+        stats = self._stats
+        stats.calls += 1
         entry = self._cache.get(key)
         if entry is None:
-            self._stats.cache_misses += 1
+            check_no_grad_required(leaves, state)
+            stats.cache_misses += 1
             entry = self._compile(args, kwargs)
             self._cache[key] = entry
         else:
-            self._stats.cache_hits += 1
-        tensors = [leaves[i] for i in entry.tensor_positions]
-        out = entry.fn(*tensors, *state, *entry.captured)
+            stats.cache_hits += 1
+        if entry.all_leaves_are_inputs:
+            out = entry.fn(*leaves, *state, *entry.captured)
+        else:
+            out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state, *entry.captured)
         if entry.output_spec is not None:
             out = pytree.tree_unflatten(list(out), entry.output_spec)
         return out
@@ -111,7 +114,9 @@ class _Jitted:
         self._stats.last_traces = traces
         self._stats.stage_seconds = seconds
         return CacheEntry(fn, traces, program.tensor_positions, program.captured,
-                          program.output_spec, seconds)
+                          program.output_spec, seconds,
+                          all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
+                          and all(isinstance(a, torch.Tensor) for a in args))
 
 
 class JittedFunction(_Jitted):
@@ -123,6 +128,10 @@ class JittedFunction(_Jitted):
 
     def __call__(self, *args, **kwargs):
         return self._call(args, kwargs)
+
+    def __get__(self, instance, owner=None):
+        """Jitted functions defined in a class body become bound methods."""
+        return self if instance is None else functools.partial(self.__call__, instance)
 
 
 class JittedModule(torch.nn.Module):

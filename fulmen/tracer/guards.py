@@ -24,6 +24,7 @@ Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
 _is_autocast_enabled = torch.is_autocast_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _tensor_key(t: Tensor) -> tuple:
@@ -49,46 +50,47 @@ class CacheKeyBuilder:
     `key(args, kwargs, state)` returns `(key, flat_leaves)`; `flat_leaves` is the flattened
     `(args, kwargs)` the runtime takes tensor inputs from; `state` are the module's current
     parameters and buffers (their requires_grad flags are guarded).
-
-    Raises:
-        NotYetSupportedError: when grad mode is on and an input tensor requires grad (autodiff
-            is not implemented yet; a silently detached result would be wrong).
     """
 
     def __init__(self, modules: tuple[torch.nn.Module, ...] = ()) -> None:
         self.modules = modules
 
     def global_key(self) -> tuple:
+        """Grad mode, default dtype, autocast state and module training flags."""
         return (
             _is_grad_enabled(),
             _get_default_dtype(),
-            _is_autocast_enabled("cpu"),
-            _is_autocast_enabled("cuda"),
-            tuple(module.training for module in self.modules),
+            _any_autocast() and (_is_autocast_enabled("cpu"), _is_autocast_enabled("cuda")),
+            tuple([module.training for module in self.modules]) if self.modules else (),
         )
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
-        if not kwargs and all(type(a) is Tensor for a in args):
-            leaves = list(args)
-            structure: Any = len(args)
-            leaf_keys = tuple(_tensor_key(a) for a in args)
-        else:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            structure = spec
-            leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
         global_key = self.global_key()
-        state_key = tuple(t.requires_grad for t in state)
-        if global_key[0]:
-            self._check_no_grad_required(leaves, state_key)
-        return (structure, leaf_keys, global_key, state_key), leaves
+        state_key = tuple([t.requires_grad for t in state]) if state else ()
+        if not kwargs:
+            tensor_keys = [_tensor_key(a) for a in args if type(a) is Tensor]
+            if len(tensor_keys) == len(args):  # fast path: positional plain tensors
+                return (len(args), global_key, state_key, *tensor_keys), args
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaf_keys = tuple([_leaf_key(leaf) for leaf in leaves])
+        return (spec, global_key, state_key, leaf_keys), leaves
 
-    def _check_no_grad_required(self, leaves: list, state_key: tuple) -> None:
-        if any(state_key) or any(
-            isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves
-        ):
-            raise NotYetSupportedError(
-                "inputs that require grad, with grad mode on, need autodiff, which fulmen does "
-                "not support yet",
-                op="fulmen.jit",
-                hint="call under torch.no_grad() / torch.inference_mode(), or detach the inputs",
-            )
+
+def check_no_grad_required(leaves: list, state: list[Tensor] | tuple) -> None:
+    """Raise if grad mode is on and an input or parameter requires grad (no autodiff yet).
+
+    Raises:
+        NotYetSupportedError: naming the first such input; a silently detached result would be
+            wrong.
+    """
+    if not _is_grad_enabled():
+        return
+    if any(t.requires_grad for t in state) or any(
+        isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves
+    ):
+        raise NotYetSupportedError(
+            "inputs that require grad, with grad mode on, need autodiff, which fulmen does "
+            "not support yet",
+            op="fulmen.jit",
+            hint="call under torch.no_grad() / torch.inference_mode(), or detach the inputs",
+        )

@@ -1,0 +1,65 @@
+"""Per-call overhead: a 10-op elementwise function on 8x8 tensors.
+
+Measures eager, fulmen.jit (torch executor) and torch.compile in one run and prints a markdown
+table with microseconds per call and the difference to eager. Run: `make bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import timeit
+
+import torch
+
+import fulmen
+
+
+def ten_ops(x, y):
+    a = x + y
+    b = a * x
+    c = b - y
+    d = torch.sin(c)
+    e = d * 2.0
+    f = torch.exp(e)
+    g = f / (y + 3.0)
+    h = torch.tanh(g)
+    return h + a
+
+
+def per_call_us(fn, args, number: int, repeat: int) -> float:
+    fn(*args)
+    times = timeit.repeat(lambda: fn(*args), number=number, repeat=repeat)
+    return min(times) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    opts = parser.parse_args()
+
+    torch.set_num_threads(1)
+    args = (torch.randn(8, 8), torch.randn(8, 8))
+    candidates = {"eager": ten_ops, "fulmen.jit": fulmen.jit(ten_ops)}
+    if not opts.no_compile:
+        candidates["torch.compile"] = torch.compile(ten_ops)
+    with torch.no_grad():
+        expected = ten_ops(*args)
+        for name, fn in candidates.items():
+            torch.testing.assert_close(fn(*args), expected)
+        results = {name: per_call_us(fn, args, opts.number, opts.repeat)
+                   for name, fn in candidates.items()}
+
+    eager = results["eager"]
+    print(f"Per-call time, 10 elementwise ops on 8x8 float32 ({platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, 1 thread)\n")
+    print("| callable | µs per call | over eager (µs) | ratio to eager |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, us in results.items():
+        print(f"| {name} | {us:.1f} | {us - eager:+.1f} | {us / eager:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
