@@ -99,8 +99,8 @@ class _Jitted:
 
         def run(stage, *extra):
             result = stage(traces[-1], *extra)
-            seconds[result.provenance.removeprefix("after ")] = result.seconds
             if result is not traces[-1]:
+                seconds[result.provenance.removeprefix("after ")] = result.seconds
                 traces.append(result)
 
         run(dce)

@@ -97,15 +97,14 @@ def torch_qualname(fn: Callable) -> str | None:
             ("torch", torch),
         ]
         for prefix, space in spaces:
-            for attr in dir(space):
+            # vars() of a module, not getattr: torch's lazy submodules must not be imported
+            items = vars(space).items() if prefix != "torch.Tensor" else (
+                (attr, getattr(space, attr)) for attr in dir(space))
+            for attr, value in list(items):
                 if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
                     continue
-                try:
-                    value = getattr(space, attr)
-                except Exception:
-                    continue
                 if callable(value) and not isinstance(value, type):
-                    _QUALNAMES[id(value)] = f"{prefix}.{attr}"
+                    _QUALNAMES.setdefault(id(value), f"{prefix}.{attr}")
     name = _QUALNAMES.get(id(fn))
     if name is None and getattr(fn, "__name__", None) == "__get__":  # a Tensor property getter
         owner = getattr(fn, "__self__", None)
