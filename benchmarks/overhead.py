@@ -47,7 +47,7 @@ def main() -> None:
         candidates["torch.compile"] = torch.compile(ten_ops)
     with torch.no_grad():
         expected = ten_ops(*args)
-        for name, fn in candidates.items():
+        for fn in candidates.values():
             torch.testing.assert_close(fn(*args), expected)
         results = {name: per_call_us(fn, args, opts.number, opts.repeat)
                    for name, fn in candidates.items()}

@@ -14,8 +14,8 @@ trace run as Python.
 from __future__ import annotations
 
 import contextvars
-import importlib
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fulmen.core import BoundSymbol, Trace
-from fulmen.core.proxy import iter_proxies
 from fulmen.core.trace import DEL
 from fulmen.transforms.base import transform
 
