@@ -16,7 +16,14 @@ from fulmen.executors import (
 )
 from fulmen.executors.python import python_ex
 from fulmen.executors.torch import torch_ex
-from fulmen.jit import cache_hits, cache_misses, compile_stats, jit, last_traces
+from fulmen.jit import (
+    cache_hits,
+    cache_misses,
+    compile_stats,
+    jit,
+    last_backward_traces,
+    last_traces,
+)
 
 set_default_executors([torch_ex])
 
@@ -32,6 +39,7 @@ __all__ = [
     "get_default_executors",
     "get_executor",
     "jit",
+    "last_backward_traces",
     "last_traces",
     "python_ex",
     "register_executor",

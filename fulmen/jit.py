@@ -22,10 +22,11 @@ import torch.utils._pytree as pytree
 from fulmen.core import Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
+from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.tracer import CacheKeyBuilder, trace_program
-from fulmen.tracer.guards import check_no_grad_required
 from fulmen.tracer.tracer import state_slots
 from fulmen.transforms import dce, delete_last_used
+from fulmen.transforms.autodiff import split_forward_backward
 
 
 @dataclass
@@ -53,6 +54,7 @@ class CompileStats:
     cache_hits: int = 0
     cache_misses: int = 0
     last_traces: list[Trace] = field(default_factory=list)
+    last_backward_traces: list[Trace] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -77,7 +79,6 @@ class _Jitted:
         stats.calls += 1
         entry = self._cache.get(key)
         if entry is None:
-            check_no_grad_required(leaves, state)
             stats.cache_misses += 1
             entry = self._compile(args, kwargs)
             self._cache[key] = entry
@@ -96,27 +97,50 @@ class _Jitted:
         program = trace_program(self._fn, args, kwargs, module=self._module)
         seconds["tracing"] = program.seconds
         traces = [program.trace]
+        backward_traces: list[Trace] = []
 
-        def run(stage, *extra):
-            result = stage(traces[-1], *extra)
-            if result is not traces[-1]:
-                seconds[result.provenance.removeprefix("after ")] = result.seconds
-                traces.append(result)
+        def run(stages: list[Trace], stage, *extra) -> None:
+            result = stage(stages[-1], *extra)
+            if result is not stages[-1]:
+                label = f"{result.provenance.removeprefix('after ')}"
+                seconds[label if stages is traces else f"{label} (backward)"] = result.seconds
+                stages.append(result)
 
-        run(dce)
+        run(traces, dce)
         for user_transform in self._transforms:
-            run(user_transform)
-        run(claim_executors, self._executors)
-        run(delete_last_used)
+            run(traces, user_transform)
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in traces[-1].args)
+        if needs_grad:
+            start = time.perf_counter()
+            split = split_forward_backward(traces[-1])
+            seconds["autodiff"] = time.perf_counter() - start
+            traces.append(split.forward.replace(provenance="after autodiff (forward)",
+                                                seconds=seconds["autodiff"]))
+            backward_traces.append(split.backward)
+            run(backward_traces, dce)
+            run(backward_traces, claim_executors, self._executors)
+            run(backward_traces, delete_last_used)
+        run(traces, claim_executors, self._executors)
+        run(traces, delete_last_used)
+
         start = time.perf_counter()
         fn = traces[-1].python_callable()
+        if needs_grad:
+            pair = CompiledPair(fn, backward_traces[-1].python_callable(),
+                                split.differentiable_outputs)
+            fn = functools.partial(_call_with_autograd, pair, split.output_spec)
         seconds["python compilation"] = time.perf_counter() - start
         self._stats.last_traces = traces
+        self._stats.last_backward_traces = backward_traces
         self._stats.stage_seconds = seconds
         return CacheEntry(fn, traces, program.tensor_positions, program.captured,
                           program.output_spec, seconds,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
+
+
+def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
+    return pytree.tree_unflatten(list(run_with_autograd(pair, inputs)), output_spec)
 
 
 class JittedFunction(_Jitted):
@@ -199,6 +223,11 @@ def _jitted(jfn) -> _Jitted:
 def last_traces(jfn) -> list[Trace]:
     """Every trace of the last compilation, in order: traced, then after each pass."""
     return list(_jitted(jfn)._stats.last_traces)
+
+
+def last_backward_traces(jfn) -> list[Trace]:
+    """The backward traces of the last compilation (empty when no input required grad)."""
+    return list(_jitted(jfn)._stats.last_backward_traces)
 
 
 def cache_hits(jfn) -> int:

@@ -43,6 +43,11 @@ class NameAllocator:
         self._serials[name] = len(self._serials)
         return name
 
+    def reserve(self, name: str) -> None:
+        """Mark `name` as taken (names of an existing trace a new one must not reuse)."""
+        if name not in self._serials:
+            self._take(name)
+
     def new(self, prefix: str = "t") -> str:
         """A fresh temporary name such as `t7`."""
         while True:

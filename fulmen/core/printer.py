@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fulmen.core.proxy import Proxy, iter_proxies
-from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbol import BoundSymbol, Symbol
 
 INDENT = "  "
 
@@ -54,6 +54,9 @@ class _Printer:
         """A Python expression for `value`."""
         if isinstance(value, Proxy):
             return value.name
+        if isinstance(value, Symbol):
+            self.use_namespace(value)
+            return value.python_name
         if value is None or isinstance(value, (bool, int, str)) and not isinstance(value, enum.Enum):
             return repr(value)
         if isinstance(value, float):
@@ -92,12 +95,15 @@ class _Printer:
             return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
         return "_"
 
-    def call(self, bsym: BoundSymbol) -> str:
-        sym = bsym.sym
+    def use_namespace(self, sym: Symbol) -> None:
         if sym.namespace.value is not None:
             self.namespace[sym.namespace.alias] = sym.namespace.resolve()
         if sym.namespace.import_line:
-            self.imports.add(sym.namespace.import_line)
+            self.imports.update(sym.namespace.import_line.split("\n"))
+
+    def call(self, bsym: BoundSymbol) -> str:
+        sym = bsym.sym
+        self.use_namespace(sym)
         args = [self.value(arg) for arg in bsym.args]
         args += [f"{key}={self.value(arg)}" for key, arg in bsym.kwargs.items()]
         return f"{sym.python_name}({', '.join(args)})"
@@ -147,7 +153,9 @@ def print_trace(trace) -> tuple[str, dict[str, Any]]:
     header = f"# fulmen · {trace.name} · {trace.provenance}"
     if trace.seconds:
         header += f" ({trace.seconds * 1e3:.2f} ms)"
-    imports = sorted(printer.imports, key=lambda line: (not line.startswith("import"), line))
+    order = ("import ", "from ")
+    imports = sorted(printer.imports, key=lambda line: (
+        next((i for i, prefix in enumerate(order) if line.startswith(prefix)), len(order)), line))
     parts = [header, *imports, "", f"def {trace.name}({signature}):", *arg_comments]
     if arg_comments:
         parts.append("")

@@ -105,7 +105,7 @@ class OperatorExecutor(Executor):
         if torch_name is not None:
             namespace, python_name = TORCH_NAMESPACE, torch_name
         else:
-            namespace, python_name = self.namespace, f"{self.name}.{name}"
+            namespace, python_name = self.namespace, f"{self.namespace.alias}.{name}"
         op = Symbol(name, meta, namespace=namespace, python_name=python_name, impl=fn,
                     tags=set(tags), executor=self)
         self.operators[name] = op

@@ -18,8 +18,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError
-
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
@@ -74,23 +72,3 @@ class CacheKeyBuilder:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaf_keys = tuple([_leaf_key(leaf) for leaf in leaves])
         return (spec, global_key, state_key, leaf_keys), leaves
-
-
-def check_no_grad_required(leaves: list, state: list[Tensor] | tuple) -> None:
-    """Raise if grad mode is on and an input or parameter requires grad (no autodiff yet).
-
-    Raises:
-        NotYetSupportedError: naming the first such input; a silently detached result would be
-            wrong.
-    """
-    if not _is_grad_enabled():
-        return
-    if any(t.requires_grad for t in state) or any(
-        isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves
-    ):
-        raise NotYetSupportedError(
-            "inputs that require grad, with grad mode on, need autodiff, which fulmen does "
-            "not support yet",
-            op="fulmen.jit",
-            hint="call under torch.no_grad() / torch.inference_mode(), or detach the inputs",
-        )

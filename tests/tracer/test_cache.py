@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fulmen
-from fulmen import NotYetSupportedError
 
 
 def f(x, y):
@@ -62,17 +61,18 @@ def test_scalar_values_are_guarded():
     assert (fulmen.cache_misses(jfn), fulmen.cache_hits(jfn)) == (2, 1)
 
 
-def test_requires_grad_and_grad_mode():
+def test_requires_grad_and_grad_mode_retrace():
     jfn = fulmen.jit(f)
     x, y = torch.randn(3, requires_grad=True), torch.randn(3)
-    with pytest.raises(NotYetSupportedError, match="autodiff"):
-        jfn(x, y)
+    out = jfn(x, y)
+    assert out.requires_grad and fulmen.last_backward_traces(jfn)
     with torch.no_grad():
-        out = jfn(x, y)
-    assert not out.requires_grad
-    torch.testing.assert_close(out, f(x, y).detach())
-    jfn(x.detach(), y)  # grad mode on, nothing requires grad: a different key
-    assert fulmen.cache_misses(jfn) == 2
+        detached = jfn(x, y)
+    assert not detached.requires_grad and not fulmen.last_backward_traces(jfn)
+    torch.testing.assert_close(detached, f(x, y).detach())
+    jfn(x.detach(), y)  # grad mode on, nothing requires grad: another specialisation
+    jfn(x, y)
+    assert (fulmen.cache_misses(jfn), fulmen.cache_hits(jfn)) == (3, 1)
 
 
 def test_default_dtype_is_guarded():

@@ -13,6 +13,7 @@ from fulmen.executors.base import TORCH_NAMESPACE, Implementation, OperatorExecu
 from fulmen.executors.registry import register_executor
 from fulmen.executors.torch.prims import prim_implementations
 from fulmen.ops.torch import torch_qualname
+from fulmen.transforms.autodiff import AUTOGRAD_VJP, autograd_vjp_impl
 
 
 class TorchExecutor(OperatorExecutor):
@@ -50,6 +51,7 @@ torch_ex = TorchExecutor()
 for _prim, _fn in prim_implementations().items():
     _prim.impl = _fn
     torch_ex.register_implementation(_prim, torch_ex._operator_for(_prim, _fn))
+torch_ex.register_implementation(AUTOGRAD_VJP, fn=autograd_vjp_impl)
 register_executor(torch_ex)
 
 __all__ = ["TorchExecutor", "torch_ex"]

@@ -1,0 +1,60 @@
+"""Running a forward/backward trace pair inside `torch.autograd`.
+
+The compiled forward and backward traces sit inside one `torch.autograd.Function`, so
+`loss.backward()`, `torch.autograd.grad`, gradient accumulation into `.grad`, parameter hooks,
+optimizers and `retain_graph=True` behave as in eager. Double backward (`create_graph=True`)
+raises: the saved residuals were computed without recording a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fulmen.core import NotYetSupportedError
+
+
+@dataclass(frozen=True)
+class CompiledPair:
+    """Compiled forward (`inputs -> (output_leaves, residuals)`) and backward
+    (`(*residuals, *cotangents) -> input grads`) callables, and which output leaves are
+    differentiable."""
+
+    forward: Callable
+    backward: Callable
+    differentiable_outputs: tuple[bool, ...]
+
+
+class FulmenAutogradFunction(torch.autograd.Function):
+    """One node in the autograd graph for a whole compiled program."""
+
+    @staticmethod
+    def forward(ctx, pair: CompiledPair, *inputs):
+        outputs, residuals = pair.forward(*inputs)
+        ctx.pair = pair
+        ctx.save_for_backward(*residuals)
+        ctx.mark_non_differentiable(*[
+            out for out, flag in zip(outputs, pair.differentiable_outputs)
+            if not flag and isinstance(out, torch.Tensor)
+        ])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise NotYetSupportedError(
+                "double backward (create_graph=True) through a fulmen-compiled function",
+                op="torch.autograd.backward",
+                hint="compute higher-order gradients eagerly, or use create_graph=False",
+            )
+        pair: CompiledPair = ctx.pair
+        cotangents = [g for g, flag in zip(grads, pair.differentiable_outputs) if flag]
+        input_grads = pair.backward(*ctx.saved_tensors, *cotangents)
+        return (None, *input_grads)
+
+
+def run_with_autograd(pair: CompiledPair, inputs: list) -> tuple:
+    """Run `pair` on `inputs`, recording one autograd node; returns the output leaves."""
+    return FulmenAutogradFunction.apply(pair, *inputs)

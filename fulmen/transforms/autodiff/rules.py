@@ -1,0 +1,290 @@
+"""VJP rules of the prims (and the generic rule for opaque ops).
+
+Each rule returns one cotangent per argument, None for arguments that get none (numbers,
+integer tensors, shapes). Rules are written with prims on operands whose shapes and dtypes
+already agree, so no promotion or broadcasting happens here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import BoundSymbol, Symbol
+from fulmen.core.proxy import iter_proxies, map_proxies
+from fulmen.core.symbol import Namespace
+from fulmen.ops import prims
+from fulmen.proxies import TensorProxy
+from fulmen.transforms.autodiff.registry import vjp_rule
+
+
+def accumulate(existing, grad):
+    """`existing + grad`, or `grad` when there is nothing yet."""
+    return grad if existing is None else prims.add(existing, grad)
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _zeros_like(a):
+    return prims.full(tuple(a.shape), 0, a.dtype, a.device)
+
+
+def _for_tensor(value, grad):
+    """`grad` if `value` is a tensor (numbers get no cotangent)."""
+    return grad if _is_tensor(value) else None
+
+
+def _first_tensor(*values):
+    return next(v for v in values if _is_tensor(v))
+
+
+# --- elementwise, unary ---------------------------------------------------------------------
+
+
+def _unary(prim, derivative):
+    """Register `grad * derivative(a, out)` as the rule of a unary prim."""
+
+    def rule(grad, out, a):
+        return (prims.mul(grad, derivative(a, out)),)
+
+    rule.__name__ = f"_{prim.name}_vjp"
+    vjp_rule(prim)(rule)
+
+
+def _square(a):
+    return prims.mul(a, a) if _is_tensor(a) else a * a
+
+
+_unary(prims.exp, lambda a, out: out)
+_unary(prims.exp2, lambda a, out: prims.mul(out, math.log(2.0)))
+_unary(prims.expm1, lambda a, out: prims.add(out, 1))
+_unary(prims.log, lambda a, out: prims.reciprocal(a))
+_unary(prims.log1p, lambda a, out: prims.reciprocal(prims.add(a, 1)))
+_unary(prims.log2, lambda a, out: prims.reciprocal(prims.mul(a, math.log(2.0))))
+_unary(prims.log10, lambda a, out: prims.reciprocal(prims.mul(a, math.log(10.0))))
+_unary(prims.sqrt, lambda a, out: prims.div(0.5, out))
+_unary(prims.rsqrt, lambda a, out: prims.mul(prims.mul(_square(out), out), -0.5))
+_unary(prims.sin, lambda a, out: prims.cos(a))
+_unary(prims.cos, lambda a, out: prims.neg(prims.sin(a)))
+_unary(prims.tan, lambda a, out: prims.add(_square(out), 1))
+_unary(prims.asin, lambda a, out: prims.rsqrt(prims.sub(1, _square(a))))
+_unary(prims.acos, lambda a, out: prims.neg(prims.rsqrt(prims.sub(1, _square(a)))))
+_unary(prims.atan, lambda a, out: prims.reciprocal(prims.add(_square(a), 1)))
+_unary(prims.sinh, lambda a, out: prims.cosh(a))
+_unary(prims.cosh, lambda a, out: prims.sinh(a))
+_unary(prims.tanh, lambda a, out: prims.sub(1, _square(out)))
+_unary(prims.asinh, lambda a, out: prims.rsqrt(prims.add(_square(a), 1)))
+_unary(prims.acosh, lambda a, out: prims.rsqrt(prims.sub(_square(a), 1)))
+_unary(prims.atanh, lambda a, out: prims.reciprocal(prims.sub(1, _square(a))))
+_unary(prims.erf, lambda a, out: prims.mul(prims.exp(prims.neg(_square(a))), 2 / math.sqrt(math.pi)))
+_unary(prims.erfc, lambda a, out: prims.mul(prims.exp(prims.neg(_square(a))), -2 / math.sqrt(math.pi)))
+_unary(prims.erfinv, lambda a, out: prims.mul(prims.exp(_square(out)), math.sqrt(math.pi) / 2))
+_unary(prims.lgamma, lambda a, out: prims.digamma(a))
+_unary(prims.reciprocal, lambda a, out: prims.neg(_square(out)))
+_unary(prims.abs, lambda a, out: prims.sign(a))
+
+
+@vjp_rule(prims.neg)
+def _neg_vjp(grad, out, a):
+    return (prims.neg(grad),)
+
+
+def _zero_rule(grad, out, *args):
+    return tuple(_zeros_like(a) if _is_tensor(a) else None for a in args)
+
+
+for _prim in (prims.floor, prims.ceil, prims.round, prims.trunc, prims.sign):
+    vjp_rule(_prim)(_zero_rule)
+
+
+@vjp_rule(prims.convert_element_type)
+def _convert_element_type_vjp(grad, out, a, dtype):
+    return prims.convert_element_type(grad, a.dtype), None
+
+
+# --- elementwise, binary ----------------------------------------------------------------------
+
+
+@vjp_rule(prims.add)
+def _add_vjp(grad, out, a, b):
+    return _for_tensor(a, grad), _for_tensor(b, grad)
+
+
+@vjp_rule(prims.sub)
+def _sub_vjp(grad, out, a, b):
+    return _for_tensor(a, grad), _for_tensor(b, prims.neg(grad)) if _is_tensor(b) else None
+
+
+@vjp_rule(prims.mul)
+def _mul_vjp(grad, out, a, b):
+    return (prims.mul(grad, b) if _is_tensor(a) else None,
+            prims.mul(grad, a) if _is_tensor(b) else None)
+
+
+@vjp_rule(prims.div)
+def _div_vjp(grad, out, a, b):
+    grad_a = prims.div(grad, b) if _is_tensor(a) else None
+    grad_b = prims.neg(prims.div(prims.mul(grad, out), b)) if _is_tensor(b) else None
+    return grad_a, grad_b
+
+
+@vjp_rule(prims.pow)
+def _pow_vjp(grad, out, a, b):
+    """As torch: d/da = b * a**(b-1), zero where b == 0; d/db = a**b * log(a), zero where
+    a == 0 and b >= 0."""
+    grad_a = grad_b = None
+    if _is_tensor(a):
+        exponent = prims.sub(b, 1) if _is_tensor(b) else b - 1
+        derivative = prims.mul(b, prims.pow(a, exponent))
+        if _is_tensor(b):
+            derivative = prims.where(prims.eq(b, 0), _zeros_like(derivative), derivative)
+        elif b == 0:
+            derivative = _zeros_like(a)
+        grad_a = prims.mul(grad, derivative)
+    if _is_tensor(b):
+        if _is_tensor(a):
+            log_a = prims.log(a)
+            zero_base = prims.bitwise_and(prims.eq(a, 0), prims.ge(b, 0))
+        else:
+            log_a = math.log(a) if a > 0 else (-math.inf if a == 0 else math.nan)
+            zero_base = prims.ge(b, 0) if a == 0 else None
+        derivative = prims.mul(out, log_a)
+        if zero_base is not None:
+            derivative = prims.where(zero_base, _zeros_like(derivative), derivative)
+        grad_b = prims.mul(grad, derivative)
+    return grad_a, grad_b
+
+
+def _selection_rule(prim, pick_a):
+    """maximum/minimum: the gradient goes to the selected operand, split evenly on ties."""
+
+    def rule(grad, out, a, b):
+        t = _first_tensor(a, b)
+        a_t = a if _is_tensor(a) else prims.full(tuple(t.shape), a, t.dtype, t.device)
+        b_t = b if _is_tensor(b) else prims.full(tuple(t.shape), b, t.dtype, t.device)
+        tie = prims.eq(a_t, b_t)
+        half = prims.mul(grad, 0.5)
+        zero = _zeros_like(grad)
+        grad_a = prims.where(tie, half, prims.where(pick_a(a_t, b_t), grad, zero))
+        grad_b = prims.where(tie, half, prims.where(pick_a(a_t, b_t), zero, grad))
+        return _for_tensor(a, grad_a), _for_tensor(b, grad_b)
+
+    rule.__name__ = f"_{prim.name}_vjp"
+    vjp_rule(prim)(rule)
+
+
+_selection_rule(prims.maximum, prims.gt)
+_selection_rule(prims.minimum, prims.lt)
+
+
+@vjp_rule(prims.atan2)
+def _atan2_vjp(grad, out, a, b):
+    denominator = prims.add(_square(a), _square(b))
+    grad_a = prims.div(prims.mul(grad, b), denominator)
+    grad_b = prims.div(prims.mul(prims.neg(grad), a), denominator)
+    return _for_tensor(a, grad_a), _for_tensor(b, grad_b)
+
+
+@vjp_rule(prims.remainder)
+def _remainder_vjp(grad, out, a, b):
+    grad_b = prims.mul(prims.neg(grad), prims.floor_div(a, b)) if _is_tensor(b) else None
+    return _for_tensor(a, grad), grad_b
+
+
+@vjp_rule(prims.fmod)
+def _fmod_vjp(grad, out, a, b):
+    grad_b = prims.mul(prims.neg(grad), prims.trunc_div(a, b)) if _is_tensor(b) else None
+    return _for_tensor(a, grad), grad_b
+
+
+@vjp_rule(prims.where)
+def _where_vjp(grad, out, pred, a, b):
+    zero = _zeros_like(grad)
+    return (None,
+            prims.where(pred, grad, zero) if _is_tensor(a) else None,
+            prims.where(pred, zero, grad) if _is_tensor(b) else None)
+
+
+# --- opaque ops and rules that defer to torch.autograd ----------------------------------------
+
+
+def _differentiable(value) -> bool:
+    return isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex)
+
+
+def _primal_leaves(args, kwargs) -> list:
+    """Distinct differentiable tensors among the arguments, in order (by name for proxies, by
+    identity for real tensors)."""
+    seen, leaves = set(), []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if _differentiable(leaf):
+            key = leaf.name if isinstance(leaf, TensorProxy) else id(leaf)
+            if key not in seen:
+                seen.add(key)
+                leaves.append(leaf)
+    return leaves
+
+
+def autograd_vjp_impl(fn, args, kwargs, cotangent):
+    """Backward of `fn(*args, **kwargs)` by torch.autograd: recompute, then `autograd.grad`.
+
+    `fn` is a symbol (called outside tracing, it runs its implementation) or a callable.
+    """
+    primals = _primal_leaves(args, kwargs)
+    with torch.enable_grad():
+        leaves = {id(p): p.detach().requires_grad_() for p in primals}
+        swap = lambda x: leaves.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        outputs = fn(*pytree.tree_map(swap, args), **pytree.tree_map(swap, kwargs))
+    out_leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    cotangents = list(cotangent) if isinstance(cotangent, (tuple, list)) else [cotangent]
+    pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if c is not None and o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
+                                [c for _, c in pairs], allow_unused=True, materialize_grads=True)
+    return tuple(grads)
+
+
+def _autograd_vjp_meta(fn, args, kwargs, cotangent):
+    return tuple(TensorProxy.like(p) for p in _primal_leaves(args, kwargs))
+
+
+AUTODIFF_NAMESPACE = Namespace("autodiff", "fulmen.transforms.autodiff",
+                              "from fulmen.transforms import autodiff")
+# Backward of one op by torch.autograd; executors run it with `autograd_vjp_impl`.
+AUTOGRAD_VJP = Symbol("autograd_vjp", _autograd_vjp_meta, namespace=AUTODIFF_NAMESPACE,
+                      is_prim=True, impl=autograd_vjp_impl, tags={"opaque"})
+
+
+def opaque_vjp(bsym: BoundSymbol, cotangent):
+    """Cotangents for `bsym`'s arguments by running torch.autograd on its torch callable alone.
+
+    Returns one entry per argument (positional, then keyword), like a rule.
+    """
+    primals = _primal_leaves(bsym.args, bsym.kwargs)
+    grads = AUTOGRAD_VJP(bsym.sym, bsym.args, bsym.kwargs, cotangent)
+    by_name = {p.name: g for p, g in zip(primals, grads)}
+    values = list(bsym.args) + list(bsym.kwargs.values())
+    return [map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
+            for v in values]
+
+
+def autograd_cotangents(fn: Symbol, args: tuple, grad) -> tuple:
+    """One cotangent per entry of `args` for `fn(*args)`, computed by torch.autograd."""
+    primals = _primal_leaves(args, {})
+    grads = AUTOGRAD_VJP(fn, args, {}, grad)
+    by_name = {p.name: g for p, g in zip(primals, grads)}
+    return tuple(map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
+                 for v in args)
+
+
+def autograd_rule(prim: Symbol):
+    """Register a rule for `prim` that runs torch.autograd on the prim's implementation."""
+
+    def rule(grad, out, *args):
+        return autograd_cotangents(prim, args, grad)
+
+    rule.__name__ = f"_{prim.name}_vjp"
+    vjp_rule(prim)(rule)

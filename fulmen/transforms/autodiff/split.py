@@ -1,0 +1,187 @@
+"""Reverse-mode autodiff: split a traced program into a forward and a backward trace.
+
+Given the computation trace and which inputs require grad:
+
+1. Forward pass over the statements: a statement reading a value that requires grad is
+   *differentiable*. It is kept whole when its symbol has a VJP rule (prims, composite rules of
+   torch-level ops, opaque ops); otherwise it is replaced by its decomposition, recursively,
+   so the values the rules need exist at run time.
+2. Backward pass, in reverse order, inside a new recording context: each differentiable
+   statement whose outputs received a cotangent calls its rule; cotangents of a value used
+   several times are summed.
+3. Residuals are the forward values the backward trace reads. The forward trace returns
+   `(outputs, residuals)`; the backward trace takes `(*residuals, *cotangents)` and returns one
+   gradient per forward input (None for inputs that do not require grad).
+
+Reference: the forward/backward split follows reverse-mode AD as in JAX's `vjp`
+(Frostig, Johnson, Leary: "Compiling machine learning programs via high-level tracing", 2018).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.utils._pytree as pytree
+
+from fulmen.core import BoundSymbol, FulmenError, Trace, tracing
+from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.dispatch import TracerCtx
+from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
+from fulmen.transforms.autodiff.rules import accumulate, opaque_vjp
+
+
+@dataclass(frozen=True)
+class ForwardBackward:
+    """The result of `split_forward_backward`.
+
+    Attributes:
+        forward: returns `(output_leaves, residuals)`; `output_leaves` is the flat tuple of the
+            original output's leaves.
+        backward: takes `(*residuals, *cotangents)`, one cotangent per differentiable output
+            leaf, and returns a tuple with one gradient (or None) per forward input.
+        output_spec: treespec of the original output.
+        differentiable_outputs: for each output leaf, whether it is a floating tensor that
+            depends on an input requiring grad (and so has a cotangent input in backward).
+    """
+
+    forward: Trace
+    backward: Trace
+    output_spec: object
+    differentiable_outputs: tuple[bool, ...]
+
+
+def _differentiable_dtype(proxy: Proxy) -> bool:
+    return isinstance(proxy, TensorProxy) and (proxy.dtype.is_floating_point or proxy.dtype.is_complex)
+
+
+def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
+             differentiable: list[BoundSymbol]) -> None:
+    """Append `bsym` (or its decomposition) to `out`, tracking values that require grad."""
+    if not bsym.input_names & requires or not any(map(_differentiable_dtype, bsym.proxy_outputs)):
+        out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax)
+        return
+    if rule_for(bsym.sym) is not None or "opaque" in bsym.sym.tags:
+        out.append(bsym)
+        differentiable.append(bsym)
+        requires.update(p.name for p in bsym.proxy_outputs if _differentiable_dtype(p))
+        return
+    if not bsym.subsymbols:
+        raise FulmenError("has no VJP rule, so gradients cannot flow through it",
+                          op=bsym.sym.id, where=bsym.source)
+    for sub in bsym.subsymbols:
+        _augment(sub.replace(source=bsym.source), requires, out, differentiable)
+
+
+def _output_cotangents(bsym: BoundSymbol, grads: dict[str, TensorProxy]):
+    """The cotangent argument of a rule: a proxy, or a tuple for multi-output symbols."""
+    if isinstance(bsym.output, Proxy):
+        return grads.get(bsym.output.name)
+    return pytree.tree_map(
+        lambda leaf: grads.get(leaf.name) if isinstance(leaf, Proxy) else None, bsym.output
+    )
+
+
+def _run_rule(bsym: BoundSymbol, cotangent, grads: dict[str, TensorProxy]) -> None:
+    rule = rule_for(bsym.sym)
+    if rule is None:
+        values = list(bsym.args) + list(bsym.kwargs.values())
+        results = opaque_vjp(bsym, cotangent)
+    else:
+        values = bound_arguments(bsym.sym, bsym.args, bsym.kwargs)
+        results = rule(cotangent, bsym.output, *values)
+    if not isinstance(results, (tuple, list)):
+        results = (results,)
+    for value, grad in zip(values, results):
+        if grad is None:
+            continue
+        value_leaves = list(iter_proxies(value))
+        grad_leaves = list(iter_proxies(grad)) if isinstance(value, (tuple, list)) else [grad]
+        for primal, g in zip(value_leaves, grad_leaves):
+            if g is not None and _differentiable_dtype(primal):
+                grads[primal.name] = accumulate(grads.get(primal.name), g)
+
+
+def split_forward_backward(trace: Trace) -> ForwardBackward:
+    """Split `trace` into forward and backward traces (see the module docstring).
+
+    Inputs require grad when their proxies have `requires_grad=True`.
+
+    Raises:
+        FulmenError: when a differentiable statement has neither a VJP rule nor a decomposition.
+    """
+    requires = {p.name for p in trace.args if p.requires_grad and _differentiable_dtype(p)}
+    forward_bsyms: list[BoundSymbol] = []
+    differentiable: list[BoundSymbol] = []
+    for bsym in trace.bsyms:
+        _augment(bsym, requires, forward_bsyms, differentiable)
+
+    output_leaves, output_spec = pytree.tree_flatten(trace.output)
+    ctx = TracerCtx("backward")
+    for name in _all_names(trace, forward_bsyms):
+        ctx.names.reserve(name)
+
+    cotangents: list[TensorProxy] = []
+    grads: dict[str, TensorProxy] = {}
+    flags = []
+    for leaf in output_leaves:
+        is_diff = isinstance(leaf, TensorProxy) and leaf.name in requires
+        flags.append(is_diff)
+        if is_diff:
+            cotangent = TensorProxy(ctx.names.named(f"grad_{leaf.name}"), leaf.shape, leaf.dtype,
+                                    leaf.device, strides=None)
+            cotangents.append(cotangent)
+            grads[leaf.name] = accumulate_outside(grads.get(leaf.name), cotangent, ctx)
+
+    with tracing(ctx):
+        for bsym in reversed(differentiable):
+            cotangent = _output_cotangents(bsym, grads)
+            if all(g is None for g in pytree.tree_leaves(cotangent)) or cotangent is None:
+                continue
+            first_new = len(ctx.bsyms)
+            _run_rule(bsym, cotangent, grads)
+            for index in range(first_new, len(ctx.bsyms)):  # point backward lines at the source
+                ctx.bsyms[index] = ctx.bsyms[index].replace(source=bsym.source)
+        input_grads = tuple(grads.get(p.name) if p.name in requires and p.requires_grad else None
+                            for p in trace.args)
+
+    defined = {name for b in ctx.bsyms for name in b.output_names} | {c.name for c in cotangents}
+    residual_names: dict[str, Proxy] = {}
+    for b in ctx.bsyms:
+        for proxy in b.proxy_inputs:
+            if proxy.name not in defined:
+                residual_names.setdefault(proxy.name, proxy)
+    for proxy in iter_proxies(input_grads):
+        if proxy.name not in defined:
+            residual_names.setdefault(proxy.name, proxy)
+    residuals = tuple(residual_names.values())
+
+    forward = trace.replace(name="forward", bsyms=tuple(forward_bsyms),
+                            output=(tuple(output_leaves), residuals))
+    backward = Trace("backward", (*residuals, *cotangents), tuple(ctx.bsyms), input_grads,
+                     provenance="constructed by autodiff")
+    return ForwardBackward(forward, backward, output_spec, tuple(flags))
+
+
+def accumulate_outside(existing, cotangent, ctx):
+    """Accumulate an output cotangent (an output listed twice gets the sum)."""
+    if existing is None:
+        return cotangent
+    with tracing(ctx):
+        return accumulate(existing, cotangent)
+
+
+def _all_names(trace: Trace, bsyms: list[BoundSymbol]) -> set[str]:
+    names = {p.name for p in trace.args}
+
+    def visit(items):
+        for b in items:
+            names.update(p.name for p in iter_proxies((b.args, b.kwargs, b.output)))
+            visit(b.subsymbols)
+
+    visit(trace.bsyms)
+    visit(bsyms)
+    return names
+
+
+__all__ = ["ForwardBackward", "split_forward_backward"]

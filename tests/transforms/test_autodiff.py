@@ -1,0 +1,180 @@
+"""Autodiff: prim VJP rules against torch.autograd.gradcheck, and the autograd integration."""
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.ops import prims
+from fulmen.transforms.autodiff import has_rule
+
+D = torch.float64
+
+
+def _pos(*shape):
+    return torch.rand(*shape, dtype=D) + 0.5
+
+
+def _any(*shape):
+    return torch.randn(*shape, dtype=D)
+
+
+def _unit(*shape):
+    return torch.rand(*shape, dtype=D) * 1.6 - 0.8
+
+
+UNARY_DOMAINS = {
+    "exp": _any, "exp2": _any, "expm1": _any, "log": _pos, "log1p": _pos, "log2": _pos,
+    "log10": _pos, "sqrt": _pos, "rsqrt": _pos, "sin": _any, "cos": _any, "tan": _unit,
+    "asin": _unit, "acos": _unit, "atan": _any, "sinh": _any, "cosh": _any, "tanh": _any,
+    "asinh": _any, "acosh": lambda *s: _pos(*s) + 1.0, "atanh": _unit, "erf": _any,
+    "erfc": _any, "erfinv": _unit, "lgamma": _pos, "reciprocal": _pos, "abs": _pos,
+    "neg": _any,
+}  # fmt: skip
+
+BINARY_DOMAINS = {
+    "add": (_any, _any), "sub": (_any, _any), "mul": (_any, _any), "div": (_any, _pos),
+    "pow": (_pos, _any), "maximum": (_any, _any), "minimum": (_any, _any),
+    "atan2": (_any, _pos), "remainder": (_pos, _pos), "fmod": (_pos, _pos),
+}  # fmt: skip
+
+
+def _gradcheck(fn, *inputs):
+    inputs = [t.requires_grad_() for t in inputs]
+    jfn = fulmen.jit(fn)
+    assert torch.autograd.gradcheck(jfn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+    return jfn
+
+
+@pytest.mark.parametrize("name", sorted(UNARY_DOMAINS))
+def test_unary_prim_rules_gradcheck(name):
+    prim = getattr(prims, name)
+    assert has_rule(prim)
+    _gradcheck(lambda a: prim(a), UNARY_DOMAINS[name](3, 4))
+
+
+@pytest.mark.parametrize("name", sorted(BINARY_DOMAINS))
+def test_binary_prim_rules_gradcheck(name):
+    prim = getattr(prims, name)
+    make_a, make_b = BINARY_DOMAINS[name]
+    _gradcheck(lambda a, b: prim(a, b), make_a(3, 4), make_b(3, 4))
+    _gradcheck(lambda a: prim(a, 1.5), make_a(3, 4))  # a number operand gets no cotangent
+
+
+STRUCTURAL = {
+    "broadcast_in_dim": (lambda a: prims.broadcast_in_dim(a, (2, 3, 4), (0, 2)), (2, 1)),
+    "reshape": (lambda a: prims.reshape(a, (4, 3)), (3, 4)),
+    "squeeze": (lambda a: prims.squeeze(a, (1,)), (3, 1, 4)),
+    "permute": (lambda a: prims.permute(a, (2, 0, 1)), (2, 3, 4)),
+    "slice": (lambda a: prims.slice_prim(a, (1, 0), (5, 4), (2, 3)), (6, 4)),
+    "pad": (lambda a: prims.pad(a, 0.5, ((1, -1, 1), (0, 2, 0))), (3, 4)),
+    "flip": (lambda a: prims.flip(a, (0,)), (3, 4)),
+    "sum": (lambda a: prims.sum(a, (0, 2)), (2, 3, 4)),
+    "prod": (lambda a: prims.prod(a, (1,)), (3, 4)),
+    "amax": (lambda a: prims.amax(a, (1,)), (3, 4)),
+    "amin": (lambda a: prims.amin(a, (0,)), (3, 4)),
+    "var": (lambda a: prims.var(a, (1,), 1), (3, 4)),
+    "where": (lambda a: prims.where(prims.gt(a, 0), a, prims.mul(a, 3.0)), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURAL))
+def test_structural_prim_rules_gradcheck(name):
+    fn, shape = STRUCTURAL[name]
+    _gradcheck(fn, _any(*shape))
+
+
+def test_cat_matmul_linear_embedding_take_along_dim_rules():
+    _gradcheck(lambda a, b: prims.cat([a, b], 1), _any(2, 3), _any(2, 2))
+    _gradcheck(lambda a, b: prims.matmul(a, b), _any(2, 3, 4), _any(4, 5))
+    _gradcheck(lambda a, b: prims.matmul(a, b), _any(2, 3, 4), _any(2, 4, 5))
+    _gradcheck(lambda a, b: prims.matmul(a, b), _any(4), _any(4, 5))  # falls back to autograd
+    _gradcheck(lambda a, w, b: prims.linear(a, w, b), _any(2, 3, 4), _any(5, 4), _any(5))
+    index = torch.tensor([[0, 2, 2], [1, 1, 0]])
+    _gradcheck(lambda w: prims.embedding(index, w), _any(3, 4))
+    _gradcheck(lambda a: prims.take_along_dim(a, index, 1), _any(2, 3))
+    _gradcheck(lambda a, s: prims.scatter_add(a, 1, index, s), _any(2, 3), _any(2, 3))
+
+
+def test_convert_element_type_rule_returns_the_input_dtype():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    out = fulmen.jit(lambda a: prims.convert_element_type(a, torch.float32) * 2)(x)
+    out.sum().backward()
+    assert x.grad.dtype == D
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0, dtype=D))
+
+
+def test_ties_share_the_gradient_like_eager():
+    x = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]], requires_grad=True)
+    fulmen.jit(lambda a: prims.amax(a, (1,)))(x).sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    torch.amax(expected, 1).sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+
+
+def test_opaque_ops_are_differentiable():
+    def fn(x):
+        return torch.special.i0(torch.cumsum(x, 0)).sum()
+
+    _gradcheck(fn, _any(5) * 0.3)
+
+
+def test_module_training_steps_match_eager():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    compiled = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    compiled.load_state_dict(eager.state_dict())
+    jmodel = fulmen.jit(compiled)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_j = torch.optim.AdamW(jmodel.parameters(), lr=1e-2)
+    for _ in range(5):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        for model, opt in ((eager, opt_e), (jmodel, opt_j)):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+    for p_e, p_j in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_j, p_e, rtol=1e-4, atol=1e-5)
+    assert fulmen.cache_misses(jmodel) == 1
+
+
+def test_gradient_accumulation_hooks_and_retain_graph():
+    w = torch.randn(3, requires_grad=True)
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))
+    jfn = fulmen.jit(lambda x, w: (x * w).sin().sum())
+    x = torch.randn(3)
+    loss = jfn(x, w)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = 2 * x * torch.cos(x * w.detach())
+    torch.testing.assert_close(w.grad, expected)
+    assert len(seen) == 2
+
+
+def test_outputs_without_grad_and_integer_outputs():
+    def fn(x, y):
+        return x * 2, (x > 0), y + 1
+
+    x = torch.randn(3, requires_grad=True)
+    a, mask, c = fulmen.jit(fn)(x, torch.ones(3))
+    assert a.requires_grad and not mask.requires_grad and not c.requires_grad
+    a.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_unused_output_cotangent_and_torch_autograd_grad():
+    def fn(x):
+        return x.exp(), x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    first, _ = fulmen.jit(fn)(x)
+    (grad,) = torch.autograd.grad(first.sum(), x)
+    torch.testing.assert_close(grad, x.exp().detach())
+
+
+def test_double_backward_raises_clearly():
+    x = torch.randn(3, requires_grad=True)
+    y = fulmen.jit(lambda t: (t * t).sum())(x)
+    with pytest.raises(fulmen.NotYetSupportedError, match="double backward"):
+        torch.autograd.grad(y, x, create_graph=True)
