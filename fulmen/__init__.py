@@ -15,6 +15,7 @@ from fulmen.executors import (
     set_default_executors,
 )
 from fulmen.executors.python import python_ex
+from fulmen.functional import grad, value_and_grad, vjp
 from fulmen.executors.torch import torch_ex
 from fulmen.jit import (
     cache_hits,
@@ -38,6 +39,7 @@ __all__ = [
     "compile_stats",
     "get_default_executors",
     "get_executor",
+    "grad",
     "jit",
     "last_backward_traces",
     "last_traces",
@@ -45,4 +47,6 @@ __all__ = [
     "register_executor",
     "set_default_executors",
     "torch_ex",
+    "value_and_grad",
+    "vjp",
 ]

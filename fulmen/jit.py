@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import Trace
+from fulmen.core import FulmenError, Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.runtime import CompiledPair, run_with_autograd
@@ -27,6 +27,7 @@ from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.tracer import state_slots
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.autodiff.joint import value_and_grad_trace
 
 
 @dataclass
@@ -39,6 +40,7 @@ class CacheEntry:
     captured: tuple[torch.Tensor, ...]
     output_spec: Any
     stage_seconds: dict[str, float]
+    grad_specs: list | None = None
     all_leaves_are_inputs: bool = False
 
 
@@ -61,8 +63,9 @@ class CompileStats:
 class _Jitted:
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
-    def _setup(self, fn, module, executors, transforms) -> None:
+    def _setup(self, fn, module, executors, transforms, grad_argnums=None) -> None:
         self._fn = fn
+        self._grad_argnums = grad_argnums
         self._module = module
         self._executors = resolve_executors(executors)
         self._transforms = list(transforms or ())
@@ -90,6 +93,8 @@ class _Jitted:
             out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state, *entry.captured)
         if entry.output_spec is not None:
             out = pytree.tree_unflatten(list(out), entry.output_spec)
+        if entry.grad_specs is not None:
+            out = _restructure_grads(out, entry.grad_specs, self._grad_argnums)
         return out
 
     def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
@@ -109,7 +114,12 @@ class _Jitted:
         run(traces, dce)
         for user_transform in self._transforms:
             run(traces, user_transform)
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in traces[-1].args)
+        grad_specs = None
+        if self._grad_argnums is not None:
+            wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
+            run(traces, value_and_grad_trace, wrt)
+        needs_grad = (self._grad_argnums is None and torch.is_grad_enabled()
+                      and any(p.requires_grad for p in traces[-1].args))
         if needs_grad:
             start = time.perf_counter()
             split = split_forward_backward(traces[-1])
@@ -134,9 +144,41 @@ class _Jitted:
         self._stats.last_backward_traces = backward_traces
         self._stats.stage_seconds = seconds
         return CacheEntry(fn, traces, program.tensor_positions, program.captured,
-                          program.output_spec, seconds,
+                          program.output_spec, seconds, grad_specs=grad_specs,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
+
+
+def _grad_inputs(program, args: tuple, kwargs: dict, argnums) -> tuple[list[str], list]:
+    """Names of the trace inputs for `args[argnums]`, and each argument's treespec."""
+    selected = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    proxy_at = dict(zip(program.tensor_positions, program.trace.args))
+    flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+    names, specs = [], []
+    for argnum in selected:
+        if not -len(args) <= argnum < len(args):
+            raise FulmenError(f"argnums {argnum} out of range for {len(args)} arguments",
+                              op="fulmen.grad", argument="argnums")
+        argnum %= len(args)
+        _, spec = pytree.tree_flatten(args[argnum])
+        for index, (path, leaf) in enumerate(flat):
+            if path[0].idx == 0 and path[1].idx == argnum:
+                if not (isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point):
+                    raise FulmenError(f"argument {argnum} must be floating-point tensors",
+                                      op="fulmen.grad", argument=f"args[{argnum}]")
+                names.append(proxy_at[index].name)
+        specs.append(spec)
+    return names, specs
+
+
+def _restructure_grads(out, specs: list, argnums):
+    value, flat = out
+    grads, start = [], 0
+    for spec in specs:
+        count = spec.num_leaves
+        grads.append(pytree.tree_unflatten(list(flat[start:start + count]), spec))
+        start += count
+    return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
 
 
 def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
@@ -146,8 +188,8 @@ def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
 class JittedFunction(_Jitted):
     """A function compiled by `fulmen.jit`; call it like the original."""
 
-    def __init__(self, fn: Callable, executors=None, transforms=None) -> None:
-        self._setup(fn, None, executors, transforms)
+    def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None) -> None:
+        self._setup(fn, None, executors, transforms, grad_argnums)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):

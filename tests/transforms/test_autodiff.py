@@ -178,3 +178,51 @@ def test_double_backward_raises_clearly():
     y = fulmen.jit(lambda t: (t * t).sum())(x)
     with pytest.raises(fulmen.NotYetSupportedError, match="double backward"):
         torch.autograd.grad(y, x, create_graph=True)
+
+
+def test_grad_and_value_and_grad_are_one_trace():
+    def loss(x, w):
+        return (torch.tanh(x @ w) ** 2).mean()
+
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    value, (gx, gw) = fulmen.value_and_grad(loss, argnums=(0, 1))(x, w)
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = loss(xe, we)
+    expected.backward()
+    torch.testing.assert_close(value, expected.detach())
+    torch.testing.assert_close(gx, xe.grad)
+    torch.testing.assert_close(gw, we.grad)
+    dw = fulmen.grad(loss, argnums=1)
+    torch.testing.assert_close(dw(x, w), we.grad)
+    traces = fulmen.last_traces(dw.__wrapped__)
+    assert any("value and grad" in t.provenance for t in traces)
+
+
+def test_grad_of_pytree_argument_and_unused_input():
+    def loss(params, x):
+        return (params["a"] * x).sum()
+
+    params = {"a": torch.randn(3), "b": torch.randn(2)}
+    grads = fulmen.grad(loss)(params, torch.ones(3))
+    torch.testing.assert_close(grads["a"], torch.ones(3))
+    torch.testing.assert_close(grads["b"], torch.zeros(2))
+
+
+def test_grad_requires_scalar_output():
+    with pytest.raises(fulmen.FulmenError, match="one\nelement|one element"):
+        fulmen.grad(lambda x: x * 2)(torch.randn(3))
+
+
+def test_vjp_matches_autograd():
+    def fn(x, w):
+        return torch.sin(x) * w, x.sum()
+
+    x, w = torch.randn(3), torch.randn(3)
+    (out, total), vjp_fn = fulmen.vjp(fn, x, w)
+    torch.testing.assert_close(out, torch.sin(x) * w)
+    cotangent = torch.randn(3)
+    gx, gw = vjp_fn((cotangent, torch.tensor(2.0)))
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.autograd.backward(fn(xe, we), (cotangent, torch.tensor(2.0)))
+    torch.testing.assert_close(gx, xe.grad)
+    torch.testing.assert_close(gw, we.grad)

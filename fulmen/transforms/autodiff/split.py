@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, FulmenError, Trace, tracing
 from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
@@ -102,15 +103,21 @@ def _run_rule(bsym: BoundSymbol, cotangent, grads: dict[str, TensorProxy]) -> No
                 grads[primal.name] = accumulate(grads.get(primal.name), g)
 
 
-def split_forward_backward(trace: Trace) -> ForwardBackward:
+def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
+                           zeros_for_unused: bool = False) -> ForwardBackward:
     """Split `trace` into forward and backward traces (see the module docstring).
 
-    Inputs require grad when their proxies have `requires_grad=True`.
+    Gradients are taken with respect to the inputs named in `wrt`, by default the inputs whose
+    proxies have `requires_grad=True`. An input in `wrt` that receives no gradient gets None
+    (as `.grad` stays None in eager), or zeros with `zeros_for_unused` (as `torch.func.grad`).
 
     Raises:
         FulmenError: when a differentiable statement has neither a VJP rule nor a decomposition.
     """
-    requires = {p.name for p in trace.args if p.requires_grad and _differentiable_dtype(p)}
+    if wrt is None:
+        wrt = {p.name for p in trace.args if p.requires_grad}
+    requires = {p.name for p in trace.args if p.name in wrt and _differentiable_dtype(p)}
+    wanted = set(requires)
     forward_bsyms: list[BoundSymbol] = []
     differentiable: list[BoundSymbol] = []
     for bsym in trace.bsyms:
@@ -142,8 +149,11 @@ def split_forward_backward(trace: Trace) -> ForwardBackward:
             _run_rule(bsym, cotangent, grads)
             for index in range(first_new, len(ctx.bsyms)):  # point backward lines at the source
                 ctx.bsyms[index] = ctx.bsyms[index].replace(source=bsym.source)
-        input_grads = tuple(grads.get(p.name) if p.name in requires and p.requires_grad else None
-                            for p in trace.args)
+        input_grads = tuple(
+            (_grad_or_zeros(grads.get(p.name), p) if zeros_for_unused else grads.get(p.name))
+            if p.name in wanted else None
+            for p in trace.args
+        )
 
     defined = {name for b in ctx.bsyms for name in b.output_names} | {c.name for c in cotangents}
     residual_names: dict[str, Proxy] = {}
@@ -161,6 +171,13 @@ def split_forward_backward(trace: Trace) -> ForwardBackward:
     backward = Trace("backward", (*residuals, *cotangents), tuple(ctx.bsyms), input_grads,
                      provenance="constructed by autodiff")
     return ForwardBackward(forward, backward, output_spec, tuple(flags))
+
+
+def _grad_or_zeros(grad, primal):
+    """An input that requires grad but is not used gets zeros, as `torch.func.grad` returns."""
+    if grad is not None:
+        return grad
+    return prims.full(tuple(primal.shape), 0, primal.dtype, primal.device)
 
 
 def accumulate_outside(existing, cotangent, ctx):
