@@ -19,7 +19,11 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
@@ -51,14 +55,35 @@ _VALUE_DEPENDENT = {
     torch.is_nonzero: "torch.is_nonzero()",
 }
 
-_ALLOWED_TRAILING_UNDERSCORE: set = set()
-
 
 def _func_name(func) -> str:
     return torch_qualname(func) or getattr(func, "__qualname__", None) or repr(func)
 
 
-def _is_inplace(func, kwargs) -> bool:
+@functools.cache
+def _signature(func) -> inspect.Signature | None:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bound_flag(func, args, kwargs, name: str):
+    """The value passed for parameter `name` (by keyword or position), or None."""
+    if name in kwargs:
+        return kwargs[name]
+    signature = _signature(func)
+    if signature is None or name not in signature.parameters:
+        return None
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get(name)
+    except TypeError:
+        return None
+
+
+def _is_inplace(func, args, kwargs) -> bool:
+    """Whether the call mutates an argument: an `_`-suffixed method, an in-place dunder,
+    `out=`, `inplace=True`, or `F.embedding(..., max_norm=...)` (renormalises the weight)."""
     if kwargs.get("out") is not None:
         return True
     name = getattr(func, "__name__", "")
@@ -69,7 +94,11 @@ def _is_inplace(func, kwargs) -> bool:
     if name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__",
                                                                        "__iter__"):
         return True
-    return name.endswith("_") and not name.startswith("_") and func not in _ALLOWED_TRAILING_UNDERSCORE
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    if _bound_flag(func, args, kwargs, "inplace") is True:
+        return True
+    return func is F.embedding and _bound_flag(func, args, kwargs, "max_norm") is not None
 
 
 class TracerCtx(TraceCtx):
@@ -110,7 +139,7 @@ class TracerCtx(TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
-        if _is_inplace(func, kwargs):
+        if _is_inplace(func, args, kwargs):
             raise NotYetSupportedError(
                 "in-place operations and out= are not supported yet while tracing",
                 op=_func_name(func),

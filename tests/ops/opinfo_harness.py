@@ -75,6 +75,14 @@ def run_sample(info, sample, mode: str):
     return expected, actual, jfn
 
 
+# Ops whose values are unspecified (uninitialised memory) or random: only metadata is compared.
+VALUES_UNSPECIFIED = {
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
+    "rand_like", "randn_like", "randint_like", "randint", "bernoulli", "normal", "multinomial",
+    "nn.functional.dropout", "uniform", "exponential", "geometric", "cauchy", "log_normal",
+}  # fmt: skip
+
+
 def assert_same(expected, actual, info) -> None:
     exp_leaves, exp_spec = pytree.tree_flatten(expected)
     act_leaves, act_spec = pytree.tree_flatten(actual)
@@ -84,6 +92,8 @@ def assert_same(expected, actual, info) -> None:
             assert isinstance(a, torch.Tensor), f"{info.name}: expected a tensor, got {a!r}"
             assert e.shape == a.shape, f"{info.name}: shape {a.shape} != eager {e.shape}"
             assert e.dtype == a.dtype, f"{info.name}: dtype {a.dtype} != eager {e.dtype}"
+            if info.name in VALUES_UNSPECIFIED:
+                continue
             torch.testing.assert_close(a, e, equal_nan=True, atol=1e-5, rtol=1.3e-6,
                                        msg=lambda m: f"{info.name}: {m}")
         else:

@@ -160,3 +160,17 @@ def test_forward_hooks_run():
     x = torch.randn(2, 3)
     with torch.no_grad():
         torch.testing.assert_close(jmodel(x), model(x))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.nn.functional.elu(x, inplace=True) * 0,
+        lambda x: torch.nn.functional.relu(x, True) * 0,
+        lambda x: torch.nn.functional.embedding(torch.tensor([0]), x, max_norm=1.0).sum() + x.sum(),
+    ],
+    ids=["elu-inplace-kwarg", "relu-inplace-positional", "embedding-max_norm"],
+)
+def test_mutating_arguments_are_detected(fn):
+    with pytest.raises(FulmenError):
+        fulmen.jit(fn)(torch.randn(3, 2))

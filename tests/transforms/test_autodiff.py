@@ -226,3 +226,19 @@ def test_vjp_matches_autograd():
     torch.autograd.backward(fn(xe, we), (cotangent, torch.tensor(2.0)))
     torch.testing.assert_close(gx, xe.grad)
     torch.testing.assert_close(gw, we.grad)
+
+
+def test_dropout_in_training_reuses_its_mask_in_backward():
+    import torch.nn.functional as F
+
+    x = torch.randn(32, 16, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    jfn = fulmen.jit(lambda t: (F.dropout(t, 0.4) * t).sum())
+    torch.manual_seed(7)
+    loss = jfn(x)
+    loss.backward()
+    torch.manual_seed(7)
+    expected = (F.dropout(xe, 0.4) * xe).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(x.grad, xe.grad, rtol=0, atol=0)

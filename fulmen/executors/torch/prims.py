@@ -96,9 +96,14 @@ def _reduction(fn):
     return run
 
 
+def sum_(a, dims):
+    # dtype=a.dtype: torch.sum promotes bool/integer inputs to int64; the prim keeps the dtype
+    return torch.sum(a, tuple(dims), dtype=a.dtype) if dims else a.clone()
+
+
 def prod(a, dims):
     for dim in sorted(dims, reverse=True):
-        a = torch.prod(a, dim)
+        a = torch.prod(a, dim, dtype=a.dtype)  # keep the dtype (torch.prod promotes to int64)
     return a.clone() if not dims else a
 
 
@@ -141,8 +146,8 @@ def uniform(shape, low, high, dtype, device):
     return torch.empty(tuple(shape), dtype=dtype, device=device).uniform_(low, high)
 
 
-def dropout(a, p):
-    return F.dropout(a, p, training=True)
+def bernoulli(shape, p, dtype, device):
+    return torch.empty(tuple(shape), dtype=dtype, device=device).bernoulli_(p)
 
 
 def prim_implementations() -> dict:
@@ -153,10 +158,10 @@ def prim_implementations() -> dict:
         prims.floor_div: floor_div, prims.trunc_div: trunc_div,
         prims.convert_element_type: convert_element_type, prims.broadcast_in_dim: broadcast_in_dim,
         prims.squeeze: squeeze, prims.slice_prim: slice_prim, prims.pad: pad,
-        prims.sum: _reduction(torch.sum), prims.amax: _reduction(torch.amax),
+        prims.sum: sum_, prims.amax: _reduction(torch.amax),
         prims.amin: _reduction(torch.amin), prims.prod: prod, prims.var: var,
         prims.argmax: argmax, prims.argmin: argmin, prims.take_along_dim: take_along_dim,
         prims.linear: linear, prims.embedding: embedding, prims.full: full, prims.iota: iota,
-        prims.uniform: uniform, prims.dropout: dropout,
+        prims.uniform: uniform, prims.bernoulli: bernoulli,
     })  # fmt: skip
     return table

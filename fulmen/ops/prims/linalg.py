@@ -17,7 +17,7 @@ from fulmen.ops.prims.base import check, prim
 from fulmen.proxies import TensorProxy
 
 __all__ = [
-    "matmul", "linear", "convolution", "embedding", "full", "iota", "uniform", "dropout",
+    "matmul", "linear", "convolution", "embedding", "full", "iota", "uniform", "bernoulli",
 ]  # fmt: skip
 
 
@@ -68,8 +68,9 @@ def uniform(shape: Sequence[int], low: Number, high: Number, dtype: torch.dtype,
     return TensorProxy(None, tuple(shape), dtype, device)
 
 
-@prim("dropout", tags=["random"])
-def dropout(a: TensorProxy, p: float) -> TensorProxy:
-    """Training-mode dropout drawing its mask from torch's global generator, like eager."""
-    check(0.0 <= p <= 1.0, "dropout", f"probability {p} outside [0, 1]")
-    return TensorProxy.like(a)
+@prim("bernoulli", tags=["creation", "random"])
+def bernoulli(shape: Sequence[int], p: float, dtype: torch.dtype, device: torch.device) -> TensorProxy:
+    """Samples of 1 (probability `p`) and 0, drawn from torch's global generator exactly as
+    `torch.empty(shape).bernoulli_(p)` draws them (so dropout matches eager under a seed)."""
+    check(0.0 <= p <= 1.0, "bernoulli", f"probability {p} outside [0, 1]")
+    return TensorProxy(None, tuple(shape), dtype, device)
