@@ -139,8 +139,14 @@ class BoundSymbol:
 
     @property
     def has_side_effects(self) -> bool:
-        return "side_effect" in self.sym.tags
+        """Whether dead code elimination must keep it: tagged `side_effect`, or `random` (it
+        advances the global generator), itself or anywhere in its decomposition."""
+        if self.sym.tags & _EFFECT_TAGS:
+            return True
+        return any(sub.has_side_effects for sub in self.subsymbols)
 
+
+_EFFECT_TAGS = frozenset({"side_effect", "random"})
 
 # The trace being recorded in this thread/context, or None. Set by `fulmen.core.trace.tracing`.
 _TRACECTX: contextvars.ContextVar = contextvars.ContextVar("fulmen_tracectx", default=None)

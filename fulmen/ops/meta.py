@@ -48,10 +48,19 @@ def first_device(*values: Any) -> torch.device:
 
 
 def run_meta(fn, *args, **kwargs) -> Any:
-    """Run `fn` on meta versions of the arguments; return proxies for its tensor outputs."""
+    """Run `fn` on meta versions of the arguments; return proxies for its tensor outputs.
+
+    The outputs live on the device of the first tensor argument, or the `device=` argument, or
+    (for a factory called with neither) the default device. Factories run with `device="meta"`,
+    so nothing is allocated and no random number is drawn.
+    """
+    has_tensor = any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs)))
     device = first_device(args, kwargs)
     if kwargs.get("device") is not None:
         device = torch.device(kwargs["device"])
+        kwargs = {**kwargs, "device": "meta"}
+    elif not has_tensor:
+        device = torch.get_default_device()
         kwargs = {**kwargs, "device": "meta"}
     meta_args, meta_kwargs = to_meta((args, kwargs))
     with torch._C.DisableTorchFunction(), torch.no_grad():

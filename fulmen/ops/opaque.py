@@ -28,6 +28,20 @@ def opaque_name(fn: Callable) -> str:
     return getattr(fn, "__name__", "op").strip("_") or "op"
 
 
+_RANDOM_NAMES = {
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "rrelu", "gumbel_softmax", "fractional_max_pool2d",
+    "fractional_max_pool3d", "feature_dropout",
+}  # fmt: skip
+
+
+def _is_random(fn: Callable) -> bool:
+    """Whether `fn` draws from torch's global generator (so it must never be dropped or
+    reordered: the stream would diverge from eager)."""
+    return getattr(fn, "__name__", "") in _RANDOM_NAMES
+
+
 def opaque_symbol(fn: Callable) -> Symbol:
     """The (cached) opaque symbol for torch callable `fn`."""
     sym = _OPAQUE.get(fn)
@@ -51,7 +65,8 @@ def opaque_symbol(fn: Callable) -> Symbol:
                 hint="the op may have a value-dependent output shape or no meta kernel",
             ) from error
 
-    sym = Symbol(name, meta, namespace=OPAQUE_NAMESPACE, impl=fn, torch_fn=fn, tags={"opaque"})
+    tags = {"opaque", "random"} if _is_random(fn) else {"opaque"}
+    sym = Symbol(name, meta, namespace=OPAQUE_NAMESPACE, impl=fn, torch_fn=fn, tags=tags)
     _OPAQUE[fn] = sym
     _BY_NAME[name] = sym
     return sym

@@ -157,8 +157,9 @@ class TracerCtx(TraceCtx):
 
 
 class FactoryMode(TorchFunctionMode):
-    """Active while tracing: sends torch calls that take no tensor (`torch.zeros`, `torch.arange`)
-    but have a fulmen decomposition to the tracer, and every call on proxies as well."""
+    """Active while tracing, it sees every torch call. Calls on tensors (proxies, or real tensors
+    the function closes over, which become inputs) and factories with a fulmen decomposition go
+    to the tracer, so nothing computed from a tensor is baked into the trace as a constant."""
 
     def __init__(self, ctx: TracerCtx) -> None:
         super().__init__()
@@ -166,13 +167,12 @@ class FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, TensorProxy) for t in types):
-            if func in METADATA_FUNCTIONS:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
+        if func in METADATA_FUNCTIONS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):
             return self.ctx.handle(func, types, args, kwargs)
         sym = symbol_for(func)
         if sym is not None and "factory" in sym.tags:
             return self.ctx.handle(func, types, args, kwargs)
         return func(*args, **kwargs)
-

@@ -98,3 +98,61 @@ def assert_same(expected, actual, info) -> None:
                                        msg=lambda m: f"{info.name}: {m}")
         else:
             assert e == a or (e != e and a != a), f"{info.name}: {a!r} != eager {e!r}"
+
+
+def grad_samples(info, limit: int | None):
+    """Float32 samples whose inputs require grad (for ops that support autograd)."""
+    out = []
+    for sample in info.sample_inputs("cpu", torch.float32, requires_grad=True):
+        out.append(sample)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _grad_inputs(sample) -> list[torch.Tensor]:
+    leaves = pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+    seen, inputs = set(), []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
+            seen.add(id(leaf))
+            inputs.append(leaf)
+    return inputs
+
+
+def run_grad_sample(info, sample, mode: str = "whole"):
+    """Return (eager_grads, jit_grads) of `sum(out * cotangent)` w.r.t. the sample's inputs."""
+    op, kwargs = info.op, sample.kwargs
+
+    def fn(input, *args):
+        return op(input, *args, **kwargs)
+
+    inputs = _grad_inputs(sample)
+    expected_out = fn(sample.input, *sample.args)
+    outs = [o for o in pytree.tree_leaves(expected_out)
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs or not inputs:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outs]
+    expected = torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+
+    jfn = fulmen.jit(fn, **MODES[mode])
+    actual_out = jfn(sample.input, *sample.args)
+    jit_outs = [o for o in pytree.tree_leaves(actual_out)
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+    assert len(jit_outs) == len(outs), f"{info.name}: {len(jit_outs)} differentiable outputs, " \
+                                       f"eager has {len(outs)}"
+    actual = torch.autograd.grad(jit_outs, inputs, cotangents, allow_unused=True)
+    return expected, actual
+
+
+def assert_same_grads(expected, actual, info) -> None:
+    for index, (e, a) in enumerate(zip(expected, actual)):
+        if e is None or a is None:
+            zero_e = e is None or not e.any()
+            zero_a = a is None or not a.any()
+            assert zero_e and zero_a, f"{info.name}: gradient {index} is {a} but eager has {e}"
+            continue
+        torch.testing.assert_close(a, e, equal_nan=True, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{info.name} grad {index}: {m}")

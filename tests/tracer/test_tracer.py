@@ -174,3 +174,31 @@ def test_forward_hooks_run():
 def test_mutating_arguments_are_detected(fn):
     with pytest.raises(FulmenError):
         fulmen.jit(fn)(torch.randn(3, 2))
+
+
+def test_ops_on_captured_tensors_are_traced_not_baked():
+    table = torch.arange(6.0)
+
+    def fn(x):
+        return x + table.reshape(2, 3) * 2
+
+    jfn = fulmen.jit(fn)
+    x = torch.zeros(2, 3)
+    torch.testing.assert_close(jfn(x), fn(x))
+    table.add_(1)
+    torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_unused_random_ops_still_advance_the_generator():
+    def fn(x):
+        torch.nn.functional.dropout(x, 0.5, training=True)  # result unused
+        torch.rand(3)  # result unused
+        return x + torch.rand(2)
+
+    jfn = fulmen.jit(fn)
+    x = torch.zeros(2)
+    jfn(x)
+    torch.manual_seed(3)
+    expected = fn(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(jfn(x), expected)

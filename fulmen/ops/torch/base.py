@@ -55,6 +55,9 @@ def torch_op(
         spellings = [torch_fn, *aliases]
         spellings += [getattr(torch.Tensor, method) for method in methods]
         for spelling in spellings:
+            if _BY_TORCH_FN.get(spelling, sym) is not sym:
+                raise ValueError(f"{spelling} is already registered as "
+                                 f"{_BY_TORCH_FN[spelling].id}")
             _BY_TORCH_FN[spelling] = sym
         _BY_NAME[sym_name] = sym
         return sym

@@ -1,1 +1,705 @@
-"""Placeholder"""
+"""Shape torch-level ops: views, reshapes, permutations, joins, splits and basic indexing.
+
+Every op here decomposes into the shape prims (`reshape`, `broadcast_in_dim`, `permute`,
+`slice`, `squeeze`, `cat`, `flip`). Output shapes and values match eager; aliasing does not
+carry over (a traced view is a new value), except where eager returns the very same tensor
+object (`flatten` over a single dim, `contiguous` on a contiguous tensor): there the input
+proxy itself is returned, so nothing is recorded.
+
+Argument forms follow the canonical callable of each op: ops whose method takes sizes as
+varargs (`x.view(2, 3)`, `x.permute(1, 0)`) are declared on the `torch.Tensor` method, and the
+`torch.*` function spelling (`torch.reshape(x, (2, 3))`) is an alias, since the method accepts
+both forms. A call the decomposition does not understand (an unknown keyword such as numpy's
+`axis=`, a tensor used as a size or an index) raises `NotYetSupportedError`, and the tracer
+records the exact torch op instead.
+
+NOTE [identity views]: a view that changes nothing (`x.reshape(x.shape)`, `x[...]`) is still
+recorded, as `prims.reshape` to the same shape, because eager returns a new tensor object there.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.ops import prims
+from fulmen.ops.torch.base import torch_op
+from fulmen.ops.torch.utils import Promotion, promote, to_dtype
+
+T = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def checked_op(torch_fn: Callable, *aliases: Callable, methods: Sequence[str] = (),
+               name: str | None = None, tags: Sequence[str] = ()) -> Callable[[Callable], object]:
+    """`torch_op`, with a check that the call's arguments bind to the decomposition's signature.
+
+    A call that does not bind (a keyword spelled differently by an alias, numpy's `axis=`)
+    raises `NotYetSupportedError`, so the tracer falls back to the exact torch op.
+    """
+
+    def declare(decomposition: Callable):
+        signature = inspect.signature(decomposition)
+
+        @functools.wraps(decomposition)
+        def checked(*args, **kwargs):
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise NotYetSupportedError(f"unsupported arguments: {error}",
+                                           op=decomposition.__name__) from None
+            return decomposition(*args, **kwargs)
+
+        return torch_op(torch_fn, *aliases, methods=methods, name=name, tags=tags)(checked)
+
+    return declare
+
+
+def as_int(value, op: str) -> int:
+    """`value` as a Python int; tensors (value-dependent sizes) are not supported here."""
+    if isinstance(value, torch.Tensor) or isinstance(value, bool):
+        raise NotYetSupportedError(f"{type(value).__name__} used as an integer", op=op)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise NotYetSupportedError(f"{value!r} is not an integer", op=op) from None
+
+
+def _ints(values, op: str) -> tuple[int, ...]:
+    if isinstance(values, torch.Tensor):
+        raise NotYetSupportedError("a tensor of sizes or dims", op=op)
+    return tuple(as_int(value, op) for value in values)
+
+
+def _varargs(args: tuple, kwargs: dict, keyword: str, op: str) -> tuple[int, ...]:
+    """Sizes or dims given as varargs (`x.view(2, 3)`), one sequence (`x.view((2, 3))`,
+    `torch.Size`) or a keyword (`x.view(size=(2, 3))`)."""
+    extra = set(kwargs) - {keyword}
+    if extra:
+        raise NotYetSupportedError(f"unsupported keyword arguments {sorted(extra)}", op=op)
+    if keyword in kwargs:
+        if args:
+            raise NotYetSupportedError(f"{keyword} given both positionally and by keyword", op=op)
+        args = (kwargs[keyword],)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return _ints(args[0], op)
+    if len(args) == 1 and isinstance(args[0], torch.Tensor):
+        raise NotYetSupportedError("a tensor of sizes or dims", op=op)
+    return _ints(args, op)
+
+
+def wrap_dim(dim, rank: int, op: str) -> int:
+    """A possibly negative dim wrapped into [0, rank); rank 0 accepts -1 and 0, like eager."""
+    dim = as_int(dim, op)
+    bound = max(rank, 1)
+    if not -bound <= dim < bound:
+        raise IndexError(f"{op}: Dimension out of range (expected to be in range of "
+                         f"[{-bound}, {bound - 1}], but got {dim})")
+    return dim % bound
+
+
+def wrap_dims(dims, rank: int, op: str, *, unique: bool = True) -> tuple[int, ...]:
+    """Wrapped dims in the given order; a repeated dim is an error, as in eager."""
+    if isinstance(dims, torch.Tensor):
+        raise NotYetSupportedError("dims given as a tensor", op=op)
+    if not isinstance(dims, (tuple, list, torch.Size)):
+        dims = (dims,)
+    wrapped = tuple(wrap_dim(dim, rank, op) for dim in dims)
+    if unique and len(set(wrapped)) != len(wrapped):
+        raise FulmenError(f"dims {tuple(dims)} repeat a dimension", op=op)
+    return wrapped
+
+
+def check_not_scalar(a: T, op: str) -> None:
+    """Ops that work along a dimension refuse 0-d tensors, as in eager."""
+    if a.ndim == 0:
+        raise FulmenError(f"{op}() cannot be applied to a 0-dim tensor.", op=op)
+
+
+def infer_shape(shape: Sequence[int], numel: int, op: str) -> tuple[int, ...]:
+    """Replace one -1 in `shape` by the size that makes it hold `numel` elements."""
+    shape = list(shape)
+    unknown = [i for i, size in enumerate(shape) if size == -1]
+    if len(unknown) > 1:
+        raise FulmenError("only one dimension can be inferred", op=op)
+    if any(size < -1 for size in shape):
+        raise FulmenError(f"invalid shape dimension in {tuple(shape)}", op=op)
+    if unknown:
+        known = math.prod(size for size in shape if size != -1)
+        if known == 0 or numel % known:
+            raise FulmenError(f"shape '{list(shape)}' is invalid for input of size {numel}", op=op)
+        shape[unknown[0]] = numel // known
+    if math.prod(shape) != numel:
+        raise FulmenError(f"shape '{list(shape)}' is invalid for input of size {numel}", op=op)
+    return tuple(shape)
+
+
+def alias(a: T) -> T:
+    """A new value equal to `a` (see NOTE [identity views])."""
+    return prims.reshape(a, tuple(a.shape))
+
+
+def reshape_to(a: T, shape: Sequence[int], op: str = "reshape") -> T:
+    """`a` reshaped to `shape` (one -1 allowed)."""
+    return prims.reshape(a, infer_shape(shape, a.numel(), op))
+
+
+def permute_to(a: T, dims: Sequence[int]) -> T:
+    """`a` with output dim i taken from input dim `dims[i]` (dims already wrapped)."""
+    if a.ndim == 0:
+        return alias(a)
+    return prims.permute(a, tuple(dims))
+
+
+def transpose_dims(a: T, dim0, dim1, op: str = "transpose") -> T:
+    """`a` with two dimensions swapped."""
+    dim0, dim1 = wrap_dim(dim0, a.ndim, op), wrap_dim(dim1, a.ndim, op)
+    dims = list(range(a.ndim))
+    if a.ndim:
+        dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
+    return permute_to(a, dims)
+
+
+def unsqueeze_at(a: T, dim: int) -> T:
+    """`a` with a size-1 dimension inserted at wrapped position `dim`."""
+    shape = list(a.shape)
+    shape.insert(dim, 1)
+    return prims.reshape(a, tuple(shape))
+
+
+def expand_to(a: T, sizes: Sequence[int], op: str = "expand") -> T:
+    """Broadcast `a` to `sizes`, where -1 keeps an existing dimension's size."""
+    offset = len(sizes) - a.ndim
+    if offset < 0:
+        raise FulmenError(f"the number of sizes provided ({len(sizes)}) must be greater or equal "
+                          f"to the number of dimensions in the tensor ({a.ndim})", op=op)
+    shape = []
+    for i, size in enumerate(sizes):
+        if size == -1:
+            if i < offset:
+                raise FulmenError("-1 is not allowed in a leading, non-existing dimension", op=op)
+            size = a.shape[i - offset]
+        elif size < 0:
+            raise FulmenError(f"invalid size {size}", op=op)
+        elif i >= offset and a.shape[i - offset] not in (1, size):
+            raise FulmenError(f"the expanded size of the tensor ({size}) must match the existing "
+                              f"size ({a.shape[i - offset]}) at dimension {i}", op=op)
+        shape.append(size)
+    return prims.broadcast_in_dim(a, tuple(shape), tuple(range(offset, len(shape))))
+
+
+def clamp_slice(start, end, size: int) -> tuple[int, int]:
+    """`start:end` of a dimension of `size`, wrapped and clamped like `Tensor.slice`."""
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end
+
+
+def slice_dim(a: T, dim: int, start: int, end: int, step: int = 1) -> T:
+    """`a` sliced along one (wrapped) dim with 0 <= start <= end <= size."""
+    starts, ends, steps = [0] * a.ndim, list(a.shape), [1] * a.ndim
+    starts[dim], ends[dim], steps[dim] = start, end, step
+    return prims.slice_prim(a, tuple(starts), tuple(ends), tuple(steps))
+
+
+def select_index(a: T, dim: int, index: int, op: str = "select") -> T:
+    """`a` indexed at `index` along wrapped `dim` (that dimension is removed)."""
+    size = a.shape[dim]
+    if not -size <= index < size:
+        raise IndexError(f"{op}(): index {index} out of range for tensor of size "
+                         f"{list(a.shape)} at dimension {dim}")
+    index %= size
+    return prims.squeeze(slice_dim(a, dim, index, index + 1), (dim,))
+
+
+def split_sizes(a: T, dim: int, sizes: Sequence[int]) -> tuple[T, ...]:
+    """Consecutive pieces of `a` along wrapped `dim`, of the given sizes."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(slice_dim(a, dim, start, start + size))
+        start += size
+    return tuple(pieces)
+
+
+def _tensors_arg(tensors, op: str) -> list[T]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (tuple, list)):
+        raise NotYetSupportedError("expects a sequence of tensors", op=op)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise NotYetSupportedError("expects a sequence of tensors", op=op)
+    if not tensors:
+        raise FulmenError("expected a non-empty list of tensors", op=op)
+    return list(tensors)
+
+
+def cat_tensors(tensors, dim, op: str = "cat") -> T:
+    """`torch.cat` semantics: dtypes promote; 1-D empty tensors are skipped (legacy rule)."""
+    tensors = _tensors_arg(tensors, op)
+    if any(t.device != tensors[0].device for t in tensors):
+        raise NotYetSupportedError("tensors on different devices", op=op)
+    _, dtype = promote(*tensors, kind=Promotion.NO_OPMATH)
+    kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    if not kept:  # only legacy 1-D empty tensors: dim is not checked
+        return prims.cat([to_dtype(t, dtype) for t in tensors], 0)
+    rank = kept[0].ndim
+    if rank == 0:
+        raise FulmenError("zero-dimensional tensor cannot be concatenated", op=op)
+    dim = wrap_dim(dim, rank, op)
+    for t in kept:
+        if t.ndim != rank or any(d != dim and x != y for d, (x, y) in
+                                 enumerate(zip(t.shape, kept[0].shape))):
+            raise FulmenError(f"sizes of tensors must match except in dimension {dim}", op=op)
+    return prims.cat([to_dtype(t, dtype) for t in kept], dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Views and reshapes
+# ---------------------------------------------------------------------------------------------
+
+
+@torch_op(T.view)
+def view(self, *shape, **kwargs):
+    if "dtype" in kwargs or any(isinstance(s, torch.dtype) for s in shape):
+        raise NotYetSupportedError("view(dtype) reinterprets bits", op="view")
+    return reshape_to(self, _varargs(shape, kwargs, "size", "view"), "view")
+
+
+@torch_op(T.reshape, torch.reshape)
+def reshape(self, *shape, **kwargs):
+    return reshape_to(self, _varargs(shape, kwargs, "shape", "reshape"))
+
+
+@checked_op(T.view_as)
+def view_as(self, other):
+    return reshape_to(self, tuple(other.shape), "view_as")
+
+
+@checked_op(T.reshape_as)
+def reshape_as(self, other):
+    return reshape_to(self, tuple(other.shape), "reshape_as")
+
+
+@checked_op(torch.flatten, methods=("flatten",))
+def flatten(input, start_dim=0, end_dim=-1):
+    start = wrap_dim(start_dim, input.ndim, "flatten")
+    end = wrap_dim(end_dim, input.ndim, "flatten")
+    if input.ndim == 0:
+        return prims.reshape(input, (1,))
+    if start > end:
+        raise FulmenError("flatten() has invalid args: start_dim cannot come after end_dim",
+                          op="flatten")
+    if start == end:
+        return input  # eager returns the input itself
+    shape = input.shape
+    new_shape = (*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:])
+    return prims.reshape(input, new_shape)
+
+
+@checked_op(torch.unflatten, methods=("unflatten",))
+def unflatten(input, dim, sizes):
+    dim = wrap_dim(dim, input.ndim, "unflatten")
+    check_not_scalar(input, "unflatten")
+    sizes = _ints(sizes, "unflatten")
+    if not sizes:
+        raise FulmenError("sizes must be non-empty", op="unflatten")
+    sizes = infer_shape(sizes, input.shape[dim], "unflatten")
+    return prims.reshape(input, (*input.shape[:dim], *sizes, *input.shape[dim + 1:]))
+
+
+@checked_op(torch.squeeze, methods=("squeeze",))
+def squeeze(input, dim=None):
+    if dim is None:
+        dims = tuple(d for d, size in enumerate(input.shape) if size == 1)
+    else:
+        dims = wrap_dims(dim, input.ndim, "squeeze")
+        dims = tuple(sorted(d for d in dims if input.ndim and input.shape[d] == 1))
+    return prims.squeeze(input, dims)
+
+
+@checked_op(torch.unsqueeze, methods=("unsqueeze",))
+def unsqueeze(input, dim):
+    return unsqueeze_at(input, wrap_dim(dim, input.ndim + 1, "unsqueeze"))
+
+
+@torch_op(T.expand)
+def expand(self, *sizes, implicit=False, **kwargs):
+    return expand_to(self, _varargs(sizes, kwargs, "size", "expand"))
+
+
+@checked_op(T.expand_as)
+def expand_as(self, other):
+    return expand_to(self, tuple(other.shape), "expand_as")
+
+
+@torch_op(T.broadcast_to, torch.broadcast_to)
+def broadcast_to(self, *size, **kwargs):
+    return expand_to(self, _varargs(size, kwargs, "size", "broadcast_to"), "broadcast_to")
+
+
+@checked_op(T.contiguous)
+def contiguous(self, memory_format=torch.contiguous_format):
+    if memory_format is not torch.contiguous_format or not self.is_contiguous():
+        raise NotYetSupportedError("a copy into a new layout", op="contiguous")
+    return self  # eager returns the input itself
+
+
+# ---------------------------------------------------------------------------------------------
+# Permutations
+# ---------------------------------------------------------------------------------------------
+
+
+@torch_op(T.permute, torch.permute)
+def permute(self, *dims, **kwargs):
+    dims = _varargs(dims, kwargs, "dims", "permute")
+    if len(dims) != self.ndim:
+        raise FulmenError(f"number of dims {len(dims)} don't match the rank {self.ndim}",
+                          op="permute")
+    return permute_to(self, wrap_dims(dims, self.ndim, "permute"))
+
+
+@checked_op(torch.transpose, methods=("transpose",))
+def transpose(input, dim0, dim1):
+    return transpose_dims(input, dim0, dim1)
+
+
+@checked_op(torch.swapaxes, methods=("swapaxes",))
+def swapaxes(input, axis0, axis1):
+    return transpose_dims(input, axis0, axis1, "swapaxes")
+
+
+@checked_op(torch.swapdims, methods=("swapdims",))
+def swapdims(input, dim0, dim1):
+    return transpose_dims(input, dim0, dim1, "swapdims")
+
+
+@checked_op(torch.t, methods=("t",))
+def t(input):
+    if input.ndim > 2:
+        raise FulmenError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim}D",
+                          op="t")
+    return permute_to(input, tuple(reversed(range(input.ndim))))
+
+
+@checked_op(T.T.__get__, name="T")
+def numpy_T(self):
+    return permute_to(self, tuple(reversed(range(self.ndim))))
+
+
+def _matrix_transpose(a: T, op: str) -> T:
+    if a.ndim < 2:
+        raise FulmenError(f"tensor.{op} is only supported on matrices or batches of matrices. "
+                          f"Got {a.ndim}-D tensor.", op=op)
+    return transpose_dims(a, -2, -1, op)
+
+
+@checked_op(T.mT.__get__, name="mT")
+def matrix_T(self):
+    return _matrix_transpose(self, "mT")
+
+
+@checked_op(T.mH.__get__, name="mH")
+def matrix_H(self):
+    if self.dtype.is_complex:
+        raise NotYetSupportedError("conjugate transpose of a complex tensor", op="mH")
+    return _matrix_transpose(self, "mH")
+
+
+def _movedim(input, source, destination, op: str) -> T:
+    source = wrap_dims(source, input.ndim, op, unique=False)
+    destination = wrap_dims(destination, input.ndim, op, unique=False)
+    for dims in (source, destination):
+        if len(set(dims)) != len(dims):
+            raise FulmenError(f"repeated dim in {list(dims)}", op=op)
+    if len(source) != len(destination):
+        raise FulmenError(f"Invalid source or destination dims: source ({list(source)} dims) "
+                          f"should contain the same number of dims as destination "
+                          f"({list(destination)} dims)", op=op)
+    if input.ndim == 0:
+        return alias(input)
+    order = [-1] * input.ndim
+    for src, dst in zip(source, destination):
+        order[dst] = src
+    rest = iter(d for d in range(input.ndim) if d not in source)
+    return permute_to(input, [d if d != -1 else next(rest) for d in order])
+
+
+@checked_op(torch.movedim, methods=("movedim",))
+def movedim(input, source, destination):
+    return _movedim(input, source, destination, "movedim")
+
+
+@checked_op(torch.moveaxis, methods=("moveaxis",))
+def moveaxis(input, source, destination):
+    return _movedim(input, source, destination, "moveaxis")
+
+
+# ---------------------------------------------------------------------------------------------
+# Flip and repeat
+# ---------------------------------------------------------------------------------------------
+
+
+@torch_op(T.flip, torch.flip)
+def flip(self, *dims, **kwargs):
+    dims = wrap_dims(_varargs(dims, kwargs, "dims", "flip"), self.ndim, "flip")
+    return prims.flip(self, tuple(sorted(dims)))
+
+
+@checked_op(torch.fliplr, methods=("fliplr",))
+def fliplr(input):
+    if input.ndim < 2:
+        raise FulmenError("Input must be >= 2-d.", op="fliplr")
+    return prims.flip(input, (1,))
+
+
+@checked_op(torch.flipud, methods=("flipud",))
+def flipud(input):
+    if input.ndim < 1:
+        raise FulmenError("Input must be >= 1-d.", op="flipud")
+    return prims.flip(input, (0,))
+
+
+def repeat_to(a: T, repeats: Sequence[int], op: str = "repeat") -> T:
+    """Tile `a` `repeats[i]` times along dim i (leading repeats add dimensions)."""
+    if len(repeats) < a.ndim:
+        raise FulmenError("Number of dimensions of repeat dims can not be smaller than number "
+                          "of dimensions of tensor", op=op)
+    if any(r < 0 for r in repeats):
+        raise FulmenError(f"trying to create tensor with negative dimension: {list(repeats)}",
+                          op=op)
+    sizes = (1,) * (len(repeats) - a.ndim) + tuple(a.shape)
+    # broadcast to (r0, s0, r1, s1, ...), then merge each (r_i, s_i) pair
+    spread = tuple(x for r, s in zip(repeats, sizes) for x in (r, s))
+    padded = prims.reshape(a, sizes) if len(sizes) != a.ndim else a
+    out = prims.broadcast_in_dim(padded, spread, tuple(range(1, len(spread), 2)))
+    return prims.reshape(out, tuple(r * s for r, s in zip(repeats, sizes)))
+
+
+@torch_op(T.repeat)
+def repeat(self, *repeats, **kwargs):
+    return repeat_to(self, _varargs(repeats, kwargs, "repeats", "repeat"))
+
+
+@torch_op(T.tile, torch.tile)
+def tile(self, *dims, **kwargs):
+    dims = _varargs(dims, kwargs, "dims", "tile")
+    dims = (1,) * (self.ndim - len(dims)) + dims
+    return repeat_to(self, dims, "tile")
+
+
+# ---------------------------------------------------------------------------------------------
+# Joins
+# ---------------------------------------------------------------------------------------------
+
+
+@checked_op(torch.cat, torch.concat, name="cat")
+def cat(tensors, dim=0):
+    return cat_tensors(tensors, dim)
+
+
+@checked_op(torch.concatenate, name="concatenate")
+def concatenate_op(tensors, axis=0):
+    return cat_tensors(tensors, axis, "concatenate")
+
+
+@checked_op(torch.stack)
+def stack(tensors, dim=0):
+    tensors = _tensors_arg(tensors, "stack")
+    first = tensors[0]
+    if any(t.shape != first.shape for t in tensors):
+        raise FulmenError("stack expects each tensor to be equal size", op="stack")
+    dim = wrap_dim(dim, first.ndim + 1, "stack")
+    return cat_tensors([unsqueeze_at(t, dim) for t in tensors], dim, "stack")
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits and selection
+# ---------------------------------------------------------------------------------------------
+
+
+@checked_op(torch.split, T.split)
+def split(tensor, split_size_or_sections, dim=0):
+    check_not_scalar(tensor, "split")
+    dim = wrap_dim(dim, tensor.ndim, "split")
+    length = tensor.shape[dim]
+    if isinstance(split_size_or_sections, (list, tuple)):
+        return split_with_sizes_of(tensor, split_size_or_sections, dim, "split")
+    size = as_int(split_size_or_sections, "split")
+    if size < 0 or (size == 0 and length != 0):
+        raise FulmenError(f"split_size can only be 0 if dimension size is 0, but got "
+                          f"{size}", op="split")
+    if size == 0:
+        return (slice_dim(tensor, dim, 0, 0),)
+    count = max(-(-length // size), 1)
+    return split_sizes(tensor, dim, [min(size, length - i * size) for i in range(count)])
+
+
+def split_with_sizes_of(a: T, sizes, dim: int, op: str) -> tuple[T, ...]:
+    sizes = _ints(sizes, op)
+    if any(s < 0 for s in sizes) or sum(sizes) != a.shape[dim]:
+        raise FulmenError(f"split_with_sizes expects split_sizes to sum exactly to "
+                          f"{a.shape[dim]} (input tensor's size at dimension {dim}), but got "
+                          f"split_sizes={list(sizes)}", op=op)
+    return split_sizes(a, dim, sizes)
+
+
+@checked_op(torch.split_with_sizes, methods=("split_with_sizes",))
+def split_with_sizes(input, split_sizes, dim=0):
+    check_not_scalar(input, "split_with_sizes")
+    dim = wrap_dim(dim, input.ndim, "split_with_sizes")
+    return split_with_sizes_of(input, split_sizes, dim, "split_with_sizes")
+
+
+@checked_op(torch.chunk, methods=("chunk",))
+def chunk(input, chunks, dim=0):
+    check_not_scalar(input, "chunk")
+    chunks = as_int(chunks, "chunk")
+    if chunks <= 0:
+        raise FulmenError(f"chunk expects `chunks` to be greater than 0, got: {chunks}", op="chunk")
+    dim = wrap_dim(dim, input.ndim, "chunk")
+    length = input.shape[dim]
+    size = -(-length // chunks)
+    if size == 0:  # an empty dimension: `chunks` empty pieces
+        return split_sizes(input, dim, [0] * chunks)
+    count = -(-length // size)
+    return split_sizes(input, dim, [min(size, length - i * size) for i in range(count)])
+
+
+@checked_op(torch.tensor_split, methods=("tensor_split",))
+def tensor_split(input, indices_or_sections, dim=0):
+    check_not_scalar(input, "tensor_split")
+    dim = wrap_dim(dim, input.ndim, "tensor_split")
+    length = input.shape[dim]
+    if isinstance(indices_or_sections, (list, tuple)):
+        bounds = [0, *_ints(indices_or_sections, "tensor_split"), length]
+        pieces = []
+        for start, end in zip(bounds, bounds[1:]):
+            start, end = clamp_slice(start, end, length)
+            pieces.append(slice_dim(input, dim, start, end))
+        return tuple(pieces)
+    sections = as_int(indices_or_sections, "tensor_split")
+    if sections <= 0:
+        raise FulmenError(f"number of sections must be larger than 0, got {sections}",
+                          op="tensor_split")
+    small, extra = divmod(length, sections)
+    return split_sizes(input, dim, [small + 1 if i < extra else small for i in range(sections)])
+
+
+@checked_op(torch.unbind, methods=("unbind",))
+def unbind(input, dim=0):
+    if input.ndim == 0:
+        raise IndexError("Dimension specified as 0 but tensor has no dimensions")
+    dim = wrap_dim(dim, input.ndim, "unbind")
+    return tuple(select_index(input, dim, i, "unbind") for i in range(input.shape[dim]))
+
+
+@checked_op(torch.narrow, methods=("narrow",))
+def narrow(input, dim, start, length):
+    check_not_scalar(input, "narrow")
+    dim = wrap_dim(dim, input.ndim, "narrow")
+    start, length = as_int(start, "narrow"), as_int(length, "narrow")
+    size = input.shape[dim]
+    if not -size <= start <= size:
+        raise IndexError(f"start out of range (expected to be in range of [{-size}, {size}], "
+                         f"but got {start})")
+    start = start + size if start < 0 else start
+    if length < 0 or start + length > size:
+        raise FulmenError(f"start ({start}) + length ({length}) exceeds dimension size ({size}).",
+                          op="narrow")
+    return slice_dim(input, dim, start, start + length)
+
+
+@checked_op(torch.select, methods=("select",))
+def select(input, dim, index):
+    if input.ndim == 0:
+        raise IndexError("select() cannot be applied to a 0-dim tensor.")
+    dim = wrap_dim(dim, input.ndim, "select")
+    return select_index(input, dim, as_int(index, "select"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Basic indexing
+# ---------------------------------------------------------------------------------------------
+
+
+def _index_items(index) -> tuple:
+    """The items of a basic index, or `NotYetSupportedError` for advanced indexing."""
+    items = index if isinstance(index, tuple) else (index,)
+    out = []
+    for item in items:
+        if item is None or item is Ellipsis:
+            out.append(item)
+        elif isinstance(item, slice):
+            bounds = [item.start, item.stop, item.step]
+            out.append(slice(*(None if b is None else as_int(b, "getitem") for b in bounds)))
+        elif isinstance(item, (torch.Tensor, bool, list, tuple)):
+            raise NotYetSupportedError("advanced (tensor, list or bool) indexing", op="getitem")
+        else:
+            out.append(as_int(item, "getitem"))
+    return tuple(out)
+
+
+@checked_op(T.__getitem__, name="getitem")
+def getitem(self, index):
+    """`self[index]` for ints, slices, None and Ellipsis; other indices run as the torch op."""
+    items = _index_items(index)
+    if sum(item is Ellipsis for item in items) > 1:  # torch has its own rule for this
+        raise NotYetSupportedError("more than one ellipsis", op="getitem")
+    consumed = sum(isinstance(item, (int, slice)) for item in items)
+    if consumed > self.ndim:
+        raise IndexError(f"too many indices for tensor of dimension {self.ndim}")
+    starts, ends, steps = [0] * self.ndim, list(self.shape), [1] * self.ndim
+    removed: list[int] = []
+    layout: list[int | None] = []  # output dims: an input dim, or None for a new size-1 dim
+    dim = 0
+    for item in items:
+        if item is None:
+            layout.append(None)
+        elif item is Ellipsis:
+            for _ in range(self.ndim - consumed):
+                layout.append(dim)
+                dim += 1
+        elif isinstance(item, int):
+            size = self.shape[dim]
+            if not -size <= item < size:
+                raise IndexError(f"index {item} is out of bounds for dimension {dim} with size "
+                                 f"{size}")
+            starts[dim] = item % size
+            ends[dim] = starts[dim] + 1
+            removed.append(dim)
+            dim += 1
+        else:
+            step = 1 if item.step is None else item.step
+            if step <= 0:
+                raise ValueError("slice step cannot be zero" if step == 0
+                                 else "step must be greater than zero")
+            starts[dim], ends[dim] = clamp_slice(item.start, item.stop, self.shape[dim])
+            steps[dim] = step
+            layout.append(dim)
+            dim += 1
+    layout.extend(range(dim, self.ndim))
+
+    out = self
+    if starts != [0] * self.ndim or ends != list(self.shape) or steps != [1] * self.ndim:
+        out = prims.slice_prim(out, tuple(starts), tuple(ends), tuple(steps))
+    sizes = [(end - start + step - 1) // step for start, end, step in zip(starts, ends, steps)]
+    if removed:
+        out = prims.squeeze(out, tuple(removed))
+    shape = tuple(1 if d is None else sizes[d] for d in layout)
+    if tuple(out.shape) != shape:
+        out = prims.reshape(out, shape)
+    return alias(out) if out is self else out

@@ -97,7 +97,8 @@ def _zero_rule(grad, out, *args):
     return tuple(_zeros_like(a) if _is_tensor(a) else None for a in args)
 
 
-for _prim in (prims.floor, prims.ceil, prims.round, prims.trunc, prims.sign):
+for _prim in (prims.floor, prims.ceil, prims.round, prims.trunc, prims.sign, prims.floor_div,
+              prims.trunc_div):
     vjp_rule(_prim)(_zero_rule)
 
 
@@ -201,6 +202,14 @@ def _fmod_vjp(grad, out, a, b):
     return _for_tensor(a, grad), grad_b
 
 
+@vjp_rule(prims.copysign)
+def _copysign_vjp(grad, out, a, b):
+    """As torch: grad * out / a (0 where a == 0) for a; nothing flows to the sign source."""
+    ratio = prims.div(out, a)
+    ratio = prims.where(prims.eq(a, 0), _zeros_like(ratio), ratio)
+    return prims.mul(grad, ratio), _zeros_like(b) if _is_tensor(b) else None
+
+
 @vjp_rule(prims.where)
 def _where_vjp(grad, out, pred, a, b):
     zero = _zeros_like(grad)
@@ -288,3 +297,6 @@ def autograd_rule(prim: Symbol):
 
     rule.__name__ = f"_{prim.name}_vjp"
     vjp_rule(prim)(rule)
+
+
+autograd_rule(prims.digamma)  # needs polygamma, which is not a prim

@@ -153,7 +153,7 @@ def _transpose_last(t):
 def _matmul_2d_weight_vjp(grad, a, w):
     """grad/a/w for out = a @ w with w 2-D and a at least 2-D: dw sums over batch dims."""
     grad_a = prims.matmul(grad, _transpose_last(w))
-    rows = a.numel() // a.shape[-1]
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
     a2 = prims.reshape(a, (rows, a.shape[-1]))
     g2 = prims.reshape(grad, (rows, grad.shape[-1]))
     grad_w = prims.matmul(_transpose_last(a2), g2)
