@@ -60,6 +60,12 @@ def _func_name(func) -> str:
     return torch_qualname(func) or getattr(func, "__qualname__", None) or repr(func)
 
 
+_INPLACE_DUNDERS = {
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__idiv__",
+}  # fmt: skip
+
+
 @functools.cache
 def _signature(func) -> inspect.Signature | None:
     try:
@@ -91,8 +97,7 @@ def _is_inplace(func, args, kwargs) -> bool:
         return False
     if name in ("__setitem__", "__set__", "__delitem__"):
         return True
-    if name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__",
-                                                                       "__iter__"):
+    if name in _INPLACE_DUNDERS:
         return True
     if name.endswith("_") and not name.startswith("_"):
         return True

@@ -242,3 +242,36 @@ def test_dropout_in_training_reuses_its_mask_in_backward():
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-4)
     torch.testing.assert_close(x.grad, xe.grad, rtol=0, atol=0)
+
+
+COMPOSITES = {
+    "softmax": (lambda x: torch.softmax(x, -1) * torch.arange(4.0, dtype=D), (3, 4)),
+    "F.softmax": (lambda x: torch.nn.functional.softmax(x, dim=0), (3, 4)),
+    "log_softmax": (lambda x: x.log_softmax(1) * x, (3, 4)),
+    "F.log_softmax": (lambda x: torch.nn.functional.log_softmax(x, dim=-1), (2, 3, 4)),
+    "layer_norm": (lambda x: torch.nn.functional.layer_norm(x, (4,)), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_composite_rules_gradcheck_and_keep_the_op_whole(name):
+    fn, shape = COMPOSITES[name]
+    jfn = _gradcheck(fn, _any(*shape))
+    forward = str(fulmen.last_traces(jfn)[-1])
+    assert "prims" not in forward and "torchex.amax" not in forward
+
+
+def test_layer_norm_and_embedding_rules_with_weights():
+    weight, bias = _any(4), _any(4)
+    _gradcheck(lambda x, w, b: torch.nn.functional.layer_norm(x, (4,), w, b), _any(2, 3, 4),
+               weight, bias)
+    _gradcheck(lambda x, w: torch.nn.functional.layer_norm(x, (3, 4), w.reshape(3, 4)),
+               _any(2, 3, 4), _any(12))
+    ids = torch.tensor([[0, 2, 1], [2, 2, 0]])
+    for padding_idx in (None, 2, -1):  # the padding row gets no gradient: not a derivative
+        fn = lambda w: torch.nn.functional.embedding(ids, w, padding_idx=padding_idx)  # noqa: E731
+        w = _any(3, 4).requires_grad_()
+        cotangent = _any(2, 3, 4)
+        (expected,) = torch.autograd.grad(fn(w), w, cotangent)
+        (actual,) = torch.autograd.grad(fulmen.jit(fn)(w), w, cotangent)
+        torch.testing.assert_close(actual, expected)

@@ -58,7 +58,7 @@ def _tensors(a, b):
 
 
 def convert_element_type(a, dtype):
-    return a.to(dtype)
+    return a.to(dtype, copy=True)  # a prim's output never aliases its input
 
 
 def broadcast_in_dim(a, shape, broadcast_dims):

@@ -4,7 +4,14 @@
 names. One file per op family; type promotion and broadcasting live in `utils`.
 """
 
-from fulmen.ops.torch import creation, elementwise, nn, reductions, shape  # noqa: F401
+from fulmen.ops.torch import (  # noqa: F401  (importing registers the ops)
+    conversions,
+    creation,
+    elementwise,
+    nn,
+    reductions,
+    shape,
+)
 from fulmen.ops.torch.base import (
     LTORCH_NAMESPACE,
     all_torch_ops,

@@ -1,6 +1,10 @@
 """Reverse-mode autodiff: VJP rules (one registry) and the forward/backward split."""
 
-from fulmen.transforms.autodiff import rules, rules_structural  # noqa: F401  (register rules)
+from fulmen.transforms.autodiff import (  # noqa: F401  (importing registers the rules)
+    rules,
+    rules_composite,
+    rules_structural,
+)
 from fulmen.transforms.autodiff.registry import has_rule, rule_for, vjp_rule
 from fulmen.transforms.autodiff.rules import AUTOGRAD_VJP, autograd_vjp_impl
 from fulmen.transforms.autodiff.split import ForwardBackward, split_forward_backward

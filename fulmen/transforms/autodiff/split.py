@@ -3,12 +3,11 @@
 Given the computation trace and which inputs require grad:
 
 1. Forward pass over the statements: a statement reading a value that requires grad is
-   *differentiable*. It is kept whole when its symbol has a VJP rule (prims, composite rules of
-   torch-level ops, opaque ops); otherwise it is replaced by its decomposition, recursively,
-   so the values the rules need exist at run time.
+   *differentiable*. It stays whole in the forward (see NOTE [whole ops in forward]).
 2. Backward pass, in reverse order, inside a new recording context: each differentiable
-   statement whose outputs received a cotangent calls its rule; cotangents of a value used
-   several times are summed.
+   statement whose outputs received a cotangent calls its VJP rule (prims, composite rules of
+   torch-level ops, opaque ops), or recomputes its decomposition and calls the rules of the
+   parts; cotangents of a value used several times are summed.
 3. Residuals are the forward values the backward trace reads. The forward trace returns
    `(outputs, residuals)`; the backward trace takes `(*residuals, *cotangents)` and returns one
    gradient per forward input (None for inputs that do not require grad).
@@ -56,22 +55,65 @@ def _differentiable_dtype(proxy: Proxy) -> bool:
     return isinstance(proxy, TensorProxy) and (proxy.dtype.is_floating_point or proxy.dtype.is_complex)
 
 
+def _has_rule(bsym: BoundSymbol) -> bool:
+    return rule_for(bsym.sym) is not None or "opaque" in bsym.sym.tags
+
+
+def _is_differentiable(bsym: BoundSymbol) -> bool:
+    return any(map(_differentiable_dtype, bsym.proxy_outputs))
+
+
 def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
              differentiable: list[BoundSymbol]) -> None:
-    """Append `bsym` (or its decomposition) to `out`, tracking values that require grad."""
-    if not bsym.input_names & requires or not any(map(_differentiable_dtype, bsym.proxy_outputs)):
+    """Append `bsym` to the forward statements `out`, tracking values that require grad.
+
+    NOTE [whole ops in forward]: a differentiable torch-level op without a rule still runs whole
+    in the forward (eager's kernel, so forward values equal eager's); its backward recomputes the
+    decomposition from the op's inputs and applies the rules of the parts. Only an op whose
+    decomposition draws random numbers (dropout) is replaced by its decomposition in the
+    forward, so the backward reuses the very mask the forward drew.
+    """
+    if not bsym.input_names & requires or not _is_differentiable(bsym):
         out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax)
         return
-    if rule_for(bsym.sym) is not None or "opaque" in bsym.sym.tags:
-        out.append(bsym)
-        differentiable.append(bsym)
-        requires.update(p.name for p in bsym.proxy_outputs if _differentiable_dtype(p))
-        return
-    if not bsym.subsymbols:
+    if not _has_rule(bsym) and not bsym.subsymbols:
         raise FulmenError("has no VJP rule, so gradients cannot flow through it",
                           op=bsym.sym.id, where=bsym.source)
-    for sub in bsym.subsymbols:
-        _augment(sub.replace(source=bsym.source), requires, out, differentiable)
+    if not _has_rule(bsym) and bsym.has_side_effects:
+        for sub in bsym.subsymbols:
+            _augment(sub.replace(source=bsym.source), requires, out, differentiable)
+        return
+    out.append(bsym)
+    differentiable.append(bsym)
+    requires.update(p.name for p in bsym.proxy_outputs if _differentiable_dtype(p))
+
+
+def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
+    """`bsym`'s decomposition, flattened down to statements that have VJP rules."""
+    if _has_rule(bsym) or not bsym.subsymbols:
+        return [bsym]
+    return [flat for sub in bsym.subsymbols
+            for flat in _rule_level(sub.replace(source=bsym.source))]
+
+
+def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx) -> None:
+    """Record the backward of one forward statement (see NOTE [whole ops in forward])."""
+    if _has_rule(bsym):
+        _run_rule(bsym, _output_cotangents(bsym, grads), grads)
+        return
+    parts = _rule_level(bsym)
+    computed = bsym.output_names
+    for part in parts:  # recompute the intermediates the forward never materialised
+        if not part.output_names & computed:
+            ctx.bsyms.append(part)
+    for part in reversed(parts):
+        cotangent = _output_cotangents(part, grads)
+        if not _is_differentiable(part) or all(g is None for g in pytree.tree_leaves(cotangent)):
+            continue
+        if not _has_rule(part):
+            raise FulmenError("has no VJP rule, so gradients cannot flow through it",
+                              op=part.sym.id, where=bsym.source)
+        _run_rule(part, cotangent, grads)
 
 
 def _output_cotangents(bsym: BoundSymbol, grads: dict[str, TensorProxy]):
@@ -146,7 +188,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
             if all(g is None for g in pytree.tree_leaves(cotangent)) or cotangent is None:
                 continue
             first_new = len(ctx.bsyms)
-            _run_rule(bsym, cotangent, grads)
+            _backward_of(bsym, grads, ctx)
             for index in range(first_new, len(ctx.bsyms)):  # point backward lines at the source
                 ctx.bsyms[index] = ctx.bsyms[index].replace(source=bsym.source)
         input_grads = tuple(

@@ -1,0 +1,142 @@
+"""Composite VJP rules for torch-level ops whose decomposed backward is poor.
+
+With a rule here, the forward keeps the op whole (the torch executor runs eager's fused kernel,
+so forward values equal eager's bit for bit) and the backward is the textbook formula instead of
+the transpose of every prim in the decomposition. Argument combinations a rule does not cover
+fall back to torch.autograd on the op alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fulmen.ops import ltorch, prims
+from fulmen.transforms.autodiff.registry import vjp_rule
+from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _to(a, dtype):
+    return a if a.dtype == dtype else prims.convert_element_type(a, dtype)
+
+
+def _keep(reduced, like, dims):
+    """Broadcast a tensor reduced over `dims` back to `like`'s shape."""
+    kept = [d for d in range(like.ndim) if d not in set(dims)]
+    return prims.broadcast_in_dim(reduced, tuple(like.shape), tuple(kept))
+
+
+def _canonical(dim: int, rank: int) -> int:
+    return dim % max(rank, 1)
+
+
+# --- softmax and log_softmax ------------------------------------------------------------------
+
+
+def _softmax_input_grad(grad, out, input, dim):
+    dtype = _compute_dtype(out.dtype)
+    g, y = _to(grad, dtype), _to(out, dtype)
+    if input.ndim == 0:
+        return _zeros_like(input)
+    dims = (_canonical(dim, input.ndim),)
+    dot = prims.sum(prims.mul(g, y), dims)
+    return _to(prims.mul(y, prims.sub(g, _keep(dot, y, dims))), input.dtype)
+
+
+def _log_softmax_input_grad(grad, out, input, dim):
+    dtype = _compute_dtype(out.dtype)
+    g, y = _to(grad, dtype), _to(out, dtype)
+    if input.ndim == 0:
+        return _zeros_like(input)
+    dims = (_canonical(dim, input.ndim),)
+    total = prims.sum(g, dims)
+    return _to(prims.sub(g, prims.mul(prims.exp(y), _keep(total, y, dims))), input.dtype)
+
+
+def _softmax_family(sym, input_grad):
+    def rule(grad, out, input, dim, *rest):
+        if dim is None or not input.dtype.is_floating_point:
+            return autograd_cotangents(sym, (input, dim, *rest), grad)
+        return (input_grad(grad, out, input, dim),) + (None,) * (1 + len(rest))
+
+    rule.__name__ = f"_{sym.name}_vjp"
+    vjp_rule(sym)(rule)
+
+
+_softmax_family(ltorch.softmax, _softmax_input_grad)
+_softmax_family(ltorch.functional_softmax, _softmax_input_grad)
+_softmax_family(ltorch.log_softmax, _log_softmax_input_grad)
+_softmax_family(ltorch.functional_log_softmax, _log_softmax_input_grad)
+
+
+# --- layer norm -------------------------------------------------------------------------------
+
+
+@vjp_rule(ltorch.layer_norm)
+def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
+    """Recomputes mean and 1/std from the input (cheaper to keep than two more residuals):
+
+    x_hat = (x - mean) * rstd;  dx = rstd * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat))
+    with g_hat = g * weight; dweight = sum(g * x_hat); dbias = sum(g), over the batch dims.
+    Reference: Ba, Kiros, Hinton, "Layer Normalization" (2016), and eager's layer_norm_backward.
+    """
+    dtype = _compute_dtype(input.dtype)
+    count = math.prod(normalized_shape)
+    if count == 0 or input.numel() == 0:
+        return autograd_cotangents(ltorch.layer_norm, (input, normalized_shape, weight, bias, eps),
+                                   grad)
+    norm_dims = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    batch_dims = tuple(range(input.ndim - len(normalized_shape)))
+    x = _to(input, dtype)
+    g = _to(grad, dtype)
+    mean = prims.div(prims.sum(x, norm_dims), count)
+    centered = prims.sub(x, _keep(mean, x, norm_dims))
+    var = prims.div(prims.sum(prims.mul(centered, centered), norm_dims), count)
+    rstd = _keep(prims.rsqrt(prims.add(var, eps)), x, norm_dims)
+    x_hat = prims.mul(centered, rstd)
+
+    def along_batch(t):
+        full = prims.broadcast_in_dim(_to(t, dtype), tuple(x.shape), norm_dims)
+        return full
+
+    g_hat = prims.mul(g, along_batch(weight)) if weight is not None else g
+    mean_g = _keep(prims.div(prims.sum(g_hat, norm_dims), count), x, norm_dims)
+    mean_gx = _keep(prims.div(prims.sum(prims.mul(g_hat, x_hat), norm_dims), count), x, norm_dims)
+    grad_input = prims.mul(rstd, prims.sub(prims.sub(g_hat, mean_g), prims.mul(x_hat, mean_gx)))
+    grad_weight = grad_bias = None
+    if weight is not None:
+        summed = prims.sum(prims.mul(g, x_hat), batch_dims) if batch_dims else prims.mul(g, x_hat)
+        grad_weight = _to(summed, weight.dtype)
+    if bias is not None:
+        grad_bias = _to(prims.sum(g, batch_dims) if batch_dims else g, bias.dtype)
+    return _to(grad_input, input.dtype), None, grad_weight, grad_bias, None
+
+
+# --- embedding --------------------------------------------------------------------------------
+
+
+@vjp_rule(ltorch.embedding)
+def _embedding_vjp(grad, out, input, weight, padding_idx, max_norm, norm_type,
+                   scale_grad_by_freq, sparse):
+    """Scatter-add the output cotangent into the rows it came from; the `padding_idx` row gets
+    no gradient, as in eager."""
+    if scale_grad_by_freq or sparse:
+        args = (input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        return autograd_cotangents(ltorch.embedding, args, grad)
+    count = input.numel()
+    rows = prims.reshape(input, (count,))
+    values = prims.reshape(grad, (count, weight.shape[-1]))
+    grad_weight = prims.index_put(_zeros_like(weight), (rows,), values, True)
+    if padding_idx is not None:
+        row = padding_idx % weight.shape[0]
+        index = prims.iota(weight.shape[0], 0, 1, torch.int64, weight.device)
+        is_padding = prims.broadcast_in_dim(prims.eq(index, row), tuple(weight.shape), (0,))
+        grad_weight = prims.where(is_padding, _zeros_like(grad_weight), grad_weight)
+    return None, grad_weight, None, None, None, None, None
