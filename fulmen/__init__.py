@@ -15,8 +15,8 @@ from fulmen.executors import (
     set_default_executors,
 )
 from fulmen.executors.python import python_ex
-from fulmen.functional import grad, value_and_grad, vjp
 from fulmen.executors.torch import torch_ex
+from fulmen.functional import grad, value_and_grad, vjp
 from fulmen.jit import (
     cache_hits,
     cache_misses,

@@ -155,4 +155,4 @@ def assert_same_grads(expected, actual, info) -> None:
             assert zero_e and zero_a, f"{info.name}: gradient {index} is {a} but eager has {e}"
             continue
         torch.testing.assert_close(a, e, equal_nan=True, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{info.name} grad {index}: {m}")
+                                   msg=lambda m, index=index: f"{info.name} grad {index}: {m}")

@@ -6,7 +6,6 @@ as refused, never as a pass; any wrong value fails the test.
 """
 
 import pytest
-import torch
 
 from fulmen import FulmenError
 from tests.ops.opinfo_harness import MODES, assert_same, matched_opinfos, run_sample, samples

@@ -6,7 +6,12 @@ Up to 3 float32 samples per OpInfo that supports autograd; `make conformance` ru
 import pytest
 
 from fulmen import FulmenError
-from tests.ops.opinfo_harness import assert_same_grads, grad_samples, matched_opinfos, run_grad_sample
+from tests.ops.opinfo_harness import (
+    assert_same_grads,
+    grad_samples,
+    matched_opinfos,
+    run_grad_sample,
+)
 
 GRAD_INFOS = [info for info in matched_opinfos() if info.supports_autograd]
 

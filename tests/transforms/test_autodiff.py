@@ -269,7 +269,7 @@ def test_layer_norm_and_embedding_rules_with_weights():
                _any(2, 3, 4), _any(12))
     ids = torch.tensor([[0, 2, 1], [2, 2, 0]])
     for padding_idx in (None, 2, -1):  # the padding row gets no gradient: not a derivative
-        fn = lambda w: torch.nn.functional.embedding(ids, w, padding_idx=padding_idx)  # noqa: E731
+        fn = lambda w, p=padding_idx: torch.nn.functional.embedding(ids, w, padding_idx=p)  # noqa: E731
         w = _any(3, 4).requires_grad_()
         cotangent = _any(2, 3, 4)
         (expected,) = torch.autograd.grad(fn(w), w, cotangent)
