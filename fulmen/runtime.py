@@ -34,7 +34,10 @@ class FulmenAutogradFunction(torch.autograd.Function):
     def forward(ctx, pair: CompiledPair, *inputs):
         outputs, residuals = pair.forward(*inputs)
         ctx.pair = pair
-        ctx.save_for_backward(*residuals)
+        # tensors go through save_for_backward (hooks, version checks); other residuals (kept
+        # autograd graphs of opaque ops) ride on ctx
+        ctx.save_for_backward(*[r for r in residuals if isinstance(r, torch.Tensor)])
+        ctx.objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
         ctx.mark_non_differentiable(*[
             out for out, flag in zip(outputs, pair.differentiable_outputs)
             if not flag and isinstance(out, torch.Tensor)
@@ -51,7 +54,10 @@ class FulmenAutogradFunction(torch.autograd.Function):
             )
         pair: CompiledPair = ctx.pair
         cotangents = [g for g, flag in zip(grads, pair.differentiable_outputs) if flag]
-        input_grads = pair.backward(*ctx.saved_tensors, *cotangents)
+        residuals = list(ctx.saved_tensors)
+        for index, obj in ctx.objects:
+            residuals.insert(index, obj)
+        input_grads = pair.backward(*residuals, *cotangents)
         return (None, *input_grads)
 
 

@@ -23,6 +23,21 @@ class Proxy:
         raise NotImplementedError
 
 
+class ObjectProxy(Proxy):
+    """A Python object handed from one statement to another (for example the autograd graph an
+    opaque op's forward keeps for its backward). `kind` is what its type comment says."""
+
+    def __init__(self, name: str, kind: str = "object") -> None:
+        self.name = name
+        self.kind = kind
+
+    def type_string(self) -> str:
+        return self.kind
+
+    def __repr__(self) -> str:
+        return f"<ObjectProxy {self.name}: {self.kind}>"
+
+
 def iter_proxies(value: Any) -> Iterator[Proxy]:
     """Yield every proxy inside nested tuples, lists, dicts and slices, in order."""
     if isinstance(value, Proxy):

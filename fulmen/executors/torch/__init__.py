@@ -13,7 +13,14 @@ from fulmen.executors.base import TORCH_NAMESPACE, Implementation, OperatorExecu
 from fulmen.executors.registry import register_executor
 from fulmen.executors.torch.prims import prim_implementations
 from fulmen.ops.torch import torch_qualname
-from fulmen.transforms.autodiff import AUTOGRAD_VJP, autograd_vjp_impl
+from fulmen.transforms.autodiff import (
+    AUTOGRAD_BACKWARD,
+    AUTOGRAD_FORWARD,
+    AUTOGRAD_VJP,
+    autograd_backward_impl,
+    autograd_forward_impl,
+    autograd_vjp_impl,
+)
 
 
 class TorchExecutor(OperatorExecutor):
@@ -52,6 +59,8 @@ for _prim, _fn in prim_implementations().items():
     _prim.impl = _fn
     torch_ex.register_implementation(_prim, torch_ex._operator_for(_prim, _fn))
 torch_ex.register_implementation(AUTOGRAD_VJP, fn=autograd_vjp_impl)
+torch_ex.register_implementation(AUTOGRAD_FORWARD, fn=autograd_forward_impl)
+torch_ex.register_implementation(AUTOGRAD_BACKWARD, fn=autograd_backward_impl)
 register_executor(torch_ex)
 
 __all__ = ["TorchExecutor", "torch_ex"]

@@ -12,8 +12,8 @@ import math
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Symbol
-from fulmen.core.proxy import iter_proxies, map_proxies
+from fulmen.core import BoundSymbol, FulmenError, Symbol
+from fulmen.core.proxy import ObjectProxy, iter_proxies, map_proxies
 from fulmen.core.symbol import Namespace
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
@@ -265,6 +265,69 @@ AUTODIFF_NAMESPACE = Namespace("autodiff", "fulmen.transforms.autodiff",
 # Backward of one op by torch.autograd; executors run it with `autograd_vjp_impl`.
 AUTOGRAD_VJP = Symbol("autograd_vjp", _autograd_vjp_meta, namespace=AUTODIFF_NAMESPACE,
                       is_prim=True, impl=autograd_vjp_impl, tags={"opaque"})
+
+
+def _swap_primals(args, kwargs, primals):
+    """Detached copies of the primals that require grad, and the arguments using them."""
+    leaves = {id(p): p.detach().requires_grad_() for p in primals}
+    swap = lambda x: leaves.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return leaves, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
+
+
+def autograd_forward_impl(fn, args, kwargs):
+    """Run `fn` recording a torch.autograd graph; return `(outputs, graph)`, where the graph is
+    what `autograd_backward_impl` differentiates (no recomputation, so random ops are exact)."""
+    primals = _primal_leaves(args, kwargs)
+    with torch.enable_grad():
+        leaves, args, kwargs = _swap_primals(args, kwargs, primals)
+        outputs = fn(*args, **kwargs)
+    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
+    return detached, (outputs, tuple(leaves.values()))
+
+
+def autograd_backward_impl(graph, specs, cotangent):
+    """Gradients for the primals of an `autograd_forward_impl` call, given output cotangents."""
+    outputs, inputs = graph
+    out_leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    cotangents = list(cotangent) if isinstance(cotangent, (tuple, list)) else [cotangent]
+    pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if c is not None and o.requires_grad]
+    # retain_graph: the outer backward may run again (retain_graph=True); the graph is freed with
+    # the autograd node that holds it
+    return tuple(torch.autograd.grad([o for o, _ in pairs], list(inputs), [c for _, c in pairs],
+                                     allow_unused=True, materialize_grads=True, retain_graph=True))
+
+
+def _forward_meta(*args, **kwargs):
+    raise FulmenError("autograd_forward statements are built by the autodiff transform, not traced",
+                      op="autodiff.autograd_forward")
+
+
+def _backward_meta(graph, specs, cotangent):
+    return tuple(TensorProxy(None, shape, dtype, device) for shape, dtype, device in specs)
+
+
+AUTOGRAD_FORWARD = Symbol("autograd_forward", _forward_meta, namespace=AUTODIFF_NAMESPACE,
+                          is_prim=True, impl=autograd_forward_impl, tags={"opaque", "random"})
+AUTOGRAD_BACKWARD = Symbol("autograd_backward", _backward_meta, namespace=AUTODIFF_NAMESPACE,
+                           is_prim=True, impl=autograd_backward_impl, tags={"opaque"})
+
+
+def autograd_forward(bsym: BoundSymbol, graph: ObjectProxy) -> BoundSymbol:
+    """`bsym` rewritten to also keep its autograd graph in `graph` (same outputs, same source)."""
+    return BoundSymbol(AUTOGRAD_FORWARD, (bsym.sym, bsym.args, bsym.kwargs), {},
+                       (bsym.output, graph), (), bsym.source)
+
+
+def graph_vjp(bsym: BoundSymbol, graph: ObjectProxy, cotangent):
+    """Cotangents for the arguments of an op run by `autograd_forward`, from its kept graph;
+    one entry per argument (positional, then keyword), like a rule."""
+    primals = _primal_leaves(bsym.args, bsym.kwargs)
+    specs = tuple((tuple(p.shape), p.dtype, p.device) for p in primals)
+    grads = AUTOGRAD_BACKWARD(graph, specs, cotangent)
+    by_name = {p.name: g for p, g in zip(primals, grads)}
+    values = list(bsym.args) + list(bsym.kwargs.values())
+    return [map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
+            for v in values]
 
 
 def opaque_vjp(bsym: BoundSymbol, cotangent):

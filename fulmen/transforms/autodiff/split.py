@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, FulmenError, Trace, tracing
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
-from fulmen.transforms.autodiff.rules import accumulate, opaque_vjp
+from fulmen.transforms.autodiff.rules import accumulate, autograd_forward, graph_vjp, opaque_vjp
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,15 @@ def _is_differentiable(bsym: BoundSymbol) -> bool:
 
 
 def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
-             differentiable: list[BoundSymbol]) -> None:
+             differentiable: list[BoundSymbol], graphs: dict[int, ObjectProxy], names) -> None:
     """Append `bsym` to the forward statements `out`, tracking values that require grad.
 
     NOTE [whole ops in forward]: a differentiable torch-level op without a rule still runs whole
     in the forward (eager's kernel, so forward values equal eager's); its backward recomputes the
     decomposition from the op's inputs and applies the rules of the parts. Only an op whose
     decomposition draws random numbers (dropout) is replaced by its decomposition in the
-    forward, so the backward reuses the very mask the forward drew.
+    forward, so the backward reuses the very mask the forward drew. An opaque op runs under
+    torch.autograd in the forward and keeps its graph for the backward (no recomputation).
     """
     if not bsym.input_names & requires or not _is_differentiable(bsym):
         out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax)
@@ -81,9 +82,14 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
                           op=bsym.sym.id, where=bsym.source)
     if not _has_rule(bsym) and bsym.has_side_effects:
         for sub in bsym.subsymbols:
-            _augment(sub.replace(source=bsym.source), requires, out, differentiable)
+            _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
-    out.append(bsym)
+    if rule_for(bsym.sym) is None and "opaque" in bsym.sym.tags:
+        graph = ObjectProxy(names.new("g"), "autograd graph")
+        graphs[id(bsym)] = graph
+        out.append(autograd_forward(bsym, graph))
+    else:
+        out.append(bsym)
     differentiable.append(bsym)
     requires.update(p.name for p in bsym.proxy_outputs if _differentiable_dtype(p))
 
@@ -96,8 +102,13 @@ def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
             for flat in _rule_level(sub.replace(source=bsym.source))]
 
 
-def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx) -> None:
+def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx,
+                 graphs: dict[int, ObjectProxy]) -> None:
     """Record the backward of one forward statement (see NOTE [whole ops in forward])."""
+    if id(bsym) in graphs:
+        _accumulate_results(bsym, graph_vjp(bsym, graphs[id(bsym)], _output_cotangents(bsym, grads)),
+                            list(bsym.args) + list(bsym.kwargs.values()), grads)
+        return
     if _has_rule(bsym):
         _run_rule(bsym, _output_cotangents(bsym, grads), grads)
         return
@@ -133,6 +144,11 @@ def _run_rule(bsym: BoundSymbol, cotangent, grads: dict[str, TensorProxy]) -> No
     else:
         values = bound_arguments(bsym.sym, bsym.args, bsym.kwargs)
         results = rule(cotangent, bsym.output, *values)
+    _accumulate_results(bsym, results, values, grads)
+
+
+def _accumulate_results(bsym: BoundSymbol, results, values: list, grads: dict) -> None:
+    """Add a rule's per-argument cotangents into `grads`."""
     if not isinstance(results, (tuple, list)):
         results = (results,)
     for value, grad in zip(values, results):
@@ -162,13 +178,14 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     wanted = set(requires)
     forward_bsyms: list[BoundSymbol] = []
     differentiable: list[BoundSymbol] = []
+    graphs: dict[int, ObjectProxy] = {}
+    ctx = TracerCtx("backward")
+    for name in _all_names(trace, trace.bsyms):
+        ctx.names.reserve(name)
     for bsym in trace.bsyms:
-        _augment(bsym, requires, forward_bsyms, differentiable)
+        _augment(bsym, requires, forward_bsyms, differentiable, graphs, ctx.names)
 
     output_leaves, output_spec = pytree.tree_flatten(trace.output)
-    ctx = TracerCtx("backward")
-    for name in _all_names(trace, forward_bsyms):
-        ctx.names.reserve(name)
 
     cotangents: list[TensorProxy] = []
     grads: dict[str, TensorProxy] = {}
@@ -188,7 +205,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
             if all(g is None for g in pytree.tree_leaves(cotangent)) or cotangent is None:
                 continue
             first_new = len(ctx.bsyms)
-            _backward_of(bsym, grads, ctx)
+            _backward_of(bsym, grads, ctx, graphs)
             for index in range(first_new, len(ctx.bsyms)):  # point backward lines at the source
                 ctx.bsyms[index] = ctx.bsyms[index].replace(source=bsym.source)
         input_grads = tuple(
