@@ -8,6 +8,7 @@ output shape that depends on values) does tracing raise, naming the op and the s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from fulmen.core import FulmenError, Symbol
@@ -25,7 +26,9 @@ def opaque_name(fn: Callable) -> str:
     qualname = torch_qualname(fn)
     if qualname is not None:
         return qualname.removeprefix("torch.").replace(".", "_")
-    return getattr(fn, "__name__", "op").strip("_") or "op"
+    # an OpOverload's name has a dot (`slice.Tensor`): keep printed names valid identifiers
+    name = re.sub(r"\W", "_", getattr(fn, "__name__", "op")).strip("_") or "op"
+    return f"op_{name}" if name[0].isdigit() else name
 
 
 _RANDOM_NAMES = {

@@ -1,0 +1,145 @@
+"""Training-step benchmark: forward+backward time and bytes saved for backward.
+
+Models: a LayerNorm-Linear-GELU-Linear residual block (hidden 1024, 2048 tokens) and litgpt
+pythia-14m (batch 4 x 128 tokens). For each: eager, fulmen (torch executor) and torch.compile,
+measured in the same run. Saved bytes are counted with `torch.autograd.graph.saved_tensors_hooks`
+(which also sees tensors saved inside custom autograd Functions), each storage counted once.
+Also: per-call time of a 10-op elementwise function whose input requires grad.
+
+Run: `make bench` (or `python benchmarks/training.py [--quick]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import timeit
+
+import torch
+import torch.nn.functional as F
+
+import fulmen
+
+
+class Block(torch.nn.Module):
+    """x + Linear(GELU(Linear(LayerNorm(x))))."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def saved_bytes(step) -> int:
+    """Bytes of distinct storages saved for backward while running `step()` (forward only)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = step()
+    del out
+    return sum(seen.values())
+
+
+def step_seconds(forward, loss_of, params, repeat: int) -> float:
+    def step():
+        for p in params:
+            p.grad = None
+        loss_of(forward()).backward()
+
+    step()
+    step()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_model(name, make, make_input, loss_of, repeat, compile_too) -> list[tuple]:
+    torch.manual_seed(0)
+    model = make()
+    x = make_input()
+    rows = []
+    candidates = {"eager": model, "fulmen (torch)": fulmen.jit(model)}
+    if compile_too:
+        candidates["torch.compile"] = torch.compile(model)
+    for label, fn in candidates.items():
+        seconds = step_seconds(lambda fn=fn: fn(x), loss_of, list(model.parameters()), repeat)
+        nbytes = saved_bytes(lambda fn=fn: fn(x))
+        rows.append((name, label, seconds, nbytes))
+    return rows
+
+
+def ten_ops(x, y):
+    a = x + y
+    b = a * x
+    c = b - y
+    d = torch.sin(c)
+    e = d * 2.0
+    f = torch.exp(e)
+    g = f / (y + 3.0)
+    h = torch.tanh(g)
+    return h + a
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    opts = parser.parse_args()
+    repeat = 3 if opts.quick else 10
+    hidden, tokens = (256, 512) if opts.quick else (1024, 2048)
+
+    rows = bench_model(
+        f"block h={hidden} n={tokens}", lambda: Block(hidden),
+        lambda: torch.randn(tokens, hidden), lambda out: out.float().pow(2).mean(), repeat,
+        not opts.no_compile)
+
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config.from_name("pythia-14m")
+    ids = torch.randint(0, config.padded_vocab_size, (4, 128))
+    rows += bench_model(
+        "pythia-14m 4x128", lambda: GPT(config), lambda: ids,
+        lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)),
+        repeat, not opts.no_compile)
+
+    print(f"Training step (forward+backward), {platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads\n")
+    print("| model | callable | ms per step | ratio to eager | saved MiB | saved vs eager |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    eager = {name: (s, b) for name, label, s, b in rows if label == "eager"}
+    for name, label, seconds, nbytes in rows:
+        e_s, e_b = eager[name]
+        print(f"| {name} | {label} | {seconds * 1e3:.1f} | {seconds / e_s:.2f} | "
+              f"{nbytes / 2**20:.1f} | {nbytes / e_b:.2f} |")
+
+    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+    jfn = fulmen.jit(ten_ops)
+    results = {}
+    for label, fn in (("eager", ten_ops), ("fulmen.jit", jfn)):
+        fn(x, y)
+        times = timeit.repeat(lambda fn=fn: fn(x, y), number=500, repeat=5)
+        results[label] = min(times) / 500 * 1e6
+    print("\nPer-call time, 10 elementwise ops on 8x8, one input requires grad (forward only)\n")
+    print("| callable | µs per call | over eager (µs) |")
+    print("| --- | ---: | ---: |")
+    for label, us in results.items():
+        print(f"| {label} | {us:.1f} | {us - results['eager']:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
