@@ -182,7 +182,10 @@ def _restructure_grads(out, specs: list, argnums):
 
 
 def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
-    return pytree.tree_unflatten(list(run_with_autograd(pair, inputs)), output_spec)
+    outputs = run_with_autograd(pair, inputs)
+    if output_spec.is_leaf():
+        return outputs[0]
+    return pytree.tree_unflatten(list(outputs), output_spec)
 
 
 class JittedFunction(_Jitted):

@@ -26,6 +26,10 @@ class CompiledPair:
     backward: Callable
     differentiable_outputs: tuple[bool, ...]
 
+    @property
+    def all_outputs_differentiable(self) -> bool:
+        return all(self.differentiable_outputs)
+
 
 class FulmenAutogradFunction(torch.autograd.Function):
     """One node in the autograd graph for a whole compiled program."""
@@ -36,13 +40,17 @@ class FulmenAutogradFunction(torch.autograd.Function):
         ctx.pair = pair
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
         # autograd graphs of opaque ops) ride on ctx
-        ctx.save_for_backward(*[r for r in residuals if isinstance(r, torch.Tensor)])
-        ctx.objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
-        ctx.mark_non_differentiable(*[
-            out for out, flag in zip(outputs, pair.differentiable_outputs)
-            if not flag and isinstance(out, torch.Tensor)
-        ])
-        return tuple(outputs)
+        objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
+        if objects:
+            residuals = [r for r in residuals if isinstance(r, torch.Tensor)]
+        ctx.save_for_backward(*residuals)
+        ctx.objects = objects
+        if not pair.all_outputs_differentiable:
+            ctx.mark_non_differentiable(*[
+                out for out, flag in zip(outputs, pair.differentiable_outputs)
+                if not flag and isinstance(out, torch.Tensor)
+            ])
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):

@@ -9,9 +9,11 @@ from fulmen.executors.registry import (
     resolve_executors,
     set_default_executors,
 )
+from fulmen.executors.codegen import codegen_ex  # noqa: E402  (registers "codegen")
 
 __all__ = [
     "Executor",
+    "codegen_ex",
     "FusionExecutor",
     "OperatorExecutor",
     "get_default_executors",

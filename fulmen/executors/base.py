@@ -17,14 +17,15 @@ A `FusionExecutor` instead groups neighbouring claimable statements into fusion 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fulmen.core import BoundSymbol, FulmenError, Symbol, Trace, TraceCtx, get_tracectx, tracing
+from fulmen.core import BoundSymbol, Symbol, Trace, TraceCtx, get_tracectx, tracing
 from fulmen.core.symbol import Namespace
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
+from fulmen.transforms.fusion import partition_for_fusion
 
 TORCH_NAMESPACE = Namespace("torch", "torch", "import torch")
 
@@ -162,21 +163,25 @@ class OperatorExecutor(Executor):
 class FusionExecutor(Executor):
     """An executor that fuses regions of claimable statements into single kernels.
 
-    Subclasses implement `can_fuse(bsym)` and `fuse(region) -> BoundSymbol`; the shared fusion
-    partitioner (`fulmen.transforms.fusion`, with the codegen executor) calls them.
+    Subclasses implement `can_fuse(bsym)` (may this statement join a region?) and
+    `fuse(region, outputs) -> BoundSymbol | None` (the fused statement computing `outputs`
+    from the region's inputs, or None to leave the region unfused); `can_fuse_region(region)`
+    may veto a merge. The shared partitioner (`fulmen.transforms.fusion`) calls them.
     """
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         raise NotImplementedError
 
-    def fuse(self, region: list[BoundSymbol]) -> BoundSymbol:
+    def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
+        return True
+
+    def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None:
         raise NotImplementedError
 
-    def fusion_pass(self, trace: Trace) -> Trace:
-        raise FulmenError(
-            "fusion partitioning is not implemented yet; list only operator executors",
-            op=f"executor {self.name!r}",
-        )
+    def fusion_pass(self, trace: Trace, before: Sequence[OperatorExecutor] = ()) -> Trace:
+        """Fuse the regions of `trace` this executor can fuse; statements claimed by the
+        operator executors `before` (ahead of this one in the priority list) stay as they are."""
+        return partition_for_fusion(trace, self, before)
 
 
 def _meta_like(sym: Symbol) -> Callable[..., Any]:

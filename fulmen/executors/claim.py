@@ -40,13 +40,14 @@ def _claim(bsym: BoundSymbol, executors: Sequence[OperatorExecutor]) -> list[Bou
 @transform("claiming by executors")
 def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
     """Rewrite every statement to run on the first executor in `executors` that claims it."""
-    for ex in executors:
+    for i, ex in enumerate(executors):
         if isinstance(ex, FusionExecutor):
-            trace = ex.fusion_pass(trace)
+            before = [e for e in executors[:i] if isinstance(e, OperatorExecutor)]
+            trace = ex.fusion_pass(trace, before)
     operator_executors = [ex for ex in executors if isinstance(ex, OperatorExecutor)]
     bsyms = []
     for bsym in trace.bsyms:
-        if bsym.sym.python_name == "del":
+        if bsym.sym.python_name == "del" or isinstance(bsym.sym.executor, FusionExecutor):
             bsyms.append(bsym)
         else:
             bsyms.extend(_claim(bsym, operator_executors))

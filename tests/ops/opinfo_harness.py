@@ -60,8 +60,9 @@ def samples(info, limit: int | None, dtype=None):
     return out
 
 
-def run_sample(info, sample, mode: str):
-    """Return (eager, jit, jfn) for one sample; exceptions propagate."""
+def run_sample(info, sample, mode: str, seed: int | None = None):
+    """Return (eager, jit, jfn) for one sample; exceptions propagate. With `seed`, torch's
+    generator is seeded before the eager and before the jitted call (random ops then agree)."""
     op = info.op
     kwargs = sample.kwargs
 
@@ -69,8 +70,12 @@ def run_sample(info, sample, mode: str):
         return op(input, *args, **kwargs)
 
     with torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
         expected = fn(sample.input, *sample.args)
         jfn = fulmen.jit(fn, **MODES[mode])
+        if seed is not None:
+            torch.manual_seed(seed)
         actual = jfn(sample.input, *sample.args)
     return expected, actual, jfn
 
@@ -83,7 +88,8 @@ VALUES_UNSPECIFIED = {
 }  # fmt: skip
 
 
-def assert_same(expected, actual, info) -> None:
+def assert_same(expected, actual, info, unspecified=VALUES_UNSPECIFIED) -> None:
+    """Same structure, shapes, dtypes and values (values not compared for `unspecified` ops)."""
     exp_leaves, exp_spec = pytree.tree_flatten(expected)
     act_leaves, act_spec = pytree.tree_flatten(actual)
     assert len(exp_leaves) == len(act_leaves), f"{info.name}: output structure differs"
@@ -92,7 +98,7 @@ def assert_same(expected, actual, info) -> None:
             assert isinstance(a, torch.Tensor), f"{info.name}: expected a tensor, got {a!r}"
             assert e.shape == a.shape, f"{info.name}: shape {a.shape} != eager {e.shape}"
             assert e.dtype == a.dtype, f"{info.name}: dtype {a.dtype} != eager {e.dtype}"
-            if info.name in VALUES_UNSPECIFIED:
+            if info.name in unspecified:
                 continue
             torch.testing.assert_close(a, e, equal_nan=True, atol=1e-5, rtol=1.3e-6,
                                        msg=lambda m: f"{info.name}: {m}")
@@ -120,24 +126,40 @@ def _grad_inputs(sample) -> list[torch.Tensor]:
     return inputs
 
 
-def run_grad_sample(info, sample, mode: str = "whole"):
-    """Return (eager_grads, jit_grads) of `sum(out * cotangent)` w.r.t. the sample's inputs."""
+class EagerError(Exception):
+    """Eager PyTorch itself fails on a sample (the sample is unusable, not a fulmen failure)."""
+
+
+def run_grad_sample(info, sample, mode: str = "whole", seed: int | None = None):
+    """Return (eager_grads, jit_grads) of `sum(out * cotangent)` w.r.t. the sample's inputs
+    (None when nothing is differentiable). `seed` seeds torch before each forward call.
+    Raises `EagerError` when eager's own forward or backward fails on the sample."""
     op, kwargs = info.op, sample.kwargs
 
     def fn(input, *args):
         return op(input, *args, **kwargs)
 
     inputs = _grad_inputs(sample)
-    expected_out = fn(sample.input, *sample.args)
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        expected_out = fn(sample.input, *sample.args)
+    except Exception as error:
+        raise EagerError(f"eager forward fails: {error}") from error
     outs = [o for o in pytree.tree_leaves(expected_out)
             if isinstance(o, torch.Tensor) and o.requires_grad]
     if not outs or not inputs:
         return None
     generator = torch.Generator().manual_seed(0)
     cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outs]
-    expected = torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+    try:
+        expected = torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+    except Exception as error:
+        raise EagerError(f"eager backward fails: {error}") from error
 
     jfn = fulmen.jit(fn, **MODES[mode])
+    if seed is not None:
+        torch.manual_seed(seed)
     actual_out = jfn(sample.input, *sample.args)
     jit_outs = [o for o in pytree.tree_leaves(actual_out)
                 if isinstance(o, torch.Tensor) and o.requires_grad]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fulmen.ops import prims
 from fulmen.transforms.autodiff.registry import vjp_rule
 from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents, autograd_rule
@@ -153,7 +155,7 @@ def _transpose_last(t):
 def _matmul_2d_weight_vjp(grad, a, w):
     """grad/a/w for out = a @ w with w 2-D and a at least 2-D: dw sums over batch dims."""
     grad_a = prims.matmul(grad, _transpose_last(w))
-    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    rows = math.prod(a.shape[:-1])
     a2 = prims.reshape(a, (rows, a.shape[-1]))
     g2 = prims.reshape(grad, (rows, grad.shape[-1]))
     grad_w = prims.matmul(_transpose_last(a2), g2)
@@ -175,7 +177,7 @@ autograd_rule(prims.convolution)
 @vjp_rule(prims.linear)
 def _linear_vjp(grad, out, a, weight, bias):
     grad_a = prims.matmul(grad, weight)
-    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    rows = math.prod(a.shape[:-1])
     a2 = prims.reshape(a, (rows, a.shape[-1]))
     g2 = prims.reshape(grad, (rows, grad.shape[-1]))
     grad_w = prims.matmul(_transpose_last(g2), a2)
