@@ -29,6 +29,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
 from fulmen.transforms.autodiff.rules import accumulate, autograd_forward, graph_vjp, opaque_vjp
+from fulmen.transforms.dce import live_bsyms
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,12 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
             for p in trace.args
         )
 
-    defined = {name for b in ctx.bsyms for name in b.output_names} | {c.name for c in cotangents}
+    # rules also compute cotangents of values that do not require grad: dropping those first
+    # keeps their operands out of the residuals
+    backward_bsyms = live_bsyms(ctx.bsyms, input_grads)
+    defined = {name for b in backward_bsyms for name in b.output_names} | {c.name for c in cotangents}
     residual_names: dict[str, Proxy] = {}
-    for b in ctx.bsyms:
+    for b in backward_bsyms:
         for proxy in b.proxy_inputs:
             if proxy.name not in defined:
                 residual_names.setdefault(proxy.name, proxy)
@@ -227,7 +231,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
 
     forward = trace.replace(name="forward", bsyms=tuple(forward_bsyms),
                             output=(tuple(output_leaves), residuals))
-    backward = Trace("backward", (*residuals, *cotangents), tuple(ctx.bsyms), input_grads,
+    backward = Trace("backward", (*residuals, *cotangents), backward_bsyms, input_grads,
                      provenance="constructed by autodiff")
     return ForwardBackward(forward, backward, output_spec, tuple(flags))
 
