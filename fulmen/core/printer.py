@@ -137,6 +137,11 @@ class _Printer:
             self.decomposition(bsym.subsymbols, depth + 1, lines)
 
 
+def statement_source(bsym: BoundSymbol) -> str:
+    """One statement as Python, e.g. `t3 = torch.add(t1, t2)`."""
+    return _Printer().statement(bsym)
+
+
 def type_comment(output: Any) -> str:
     """`t0: "cpu f32[4, 4]"` for each proxy in `output`."""
     return ", ".join(f'{p.name}: "{p.type_string()}"' for p in iter_proxies(output))

@@ -1,0 +1,288 @@
+"""`fulmen.verify`: find the first compilation stage, and the first statement in it, whose
+results diverge from eager PyTorch.
+
+Every fulmen trace is runnable Python, so each stage can be run on the same inputs:
+
+1. run `fn` eagerly (and, when inputs require grad, its gradients for a fixed random cotangent);
+2. compile it with `fulmen.jit`, then run every forward stage (and every backward stage, on the
+   final forward's residuals) with the trace interpreter, comparing each with eager;
+3. in the first diverging stage, compare every statement's outputs with the values the previous
+   stage computed under the same names (SSA names survive passes); a statement without a
+   counterpart (a fusion region) is compared with its own subsymbols run by torch;
+4. write a standalone repro script for that statement.
+
+Tolerances default to `torch.testing.assert_close`'s per-dtype values (x10 for gradients).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import BoundSymbol, Trace
+from fulmen.core.interpret import interpret
+from fulmen.core.printer import print_trace, statement_source
+from fulmen.core.proxy import iter_proxies
+from fulmen.jit import _jitted, jit
+
+_TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
+    torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7),
+}  # fmt: skip
+
+
+@dataclass
+class StageCheck:
+    """One stage compared with eager: `max_error` is the largest |actual - expected| seen."""
+
+    stage: str
+    ok: bool
+    max_error: float
+    detail: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """The result of `fulmen.verify`; `str(report)` is the human-readable account.
+
+    `first_bad_stage` and `culprit` (the statement, as printed) are None when everything agrees;
+    `repro_path` is the script reproducing the culprit's mismatch on its own.
+    """
+
+    stages: list[StageCheck] = field(default_factory=list)
+    first_bad_stage: str | None = None
+    culprit: str | None = None
+    culprit_op: str | None = None
+    repro_path: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_bad_stage is None
+
+    def __str__(self) -> str:
+        lines = ["fulmen.verify: " + ("all stages agree with eager" if self.ok else
+                                      f"first divergence in stage '{self.first_bad_stage}'")]
+        for check in self.stages:
+            mark = "ok " if check.ok else "BAD"
+            lines.append(f"  [{mark}] {check.stage:<44} max |error| {check.max_error:.3g}"
+                         + (f"  {check.detail}" if check.detail else ""))
+        if self.culprit:
+            lines.append(f"  first diverging statement (op {self.culprit_op}):\n    {self.culprit}")
+        if self.repro_path:
+            lines.append(f"  repro script: {self.repro_path}")
+        return "\n".join(lines)
+
+
+def _tolerance(dtype, rtol, atol, scale=1.0):
+    default = _TOLERANCES.get(dtype, (0.0, 0.0))
+    return (rtol if rtol is not None else default[0] * scale,
+            atol if atol is not None else default[1] * scale)
+
+
+def _compare(actual, expected, rtol, atol, scale=1.0) -> tuple[bool, float, str]:
+    """Compare two pytrees of tensors/values; return (ok, max error, detail)."""
+    act, exp = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    if len(act) != len(exp):
+        return False, float("inf"), f"{len(act)} outputs, expected {len(exp)}"
+    worst = 0.0
+    for index, (a, e) in enumerate(zip(act, exp)):
+        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
+            if a.shape != e.shape or a.dtype != e.dtype:
+                return False, float("inf"), f"output {index}: {a.dtype}{list(a.shape)} vs " \
+                                            f"{e.dtype}{list(e.shape)}"
+            if a.numel():
+                diff = (a.double() - e.double()).abs()
+                diff = torch.where(torch.isnan(a) & torch.isnan(e), 0, diff)
+                worst = max(worst, float(diff.nan_to_num(float("inf")).max()))
+            r, t = _tolerance(e.dtype, rtol, atol, scale)
+            if not torch.allclose(a, e, rtol=r, atol=t, equal_nan=True):
+                return False, worst, f"output {index} differs"
+        elif (e is None) != (a is None) or (e is not None and not isinstance(e, torch.Tensor)
+                                            and a != e):
+            return False, float("inf"), f"output {index}: {a!r} vs {e!r}"
+    return True, worst, ""
+
+
+def _clone(tree):
+    def copy(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return pytree.tree_map(copy, tree)
+
+
+def _stage_output(trace: Trace, value):
+    return value[0] if trace.name == "forward" else value
+
+
+def _narrow(good: Trace, bad: Trace, inputs, rtol, atol) -> BoundSymbol | None:
+    """The first statement of `bad` whose outputs differ from `good`'s values of the same names
+    (or, for a statement without counterparts, from its own subsymbols run by torch)."""
+    _, good_env = interpret(good, *inputs)
+    _, bad_env = interpret(bad, *inputs)
+    for bsym in bad.bsyms:
+        if bsym.sym.python_name == "del":
+            continue
+        outputs = list(iter_proxies(bsym.output))
+        known = [p for p in outputs if p.name in good_env]
+        if known:
+            ok, _, _ = _compare([bad_env[p.name] for p in known],
+                                [good_env[p.name] for p in known], rtol, atol)
+            if not ok:
+                return bsym
+        elif bsym.subsymbols:
+            region = Trace("region", tuple(bsym.proxy_inputs), bsym.subsymbols, bsym.output)
+            reference, _ = interpret(region, *[bad_env[p.name] for p in bsym.proxy_inputs])
+            actual = [bad_env[p.name] for p in outputs]
+            if not _compare(actual, pytree.tree_leaves(reference), rtol, atol)[0]:
+                return bsym
+    return None
+
+
+def _counterpart(good: Trace, bsym: BoundSymbol) -> BoundSymbol | None:
+    names = bsym.output_names
+    return next((b for b in good.bsyms if b.output_names & names), None)
+
+
+def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
+    """A script that runs the culprit and its reference on random inputs of the same metadata
+    and exits 1 when they disagree."""
+    inputs = culprit.proxy_inputs
+    region = Trace("region", tuple(inputs), (culprit,), culprit.output)
+    region_source, _ = print_trace(region)
+    parts = [region_source]
+    if reference is not None:
+        ref_trace = Trace("reference", tuple(reference.proxy_inputs), (reference,),
+                          reference.output)
+        parts.append(print_trace(ref_trace)[0])
+    makers = []
+    for proxy in inputs:
+        dtype = str(proxy.dtype)
+        if proxy.dtype.is_floating_point or proxy.dtype.is_complex:
+            makers.append(f"torch.randn({tuple(proxy.shape)}, dtype={dtype})")
+        elif proxy.dtype == torch.bool:
+            makers.append(f"torch.rand({tuple(proxy.shape)}) > 0.5")
+        else:
+            makers.append(f"torch.randint(0, 8, {tuple(proxy.shape)}, dtype={dtype})")
+    by_name = ", ".join(f"{p.name!r}: {m}" for p, m in zip(inputs, makers))
+    ref_args = ", ".join(f"values[{p.name!r}]" for p in (reference.proxy_inputs if reference else ()))
+    main = f'''
+
+if __name__ == "__main__":
+    import sys
+    torch.manual_seed(0)
+    values = {{{by_name}}}
+    actual = region(*values.values())
+    expected = {"reference(" + ref_args + ")" if reference is not None else "None"}
+    if expected is None:
+        print("no reference statement; actual:", actual)
+        sys.exit(0)
+    same = torch.allclose(actual, expected, equal_nan=True, rtol=1.3e-6, atol=1e-5)
+    print("max |region - reference| =", (actual - expected).abs().max().item())
+    sys.exit(0 if same else 1)
+'''
+    # the two printed traces each carry their own header and imports; keep them as one module
+    source = "\n\n".join(parts) + main
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"fulmen_repro_{culprit.sym.name}.py")
+    with open(path, "w") as handle:
+        handle.write(source)
+    return path
+
+
+def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | None = None,
+           repro_dir: str | None = None, **kwargs) -> VerifyReport:
+    """Compile `fn` and check every stage against eager on `(args, kwargs)`.
+
+    Returns a `VerifyReport` (never raises for a mismatch). Inputs are cloned, so `fn` sees
+    fresh copies in each run. `repro_dir` defaults to a new temporary directory.
+
+    Example:
+        >>> report = fulmen.verify(f, x, y, executors=[myex, "torch"])
+        >>> print(report)
+    """
+    report = VerifyReport()
+    eager_args, eager_kwargs = _clone((args, kwargs))
+    expected = fn(*eager_args, **eager_kwargs)
+    grad_inputs = [t for t in pytree.tree_leaves((eager_args, eager_kwargs))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+    wants_grad = torch.is_grad_enabled() and bool(grad_inputs)
+
+    jit_args, jit_kwargs = _clone((args, kwargs))
+    jfn = jit(fn, executors=executors)
+    jfn(*jit_args, **jit_kwargs)
+    machinery = _jitted(jfn)
+    entry = list(machinery._cache.values())[-1]
+    leaves = pytree.tree_leaves((jit_args, jit_kwargs))
+    state = [slot.get() for slot in machinery._state_slots]
+    inputs = [leaves[i] for i in entry.tensor_positions] + state + list(entry.captured)
+
+    traces = list(entry.traces)
+    previous = None
+    with torch.no_grad():
+        for trace in traces:
+            value, _ = interpret(trace, *inputs)
+            ok, worst, detail = _compare(_stage_output(trace, value), expected, rtol, atol)
+            report.stages.append(StageCheck(trace.provenance, ok, worst, detail))
+            if not ok and report.first_bad_stage is None:
+                report.first_bad_stage = trace.provenance
+                _locate(report, previous, trace, inputs, rtol, atol, repro_dir)
+            previous = trace
+
+    if wants_grad:
+        _verify_backward(report, machinery, traces[-1], inputs, expected, grad_inputs,
+                         rtol, atol, repro_dir)
+    return report
+
+
+def _locate(report, good, bad, inputs, rtol, atol, repro_dir) -> None:
+    if good is None:
+        return
+    culprit = _narrow(good, bad, inputs, rtol, atol)
+    if culprit is None:
+        return
+    report.culprit = statement_source(culprit)
+    report.culprit_op = culprit.sym.name
+    reference = _counterpart(good, culprit)
+    if reference is not None:
+        report.culprit_op = f"{culprit.sym.name} (replacing {reference.sym.python_name})"
+    directory = repro_dir or tempfile.mkdtemp(prefix="fulmen_verify_")
+    report.repro_path = _write_repro(culprit, reference, directory)
+
+
+def _verify_backward(report, machinery, forward: Trace, inputs, expected, grad_inputs, rtol, atol,
+                     repro_dir) -> None:
+    """Run every backward stage on the final forward's residuals; compare input gradients."""
+    backward_traces = machinery._stats.last_backward_traces
+    if not backward_traces:
+        return
+    generator = torch.Generator().manual_seed(0)
+    out_leaves = [o for o in pytree.tree_leaves(expected)
+                  if isinstance(o, torch.Tensor) and o.requires_grad]
+    cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
+    eager_grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
+    with torch.no_grad():
+        (outputs, residuals), _ = interpret(forward, *inputs)
+        previous = None
+        for trace in backward_traces:
+            grads, _ = interpret(trace, *residuals, *cotangents)
+            actual = [g for g, x in zip(grads, inputs)
+                      if isinstance(x, torch.Tensor) and x.requires_grad]
+            expected_grads = [torch.zeros_like(x) if g is None else g
+                              for g, x in zip(eager_grads, grad_inputs)]
+            actual = [torch.zeros_like(x) if g is None else g for g, x in zip(actual, grad_inputs)]
+            ok, worst, detail = _compare(actual, expected_grads, rtol, atol, scale=10.0)
+            stage = f"backward: {trace.provenance}"
+            report.stages.append(StageCheck(stage, ok, worst, detail))
+            if not ok and report.first_bad_stage is None:
+                report.first_bad_stage = stage
+                _locate(report, previous, trace, [*residuals, *cotangents], rtol, atol, repro_dir)
+            previous = trace
+
+
+__all__ = ["StageCheck", "VerifyReport", "verify"]
