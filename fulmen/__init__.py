@@ -25,6 +25,7 @@ from fulmen.jit import (
     last_backward_traces,
     last_traces,
 )
+from fulmen.verify import VerifyReport, verify
 
 set_default_executors([torch_ex])
 
@@ -48,5 +49,7 @@ __all__ = [
     "set_default_executors",
     "torch_ex",
     "value_and_grad",
+    "verify",
+    "VerifyReport",
     "vjp",
 ]
