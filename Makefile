@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench conformance clean
+.PHONY: test demo lint bench conformance fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,9 +23,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/training.py
 
 conformance: $(STAMP)
+	$(BIN)/python -m tests.conformance.run_conformance --samples 3
 	$(BIN)/python -m pytest -q tests/ops/test_opinfo.py -m "slow or not slow" --opinfo-samples=all
+
+fuzz: $(STAMP)
+	FULMEN_FUZZ_EXAMPLES=$${FULMEN_FUZZ_EXAMPLES:-3000} $(BIN)/python -m pytest -q tests/fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,111 @@
+"""Random straight-line programs over the op library, for differential fuzzing against eager.
+
+A program is a list of steps; each step applies one op to values already computed (inputs
+first) and appends its result. Shapes are chosen so broadcasting, reductions, views and
+non-contiguous inputs all occur. A program is plain data, so hypothesis shrinks it and a failure
+prints as a readable list of steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+UNARY = {
+    "exp": lambda a: torch.exp(a.clamp(max=8)),
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "neg": lambda a: -a,
+    "abs": torch.abs,
+    "sin": torch.sin,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "square": lambda a: a * a,
+    "sqrt_abs": lambda a: torch.sqrt(a.abs() + 1),
+    "log_abs": lambda a: torch.log(a.abs() + 1),
+    "softmax": lambda a: torch.softmax(a, -1),
+    "log_softmax": lambda a: F.log_softmax(a, dim=-1),
+    "sum_last": lambda a: a.sum(-1, keepdim=True),
+    "mean_first": lambda a: a.mean(0),
+    "amax_last": lambda a: a.amax(-1, keepdim=True),
+    "var_last": lambda a: a.var(-1, keepdim=True) if a.ndim and a.shape[-1] > 1 else a,
+    "transpose": lambda a: a.transpose(0, -1) if a.ndim > 1 else a,
+    "flip_reshape": lambda a: a.reshape(-1).flip(0).reshape(a.shape),
+    "slice": lambda a: a[..., ::2] if a.ndim and a.shape[-1] > 1 else a,
+    "layer_norm": lambda a: F.layer_norm(a, a.shape[-1:]),
+    "scale": lambda a: a * 0.5 + 1.0,
+    "to_double_back": lambda a: a.double().sin().to(a.dtype),
+}
+
+BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": lambda a, b: a / (b.abs() + 1),
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "where": lambda a, b: torch.where(a > b, a, b * 2),
+    "atan2": torch.atan2,
+    "pow": lambda a, b: (a.abs() + 0.5) ** b.clamp(-2, 2),
+    "hypot_like": lambda a, b: torch.sqrt(a * a + b * b + 1e-3),
+}
+
+SHAPES = [(4, 5), (1, 5), (4, 1), (5,), (3, 4, 5), (1,), ()]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str
+    operands: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    input_shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    transposed: tuple[bool, ...]
+    steps: tuple[Step, ...]
+
+    def run(self, *inputs):
+        values = list(inputs)
+        for step in self.steps:
+            args = [values[i] for i in step.operands]
+            fn = UNARY.get(step.op) or BINARY[step.op]
+            values.append(fn(*args))
+        return values[-1], values[len(inputs)]
+
+    def make_inputs(self, seed: int, requires_grad: bool):
+        generator = torch.Generator().manual_seed(seed)
+        inputs = []
+        for shape, transposed in zip(self.input_shapes, self.transposed):
+            if transposed and len(shape) >= 2:
+                base = torch.randn(shape[::-1], generator=generator).to(self.dtype)
+                tensor = base.transpose(0, -1) if len(shape) == 2 else base.permute(2, 1, 0)
+            else:
+                tensor = torch.randn(shape, generator=generator).to(self.dtype)
+            inputs.append(tensor.requires_grad_(requires_grad))
+        return inputs
+
+
+@st.composite
+def programs(draw, max_steps: int = 6) -> Program:
+    count = draw(st.integers(1, 3))
+    shapes = tuple(draw(st.sampled_from(SHAPES)) for _ in range(count))
+    transposed = tuple(draw(st.booleans()) for _ in range(count))
+    dtype = draw(st.sampled_from(DTYPES))
+    steps = []
+    for index in range(draw(st.integers(1, max_steps))):
+        available = count + index
+        if draw(st.booleans()):
+            op = draw(st.sampled_from(sorted(UNARY)))
+            operands = (draw(st.integers(0, available - 1)),)
+        else:
+            op = draw(st.sampled_from(sorted(BINARY)))
+            operands = (draw(st.integers(0, available - 1)), draw(st.integers(0, available - 1)))
+        steps.append(Step(op, operands))
+    return Program(shapes, dtype, transposed, tuple(steps))
