@@ -22,12 +22,17 @@ import torch.utils._pytree as pytree
 from fulmen.core import FulmenError, Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
+from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.tracer import CacheKeyBuilder, trace_program
-from fulmen.tracer.tracer import state_slots
+from fulmen.tracer.guards import describe_call, explain_change
+from fulmen.tracer.tracer import _positional_names, state_slots
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
+
+_RECOMPILES = get_logger("recompiles")
+_PASSES = get_logger("passes")
 
 
 @dataclass
@@ -57,6 +62,7 @@ class CompileStats:
     cache_misses: int = 0
     last_traces: list[Trace] = field(default_factory=list)
     last_backward_traces: list[Trace] = field(default_factory=list)
+    recompile_reasons: list[list[str]] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -74,6 +80,7 @@ class _Jitted:
         modules = tuple(module.modules()) if module is not None else ()
         self._guard = CacheKeyBuilder(modules)
         self._state_slots = state_slots(module) if module is not None else []
+        self._last_described: dict | None = None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
@@ -83,6 +90,7 @@ class _Jitted:
         entry = self._cache.get(key)
         if entry is None:
             stats.cache_misses += 1
+            self._explain_miss(args, kwargs)
             entry = self._compile(args, kwargs)
             self._cache[key] = entry
         else:
@@ -97,6 +105,19 @@ class _Jitted:
             out = _restructure_grads(out, entry.grad_specs, self._grad_argnums)
         return out
 
+    def _explain_miss(self, args: tuple, kwargs: dict) -> None:
+        """Record (and log to `fulmen.recompiles`) why this call missed the cache."""
+        target = self._module.forward if self._module is not None else self._fn
+        names = [name for name, _ in self._module.named_modules()] if self._module else []
+        described = describe_call(_positional_names(target), args, kwargs,
+                                  self._guard.modules, names)
+        if self._last_described is not None:
+            reasons = explain_change(self._last_described, described)
+            self._stats.recompile_reasons.append(reasons)
+            _RECOMPILES.info("retracing %s: %s", getattr(target, "__qualname__", target),
+                             "; ".join(reasons))
+        self._last_described = described
+
     def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         seconds: dict[str, float] = {}
         program = trace_program(self._fn, args, kwargs, module=self._module)
@@ -108,6 +129,7 @@ class _Jitted:
             result = stage(stages[-1], *extra)
             if result is not stages[-1]:
                 label = f"{result.provenance.removeprefix('after ')}"
+                _PASSES.info("%s: %.2f ms", label, result.seconds * 1e3)
                 seconds[label if stages is traces else f"{label} (backward)"] = result.seconds
                 stages.append(result)
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.tracer.tracer import _path_name
+
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
@@ -72,3 +74,40 @@ class CacheKeyBuilder:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaf_keys = tuple([_leaf_key(leaf) for leaf in leaves])
         return (spec, global_key, state_key, leaf_keys), leaves
+
+
+def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
+                  module_names=()) -> dict[str, object]:
+    """What a call was specialised on, by name (`x.shape`, `scale`, `grad mode`, ...), for
+    explaining retraces in words. Names follow the trace's input names."""
+    described: dict[str, object] = {
+        "grad mode": _is_grad_enabled(),
+        "default dtype": _get_default_dtype(),
+        "autocast": (_is_autocast_enabled("cpu"), _is_autocast_enabled("cuda")),
+    }
+    for name, module in zip(module_names, modules):
+        described[f"{name or 'model'}.training"] = module.training
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        name = _path_name(path, param_names)
+        if isinstance(leaf, Tensor):
+            described[f"{name}.shape"] = tuple(leaf.shape)
+            described[f"{name}.dtype"] = leaf.dtype
+            described[f"{name}.device"] = leaf.device
+            described[f"{name}.requires_grad"] = leaf.requires_grad
+            described[f"{name}.is_contiguous()"] = leaf.is_contiguous()
+        else:
+            described[name] = leaf
+    return described
+
+
+def explain_change(old: dict[str, object], new: dict[str, object]) -> list[str]:
+    """`['x.shape changed from (4, 4) to (8, 4)', ...]`: why `new` missed the cache."""
+    reasons = []
+    for key in dict.fromkeys([*old, *new]):
+        if key not in old:
+            reasons.append(f"{key} is new ({new[key]!r})")
+        elif key not in new:
+            reasons.append(f"{key} is gone (was {old[key]!r})")
+        elif old[key] != new[key] and not (old[key] != old[key] and new[key] != new[key]):
+            reasons.append(f"{key} changed from {old[key]!r} to {new[key]!r}")
+    return reasons or ["the input structure changed"]

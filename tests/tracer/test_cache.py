@@ -113,3 +113,28 @@ def test_compile_stats_has_seconds_per_stage():
     assert {"tracing", "claiming by executors", "python compilation"} <= set(stats.stage_seconds)
     assert all(seconds >= 0 for seconds in stats.stage_seconds.values())
     assert stats.calls == 1
+
+
+def test_recompile_reasons_are_explained_and_logged(caplog):
+    import logging
+
+    jfn = fulmen.jit(f)
+    jfn(torch.randn(4, 4), torch.randn(4, 4))
+    with caplog.at_level(logging.INFO, logger="fulmen.recompiles"):
+        jfn(torch.randn(8, 4), torch.randn(8, 4))
+        jfn(torch.randn(8, 4), 2.0)
+    reasons = fulmen.compile_stats(jfn).recompile_reasons
+    assert "x.shape changed from (4, 4) to (8, 4)" in reasons[0]
+    assert any("y" in reason for reason in reasons[1])
+    assert "x.shape changed from (4, 4) to (8, 4)" in caplog.text
+
+
+def test_module_training_flag_change_is_a_reason():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    jmodel = fulmen.jit(model)
+    with torch.no_grad():
+        jmodel(torch.randn(1, 2))
+        model.eval()
+        jmodel(torch.randn(1, 2))
+    assert "model.training changed from True to False" in \
+        fulmen.compile_stats(jmodel).recompile_reasons[0]
