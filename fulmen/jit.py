@@ -26,7 +26,7 @@ from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
-from fulmen.tracer.tracer import _positional_names, state_slots
+from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, state_slots
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -47,6 +47,7 @@ class CacheEntry:
     stage_seconds: dict[str, float]
     grad_specs: list | None = None
     all_leaves_are_inputs: bool = False
+    mutated_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -78,7 +79,7 @@ class _Jitted:
         self._cache: dict[tuple, CacheEntry] = {}
         self._stats = CompileStats()
         modules = tuple(module.modules()) if module is not None else ()
-        self._guard = CacheKeyBuilder(modules)
+        self._guard = CacheKeyBuilder(modules, fn if module is None else module.forward)
         self._state_slots = state_slots(module) if module is not None else []
         self._last_described: dict | None = None
 
@@ -95,6 +96,9 @@ class _Jitted:
             self._cache[key] = entry
         else:
             stats.cache_hits += 1
+        if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
+            check_no_input_aliasing([*[leaves[i] for i in entry.tensor_positions], *state,
+                                     *entry.captured], entry.mutated_inputs)
         if entry.all_leaves_are_inputs:
             out = entry.fn(*leaves, *state, *entry.captured)
         else:
@@ -110,7 +114,7 @@ class _Jitted:
         target = self._module.forward if self._module is not None else self._fn
         names = [name for name, _ in self._module.named_modules()] if self._module else []
         described = describe_call(_positional_names(target), args, kwargs,
-                                  self._guard.modules, names)
+                                  self._guard.modules, names, self._guard.scalar_sources)
         if self._last_described is not None:
             reasons = explain_change(self._last_described, described)
             self._stats.recompile_reasons.append(reasons)
@@ -167,6 +171,7 @@ class _Jitted:
         self._stats.stage_seconds = seconds
         return CacheEntry(fn, traces, program.tensor_positions, program.captured,
                           program.output_spec, seconds, grad_specs=grad_specs,
+                          mutated_inputs=program.mutated_inputs,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
 

@@ -44,6 +44,43 @@ def _leaf_key(leaf: Any) -> Any:
     return (type(leaf), id(leaf))
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
+    """(name, reader) for each Python scalar a traced program may bake in as a constant without
+    it being an argument: the function's closure cells and the globals its code names, and the
+    scalar attributes of every module (`dropout.p`, `attn.scale`). Their current values are part
+    of the cache key, so changing one retraces instead of reusing a stale constant."""
+    sources: list[tuple[str, object]] = []
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                if isinstance(cell.cell_contents, _SCALARS):
+                    sources.append((cell_name, lambda cell=cell: cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+        namespace = fn.__globals__
+        for name in sorted(_code_names(code)):
+            if isinstance(namespace.get(name), _SCALARS) and not name.startswith("__"):
+                sources.append((name, lambda name=name: namespace.get(name)))
+    for module in modules:
+        for attr, value in vars(module).items():
+            if isinstance(value, _SCALARS) and attr != "training" and not attr.startswith("_"):
+                label = f"{type(module).__name__}.{attr}"
+                sources.append((label, lambda module=module, attr=attr: getattr(module, attr)))
+    return sources
+
+
 class CacheKeyBuilder:
     """Builds the cache key of a call; `modules` are the submodules whose `training` is guarded.
 
@@ -52,16 +89,19 @@ class CacheKeyBuilder:
     parameters and buffers (their requires_grad flags are guarded).
     """
 
-    def __init__(self, modules: tuple[torch.nn.Module, ...] = ()) -> None:
+    def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
         self.modules = modules
+        self.scalar_sources = scalar_sources(fn, modules)
 
     def global_key(self) -> tuple:
-        """Grad mode, default dtype, autocast state and module training flags."""
+        """Grad mode, default dtype, autocast state, module training flags, and the Python
+        scalars the code can read besides its arguments (see `scalar_sources`)."""
         return (
             _is_grad_enabled(),
             _get_default_dtype(),
             _any_autocast() and (_is_autocast_enabled("cpu"), _is_autocast_enabled("cuda")),
             tuple([module.training for module in self.modules]) if self.modules else (),
+            tuple([_leaf_key(read()) for _, read in self.scalar_sources]),
         )
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
@@ -77,7 +117,7 @@ class CacheKeyBuilder:
 
 
 def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
-                  module_names=()) -> dict[str, object]:
+                  module_names=(), sources=()) -> dict[str, object]:
     """What a call was specialised on, by name (`x.shape`, `scale`, `grad mode`, ...), for
     explaining retraces in words. Names follow the trace's input names."""
     described: dict[str, object] = {
@@ -87,6 +127,8 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     }
     for name, module in zip(module_names, modules):
         described[f"{name or 'model'}.training"] = module.training
+    for name, read in sources:
+        described[name] = read()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         name = _path_name(path, param_names)
         if isinstance(leaf, Tensor):

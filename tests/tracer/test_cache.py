@@ -138,3 +138,33 @@ def test_module_training_flag_change_is_a_reason():
         jmodel(torch.randn(1, 2))
     assert "model.training changed from True to False" in \
         fulmen.compile_stats(jmodel).recompile_reasons[0]
+
+
+SCALE = 2.0
+
+
+def test_captured_python_numbers_and_module_attributes_retrace():
+    offset = 1.0
+
+    def fn(x):
+        return x * SCALE + offset
+
+    jfn = fulmen.jit(fn)
+    x = torch.ones(2)
+    torch.testing.assert_close(jfn(x), fn(x))
+    offset = 5.0  # noqa: F841  (read through the closure cell)
+    torch.testing.assert_close(jfn(x), fn(x))
+    global SCALE
+    SCALE, previous = 3.0, SCALE
+    try:
+        torch.testing.assert_close(jfn(x), fn(x))
+    finally:
+        SCALE = previous
+    assert fulmen.cache_misses(jfn) == 3
+    assert "offset changed from 1.0 to 5.0" in fulmen.compile_stats(jfn).recompile_reasons[0]
+
+    model = torch.nn.Dropout(0.0)
+    jmodel = fulmen.jit(model)
+    torch.testing.assert_close(jmodel(x), x)
+    model.p = 1.0
+    torch.testing.assert_close(jmodel(x), torch.zeros(2))
