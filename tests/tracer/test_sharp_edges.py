@@ -1,0 +1,70 @@
+"""Sharp edges: layouts, zero-size and 0-d inputs, devices, recursion, threads."""
+
+import threading
+
+import pytest
+import torch
+
+import fulmen
+
+
+def f(x, y):
+    return (x * y).sum(-1) + y.mean()
+
+
+def test_channels_last_and_non_contiguous_inputs():
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    y = torch.randn(2, 3, 4, 5)
+    jfn = fulmen.jit(f)
+    torch.testing.assert_close(jfn(x, y), f(x, y))
+    torch.testing.assert_close(jfn(y, x), f(y, x))
+    torch.testing.assert_close(jfn(x[..., ::2], y[..., ::2]), f(x[..., ::2], y[..., ::2]))
+
+
+def test_zero_size_and_zero_dim_inputs():
+    jfn = fulmen.jit(f)
+    empty = torch.randn(0, 5)
+    torch.testing.assert_close(jfn(empty, empty), f(empty, empty))
+    scalar_tensor = torch.tensor(3.0)
+    torch.testing.assert_close(jfn(torch.ones(4), scalar_tensor), f(torch.ones(4), scalar_tensor))
+    g = fulmen.jit(lambda x, s: x * s)
+    torch.testing.assert_close(g(torch.ones(2), 3.0), torch.full((2,), 3.0))
+    torch.testing.assert_close(g(torch.ones(2), torch.tensor(3.0)), torch.full((2,), 3.0))
+    assert fulmen.cache_misses(g) == 2  # a 0-d tensor and a Python number are different keys
+
+
+def test_inputs_on_different_devices_raise_clearly():
+    with pytest.raises((fulmen.FulmenError, RuntimeError), match="device"):
+        fulmen.jit(lambda a, b: a + b)(torch.ones(2), torch.ones(2, device="meta"))
+
+
+def test_recursive_call_of_a_jitted_function():
+    @fulmen.jit
+    def power(x, n):
+        return x if n == 0 else x * power(x, n - 1)
+
+    x = torch.rand(3) + 0.5
+    torch.testing.assert_close(power(x, 3), x ** 4)
+
+
+def test_calls_from_two_threads():
+    jfn = fulmen.jit(f)
+    errors, results = [], {}
+
+    def worker(index):
+        try:
+            x = torch.full((8, 4), float(index))
+            for _ in range(20):
+                results[index] = jfn(x, x)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for index, value in results.items():
+        x = torch.full((8, 4), float(index))
+        torch.testing.assert_close(value, f(x, x))
