@@ -30,6 +30,7 @@ from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, sta
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
+from fulmen.transforms.remat import rematerialize
 
 _RECOMPILES = get_logger("recompiles")
 _PASSES = get_logger("passes")
@@ -70,8 +71,10 @@ class CompileStats:
 class _Jitted:
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
-    def _setup(self, fn, module, executors, transforms, grad_argnums=None) -> None:
+    def _setup(self, fn, module, executors, transforms, grad_argnums=None,
+               rematerialize=True) -> None:
         self._fn = fn
+        self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
         self._module = module
         self._executors = resolve_executors(executors)
@@ -153,6 +156,13 @@ class _Jitted:
             traces.append(split.forward.replace(provenance="after autodiff (forward)",
                                                 seconds=seconds["autodiff"]))
             backward_traces.append(split.backward)
+            if self._rematerialize:
+                start = time.perf_counter()
+                split = rematerialize(split)
+                if split.forward is not traces[-1]:
+                    traces.append(split.forward)
+                    backward_traces.append(split.backward)
+                seconds["rematerialization"] = time.perf_counter() - start
             run(backward_traces, dce)
             run(backward_traces, claim_executors, self._executors)
             run(backward_traces, delete_last_used)
@@ -218,8 +228,9 @@ def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
 class JittedFunction(_Jitted):
     """A function compiled by `fulmen.jit`; call it like the original."""
 
-    def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None) -> None:
-        self._setup(fn, None, executors, transforms, grad_argnums)
+    def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None,
+                 rematerialize: bool = True) -> None:
+        self._setup(fn, None, executors, transforms, grad_argnums, rematerialize)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -237,11 +248,12 @@ class JittedModule(torch.nn.Module):
     `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors.
     """
 
-    def __init__(self, module: torch.nn.Module, executors=None, transforms=None) -> None:
+    def __init__(self, module: torch.nn.Module, executors=None, transforms=None,
+                 rematerialize: bool = True) -> None:
         super().__init__()
         self._orig_mod = module
         self._jit = _Jitted()
-        self._jit._setup(module, module, executors, transforms)
+        self._jit._setup(module, module, executors, transforms, rematerialize=rematerialize)
 
     def forward(self, *args, **kwargs):
         return self._jit._call(args, kwargs)
@@ -258,6 +270,7 @@ def jit(
     *,
     executors: Sequence[Executor | str] | None = None,
     transforms: Sequence[Callable[[Trace], Trace]] | None = None,
+    rematerialize: bool = True,
 ) -> JittedFunction | JittedModule:
     """Compile a function or `nn.Module` with fulmen.
 
@@ -267,6 +280,8 @@ def jit(
         executors: priority list of executors (objects or names); `"torch"` is appended if
             missing. Defaults to `fulmen.get_default_executors()`.
         transforms: extra passes `Trace -> Trace`, applied after dce and before executors claim.
+        rematerialize: when training, choose the values saved for backward by a minimum cut and
+            recompute the rest in the backward (`fulmen.transforms.remat`).
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
@@ -280,8 +295,8 @@ def jit(
         >>> jfn(torch.randn(4))
     """
     if isinstance(fn, torch.nn.Module):
-        return JittedModule(fn, executors, transforms)
-    return JittedFunction(fn, executors, transforms)
+        return JittedModule(fn, executors, transforms, rematerialize)
+    return JittedFunction(fn, executors, transforms, rematerialize=rematerialize)
 
 
 def _jitted(jfn) -> _Jitted:

@@ -1,0 +1,156 @@
+"""Rematerialization: choose what the forward saves for the backward by a minimum cut.
+
+After the autodiff split, the backward reads some forward values (the residuals). Any of them
+that can be recomputed cheaply from other values may be recomputed in the backward instead of
+saved. The choice is a minimum s-t cut on the forward dataflow graph, following the min-cut
+formulation of AOTAutograd's partitioner (Horace He, "Min-cut optimal recomputation (i.e.
+activation checkpointing) with AOTAutograd", PyTorch dev discussions, 2022):
+
+- every tensor value v is an edge in(v) -> out(v) whose capacity is its size in bytes (cutting it
+  = saving it); forward inputs cost 0 (the caller keeps them alive anyway);
+- a recomputable statement connects out(input) -> in(output) for each of its inputs, with
+  infinite capacity; a statement that must not be recomputed (matmul, convolution, opaque ops,
+  random ops, large reductions) is fed from the source, so its outputs can only be saved;
+- every value the backward needs connects out(v) -> sink.
+
+`networkx.minimum_cut` finds the cheapest set of values to save; the backward then starts by
+recomputing, from them, the values it needs (dead code elimination drops the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import networkx as nx
+
+from fulmen.core import BoundSymbol, Trace
+from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.proxies import TensorProxy
+from fulmen.transforms.autodiff.split import ForwardBackward
+from fulmen.transforms.base import transform
+from fulmen.transforms.dce import live_bsyms
+
+_CHEAP_TAGS = {"elementwise", "shape"}
+# a reduction is recomputed only when each output element reads at most this many elements
+MAX_RECOMPUTED_REDUCTION = 4096
+
+
+def _reduced_per_output(bsym: BoundSymbol) -> int:
+    inputs = [p for p in bsym.proxy_inputs if isinstance(p, TensorProxy)]
+    outputs = [p for p in bsym.proxy_outputs if isinstance(p, TensorProxy)]
+    if not inputs or not outputs:
+        return 0
+    return inputs[0].numel() // max(outputs[0].numel(), 1)
+
+
+def is_recomputable(bsym: BoundSymbol) -> bool:
+    """Whether the backward may recompute `bsym` instead of the forward saving its outputs:
+    elementwise and shape prims, small reductions, and torch-level ops made only of those.
+    Never random ops, opaque ops, contractions or gathers."""
+    if bsym.has_side_effects or "opaque" in bsym.sym.tags:
+        return False
+    if bsym.sym.is_prim:
+        if "reduction" in bsym.sym.tags:
+            return _reduced_per_output(bsym) <= MAX_RECOMPUTED_REDUCTION
+        return bool(bsym.sym.tags & _CHEAP_TAGS) or bsym.sym.name in ("full", "iota")
+    return bool(bsym.subsymbols) and all(is_recomputable(sub) for sub in bsym.subsymbols)
+
+
+def nbytes(proxy: Proxy) -> int:
+    """Bytes of a tensor value (0 for other values, which are never worth recomputing)."""
+    if isinstance(proxy, TensorProxy):
+        return proxy.numel() * proxy.element_size()
+    return 0
+
+
+def _in(name: str) -> str:
+    return f"{name}:in"
+
+
+def _out(name: str) -> str:
+    return f"{name}:out"
+
+
+def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
+                 needed: Iterable[Proxy]) -> list[Proxy]:
+    """The minimum-bytes set of values from which every `needed` value can be recomputed
+    (see the module docstring). Forward inputs in the result cost nothing."""
+    graph = nx.DiGraph()
+    values: dict[str, Proxy] = {}
+
+    def add_value(proxy: Proxy, capacity: float) -> None:
+        values[proxy.name] = proxy
+        graph.add_edge(_in(proxy.name), _out(proxy.name), capacity=capacity)
+
+    for proxy in forward_inputs:
+        add_value(proxy, 0)
+        graph.add_edge("source", _in(proxy.name), capacity=math.inf)
+    for bsym in bsyms:
+        recomputable = is_recomputable(bsym)
+        for output in bsym.proxy_outputs:
+            add_value(output, nbytes(output))
+            if not recomputable:
+                graph.add_edge("source", _in(output.name), capacity=math.inf)
+                continue
+            for proxy in bsym.proxy_inputs:
+                graph.add_edge(_out(proxy.name), _in(output.name), capacity=math.inf)
+    for proxy in needed:
+        graph.add_edge(_out(proxy.name), "sink", capacity=math.inf)
+    if "sink" not in graph:
+        return []
+    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    return [proxy for name, proxy in values.items()
+            if _in(name) in reachable and _out(name) not in reachable]
+
+
+@transform("rematerialization")
+def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved_names: set[str],
+                      cotangents: tuple) -> Trace:
+    bsyms = live_bsyms((*recompute, *backward.bsyms), backward.output)
+    defined = {name for b in bsyms for name in b.output_names} | {c.name for c in cotangents}
+    residuals: dict[str, Proxy] = {}
+    for bsym in bsyms:
+        for proxy in bsym.proxy_inputs:
+            if proxy.name not in defined:
+                residuals.setdefault(proxy.name, proxy)
+    for proxy in iter_proxies(backward.output):
+        if proxy.name not in defined:
+            residuals.setdefault(proxy.name, proxy)
+    return backward.replace(args=(*residuals.values(), *cotangents), bsyms=bsyms)
+
+
+def rematerialize(split: ForwardBackward) -> ForwardBackward:
+    """Save the min-cut set of values instead of the split's residuals; recompute the rest at the
+    start of the backward. Returns `split` itself when nothing changes.
+
+    Example:
+        >>> split = rematerialize(split_forward_backward(trace))
+    """
+    forward, backward = split.forward, split.backward
+    output_leaves, residuals = forward.output
+    if not residuals:
+        return split
+    saved = choose_saved(forward.args, forward.bsyms, residuals)
+    saved_names = {p.name for p in saved}
+    if saved_names >= {p.name for p in residuals}:
+        return split
+    residual_count = len(residuals)
+    cotangents = backward.args[residual_count:]
+    recompute = tuple(b for b in forward.bsyms
+                      if is_recomputable(b) and not b.output_names & saved_names)
+    new_backward = _rebuild_backward(backward, recompute, saved_names, cotangents)
+    new_residuals = new_backward.args[: len(new_backward.args) - len(cotangents)]
+    new_forward = forward.replace(output=(output_leaves, tuple(new_residuals)),
+                                  provenance="after rematerialization")
+    return ForwardBackward(new_forward, new_backward, split.output_spec,
+                           split.differentiable_outputs)
+
+
+def saved_bytes(residuals: Iterable[Proxy], forward_inputs: Iterable[Proxy] = ()) -> int:
+    """Bytes of the residuals that are not forward inputs."""
+    inputs = {p.name for p in forward_inputs}
+    return sum(nbytes(p) for p in residuals if p.name not in inputs)
+
+
+__all__ = ["choose_saved", "is_recomputable", "nbytes", "rematerialize", "saved_bytes"]
