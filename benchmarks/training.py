@@ -3,7 +3,8 @@
 Models: a LayerNorm-Linear-GELU-Linear residual block (hidden 1024, 2048 tokens) and litgpt
 pythia-14m (batch 4 x 128 tokens). For each: eager, fulmen (torch executor) and torch.compile,
 measured in the same run. Saved bytes are counted with `torch.autograd.graph.saved_tensors_hooks`
-(which also sees tensors saved inside custom autograd Functions), each storage counted once.
+(which also sees tensors saved inside custom autograd Functions), each storage counted once, with
+and without the parameters' storages (eager and fulmen both save the weights of linear layers).
 Also: per-call time of a 10-op elementwise function whose input requires grad.
 
 Run: `make bench` (or `python benchmarks/training.py [--quick]`).
@@ -36,8 +37,10 @@ class Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def saved_bytes(step) -> int:
-    """Bytes of distinct storages saved for backward while running `step()` (forward only)."""
+def saved_bytes(step, exclude=()) -> int:
+    """Bytes of distinct storages saved for backward while running `step()` (forward only),
+    leaving out the storages of the tensors in `exclude` (e.g. the parameters)."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
 
     def pack(tensor):
@@ -48,7 +51,7 @@ def saved_bytes(step) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = step()
     del out
-    return sum(seen.values())
+    return sum(size for ptr, size in seen.items() if ptr not in excluded)
 
 
 def step_seconds(forward, loss_of, params, repeat: int) -> float:
@@ -72,13 +75,19 @@ def bench_model(name, make, make_input, loss_of, repeat, compile_too) -> list[tu
     model = make()
     x = make_input()
     rows = []
-    candidates = {"eager": model, "fulmen (torch)": fulmen.jit(model)}
+    candidates = {
+        "eager": model,
+        "fulmen (torch, no remat)": fulmen.jit(model, rematerialize=False),
+        "fulmen (torch)": fulmen.jit(model),
+    }
     if compile_too:
         candidates["torch.compile"] = torch.compile(model)
+    params = list(model.parameters())
     for label, fn in candidates.items():
-        seconds = step_seconds(lambda fn=fn: fn(x), loss_of, list(model.parameters()), repeat)
-        nbytes = saved_bytes(lambda fn=fn: fn(x))
-        rows.append((name, label, seconds, nbytes))
+        seconds = step_seconds(lambda fn=fn: fn(x), loss_of, params, repeat)
+        total = saved_bytes(lambda fn=fn: fn(x))
+        activations = saved_bytes(lambda fn=fn: fn(x), exclude=params)
+        rows.append((name, label, seconds, total, activations))
     return rows
 
 
@@ -119,13 +128,15 @@ def main() -> None:
 
     print(f"Training step (forward+backward), {platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")
-    print("| model | callable | ms per step | ratio to eager | saved MiB | saved vs eager |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    eager = {name: (s, b) for name, label, s, b in rows if label == "eager"}
-    for name, label, seconds, nbytes in rows:
-        e_s, e_b = eager[name]
+    print("| model | callable | ms per step | vs eager | saved MiB (all) | vs eager "
+          "| saved MiB (without parameters) | vs eager |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    eager = {row[0]: row for row in rows if row[1] == "eager"}
+    for name, label, seconds, total, activations in rows:
+        _, _, e_s, e_total, e_act = eager[name]
         print(f"| {name} | {label} | {seconds * 1e3:.1f} | {seconds / e_s:.2f} | "
-              f"{nbytes / 2**20:.1f} | {nbytes / e_b:.2f} |")
+              f"{total / 2**20:.1f} | {total / e_total:.2f} | {activations / 2**20:.1f} | "
+              f"{activations / e_act:.2f} |")
 
     x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
     jfn = fulmen.jit(ten_ops)
