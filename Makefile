@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/train_gpt.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check fulmen tests benchmarks examples
