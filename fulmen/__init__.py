@@ -16,6 +16,7 @@ from fulmen.executors import (
 )
 from fulmen.executors.python import python_ex
 from fulmen.executors.torch import torch_ex
+from fulmen.examine import ExamineReport, examine
 from fulmen.functional import grad, value_and_grad, vjp
 from fulmen.jit import (
     cache_hits,
@@ -25,6 +26,7 @@ from fulmen.jit import (
     last_backward_traces,
     last_traces,
 )
+from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memory
 from fulmen.verify import VerifyReport, verify
 
 set_default_executors([torch_ex])
@@ -37,6 +39,8 @@ __all__ = [
     "Trace",
     "cache_hits",
     "cache_misses",
+    "ExamineReport",
+    "examine",
     "compile_stats",
     "get_default_executors",
     "get_executor",
@@ -44,6 +48,9 @@ __all__ = [
     "jit",
     "last_backward_traces",
     "last_traces",
+    "memory_estimate",
+    "MemoryEstimate",
+    "plot_memory",
     "python_ex",
     "register_executor",
     "set_default_executors",
