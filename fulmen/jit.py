@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import FulmenError, Trace
+from fulmen.core import FulmenError, NotYetSupportedError, Trace
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
@@ -127,7 +127,17 @@ class _Jitted:
 
     def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         seconds: dict[str, float] = {}
+        rng_state = torch.random.get_rng_state()
         program = trace_program(self._fn, args, kwargs, module=self._module)
+        with torch._C.DisableTorchFunction():  # also when compiling inside another trace
+            reseeded = not torch.equal(rng_state, torch.random.get_rng_state())
+        if reseeded:
+            # tracing draws no random numbers, so the code reseeded or set the generator
+            torch.random.set_rng_state(rng_state)
+            raise NotYetSupportedError(
+                "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
+                "while it runs; a compiled function would not repeat that on later calls",
+                op="torch.manual_seed", hint="seed outside the compiled function")
         seconds["tracing"] = program.seconds
         traces = [program.trace]
         backward_traces: list[Trace] = []

@@ -68,3 +68,15 @@ def test_calls_from_two_threads():
     for index, value in results.items():
         x = torch.full((8, 4), float(index))
         torch.testing.assert_close(value, f(x, x))
+
+
+def test_seeding_inside_the_function_is_refused():
+    def fn(x):
+        torch.manual_seed(0)
+        return x + torch.rand(2)
+
+    torch.manual_seed(5)
+    state = torch.random.get_rng_state()
+    with pytest.raises(fulmen.NotYetSupportedError, match="manual_seed"):
+        fulmen.jit(fn)(torch.zeros(2))
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's stream is untouched

@@ -5,9 +5,14 @@ names. One file per op family; type promotion and broadcasting live in `utils`.
 """
 
 from fulmen.ops.torch import (  # noqa: F401  (importing registers the ops)
+    activations,
+    attention,
     conversions,
     creation,
     elementwise,
+    indexing,
+    linalg,
+    losses,
     nn,
     reductions,
     shape,

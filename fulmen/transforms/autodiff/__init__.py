@@ -3,6 +3,7 @@
 from fulmen.transforms.autodiff import (  # noqa: F401  (importing registers the rules)
     rules,
     rules_composite,
+    rules_nn,
     rules_structural,
 )
 from fulmen.transforms.autodiff.registry import has_rule, rule_for, vjp_rule

@@ -274,10 +274,11 @@ def _swap_primals(args, kwargs, primals):
     return leaves, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
 
 
-def autograd_forward_impl(fn, args, kwargs):
-    """Run `fn` recording a torch.autograd graph; return `(outputs, graph)`, where the graph is
-    what `autograd_backward_impl` differentiates (no recomputation, so random ops are exact)."""
-    primals = _primal_leaves(args, kwargs)
+def autograd_forward_impl(fn, args, kwargs, mask):
+    """Run `fn` recording a torch.autograd graph for the primals selected by `mask` (one flag
+    per differentiable tensor argument); return `(outputs, graph)`. `autograd_backward_impl`
+    differentiates the graph: no recomputation, so random ops are exact."""
+    primals = [p for p, wanted in zip(_primal_leaves(args, kwargs), mask) if wanted]
     with torch.enable_grad():
         leaves, args, kwargs = _swap_primals(args, kwargs, primals)
         outputs = fn(*args, **kwargs)
@@ -297,6 +298,30 @@ def autograd_backward_impl(graph, specs, cotangent):
                                      allow_unused=True, materialize_grads=True, retain_graph=True))
 
 
+def differentiable_outputs(bsym: BoundSymbol, requires: set[str]) -> set[str]:
+    """Names of `bsym`'s outputs that eager's autograd would make differentiable when the
+    inputs named in `requires` require grad (asked of PyTorch on meta tensors)."""
+    primals = [p for p in _primal_leaves(bsym.args, bsym.kwargs) if p.name in requires]
+    wanted = {id(p) for p in primals}
+
+    def meta(leaf):
+        if isinstance(leaf, torch.Tensor):
+            tensor = torch.empty_strided(tuple(leaf.shape), tuple(leaf.stride()), dtype=leaf.dtype,
+                                         device="meta")
+            return tensor.requires_grad_(id(leaf) in wanted)
+        return leaf
+
+    args, kwargs = pytree.tree_map(meta, (bsym.args, bsym.kwargs))
+    try:
+        with torch._C.DisableTorchFunction(), torch.enable_grad():
+            outputs = bsym.sym.torch_fn(*args, **kwargs)
+    except Exception:  # no meta support under autograd: assume every floating output is
+        return {p.name for p in bsym.proxy_outputs if _differentiable(p)}
+    flags = [getattr(o, "requires_grad", False) for o in pytree.tree_leaves(outputs)]
+    proxies = pytree.tree_leaves(bsym.output)
+    return {p.name for p, flag in zip(proxies, flags) if flag and isinstance(p, TensorProxy)}
+
+
 def _forward_meta(*args, **kwargs):
     raise FulmenError("autograd_forward statements are built by the autodiff transform, not traced",
                       op="autodiff.autograd_forward")
@@ -312,16 +337,18 @@ AUTOGRAD_BACKWARD = Symbol("autograd_backward", _backward_meta, namespace=AUTODI
                            is_prim=True, impl=autograd_backward_impl, tags={"opaque"})
 
 
-def autograd_forward(bsym: BoundSymbol, graph: ObjectProxy) -> BoundSymbol:
-    """`bsym` rewritten to also keep its autograd graph in `graph` (same outputs, same source)."""
-    return BoundSymbol(AUTOGRAD_FORWARD, (bsym.sym, bsym.args, bsym.kwargs), {},
+def autograd_forward(bsym: BoundSymbol, graph: ObjectProxy, requires: set[str]) -> BoundSymbol:
+    """`bsym` rewritten to also keep its autograd graph in `graph` (same outputs, same source);
+    only the arguments named in `requires` are differentiated."""
+    mask = tuple(p.name in requires for p in _primal_leaves(bsym.args, bsym.kwargs))
+    return BoundSymbol(AUTOGRAD_FORWARD, (bsym.sym, bsym.args, bsym.kwargs, mask), {},
                        (bsym.output, graph), (), bsym.source)
 
 
-def graph_vjp(bsym: BoundSymbol, graph: ObjectProxy, cotangent):
+def graph_vjp(bsym: BoundSymbol, graph: ObjectProxy, requires: set[str], cotangent):
     """Cotangents for the arguments of an op run by `autograd_forward`, from its kept graph;
     one entry per argument (positional, then keyword), like a rule."""
-    primals = _primal_leaves(bsym.args, bsym.kwargs)
+    primals = [p for p in _primal_leaves(bsym.args, bsym.kwargs) if p.name in requires]
     specs = tuple((tuple(p.shape), p.dtype, p.device) for p in primals)
     grads = AUTOGRAD_BACKWARD(graph, specs, cotangent)
     by_name = {p.name: g for p, g in zip(primals, grads)}

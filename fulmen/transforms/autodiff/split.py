@@ -28,7 +28,13 @@ from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
-from fulmen.transforms.autodiff.rules import accumulate, autograd_forward, graph_vjp, opaque_vjp
+from fulmen.transforms.autodiff.rules import (
+    accumulate,
+    autograd_forward,
+    differentiable_outputs,
+    graph_vjp,
+    opaque_vjp,
+)
 from fulmen.transforms.dce import live_bsyms
 
 
@@ -65,7 +71,7 @@ def _is_differentiable(bsym: BoundSymbol) -> bool:
 
 
 def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
-             differentiable: list[BoundSymbol], graphs: dict[int, ObjectProxy], names) -> None:
+             differentiable: list[BoundSymbol], graphs: dict[int, tuple], names) -> None:
     """Append `bsym` to the forward statements `out`, tracking values that require grad.
 
     NOTE [whole ops in forward]: a differentiable torch-level op without a rule still runs whole
@@ -85,14 +91,17 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
         for sub in bsym.subsymbols:
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
+    produced = {p.name for p in bsym.proxy_outputs if _differentiable_dtype(p)}
     if rule_for(bsym.sym) is None and "opaque" in bsym.sym.tags:
         graph = ObjectProxy(names.new("g"), "autograd graph")
-        graphs[id(bsym)] = graph
-        out.append(autograd_forward(bsym, graph))
+        wrt = bsym.input_names & requires
+        graphs[id(bsym)] = (graph, wrt)
+        out.append(autograd_forward(bsym, graph, wrt))
+        produced &= differentiable_outputs(bsym, wrt)  # e.g. not the mean/rstd of a norm
     else:
         out.append(bsym)
     differentiable.append(bsym)
-    requires.update(p.name for p in bsym.proxy_outputs if _differentiable_dtype(p))
+    requires.update(produced)
 
 
 def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
@@ -104,11 +113,12 @@ def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
 
 
 def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx,
-                 graphs: dict[int, ObjectProxy]) -> None:
+                 graphs: dict[int, tuple]) -> None:
     """Record the backward of one forward statement (see NOTE [whole ops in forward])."""
     if id(bsym) in graphs:
-        _accumulate_results(bsym, graph_vjp(bsym, graphs[id(bsym)], _output_cotangents(bsym, grads)),
-                            list(bsym.args) + list(bsym.kwargs.values()), grads)
+        graph, wrt = graphs[id(bsym)]
+        results = graph_vjp(bsym, graph, wrt, _output_cotangents(bsym, grads))
+        _accumulate_results(bsym, results, list(bsym.args) + list(bsym.kwargs.values()), grads)
         return
     if _has_rule(bsym):
         _run_rule(bsym, _output_cotangents(bsym, grads), grads)
@@ -179,7 +189,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     wanted = set(requires)
     forward_bsyms: list[BoundSymbol] = []
     differentiable: list[BoundSymbol] = []
-    graphs: dict[int, ObjectProxy] = {}
+    graphs: dict[int, tuple] = {}
     ctx = TracerCtx("backward")
     for name in _all_names(trace, trace.bsyms):
         ctx.names.reserve(name)

@@ -1,0 +1,106 @@
+"""`F.scaled_dot_product_attention`, decomposed: `softmax(q k^T * scale + mask) v`.
+
+The torch executor runs the op whole (eager's fused kernel); the decomposition is what fusers
+and the backward see. Causal masks keep key `j` for query `i` when `j <= i` (top-left aligned,
+as eager). A boolean mask keeps `True` positions; a floating mask is added to the scores.
+
+NOTE [fully masked rows]: eager returns zeros (and zero gradients) for a query row whose keys
+are all masked out. The softmax here subtracts a row maximum replaced by 0 when it is `-inf`
+and divides by a row sum replaced by 1 when it is 0, so such rows give exact zeros too, and the
+backward never divides 0 by 0.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Number
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.core import NotYetSupportedError
+from fulmen.ops import prims
+from fulmen.ops.torch.base import torch_op
+from fulmen.ops.torch.reductions import expand_reduced
+from fulmen.ops.torch.utils import broadcast_shapes
+
+
+def _unsupported(message: str) -> NotYetSupportedError:
+    return NotYetSupportedError(message, op="ltorch.scaled_dot_product_attention")
+
+
+def _transpose_last(t):
+    dims = list(range(t.ndim))
+    dims[-1], dims[-2] = dims[-2], dims[-1]
+    return prims.permute(t, tuple(dims))
+
+
+def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and t.ndim >= 2 for t in tensors):
+        raise _unsupported("query, key and value must be tensors of rank >= 2")
+    if len({t.dtype for t in tensors}) != 1 or query.dtype not in (torch.float32, torch.float64):
+        raise _unsupported("query, key and value must share a float32/float64 dtype")
+    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):
+        raise _unsupported("batch dims differ (broadcast or grouped-query attention)")
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise _unsupported("embedding or sequence sizes differ (eager raises)")
+    if dropout_p != 0.0:
+        raise _unsupported("dropout_p > 0 draws random numbers; the op runs whole")
+    if is_causal and attn_mask is not None:
+        raise _unsupported("attn_mask together with is_causal (eager raises)")
+    if scale is not None and (not isinstance(scale, Number) or isinstance(scale, complex)):
+        raise _unsupported(f"scale={scale!r}")
+    if not isinstance(enable_gqa, bool) or 0 in query.shape or 0 in key.shape:
+        raise _unsupported("enable_gqa must be a bool; empty inputs run whole")
+
+
+def _mask_scores(scores, attn_mask, is_causal: bool):
+    """Scores with masked positions at -inf (bool/causal) or the float mask added."""
+    shape = tuple(scores.shape)
+    rows, cols = shape[-2], shape[-1]
+    if is_causal:
+        row = prims.broadcast_in_dim(prims.iota(rows, 0, 1, torch.int64, scores.device),
+                                     (rows, cols), (0,))
+        col = prims.broadcast_in_dim(prims.iota(cols, 0, 1, torch.int64, scores.device),
+                                     (rows, cols), (1,))
+        attn_mask = prims.le(col, row)
+    if attn_mask is None:
+        return scores
+    if not isinstance(attn_mask, torch.Tensor):
+        raise _unsupported("attn_mask must be a tensor")
+    if broadcast_shapes(shape, attn_mask.shape) != shape:
+        raise _unsupported("attn_mask does not broadcast to the scores")
+    mask = prims.broadcast_in_dim(attn_mask, shape, tuple(range(len(shape) - attn_mask.ndim,
+                                                                 len(shape))))
+    if mask.dtype == torch.bool:
+        blocked = prims.full(shape, -math.inf, scores.dtype, scores.device)
+        return prims.where(mask, scores, blocked)
+    if mask.dtype != scores.dtype:
+        raise _unsupported("a floating attn_mask must have the query's dtype")
+    return prims.add(scores, mask)
+
+
+def _safe_softmax(scores):
+    """Softmax over the last dim; rows of all -inf give zeros (NOTE [fully masked rows])."""
+    shape, dims = tuple(scores.shape), (scores.ndim - 1,)
+    top = prims.amax(scores, dims)
+    top = prims.where(prims.eq(top, -math.inf), prims.full(tuple(top.shape), 0.0, top.dtype,
+                                                            top.device), top)
+    exps = prims.exp(prims.sub(scores, expand_reduced(top, shape, dims)))
+    total = prims.sum(exps, dims)
+    total = prims.where(prims.eq(total, 0.0), prims.full(tuple(total.shape), 1.0, total.dtype,
+                                                          total.device), total)
+    return prims.div(exps, expand_reduced(total, shape, dims))
+
+
+@torch_op(F.scaled_dot_product_attention)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """`F.scaled_dot_product_attention` without dropout: query (..., L, E), key (..., S, E),
+    value (..., S, Ev) -> (..., L, Ev); `scale` defaults to `1 / sqrt(E)`."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scores = prims.mul(prims.matmul(query, _transpose_last(key)), scale)
+    weights = _safe_softmax(_mask_scores(scores, attn_mask, is_causal))
+    return prims.matmul(weights, value)

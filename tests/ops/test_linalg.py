@@ -1,0 +1,57 @@
+"""linalg.py against eager, whole and decomposed, with gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.transforms import decompose_to_prims
+
+B = torch.randn(2, 4, 5)
+C = torch.randn(5, 6)
+W1 = torch.randn(6, 3, 2)
+W2 = torch.randn(6, 1, 2, 2)
+BIAS = torch.randn(3)
+ZERO = torch.zeros(2, 3, 5)
+W4, W6, B6 = torch.randn(4), torch.randn(6), torch.randn(6)
+
+CASES = [
+    lambda x: torch.addmm(BIAS, x[0], C[:4, :3], beta=0.5, alpha=2),
+    lambda x: torch.baddbmm(ZERO, x, B, alpha=0.5),
+    lambda x: torch.outer(x[0, 0], x[1, 1]),
+    lambda x: torch.einsum("bij,bjk,kl->bil", x, B, C),
+    lambda x: torch.einsum("bij->j", x),
+    lambda x: torch.einsum("bij,bij", x, x),
+    lambda x: F.conv1d(x.transpose(0, 1).reshape(3, 2, 4).repeat(1, 3, 1)[:, :3], W1, padding=1),
+    lambda x: F.conv2d(x.reshape(1, 6, 2, 2), W2, groups=6, stride=1, padding=(1, 0)),
+    lambda x: torch.linalg.vector_norm(x, 3.0, dim=(0, 2)),
+    lambda x: x.norm(dim=-1, keepdim=True),
+    lambda x: F.normalize(x, dim=1),
+    lambda x: F.rms_norm(x, (4,), W4),
+    lambda x: F.group_norm(x.reshape(2, 6, 2), 3, W6, B6),
+]
+
+
+@pytest.mark.parametrize("mode", [[], [decompose_to_prims]])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_linalg(index, mode):
+    fn = CASES[index]
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    jfn = fulmen.jit(fn, transforms=mode)
+    expected, actual = fn(x), jfn(x)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
+                               torch.autograd.grad(expected, x, cotangent)[0])
+    first = str(fulmen.last_traces(jfn)[0])
+    assert "opaque" not in first
+
+
+def test_two_norm_gradient_at_zero_matches_eager():
+    x = torch.zeros(2, 3)
+    x[1] = torch.randn(3)
+    x.requires_grad_()
+    for fn in (lambda x: F.normalize(x, dim=1), lambda x: torch.linalg.vector_norm(x, dim=1)):
+        (expected,) = torch.autograd.grad(fn(x).sum(), x)
+        (actual,) = torch.autograd.grad(fulmen.jit(fn)(x).sum(), x)
+        torch.testing.assert_close(actual, expected)
