@@ -2,6 +2,7 @@
 built-in executor is a package of its own that uses only that API."""
 
 from fulmen.executors.base import Executor, FusionExecutor, OperatorExecutor
+from fulmen.executors.codegen import codegen_ex  # registers "codegen"
 from fulmen.executors.registry import (
     get_default_executors,
     get_executor,
@@ -9,7 +10,6 @@ from fulmen.executors.registry import (
     resolve_executors,
     set_default_executors,
 )
-from fulmen.executors.codegen import codegen_ex  # noqa: E402  (registers "codegen")
 
 __all__ = [
     "Executor",

@@ -1,0 +1,87 @@
+"""The codegen executor: fusion regions of prims -> generated C++ kernels for CPU tensors.
+
+    jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+    jfn(x, w)
+    print(fulmen.last_traces(jfn)[-1])      # t3 = codegen.fusion0(x, w), its prims as comments
+    print(kernel_sources(fulmen.last_traces(jfn)[-1]))  # the generated C++
+
+The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
+`lower.py` turns a region into the kernel IR (`ir.py`), `cpp.py` renders it, `compile.py`
+builds and caches it (`FULMEN_CACHE_DIR`), and `runtime.py` calls it. Opt in: codegen is not a
+default executor yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from fulmen.core import BoundSymbol, Symbol, Trace
+from fulmen.executors.base import FusionExecutor
+from fulmen.executors.codegen.lower import Unsupported, fusible, lower
+from fulmen.executors.codegen.runtime import FusedRegion
+from fulmen.executors.registry import register_executor
+
+__all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources"]
+
+_fusion_ids = itertools.count()
+
+
+class CodegenExecutor(FusionExecutor):
+    """Fuses elementwise prims (and the views feeding them) into one C++ loop per region."""
+
+    def __init__(self, name: str = "codegen") -> None:
+        super().__init__(name)
+        self.fusions: dict[str, Symbol] = {}
+
+    def __getattr__(self, name: str) -> Symbol:
+        fusions = self.__dict__.get("fusions", {})
+        if name in fusions:
+            return fusions[name]
+        raise AttributeError(f"executor {self.__dict__.get('name')!r} has no fusion {name!r}")
+
+    def can_fuse(self, bsym: BoundSymbol) -> bool:
+        return fusible(bsym)
+
+    def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
+        try:
+            lower(region, [], check_only=True)
+        except Unsupported:
+            return False
+        return True
+
+    def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None:
+        """One `codegen.fusionN(inputs...)` statement computing `outputs`, or None when the
+        region has no computation or does not lower."""
+        try:
+            lowered = lower(region, outputs)
+        except Unsupported:
+            return None
+        if not lowered.kernel.outputs:
+            return None
+        name = f"fusion{next(_fusion_ids)}"
+        output = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        body = Trace(name, tuple(lowered.inputs), tuple(region), output,
+                     provenance=f"fusion region of {self.name}")
+        impl = FusedRegion(name, lowered, body)
+        sym = Symbol(name, None, namespace=self.namespace, python_name=f"{self.name}.{name}",
+                     impl=impl, tags={"fusion"}, executor=self)
+        self.fusions[name] = sym
+        return BoundSymbol(sym, tuple(lowered.inputs), {}, output, tuple(region), region[0].source)
+
+
+def kernel_sources(trace: Trace) -> dict[str, str]:
+    """The generated C++ of every fusion in an execution trace, by fusion name; a fusion
+    compiled for several layouts lists each.
+
+    Example:
+        >>> kernel_sources(fulmen.last_traces(jfn)[-1])["fusion0"]
+    """
+    sources = {}
+    for bsym in trace.bsyms:
+        impl = bsym.sym.impl
+        if isinstance(impl, FusedRegion):
+            sources[bsym.sym.name] = "\n".join(impl.sources.values())
+    return sources
+
+
+codegen_ex = register_executor(CodegenExecutor())

@@ -1,0 +1,228 @@
+"""C++ renderer: a pointwise `Kernel` -> C++17 source with one `extern "C"` entry point.
+
+    void fulmen_kernel(int64_t ndim, const int64_t* sizes, const int64_t* strides,
+                       char* const* ptrs, int64_t block, int64_t nthreads)
+
+`strides` holds one row of `ndim` element strides per pointer (accesses, then outputs). The
+iteration space is split into rows (all dims but the last) and blocks of `block` elements of
+the last dim; OpenMP shares (row, block) tasks among `nthreads` threads. The inner loop is a
+`#pragma omp simd` loop; its addressing is specialised on each pointer's inner-stride class
+(`layout`: 1 contiguous, 0 broadcast, 2 any stride), so the compiled kernel serves every shape
+and stride of that layout.
+
+float16/bfloat16 are loaded and stored as such and computed in float32; every float16/bfloat16
+result is rounded to its dtype, as eager rounds after each op. No flag changes IEEE semantics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fulmen.executors.codegen.ir import Const, Kernel, Load, Op
+
+STORAGE = {
+    torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.float32: "float",
+    torch.float64: "double", torch.int8: "int8_t", torch.int16: "int16_t",
+    torch.int32: "int32_t", torch.int64: "int64_t", torch.uint8: "uint8_t", torch.bool: "bool",
+}  # fmt: skip
+COMPUTE = {**STORAGE, torch.float16: "float", torch.bfloat16: "float"}
+_LOW = (torch.float16, torch.bfloat16)
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+static inline float bf16_load(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t bf16_store(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+static inline float f16_round(float f) { return (float)(_Float16)f; }
+
+template <typename T> static inline T f_max(T a, T b) { return (a > b || a != a) ? a : b; }
+template <typename T> static inline T f_min(T a, T b) { return (a < b || a != a) ? a : b; }
+template <typename T> static inline T f_remainder(T a, T b) {
+  T m = std::fmod(a, b);
+  if (m != 0 && ((b < 0) != (m < 0))) m += b;
+  return m;
+}
+template <typename T> static inline T f_floor_div(T a, T b) {
+  if (b == 0) return a / b;
+  T m = std::fmod(a, b);
+  T d = (a - m) / b;
+  if (m != 0 && ((b < 0) != (m < 0))) d -= 1;
+  if (d != 0) {
+    T f = std::floor(d);
+    if (d - f > T(0.5)) f += 1;
+    return f;
+  }
+  return std::copysign(T(0), a / b);
+}
+static inline bool f_signbit(float a) { uint32_t u; std::memcpy(&u, &a, 4); return u >> 31; }
+static inline bool f_signbit(double a) { uint64_t u; std::memcpy(&u, &a, 8); return u >> 63; }
+template <typename T> static inline T f_sign(T a) { return (T)((T(0) < a) - (a < T(0))); }
+"""
+
+_UNARY = {
+    "neg": "(-{a})", "exp": "std::exp({a})", "exp2": "std::exp2({a})",
+    "expm1": "std::expm1({a})", "log": "std::log({a})", "log1p": "std::log1p({a})",
+    "log2": "std::log2({a})", "log10": "std::log10({a})", "sqrt": "std::sqrt({a})",
+    "rsqrt": "({one} / std::sqrt({a}))", "sin": "std::sin({a})", "cos": "std::cos({a})",
+    "tan": "std::tan({a})", "asin": "std::asin({a})", "acos": "std::acos({a})",
+    "atan": "std::atan({a})", "sinh": "std::sinh({a})", "cosh": "std::cosh({a})",
+    "tanh": "std::tanh({a})", "asinh": "std::asinh({a})", "acosh": "std::acosh({a})",
+    "atanh": "std::atanh({a})", "erf": "std::erf({a})", "erfc": "std::erfc({a})",
+    "reciprocal": "({one} / {a})", "logical_not": "(!({a} != 0))", "sign": "f_sign({a})",
+}  # fmt: skip
+_FLOAT_ONLY_UNARY = {
+    "abs": "std::abs({a})", "floor": "std::floor({a})", "ceil": "std::ceil({a})",
+    "round": "std::nearbyint({a})", "trunc": "std::trunc({a})", "isnan": "({a} != {a})",
+    "isinf": "std::isinf({a})", "isfinite": "std::isfinite({a})",
+    "signbit": "f_signbit({a})",
+}  # fmt: skip
+_INT_UNARY = {
+    "abs": "({a} < 0 ? -{a} : {a})", "floor": "{a}", "ceil": "{a}", "round": "{a}",
+    "trunc": "{a}", "isnan": "false", "isinf": "false", "isfinite": "true",
+    "signbit": "({a} < 0)", "bitwise_not": "(~{a})",
+}  # fmt: skip
+_BOOL_UNARY = {"isnan": "false", "isinf": "false", "isfinite": "true", "signbit": "false",
+               "bitwise_not": "(!{a})"}  # fmt: skip
+_BINARY = {
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
+    "remainder": "f_remainder({a}, {b})", "fmod": "std::fmod({a}, {b})",
+    "floor_div": "f_floor_div({a}, {b})", "trunc_div": "std::trunc({a} / {b})",
+    "pow": "std::pow({a}, {b})", "atan2": "std::atan2({a}, {b})",
+    "copysign": "std::copysign({a}, {b})", "maximum": "f_max({a}, {b})",
+    "minimum": "f_min({a}, {b})", "bitwise_and": "({a} & {b})", "bitwise_or": "({a} | {b})",
+    "bitwise_xor": "({a} ^ {b})", "eq": "({a} == {b})", "ne": "({a} != {b})",
+    "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})",
+}  # fmt: skip
+_BOOL_BINARY = {"add": "({a} || {b})", "mul": "({a} && {b})"}
+# torch computes x ** c for these constant exponents without pow.
+_POW_CONST = {2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "std::sqrt({a})",
+              -0.5: "({one} / std::sqrt({a}))", -1.0: "({one} / {a})",
+              -2.0: "({one} / ({a} * {a}))", 1.0: "{a}"}  # fmt: skip
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """A C++ literal of `value` in the compute type of `dtype`."""
+    ctype = COMPUTE[dtype]
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if dtype.is_floating_point:
+        value = float(value)
+        if math.isnan(value):
+            return f"std::numeric_limits<{ctype}>::quiet_NaN()"
+        if math.isinf(value):
+            sign = "" if value > 0 else "-"
+            return f"{sign}std::numeric_limits<{ctype}>::infinity()"
+        return f"{ctype}({value.hex()})" if ctype == "double" else f"{value.hex()}f"
+    if int(value) == -(2**63):
+        return "std::numeric_limits<int64_t>::min()"
+    return f"{ctype}({int(value)}LL)"
+
+
+def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
+    arg_dtype = kernel.values[op.args[0]].dtype if op.args else op.dtype
+    a = names[op.args[0]] if op.args else ""
+    b = names[op.args[1]] if len(op.args) > 1 else ""
+    one = literal(1, arg_dtype) if arg_dtype.is_floating_point else "1"
+    name = op.name
+    if name == "convert_element_type":
+        if op.dtype == torch.bool:
+            return f"({a} != 0)"
+        return f"({COMPUTE[op.dtype]})({a})"
+    if name == "where":
+        return f"({a} ? {b} : {names[op.args[2]]})"
+    if name == "pow":
+        const = kernel.values[op.args[1]]
+        if isinstance(const, Const) and float(const.value) in _POW_CONST:
+            return _POW_CONST[float(const.value)].format(a=a, one=one)
+    if arg_dtype == torch.bool:
+        template = _BOOL_UNARY.get(name) or _BOOL_BINARY.get(name)
+        if template:
+            return template.format(a=a, b=b)
+    if arg_dtype.is_floating_point and name in _FLOAT_ONLY_UNARY:
+        return _FLOAT_ONLY_UNARY[name].format(a=a)
+    if not arg_dtype.is_floating_point and name in _INT_UNARY:
+        return _INT_UNARY[name].format(a=a)
+    if name in _UNARY:
+        return _UNARY[name].format(a=a, one=one)
+    return _BINARY[name].format(a=a, b=b)
+
+
+def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
+    """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output)."""
+    nptr = len(kernel.accesses) + len(kernel.outputs)
+    assert len(layout) == nptr
+    lines = [PRELUDE, 'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
+             "const int64_t* strides, char* const* ptrs, int64_t block, int64_t nthreads) {",
+             "  const int64_t inner = sizes[ndim - 1];",
+             "  int64_t rows = 1;",
+             "  for (int64_t d = 0; d + 1 < ndim; ++d) rows *= sizes[d];",
+             "  const int64_t nblocks = (inner + block - 1) / block;",
+             "  #pragma omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1)",
+             "  for (int64_t task = 0; task < rows * nblocks; ++task) {",
+             "    const int64_t row = task / nblocks;",
+             "    const int64_t j0 = (task % nblocks) * block;",
+             "    const int64_t j1 = inner < j0 + block ? inner : j0 + block;",
+             f"    int64_t off[{nptr}] = {{0}};",
+             "    int64_t r = row;",
+             "    for (int64_t d = ndim - 2; d >= 0; --d) {",
+             "      const int64_t i = r % sizes[d];",
+             "      r /= sizes[d];",
+             f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
+             "    }"]
+    dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
+    for p, dtype in enumerate(dtypes):
+        const = "const " if p < len(kernel.accesses) else ""
+        ctype = STORAGE[dtype]
+        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
+        if layout[p] == 2:
+            lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
+    lines.append("    #pragma omp simd")
+    lines.append("    for (int64_t j = j0; j < j1; ++j) {")
+    names: list[str] = []
+    for v, value in enumerate(kernel.values):
+        name = f"v{v}"
+        ctype = COMPUTE[value.dtype]
+        if isinstance(value, Load):
+            expr = f"p{value.access}[{_index(layout[value.access], value.access)}]"
+            if value.dtype == torch.bfloat16:
+                expr = f"bf16_load({expr})"
+            elif value.dtype == torch.float16:
+                expr = f"(float)({expr})"
+        elif isinstance(value, Const):
+            expr = literal(value.value, value.dtype)
+        else:
+            expr = f"({ctype})({_expr(kernel, value, names)})"
+            if value.dtype == torch.float16:
+                expr = f"f16_round({expr})"
+            elif value.dtype == torch.bfloat16:
+                expr = f"bf16_round({expr})"
+        lines.append(f"      const {ctype} {name} = {expr};")
+        names.append(name)
+    for k, v in enumerate(kernel.outputs):
+        p = len(kernel.accesses) + k
+        dtype = kernel.values[v].dtype
+        value = names[v]
+        if dtype == torch.bfloat16:
+            value = f"bf16_store({value})"
+        elif dtype == torch.float16:
+            value = f"(_Float16)({value})"
+        lines.append(f"      p{p}[{_index(layout[p], p)}] = {value};")
+    lines += ["    }", "  }", "}", ""]
+    return "\n".join(lines)
+
+
+def _index(kind: int, p: int) -> str:
+    return {0: "0", 1: "j"}.get(kind, f"j * s{p}")

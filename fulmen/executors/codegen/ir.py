@@ -1,0 +1,90 @@
+"""The kernel IR: a loop-level description of one fusion region.
+
+A pointwise `Kernel` runs over an iteration space of rank N (its sizes are kernel arguments).
+Every value is computed once per point of that space, in SSA order:
+
+    v0 = load a0          # access 0: a region input seen through a chain of views
+    v1 = const 2.0 : f32
+    v2 = mul(v0, v1) : f32
+    store o0 <- v2
+
+An `Access` is a region input read through a chain of view prims (broadcast, permute, slice,
+squeeze, reshape, flip); at run time the chain turns the input's strides into strides over the
+iteration space (0 where it broadcasts), so transposed, sliced and broadcast inputs are read in
+place. The IR carries dtypes, never sizes or strides: one kernel serves every shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ViewStep:
+    """One view prim applied to an access: `name` is the prim name, `params` its arguments."""
+
+    name: str
+    params: tuple
+
+
+@dataclass(frozen=True)
+class Access:
+    """Region input `input` read through `steps` (views ending at the iteration shape)."""
+
+    input: int
+    steps: tuple[ViewStep, ...]
+
+
+@dataclass(frozen=True)
+class Load:
+    access: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Const:
+    value: bool | int | float
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Op:
+    """`name` applied to values `args` (indices of earlier values); `params` are constants such
+    as the target dtype of a conversion. `dtype` is the result's dtype."""
+
+    name: str
+    args: tuple[int, ...]
+    dtype: torch.dtype
+    params: tuple = ()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A pointwise kernel: `values` in SSA order, `outputs` the values stored (one buffer each,
+    contiguous, of the iteration shape), `accesses` what the loads read."""
+
+    accesses: tuple[Access, ...]
+    access_dtypes: tuple[torch.dtype, ...]
+    values: tuple[Load | Const | Op, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def output_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(self.values[v].dtype for v in self.outputs)
+
+    def __str__(self) -> str:
+        lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
+                 for i, acc in enumerate(self.accesses)]
+        for i, value in enumerate(self.values):
+            if isinstance(value, Load):
+                lines.append(f"v{i} = load a{value.access} : {value.dtype}")
+            elif isinstance(value, Const):
+                lines.append(f"v{i} = const {value.value!r} : {value.dtype}")
+            else:
+                args = ", ".join(f"v{a}" for a in value.args)
+                params = "".join(f", {p}" for p in value.params)
+                lines.append(f"v{i} = {value.name}({args}{params}) : {value.dtype}")
+        lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
+        return "\n".join(lines)

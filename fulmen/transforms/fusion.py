@@ -1,0 +1,209 @@
+"""Fusion partitioning, shared by every fusion executor.
+
+`partition_for_fusion(trace, executor)` groups the statements a `FusionExecutor` can fuse into
+regions and replaces each region by the one bound symbol `executor.fuse` returns.
+
+1. Flatten: a torch-level op the executor cannot fuse whole, but whose decomposition consists
+   only of fusible prims, is replaced by those prims (flattened recursively). Ops claimed by a
+   higher-priority operator executor stay whole and unfused.
+2. Merge: on the dataflow graph (networkx; one node per region), each fusible statement is
+   merged with the regions of its fusible producers, then regions reading a common input are
+   merged horizontally. A merge happens only if it creates no cycle (no path between the two
+   regions through a third node), the region stays under `max_region_size` statements, and
+   `executor.can_fuse_region` accepts the union.
+3. Emit: regions in a topological order of the region graph (ties by first statement);
+   `executor.fuse(region, outputs)` returns the fused bound symbol, or None to keep the
+   statements. Flattened ops none of whose prims ended in a fused region are restored whole.
+
+NOTE [fusion never crosses unfusible ops]: a region is connected through fusible statements
+only, and the cycle check forbids merging two regions when a path between them runs through
+anything else (a matmul, an opaque op, a random op), so such an op is never moved across.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import networkx as nx
+
+from fulmen.core import BoundSymbol, Trace
+from fulmen.core.proxy import iter_proxies
+
+
+class FusionExecutor(Protocol):
+    """What the partitioner needs of a fusion executor (`fulmen.executors.FusionExecutor`)."""
+
+    def can_fuse(self, bsym: BoundSymbol) -> bool: ...
+
+    def can_fuse_region(self, region: list[BoundSymbol]) -> bool: ...
+
+    def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None: ...
+
+
+OperatorExecutor = Any  # anything with `claim(bsym) -> BoundSymbol | None`
+
+MAX_REGION_SIZE = 256
+
+
+def _flatten(bsym: BoundSymbol) -> list[BoundSymbol]:
+    if bsym.sym.is_prim or not bsym.subsymbols:
+        return [bsym]
+    out = []
+    for sub in bsym.subsymbols:
+        out.extend(_flatten(sub.replace(source=bsym.source)))
+    return out
+
+
+class _Node:
+    __slots__ = ("bsym", "origin", "fusible")
+
+    def __init__(self, bsym: BoundSymbol, origin: int, fusible: bool) -> None:
+        self.bsym, self.origin, self.fusible = bsym, origin, fusible
+
+
+def _flatten_for(trace: Trace, executor: FusionExecutor,
+                 before: Sequence[OperatorExecutor]) -> list[_Node]:
+    nodes: list[_Node] = []
+    for origin, bsym in enumerate(trace.bsyms):
+        if bsym.sym.python_name == "del" or any(ex.claim(bsym) is not None for ex in before):
+            nodes.append(_Node(bsym, origin, False))
+        elif executor.can_fuse(bsym):
+            nodes.append(_Node(bsym, origin, True))
+        else:
+            flat = _flatten(bsym)
+            if flat[0] is not bsym and all(executor.can_fuse(sub) for sub in flat):
+                nodes.extend(_Node(sub, origin, True) for sub in flat)
+            else:
+                nodes.append(_Node(bsym, origin, False))
+    return nodes
+
+
+class _Partition:
+    """Regions as nodes of a networkx DiGraph (edges: dataflow between regions)."""
+
+    def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int) -> None:
+        self.nodes = nodes
+        self.executor = executor
+        self.max_size = max_size
+        self.graph = nx.DiGraph()
+        self.region_of = list(range(len(nodes)))
+        self.members: dict[int, list[int]] = {i: [i] for i in range(len(nodes))}
+        self.producer: dict[str, int] = {}
+        self.consumers: dict[str, list[int]] = {}
+        self.graph.add_nodes_from(range(len(nodes)))
+        for i, node in enumerate(nodes):
+            for name in node.bsym.input_names:
+                self.consumers.setdefault(name, []).append(i)
+                if name in self.producer:
+                    self.graph.add_edge(self.producer[name], i)
+            for name in node.bsym.output_names:
+                self.producer[name] = i
+
+    def fusible(self, region: int) -> bool:
+        return self.nodes[region].fusible
+
+    def _would_cycle(self, a: int, b: int) -> bool:
+        for src, dst in ((a, b), (b, a)):
+            for succ in self.graph.successors(src):
+                if succ != dst and nx.has_path(self.graph, succ, dst):
+                    return True
+        return False
+
+    def try_merge(self, a: int, b: int) -> bool:
+        a, b = self.region_of[a], self.region_of[b]
+        if a == b or not (self.fusible(a) and self.fusible(b)):
+            return False
+        members = sorted(self.members[a] + self.members[b])
+        if len(members) > self.max_size or self._would_cycle(a, b):
+            return False
+        if not self.executor.can_fuse_region([self.nodes[i].bsym for i in members]):
+            return False
+        keep, gone = (a, b) if a < b else (b, a)
+        nx.contracted_nodes(self.graph, keep, gone, self_loops=False, copy=False)
+        for i in self.members.pop(gone):
+            self.region_of[i] = keep
+        self.members[keep] = members
+        return True
+
+    def merge_all(self) -> None:
+        for i, node in enumerate(self.nodes):
+            if not node.fusible:
+                continue
+            for name in node.bsym.input_names:
+                producer = self.producer.get(name)
+                if producer is not None and producer < i:
+                    self.try_merge(producer, i)
+        for readers in self.consumers.values():
+            for other in readers[1:]:
+                self.try_merge(readers[0], other)
+
+    def outputs(self, region: int, trace_outputs: set[str]) -> list:
+        inside = set(self.members[region])
+        out = []
+        for i in self.members[region]:
+            for proxy in self.nodes[i].bsym.proxy_outputs:
+                readers = self.consumers.get(proxy.name, ())
+                if proxy.name in trace_outputs or any(r not in inside for r in readers):
+                    out.append(proxy)
+        return out
+
+    def order(self) -> list[int]:
+        return list(nx.lexicographical_topological_sort(self.graph, key=lambda r: r))
+
+
+def partition_for_fusion(
+    trace: Trace,
+    executor: FusionExecutor,
+    before: Sequence[OperatorExecutor] = (),
+    max_region_size: int = MAX_REGION_SIZE,
+) -> Trace:
+    """Replace the regions `executor` can fuse by fused bound symbols (see module docstring).
+
+    `before` are the operator executors ahead of `executor` in the priority list: statements
+    they claim are left alone. Returns `trace` itself when nothing was fused.
+    """
+    nodes = _flatten_for(trace, executor, before)
+    part = _Partition(nodes, executor, max_region_size)
+    part.merge_all()
+    trace_outputs = trace.output_names
+    emitted: list[tuple[int, list[BoundSymbol]]] = []
+    fused_origins: set[int] = set()
+    for region in part.order():
+        members = part.members[region]
+        fused = None
+        if part.fusible(region):
+            region_bsyms = [nodes[i].bsym for i in members]
+            fused = executor.fuse(region_bsyms, part.outputs(region, trace_outputs))
+        if fused is not None:
+            emitted.append((-1, [fused]))
+            fused_origins.update(nodes[i].origin for i in members)
+        else:
+            emitted.extend((i, [nodes[i].bsym]) for i in members)
+    if not fused_origins:
+        return trace
+    last_index = {node.origin: i for i, node in enumerate(nodes)}
+    bsyms: list[BoundSymbol] = []
+    for index, group in emitted:
+        if index < 0:
+            bsyms.extend(group)
+            continue
+        origin = nodes[index].origin
+        original = trace.bsyms[origin]
+        if origin in fused_origins or nodes[index].bsym is original:
+            bsyms.extend(group)
+        elif last_index[origin] == index:
+            bsyms.append(original)  # none of its prims were fused: restore the op whole
+    return trace.replace(bsyms=tuple(bsyms))
+
+
+def region_inputs(region: Sequence[BoundSymbol]) -> list:
+    """Proxies a region reads that it does not produce, in first-use order."""
+    produced: set[str] = set()
+    seen: dict[str, object] = {}
+    for bsym in region:
+        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
+            if proxy.name not in produced:
+                seen.setdefault(proxy.name, proxy)
+        produced |= bsym.output_names
+    return list(seen.values())

@@ -1,0 +1,155 @@
+"""The fusion partitioner (with the codegen executor): regions, no cycles, printed traces,
+and the fallback when kernels cannot be compiled."""
+
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.core import check_trace
+from fulmen.executors.codegen import codegen_ex
+from fulmen.executors.codegen import compile as cg_compile
+from fulmen.transforms.fusion import partition_for_fusion
+
+EXECUTORS = ["codegen", "torch"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    old = os.environ.get("FULMEN_CACHE_DIR")
+    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
+    yield
+    if old is None:
+        os.environ.pop("FULMEN_CACHE_DIR", None)
+    else:
+        os.environ["FULMEN_CACHE_DIR"] = old
+
+
+def _normalise(source: str) -> str:
+    source = re.sub(r"fusion\d+", "fusionN", source)
+    source = re.sub(r"# \S+\.py:\d+ ", "# <src> ", source)
+    return source.split("\n", 1)[1]  # drop the header (timings)
+
+
+def test_no_cycle_through_unfusible_op():
+    # exp -> matmul -> add also reads exp's output: merging exp with add would make a cycle
+    # through the matmul, so exp and (add, sin) must be two regions around it.
+    def fn(x, w):
+        t = x.exp()
+        m = t @ w
+        return (t + m).sin()
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, w), fn(x, w))
+    trace = fulmen.last_traces(jfn)[-1]
+    check_trace(trace)
+    calls = [b.sym.name for b in trace.bsyms if b.sym.python_name != "del"]
+    assert len(calls) == 3 and calls[0].startswith("fusion") and calls[2].startswith("fusion")
+    assert "matmul" in calls[1]
+    fused = [b for b in trace.bsyms if "fusion" in b.sym.tags]
+    assert [s.sym.name for s in fused[0].subsymbols] == ["exp"]
+    assert [s.sym.name for s in fused[1].subsymbols] == ["add", "sin"]
+
+
+def test_partitioner_is_pure_and_merges_siblings():
+    def fn(x, y):
+        return x.exp() * 2, (x + y).cos()  # independent siblings sharing x
+
+    x, y = torch.randn(5), torch.randn(5)
+    jfn = fulmen.jit(fn, executors=["torch"])
+    jfn(x, y)
+    trace = fulmen.last_traces(jfn)[0]
+    before = str(trace)
+    fused = partition_for_fusion(trace, codegen_ex)
+    assert str(trace) == before  # the input trace is untouched
+    check_trace(fused)
+    regions = [b for b in fused.bsyms if "fusion" in b.sym.tags]
+    assert len(regions) == 1 and len(regions[0].subsymbols) == 4
+    assert isinstance(regions[0].output, tuple) and len(regions[0].output) == 2
+
+
+def test_region_never_crosses_random_or_opaque_ops():
+    def fn(x):
+        r = torch.rand_like(x)
+        return (x * r).exp() + x.cumsum(0).sin()
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    x = torch.randn(6)
+    torch.manual_seed(1)
+    expected = fn(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(jfn(x), expected)
+    trace = fulmen.last_traces(jfn)[-1]
+    for bsym in trace.bsyms:
+        if "fusion" in bsym.sym.tags:
+            names = {s.sym.name for s in bsym.subsymbols}
+            assert not names & {"uniform", "rand_like", "cumsum"}
+
+
+SNAPSHOT = '''\
+import torch
+from fulmen.extend import get_executor
+from fulmen.ops import prims
+codegen = get_executor('codegen')
+
+def computation(x, b):
+  # x: "cpu f32[2, 3]"
+  # b: "cpu f32[3]"
+
+  # <src>  return torch.relu(x * b + 1).sum(1)
+  t3 = codegen.fusionN(b, x)  # t3: "cpu f32[2, 3]"
+    # t0 = prims.broadcast_in_dim(b, (2, 3), (1,))
+    # t1 = prims.mul(x, t0)
+    # t2 = prims.add(t1, 1)
+    # t3 = prims.maximum(t2, 0)
+  del b, x
+  t4 = torch.sum(t3, 1)  # t4: "cpu f32[2]"
+  del t3
+  return t4
+'''
+
+
+def test_printed_fused_trace_snapshot():
+    def fn(x, b):
+        return torch.relu(x * b + 1).sum(1)
+
+    x, b = torch.randn(2, 3), torch.randn(3)
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, b), fn(x, b))
+    final = fulmen.last_traces(jfn)[-1]
+    assert _normalise(str(final)) == SNAPSHOT
+    # the printed execution trace runs on its own
+    torch.testing.assert_close(final.python_callable()(x, b), fn(x, b))
+
+
+def test_compile_failure_falls_back_to_torch_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cg_compile, "compiler", lambda: None)
+
+    def fn(x):
+        return (x * 3.25).tanh() - 0.125
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    x = torch.randn(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = jfn(x), jfn(x + 1)
+    torch.testing.assert_close(first, fn(x))
+    torch.testing.assert_close(second, fn(x + 1))
+    messages = [str(w.message) for w in caught if "fulmen codegen" in str(w.message)]
+    assert len(messages) == 1 and "no C++ compiler" in messages[0]
+
+
+def test_compiler_error_falls_back(monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+
+    def fn(x):
+        return (x - 0.375).abs() * 5.5
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    x = torch.randn(9)
+    with pytest.warns(RuntimeWarning, match="fulmen codegen"):
+        torch.testing.assert_close(jfn(x), fn(x))
