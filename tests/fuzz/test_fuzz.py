@@ -18,6 +18,7 @@ EXAMPLES = int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200"))
 CONFIGS = {
     "torch": {"executors": ["torch"]},
     "decomposed": {"executors": ["torch"], "transforms": [decompose_to_prims]},
+    "codegen": {"executors": ["codegen", "torch"]},
 }
 TOLERANCE = {  # (rtol, atol): half precision differs in rounding of intermediates
     torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7),
