@@ -120,11 +120,11 @@ def _stage_output(trace: Trace, value):
     return value[0] if trace.name == "forward" else value
 
 
-def _narrow(good: Trace, bad: Trace, inputs, rtol, atol) -> BoundSymbol | None:
+def _narrow(good: Trace, bad: Trace, inputs_for, rtol, atol) -> BoundSymbol | None:
     """The first statement of `bad` whose outputs differ from `good`'s values of the same names
     (or, for a statement without counterparts, from its own subsymbols run by torch)."""
-    _, good_env = interpret(good, *inputs)
-    _, bad_env = interpret(bad, *inputs)
+    _, good_env = interpret(good, *inputs_for(good))
+    _, bad_env = interpret(bad, *inputs_for(bad))
     for bsym in bad.bsyms:
         if bsym.sym.python_name == "del":
             continue
@@ -231,7 +231,7 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
             report.stages.append(StageCheck(trace.provenance, ok, worst, detail))
             if not ok and report.first_bad_stage is None:
                 report.first_bad_stage = trace.provenance
-                _locate(report, previous, trace, inputs, rtol, atol, repro_dir)
+                _locate(report, previous, trace, lambda _: inputs, rtol, atol, repro_dir)
             previous = trace
 
     if wants_grad:
@@ -240,10 +240,12 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
     return report
 
 
-def _locate(report, good, bad, inputs, rtol, atol, repro_dir) -> None:
+def _locate(report, good, bad, inputs_for, rtol, atol, repro_dir) -> None:
+    """Narrow a divergence of stage `bad` (vs the stage `good` before it) to one statement;
+    `inputs_for(trace)` gives a stage's arguments."""
     if good is None:
         return
-    culprit = _narrow(good, bad, inputs, rtol, atol)
+    culprit = _narrow(good, bad, inputs_for, rtol, atol)
     if culprit is None:
         return
     report.culprit = statement_source(culprit)
@@ -267,10 +269,17 @@ def _verify_backward(report, machinery, forward: Trace, inputs, expected, grad_i
     cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
     eager_grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
     with torch.no_grad():
-        (outputs, residuals), _ = interpret(forward, *inputs)
+        _, forward_env = interpret(forward, *inputs)
+
+        def backward_inputs(trace: Trace) -> list:
+            residuals = [forward_env[n] for n in trace.arg_names if n in forward_env]
+            return residuals + cotangents
+
         previous = None
         for trace in backward_traces:
-            grads, _ = interpret(trace, *residuals, *cotangents)
+            # stages may differ in which forward values they take (rematerialization): feed each
+            # its arguments by name from the forward's values, then the cotangents in order
+            grads, _ = interpret(trace, *backward_inputs(trace))
             actual = [g for g, x in zip(grads, inputs)
                       if isinstance(x, torch.Tensor) and x.requires_grad]
             expected_grads = [torch.zeros_like(x) if g is None else g
@@ -281,7 +290,7 @@ def _verify_backward(report, machinery, forward: Trace, inputs, expected, grad_i
             report.stages.append(StageCheck(stage, ok, worst, detail))
             if not ok and report.first_bad_stage is None:
                 report.first_bad_stage = stage
-                _locate(report, previous, trace, [*residuals, *cotangents], rtol, atol, repro_dir)
+                _locate(report, previous, trace, backward_inputs, rtol, atol, repro_dir)
             previous = trace
 
 

@@ -1,6 +1,7 @@
 """`check_trace`: the structural invariants every trace keeps.
 
-- SSA: every name is assigned once (inputs count as assignments).
+- SSA: every name is assigned once (inputs count as assignments), also counting the names a
+  statement's decomposition assigns (a later pass may replace the statement by it).
 - Def-before-use: every proxy a statement reads is an input or an earlier output, not deleted.
 - Metadata: every mention of a name has the same type (shape, dtype, device).
 - The trace's outputs are defined, and its printed source compiles.
@@ -15,6 +16,27 @@ from fulmen.core.proxy import iter_proxies
 def _fail(trace, message: str, bsym=None) -> FulmenError:
     where = bsym.source if bsym is not None else None
     return FulmenError(f"invalid trace {trace.name!r} ({trace.provenance}): {message}", where=where)
+
+
+def _nested_outputs(bsym, names: list[str]) -> None:
+    for sub in bsym.subsymbols:
+        names.extend(proxy.name for proxy in iter_proxies(sub.output))
+        _nested_outputs(sub, names)
+
+
+def _check_nested_names(trace) -> None:
+    """Names assigned inside decompositions must not collide with other statements' names."""
+    owner: dict[str, int] = {proxy.name: -1 for proxy in trace.args}
+    for index, bsym in enumerate(trace.bsyms):
+        for proxy in iter_proxies(bsym.output):
+            owner.setdefault(proxy.name, index)
+    for index, bsym in enumerate(trace.bsyms):
+        nested: list[str] = []
+        _nested_outputs(bsym, nested)
+        for name in set(nested):
+            if owner.setdefault(name, index) != index:
+                raise _fail(trace, f"{name} is assigned twice (once inside the decomposition of "
+                                   f"{bsym.sym.python_name})", bsym)
 
 
 def check_trace(trace) -> None:
@@ -41,6 +63,7 @@ def check_trace(trace) -> None:
 
     for proxy in trace.args:
         define(proxy)
+    _check_nested_names(trace)
     for bsym in trace.bsyms:
         for proxy in iter_proxies((bsym.args, bsym.kwargs)):
             use(proxy, bsym)

@@ -6,12 +6,19 @@ calls with no tensor argument, such as `torch.zeros`). The route, in order:
 
 1. a value-dependent call (`.item()`, `bool(t)`, `.tolist()`, ...) raises a `FulmenError` naming
    the construct and the user's line;
-2. an in-place or `out=` call raises `NotYetSupportedError` (never a dropped mutation);
-3. a torch callable with a fulmen decomposition records that torch-level symbol (a
-   decomposition that raises `NotYetSupportedError` for some arguments falls through to 4);
-4. anything else records the opaque symbol for the callable (PyTorch's meta kernel gives the
+2. an in-place or `out=` call is functionalized (`fulmen.tracer.mutation`): recorded as its
+   out-of-place form, with the mutated tensor's later reads and a final write-back following it;
+3. tensor arguments are replaced by their current values (after earlier in-place updates), and
+   inside `torch.autocast` regions cast as autocast would (`fulmen.tracer.autocast`);
+4. a torch callable with a fulmen decomposition records that torch-level symbol (a
+   decomposition that raises `NotYetSupportedError` for some arguments falls through to 5);
+5. anything else records the opaque symbol for the callable (PyTorch's meta kernel gives the
    output); a call whose result holds no tensor (a metadata query) returns that result as a
    constant and records nothing.
+
+Afterwards, views are registered (so mutating a view updates its base, and the reverse), and
+grad mode is honoured: under `torch.no_grad()` inside a differentiated function, results that
+depend on tensors requiring grad are detached, as eager's results do not require grad.
 
 Real tensors met along the way (captured globals, closure variables, module attributes that are
 not parameters) become extra inputs of the trace, so later mutations of them are seen at run time.
@@ -19,8 +26,7 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +34,14 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
+from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import user_source_location
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import METADATA_FUNCTIONS
+from fulmen.tracer.autocast import autocast_arguments
+from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 
 T = torch.Tensor
 
@@ -66,19 +75,11 @@ _INPLACE_DUNDERS = {
 }  # fmt: skip
 
 
-@functools.cache
-def _signature(func) -> inspect.Signature | None:
-    try:
-        return inspect.signature(func)
-    except (TypeError, ValueError):
-        return None
-
-
 def _bound_flag(func, args, kwargs, name: str):
     """The value passed for parameter `name` (by keyword or position), or None."""
     if name in kwargs:
         return kwargs[name]
-    signature = _signature(func)
+    signature = signature_of(func)
     if signature is None or name not in signature.parameters:
         return None
     try:
@@ -103,16 +104,46 @@ def _is_inplace(func, args, kwargs) -> bool:
         return True
     if _bound_flag(func, args, kwargs, "inplace") is True:
         return True
+    if func is F.batch_norm and _bound_flag(func, args, kwargs, "training") is True:
+        return any(_bound_flag(func, args, kwargs, stat) is not None
+                   for stat in ("running_mean", "running_var"))
     return func is F.embedding and _bound_flag(func, args, kwargs, "max_norm") is not None
 
 
+_DETACH = (T.detach, torch.detach)
+
+
 class TracerCtx(TraceCtx):
-    """A `TraceCtx` that also routes torch calls and captures real tensors as inputs."""
+    """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
+
+    `differentiable` (grad mode when tracing started) says whether the trace may be
+    differentiated; `requires_grad_names` are the proxies that depend on an input requiring
+    grad through ops run with grad enabled. `mutation` holds the functionalization state.
+    """
 
     def __init__(self, name: str = "computation") -> None:
         super().__init__(name)
         self.captured: dict[int, tuple[torch.Tensor, TensorProxy]] = {}
         self.torch_function = self.handle
+        self.mutation = Functionalizer(self)
+        self.differentiable = torch.is_grad_enabled()
+        self.requires_grad_names: set[str] = set()
+        self._internal = 0
+
+    def add_input(self, proxy: TensorProxy) -> None:
+        """Declare `proxy` a trace input (argument, module state or captured tensor)."""
+        self.mutation.add_input(proxy)
+        if proxy.requires_grad:
+            self.requires_grad_names.add(proxy.name)
+
+    @contextlib.contextmanager
+    def internal(self):
+        """Torch calls made by the tracer itself (on current values, never in place)."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
 
     def capture(self, tensor: torch.Tensor) -> TensorProxy:
         """The input proxy standing for a real tensor the traced code closed over."""
@@ -122,6 +153,7 @@ class TracerCtx(TraceCtx):
             proxy = TensorProxy(name, tensor.shape, tensor.dtype, tensor.device,
                                 strides=tensor.stride(), requires_grad=tensor.requires_grad)
             entry = self.captured[id(tensor)] = (tensor, proxy)
+            self.add_input(proxy)
         return entry[1]
 
     def _proxify(self, tree):
@@ -144,21 +176,78 @@ class TracerCtx(TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
-        if _is_inplace(func, args, kwargs):
-            raise NotYetSupportedError(
-                "in-place operations and out= are not supported yet while tracing",
-                op=_func_name(func),
-                where=user_source_location(),
-                hint="use the out-of-place form (x = x.add(y) instead of x.add_(y))",
-            )
         args, kwargs = self._proxify((args, kwargs))
+        if self._internal:
+            return self._dispatch(func, args, kwargs)
+        if _is_inplace(func, args, kwargs):
+            return self.mutation.functionalize(func, args, kwargs)
+        r_args, r_kwargs = self.mutation.resolve_tree((args, kwargs))
+        with self.internal():
+            if torch._C._is_any_autocast_enabled():
+                r_args, r_kwargs = autocast_arguments(func, r_args, r_kwargs)
+            out = self._dispatch(func, r_args, r_kwargs)
+        if r_args is not args or r_kwargs is not kwargs:
+            out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
+        if func in VIEW_FUNCTIONS:
+            self.mutation.record_view(func, args, kwargs, out)
+        return out
+
+    def _dispatch(self, func, args, kwargs):
         sym = symbol_for(func)
+        out = None
         if sym is not None:
             try:
-                return sym(*args, **kwargs)
+                out = sym(*args, **kwargs)
             except NotYetSupportedError:
-                pass  # the decomposition does not cover these arguments: run the op whole
-        return opaque_symbol(func)(*args, **kwargs)
+                sym = None  # the decomposition does not cover these arguments: run the op whole
+        if sym is None:
+            out = opaque_symbol(func)(*args, **kwargs)
+        if self.requires_grad_names and func not in _DETACH:
+            out = self._track_grad(func, args, kwargs, out)
+        return out
+
+    def call(self, sym, *args, **kwargs):
+        """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
+        out = sym(*args, **kwargs)
+        if self.requires_grad_names:
+            out = self._track_grad(sym, args, kwargs, out)
+        return out
+
+    def _track_grad(self, func, args, kwargs, out):
+        """Propagate requires-grad names; detach results computed under `no_grad` (see the
+        module docstring)."""
+        reads = [p for p in iter_proxies((args, kwargs)) if p.name in self.requires_grad_names]
+        if not reads:
+            return out
+        floating = [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
+                    and (p.dtype.is_floating_point or p.dtype.is_complex)]
+        if torch.is_grad_enabled():
+            if not self.differentiable:
+                raise NotYetSupportedError(
+                    "an op inside torch.enable_grad() reads a tensor that requires grad, but the "
+                    "compiled function was called with grad disabled", op=_func_name(func),
+                    where=user_source_location(),
+                    hint="call the compiled function with grad enabled")
+            self.requires_grad_names.update(p.name for p in floating)
+            return out
+        if not self.differentiable or not floating:
+            return out
+        detached = {p.name: T.detach(p) for p in floating}
+        return pytree.tree_map(
+            lambda leaf: detached.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
+            out)
+
+
+def _restore_identities(out, user, resolved):
+    """An op that returned one of its (resolved) arguments returns the object the user passed,
+    as eager returns the very same tensor (`x.float()` on a float tensor)."""
+    originals = {}
+    for before, after in zip(pytree.tree_leaves(user), pytree.tree_leaves(resolved)):
+        if isinstance(after, TensorProxy) and after is not before:
+            originals[id(after)] = before
+    if not originals:
+        return out
+    return pytree.tree_map(lambda leaf: originals.get(id(leaf), leaf), out)
 
 
 class FactoryMode(TorchFunctionMode):

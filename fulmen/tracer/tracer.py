@@ -3,13 +3,15 @@
 Inputs: tensor leaves of the call's arguments become input proxies named after the parameters
 they were passed as (`x`, `batch_0`, `kwargs_mask`); module parameters and buffers become inputs
 named after their qualified names (`layers_0_weight`); real tensors the code closes over become
-`captured*` inputs. Non-tensor leaves (Python numbers, strings, None) are constants baked into
+`captured*` inputs. In-place updates of any of them end the trace with explicit write-backs
+(`torch.Tensor.copy_(x, t7)`; see `fulmen.tracer.mutation`). Non-tensor leaves (Python numbers, strings, None) are constants baked into
 the trace; the cache key guards their values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +21,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import Trace, tracing
+from fulmen.core import NotYetSupportedError, Trace, tracing
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+from fulmen.tracer.mutation import WRITE_BACK
 
 
 @dataclass
@@ -37,6 +40,9 @@ class TracedProgram:
         output_spec: treespec to rebuild the output from the trace's flat tuple, or None when the
             trace returns the user's structure directly.
         seconds: time spent tracing.
+        mutated_inputs: indices (among the trace inputs) of the tensors the trace writes back
+            to; the runtime checks that they share memory with no other input
+            (`check_no_input_aliasing`).
     """
 
     trace: Trace
@@ -46,6 +52,25 @@ class TracedProgram:
     output_spec: Any = None
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    mutated_inputs: tuple[int, ...] = ()
+
+
+def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
+    """Raise if an input the trace mutates shares memory with another input: the trace treats
+    inputs as independent, so eager's effects through the alias would be lost.
+
+    Raises:
+        NotYetSupportedError: naming the two inputs' positions.
+    """
+    storages = {}
+    for index, tensor in enumerate(inputs):
+        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
+    for index in mutated:
+        shared = storages[inputs[index].untyped_storage().data_ptr()]
+        if len(shared) > 1:
+            raise NotYetSupportedError(
+                f"trace inputs {shared} share memory and input {index} is modified in place",
+                op="in-place update", hint="pass separate tensors (clone one of them)")
 
 
 @dataclass(frozen=True)
@@ -139,16 +164,49 @@ def _is_printable_spec(spec) -> bool:
     return all(_is_printable_spec(child) for child in spec.children())
 
 
+def _flatten_output(out) -> tuple[list, Any]:
+    """`pytree.tree_flatten(out)`, registering dataclass types met among the leaves as pytree
+    nodes first (so a dataclass of tensors is rebuilt around the compiled outputs).
+
+    Raises:
+        NotYetSupportedError: for an output object holding traced tensors that cannot be
+            rebuilt (a class pytree does not know, a dataclass with `init=False` fields).
+    """
+    while True:
+        leaves, spec = pytree.tree_flatten(out)
+        registered = False
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) or leaf is None:
+                continue
+            kind = type(leaf)
+            if dataclasses.is_dataclass(leaf) and all(f.init for f in dataclasses.fields(leaf)):
+                if kind not in pytree.SUPPORTED_NODES:
+                    pytree.register_dataclass(kind)
+                    registered = True
+                continue
+            held = getattr(leaf, "__dict__", {})
+            if any(isinstance(value, TensorProxy) for value in held.values()):
+                raise NotYetSupportedError(
+                    f"the function returns a {kind.__qualname__} holding traced tensors, which "
+                    "fulmen cannot rebuild", op="return",
+                    hint="return tensors in tuples, lists, dicts, NamedTuples or dataclasses")
+        if not registered:
+            return leaves, spec
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
-                  name: str = "computation") -> TracedProgram:
+                  name: str = "computation", ctx: TracerCtx | None = None) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
+
+    `ctx` is a fresh recording context to use (by default one is made); after a failure its
+    statements are the part of the program traced so far (`fulmen.examine` reports them).
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
             control flow, an op PyTorch cannot describe); the message names the user's line.
     """
     start = time.perf_counter()
-    ctx = TracerCtx(name)
+    ctx = TracerCtx(name) if ctx is None else ctx
     target = module.forward if module is not None else fn
     param_names = _positional_names(target)
     leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
@@ -162,6 +220,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                                 leaf.dtype, leaf.device, requires_grad=leaf.requires_grad,
                                 strides=leaf.stride())
             inputs.append(proxy)
+            ctx.add_input(proxy)
             positions.append(index)
             proxied_leaves.append(proxy)
         else:
@@ -175,6 +234,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         state[id(tensor)] = TensorProxy(ctx.names.named(slot.qualname), tensor.shape,
                                         tensor.dtype, tensor.device,
                                         requires_grad=tensor.requires_grad, strides=tensor.stride())
+        ctx.add_input(state[id(tensor)])
         state_names.append(slot.qualname)
 
     with tracing(ctx), FactoryMode(ctx):
@@ -183,9 +243,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 out = module(*proxy_args, **proxy_kwargs)
         else:
             out = fn(*proxy_args, **proxy_kwargs)
-        out_leaves, out_spec = pytree.tree_flatten(out)
+        out_leaves, out_spec = _flatten_output(out)
         out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                       and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
+        out_leaves = ctx.mutation.finish(out_leaves)
 
     if _is_printable_spec(out_spec):
         output, output_spec = pytree.tree_unflatten(out_leaves, out_spec), None
@@ -197,5 +258,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     seconds = time.perf_counter() - start
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
+    arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
+    mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
-                         output_spec, seconds)
+                         output_spec, seconds, mutated_inputs=mutated)

@@ -104,10 +104,34 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
             if _in(name) in reachable and _out(name) not in reachable]
 
 
+def _all_names(bsym: BoundSymbol) -> set[str]:
+    names = set(bsym.output_names)
+    for sub in bsym.subsymbols:
+        names |= _all_names(sub)
+    return names
+
+
+def _parts(bsym: BoundSymbol) -> list[BoundSymbol]:
+    if not bsym.subsymbols:
+        return [bsym]
+    return [part for sub in bsym.subsymbols for part in _parts(sub.replace(source=bsym.source))]
+
+
 @transform("rematerialization")
 def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved_names: set[str],
                       cotangents: tuple) -> Trace:
-    bsyms = live_bsyms((*recompute, *backward.bsyms), backward.output)
+    # The backward may already recompute some intermediates of a decomposition (autodiff does,
+    # for ops without a rule). A recomputed op whose decomposition assigns one of those names
+    # goes in as its parts, and the backward's own later copies of them are dropped: the same
+    # name is the same forward value, so the trace stays SSA.
+    defined = set().union(*(_all_names(b) for b in backward.bsyms)) if backward.bsyms else set()
+    prologue = []
+    for bsym in recompute:
+        prologue.extend(_parts(bsym) if (_all_names(bsym) - bsym.output_names) & defined
+                        else [bsym])
+    early = {name for b in prologue for name in _all_names(b)}
+    rest = [b for b in backward.bsyms if not (b.output_names and b.output_names <= early)]
+    bsyms = live_bsyms((*prologue, *rest), backward.output)
     defined = {name for b in bsyms for name in b.output_names} | {c.name for c in cotangents}
     residuals: dict[str, Proxy] = {}
     for bsym in bsyms:

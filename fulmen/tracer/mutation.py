@@ -1,0 +1,577 @@
+"""Functionalization of in-place operations while tracing.
+
+Traces are SSA: a name is assigned once and never changes value. User code mutates tensors
+(`x.add_(1)`, `x[..., :n] = y`, `F.relu(x, inplace=True)`, BatchNorm's running statistics), so
+the tracer rewrites each mutation as it records it:
+
+- the in-place op becomes its out-of-place form (`t3 = ltorch.add(t2, 1)`), cast back to the
+  mutated tensor's dtype and checked against its shape, as eager does;
+- the tensor object the user holds keeps standing for the tensor: later reads of it (and of any
+  view of it the tracer has seen) read the newest SSA value (`Functionalizer.resolve`);
+- a mutation through a view writes into the view's *base* with `functionalized.view_scatter`
+  (a fresh copy of the base with the view overwritten), and views of the base are recomputed
+  lazily when read after their base changed;
+- at the end of the trace, every mutated trace input (argument, module parameter/buffer,
+  captured tensor) gets an explicit write-back statement, `torch.Tensor.copy_(x, t7)`, tagged
+  `side_effect` so dead code elimination keeps it. The caller sees eager's side effects.
+
+NOTE [aliasing the tracer cannot decide]: whether `reshape`/`flatten` return a view depends on
+strides that are only known for trace inputs. A maybe-view of anything else is recorded as
+such; mutating it, or reading it after its base was mutated, raises `NotYetSupportedError`
+naming the op and line: never a dropped or misdirected mutation.
+
+NOTE [mutation and autodiff]: a trace input that requires grad must not be mutated in a trace
+that may be differentiated (eager raises for leaves; for the rest the functional form would
+hide the mutation from autograd), nor be updated with a value that requires grad: both raise.
+In a trace that will be differentiated, reads of a mutated input read a snapshot taken at the
+start (`functionalized.snapshot`), since the backward may save, or recompute from, any forward
+value and the input holds the new value once the forward has run. Mutating intermediates is
+plain SSA and differentiates like any other op.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, Symbol
+from fulmen.core.proxy import iter_proxies, map_proxies
+from fulmen.core.source import user_source_location
+from fulmen.core.symbol import Namespace
+from fulmen.ops.meta import run_meta
+from fulmen.proxies import TensorProxy
+
+T = torch.Tensor
+FUNCTIONALIZED = Namespace("functionalized", "fulmen.tracer.mutation",
+                           "from fulmen.tracer import mutation as functionalized")
+_TORCH = Namespace("torch", torch, "import torch")
+
+# ---------------------------------------------------------------------------------------------
+# Functional forms of mutations (symbols printed traces call)
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_back_meta(dst, src):
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise FulmenError(f"write-back of {src.type_string()} into {dst.type_string()}",
+                          op="copy_")
+
+
+# `dst.copy_(src)`: the explicit side effect ending a trace that mutates its inputs.
+WRITE_BACK = Symbol("copy_", _write_back_meta, namespace=_TORCH, python_name="torch.Tensor.copy_",
+                    impl=T.copy_, torch_fn=T.copy_, tags={"side_effect", "write_back"})
+
+
+def _replay(view: T, steps) -> T:
+    """Apply recorded view steps (`(kind, name, args, kwargs, index)`) to `view`."""
+    for kind, name, args, kwargs, index in steps:
+        if kind == "attr":
+            view = getattr(view, name)
+        else:
+            view = getattr(T, _REPLAY_AS.get(name, name))(view, *args, **kwargs)
+        if index is not None:
+            view = view[index]
+    return view
+
+
+def view_scatter_impl(base: T, value: T, steps: tuple) -> T:
+    """A copy of `base` whose view `steps` is overwritten with `value` (same shape and dtype)."""
+    out = base.clone(memory_format=torch.contiguous_format)
+    view = _replay(out, steps)
+    if view.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():  # never expected
+        raise FulmenError("the view of a mutation does not alias its base", op="view_scatter")
+    view.copy_(value)
+    return out
+
+
+def setitem_impl(base: T, index, value) -> T:
+    """`base` with `base[index] = value` applied to a copy (basic or advanced index)."""
+    out = base.clone()
+    out[index] = value
+    return out
+
+
+def apply_inplace_impl(method: str, self: T, *args, **kwargs) -> T:
+    """A copy of `self` after the in-place method `method` (e.g. `"uniform_"`) ran on it."""
+    out = self.clone()
+    getattr(out, method)(*args, **kwargs)
+    return out
+
+
+def _opaque_meta(impl):
+    def meta(*args, **kwargs):
+        try:
+            return run_meta(impl, *args, **kwargs)
+        except FulmenError:
+            raise
+        except Exception as error:  # eager's own error message (shape mismatch, bad cast, ...)
+            raise FulmenError(str(error), op=impl.__name__.removesuffix("_impl"),
+                              where=user_source_location()) from error
+
+    return meta
+
+
+def _functional_symbol(name: str, impl, tags=()) -> Symbol:
+    return Symbol(name, _opaque_meta(impl), namespace=FUNCTIONALIZED, impl=impl, torch_fn=impl,
+                  tags={"opaque", "functionalized", *tags})
+
+
+def snapshot_impl(a: T) -> T:
+    """A copy of `a` taken before the trace mutates it (see NOTE [mutation and autodiff])."""
+    return a.clone()
+
+
+view_scatter = _functional_symbol("view_scatter", view_scatter_impl)
+# opaque on purpose: rematerialization never recomputes it from the (since mutated) input
+snapshot = _functional_symbol("snapshot", snapshot_impl)
+setitem = _functional_symbol("setitem", setitem_impl)
+apply_inplace = _functional_symbol("apply_inplace", apply_inplace_impl)
+apply_inplace_random = _functional_symbol("apply_inplace_random", apply_inplace_impl, {"random"})
+
+@functools.cache
+def signature_of(func) -> inspect.Signature | None:
+    """`inspect.signature(func)`, or None for builtins without one."""
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Which calls are views
+# ---------------------------------------------------------------------------------------------
+
+# Replaying a view on a value the tracer computed: `view` needs strides we do not track, while
+# `reshape` gives the same elements and is a view wherever `view` would have succeeded.
+_REPLAY_AS = {"view": "reshape", "view_as": "reshape_as"}
+_VIEW_METHODS = (
+    "view", "view_as", "__getitem__", "select", "narrow", "transpose", "t", "permute", "squeeze",
+    "unsqueeze", "expand", "expand_as", "unflatten", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "diagonal", "unfold", "unbind", "split", "split_with_sizes", "chunk",
+    "tensor_split", "hsplit", "vsplit", "dsplit", "detach", "broadcast_to", "adjoint", "alias",
+)  # fmt: skip
+_MAYBE_VIEW_METHODS = ("reshape", "reshape_as", "flatten", "ravel")
+_VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
+# Views whose element mapping depends on strides (or that mutating is an error for): reading
+# them after their base changed, or mutating them, raises.
+_UNREPLAYABLE = ("as_strided", "expand", "expand_as", "broadcast_to", "unfold")
+
+
+def _view_table() -> dict:
+    table: dict = {}
+    for names, maybe in ((_VIEW_METHODS, False), (_MAYBE_VIEW_METHODS, True)):
+        for name in names:
+            for space in (T, torch, torch.functional):
+                fn = getattr(space, name, None)
+                if callable(fn):
+                    table.setdefault(fn, ("method", name, maybe))
+    for name in _VIEW_ATTRS:
+        table[getattr(T, name).__get__] = ("attr", name, False)
+    table[T.as_strided] = table[torch.as_strided] = ("method", "as_strided", False)
+    return table
+
+
+VIEW_FUNCTIONS = _view_table()
+
+_METADATA_INPLACE = {
+    "requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_",
+    "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "share_memory_", "map_",
+    "apply_", "map2_", "retain_grad", "rename_", "refine_names", "align_to", "__set__",
+    "__delitem__",
+}  # fmt: skip
+_RANDOM_INPLACE = {
+    "uniform_", "normal_", "bernoulli_", "exponential_", "random_", "geometric_", "cauchy_",
+    "log_normal_",
+}  # fmt: skip
+_INPLACE_DUNDER_TO_OUT = {
+    "__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__",
+    "__itruediv__": "__truediv__", "__idiv__": "__truediv__", "__ifloordiv__": "__floordiv__",
+    "__imod__": "__mod__", "__ipow__": "__pow__", "__iand__": "__and__", "__ior__": "__or__",
+    "__ixor__": "__xor__", "__ilshift__": "__lshift__", "__irshift__": "__rshift__",
+    "__imatmul__": "__matmul__",
+}  # fmt: skip
+
+
+def _is_basic_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice))
+               and not isinstance(item, bool) for item in items)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tracker
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Root:
+    """A tensor that is not a view of another one the tracer knows: its current value."""
+
+    proxy: TensorProxy
+    value: TensorProxy
+    version: int = 0
+    source: object = None  # the line of the last in-place update
+
+
+@dataclass
+class _View:
+    """A view of root `root` obtained by `steps`; `value` is current as of root `version`.
+
+    `exact` is False when some step's aliasing or element mapping is unknown (see NOTE [aliasing
+    the tracer cannot decide]); `blame` names that step for the error."""
+
+    root: str
+    steps: tuple
+    version: int
+    value: TensorProxy
+    exact: bool = True
+    blame: tuple = field(default=("", None))
+
+
+class Functionalizer:
+    """Per-trace state of functionalization (see the module docstring)."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.roots: dict[str, _Root] = {}
+        self.views: dict[str, _View] = {}
+        self.inputs: dict[str, TensorProxy] = {}
+        self.mutated = False
+
+    # -- inputs and reads ---------------------------------------------------------------------
+
+    def add_input(self, proxy: TensorProxy) -> None:
+        self.inputs[proxy.name] = proxy
+
+    def _root(self, proxy: TensorProxy) -> _Root:
+        root = self.roots.get(proxy.name)
+        if root is None:
+            root = self.roots[proxy.name] = _Root(proxy, proxy)
+        return root
+
+    def resolve(self, proxy: TensorProxy) -> TensorProxy:
+        """The current value of the tensor the user holds as `proxy`."""
+        view = self.views.get(proxy.name)
+        if view is None:
+            root = self.roots.get(proxy.name)
+            return proxy if root is None else root.value
+        root = self.roots[view.root]
+        if view.version != root.version:
+            if not view.exact:
+                self._undecidable(view, "read after its base was modified in place")
+            with self.ctx.internal():
+                view.value = _replay(root.value, view.steps)
+            view.version = root.version
+        return view.value
+
+    def resolve_tree(self, tree):
+        if not self.mutated:
+            return tree
+        return pytree.tree_map(
+            lambda leaf: self.resolve(leaf) if isinstance(leaf, TensorProxy) else leaf, tree)
+
+    def _undecidable(self, view: _View, what: str):
+        op, where = view.blame
+        raise NotYetSupportedError(
+            f"a tensor that may or may not alias another one (made by {op}) is {what}; fulmen "
+            "cannot tell whether eager would share memory here",
+            op=op, where=where or user_source_location(),
+            hint="add .clone() (no aliasing) or use a view op such as .view() (aliasing)")
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def record_view(self, func, user_args: tuple, kwargs: dict, out) -> None:
+        """Register the outputs of view op `func` as views of its first argument's root."""
+        kind, name, maybe = VIEW_FUNCTIONS[func]
+        if not user_args or not isinstance(user_args[0], TensorProxy):
+            source, step, exact = None, None, False
+            for leaf in pytree.tree_leaves((user_args, kwargs)):
+                if isinstance(leaf, TensorProxy):
+                    source = leaf
+                    break
+            if source is None:
+                return
+        else:
+            source, rest = user_args[0], user_args[1:]
+            exact = True
+            if name == "__getitem__":
+                exact = _is_basic_index(rest[0])
+                if not exact:
+                    return  # advanced indexing copies
+            if name in ("view_as", "reshape_as", "expand_as"):
+                name = {"view_as": "view", "reshape_as": "reshape", "expand_as": "expand"}[name]
+                rest = (tuple(rest[0].shape),)
+            if any(True for _ in iter_proxies((rest, kwargs))) or name in _UNREPLAYABLE:
+                exact = False
+            if maybe and exact:
+                exact = self._reshape_is_view(source, out)
+            step = (kind, name, tuple(rest), dict(kwargs))
+        parent = self.views.get(source.name)
+        root_name = parent.root if parent is not None else self._root(source).proxy.name
+        root = self.roots[root_name]
+        steps = parent.steps if parent is not None else ()
+        exact = exact and (parent is None or parent.exact)
+        if parent is not None and not parent.exact:
+            blame = parent.blame
+        elif not exact:  # the stack walk only where an error may need it
+            blame = (name if step is not None else getattr(func, "__name__", "view"),
+                     user_source_location())
+        else:
+            blame = ("", None)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for index, leaf in enumerate(outputs):
+            if not isinstance(leaf, TensorProxy) or leaf is source or leaf.name in self.views:
+                continue
+            this = None if step is None else (
+                *step, index if isinstance(out, (tuple, list)) else None)
+            self.views[leaf.name] = _View(root_name, (*steps, this), root.version, leaf,
+                                          exact and this is not None, blame)
+
+    def _reshape_is_view(self, source: TensorProxy, out) -> bool:
+        """Whether eager's reshape/flatten of `source` returns a view (see NOTE [aliasing the
+        tracer cannot decide]): always for a same-shape result or a contiguous trace input."""
+        if isinstance(out, TensorProxy) and tuple(out.shape) == tuple(source.shape):
+            return True
+        return source.name in self.inputs and source.is_contiguous()
+
+    # -- mutation -------------------------------------------------------------------------------
+
+    def mutate(self, target: TensorProxy, value: TensorProxy, op: str, start: int) -> None:
+        """Make `value` (same shape and dtype) the new value of the tensor the user holds as
+        `target`; `start` is the name serial before the op, to tell new values from old ones."""
+        if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+            raise FulmenError(f"in-place result {value.type_string()} does not fit the mutated "
+                              f"tensor {target.type_string()}", op=op, where=user_source_location())
+        view = self.views.get(target.name)
+        root = self.roots[view.root] if view is not None else self._root(target)
+        self._check_grad(root, op)
+        with self.ctx.internal():
+            if view is None:
+                if self.ctx.names.serial_of(value.name) < start:
+                    value = torch.clone(value)  # never let two tensors share one SSA value
+                root.value = value
+            else:
+                if not view.exact:
+                    self._undecidable(view, "modified in place")
+                root.value = self.ctx.call(view_scatter, root.value, value, view.steps)
+                view.value = value
+        root.version += 1
+        root.source = user_source_location()
+        if view is not None:
+            view.version = root.version
+        self.mutated = True
+
+    def _check_grad(self, root: _Root, op: str) -> None:
+        if not self.ctx.differentiable or root.proxy.name not in self.ctx.requires_grad_names:
+            return
+        if root.proxy.name not in self.inputs:
+            return
+        raise (FulmenError if torch.is_grad_enabled() else NotYetSupportedError)(
+            f"a tensor that requires grad (or a view of one), {root.proxy.name}, is modified in "
+            "place", op=op, where=user_source_location(),
+            hint="in eager this is an error for leaf tensors; modify a copy (x = x.clone()) "
+            "or call the compiled function under torch.no_grad()")
+
+    # -- the end of the trace -------------------------------------------------------------------
+
+    def finish(self, out_leaves: list) -> list:
+        """Resolve the output leaves to current values and record the write-backs."""
+        if not self.mutated:
+            return out_leaves
+        resolved = []
+        for leaf in out_leaves:
+            root = self.roots.get(leaf.name) if isinstance(leaf, TensorProxy) else None
+            if root is not None and leaf.name in self.inputs and root.version:
+                resolved.append(leaf)  # eager returns the (mutated) input itself
+            elif isinstance(leaf, TensorProxy):
+                resolved.append(self.resolve(leaf))
+            else:
+                resolved.append(leaf)
+        for name, root in self.roots.items():
+            if name not in self.inputs or root.value is root.proxy:
+                continue
+            if self.ctx.differentiable and root.value.name in self.ctx.requires_grad_names:
+                raise NotYetSupportedError(
+                    f"{name} is updated in place with a value that requires grad",
+                    op="in-place update", where=root.source,
+                    hint="detach the value, or run under torch.no_grad()")
+        if self.ctx.differentiable and self.ctx.requires_grad_names:
+            self._snapshot_mutated_inputs()
+        for name, root in self.roots.items():
+            if name not in self.inputs or root.value is root.proxy:
+                continue
+            self.ctx.bsyms.append(BoundSymbol(WRITE_BACK, (root.proxy, root.value), {}, None,
+                                              (), root.source))
+        return resolved
+
+    def _snapshot_mutated_inputs(self) -> None:
+        """In a trace autodiff will split, make every read of a mutated input read a snapshot
+        taken first: the backward may read (save or recompute from) any forward value, and
+        the input itself holds the new value once the forward has run."""
+        mapping: dict[str, TensorProxy] = {}
+        snapshots = []
+        for name, root in self.roots.items():
+            if name in self.inputs and root.value is not root.proxy:
+                proxy = root.proxy
+                copy = TensorProxy(self.ctx.names.named(f"{name}_before"), proxy.shape,
+                                   proxy.dtype, proxy.device, strides=proxy.stride())
+                mapping[name] = copy
+                snapshots.append(BoundSymbol(snapshot, (proxy,), {}, copy, (), root.source))
+        if not mapping:
+            return
+
+        def rename(bsym: BoundSymbol) -> BoundSymbol:
+            swap = lambda p: mapping.get(p.name, p)  # noqa: E731
+            return bsym.replace(args=map_proxies(swap, bsym.args),
+                                kwargs=map_proxies(swap, bsym.kwargs),
+                                subsymbols=tuple(rename(sub) for sub in bsym.subsymbols))
+
+        body = self.ctx.scopes[0]
+        body[:] = [*snapshots, *(rename(bsym) for bsym in body)]
+
+    # -- routing of one in-place call -----------------------------------------------------------
+
+    def functionalize(self, func, args: tuple, kwargs: dict):
+        """Record the in-place call `func(*args, **kwargs)` functionally; return what eager
+        returns (the mutated tensor object itself, or None for `__setitem__`)."""
+        ctx = self.ctx
+        start = ctx.names.serial
+        name = getattr(func, "__name__", "")
+        label = f"Tensor.{name}" if getattr(T, name, None) is func else name
+        if kwargs.get("out") is not None:
+            return self._out_variant(func, args, kwargs, label, start)
+        if func in (F.batch_norm, torch.batch_norm):
+            return self._batch_norm(func, args, kwargs, start)
+        if name in _METADATA_INPLACE or func is F.embedding:
+            raise NotYetSupportedError("in-place changes of tensor metadata (and F.embedding's "
+                                       "max_norm renormalisation) are not supported yet",
+                                       op=label, where=user_source_location())
+        if name == "__setitem__":
+            target, index, value = args
+            r_target, r_index, r_value = self.resolve_tree((target, index, value))
+            with ctx.internal():
+                new = ctx.call(setitem, r_target, r_index, r_value)
+            self.mutate(target, new, label, start)
+            return None
+        if not name.endswith("_") and name not in _INPLACE_DUNDER_TO_OUT:
+            return self._inplace_flag(func, args, kwargs, label, start)
+        target = args[0]
+        if not isinstance(target, TensorProxy):
+            raise NotYetSupportedError("in-place call on a non-tensor", op=label,
+                                       where=user_source_location())
+        r_args, r_kwargs = self.resolve_tree((args, kwargs))
+        with ctx.internal():
+            value = self._out_of_place(name, r_args, r_kwargs, label)
+        self.mutate(target, value, label, start)
+        return target
+
+    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str) -> TensorProxy:
+        self_value, rest = args[0], args[1:]
+        if name == "copy_":
+            src = rest[0] if rest else kwargs["src"]
+            if not isinstance(src, torch.Tensor):
+                src = torch.tensor(src)
+            value = src.to(self_value.dtype) if src.dtype != self_value.dtype else src
+            if tuple(value.shape) != tuple(self_value.shape):
+                value = value.expand(self_value.shape).clone()
+            return value
+        if name == "zero_":
+            return torch.zeros_like(self_value)
+        if name == "fill_" and isinstance(rest[0] if rest else kwargs.get("value"), (int, float, bool)):
+            return torch.full_like(self_value, rest[0] if rest else kwargs["value"])
+        out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
+        out_fn = getattr(T, out_name, None)
+        if name in _RANDOM_INPLACE or out_fn is None or name == "fill_":
+            sym = apply_inplace_random if name in _RANDOM_INPLACE else apply_inplace
+            return self.ctx.call(sym, name, self_value, *rest, **kwargs)
+        result = out_fn(self_value, *rest, **kwargs)
+        return self._fit(result, self_value, label)
+
+    def _fit(self, result, target: TensorProxy, label: str) -> TensorProxy:
+        """`result` checked and cast to the mutated tensor's shape and dtype, as eager does."""
+        if not isinstance(result, TensorProxy):
+            raise NotYetSupportedError("the out-of-place form does not return one tensor",
+                                       op=label, where=user_source_location())
+        if tuple(result.shape) != tuple(target.shape):
+            raise FulmenError(f"output with shape {list(target.shape)} doesn't match the "
+                              f"broadcast shape {list(result.shape)}", op=label,
+                              where=user_source_location())
+        if result.dtype != target.dtype:
+            if not torch.can_cast(result.dtype, target.dtype):
+                raise FulmenError(f"result type {result.dtype} can't be cast to the desired "
+                                  f"output type {target.dtype}", op=label,
+                                  where=user_source_location())
+            result = result.to(target.dtype)
+        return result
+
+    def _inplace_flag(self, func, args, kwargs, label: str, start: int):
+        """`F.relu(x, inplace=True)` and friends: the op with inplace=False, then the update."""
+        signature = signature_of(func)
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["inplace"] = False
+        target = next(iter(bound.arguments.values()))
+        r_args, r_kwargs = self.resolve_tree((bound.args, bound.kwargs))
+        with self.ctx.internal():
+            value = self._fit(func(*r_args, **r_kwargs), self.resolve(target), label)
+        self.mutate(target, value, label, start)
+        return target
+
+    def _out_variant(self, func, args, kwargs, label: str, start: int):
+        kwargs = dict(kwargs)
+        outs = kwargs.pop("out")
+        r_args, r_kwargs = self.resolve_tree((args, kwargs))
+        with self.ctx.internal():
+            result = func(*r_args, **r_kwargs)
+            targets = outs if isinstance(outs, (tuple, list)) else (outs,)
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            if len(targets) != len(results):
+                raise NotYetSupportedError("out= with this op", op=label,
+                                           where=user_source_location())
+            values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
+        for target, value in zip(targets, values):
+            self.mutate(target, value, label, start)
+        return outs
+
+    def _batch_norm(self, func, args, kwargs, start: int):
+        """Training-mode batch norm with running statistics: normalise with the batch
+        statistics, and update `running_mean`/`running_var` functionally (unbiased variance,
+        as eager's kernel)."""
+        bound = signature_of(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        running_mean, running_var = values["running_mean"], values["running_var"]
+        momentum = values["momentum"]
+        values["running_mean"] = values["running_var"] = None
+        r_values = self.resolve_tree(values)
+        with self.ctx.internal():
+            out = func(**r_values)
+        if running_mean is None and running_var is None:
+            return out
+        x = r_values["input"]
+        dims = [0, *range(2, x.ndim)]
+        with self.ctx.internal():
+            detached = x.detach()
+            mean = detached.mean(dims)
+            count = x.numel() // x.shape[1]
+            var = detached.var(dims, correction=1 if count > 1 else 0)
+            for target, stat in ((running_mean, mean), (running_var, var)):
+                if target is None:
+                    continue
+                current = self.resolve(target)
+                new = current * (1 - momentum) + stat.to(current.dtype) * momentum
+                self.mutate(target, new, "batch_norm (running statistics)", start)
+        return out
+
+
+def is_functionalized(sym: Symbol) -> bool:
+    """Whether `sym` is one of the functional forms of a mutation (or its write-back)."""
+    return "functionalized" in sym.tags or "write_back" in sym.tags
+
+
+__all__ = ["FUNCTIONALIZED", "Functionalizer", "VIEW_FUNCTIONS", "WRITE_BACK", "apply_inplace",
+           "is_functionalized", "setitem", "view_scatter"]

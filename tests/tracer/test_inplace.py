@@ -1,0 +1,367 @@
+"""In-place operations inside traced code: functionalized, with eager's outputs and side effects.
+
+Every case runs eagerly and through `fulmen.jit` (twice: the second call is a cache hit) on
+fresh copies of the same inputs, then compares the outputs and the inputs after the call.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen import FulmenError, NotYetSupportedError
+from fulmen.tracer.mutation import WRITE_BACK
+
+
+def _clone_tree(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _assert_same(actual, expected):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            _assert_same(a, e)
+    else:
+        assert actual == expected
+
+
+def check(fn, *args):
+    """Outputs and post-call inputs of `jit(fn)` equal eager's, on a miss and on a hit."""
+    eager_args = _clone_tree(args)
+    expected = fn(*eager_args)
+    jfn = fulmen.jit(fn)
+    for _ in range(2):
+        jit_args = _clone_tree(args)
+        actual = jfn(*jit_args)
+        _assert_same(actual, expected)
+        _assert_same(jit_args, eager_args)
+    assert fulmen.cache_hits(jfn) == 1
+    return jfn
+
+
+def _write_backs(jfn):
+    return [b for b in fulmen.last_traces(jfn)[0].bsyms if b.sym is WRITE_BACK]
+
+
+def test_mutation_of_an_input_is_written_back():
+    def fn(x, y):
+        x.add_(y)
+        x.mul_(2)
+        return x * 3
+
+    jfn = check(fn, torch.randn(3, 4), torch.randn(4))
+    (write_back,) = _write_backs(jfn)
+    assert write_back.args[0].name == "x"
+    assert "torch.Tensor.copy_(x, " in str(fulmen.last_traces(jfn)[0])
+    assert "torch.Tensor.copy_(x, " in str(fulmen.last_traces(jfn)[-1])
+
+
+def test_returning_the_mutated_input_returns_the_input_itself():
+    jfn = fulmen.jit(lambda x: x.add_(1))
+    x = torch.zeros(3)
+    out = jfn(x)
+    assert out is x
+    torch.testing.assert_close(x, torch.ones(3))
+
+
+@pytest.mark.parametrize("case", [
+    lambda x, y: x.__iadd__(y),
+    lambda x, y: x.sub_(y, alpha=2),
+    lambda x, y: x.masked_fill_(y > 0, -1.0),
+    lambda x, y: x.copy_(y),
+    lambda x, y: x.zero_(),
+    lambda x, y: x.fill_(3.5),
+    lambda x, y: x.clamp_(-0.5, 0.5),
+    lambda x, y: x.clamp_(min=y),
+    lambda x, y: x.addcmul_(y, y, value=0.5),
+    lambda x, y: x.lerp_(y, 0.3),
+    lambda x, y: x.exp_().div_(y.abs() + 1),
+    lambda x, y: F.relu(x, inplace=True),
+    lambda x, y: F.silu(x, inplace=True),
+    lambda x, y: torch.add(x, y, out=x),
+], ids=["iadd", "sub_", "masked_fill_", "copy_", "zero_", "fill_", "clamp_", "clamp_t",
+        "addcmul_", "lerp_", "chain", "relu_inplace", "silu_inplace", "out="])
+def test_inplace_methods(case):
+    check(case, torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_inplace_dunders():
+    def fn(x, y, i):
+        x += y
+        x -= 1
+        x *= y
+        x /= 2
+        i //= 2
+        i %= 3
+        i |= 4
+        i <<= 1
+        return x, i
+
+    check(fn, torch.randn(3), torch.randn(3), torch.arange(6))
+
+
+def test_slice_assignment():
+    def fn(x, y):
+        x[..., :2] = y
+        x[0] = 0.5
+        x[:, -1] = x[:, 0] * 2
+        return x.sum(0)
+
+    check(fn, torch.randn(3, 4), torch.randn(3, 2))
+
+
+def test_advanced_index_assignment():
+    def fn(x, idx, v):
+        x[idx] = v
+        x[x > 1] = 1.0
+        return x
+
+    check(fn, torch.randn(5, 3), torch.tensor([0, 3]), torch.randn(2, 3))
+
+
+def test_mutation_of_a_view_of_an_input():
+    def fn(x):
+        x[0].add_(1)
+        x.view(-1)[:3] = 0
+        x.t().mul_(2)
+        row = x[1]
+        x.add_(10)  # the earlier view `row` sees this
+        return row * 1, x
+
+    check(fn, torch.randn(3, 4))
+
+
+def test_view_chain_and_multi_output_views():
+    def fn(x):
+        a, b = x.chunk(2, dim=1)
+        b.unsqueeze(0)[0, :, 1] = -1
+        x.transpose(0, 1)[2:].zero_()
+        return a + 0, x
+
+    check(fn, torch.randn(3, 4))
+
+
+def test_mutation_visible_through_a_later_read_and_earlier_views():
+    def fn(x):
+        col = x[:, 1]
+        y = x.exp()
+        x.mul_(0)
+        return y, col.sum(), x.sum()
+
+    check(fn, torch.randn(4, 3))
+
+
+def test_mutation_of_an_intermediate():
+    def fn(x):
+        y = x * 2
+        y[:, 0] = 1
+        y.masked_fill_(y > 1.5, 0)
+        z = y.relu_()
+        return z is y, y + 1
+
+    jfn = check(fn, torch.randn(3, 3))
+    assert _write_backs(jfn) == []
+
+
+def test_intermediate_mutated_after_being_copied_keeps_old_values():
+    def fn(x):
+        y = torch.empty_like(x)
+        y.copy_(x)
+        x.add_(1)  # y keeps the old values
+        return y
+
+    jfn = fulmen.jit(fn)
+    x = torch.ones(2)
+    out = jfn(x)
+    assert out is not x
+    torch.testing.assert_close(out, torch.ones(2))
+    torch.testing.assert_close(x, torch.full((2,), 2.0))
+
+
+def test_chained_and_dtype_cast_mutations():
+    def fn(x, h):
+        x.add_(1.5).mul_(h)  # float16 in place with a float32 operand stays float16
+        return x
+
+    check(fn, torch.randn(4).half(), torch.randn(4))
+
+
+def test_inplace_type_errors_match_eager():
+    jfn = fulmen.jit(lambda i: i.add_(0.5))
+    with pytest.raises((FulmenError, RuntimeError), match="can't be cast"):
+        jfn(torch.arange(3))
+    jfn = fulmen.jit(lambda x, y: x.add_(y))
+    with pytest.raises((FulmenError, RuntimeError), match="doesn't match the broadcast shape"):
+        jfn(torch.randn(3), torch.randn(2, 3))
+
+
+def test_mutation_of_a_buffer_updates_the_module():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+            self.register_buffer("cache", torch.zeros(2, 6))
+            self.weight = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x, pos: int):
+            self.count += 1
+            self.cache[:, pos:pos + 3] = x * self.weight
+            return self.cache.sum(1) + self.count
+
+    eager, jitted = Counter(), Counter()
+    jitted.load_state_dict(eager.state_dict())
+    jmodel = fulmen.jit(jitted)
+    with torch.no_grad():
+        for pos in (0, 3, 0):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(jmodel(x, pos), eager(x, pos))
+            torch.testing.assert_close(jitted.cache, eager.cache)
+            torch.testing.assert_close(jitted.count, eager.count)
+    assert fulmen.cache_hits(jmodel) == 1
+
+
+def test_batch_norm_training_updates_running_stats():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3))
+    jitted = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3))
+    jitted.load_state_dict(eager.state_dict())
+    jmodel = fulmen.jit(jitted)
+    for _ in range(2):
+        x = torch.randn(4, 2, 5, 5)
+        expected = eager(x)
+        actual = jmodel(x)
+        torch.testing.assert_close(actual, expected)
+        for (name, a), (_, e) in zip(jitted.named_buffers(), eager.named_buffers()):
+            torch.testing.assert_close(a, e, msg=name)
+    expected.sum().backward()
+    actual.sum().backward()
+    for a, e in zip(jitted.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_intermediate_mutation_under_autodiff():
+    def fn(x, w):
+        y = x * w
+        y.mul_(2)
+        y[0] = y[0] * 3
+        return y.sum()
+
+    x = torch.randn(3, 2)
+    w = torch.randn(3, 2, requires_grad=True)
+    expected = torch.autograd.grad(fn(x, w), w)[0]
+    actual = torch.autograd.grad(fulmen.jit(fn)(x, w), w)[0]
+    torch.testing.assert_close(actual, expected)
+
+
+def test_mutating_an_input_that_requires_grad_raises():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(FulmenError, match="requires grad"):
+        fulmen.jit(lambda x: x.add_(1))(x)
+    with pytest.raises(FulmenError, match="requires grad"):
+        fulmen.jit(lambda x: x[0].mul_(2))(x)
+    with torch.no_grad():  # allowed without autodiff, as in eager
+        y = x.detach().clone()
+        fulmen.jit(lambda x: x.add_(1))(x)
+        torch.testing.assert_close(x.detach(), y + 1)
+
+
+@pytest.mark.parametrize("mutate_first", [True, False])
+def test_mutated_input_in_a_differentiated_trace(mutate_first):
+    # the backward must see the values the forward used, not the input after its update
+    def fn(buf, w):  # eager saves `buf` itself only where no later update touches it
+        if mutate_first:
+            buf.add_(1)
+            return (buf * w).sum()
+        out = (buf * 2) * w
+        buf.mul_(3)
+        return out.sum()
+
+    w = torch.randn(3, requires_grad=True)
+    eager_buf, jit_buf = torch.ones(3), torch.ones(3)
+    expected = torch.autograd.grad(fn(eager_buf, w), w)[0]
+    jfn = fulmen.jit(fn)
+    actual = torch.autograd.grad(jfn(jit_buf, w), w)[0]
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(jit_buf, eager_buf)
+    assert "functionalized.snapshot(buf)" in str(fulmen.last_traces(jfn)[0])
+
+
+def test_updating_an_input_with_a_value_that_requires_grad_raises():
+    def fn(cache, k):
+        cache[0] = k * 2
+        return cache.sum()
+
+    with pytest.raises(NotYetSupportedError, match="requires grad"):
+        fulmen.jit(fn)(torch.zeros(2, 3), torch.randn(3, requires_grad=True))
+
+
+def test_undecidable_aliasing_raises():
+    def fn(x):
+        y = (x * 2).reshape(-1)  # a view or a copy depending on strides
+        y.add_(1)
+        return y
+
+    with pytest.raises(NotYetSupportedError, match="reshape"):
+        fulmen.jit(fn)(torch.randn(2, 3))
+
+    def expand_write(x):
+        x.expand(3, 4).zero_()
+        return x
+
+    with pytest.raises(NotYetSupportedError, match="expand"):
+        fulmen.jit(expand_write)(torch.randn(1, 4))
+
+
+def test_reshape_of_a_contiguous_input_is_a_view():
+    def fn(x):
+        x.reshape(-1)[1] = 7.0
+        x.flatten()[0] = 3.0
+        return x
+
+    check(fn, torch.randn(2, 3))
+
+
+def test_random_inplace_matches_eager_stream():
+    def fn(x):
+        x.uniform_(-1, 1)
+        return x.normal_() * 2
+
+    torch.manual_seed(1)
+    expected = fn(torch.empty(5))
+    torch.manual_seed(1)
+    actual = fulmen.jit(fn)(torch.empty(5))
+    torch.testing.assert_close(actual, expected)
+
+
+def test_mutation_of_a_captured_tensor():
+    state = torch.zeros(3)
+
+    def fn(x):
+        state.add_(x)
+        return state * 1
+
+    jfn = fulmen.jit(fn)
+    jfn(torch.ones(3))
+    out = jfn(torch.ones(3))
+    torch.testing.assert_close(state, torch.full((3,), 2.0))
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+
+
+def test_metadata_inplace_raises():
+    with pytest.raises(NotYetSupportedError, match="t_"):
+        fulmen.jit(lambda x: x.t_())(torch.randn(2, 3))
+
+
+def test_mutated_inputs_sharing_memory_raise():
+    jfn = fulmen.jit(lambda x, y: x.add_(y))
+    a, b = torch.zeros(3), torch.ones(3)
+    jfn(a, b)
+    with pytest.raises(NotYetSupportedError, match="share memory"):
+        jfn(a, a)  # a cache hit: the runtime checks aliasing of mutated inputs
+    with pytest.raises(NotYetSupportedError, match="share memory"):
+        fulmen.jit(lambda x, y: x.mul_(y))(a, a[:])

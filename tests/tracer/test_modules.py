@@ -1,0 +1,189 @@
+"""Module machinery and Python-level torch APIs real model code uses inside `forward`."""
+
+import dataclasses
+import typing
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fulmen
+from fulmen import NotYetSupportedError
+
+
+def _twin(make):
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    return eager, make()
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 3)})
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        self.register_buffer("shift", torch.ones(4), persistent=False)
+
+    def forward(self, x, head: str = "a"):
+        for layer in self.layers[:2]:
+            x = torch.relu(layer(x))
+        x = self.layers[-1](x) * self.scale + self.shift
+        return self.heads[head](x)
+
+
+def test_module_list_dict_and_buffers():
+    eager, jitted = _twin(Stack)
+    jmodel = fulmen.jit(jitted)
+    x = torch.randn(2, 4)
+    for head in ("a", "b", "a"):
+        torch.testing.assert_close(jmodel(x, head), eager(x, head))
+    assert "shift" not in jitted.state_dict() and "scale" in jitted.state_dict()
+    trace = str(fulmen.last_traces(jmodel)[0])
+    assert "layers_0_weight" in trace and "heads_b_weight" in trace and "shift" in trace
+    # buffers are inputs, not constants: a new value is used without retracing
+    for module in (eager, jitted):
+        module.shift.fill_(-2.0)
+        module.scale = torch.full((4,), 3.0)  # a new tensor object in the buffer slot
+    torch.testing.assert_close(jmodel(x, "a"), eager(x, "a"))
+
+
+def test_forward_pre_and_post_hooks_run():
+    calls = []
+
+    def pre_hook(module, args):
+        calls.append("pre")
+        return (args[0] * 2,)
+
+    def post_hook(module, args, output):
+        calls.append("post")
+        return output + 1
+
+    eager, jitted = _twin(lambda: nn.Linear(3, 3))
+    for module in (eager, jitted):
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook)
+    jmodel = fulmen.jit(jitted)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(jmodel(x), eager(x))
+    assert calls == ["pre", "post", "pre", "post"]  # eager once, tracing once
+    jmodel(x)
+    assert calls == ["pre", "post", "pre", "post"]  # a cache hit runs the compiled hooks
+
+
+def _no_grad_blocks(x, w):
+    with torch.no_grad():
+        frozen = x * w
+        with torch.enable_grad():
+            inner = x * w
+    live = x * w + frozen
+    return frozen, inner, live
+
+
+def test_no_grad_and_enable_grad_blocks():
+    x = torch.randn(3)
+    w = torch.randn(3, requires_grad=True)
+    expected = _no_grad_blocks(x, w)
+    actual = fulmen.jit(_no_grad_blocks)(x, w)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+    g_expected = torch.autograd.grad(expected[1].sum() + expected[2].sum(), w)
+    g_actual = torch.autograd.grad(actual[1].sum() + actual[2].sum(), w)
+    torch.testing.assert_close(g_actual, g_expected)  # nothing flows through `frozen`
+
+
+def test_no_grad_results_do_not_require_grad():
+    w = torch.randn(3, requires_grad=True)
+    frozen, _, _ = fulmen.jit(_no_grad_blocks)(torch.randn(3), w)
+    assert not frozen.requires_grad
+
+
+def test_enable_grad_inside_a_no_grad_call_raises():
+    w = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        with pytest.raises(NotYetSupportedError, match="enable_grad"):
+            fulmen.jit(_no_grad_blocks)(torch.randn(3), w)
+
+
+def _autocast_fn(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        enabled = torch.is_autocast_enabled("cpu")
+        y = x @ w
+        z = F.linear(y.float(), w) + 1
+        s = torch.cat([z, x])
+        with torch.autocast("cpu", enabled=False):
+            plain = x @ w
+    return y, z, s, plain, enabled
+
+
+def test_autocast_regions_give_eager_dtypes():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    expected = _autocast_fn(x, w)
+    jfn = fulmen.jit(_autocast_fn)
+    actual = jfn(x, w)
+    assert actual[-1] is True
+    for a, e in zip(actual[:-1], expected[:-1]):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+    assert "torch.bfloat16" in str(fulmen.last_traces(jfn)[0])  # the casts are in the trace
+
+
+def test_autocast_around_the_call():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    fn = lambda x, w: (x @ w).relu()  # noqa: E731
+    jfn = fulmen.jit(fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = fn(x, w), jfn(x, w)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+    assert jfn(x, w).dtype == torch.float32  # the autocast state is part of the cache key
+
+
+def test_python_level_torch_queries():
+    def fn(x, i):
+        assert isinstance(x, torch.Tensor) and torch.is_tensor(x)
+        assert not torch.jit.is_scripting() and not torch.jit.is_tracing()
+        scale = 2.0 if torch.compiler.is_compiling() else 3.0
+        low = torch.finfo(x.dtype).min
+        high = torch.iinfo(i.dtype).max
+        return x.clamp(min=low) * scale, i.clamp(max=high) + torch.finfo(torch.float16).eps
+
+    x, i = torch.randn(3), torch.arange(3, dtype=torch.int32)
+    expected, actual = fn(x, i), fulmen.jit(fn)(x, i)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+class Pair(typing.NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def test_dataclass_and_namedtuple_outputs():
+    out = fulmen.jit(lambda x: Output(x + 1))(torch.ones(2))
+    assert isinstance(out, Output) and out.aux is None
+    torch.testing.assert_close(out.logits, torch.full((2,), 2.0))
+    pair = fulmen.jit(lambda x: Pair(x * 2, x - 1))(torch.ones(2))
+    assert isinstance(pair, Pair)
+    torch.testing.assert_close(pair.first, torch.full((2,), 2.0))
+
+
+def test_transformers_model_output():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    def fn(x):
+        return outputs.BaseModelOutput(last_hidden_state=x * 2, hidden_states=(x, x + 1))
+
+    out = fulmen.jit(fn)(torch.ones(2))
+    assert isinstance(out, outputs.BaseModelOutput)
+    torch.testing.assert_close(out.last_hidden_state, torch.full((2,), 2.0))
+    torch.testing.assert_close(out["hidden_states"][1], torch.full((2,), 2.0))
+    assert out.attentions is None
