@@ -18,6 +18,8 @@ sorts every recorded statement into
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,7 +103,8 @@ def examine(fn: Callable | torch.nn.Module, *args, **kwargs) -> ExamineReport:
     """Trace `fn(*args, **kwargs)` and print which ops are decomposed, which run opaquely
     and what cannot be traced (with `file:line`); never raises for the user's code.
 
-    Works for functions and `nn.Module`s. Returns the `ExamineReport` it printed.
+    Works for functions and `nn.Module`s. Returns the `ExamineReport` it printed
+    (`examine_quietly` returns it without printing).
 
     Example:
         >>> report = fulmen.examine(lambda x: torch.special.i0(x).sum(), torch.randn(3))
@@ -129,6 +132,12 @@ def examine(fn: Callable | torch.nn.Module, *args, **kwargs) -> ExamineReport:
                                   "(autodiff) " + _message(error)))
     print(report)
     return report
+
+
+def examine_quietly(fn: Callable | torch.nn.Module, *args, **kwargs) -> ExamineReport:
+    """`examine` without printing."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return examine(fn, *args, **kwargs)
 
 
 def _message(error: FulmenError) -> str:

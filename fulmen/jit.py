@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, Trace
 from fulmen.executors import Executor, resolve_executors
+from fulmen.examine import examine_quietly
 from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
@@ -128,7 +129,10 @@ class _Jitted:
     def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         seconds: dict[str, float] = {}
         rng_state = torch.random.get_rng_state()
-        program = trace_program(self._fn, args, kwargs, module=self._module)
+        try:
+            program = trace_program(self._fn, args, kwargs, module=self._module)
+        except FulmenError as error:
+            raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
             reseeded = not torch.equal(rng_state, torch.random.get_rng_state())
         if reseeded:
@@ -194,6 +198,16 @@ class _Jitted:
                           mutated_inputs=program.mutated_inputs,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
+
+
+def _with_examine_report(error: FulmenError, fn, args: tuple, kwargs: dict) -> FulmenError:
+    """`error` with the `fulmen.examine` report of the call appended to its message."""
+    try:
+        report = examine_quietly(fn, *args, **kwargs)
+    except Exception:  # never hide the original error behind a failing report
+        return error
+    error.args = (f"{error.args[0]}\n\n{report}",) + tuple(error.args[1:])
+    return error
 
 
 def _grad_inputs(program, args: tuple, kwargs: dict, argnums) -> tuple[list[str], list]:

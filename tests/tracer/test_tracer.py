@@ -206,3 +206,17 @@ def test_unused_random_ops_still_advance_the_generator():
     expected = fn(x)
     torch.manual_seed(3)
     torch.testing.assert_close(jfn(x), expected)
+
+
+def test_unsupported_construct_errors_carry_the_examine_report():
+    def fn(x):
+        y = torch.special.i0(x)
+        if y.sum() > 0:
+            return y
+        return -y
+
+    with pytest.raises(FulmenError) as info:
+        fulmen.jit(fn)(torch.randn(3))
+    message = str(info.value)
+    assert "bool(tensor)" in message and "fulmen.examine" in message
+    assert "torch.special.i0" in message  # the report lists what traced before the failure
