@@ -20,8 +20,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, Trace
-from fulmen.executors import Executor, resolve_executors
 from fulmen.examine import examine_quietly
+from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
