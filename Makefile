@@ -22,8 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check fulmen tests benchmarks examples
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
-	$(BIN)/python benchmarks/training.py
+	$(BIN)/python benchmarks/run_all.py
 
 conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run_conformance --samples 3

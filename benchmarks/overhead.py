@@ -33,24 +33,40 @@ def per_call_us(fn, args, number: int, repeat: int) -> float:
     return min(times) / number * 1e6
 
 
+def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True) -> dict[str, float]:
+    """µs per call of eager, fulmen.jit and (optionally) torch.compile, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = (torch.randn(8, 8), torch.randn(8, 8))
+        candidates = {"eager": ten_ops, "fulmen.jit": fulmen.jit(ten_ops)}
+        if compile_too:
+            candidates["torch.compile"] = torch.compile(ten_ops)
+        with torch.no_grad():
+            expected = ten_ops(*args)
+            for fn in candidates.values():
+                torch.testing.assert_close(fn(*args), expected)
+            return {name: per_call_us(fn, args, number, repeat)
+                    for name, fn in candidates.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rows(compile_too: bool = True) -> list[dict]:
+    """The summary rows `benchmarks/run_all.py` prints."""
+    results = measure(compile_too=compile_too)
+    return [{"benchmark": "per-call time, 10 elementwise ops, 8x8 (no grad)", "unit": "µs",
+             "eager": results["eager"], "fulmen": results["fulmen.jit"],
+             "torch.compile": results.get("torch.compile")}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     opts = parser.parse_args()
-
-    torch.set_num_threads(1)
-    args = (torch.randn(8, 8), torch.randn(8, 8))
-    candidates = {"eager": ten_ops, "fulmen.jit": fulmen.jit(ten_ops)}
-    if not opts.no_compile:
-        candidates["torch.compile"] = torch.compile(ten_ops)
-    with torch.no_grad():
-        expected = ten_ops(*args)
-        for fn in candidates.values():
-            torch.testing.assert_close(fn(*args), expected)
-        results = {name: per_call_us(fn, args, opts.number, opts.repeat)
-                   for name, fn in candidates.items()}
+    results = measure(opts.number, opts.repeat, not opts.no_compile)
 
     eager = results["eager"]
     print(f"Per-call time, 10 elementwise ops on 8x8 float32 ({platform.processor() or platform.machine()}, "

@@ -103,6 +103,59 @@ def ten_ops(x, y):
     return h + a
 
 
+def grad_call_us(repeat: int = 5) -> dict[str, float]:
+    """µs per forward call of `ten_ops` with one 8x8 input requiring grad."""
+    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+    results = {}
+    for label, fn in (("eager", ten_ops), ("fulmen.jit", fulmen.jit(ten_ops))):
+        fn(x, y)
+        times = timeit.repeat(lambda fn=fn: fn(x, y), number=500, repeat=repeat)
+        results[label] = min(times) / 500 * 1e6
+    return results
+
+
+def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
+    """The summary rows `benchmarks/run_all.py` prints."""
+    repeat = 3 if quick else 10
+    hidden, tokens = (256, 512) if quick else (1024, 2048)
+    measured = _models(hidden, tokens, repeat, compile_too)
+    out = []
+    for name in dict.fromkeys(r[0] for r in measured):
+        by_label = {r[1]: r for r in measured if r[0] == name}
+        compiled = by_label.get("torch.compile")
+        out.append({"benchmark": f"{name}: forward+backward step", "unit": "ms",
+                    "eager": by_label["eager"][2] * 1e3,
+                    "fulmen": by_label["fulmen (torch)"][2] * 1e3,
+                    "torch.compile": compiled[2] * 1e3 if compiled else None})
+        out.append({"benchmark": f"{name}: activations saved for backward", "unit": "MiB",
+                    "eager": by_label["eager"][4] / 2**20,
+                    "fulmen": by_label["fulmen (torch)"][4] / 2**20,
+                    "torch.compile": compiled[4] / 2**20 if compiled else None})
+    calls = grad_call_us()
+    out.append({"benchmark": "per-call time, 10 elementwise ops, 8x8, input requires grad",
+                "unit": "µs", "eager": calls["eager"], "fulmen": calls["fulmen.jit"],
+                "torch.compile": None})
+    return out
+
+
+def _models(hidden: int, tokens: int, repeat: int, compile_too: bool) -> list[tuple]:
+    rows_ = bench_model(
+        f"block h={hidden} n={tokens}", lambda: Block(hidden),
+        lambda: torch.randn(tokens, hidden), lambda out: out.float().pow(2).mean(), repeat,
+        compile_too)
+
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config.from_name("pythia-14m")
+    ids = torch.randint(0, config.padded_vocab_size, (4, 128))
+    rows_ += bench_model(
+        "pythia-14m 4x128", lambda: GPT(config), lambda: ids,
+        lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)),
+        repeat, compile_too)
+    return rows_
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
@@ -111,20 +164,7 @@ def main() -> None:
     repeat = 3 if opts.quick else 10
     hidden, tokens = (256, 512) if opts.quick else (1024, 2048)
 
-    rows = bench_model(
-        f"block h={hidden} n={tokens}", lambda: Block(hidden),
-        lambda: torch.randn(tokens, hidden), lambda out: out.float().pow(2).mean(), repeat,
-        not opts.no_compile)
-
-    from litgpt.config import Config
-    from litgpt.model import GPT
-
-    config = Config.from_name("pythia-14m")
-    ids = torch.randint(0, config.padded_vocab_size, (4, 128))
-    rows += bench_model(
-        "pythia-14m 4x128", lambda: GPT(config), lambda: ids,
-        lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)),
-        repeat, not opts.no_compile)
+    rows = _models(hidden, tokens, repeat, not opts.no_compile)
 
     print(f"Training step (forward+backward), {platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")
@@ -138,13 +178,7 @@ def main() -> None:
               f"{total / 2**20:.1f} | {total / e_total:.2f} | {activations / 2**20:.1f} | "
               f"{activations / e_act:.2f} |")
 
-    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
-    jfn = fulmen.jit(ten_ops)
-    results = {}
-    for label, fn in (("eager", ten_ops), ("fulmen.jit", jfn)):
-        fn(x, y)
-        times = timeit.repeat(lambda fn=fn: fn(x, y), number=500, repeat=5)
-        results[label] = min(times) / 500 * 1e6
+    results = grad_call_us()
     print("\nPer-call time, 10 elementwise ops on 8x8, one input requires grad (forward only)\n")
     print("| callable | µs per call | over eager (µs) |")
     print("| --- | ---: | ---: |")
