@@ -104,7 +104,8 @@ class BoundSymbol:
     """One statement of a trace: `output = sym(*args, **kwargs)`.
 
     `subsymbols` are the bound symbols the symbol's decomposition recorded (empty for prims and
-    executor operations); `source` is the user's line, set on top-level statements.
+    executor operations); `source` is the user's line, set on top-level statements; `tags` mark
+    the call site (e.g. `"checkpoint"`: inside a `torch.utils.checkpoint` region).
     """
 
     sym: Symbol
@@ -113,6 +114,7 @@ class BoundSymbol:
     output: Any = None
     subsymbols: tuple[BoundSymbol, ...] = ()
     source: SourceLocation | None = None
+    tags: frozenset[str] = frozenset()
 
     def replace(self, **changes) -> BoundSymbol:
         return dataclasses.replace(self, **changes)

@@ -138,8 +138,13 @@ class TraceCtx:
         if not any(self.names.serial_of(p.name) >= start for p in iter_proxies(output)):
             return output
         source = user_source_location(3) if len(self.scopes) == 1 else None
-        self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, tuple(scope), source))
+        tags = self.call_site_tags() if len(self.scopes) == 1 else frozenset()
+        self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, tuple(scope), source, tags))
         return output
+
+    def call_site_tags(self) -> frozenset[str]:
+        """Tags for a top-level statement being recorded now (the tracer adds some)."""
+        return frozenset()
 
     def to_trace(self, args: tuple[Proxy, ...], output: Any, **fields) -> Trace:
         return Trace(self.name, tuple(args), tuple(self.scopes[0]), output, **fields)

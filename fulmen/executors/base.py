@@ -157,7 +157,8 @@ class OperatorExecutor(Executor):
             return None
         if impl.checker is not None and not impl.checker(*bsym.args, **bsym.kwargs):
             return None
-        return BoundSymbol(impl.op, bsym.args, bsym.kwargs, bsym.output, (), bsym.source)
+        return BoundSymbol(impl.op, bsym.args, bsym.kwargs, bsym.output, (), bsym.source,
+                           bsym.tags)
 
 
 class FusionExecutor(Executor):

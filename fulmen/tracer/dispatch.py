@@ -164,6 +164,14 @@ class TracerCtx(TraceCtx):
 
         return pytree.tree_map(convert, tree)
 
+    def call_site_tags(self) -> frozenset[str]:
+        """`{"checkpoint"}` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
+        tensor hooks are active), so rematerialization recomputes the region's values."""
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
+            return frozenset({"checkpoint"})
+        return frozenset()
+
     def handle(self, func, types, args, kwargs):
         """Record one torch call on proxies (see the module docstring for the route)."""
         if func in _VALUE_DEPENDENT:

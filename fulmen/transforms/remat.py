@@ -11,7 +11,9 @@ activation checkpointing) with AOTAutograd", PyTorch dev discussions, 2022):
 - a recomputable statement connects out(input) -> in(output) for each of its inputs, with
   infinite capacity; a statement that must not be recomputed (matmul, convolution, opaque ops,
   random ops, large reductions) is fed from the source, so its outputs can only be saved;
-- every value the backward needs connects out(v) -> sink.
+- every value the backward needs connects out(v) -> sink;
+- values computed inside a `torch.utils.checkpoint` region (non-reentrant) are recomputable
+  whatever the op (as eager's checkpoint recomputes them) and expensive to save.
 
 `networkx.minimum_cut` finds the cheapest set of values to save; the backward then starts by
 recomputing, from them, the values it needs (dead code elimination drops the rest).
@@ -32,6 +34,7 @@ from fulmen.transforms.base import transform
 from fulmen.transforms.dce import live_bsyms
 
 _CHEAP_TAGS = {"elementwise", "shape"}
+CHECKPOINT_WEIGHT = 10**6
 # a reduction is recomputed only when each output element reads at most this many elements
 MAX_RECOMPUTED_REDUCTION = 4096
 
@@ -46,10 +49,13 @@ def _reduced_per_output(bsym: BoundSymbol) -> int:
 
 def is_recomputable(bsym: BoundSymbol) -> bool:
     """Whether the backward may recompute `bsym` instead of the forward saving its outputs:
-    elementwise and shape prims, small reductions, and torch-level ops made only of those.
-    Never random ops, opaque ops, contractions or gathers."""
+    elementwise and shape prims, small reductions, and torch-level ops made only of those, and
+    anything inside a `torch.utils.checkpoint` region. Never random or opaque ops; outside
+    checkpoint regions, never contractions or gathers."""
     if bsym.has_side_effects or "opaque" in bsym.sym.tags:
         return False
+    if "checkpoint" in bsym.tags:
+        return True
     if bsym.sym.is_prim:
         if "reduction" in bsym.sym.tags:
             return _reduced_per_output(bsym) <= MAX_RECOMPUTED_REDUCTION
@@ -88,8 +94,11 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
         graph.add_edge("source", _in(proxy.name), capacity=math.inf)
     for bsym in bsyms:
         recomputable = is_recomputable(bsym)
+        # the user asked for a checkpoint region's values to be recomputed: saving them costs
+        # far more than their bytes (finite, so a region with an opaque op stays feasible)
+        weight = CHECKPOINT_WEIGHT if recomputable and "checkpoint" in bsym.tags else 1
         for output in bsym.proxy_outputs:
-            add_value(output, nbytes(output))
+            add_value(output, nbytes(output) * weight)
             if not recomputable:
                 graph.add_edge("source", _in(output.name), capacity=math.inf)
                 continue

@@ -89,3 +89,27 @@ def test_rematerialized_training_matches_and_saves_less():
     assert remat_bytes < plain_bytes
     assert any("rematerialization" in t.provenance
                for t in fulmen.last_backward_traces(with_remat))
+
+
+def test_checkpoint_regions_are_recomputed():
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x, w):
+        return torch.tanh(x @ w).sin()
+
+    def fn(x, w):
+        return checkpoint(block, x, w, use_reentrant=False).exp().sum()
+
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    jfn = fulmen.jit(fn)
+    jfn(x, w).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    fn(x, w).backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+    forward = fulmen.last_traces(jfn)[-1]
+    saved = {p.name for p in forward.output[1]}
+    region = [b for b in forward.bsyms if "checkpoint" in b.tags]
+    assert region and not any(b.output_names & saved for b in region)  # nothing saved inside
+    assert "torch.matmul" in str(fulmen.last_backward_traces(jfn)[-1])  # recomputed
