@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from overhead import ten_ops  # noqa: E402  (benchmarks/ is the script directory)
 
 
 class Block(torch.nn.Module):
@@ -89,18 +90,6 @@ def bench_model(name, make, make_input, loss_of, repeat, compile_too) -> list[tu
         activations = saved_bytes(lambda fn=fn: fn(x), exclude=params)
         rows.append((name, label, seconds, total, activations))
     return rows
-
-
-def ten_ops(x, y):
-    a = x + y
-    b = a * x
-    c = b - y
-    d = torch.sin(c)
-    e = d * 2.0
-    f = torch.exp(e)
-    g = f / (y + 3.0)
-    h = torch.tanh(g)
-    return h + a
 
 
 def grad_call_us(repeat: int = 5) -> dict[str, float]:
