@@ -70,8 +70,9 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             except ValueError:  # an empty cell
                 continue
         namespace = fn.__globals__
-        for name in sorted(_code_names(code)):
-            if isinstance(namespace.get(name), _SCALARS) and not name.startswith("__"):
+        for name in sorted(_code_names(code)):  # co_names also holds attribute names
+            if name in namespace and isinstance(namespace[name], _SCALARS) \
+                    and not name.startswith("__"):
                 sources.append((name, lambda name=name: namespace.get(name)))
     for module in modules:
         for attr, value in vars(module).items():
