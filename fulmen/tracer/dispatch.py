@@ -27,11 +27,13 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointFunction
 
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
@@ -113,6 +115,17 @@ def _is_inplace(func, args, kwargs) -> bool:
 _DETACH = (T.detach, torch.detach)
 
 
+def _inside_reentrant_checkpoint() -> bool:
+    """Whether the call comes from the function of a `checkpoint(..., use_reentrant=True)`."""
+    target = CheckpointFunction.forward.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class TracerCtx(TraceCtx):
     """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
 
@@ -174,6 +187,15 @@ class TracerCtx(TraceCtx):
 
     def handle(self, func, types, args, kwargs):
         """Record one torch call on proxies (see the module docstring for the route)."""
+        if _inside_reentrant_checkpoint():
+            raise NotYetSupportedError(
+                "torch.utils.checkpoint with use_reentrant=True runs its function under no_grad "
+                "inside a custom autograd.Function, which fulmen cannot trace exactly",
+                op="torch.utils.checkpoint.checkpoint", argument="use_reentrant",
+                where=user_source_location(),
+                hint="pass use_reentrant=False (PyTorch's recommended mode); fulmen then "
+                "recomputes the region in the backward",
+            )
         if func in _VALUE_DEPENDENT:
             raise FulmenError(
                 f"{_VALUE_DEPENDENT[func]} needs the tensor's value, which is unknown while tracing",

@@ -113,3 +113,14 @@ def test_checkpoint_regions_are_recomputed():
     region = [b for b in forward.bsyms if "checkpoint" in b.tags]
     assert region and not any(b.output_names & saved for b in region)  # nothing saved inside
     assert "torch.matmul" in str(fulmen.last_backward_traces(jfn)[-1])  # recomputed
+
+
+def test_reentrant_checkpoint_is_refused_clearly():
+    from torch.utils.checkpoint import checkpoint
+
+    def fn(x, w):
+        return checkpoint(torch.matmul, x, w, use_reentrant=True).sum() + (x * w).sum()
+
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(fulmen.NotYetSupportedError, match="use_reentrant"):
+        fulmen.jit(fn)(x, w)
