@@ -186,8 +186,10 @@ class _Jitted:
         start = time.perf_counter()
         fn = traces[-1].python_callable()
         if needs_grad:
+            residuals = traces[-1].output[1]
             pair = CompiledPair(fn, backward_traces[-1].python_callable(),
-                                split.differentiable_outputs)
+                                split.differentiable_outputs,
+                                any(not isinstance(r, torch.Tensor) for r in residuals))
             fn = functools.partial(_call_with_autograd, pair, split.output_spec)
         seconds["python compilation"] = time.perf_counter() - start
         self._stats.last_traces = traces

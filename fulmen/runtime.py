@@ -25,6 +25,7 @@ class CompiledPair:
     forward: Callable
     backward: Callable
     differentiable_outputs: tuple[bool, ...]
+    has_object_residuals: bool = True
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -40,8 +41,9 @@ class FulmenAutogradFunction(torch.autograd.Function):
         ctx.pair = pair
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
         # autograd graphs of opaque ops) ride on ctx
-        objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
-        if objects:
+        objects = ()
+        if pair.has_object_residuals:
+            objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
             residuals = [r for r in residuals if isinstance(r, torch.Tensor)]
         ctx.save_for_backward(*residuals)
         ctx.objects = objects
@@ -69,6 +71,13 @@ class FulmenAutogradFunction(torch.autograd.Function):
         return (None, *input_grads)
 
 
+# The C++ apply under `Function.apply`, whose Python wrapper only adds functorch handling.
+_apply = super(torch.autograd.Function, FulmenAutogradFunction).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 def run_with_autograd(pair: CompiledPair, inputs: list) -> tuple:
     """Run `pair` on `inputs`, recording one autograd node; returns the output leaves."""
-    return FulmenAutogradFunction.apply(pair, *inputs)
+    if _functorch_active():
+        return FulmenAutogradFunction.apply(pair, *inputs)
+    return _apply(pair, *inputs)
