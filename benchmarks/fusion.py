@@ -1,81 +1,198 @@
-"""Fusion benchmark (CPU): eager vs fulmen (torch executor) vs fulmen (codegen) vs torch.compile.
+"""Fusion benchmark (CPU, float32): fulmen's codegen executor vs eager and torch.compile.
 
-    .venv/bin/python benchmarks/fusion.py [--sizes 256,1024,2048] [--repeats 20]
+    .venv/bin/python benchmarks/fusion.py [--n 4096] [--repeats 15] [--no-compile-time]
 
-Workloads: a 10-op elementwise chain, and a softmax-like pattern whose max/sum reductions stay
-with torch while the pointwise parts around them are fused. Prints one markdown table: median
-time per call, speedup over eager, and the first call's time (trace + compile; codegen kernels
-compile into a fresh temporary FULMEN_CACHE_DIR, so this is a cold compile).
+Kernels (issue 5): gelu(x*y+b), LayerNorm forward, LayerNorm forward+backward, RMSNorm,
+softmax, an Adam update, (x+b)*s+r, on n x n inputs (b, weights: n). For each: the median time
+per call of eager, torch.compile and fulmen codegen, the speedups, and codegen's achieved
+bandwidth (the minimal bytes the computation must move / time) as a fraction of
+`torch.add(a, b, out=c)`'s bandwidth measured in the same run. Then the compile time of
+litgpt pythia-14m forward+backward (first call, in a fresh process): fulmen codegen with an
+empty kernel cache (cold) and again with that cache (warm), and torch.compile with an empty
+inductor cache. Kernels compile into a fresh temporary FULMEN_CACHE_DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
+
+# --- the kernels: (function, make inputs, full-size tensors moved, backward?) ----------------
 
 
-def chain(x, y, b):
-    t = x * y + b
-    t = torch.tanh(t) * 0.5 + x
-    t = torch.sigmoid(t) - y
-    t = torch.exp(-t * t) + b
-    return torch.maximum(t, x) / 3.0
+def gelu_fma(x, y, b):
+    return F.gelu(x * y + b)
 
 
-def softmax_like(x, b):
-    z = (x + b) * 0.125
-    m = z.amax(dim=-1, keepdim=True)
-    e = torch.exp(z - m)
-    return e / e.sum(dim=-1, keepdim=True)
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
 
 
-def _time(fn, args, repeats):
-    start = time.perf_counter()
-    fn(*args)
-    first = time.perf_counter() - start
+def rms_norm(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
+
+
+def softmax(x):
+    return F.softmax(x, -1)
+
+
+def adam(p, g, m, v):
+    m = m * 0.9 + g * 0.1
+    v = v * 0.999 + g * g * 0.001
+    update = (m / (1 - 0.9**10)) / ((v / (1 - 0.999**10)).sqrt() + 1e-8)
+    return p - 1e-3 * update, m, v
+
+
+def bias_scale_residual(x, b, s, r):
+    return (x + b) * s + r
+
+
+def _kernels(n: int):
+    def full():
+        return torch.randn(n, n)
+
+    def vec():
+        return torch.randn(n)
+
+    return [
+        ("gelu(x*y+b)", gelu_fma, lambda: (full(), full(), vec()), 3, False),
+        ("LayerNorm fwd", layer_norm, lambda: (full(), vec(), vec()), 2, False),
+        ("LayerNorm fwd+bwd", layer_norm, lambda: (full(), vec(), vec()), 5, True),
+        ("RMSNorm", rms_norm, lambda: (full(), vec()), 2, False),
+        ("softmax", softmax, lambda: (full(),), 2, False),
+        ("Adam update", adam, lambda: (full(), full(), full(), full().abs()), 7, False),
+        ("(x+b)*s+r", bias_scale_residual, lambda: (full(), vec(), full(), full()), 4, False),
+    ]
+
+
+def _median_time(call, repeats: int) -> float:
+    call()
+    call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(*args)
+        call()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), first
+    return statistics.median(times)
+
+
+def _runner(fn, args, backward: bool):
+    if not backward:
+        return lambda: fn(*args)
+    leaves = [a.detach().requires_grad_() for a in args]
+    grad = torch.randn(args[0].shape)
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        fn(*leaves).backward(grad)
+
+    return step
+
+
+def bench_kernels(n: int, repeats: int) -> list[str]:
+    import fulmen
+
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    add_s = _median_time(lambda: torch.add(a, b, out=c), repeats)
+    add_bw = 3 * a.numel() * 4 / add_s
+    rows = [f"torch.add(a, b, out=c): {add_s * 1e3:.2f} ms, {add_bw / 1e9:.1f} GB/s\n",
+            "| kernel | eager ms | torch.compile ms | codegen ms | vs eager | vs compile "
+            "| bandwidth vs add |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    speedups_eager, speedups_compile = [], []
+    for name, fn, make, tensors, backward in _kernels(n):
+        args = make()
+        jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+        cfn = torch.compile(fn)
+        if not backward:
+            torch.testing.assert_close(jfn(*args), fn(*args), rtol=1e-4, atol=1e-4)
+        times = {label: _median_time(_runner(f, args, backward), repeats)
+                 for label, f in (("eager", fn), ("compile", cfn), ("codegen", jfn))}
+        bandwidth = tensors * n * n * 4 / times["codegen"]
+        vs_eager = times["eager"] / times["codegen"]
+        vs_compile = times["compile"] / times["codegen"]
+        speedups_eager.append(vs_eager)
+        speedups_compile.append(vs_compile)
+        rows.append(f"| {name} | {times['eager'] * 1e3:.2f} | {times['compile'] * 1e3:.2f} | "
+                    f"{times['codegen'] * 1e3:.2f} | {vs_eager:.2f}x | {vs_compile:.2f}x | "
+                    f"{bandwidth / add_bw:.0%} |")
+
+    def geomean(values):
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    rows.append(f"| geometric mean | | | | {geomean(speedups_eager):.2f}x | "
+                f"{geomean(speedups_compile):.2f}x | |")
+    return rows
+
+
+# --- compile time of pythia-14m forward+backward (each measurement in a fresh process) --------
+
+_CHILD = r"""
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+import torch, torch.nn.functional as F
+from litgpt.config import Config
+from litgpt.model import GPT
+mode = sys.argv[1]
+torch.manual_seed(0)
+model = GPT(Config.from_name("pythia-14m", vocab_size=512, padded_vocab_size=512))
+ids = torch.randint(0, 512, (4, 64))
+if mode == "codegen":
+    import fulmen
+    run = fulmen.jit(model, executors=["codegen", "torch"])
+else:
+    run = torch.compile(model)
+start = time.perf_counter()
+logits = run(ids)
+F.cross_entropy(logits.reshape(-1, 512), ids.reshape(-1)).backward()
+print(time.perf_counter() - start)
+"""
+
+
+def _child(mode: str, env: dict) -> float:
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def bench_compile_time() -> list[str]:
+    kernels = tempfile.mkdtemp(prefix="fulmen-bench-cache-")
+    inductor = tempfile.mkdtemp(prefix="inductor-bench-cache-")
+    cold = _child("codegen", {"FULMEN_CACHE_DIR": kernels})
+    warm = _child("codegen", {"FULMEN_CACHE_DIR": kernels})
+    compiled = _child("compile", {"TORCHINDUCTOR_CACHE_DIR": inductor,
+                                  "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+    return ["", "pythia-14m forward+backward, first call (batch 4 x 64):", "",
+            "| variant | seconds |", "| --- | --- |",
+            f"| fulmen codegen, empty kernel cache | {cold:.2f} |",
+            f"| fulmen codegen, warm disk cache | {warm:.2f} |",
+            f"| torch.compile, empty inductor cache | {compiled:.2f} |",
+            f"| cold codegen / torch.compile | {cold / compiled:.2f} |"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="256,1024,2048")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-compile-time", action="store_true")
     opts = parser.parse_args()
     os.environ["FULMEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="fulmen-bench-")
-    import fulmen
-
-    rows = ["| workload | size | variant | median ms | vs eager | first call ms |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    for name, fn in (("10-op chain", chain), ("softmax-like", softmax_like)):
-        for n in (int(s) for s in opts.sizes.split(",")):
-            x, y, b = torch.randn(n, n), torch.randn(n, n), torch.randn(n)
-            args = (x, y, b) if fn is chain else (x, b)
-            expected = fn(*args)
-            variants = {
-                "eager": fn,
-                "fulmen torch": fulmen.jit(fn, executors=["torch"]),
-                "fulmen codegen": fulmen.jit(fn, executors=["codegen", "torch"]),
-                "torch.compile": torch.compile(fn),
-            }
-            eager_ms = None
-            for variant, vfn in variants.items():
-                median, first = _time(vfn, args, opts.repeats)
-                torch.testing.assert_close(vfn(*args), expected, rtol=1e-5, atol=1e-5)
-                eager_ms = eager_ms or median * 1e3
-                rows.append(f"| {name} | {n}x{n} | {variant} | {median * 1e3:.3f} | "
-                            f"{eager_ms / (median * 1e3):.2f}x | {first * 1e3:.0f} |")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("\n".join(rows))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"float32 {opts.n}x{opts.n}, median of {opts.repeats}\n")
+    print("\n".join(bench_kernels(opts.n, opts.repeats)))
+    if not opts.no_compile_time:
+        print("\n".join(bench_compile_time()))
 
 
 if __name__ == "__main__":

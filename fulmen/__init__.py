@@ -8,15 +8,16 @@
 
 from fulmen import executors as _executors  # noqa: F401
 from fulmen.core import FulmenError, NotYetSupportedError, Trace
+from fulmen.examine import ExamineReport, examine
 from fulmen.executors import (
     get_default_executors,
     get_executor,
     register_executor,
     set_default_executors,
 )
+from fulmen.executors.codegen import kernel_sources as _kernel_sources
 from fulmen.executors.python import python_ex
 from fulmen.executors.torch import torch_ex
-from fulmen.examine import ExamineReport, examine
 from fulmen.functional import grad, value_and_grad, vjp
 from fulmen.jit import (
     cache_hits,
@@ -30,6 +31,13 @@ from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memor
 from fulmen.verify import VerifyReport, verify
 
 set_default_executors([torch_ex])
+
+
+def last_kernels(jfn) -> dict[str, str]:
+    """The generated source of each kernel of `jfn`'s last compilation (forward, then backward
+    trace), by fusion name: `print(fulmen.last_kernels(jfn)["fusion0"])`."""
+    return _kernel_sources(*last_traces(jfn)[-1:], *last_backward_traces(jfn)[-1:])
+
 
 __version__ = "0.1.0"
 
@@ -47,6 +55,7 @@ __all__ = [
     "grad",
     "jit",
     "last_backward_traces",
+    "last_kernels",
     "last_traces",
     "memory_estimate",
     "MemoryEstimate",

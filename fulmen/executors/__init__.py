@@ -22,3 +22,10 @@ __all__ = [
     "resolve_executors",
     "set_default_executors",
 ]
+
+from fulmen.executors.nvfuser import nvfuser_available  # noqa: E402
+
+if nvfuser_available():  # optional: registered only where an nvFuser frontend is installed
+    from fulmen.executors.nvfuser import nvfuser_ex
+
+    register_executor(nvfuser_ex)

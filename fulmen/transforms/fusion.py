@@ -4,7 +4,8 @@
 regions and replaces each region by the one bound symbol `executor.fuse` returns.
 
 1. Flatten: a torch-level op the executor cannot fuse whole, but whose decomposition consists
-   only of fusible prims, is replaced by those prims (flattened recursively). Ops claimed by a
+   only of fusible prims, is replaced by those prims (flattened recursively); so is one whose
+   prims include a fusible reduction (the rest of its prims run on their own). Ops claimed by a
    higher-priority operator executor stay whole and unfused.
 2. Merge: on the dataflow graph (networkx; one node per region), each fusible statement is
    merged with the regions of its fusible producers, then regions reading a common input are
@@ -55,6 +56,14 @@ def _flatten(bsym: BoundSymbol) -> list[BoundSymbol]:
     return out
 
 
+def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
+    """Whether to flatten an op only part of whose prims are fusible: when a fusible reduction
+    is among them (cross_entropy = log_softmax + a gather), and everything else is a prim
+    (which every operator executor runs). Other mixed ops stay whole."""
+    return any(ok and "reduction" in sub.sym.tags for sub, ok in zip(flat, fusible)) and all(
+        sub.sym.is_prim for sub in flat)
+
+
 class _Node:
     __slots__ = ("bsym", "origin", "fusible")
 
@@ -72,8 +81,9 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
             nodes.append(_Node(bsym, origin, True))
         else:
             flat = _flatten(bsym)
-            if flat[0] is not bsym and all(executor.can_fuse(sub) for sub in flat):
-                nodes.extend(_Node(sub, origin, True) for sub in flat)
+            fusible = [executor.can_fuse(sub) for sub in flat]
+            if flat[0] is not bsym and (all(fusible) or _worth_splitting(flat, fusible)):
+                nodes.extend(_Node(sub, origin, ok) for sub, ok in zip(flat, fusible))
             else:
                 nodes.append(_Node(bsym, origin, False))
     return nodes
@@ -104,10 +114,17 @@ class _Partition:
         return self.nodes[region].fusible
 
     def _would_cycle(self, a: int, b: int) -> bool:
+        """Whether a path joins a and b through a third region (one search per direction)."""
         for src, dst in ((a, b), (b, a)):
-            for succ in self.graph.successors(src):
-                if succ != dst and nx.has_path(self.graph, succ, dst):
-                    return True
+            stack = [s for s in self.graph.successors(src) if s != dst]
+            seen = set(stack)
+            while stack:
+                for succ in self.graph.successors(stack.pop()):
+                    if succ == dst:
+                        return True
+                    if succ not in seen:
+                        seen.add(succ)
+                        stack.append(succ)
         return False
 
     def try_merge(self, a: int, b: int) -> bool:

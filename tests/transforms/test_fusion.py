@@ -101,14 +101,13 @@ def computation(x, b):
   # b: "cpu f32[3]"
 
   # <src>  return torch.relu(x * b + 1).sum(1)
-  t3 = codegen.fusionN(b, x)  # t3: "cpu f32[2, 3]"
+  t4 = codegen.fusionN(b, x)  # t4: "cpu f32[2]"
     # t0 = prims.broadcast_in_dim(b, (2, 3), (1,))
     # t1 = prims.mul(x, t0)
     # t2 = prims.add(t1, 1)
     # t3 = prims.maximum(t2, 0)
+    # t4 = prims.sum(t3, (1,))
   del b, x
-  t4 = torch.sum(t3, 1)  # t4: "cpu f32[2]"
-  del t3
   return t4
 '''
 

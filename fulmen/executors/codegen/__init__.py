@@ -3,12 +3,14 @@
     jfn = fulmen.jit(fn, executors=["codegen", "torch"])
     jfn(x, w)
     print(fulmen.last_traces(jfn)[-1])      # t3 = codegen.fusion0(x, w), its prims as comments
-    print(kernel_sources(fulmen.last_traces(jfn)[-1]))  # the generated C++
+    print(fulmen.last_kernels(jfn)["fusion0"])  # the generated C++
 
 The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
-`lower.py` turns a region into the kernel IR (`ir.py`), `cpp.py` renders it, `compile.py`
-builds and caches it (`FULMEN_CACHE_DIR`), and `runtime.py` calls it. Opt in: codegen is not a
-default executor yet.
+`lower.py` turns a pointwise region into the kernel IR (`ir.py`) and `rows.py` a region with
+reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `compile.py`
+builds and caches them (`FULMEN_CACHE_DIR`), and `runtime.py` calls them. Opt in: codegen is
+not a default executor yet (each new kernel costs a C++ compile of about a second, which the
+test suite, hundreds of small one-off functions, cannot afford).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import itertools
 
 from fulmen.core import BoundSymbol, Symbol, Trace
 from fulmen.executors.base import FusionExecutor
-from fulmen.executors.codegen.lower import Unsupported, fusible, lower
+from fulmen.executors.codegen import nvrtc
+from fulmen.executors.codegen.lower import Unsupported, fusible
+from fulmen.executors.codegen.rows import lower_any
 from fulmen.executors.codegen.runtime import FusedRegion
 from fulmen.executors.registry import register_executor
 
@@ -40,11 +44,11 @@ class CodegenExecutor(FusionExecutor):
         raise AttributeError(f"executor {self.__dict__.get('name')!r} has no fusion {name!r}")
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        return fusible(bsym)
+        return fusible(bsym) or nvrtc.fusible(bsym)  # nvrtc: regions of CUDA tensors
 
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
         try:
-            lower(region, [], check_only=True)
+            lower_any(region, [], check_only=True)
         except Unsupported:
             return False
         return True
@@ -53,7 +57,7 @@ class CodegenExecutor(FusionExecutor):
         """One `codegen.fusionN(inputs...)` statement computing `outputs`, or None when the
         region has no computation or does not lower."""
         try:
-            lowered = lower(region, outputs)
+            lowered = lower_any(region, outputs)
         except Unsupported:
             return None
         if not lowered.kernel.outputs:
@@ -62,25 +66,28 @@ class CodegenExecutor(FusionExecutor):
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
         body = Trace(name, tuple(lowered.inputs), tuple(region), output,
                      provenance=f"fusion region of {self.name}")
-        impl = FusedRegion(name, lowered, body)
+        on_cuda = any(p.device.type == "cuda" for p in lowered.inputs)
+        impl = (nvrtc.CudaFusedRegion if on_cuda else FusedRegion)(name, lowered, body)
         sym = Symbol(name, None, namespace=self.namespace, python_name=f"{self.name}.{name}",
                      impl=impl, tags={"fusion"}, executor=self)
         self.fusions[name] = sym
         return BoundSymbol(sym, tuple(lowered.inputs), {}, output, tuple(region), region[0].source)
 
 
-def kernel_sources(trace: Trace) -> dict[str, str]:
-    """The generated C++ of every fusion in an execution trace, by fusion name; a fusion
-    compiled for several layouts lists each.
+def kernel_sources(*traces: Trace) -> dict[str, str]:
+    """The generated C++ of every fusion in execution traces, by fusion name; a fusion
+    compiled for several layouts lists each (`fulmen.last_kernels(jfn)` gives those of a
+    jitted function's last compilation, forward and backward).
 
     Example:
         >>> kernel_sources(fulmen.last_traces(jfn)[-1])["fusion0"]
     """
     sources = {}
-    for bsym in trace.bsyms:
-        impl = bsym.sym.impl
-        if isinstance(impl, FusedRegion):
-            sources[bsym.sym.name] = "\n".join(impl.sources.values())
+    for trace in traces:
+        for bsym in trace.bsyms:
+            impl = bsym.sym.impl
+            if isinstance(impl, FusedRegion):
+                sources[bsym.sym.name] = "\n".join(impl.sources.values())
     return sources
 
 

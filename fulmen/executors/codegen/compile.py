@@ -21,10 +21,12 @@ import threading
 from pathlib import Path
 
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared",
-             "-fno-math-errno", "-fwrapv", "-ffp-contract=off")  # fmt: skip
-# -fno-math-errno only stops libm setting errno (so sqrt vectorises); -fwrapv makes signed
-# overflow wrap as torch's integer ops do. Neither changes IEEE results; -ffp-contract=off
-# keeps a * b + c two rounded operations (no FMA), as eager computes it.
+             "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-ffp-contract=off")  # fmt: skip
+# -fno-math-errno only stops libm setting errno (so sqrt vectorises); -fno-trapping-math lets
+# the compiler turn selects (where, maximum, clamps) into vector blends, assuming no FP trap is
+# enabled (none is in torch); -fwrapv makes signed overflow wrap as torch's integer ops do.
+# None changes an IEEE result; -ffp-contract=off keeps a * b + c two rounded operations (no
+# FMA), as eager computes it.
 
 _ARGTYPES = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_int64]  # fmt: skip

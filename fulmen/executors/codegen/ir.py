@@ -12,6 +12,11 @@ An `Access` is a region input read through a chain of view prims (broadcast, per
 squeeze, reshape, flip); at run time the chain turns the input's strides into strides over the
 iteration space (0 where it broadcasts), so transposed, sliced and broadcast inputs are read in
 place. The IR carries dtypes, never sizes or strides: one kernel serves every shape.
+
+A `RowKernel` is the normalisation schedule (softmax, layer_norm, sums over trailing axes): its
+values are row-level (once per point of the kept axes: reductions and what follows from them)
+or element-level (once per point of the whole space), and `Reduce` turns the latter into the
+former.
 """
 
 from __future__ import annotations
@@ -86,5 +91,91 @@ class Kernel:
                 args = ", ".join(f"v{a}" for a in value.args)
                 params = "".join(f", {p}" for p in value.params)
                 lines.append(f"v{i} = {value.name}({args}{params}) : {value.dtype}")
+        lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
+        return "\n".join(lines)
+
+
+# --- the normalisation (row) schedule ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Reduction `name` (sum, prod, amax, amin) of the element-level value `arg` over the
+    reduced axes of a `RowKernel`; the result is a row-level value of `dtype`."""
+
+    name: str
+    arg: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ColumnReduce:
+    """Sum of the element-level value `arg` over the kept axes of a `RowKernel` (the reduced
+    axes survive: a LayerNorm weight gradient). Only stored, never used by other values."""
+
+    name: str
+    arg: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Count:
+    """The number of elements reduced per row, as a row-level value of `dtype`."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class RowKernel:
+    """A normalisation-schedule kernel over an iteration space split into kept (outer) axes,
+    one row per point, and reduced (inner) axes. Per row: reductions in dependency order (one
+    inner loop per stage), row-level values between them, then one inner loop computing and
+    storing the element-level outputs, then the row-level outputs.
+
+    `rows[v]` says whether value v is row-level (computed once per row) or element-level;
+    `access_rows[a]` whether access a reads a tensor of the kept shape (once per row) or of the
+    full shape. `outputs` are stored contiguously: row-level ones with the kept shape,
+    `ColumnReduce` ones with the reduced shape.
+    """
+
+    accesses: tuple[Access, ...]
+    access_dtypes: tuple[torch.dtype, ...]
+    access_rows: tuple[bool, ...]
+    values: tuple[Load | Const | Op | Reduce | ColumnReduce | Count, ...]
+    rows: tuple[bool, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def output_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(self.values[v].dtype for v in self.outputs)
+
+    @property
+    def output_rows(self) -> tuple[bool, ...]:
+        return tuple(self.rows[v] for v in self.outputs)
+
+    @property
+    def output_columns(self) -> tuple[bool, ...]:
+        return tuple(isinstance(self.values[v], ColumnReduce) for v in self.outputs)
+
+    def __str__(self) -> str:
+        lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
+                 + (" [row]" if row else "")
+                 for i, (acc, row) in enumerate(zip(self.accesses, self.access_rows))]
+        for i, value in enumerate(self.values):
+            where = "row " if self.rows[i] else ""
+            if isinstance(value, Load):
+                lines.append(f"{where}v{i} = load a{value.access} : {value.dtype}")
+            elif isinstance(value, Const):
+                lines.append(f"{where}v{i} = const {value.value!r} : {value.dtype}")
+            elif isinstance(value, Count):
+                lines.append(f"{where}v{i} = count : {value.dtype}")
+            elif isinstance(value, Reduce):
+                lines.append(f"{where}v{i} = reduce_{value.name}(v{value.arg}) : {value.dtype}")
+            elif isinstance(value, ColumnReduce):
+                lines.append(f"v{i} = column_{value.name}(v{value.arg}) : {value.dtype}")
+            else:
+                args = ", ".join(f"v{a}" for a in value.args)
+                params = "".join(f", {p}" for p in value.params)
+                lines.append(f"{where}v{i} = {value.name}({args}{params}) : {value.dtype}")
         lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
         return "\n".join(lines)

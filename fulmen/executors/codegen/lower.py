@@ -42,6 +42,9 @@ SUPPORTED: dict[str, frozenset] = {
     **{name: INTS | BOOL for name in ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor")},
 }  # fmt: skip
 VIEWS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze", "reshape", "flip"})
+# reduction prims of the row schedule (see rows.py) -> dtypes they reduce exactly like torch
+REDUCTIONS: dict[str, frozenset] = {"sum": NUMERIC, "prod": NUMERIC, "amax": NUMERIC,
+                                    "amin": NUMERIC, "var": FLOATS}  # fmt: skip
 
 
 class Unsupported(Exception):
@@ -68,6 +71,8 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if sym.name in VIEWS:
         return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
+    if sym.name in REDUCTIONS:
+        return _fusible_reduction(bsym)
     allowed = SUPPORTED.get(sym.name)
     if allowed is None:
         return False
@@ -87,6 +92,19 @@ def fusible(bsym: BoundSymbol) -> bool:
             if not isinstance(arg, Number) or not _number_fits(arg, dtype):
                 return False
     return True
+
+
+def _fusible_reduction(bsym: BoundSymbol) -> bool:
+    """Reductions over a non-empty set of axes that includes the last one (the row schedule:
+    rows are the kept axes), and sums over any axes (a sum over leading axes becomes a column
+    sum of the row schedule)."""
+    a, dims = bsym.args[0], bsym.args[1]
+    if not isinstance(a, torch.Tensor) or a.ndim == 0 or a.dtype not in REDUCTIONS[bsym.sym.name]:
+        return False
+    dims = {d % a.ndim for d in dims}
+    if not dims or (a.ndim - 1 not in dims and bsym.sym.name != "sum"):
+        return False
+    return bsym.sym.name != "var" or isinstance(bsym.args[2], Number)
 
 
 @dataclass(frozen=True)

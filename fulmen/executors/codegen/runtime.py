@@ -25,7 +25,8 @@ import torch
 
 from fulmen.executors.codegen.compile import CompileError, load_kernel
 from fulmen.executors.codegen.cpp import render
-from fulmen.executors.codegen.ir import Access
+from fulmen.executors.codegen.cpp_rows import render_rows
+from fulmen.executors.codegen.ir import Access, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
@@ -161,12 +162,16 @@ class FusedRegion:
         self.sources: dict[tuple, str] = {}
         self._kernels: dict[tuple, Future] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
+        if isinstance(self.kernel, RowKernel):  # kept-shape pointers do not move along a row
+            rows = self.kernel.access_rows + self.kernel.output_rows
+            contiguous = tuple(0 if row else 1 for row in rows)
         self._kernel_for(contiguous)  # start compiling the common layout in the background
 
     def _kernel_for(self, layout: tuple) -> Future:
         future = self._kernels.get(layout)
         if future is None:
-            source = render(self.kernel, layout)
+            kernel = self.kernel
+            source = (render_rows if isinstance(kernel, RowKernel) else render)(kernel, layout)
             self.sources[layout] = source
             future = self._kernels[layout] = _pool.submit(load_kernel, source)
         return future
@@ -194,6 +199,8 @@ class FusedRegion:
             return self._run_fallback(inputs)
 
     def _run(self, inputs):
+        if isinstance(self.kernel, RowKernel):
+            return self._run_rows(inputs)
         lowered, kernel = self.lowered, self.kernel
         shape = lowered.shape
         outs = [torch.empty(shape, dtype=dtype) for dtype in kernel.output_dtypes]
@@ -234,4 +241,70 @@ class FusedRegion:
                 results.append(outs[what])
             else:
                 results.append(view_output(inputs[what.input], what))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _run_rows(self, inputs):
+        """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced."""
+        lowered, kernel = self.lowered, self.kernel
+        shape, reduced = lowered.shape, lowered.reduced
+        kept = [d for d in range(len(shape)) if d not in reduced]
+        kept_shape = tuple(shape[d] for d in kept)
+        column_shape = tuple(shape[d] for d in reduced)
+        outs = [torch.empty(column_shape if column else kept_shape if row else shape, dtype=dtype)
+                for dtype, row, column in zip(kernel.output_dtypes, kernel.output_rows,
+                                              kernel.output_columns)]
+        nrows = math.prod(kept_shape)
+        numel = nrows * math.prod(shape[d] for d in reduced)
+        nthreads = torch.get_num_threads() if numel >= GRAIN else 1
+        if nthreads > 1 and nrows < nthreads and numel >= 16 * GRAIN:
+            raise _Fallback  # too few rows to share: torch's reductions split rows
+        if nrows:
+            bases, offsets, rows = [], [], []
+
+            def full(strides, row, column=False):
+                if column:
+                    it = iter(strides)
+                    return [next(it) if d in reduced else 0 for d in range(len(shape))]
+                if not row:
+                    return strides
+                it = iter(strides)
+                return [0 if d in reduced else next(it) for d in range(len(shape))]
+
+            for access, row in zip(kernel.accesses, kernel.access_rows):
+                base, offset, sizes, strides = resolve(inputs[access.input], access)
+                if tuple(sizes) != (kept_shape if row else shape):
+                    raise _Fallback
+                bases.append(base)
+                offsets.append(offset)
+                rows.append(full(strides, row))
+            for out, row, column in zip(outs, kernel.output_rows, kernel.output_columns):
+                bases.append(out)
+                offsets.append(0)
+                rows.append(full(list(out.stride()), row, column))
+            outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
+            inner, inner_rows = coalesce([shape[d] for d in reduced],
+                                         [[r[d] for d in reduced] for r in rows])
+            layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
+            fn = self._kernel_for(layout).result()
+            sizes = outer + inner
+            ndim = len(sizes)
+            flat = [s for o, i in zip(outer_rows, inner_rows) for s in o + i]
+            c_sizes = (ctypes.c_int64 * ndim)(*sizes)
+            c_strides = (ctypes.c_int64 * len(flat))(*flat)
+            c_ptrs = (ctypes.c_void_p * len(bases))(
+                *[b.data_ptr() + o * b.element_size() for b, o in zip(bases, offsets)])
+            fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
+               ctypes.addressof(c_ptrs), len(outer), nthreads)
+        else:
+            for out, column in zip(outs, kernel.output_columns):
+                if column:
+                    out.zero_()  # a sum over no rows
+        results = []
+        for plan in lowered.outputs:
+            if plan[0] == "kernel":
+                results.append(outs[plan[1]])
+            elif plan[0] == "rowview":
+                results.append(view_output(outs[plan[1]], plan[2]))
+            else:
+                results.append(view_output(inputs[plan[1].input], plan[1]))
         return results[0] if len(results) == 1 else tuple(results)

@@ -1,0 +1,291 @@
+"""C++ renderer of the normalisation schedule: a `RowKernel` -> C++17 source.
+
+    void fulmen_kernel(int64_t ndim, const int64_t* sizes, const int64_t* strides,
+                       char* const* ptrs, int64_t nouter, int64_t nthreads)
+
+The first `nouter` axes of `sizes` are the kept axes (one row per point; OpenMP shares rows among
+`nthreads` threads), the others the reduced axes (`subrows` times the last, `inner`). Per row:
+
+    row-level values of stage 0 (loads of kept-shape inputs, constants, ops on them)
+    for each stage s: one pass over the row accumulating the stage's reductions
+                      (`#pragma omp simd reduction` over blocks of BLOCK elements), then the
+                      row-level values computed from them
+    one pass over the row computing and storing the element-level outputs (and adding the
+                      column sums into this thread's float64 partials)
+    the row-level outputs
+    after all rows: the column sums, each the sum of the threads' partials
+
+Element-level values are recomputed in every pass that needs them (a row is small enough to
+stay in cache). Floating sums and products accumulate in double across blocks (float32 within a
+block), which keeps long rows as accurate as eager's cascade summation; float16/bfloat16 are
+computed in float32 and rounded to their dtype after each op, as eager does. amax/amin
+propagate NaN through a separate flag (an OpenMP max reduction alone would drop it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fulmen.executors.codegen.cpp import COMPUTE, PRELUDE, STORAGE, _expr, literal
+from fulmen.executors.codegen.ir import ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel
+
+__all__ = ["BLOCK", "render_rows"]
+
+BLOCK = 1024  # elements per float32 partial sum
+
+
+def _stages(kernel: RowKernel) -> list[int]:
+    stages: list[int] = []
+    for value in kernel.values:
+        if isinstance(value, Reduce):
+            stages.append(stages[value.arg] + 1)
+        elif isinstance(value, Op):
+            stages.append(max((stages[a] for a in value.args), default=0))
+        else:
+            stages.append(0)
+    return stages
+
+
+def _closure(kernel: RowKernel, targets) -> list[int]:
+    """Element-level values the targets need, in SSA order."""
+    need: set[int] = set()
+    stack = list(targets)
+    while stack:
+        v = stack.pop()
+        if v in need or kernel.rows[v]:
+            continue
+        need.add(v)
+        value = kernel.values[v]
+        if isinstance(value, Op):
+            stack.extend(value.args)
+    return sorted(need)
+
+
+def _index(kind: int, p: int) -> str:
+    return {0: "0", 1: "j"}.get(kind, f"j * s{p}")
+
+
+def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
+    value = kernel.values[v]
+    ctype = COMPUTE[value.dtype]
+    if isinstance(value, Load):
+        a = value.access
+        ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{_index(layout[a], a)}]"
+        if value.dtype == torch.bfloat16:
+            ptr = f"bf16_load({ptr})"
+        elif value.dtype == torch.float16:
+            ptr = f"(float)({ptr})"
+        expr = ptr
+    elif isinstance(value, Const):
+        expr = literal(value.value, value.dtype)
+    elif isinstance(value, Count):
+        expr = f"({ctype})count"
+    else:
+        expr = f"({ctype})({_expr(kernel, value, names)})"
+        expr = _round(expr, value.dtype)
+    return f"const {ctype} v{v} = {expr};"
+
+
+def _round(expr: str, dtype: torch.dtype) -> str:
+    if dtype == torch.float16:
+        return f"f16_round({expr})"
+    if dtype == torch.bfloat16:
+        return f"bf16_round({expr})"
+    return expr
+
+
+def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
+    """The C++ pieces of reduction value v: declarations before the row pass (acc), before a
+    block (part), the OpenMP clauses, the update in the loop, the combine after a block, and
+    the final row-level value."""
+    red = kernel.values[v]
+    x = f"v{red.arg}"
+    dtype = kernel.values[red.arg].dtype
+    ctype = COMPUTE[dtype]
+    is_float = dtype.is_floating_point
+    out = {"acc": [], "part": [], "clauses": [], "update": [], "combine": []}
+    if red.name in ("sum", "prod"):
+        acc_t = "double" if is_float else "int64_t"
+        part_t = ("double" if dtype == torch.float64 else "float") if is_float else "int64_t"
+        init, op = ("0", "+") if red.name == "sum" else ("1", "*")
+        out["acc"].append(f"{acc_t} a{v} = {init};")
+        out["part"].append(f"{part_t} b{v} = {init};")
+        out["clauses"].append(f"reduction({op}:b{v})")
+        out["update"].append(f"b{v} {op}= {x};")
+        out["combine"].append(f"a{v} {op}= b{v};")
+        result = f"a{v}"
+    else:
+        is_max = red.name == "amax"
+        cmp = ">" if is_max else "<"
+        if is_float:
+            init = f"{'-' if is_max else ''}std::numeric_limits<{ctype}>::infinity()"
+        else:
+            init = f"std::numeric_limits<{ctype}>::{'lowest' if is_max else 'max'}()"
+        out["acc"].append(f"{ctype} a{v} = {init};")
+        out["part"].append(f"{ctype} b{v} = {init};")
+        out["clauses"].append(f"reduction({'max' if is_max else 'min'}:b{v})")
+        out["update"].append(f"b{v} = {x} {cmp} b{v} ? {x} : b{v};")
+        out["combine"].append(f"a{v} = b{v} {cmp} a{v} ? b{v} : a{v};")
+        result = f"a{v}"
+        if is_float:
+            out["acc"].append(f"int nf{v} = 0;")
+            out["part"].append(f"int n{v} = 0;")
+            out["clauses"].append(f"reduction(|:n{v})")
+            out["update"].append(f"n{v} |= ({x} != {x});")
+            out["combine"].append(f"nf{v} |= n{v};")
+            result = f"(nf{v} ? std::numeric_limits<{ctype}>::quiet_NaN() : a{v})"
+    rtype = COMPUTE[red.dtype]
+    out["final"] = [f"const {rtype} v{v} = {_round(f'({rtype})({result})', red.dtype)};"]
+    return out
+
+
+def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
+    """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output:
+    1 contiguous, 0 broadcast, 2 any stride)."""
+    nacc = len(kernel.accesses)
+    nptr = nacc + len(kernel.outputs)
+    assert len(layout) == nptr
+    ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
+    dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
+    names = [f"v{v}" for v in range(len(kernel.values))]
+    stages = _stages(kernel)
+    columns = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
+               if isinstance(kernel.values[v], ColumnReduce)]
+    ncol = len(columns)
+    skip = {p for p, _ in columns}  # column outputs are written after the rows
+    lines = [PRELUDE, "#include <cstdlib>", "#include <omp.h>",
+             'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
+             "const int64_t* strides, char* const* ptrs, int64_t nouter, int64_t nthreads) {",
+             "  int64_t rows = 1;",
+             "  for (int64_t d = 0; d < nouter; ++d) rows *= sizes[d];",
+             "  int64_t subrows = 1;",
+             "  for (int64_t d = nouter; d + 1 < ndim; ++d) subrows *= sizes[d];",
+             "  const int64_t inner = sizes[ndim - 1];",
+             "  const int64_t count = subrows * inner;"]
+    if ncol:
+        lines += [f"  double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);",
+                  "  #pragma omp parallel num_threads(nthreads) if(nthreads > 1)",
+                  "  {",
+                  f"  double* cacc = colacc + omp_get_thread_num() * count * {ncol};",
+                  "  #pragma omp for schedule(static)"]
+    else:
+        lines.append("  #pragma omp parallel for num_threads(nthreads) schedule(static) "
+                     "if(nthreads > 1)")
+    lines += ["  for (int64_t row = 0; row < rows; ++row) {",
+             f"    int64_t off[{nptr}] = {{0}};",
+             "    int64_t r = row;",
+             "    for (int64_t d = nouter - 1; d >= 0; --d) {",
+             "      const int64_t i = r % sizes[d];",
+             "      r /= sizes[d];",
+             f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
+             "    }"]
+    for p, dtype in enumerate(dtypes):
+        if p in skip:
+            continue
+        const = "const " if p < nacc else ""
+        ctype = STORAGE[dtype]
+        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
+        if layout[p] == 2 and not ptr_rows[p]:
+            lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
+
+    def row_values(stage: int) -> None:
+        for v, value in enumerate(kernel.values):
+            if kernel.rows[v] and stages[v] == stage and not isinstance(value, Reduce):
+                lines.append("    " + _value_line(kernel, v, layout, names))
+
+    def row_pass(body: list[str], blocked: list[str] | None) -> None:
+        """A loop over the row's elements: `body` inside the simd loop; with `blocked` (the
+        reduction pieces) the loop runs in blocks with partial accumulators."""
+        lines.extend(["    for (int64_t sub = 0; sub < subrows; ++sub) {",
+                      f"      int64_t so[{nptr}] = {{0}};",
+                      "      int64_t rs = sub;",
+                      "      for (int64_t d = ndim - 2; d >= nouter; --d) {",
+                      "        const int64_t i = rs % sizes[d];",
+                      "        rs /= sizes[d];",
+                      f"        for (int p = 0; p < {nptr}; ++p) so[p] += i * strides[p * ndim + d];",
+                      "      }"])
+        for p, dtype in enumerate(dtypes):
+            if not ptr_rows[p] and p not in skip:
+                const = "const " if p < nacc else ""
+                ctype = STORAGE[dtype]
+                lines.append(f"      {const}{ctype}* __restrict__ q{p} = p{p} + so[{p}];")
+        if blocked is None:
+            lines.extend(["      #pragma omp simd", "      for (int64_t j = 0; j < inner; ++j) {"])
+            lines.extend("        " + line for line in body)
+            lines.append("      }")
+        else:
+            parts, clauses, combine = blocked
+            lines.extend([f"      for (int64_t jb = 0; jb < inner; jb += {BLOCK}) {{",
+                          f"        const int64_t je = inner < jb + {BLOCK} ? inner : jb + {BLOCK};"])
+            lines.extend("        " + line for line in parts)
+            lines.extend([f"        #pragma omp simd {' '.join(clauses)}",
+                          "        for (int64_t j = jb; j < je; ++j) {"])
+            lines.extend("          " + line for line in body)
+            lines.append("        }")
+            lines.extend("        " + line for line in combine)
+            lines.append("      }")
+        lines.append("    }")
+
+    row_values(0)
+    for stage in range(1, max(stages, default=0) + 1):
+        reds = [v for v, value in enumerate(kernel.values)
+                if isinstance(value, Reduce) and stages[v] == stage]
+        if not reds:
+            row_values(stage)
+            continue
+        pieces = [_reduction(kernel, v) for v in reds]
+        for piece in pieces:
+            lines.extend("    " + line for line in piece["acc"])
+        body = [_value_line(kernel, v, layout, names)
+                for v in _closure(kernel, [kernel.values[v].arg for v in reds])]
+        body += [line for piece in pieces for line in piece["update"]]
+        row_pass(body, ([line for piece in pieces for line in piece["part"]],
+                        [c for piece in pieces for c in piece["clauses"]],
+                        [line for piece in pieces for line in piece["combine"]]))
+        for piece in pieces:
+            lines.extend("    " + line for line in piece["final"])
+        row_values(stage)
+    element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
+                       if not kernel.rows[v] and nacc + k not in skip]
+    if element_outputs or columns:
+        args = [kernel.values[v].arg for _, v in columns]
+        body = [_value_line(kernel, v, layout, names)
+                for v in _closure(kernel, [v for _, v in element_outputs] + args)]
+        body += [f"q{p}[{_index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
+        body += [f"cacc[{c} * count + sub * inner + j] += (double)v{arg};"
+                 for c, arg in enumerate(args)]
+        row_pass(body, None)
+    for k, v in enumerate(kernel.outputs):
+        if kernel.rows[v]:
+            lines.append(f"    p{nacc + k}[0] = {_store(kernel, v)};")
+    lines.append("  }")
+    if ncol:
+        lines += ["  }", "  for (int64_t col = 0; col < count; ++col) {",
+                  "    int64_t rs = col / inner;",
+                  "    const int64_t j = col % inner;"]
+        for c, (p, v) in enumerate(columns):
+            dtype = kernel.values[v].dtype
+            lines += [f"    int64_t o{p} = j * strides[{p} * ndim + ndim - 1];",
+                      "    double t{c} = 0;".replace("{c}", str(c)),
+                      f"    for (int64_t th = 0; th < nthreads; ++th) "
+                      f"t{c} += colacc[(th * {ncol} + {c}) * count + col];"]
+            value = f"(float)t{c}" if dtype != torch.float64 else f"t{c}"
+            if dtype == torch.bfloat16:
+                value = f"bf16_store({value})"
+            elif dtype == torch.float16:
+                value = f"(_Float16)({value})"
+            lines.append(f"    {{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
+                         f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}")
+            lines.append(f"    (({STORAGE[dtype]}*)ptrs[{p}])[o{p}] = {value};")
+        lines += ["  }", "  std::free(colacc);"]
+    lines += ["}", ""]
+    return "\n".join(lines)
+
+
+def _store(kernel: RowKernel, v: int) -> str:
+    dtype = kernel.values[v].dtype
+    if dtype == torch.bfloat16:
+        return f"bf16_store(v{v})"
+    if dtype == torch.float16:
+        return f"(_Float16)(v{v})"
+    return f"v{v}"

@@ -1,0 +1,361 @@
+"""Compile CUDA kernel sources with NVRTC (`cuda-python`), load them, launch them.
+
+Compilation targets the device's exact architecture: a cubin for `sm_XX` when this NVRTC knows
+the architecture, else PTX for the newest architecture it knows below the device's (the driver
+JIT-compiles it; PTX newer than the driver cannot load, and that failure, like any other,
+becomes a fallback). Images are cached on disk under `FULMEN_CACHE_DIR/cuda`, keyed by the
+source, the target, the NVRTC version and the options, written atomically; loaded functions are
+kept in memory per device. `cuda_fp16.h`/`cuda_bf16.h` come from the `nvidia-cuda-runtime` wheel
+(found with `cuda.pathfinder`), else from a CUDA toolkit (`CUDA_HOME`, `/usr/local/cuda`).
+
+`CudaFusedRegion` is the implementation of a fusion symbol whose tensors live on a CUDA device:
+it resolves strides like the CPU runtime, picks the layout class (`cuda.Spec`), compiles once per
+class and launches on torch's current stream with `data_ptr()`s. If `cuda-python` is missing,
+NVRTC fails, or the driver refuses the image, the region warns once and runs its prims with the
+torch executor from then on: never a crash, never a wrong result.
+
+`cuda-python` is imported only inside the functions here, so `import fulmen` never needs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import struct
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from fulmen.core import BoundSymbol
+from fulmen.executors.codegen import cuda
+from fulmen.executors.codegen.compile import cache_dir as _cpp_cache_dir
+from fulmen.executors.codegen.ir import Kernel
+from fulmen.executors.codegen.lower import LoweredRegion
+from fulmen.executors.codegen.runtime import _Fallback, coalesce, resolve, view_output
+
+OPTIONS = ("-std=c++17", "--fmad=false")
+# --fmad=false: a * b + c stays two rounded operations, as eager computes it. The remaining
+# defaults are IEEE: -ftz=false -prec-div=true -prec-sqrt=true, no fast math.
+MAX_PARAM_BYTES = 4096
+ENTRY = "fulmen_kernel"
+
+_lock = threading.Lock()
+_functions: dict[tuple, object] = {}
+_warned: set[str] = set()
+
+
+class NvrtcError(RuntimeError):
+    """cuda-python or NVRTC is missing, compilation failed, or the driver refused an image."""
+
+
+def available() -> bool:
+    """Whether `cuda-python`'s bindings are installed (checked without importing them)."""
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fusible(bsym: BoundSymbol) -> bool:
+    """Whether the codegen executor may fuse `bsym` into a CUDA region (`cuda.fusible`, and
+    cuda-python is installed: without it CUDA prims are left to the other executors)."""
+    return cuda.fusible(bsym) and available()
+
+
+def _bindings():
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError as error:
+        raise NvrtcError("cuda-python is not installed (pip install 'fulmen[cuda]')") from error
+    return driver, nvrtc
+
+
+def _check(result, what: str):
+    """Unwrap a cuda-python result tuple `(status, *values)`, raising NvrtcError on failure."""
+    status, *values = result
+    if int(status) != 0:
+        raise NvrtcError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    """The NVRTC library's (major, minor) version."""
+    _, nvrtc = _bindings()
+    return _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+
+
+@functools.cache
+def supported_archs() -> tuple[int, ...]:
+    """The `sm_XX` numbers this NVRTC compiles for (e.g. 75, 80, 86, 89, 90, ...)."""
+    _, nvrtc = _bindings()
+    return tuple(int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
+    """The directory holding `cuda_fp16.h` (the nvidia-cuda-runtime wheel first, then a
+    toolkit), or none."""
+    found = []
+    try:
+        from cuda import pathfinder
+
+        located = pathfinder.find_nvidia_header_directory("cudart")
+        if located:
+            found.append(str(located))
+    except Exception:  # an old pathfinder, or none: look for a toolkit below
+        pass
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").exists():
+            found.append(str(Path(root) / "include"))
+    found = [d for d in found if (Path(d) / "cuda_fp16.h").exists()]
+    return tuple(found[:1])  # one set of headers: never a mix of two versions
+
+
+def target_for(capability: tuple[int, int]) -> tuple[int, str]:
+    """(architecture, "cubin" or "ptx") to compile for a device of `capability`: a cubin for
+    the exact `sm_XX` when NVRTC supports it, else PTX for the newest architecture below it.
+
+    Raises:
+        NvrtcError: if NVRTC supports no architecture at or below the device's.
+    """
+    arch = capability[0] * 10 + capability[1]
+    archs = supported_archs()
+    if arch in archs:
+        return arch, "cubin"
+    older = [a for a in archs if a < arch]
+    if not older:
+        raise NvrtcError(f"NVRTC {nvrtc_version()} cannot compile for sm_{arch}")
+    return max(older), "ptx"
+
+
+def options(arch: int, kind: str) -> list[str]:
+    """NVRTC options for `arch` ("cubin": real `sm_XX` code, "ptx": `compute_XX`)."""
+    target = f"sm_{arch}" if kind == "cubin" else f"compute_{arch}"
+    return [f"--gpu-architecture={target}", *OPTIONS, *[f"-I{d}" for d in include_dirs()]]
+
+
+def compile_source(source: str, arch: int, kind: str = "cubin") -> tuple[bytes, str]:
+    """Compile `source` with NVRTC; returns (cubin or PTX bytes, NVRTC's log — warnings).
+
+    Raises:
+        NvrtcError: cuda-python missing, or compilation failed (the log is in the message).
+    """
+    _, nvrtc = _bindings()
+    program = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"fulmen.cu", 0, [], []),
+                     "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options(arch, kind)]
+        (status,) = nvrtc.nvrtcCompileProgram(program, len(opts), opts)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        _check((nvrtc.nvrtcGetProgramLog(program, log)[0], None), "nvrtcGetProgramLog")
+        log_text = log.rstrip(b"\x00 ").decode(errors="replace").strip()
+        if int(status) != 0:
+            raise NvrtcError(f"NVRTC failed for sm_{arch}:\n{log_text[-4000:]}")
+        if kind == "cubin":
+            size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+            image = b" " * size
+            _check((nvrtc.nvrtcGetCUBIN(program, image)[0], None), "nvrtcGetCUBIN")
+        else:
+            size = _check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
+            image = b" " * size
+            _check((nvrtc.nvrtcGetPTX(program, image)[0], None), "nvrtcGetPTX")
+        return image, log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def cache_dir() -> Path:
+    """Where compiled CUDA images live (`FULMEN_CACHE_DIR/cuda`)."""
+    return _cpp_cache_dir().parent / "cuda"
+
+
+def cache_key(source: str, arch: int, kind: str) -> str:
+    text = "\n".join([source, f"{kind}:{arch}", repr(nvrtc_version()), *options(arch, kind)])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compile_cached(source: str, arch: int, kind: str = "cubin") -> bytes:
+    """`compile_source`, through the on-disk cache (written atomically)."""
+    path = cache_dir() / f"k_{cache_key(source, arch, kind)}.{kind}"
+    if path.exists():
+        return path.read_bytes()
+    image, _ = compile_source(source, arch, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+        tmp.write(image)
+    os.replace(tmp.name, path)  # readers see no file or the whole file
+    source_copy = path.with_suffix(".cu")
+    if not source_copy.exists():
+        tmp_source = path.with_suffix(f".cu.{os.getpid()}.tmp")
+        tmp_source.write_text(source)
+        os.replace(tmp_source, source_copy)
+    return image
+
+
+def _make_context_current(driver, index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    _check(driver.cuInit(0), "cuInit")
+    device = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    context = _check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def load_function(source: str, device: torch.device):
+    """The `fulmen_kernel` of `source` compiled for `device` and loaded there (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch, kind = target_for(torch.cuda.get_device_capability(index))
+    key = (cache_key(source, arch, kind), index)
+    with _lock:
+        function = _functions.get(key)
+    if function is None:
+        driver, _ = _bindings()
+        image = compile_cached(source, arch, kind)
+        if kind == "ptx":
+            image += b"\x00"
+        with torch.cuda.device(index):
+            _make_context_current(driver, index)
+            module = _check(driver.cuModuleLoadData(image), f"loading the {kind} for sm_{arch}")
+            function = _check(driver.cuModuleGetFunction(module, ENTRY.encode()),
+                              "cuModuleGetFunction")
+        with _lock:
+            _functions[key] = function
+    return function
+
+
+def launch(function, device: torch.device, grid: int, params: bytes) -> None:
+    """Launch `function` on `grid` blocks of `cuda.BLOCK` threads, on torch's current stream of
+    `device`, with the packed argument struct `params`."""
+    driver, _ = _bindings()
+    buffer = ctypes.create_string_buffer(params, len(params))
+    pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    _check((driver.cuLaunchKernel(function, grid, 1, 1, cuda.BLOCK, 1, 1, 0, stream,
+                                  ctypes.addressof(pointers), 0)[0], None), "cuLaunchKernel")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _contiguous(sizes) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(sizes):
+        strides.append(acc)
+        acc *= size
+    return strides[::-1]
+
+
+def plan(kernel, sizes: list[int], rows: list[list[int]], addresses: list[int]) -> cuda.Spec:
+    """The layout class (`cuda.Spec`) of a call: coalesced `sizes`, each pointer's element
+    `rows` of strides and byte `addresses` (vectorised only when every contiguous pointer is
+    aligned to its vector)."""
+    contiguous = _contiguous(sizes)
+    classes = tuple(0 if not any(row) else 1 if row == contiguous else 2 for row in rows)
+    vec = cuda.vector_width(kernel, classes)
+    if vec > 1:
+        dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
+        if any(c == 1 and address % (vec * d.itemsize) for c, d, address
+               in zip(classes, dtypes, addresses)):
+            vec = 1
+    numel = math.prod(sizes)
+    reach = max(sum((s - 1) * abs(st) for s, st in zip(sizes, row)) for row in rows)
+    small = numel + 2**26 < 2**31 and reach < 2**31
+    return cuda.Spec(len(sizes), classes, vec, "int" if small else "long long")
+
+
+def pack(sizes: list[int], rows: list[list[int]], addresses: list[int]) -> bytes:
+    """The argument struct of a kernel (see `cuda.py`): numel, sizes, strides, pointers."""
+    flat = [s for row in rows for s in row]
+    return struct.pack(f"<{1 + len(sizes) + len(flat)}q{len(addresses)}Q", math.prod(sizes),
+                       *sizes, *flat, *addresses)
+
+
+class CudaFusedRegion:
+    """The callable behind one fusion symbol on CUDA tensors (see the module docstring)."""
+
+    def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
+        self.name = name
+        self.lowered = lowered
+        self.kernel = lowered.kernel
+        self.fallback_trace = fallback_trace
+        self.failed = False
+        self.sources: dict[cuda.Spec, str] = {}
+        self._fallback = None
+        if not isinstance(self.kernel, Kernel):  # a schedule the CUDA renderer lacks
+            self.failed = True
+
+    def source_for(self, spec: cuda.Spec) -> str:
+        """The CUDA source of this region's kernel for layout class `spec`."""
+        source = self.sources.get(spec)
+        if source is None:
+            source = self.sources[spec] = cuda.render(self.kernel, spec, ENTRY)
+        return source
+
+    def _run_fallback(self, inputs):
+        if self._fallback is None:
+            from fulmen.executors.claim import claim_executors
+            from fulmen.executors.registry import get_executor
+
+            trace = claim_executors(self.fallback_trace, [get_executor("torch")])
+            self._fallback = trace.python_callable()
+        return self._fallback(*inputs)
+
+    def __call__(self, *inputs):
+        if self.failed:
+            return self._run_fallback(inputs)
+        try:
+            return self._run(inputs)
+        except _Fallback:
+            return self._run_fallback(inputs)
+        except (NvrtcError, cuda.Unsupported) as error:
+            self.failed = True
+            message = f"fulmen codegen: CUDA fusions run on the torch executor: {error}"
+            if message not in _warned:
+                _warned.add(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return self._run_fallback(inputs)
+
+    def _run(self, inputs):
+        lowered, kernel = self.lowered, self.kernel
+        shape = lowered.shape
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        outs = [torch.empty(shape, dtype=dtype, device=device) for dtype in kernel.output_dtypes]
+        if math.prod(shape):
+            bases, addresses, rows = [], [], []
+            for access in kernel.accesses:
+                base, offset, sizes, strides = resolve(inputs[access.input], access)
+                if tuple(sizes) != shape:
+                    raise _Fallback
+                bases.append(base)
+                addresses.append(base.data_ptr() + offset * base.element_size())
+                rows.append(strides)
+            for out in outs:
+                addresses.append(out.data_ptr())
+                rows.append(list(out.stride()))
+            sizes, rows = coalesce(shape, rows)
+            params = pack(sizes, rows, addresses)
+            if len(params) > MAX_PARAM_BYTES:
+                raise _Fallback
+            spec = plan(kernel, sizes, rows, addresses)
+            function = load_function(self.source_for(spec), device)
+            work = math.prod(sizes) // spec.vec if spec.vec > 1 else math.prod(sizes)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            grid = max(1, min(-(-work // cuda.BLOCK), _sm_count(index) * 8))
+            launch(function, device, grid, params)
+        results = []
+        for kind, what in lowered.outputs:
+            if kind == "kernel":
+                results.append(outs[what])
+            else:
+                results.append(view_output(inputs[what.input], what))
+        return results[0] if len(results) == 1 else tuple(results)

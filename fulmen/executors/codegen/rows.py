@@ -1,0 +1,260 @@
+"""Lowering a region with reductions to the normalisation (row) schedule: a `RowKernel`.
+
+All reductions of the region reduce the same full shape S over the same axes R (which include
+the last axis: see `lower.fusible`); the kept shape K is S without R. Every elementwise
+statement then has shape S (an element-level value, computed per element of a row) or shape K
+(a row-level value, computed once per row). A row-level value reaches element-level statements
+through views that only add or drop size-1 and reduced axes (`broadcast_in_dim(mean, S, kept)`,
+keepdim reshapes); such a view escaping the region is returned as a view of the row output.
+
+    amax -> sub -> exp -> sum -> div          softmax: two reduction stages, one output pass
+    sum -> div -> sub -> mul -> sum -> rsqrt  layer_norm: mean, then the variance, then outputs
+
+A sum over exactly the kept axes (a LayerNorm weight or bias gradient) is a column sum: each
+thread adds its rows into float64 partials, summed into the output after the rows. A region of
+column sums only takes the summed axes as its rows.
+
+`var` lowers to two float64 sums (mean, then squared deviations), as eager accumulates it.
+`lower_any` picks this schedule for regions with a reduction and `lower.lower` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fulmen.core import BoundSymbol
+from fulmen.executors.codegen.ir import (
+    Access,
+    ColumnReduce,
+    Const,
+    Count,
+    Load,
+    Op,
+    Reduce,
+    RowKernel,
+    ViewStep,
+)  # fmt: skip
+from fulmen.executors.codegen.lower import (
+    REDUCTIONS,
+    VIEWS,
+    Unsupported,
+    _freeze,
+    lower,
+)  # fmt: skip
+from fulmen.transforms.fusion import region_inputs
+
+__all__ = ["LoweredRows", "lower_any", "lower_rows"]
+
+
+@dataclass(frozen=True)
+class LoweredRows:
+    """A `RowKernel` plus how to call it: the full shape, the reduced axes, the region inputs,
+    and per region output `("kernel", k)`, `("view", access)` (a view of an input) or
+    `("rowview", k, access)` (kernel output k seen through `access.steps`)."""
+
+    kernel: RowKernel
+    shape: tuple[int, ...]
+    reduced: tuple[int, ...]
+    inputs: tuple
+    outputs: tuple[tuple, ...]
+
+
+def lower_any(region: list[BoundSymbol], outputs: list, check_only: bool = False):
+    """`lower_rows` for a region with a reduction, else the pointwise `lower`.
+
+    Raises:
+        Unsupported: if the region fits neither schedule.
+    """
+    if any(bsym.sym.name in REDUCTIONS for bsym in region):
+        return lower_rows(region, outputs, check_only)
+    return lower(region, outputs, check_only)
+
+
+def _row_view(map_: tuple, in_shape: tuple, step: ViewStep) -> tuple:
+    """Where each axis of a view of a row-level value comes from: an axis of S or None (an axis
+    along which the value does not vary). Raises Unsupported for views that move data."""
+    params = step.params
+    if step.name == "broadcast_in_dim":
+        shape, dims = params
+        new = [None] * len(shape)
+        for i, d in enumerate(dims):
+            new[d] = map_[i] if in_shape[i] == shape[d] else None
+        return tuple(new)
+    if step.name == "permute":
+        return tuple(map_[p] for p in params[0])
+    if step.name == "squeeze":
+        return tuple(m for d, m in enumerate(map_) if d not in params[0])
+    if step.name == "reshape":
+        big = [(size, m) for size, m in zip(in_shape, map_) if size != 1]
+        shape = params[0]
+        if [size for size, _ in big] != [size for size in shape if size != 1]:
+            raise Unsupported("reshape of a row value that moves data")
+        it = iter(big)
+        return tuple(next(it)[1] if size != 1 else None for size in shape)
+    raise Unsupported(f"{step.name} of a row value")
+
+
+def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = False) -> LoweredRows:
+    """Lower a region with reductions (statements in trace order) computing `outputs`.
+
+    Raises:
+        Unsupported: if the region does not fit the row schedule.
+    """
+    reductions = [bsym for bsym in region if bsym.sym.name in REDUCTIONS]
+    shape = tuple(reductions[0].args[0].shape)
+
+    def axes(bsym) -> tuple[int, ...]:
+        return tuple(sorted({d % len(shape) for d in bsym.args[1]}))
+
+    rowwise = [bsym for bsym in reductions if len(shape) - 1 in axes(bsym)]
+    if rowwise:
+        reduced = axes(rowwise[0])
+    else:  # column sums only: rows run over the summed axes
+        reduced = tuple(d for d in range(len(shape)) if d not in axes(reductions[0]))
+    kept = tuple(d for d in range(len(shape)) if d not in reduced)
+    if not reduced:
+        raise Unsupported("a reduction over every axis but no row")
+    for bsym in reductions:
+        if tuple(bsym.args[0].shape) != shape:
+            raise Unsupported("reductions of different shapes")
+        if axes(bsym) not in (reduced, kept):
+            raise Unsupported("reductions over different axes")
+    kept_shape = tuple(shape[d] for d in kept)
+    inputs = region_inputs(region)
+    input_index = {proxy.name: i for i, proxy in enumerate(inputs)}
+    env: dict[str, tuple] = {}
+    accesses: list[Access] = []
+    access_dtypes: list[torch.dtype] = []
+    access_rows: list[bool] = []
+    values: list = []
+    rows: list[bool] = []
+    loads: dict[tuple, int] = {}
+
+    def add(value, row: bool) -> int:
+        values.append(value)
+        rows.append(row)
+        return len(values) - 1
+
+    def view_of(proxy) -> tuple:
+        if proxy.name in env:
+            return env[proxy.name]
+        return ("view", Access(input_index[proxy.name], ()))
+
+    def fits_element(map_: tuple) -> bool:
+        return all(m == d or (m is None and (d in reduced or shape[d] == 1))
+                   for d, m in enumerate(map_))
+
+    def fits_row(map_: tuple) -> bool:
+        return all(m == d or (m is None and shape[d] == 1) for m, d in zip(map_, kept))
+
+    def operand(arg, dtype, row: bool) -> int:
+        if not isinstance(arg, torch.Tensor):
+            return add(Const(torch.tensor(arg, dtype=dtype).item(), dtype), True)
+        kind = view_of(arg)
+        if kind[0] == "column":
+            raise Unsupported("a column sum used inside its kernel")
+        if kind[0] == "value":
+            if rows[kind[1]] != row:
+                raise Unsupported("a value used at the wrong level")
+            return kind[1]
+        if kind[0] == "row":
+            if len(kind[2]) != (len(kept) if row else len(shape)):
+                raise Unsupported("row value of the wrong rank")
+            if not (fits_row(kind[2]) if row else fits_element(kind[2])):
+                raise Unsupported("row value broadcast along a kept axis")
+            return kind[1]
+        key = (kind[1], row)
+        if key not in loads:
+            accesses.append(kind[1])
+            access_dtypes.append(arg.dtype)
+            access_rows.append(row)
+            loads[key] = add(Load(len(accesses) - 1, arg.dtype), row)
+        return loads[key]
+
+    for bsym in region:
+        name = bsym.sym.name
+        out = bsym.output
+        if name in VIEWS:
+            kind = view_of(bsym.args[0])
+            if kind[0] == "column":
+                raise Unsupported("a view of a column sum")
+            step = ViewStep(name, tuple(_freeze(a) for a in bsym.args[1:]))
+            if kind[0] == "view":
+                env[out.name] = ("view", Access(kind[1].input, kind[1].steps + (step,)))
+            elif kind[0] == "row":
+                map_ = _row_view(kind[2], tuple(bsym.args[0].shape), step)
+                env[out.name] = ("row", kind[1], map_, kind[3] + (step,))
+            elif rows[kind[1]]:
+                map_ = _row_view(kept, tuple(bsym.args[0].shape), step)
+                env[out.name] = ("row", kind[1], map_, (step,))
+            else:
+                raise Unsupported(f"{name} of a computed element value")
+            continue
+        if name in REDUCTIONS:
+            arg = operand(bsym.args[0], bsym.args[0].dtype, row=False)
+            if tuple(sorted({d % len(shape) for d in bsym.args[1]})) == kept:
+                if not out.dtype.is_floating_point:
+                    raise Unsupported("an integer column sum")  # float64 partials
+                env[out.name] = ("column", add(ColumnReduce(name, arg, out.dtype), False))
+                continue
+            if name == "var":
+                index = _lower_var(add, arg, bsym.args[0].dtype, bsym.args[2], out.dtype)
+            else:
+                index = add(Reduce(name, arg, out.dtype), True)
+            env[out.name] = ("value", index)
+            continue
+        out_shape = tuple(out.shape)
+        if out_shape == shape:
+            row = False
+        elif out_shape == kept_shape:
+            row = True
+        else:
+            raise Unsupported(f"{name} on shape {out_shape} in a {shape} row kernel")
+        if name == "convert_element_type":
+            args = (operand(bsym.args[0], bsym.args[0].dtype, row),)
+        elif name == "where":
+            args = (operand(bsym.args[0], torch.bool, row), operand(bsym.args[1], out.dtype, row),
+                    operand(bsym.args[2], out.dtype, row))
+        else:
+            dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
+            args = tuple(operand(arg, dtype, row) for arg in bsym.args)
+        env[out.name] = ("value", add(Op(name, args, out.dtype), row))
+    kernel_outputs: list[int] = []
+    plan = []
+
+    def kernel_output(index: int) -> int:
+        if index not in kernel_outputs:
+            kernel_outputs.append(index)
+        return kernel_outputs.index(index)
+
+    for proxy in outputs:
+        kind = env[proxy.name]
+        if kind[0] in ("value", "column"):
+            plan.append(("kernel", kernel_output(kind[1])))
+        elif kind[0] == "row":
+            plan.append(("rowview", kernel_output(kind[1]), Access(0, kind[3])))
+        else:
+            plan.append(("view", kind[1]))
+    kernel = RowKernel(tuple(accesses), tuple(access_dtypes), tuple(access_rows), tuple(values),
+                       tuple(rows), tuple(kernel_outputs))
+    return LoweredRows(kernel, shape, reduced, tuple(inputs), tuple(plan))
+
+
+def _lower_var(add, x: int, dtype: torch.dtype, correction, out_dtype: torch.dtype) -> int:
+    """var(x) = sum((x - mean)^2) / max(0, n - correction), in float64 (two passes)."""
+    f64 = torch.float64
+    if dtype != f64:
+        x = add(Op("convert_element_type", (x,), f64), False)
+    n = add(Count(f64), True)
+    mean = add(Op("div", (add(Reduce("sum", x, f64), True), n), f64), True)
+    dev = add(Op("sub", (x, mean), f64), False)
+    m2 = add(Reduce("sum", add(Op("mul", (dev, dev), f64), False), f64), True)
+    denom = add(Op("sub", (n, add(Const(float(correction), f64), True)), f64), True)
+    denom = add(Op("maximum", (denom, add(Const(0.0, f64), True)), f64), True)
+    result = add(Op("div", (m2, denom), f64), True)
+    if out_dtype != f64:
+        result = add(Op("convert_element_type", (result,), out_dtype), True)
+    return result
+
