@@ -99,9 +99,40 @@ def _runner(fn, args, backward: bool):
     return step
 
 
-def bench_kernels(n: int, repeats: int) -> list[str]:
+def measure_kernels(n: int, repeats: int):
+    """Yield `(name, tensors moved, {"eager"|"compile"|"codegen": seconds})` per kernel."""
     import fulmen
 
+    for name, fn, make, tensors, backward in _kernels(n):
+        args = make()
+        jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+        cfn = torch.compile(fn)
+        if not backward:
+            torch.testing.assert_close(jfn(*args), fn(*args), rtol=1e-4, atol=1e-4)
+        yield name, tensors, {label: _median_time(_runner(f, args, backward), repeats)
+                              for label, f in (("eager", fn), ("compile", cfn), ("codegen", jfn))}
+
+
+def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
+    """The summary rows `benchmarks/run_all.py` prints (codegen executor)."""
+    n = 1024 if quick else 4096
+    os.environ.setdefault("FULMEN_CACHE_DIR", tempfile.mkdtemp(prefix="fulmen-bench-"))
+    out = [{"benchmark": f"fused kernel: {name}, float32 {n}x{n} (codegen)", "unit": "ms",
+            "eager": times["eager"] * 1e3, "fulmen": times["codegen"] * 1e3,
+            "torch.compile": times["compile"] * 1e3}
+           for name, _, times in measure_kernels(n, 3 if quick else 9)]
+    if compile_too and not quick:
+        kernels = tempfile.mkdtemp(prefix="fulmen-bench-cache-")
+        inductor = tempfile.mkdtemp(prefix="inductor-bench-cache-")
+        out.append({"benchmark": "pythia-14m fwd+bwd first call, empty caches (codegen)",
+                    "unit": "s", "eager": None,
+                    "fulmen": _child("codegen", {"FULMEN_CACHE_DIR": kernels}),
+                    "torch.compile": _child("compile", {"TORCHINDUCTOR_CACHE_DIR": inductor,
+                                                        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})})
+    return out
+
+
+def bench_kernels(n: int, repeats: int) -> list[str]:
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     add_s = _median_time(lambda: torch.add(a, b, out=c), repeats)
     add_bw = 3 * a.numel() * 4 / add_s
@@ -109,14 +140,7 @@ def bench_kernels(n: int, repeats: int) -> list[str]:
             "| kernel | eager ms | torch.compile ms | codegen ms | vs eager | vs compile "
             "| bandwidth vs add |", "| --- | --- | --- | --- | --- | --- | --- |"]
     speedups_eager, speedups_compile = [], []
-    for name, fn, make, tensors, backward in _kernels(n):
-        args = make()
-        jfn = fulmen.jit(fn, executors=["codegen", "torch"])
-        cfn = torch.compile(fn)
-        if not backward:
-            torch.testing.assert_close(jfn(*args), fn(*args), rtol=1e-4, atol=1e-4)
-        times = {label: _median_time(_runner(f, args, backward), repeats)
-                 for label, f in (("eager", fn), ("compile", cfn), ("codegen", jfn))}
+    for name, tensors, times in measure_kernels(n, repeats):
         bandwidth = tensors * n * n * 4 / times["codegen"]
         vs_eager = times["eager"] / times["codegen"]
         vs_compile = times["compile"] / times["codegen"]

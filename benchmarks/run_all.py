@@ -40,12 +40,16 @@ def main() -> None:
     print("| benchmark | unit | eager | fulmen | torch.compile | fulmen / eager "
           "| fulmen / torch.compile |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    def cell(value):
+        return f"{value:.2f}" if value else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
     for row in table:
-        compiled = row.get("torch.compile")
-        ratio_c = f"{row['fulmen'] / compiled:.2f}" if compiled else "-"
-        compiled_text = f"{compiled:.2f}" if compiled else "-"
-        print(f"| {row['benchmark']} | {row['unit']} | {row['eager']:.2f} | {row['fulmen']:.2f} "
-              f"| {compiled_text} | {row['fulmen'] / row['eager']:.2f} | {ratio_c} |")
+        eager, fulmen_value, compiled = row["eager"], row["fulmen"], row.get("torch.compile")
+        print(f"| {row['benchmark']} | {row['unit']} | {cell(eager)} | {cell(fulmen_value)} "
+              f"| {cell(compiled)} | {ratio(fulmen_value, eager)} | {ratio(fulmen_value, compiled)} |")
 
 
 if __name__ == "__main__":
