@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import statistics
 import sysconfig
 import time
 
@@ -145,11 +146,12 @@ def main() -> None:
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:checked], eager_losses[:checked]))
     print(f"\nfirst {checked} losses, fulmen vs eager (same seed): worst relative difference "
           f"{worst:.2e} -> {'agree' if worst < 1e-3 else 'DISAGREE'}")
-    steady = slice(2, checked)  # skip compilation and warm-up
-    fulmen_ms = 1e3 * sum(times[steady]) / max(len(times[steady]), 1)
-    eager_ms = 1e3 * sum(eager_times[steady]) / max(len(eager_times[steady]), 1)
-    print(f"time per step: fulmen {fulmen_ms:.1f} ms, eager {eager_ms:.1f} ms "
-          f"(ratio {fulmen_ms / eager_ms:.2f}); first fulmen step (compiles) {times[0]:.2f} s")
+    # medians after warm-up: fulmen's last steps (kernels compiled), eager's checked steps
+    fulmen_ms = 1e3 * statistics.median(times[-min(20, len(times)):])
+    eager_ms = 1e3 * statistics.median(eager_times[min(2, len(eager_times) - 1):])
+    print(f"time per step (median after warm-up): fulmen {fulmen_ms:.1f} ms, eager "
+          f"{eager_ms:.1f} ms (ratio {fulmen_ms / eager_ms:.2f}); first fulmen step (traces and "
+          f"compiles) {times[0]:.2f} s")
     print(f"loss: {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} "
           f"(mean of the last 10 steps)")
 
