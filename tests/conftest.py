@@ -11,6 +11,18 @@ def pytest_addoption(parser):
                      help="samples per OpInfo in conformance tests: a number or 'all'")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """Compiled kernels go to a per-session directory, never to the user's ~/.cache."""
+    old = os.environ.get("FULMEN_CACHE_DIR")
+    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
+    yield
+    if old is None:
+        os.environ.pop("FULMEN_CACHE_DIR", None)
+    else:
+        os.environ["FULMEN_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

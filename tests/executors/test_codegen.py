@@ -33,17 +33,6 @@ EXTRA = {"where", "clamp", "nn.functional.relu", "nn.functional.gelu", "nn.funct
          "lerp", "addcmul", "addcdiv", "sigmoid", "nan_to_num"}  # fmt: skip
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _kernel_cache(tmp_path_factory):
-    old = os.environ.get("FULMEN_CACHE_DIR")
-    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
-    yield
-    if old is None:
-        os.environ.pop("FULMEN_CACHE_DIR", None)
-    else:
-        os.environ["FULMEN_CACHE_DIR"] = old
-
-
 def _ids(info):
     return f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
 

@@ -4,7 +4,6 @@ normalisation ops forward and backward (fused in both traces), and OpInfo sample
 reduction and normalisation ops. Kernels compile into a per-session FULMEN_CACHE_DIR (the
 fixture of test_codegen.py is repeated here)."""
 
-import os
 
 import pytest
 import torch
@@ -15,17 +14,6 @@ from fulmen.executors.codegen import kernel_sources
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
 EXECUTORS = ["codegen", "torch"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernel_cache(tmp_path_factory):
-    old = os.environ.get("FULMEN_CACHE_DIR")
-    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
-    yield
-    if old is None:
-        os.environ.pop("FULMEN_CACHE_DIR", None)
-    else:
-        os.environ["FULMEN_CACHE_DIR"] = old
 
 
 def _trace(jfn) -> str:

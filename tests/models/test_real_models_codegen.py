@@ -3,7 +3,6 @@ with the codegen executor ahead of torch: forward logits and 5 AdamW steps match
 both the forward and the backward trace contain generated kernels."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -12,17 +11,6 @@ import fulmen
 from tests.models.test_real_models import MODELS, VOCAB, _logits, _noise_floor, _train
 
 EXECUTORS = ["codegen", "torch"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernel_cache(tmp_path_factory):
-    old = os.environ.get("FULMEN_CACHE_DIR")
-    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
-    yield
-    if old is None:
-        os.environ.pop("FULMEN_CACHE_DIR", None)
-    else:
-        os.environ["FULMEN_CACHE_DIR"] = old
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

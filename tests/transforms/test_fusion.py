@@ -1,7 +1,6 @@
 """The fusion partitioner (with the codegen executor): regions, no cycles, printed traces,
 and the fallback when kernels cannot be compiled."""
 
-import os
 import re
 import warnings
 
@@ -15,17 +14,6 @@ from fulmen.executors.codegen import compile as cg_compile
 from fulmen.transforms.fusion import partition_for_fusion
 
 EXECUTORS = ["codegen", "torch"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _kernel_cache(tmp_path_factory):
-    old = os.environ.get("FULMEN_CACHE_DIR")
-    os.environ["FULMEN_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "fulmen-cache")
-    yield
-    if old is None:
-        os.environ.pop("FULMEN_CACHE_DIR", None)
-    else:
-        os.environ["FULMEN_CACHE_DIR"] = old
 
 
 def _normalise(source: str) -> str:
