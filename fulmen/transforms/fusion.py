@@ -23,6 +23,7 @@ anything else (a matmul, an opaque op, a random op), so such an op is never move
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -30,6 +31,8 @@ import networkx as nx
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import iter_proxies
+
+_LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
 
 
 class FusionExecutor(Protocol):
@@ -195,8 +198,14 @@ def partition_for_fusion(
         if fused is not None:
             emitted.append((-1, [fused]))
             fused_origins.update(nodes[i].origin for i in members)
+            _LOG.info("%s: %s fuses %d statements (%s) -> %s", trace.name, executor.name,
+                      len(members), ", ".join(nodes[i].bsym.sym.name for i in members),
+                      fused.sym.python_name)
         else:
             emitted.extend((i, [nodes[i].bsym]) for i in members)
+            if len(members) > 1 or part.fusible(region):
+                _LOG.info("%s: %s leaves %d statements unfused (%s)", trace.name, executor.name,
+                          len(members), ", ".join(nodes[i].bsym.sym.name for i in members))
     if not fused_origins:
         return trace
     last_index = {node.origin: i for i, node in enumerate(nodes)}

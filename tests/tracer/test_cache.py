@@ -168,3 +168,11 @@ def test_captured_python_numbers_and_module_attributes_retrace():
     torch.testing.assert_close(jmodel(x), x)
     model.p = 1.0
     torch.testing.assert_close(jmodel(x), torch.zeros(2))
+
+
+def test_fusion_decisions_are_logged(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fulmen.fusion"):
+        fulmen.jit(f, executors=["codegen", "torch"])(torch.randn(4, 4), torch.randn(4, 4))
+    assert "codegen fuses" in caplog.text
