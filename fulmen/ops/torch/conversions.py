@@ -40,6 +40,8 @@ def _same_device(a: torch.Tensor, device) -> bool:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         return False
+    if device == a.device:
+        return True
     if device.index is None:
         return device.type == a.device.type and device.type == "cpu"
     return device == a.device
