@@ -38,7 +38,13 @@ from fulmen.executors.codegen import cuda
 from fulmen.executors.codegen.compile import cache_dir as _cpp_cache_dir
 from fulmen.executors.codegen.ir import Kernel
 from fulmen.executors.codegen.lower import LoweredRegion
-from fulmen.executors.codegen.runtime import _Fallback, coalesce, resolve, view_output
+from fulmen.executors.codegen.runtime import (
+    RegionCallable,
+    _Fallback,
+    coalesce,
+    resolve,
+    view_output,
+)
 
 OPTIONS = ("-std=c++17", "--fmad=false")
 # --fmad=false: a * b + c stays two rounded operations, as eager computes it. The remaining
@@ -280,17 +286,12 @@ def pack(sizes: list[int], rows: list[list[int]], addresses: list[int]) -> bytes
                        *sizes, *flat, *addresses)
 
 
-class CudaFusedRegion:
+class CudaFusedRegion(RegionCallable):
     """The callable behind one fusion symbol on CUDA tensors (see the module docstring)."""
 
     def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
-        self.name = name
-        self.lowered = lowered
-        self.kernel = lowered.kernel
-        self.fallback_trace = fallback_trace
-        self.failed = False
+        super().__init__(name, lowered, fallback_trace)
         self.sources: dict[cuda.Spec, str] = {}
-        self._fallback = None
         if not isinstance(self.kernel, Kernel):  # a schedule the CUDA renderer lacks
             self.failed = True
 
@@ -300,15 +301,6 @@ class CudaFusedRegion:
         if source is None:
             source = self.sources[spec] = cuda.render(self.kernel, spec, ENTRY)
         return source
-
-    def _run_fallback(self, inputs):
-        if self._fallback is None:
-            from fulmen.executors.claim import claim_executors
-            from fulmen.executors.registry import get_executor
-
-            trace = claim_executors(self.fallback_trace, [get_executor("torch")])
-            self._fallback = trace.python_callable()
-        return self._fallback(*inputs)
 
     def __call__(self, *inputs):
         if self.failed:

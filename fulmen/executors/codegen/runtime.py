@@ -149,8 +149,9 @@ def coalesce(shape, rows):
     return sizes, rows
 
 
-class FusedRegion:
-    """The callable behind one fusion symbol (see the module docstring)."""
+class RegionCallable:
+    """What the callables behind fusion symbols share: the region, and its own trace run by
+    the torch executor as the fallback when a kernel cannot be built or used."""
 
     def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
         self.name = name
@@ -159,6 +160,22 @@ class FusedRegion:
         self.fallback_trace = fallback_trace
         self._fallback = None
         self.failed = False
+
+    def _run_fallback(self, inputs):
+        if self._fallback is None:
+            from fulmen.executors.claim import claim_executors
+            from fulmen.executors.registry import get_executor
+
+            trace = claim_executors(self.fallback_trace, [get_executor("torch")])
+            self._fallback = trace.python_callable()
+        return self._fallback(*inputs)
+
+
+class FusedRegion(RegionCallable):
+    """The callable behind one fusion symbol (see the module docstring)."""
+
+    def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
+        super().__init__(name, lowered, fallback_trace)
         self.sources: dict[tuple, str] = {}
         self._kernels: dict[tuple, Future] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
@@ -175,15 +192,6 @@ class FusedRegion:
             self.sources[layout] = source
             future = self._kernels[layout] = _pool.submit(load_kernel, source)
         return future
-
-    def _run_fallback(self, inputs):
-        if self._fallback is None:
-            from fulmen.executors.claim import claim_executors
-            from fulmen.executors.registry import get_executor
-
-            trace = claim_executors(self.fallback_trace, [get_executor("torch")])
-            self._fallback = trace.python_callable()
-        return self._fallback(*inputs)
 
     def __call__(self, *inputs):
         if self.failed:
