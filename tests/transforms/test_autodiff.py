@@ -282,3 +282,10 @@ def test_gelu_and_silu_use_eager_backward_kernels(approximate):
     jfn = _gradcheck(lambda x: torch.nn.functional.gelu(x, approximate=approximate), _any(3, 4))
     assert "gelu_backward" in str(fulmen.last_backward_traces(jfn)[-1])
     _gradcheck(lambda x: torch.nn.functional.silu(x), _any(3, 4))
+
+
+def test_rms_norm_composite_rule():
+    jfn = _gradcheck(lambda x, w: torch.nn.functional.rms_norm(x, (4,), w, 1e-6),
+                     _any(2, 3, 4), _any(4))
+    assert "rms_norm" in str(fulmen.last_traces(jfn)[-1])  # the forward keeps the op whole
+    _gradcheck(lambda x: torch.nn.functional.rms_norm(x, (3, 4)), _any(2, 3, 4))

@@ -158,3 +158,37 @@ def _gelu_vjp(grad, out, input, approximate):
 @vjp_rule(ltorch.silu)
 def _silu_vjp(grad, out, input, inplace):
     return SILU_BACKWARD(grad, input), None
+
+
+# --- rms norm ---------------------------------------------------------------------------------
+
+
+@vjp_rule(ltorch.rms_norm)
+def _rms_norm_vjp(grad, out, input, normalized_shape, weight, eps):
+    """With r = rsqrt(mean(x^2) + eps) over the normalized dims and g_hat = g * weight:
+    dx = r * (g_hat - x * r^2 * mean(g_hat * x)); dweight = sum(g * x * r) over the batch dims.
+    Reference: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if input.numel() == 0:
+        return autograd_cotangents(ltorch.rms_norm, (input, normalized_shape, weight, eps), grad)
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    count = math.prod(shape)
+    norm_dims = tuple(range(input.ndim - len(shape), input.ndim))
+    batch_dims = tuple(range(input.ndim - len(shape)))
+    dtype = _compute_dtype(input.dtype)
+    x, g = _to(input, dtype), _to(grad, dtype)
+    mean_square = prims.div(prims.sum(prims.mul(x, x), norm_dims), count)
+    rstd = _keep(prims.rsqrt(prims.add(mean_square, float(eps))), x, norm_dims)
+    if weight is not None:
+        g_hat = prims.mul(g, prims.broadcast_in_dim(_to(weight, dtype), tuple(x.shape), norm_dims))
+    else:
+        g_hat = g
+    mean_gx = _keep(prims.div(prims.sum(prims.mul(g_hat, x), norm_dims), count), x, norm_dims)
+    correction = prims.mul(prims.mul(x, prims.mul(rstd, rstd)), mean_gx)
+    grad_input = _to(prims.mul(rstd, prims.sub(g_hat, correction)), input.dtype)
+    grad_weight = None
+    if weight is not None:
+        normalized = _to(_to(prims.mul(x, rstd), input.dtype), dtype)  # rounded as in forward
+        product = prims.mul(g, normalized)
+        grad_weight = _to(prims.sum(product, batch_dims) if batch_dims else product, weight.dtype)
+    return grad_input, None, grad_weight, None
