@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Number
 
 import torch
 
 from fulmen.core import BoundSymbol
 from fulmen.executors.codegen.ir import Const, Kernel, Load, Op
-from fulmen.executors.codegen.lower import ALL, SUPPORTED, VIEWS, Unsupported, _number_fits
+from fulmen.executors.codegen.lower import Unsupported, pointwise_fusible
 
 BLOCK = 256  # threads per block of every pointwise kernel
 
@@ -144,23 +143,7 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if len({t.device for t in tensors}) != 1:
         return False
-    if sym.name in VIEWS:
-        return bsym.args[0].dtype in ALL if isinstance(bsym.args[0], torch.Tensor) else False
-    allowed = SUPPORTED.get(sym.name)
-    if allowed is None:
-        return False
-    operands = bsym.args[1:] if sym.name == "where" else bsym.args
-    if sym.name == "convert_element_type":
-        operands = bsym.args[:1]
-        if bsym.args[1] not in ALL:
-            return False
-    value_tensors = [a for a in operands if isinstance(a, torch.Tensor)]
-    if not value_tensors or value_tensors[0].dtype not in allowed:
-        return False
-    dtype = value_tensors[0].dtype
-    return all(isinstance(arg, torch.Tensor) or (isinstance(arg, Number)
-                                                   and _number_fits(arg, dtype))
-               for arg in operands)
+    return pointwise_fusible(bsym)
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,17 @@ def fusible(bsym: BoundSymbol) -> bool:
     tensors = [a for a in bsym.args if isinstance(a, torch.Tensor)]
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return False
-    if sym.name in VIEWS:
-        return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
     if sym.name in REDUCTIONS:
         return _fusible_reduction(bsym)
+    return pointwise_fusible(bsym)
+
+
+def pointwise_fusible(bsym: BoundSymbol) -> bool:
+    """The device-independent part: a view of a supported dtype, or an elementwise prim whose
+    operands have a supported dtype and whose numbers fit it (CPU and CUDA share this)."""
+    sym = bsym.sym
+    if sym.name in VIEWS:
+        return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
     allowed = SUPPORTED.get(sym.name)
     if allowed is None:
         return False
