@@ -15,6 +15,7 @@ from fulmen.executors import (
     register_executor,
     set_default_executors,
 )
+from fulmen.executors.codegen import codegen_ex as _codegen_ex
 from fulmen.executors.codegen import kernel_sources as _kernel_sources
 from fulmen.executors.python import python_ex
 from fulmen.executors.torch import torch_ex
@@ -30,7 +31,7 @@ from fulmen.jit import (
 from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memory
 from fulmen.verify import VerifyReport, verify
 
-set_default_executors([torch_ex])
+set_default_executors([_codegen_ex, torch_ex])
 
 
 def last_kernels(jfn) -> dict[str, str]:

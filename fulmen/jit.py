@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import FulmenError, NotYetSupportedError, Trace
+from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
 from fulmen.examine import examine_quietly
 from fulmen.executors import Executor, resolve_executors
 from fulmen.executors.claim import claim_executors
@@ -88,6 +88,11 @@ class _Jitted:
         self._last_described: dict | None = None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        if get_tracectx() is not None and any(
+                isinstance(leaf, Proxy) for leaf in pytree.tree_leaves((args, kwargs))):
+            # called while an outer jitted function is being traced (recursion, nesting): trace
+            # through the Python source, so the outer trace records the ops themselves
+            return (self._module if self._module is not None else self._fn)(*args, **kwargs)
         state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
         key, leaves = self._guard.key(args, kwargs, state)
         stats = self._stats

@@ -235,7 +235,7 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
             previous = trace
 
     if wants_grad:
-        _verify_backward(report, machinery, traces[-1], inputs, expected, grad_inputs,
+        _verify_backward(report, machinery, traces, inputs, expected, grad_inputs,
                          rtol, atol, repro_dir)
     return report
 
@@ -257,9 +257,11 @@ def _locate(report, good, bad, inputs_for, rtol, atol, repro_dir) -> None:
     report.repro_path = _write_repro(culprit, reference, directory)
 
 
-def _verify_backward(report, machinery, forward: Trace, inputs, expected, grad_inputs, rtol, atol,
-                     repro_dir) -> None:
-    """Run every backward stage on the final forward's residuals; compare input gradients."""
+def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected, grad_inputs,
+                     rtol, atol, repro_dir) -> None:
+    """Run every backward stage on the forward's residuals; compare input gradients. Residuals
+    are taken by name from the values of every forward stage (an early backward stage may read
+    a value that a later forward stage computes inside a fusion)."""
     backward_traces = machinery._stats.last_backward_traces
     if not backward_traces:
         return
@@ -269,7 +271,9 @@ def _verify_backward(report, machinery, forward: Trace, inputs, expected, grad_i
     cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
     eager_grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
     with torch.no_grad():
-        _, forward_env = interpret(forward, *inputs)
+        forward_env = {}
+        for forward in forwards:
+            forward_env.update(interpret(forward, *inputs)[1])
 
         def backward_inputs(trace: Trace) -> list:
             residuals = [forward_env[n] for n in trace.arg_names if n in forward_env]

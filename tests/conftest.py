@@ -23,6 +23,17 @@ def _kernel_cache(tmp_path_factory):
         os.environ["FULMEN_CACHE_DIR"] = old
 
 
+@pytest.fixture
+def codegen_eager():
+    """Codegen compiles every kernel when its region is fused and calls wait for it, so a test
+    checks the generated kernels rather than the torch fallback of a region not yet hot."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    previous = set_compile_policy("eager")
+    yield
+    set_compile_policy(previous.mode, previous.hot_calls)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

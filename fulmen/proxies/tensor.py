@@ -101,7 +101,22 @@ class TensorProxy(torch.Tensor, Proxy):
             ctx = get_tracectx()
             name = ctx.names.new() if ctx is not None else _fallback_names.new("p")
         proxy._fulmen_name = name
+        proxy._fulmen_meta = (torch.Size(shape), dtype, torch.Tensor.device.__get__(proxy))
         return proxy
+
+    # shape, dtype and device are read constantly by decompositions and passes: answered from
+    # Python attributes instead of a __torch_function__ round trip (the values never change)
+    @property
+    def shape(self) -> torch.Size:
+        return self._fulmen_meta[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._fulmen_meta[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self._fulmen_meta[2]
 
     def __init__(self, *args, **kwargs):
         pass

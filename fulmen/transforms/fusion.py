@@ -7,7 +7,7 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    only of fusible prims, is replaced by those prims (flattened recursively); so is one whose
    prims include a fusible reduction (the rest of its prims run on their own). Ops claimed by a
    higher-priority operator executor stay whole and unfused.
-2. Merge: on the dataflow graph (networkx; one node per region), each fusible statement is
+2. Merge: on the dataflow graph (one node per region), each fusible statement is
    merged with the regions of its fusible producers, then regions reading a common input are
    merged horizontally. A merge happens only if it creates no cycle (no path between the two
    regions through a third node), the region stays under `max_region_size` statements, and
@@ -93,23 +93,25 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
 
 
 class _Partition:
-    """Regions as nodes of a networkx DiGraph (edges: dataflow between regions)."""
+    """Regions as nodes of a dataflow graph (successor and predecessor sets per region; the
+    final order is a networkx topological sort)."""
 
     def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int) -> None:
         self.nodes = nodes
         self.executor = executor
         self.max_size = max_size
-        self.graph = nx.DiGraph()
+        self.succ: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
+        self.pred: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
         self.region_of = list(range(len(nodes)))
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(nodes))}
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, list[int]] = {}
-        self.graph.add_nodes_from(range(len(nodes)))
         for i, node in enumerate(nodes):
             for name in node.bsym.input_names:
                 self.consumers.setdefault(name, []).append(i)
                 if name in self.producer:
-                    self.graph.add_edge(self.producer[name], i)
+                    self.succ[self.producer[name]].add(i)
+                    self.pred[i].add(self.producer[name])
             for name in node.bsym.output_names:
                 self.producer[name] = i
 
@@ -118,17 +120,31 @@ class _Partition:
 
     def _would_cycle(self, a: int, b: int) -> bool:
         """Whether a path joins a and b through a third region (one search per direction)."""
+        succ = self.succ
         for src, dst in ((a, b), (b, a)):
-            stack = [s for s in self.graph.successors(src) if s != dst]
+            stack = [s for s in succ[src] if s != dst]
             seen = set(stack)
             while stack:
-                for succ in self.graph.successors(stack.pop()):
-                    if succ == dst:
+                for nxt in succ[stack.pop()]:
+                    if nxt == dst:
                         return True
-                    if succ not in seen:
-                        seen.add(succ)
-                        stack.append(succ)
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
         return False
+
+    def _contract(self, keep: int, gone: int) -> None:
+        """Merge region `gone` into `keep` in the graph."""
+        for nxt in self.succ.pop(gone):
+            self.pred[nxt].discard(gone)
+            if nxt != keep:
+                self.pred[nxt].add(keep)
+                self.succ[keep].add(nxt)
+        for prev in self.pred.pop(gone):
+            self.succ[prev].discard(gone)
+            if prev != keep:
+                self.succ[prev].add(keep)
+                self.pred[keep].add(prev)
 
     def try_merge(self, a: int, b: int) -> bool:
         a, b = self.region_of[a], self.region_of[b]
@@ -140,7 +156,7 @@ class _Partition:
         if not self.executor.can_fuse_region([self.nodes[i].bsym for i in members]):
             return False
         keep, gone = (a, b) if a < b else (b, a)
-        nx.contracted_nodes(self.graph, keep, gone, self_loops=False, copy=False)
+        self._contract(keep, gone)
         for i in self.members.pop(gone):
             self.region_of[i] = keep
         self.members[keep] = members
@@ -169,7 +185,10 @@ class _Partition:
         return out
 
     def order(self) -> list[int]:
-        return list(nx.lexicographical_topological_sort(self.graph, key=lambda r: r))
+        graph = nx.DiGraph()
+        graph.add_nodes_from(self.succ)
+        graph.add_edges_from((a, b) for a, nexts in self.succ.items() for b in nexts)
+        return list(nx.lexicographical_topological_sort(graph, key=lambda r: r))
 
 
 def partition_for_fusion(

@@ -17,7 +17,7 @@ def two_outputs(x):
 
 class TestPrinter(expecttest.TestCase):
     def test_traced_and_execution_traces(self):
-        jfn = fulmen.jit(scale_shift)
+        jfn = fulmen.jit(scale_shift, executors=["torch"])
         jfn(torch.ones(2, 3), torch.ones(3))
         traced, *_, final = fulmen.last_traces(jfn)
         self.assertExpectedInline(

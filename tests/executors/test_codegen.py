@@ -16,6 +16,8 @@ import fulmen
 from fulmen.executors.codegen import kernel_sources
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
+pytestmark = pytest.mark.usefixtures("codegen_eager")
+
 EXECUTORS = ["codegen", "torch"]
 # Elementwise OpInfos whose decomposition codegen does not fuse (yet), with the reason.
 NOT_FUSED = {

@@ -13,6 +13,8 @@ import fulmen
 from fulmen.executors.codegen import kernel_sources
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
+pytestmark = pytest.mark.usefixtures("codegen_eager")
+
 EXECUTORS = ["codegen", "torch"]
 
 

@@ -87,7 +87,7 @@ def test_implementation_with_fn_and_symbol_target_are_interchangeable():
 
 def test_registry_and_defaults():
     assert get_executor("torch") is fulmen.torch_ex
-    assert fulmen.get_default_executors() == [fulmen.torch_ex]
+    assert fulmen.get_default_executors() == [get_executor("codegen"), fulmen.torch_ex]
     with pytest.raises(KeyError, match="registered"):
         get_executor("no_such_executor")
     assert get_executor("python") is fulmen.python_ex

@@ -56,7 +56,9 @@ def check_program(program: Program, config: dict) -> None:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_programs_match_eager(config):
+def test_random_programs_match_eager(config, request):
+    if config == "codegen":
+        request.getfixturevalue("codegen_eager")  # check the kernels, not the torch fallback
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(programs())

@@ -10,6 +10,8 @@ import torch
 import fulmen
 from tests.models.test_real_models import MODELS, VOCAB, _logits, _noise_floor, _train
 
+pytestmark = pytest.mark.usefixtures("codegen_eager")
+
 EXECUTORS = ["codegen", "torch"]
 
 

@@ -14,6 +14,7 @@ from fulmen.executors.codegen import compile as cg_compile
 from fulmen.transforms.fusion import partition_for_fusion
 
 EXECUTORS = ["codegen", "torch"]
+pytestmark = pytest.mark.usefixtures("codegen_eager")
 
 
 def _normalise(source: str) -> str:

@@ -8,9 +8,9 @@
 The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
 `lower.py` turns a pointwise region into the kernel IR (`ir.py`) and `rows.py` a region with
 reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `compile.py`
-builds and caches them (`FULMEN_CACHE_DIR`), and `runtime.py` calls them. Opt in: codegen is
-not a default executor yet (each new kernel costs a C++ compile of about a second, which the
-test suite, hundreds of small one-off functions, cannot afford).
+builds and caches them (`FULMEN_CACHE_DIR`), and `runtime.py` calls them. A new kernel costs a
+C++ compile of about a second, so by default (`set_compile_policy`) a region runs its prims on
+the torch executor until it is hot, while its kernel compiles in the background.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from fulmen.executors.base import FusionExecutor
 from fulmen.executors.codegen import nvrtc
 from fulmen.executors.codegen.lower import Unsupported, fusible
 from fulmen.executors.codegen.rows import lower_any
-from fulmen.executors.codegen.runtime import FusedRegion
+from fulmen.executors.codegen.runtime import FusedRegion, set_compile_policy
 from fulmen.executors.registry import register_executor
 
-__all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources"]
+__all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources", "set_compile_policy",
+           "wait_for_kernels"]
 
 _fusion_ids = itertools.count()
 
@@ -75,9 +76,9 @@ class CodegenExecutor(FusionExecutor):
 
 
 def kernel_sources(*traces: Trace) -> dict[str, str]:
-    """The generated C++ of every fusion in execution traces, by fusion name; a fusion
-    compiled for several layouts lists each (`fulmen.last_kernels(jfn)` gives those of a
-    jitted function's last compilation, forward and backward).
+    """The generated C++ (CUDA C++ for CUDA regions) of every fusion in execution traces, by
+    fusion name; a fusion compiled for several layouts lists each (`fulmen.last_kernels(jfn)`
+    gives those of a jitted function's last compilation, forward and backward).
 
     Example:
         >>> kernel_sources(fulmen.last_traces(jfn)[-1])["fusion0"]
@@ -86,9 +87,18 @@ def kernel_sources(*traces: Trace) -> dict[str, str]:
     for trace in traces:
         for bsym in trace.bsyms:
             impl = bsym.sym.impl
-            if isinstance(impl, FusedRegion):
+            if isinstance(impl, (FusedRegion, nvrtc.CudaFusedRegion)):
                 sources[bsym.sym.name] = "\n".join(impl.sources.values())
     return sources
+
+
+def wait_for_kernels(*traces: Trace) -> None:
+    """Block until every kernel started for the fusions of these execution traces is compiled
+    (lazy policy: the kernels of regions already hot; errors surface at the next call)."""
+    for trace in traces:
+        for bsym in trace.bsyms:
+            if isinstance(bsym.sym.impl, FusedRegion):
+                bsym.sym.impl.wait()
 
 
 codegen_ex = register_executor(CodegenExecutor())

@@ -75,6 +75,15 @@ def cache_key(source: str, cxx: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def is_cached(source: str) -> bool:
+    """Whether `source` is already loaded or compiled in the disk cache (no compiler runs)."""
+    cxx = compiler()
+    if cxx is None:
+        return False
+    key = cache_key(source, cxx)
+    return key in _loaded or (cache_dir() / f"k_{key}.so").exists()
+
+
 def load_kernel(source: str):
     """The `fulmen_kernel` function of `source`, compiled (or found in the cache) and loaded.
 

@@ -70,6 +70,13 @@ template <typename T> static inline T f_floor_div(T a, T b) {
 static inline bool f_signbit(float a) { uint32_t u; std::memcpy(&u, &a, 4); return u >> 31; }
 static inline bool f_signbit(double a) { uint64_t u; std::memcpy(&u, &a, 8); return u >> 63; }
 template <typename T> static inline T f_sign(T a) { return (T)((T(0) < a) - (a < T(0))); }
+// polynomial steps of our own approximations: one fused multiply-add where the CPU has it (the
+// error bounds below hold either way; user arithmetic is never contracted: -ffp-contract=off)
+#ifdef __FMA__
+#define f_madd(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define f_madd(a, b, c) ((a) * (b) + (c))
+#endif
 // float exp the compiler can vectorise (libm's expf is a scalar call): exp(x) = 2^k exp(r) with
 // |r| <= ln2/2 (ln2 split in two for an exact reduction) and a degree-7 Taylor polynomial
 // (truncation below 0.1 ulp); 2^k is applied as two factors so results down to the smallest
@@ -81,13 +88,13 @@ static inline float f_exp(float x) {
   float r = xc - k * 0.693359375f;
   r = r + k * 2.12194440e-4f;
   float p = 1.98412698e-4f;
-  p = p * r + 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  p = f_madd(p, r, 1.38888889e-3f);
+  p = f_madd(p, r, 8.33333333e-3f);
+  p = f_madd(p, r, 4.16666667e-2f);
+  p = f_madd(p, r, 1.66666667e-1f);
+  p = f_madd(p, r, 0.5f);
+  p = f_madd(p, r, 1.0f);
+  p = f_madd(p, r, 1.0f);
   const int32_t ki = (int32_t)k;
   const int32_t k1 = ki >> 1;
   const uint32_t b1 = (uint32_t)(k1 + 127) << 23, b2 = (uint32_t)(ki - k1 + 127) << 23;
@@ -104,22 +111,22 @@ static inline float f_erf(float x) {
   const float t = ax * ax;
   const float u = (ax < 4.0f ? ax : 4.0f) - 2.5f;
   float p = 0x1.4c53de0000000p-14f;
-  p = p * t + -0x1.a50e0a0000000p-11f;
-  p = p * t + 0x1.542d180000000p-8f;
-  p = p * t + -0x1.b7fe3e0000000p-6f;
-  p = p * t + 0x1.ce2d480000000p-4f;
-  p = p * t + -0x1.8127400000000p-2f;
-  p = p * t + 0x1.20dd760000000p+0f;
+  p = f_madd(p, t, -0x1.a50e0a0000000p-11f);
+  p = f_madd(p, t, 0x1.542d180000000p-8f);
+  p = f_madd(p, t, -0x1.b7fe3e0000000p-6f);
+  p = f_madd(p, t, 0x1.ce2d480000000p-4f);
+  p = f_madd(p, t, -0x1.8127400000000p-2f);
+  p = f_madd(p, t, 0x1.20dd760000000p+0f);
   float q = -0x1.315d1c0000000p-24f;
-  q = q * u + 0x1.b4954a0000000p-20f;
-  q = q * u + -0x1.b2971c0000000p-17f;
-  q = q * u + 0x1.4467f60000000p-14f;
-  q = q * u + -0x1.b92e940000000p-12f;
-  q = q * u + 0x1.1bccd00000000p-9f;
-  q = q * u + -0x1.63ccba0000000p-7f;
-  q = q * u + -0x1.e346080000000p-1f;
-  q = q * u + -0x1.5692520000000p+2f;
-  q = q * u + -0x1.f3a2dc0000000p+2f;
+  q = f_madd(q, u, 0x1.b4954a0000000p-20f);
+  q = f_madd(q, u, -0x1.b2971c0000000p-17f);
+  q = f_madd(q, u, 0x1.4467f60000000p-14f);
+  q = f_madd(q, u, -0x1.b92e940000000p-12f);
+  q = f_madd(q, u, 0x1.1bccd00000000p-9f);
+  q = f_madd(q, u, -0x1.63ccba0000000p-7f);
+  q = f_madd(q, u, -0x1.e346080000000p-1f);
+  q = f_madd(q, u, -0x1.5692520000000p+2f);
+  q = f_madd(q, u, -0x1.f3a2dc0000000p+2f);
   const float big = ax < 4.0f ? 1.0f - f_exp(q) : 1.0f;
   const float r = ax < 1.0f ? ax * p : big;
   return x != x ? x : std::copysign(r, x);

@@ -16,7 +16,10 @@ The first `nouter` axes of `sizes` are the kept axes (one row per point; OpenMP 
     after all rows: the column sums, each the sum of the threads' partials
 
 Element-level values are recomputed in every pass that needs them (a row is small enough to
-stay in cache). Floating sums and products accumulate in double across blocks (float32 within a
+stay in cache), except one costly value (a chain with a transcendental op, softmax's exp) that
+the last reduction pass also computes: that pass stashes it in a float32/float64 element output
+at the same index, and the final pass reads it back before overwriting the element with its
+own result. Floating sums and products accumulate in double across blocks (float32 within a
 block), which keeps long rows as accurate as eager's cascade summation; float16/bfloat16 are
 computed in float32 and rounded to their dtype after each op, as eager does. amax/amin
 propagate NaN through a separate flag (an OpenMP max reduction alone would drop it).
@@ -46,8 +49,8 @@ def _stages(kernel: RowKernel) -> list[int]:
     return stages
 
 
-def _closure(kernel: RowKernel, targets) -> list[int]:
-    """Element-level values the targets need, in SSA order."""
+def _closure(kernel: RowKernel, targets, leaves=frozenset()) -> list[int]:
+    """Element-level values the targets need, in SSA order (not looking past `leaves`)."""
     need: set[int] = set()
     stack = list(targets)
     while stack:
@@ -56,9 +59,31 @@ def _closure(kernel: RowKernel, targets) -> list[int]:
             continue
         need.add(v)
         value = kernel.values[v]
-        if isinstance(value, Op):
+        if isinstance(value, Op) and v not in leaves:
             stack.extend(value.args)
     return sorted(need)
+
+
+COSTLY = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfc", "tanh",
+                    "sigmoid", "sin", "cos", "tan", "atan", "pow", "div"})
+
+
+def _stash(kernel: RowKernel, previous: list[int], final: list[int], outputs) -> tuple | None:
+    """(value, output pointer) to carry from the last reduction pass to the final pass, or None:
+    the latest value both passes compute whose chain holds a costly op, and an element output
+    whose storage type is that value's compute type."""
+    shared = set(previous) & set(final)
+    costly = [v for v in sorted(shared)
+              if any(isinstance(kernel.values[u], Op) and kernel.values[u].name in COSTLY
+                     for u in _closure(kernel, [v]) if u in shared)]
+    if not costly:
+        return None
+    v = costly[-1]
+    dtype = kernel.values[v].dtype
+    for p, out in outputs:
+        if kernel.values[out].dtype == dtype and dtype in (torch.float32, torch.float64):
+            return v, p
+    return None
 
 
 def _index(kind: int, p: int) -> str:
@@ -227,6 +252,13 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         lines.append("    }")
 
     row_values(0)
+    element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
+                       if not kernel.rows[v] and nacc + k not in skip]
+    args = [kernel.values[v].arg for _, v in columns]
+    final = _closure(kernel, [v for _, v in element_outputs] + args)
+    last_stage = max((stages[v] for v, value in enumerate(kernel.values)
+                      if isinstance(value, Reduce)), default=0)
+    stash = None
     for stage in range(1, max(stages, default=0) + 1):
         reds = [v for v, value in enumerate(kernel.values)
                 if isinstance(value, Reduce) and stages[v] == stage]
@@ -236,8 +268,12 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         pieces = [_reduction(kernel, v) for v in reds]
         for piece in pieces:
             lines.extend("    " + line for line in piece["acc"])
-        body = [_value_line(kernel, v, layout, names)
-                for v in _closure(kernel, [kernel.values[v].arg for v in reds])]
+        previous = _closure(kernel, [kernel.values[v].arg for v in reds])
+        body = [_value_line(kernel, v, layout, names) for v in previous]
+        if stage == last_stage and all(layout[p] == 1 for p, _ in element_outputs):
+            stash = _stash(kernel, previous, final, element_outputs)
+            if stash is not None:
+                body.append(f"q{stash[1]}[j] = v{stash[0]};")
         body += [line for piece in pieces for line in piece["update"]]
         row_pass(body, ([line for piece in pieces for line in piece["part"]],
                         [c for piece in pieces for c in piece["clauses"]],
@@ -245,12 +281,14 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         for piece in pieces:
             lines.extend("    " + line for line in piece["final"])
         row_values(stage)
-    element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
-                       if not kernel.rows[v] and nacc + k not in skip]
     if element_outputs or columns:
-        args = [kernel.values[v].arg for _, v in columns]
-        body = [_value_line(kernel, v, layout, names)
-                for v in _closure(kernel, [v for _, v in element_outputs] + args)]
+        leaves = {stash[0]} if stash else set()
+        body = []
+        for v in _closure(kernel, [v for _, v in element_outputs] + args, leaves):
+            if v in leaves:
+                body.append(f"const {COMPUTE[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
+            else:
+                body.append(_value_line(kernel, v, layout, names))
         body += [f"q{p}[{_index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
         body += [f"cacc[{c} * count + sub * inner + j] += (double)v{arg};"
                  for c, arg in enumerate(args)]

@@ -1,4 +1,5 @@
-"""CUDA renderer: a pointwise `Kernel` -> CUDA C++ source for NVRTC (see `nvrtc.py`).
+"""CUDA renderer: a pointwise `Kernel` -> CUDA C++ source for NVRTC (see `nvrtc.py`); the
+row schedule (reductions, normalisations) is rendered by `cuda_rows.py` with these helpers.
 
 One `extern "C" __global__` entry point per kernel, taking one struct argument by value:
 
@@ -32,7 +33,12 @@ import torch
 
 from fulmen.core import BoundSymbol
 from fulmen.executors.codegen.ir import Const, Kernel, Load, Op
-from fulmen.executors.codegen.lower import Unsupported, pointwise_fusible
+from fulmen.executors.codegen.lower import (
+    REDUCTIONS,
+    Unsupported,
+    _fusible_reduction,
+    pointwise_fusible,
+)  # fmt: skip
 
 BLOCK = 256  # threads per block of every pointwise kernel
 
@@ -134,7 +140,8 @@ _POW_CONST = {2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "{sqrt}({a})",
 
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether the codegen executor can put `bsym` into a CUDA fusion region: the prims and
-    dtype rules of `lower.fusible`, with every tensor on one CUDA device."""
+    dtype rules of `lower.fusible` (elementwise prims, views, and the reductions of the row
+    schedule, rendered by `cuda_rows.py`), with every tensor on one CUDA device."""
     sym = bsym.sym
     if not sym.is_prim or bsym.kwargs:
         return False
@@ -143,6 +150,8 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if len({t.device for t in tensors}) != 1:
         return False
+    if sym.name in REDUCTIONS:
+        return _fusible_reduction(bsym)
     return pointwise_fusible(bsym)
 
 

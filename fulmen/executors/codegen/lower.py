@@ -15,7 +15,7 @@ from numbers import Number
 
 import torch
 
-from fulmen.core import BoundSymbol
+from fulmen.core import BoundSymbol, Proxy
 from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op, ViewStep
 from fulmen.transforms.fusion import region_inputs
 
@@ -61,6 +61,18 @@ def _number_fits(value, dtype: torch.dtype) -> bool:
     return False
 
 
+def cast_scalar(value, dtype: torch.dtype):
+    """A Python number as eager's kernels see it in `dtype`: integers wrap around in integer
+    dtypes (`int8 + 300` adds 44), floats round to the dtype."""
+    if dtype in INTS and isinstance(value, int) and not isinstance(value, bool):
+        bits = torch.iinfo(dtype).bits
+        value &= (1 << bits) - 1
+        if dtype != torch.uint8 and value >= 1 << (bits - 1):
+            value -= 1 << bits
+        return value
+    return torch.tensor(value, dtype=dtype).item()
+
+
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether the codegen executor can put `bsym` into a fusion region."""
     sym = bsym.sym
@@ -78,6 +90,8 @@ def pointwise_fusible(bsym: BoundSymbol) -> bool:
     """The device-independent part: a view of a supported dtype, or an elementwise prim whose
     operands have a supported dtype and whose numbers fit it (CPU and CUDA share this)."""
     sym = bsym.sym
+    if any(isinstance(a, torch.Tensor) and not isinstance(a, Proxy) for a in bsym.args):
+        return False  # a constant tensor baked into the trace: no kernel argument for it
     if sym.name in VIEWS:
         return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
     allowed = SUPPORTED.get(sym.name)
@@ -106,7 +120,7 @@ def _fusible_reduction(bsym: BoundSymbol) -> bool:
     rows are the kept axes), and sums over any axes (a sum over leading axes becomes a column
     sum of the row schedule)."""
     a, dims = bsym.args[0], bsym.args[1]
-    if not isinstance(a, torch.Tensor) or a.ndim == 0 or a.dtype not in REDUCTIONS[bsym.sym.name]:
+    if not isinstance(a, Proxy) or a.ndim == 0 or a.dtype not in REDUCTIONS[bsym.sym.name]:
         return False
     dims = {d % a.ndim for d in dims}
     if not dims or (a.ndim - 1 not in dims and bsym.sym.name != "sum"):
@@ -148,7 +162,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
 
     def operand(arg, dtype) -> int:
         if not isinstance(arg, torch.Tensor):
-            value = torch.tensor(arg, dtype=dtype).item()  # cast like torch casts scalars
+            value = cast_scalar(arg, dtype)
             values.append(Const(value, dtype))
             return len(values) - 1
         kind = view_of(arg)

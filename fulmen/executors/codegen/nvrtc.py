@@ -9,8 +9,11 @@ kept in memory per device. `cuda_fp16.h`/`cuda_bf16.h` come from the `nvidia-cud
 (found with `cuda.pathfinder`), else from a CUDA toolkit (`CUDA_HOME`, `/usr/local/cuda`).
 
 `CudaFusedRegion` is the implementation of a fusion symbol whose tensors live on a CUDA device:
-it resolves strides like the CPU runtime, picks the layout class (`cuda.Spec`), compiles once per
-class and launches on torch's current stream with `data_ptr()`s. If `cuda-python` is missing,
+it resolves strides like the CPU runtime, picks the layout class (`cuda.Spec` for a pointwise
+kernel, `cuda_rows.plan_rows` for the normalisation schedule: block size, rows split over several
+blocks, column-sum groups, a float64 workspace), compiles once per class and launches on torch's
+current stream with `data_ptr()`s (a row kernel: one launch, or one per reduction stage plus one
+when rows are split, then `<entry>_columns` when it has column sums). If `cuda-python` is missing,
 NVRTC fails, or the driver refuses the image, the region warns once and runs its prims with the
 torch executor from then on: never a crash, never a wrong result.
 
@@ -34,9 +37,9 @@ from pathlib import Path
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.executors.codegen import cuda
+from fulmen.executors.codegen import cuda, cuda_rows
 from fulmen.executors.codegen.compile import cache_dir as _cpp_cache_dir
-from fulmen.executors.codegen.ir import Kernel
+from fulmen.executors.codegen.ir import Kernel, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
 from fulmen.executors.codegen.runtime import (
     RegionCallable,
@@ -54,6 +57,7 @@ ENTRY = "fulmen_kernel"
 
 _lock = threading.Lock()
 _functions: dict[tuple, object] = {}
+_modules: dict[tuple, object] = {}
 _warned: set[str] = set()
 
 
@@ -215,36 +219,43 @@ def _make_context_current(driver, index: int) -> None:
     _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
-def load_function(source: str, device: torch.device):
-    """The `fulmen_kernel` of `source` compiled for `device` and loaded there (cached)."""
+def load_function(source: str, device: torch.device, entry: str = ENTRY):
+    """The function `entry` of `source` compiled for `device` and loaded there (cached: one
+    module per source and device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch, kind = target_for(torch.cuda.get_device_capability(index))
     key = (cache_key(source, arch, kind), index)
     with _lock:
-        function = _functions.get(key)
+        function = _functions.get(key + (entry,))
+        module = _modules.get(key)
     if function is None:
         driver, _ = _bindings()
-        image = compile_cached(source, arch, kind)
-        if kind == "ptx":
-            image += b"\x00"
         with torch.cuda.device(index):
             _make_context_current(driver, index)
-            module = _check(driver.cuModuleLoadData(image), f"loading the {kind} for sm_{arch}")
-            function = _check(driver.cuModuleGetFunction(module, ENTRY.encode()),
+            if module is None:
+                image = compile_cached(source, arch, kind)
+                if kind == "ptx":
+                    image += b"\x00"
+                module = _check(driver.cuModuleLoadData(image),
+                                f"loading the {kind} for sm_{arch}")
+                with _lock:
+                    _modules[key] = module
+            function = _check(driver.cuModuleGetFunction(module, entry.encode()),
                               "cuModuleGetFunction")
         with _lock:
-            _functions[key] = function
+            _functions[key + (entry,)] = function
     return function
 
 
-def launch(function, device: torch.device, grid: int, params: bytes) -> None:
-    """Launch `function` on `grid` blocks of `cuda.BLOCK` threads, on torch's current stream of
+def launch(function, device: torch.device, grid: int, params: bytes,
+           block: int = cuda.BLOCK) -> None:
+    """Launch `function` on `grid` blocks of `block` threads, on torch's current stream of
     `device`, with the packed argument struct `params`."""
     driver, _ = _bindings()
     buffer = ctypes.create_string_buffer(params, len(params))
     pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
     stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    _check((driver.cuLaunchKernel(function, grid, 1, 1, cuda.BLOCK, 1, 1, 0, stream,
+    _check((driver.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, stream,
                                   ctypes.addressof(pointers), 0)[0], None), "cuLaunchKernel")
 
 
@@ -291,15 +302,19 @@ class CudaFusedRegion(RegionCallable):
 
     def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
         super().__init__(name, lowered, fallback_trace)
-        self.sources: dict[cuda.Spec, str] = {}
-        if not isinstance(self.kernel, Kernel):  # a schedule the CUDA renderer lacks
+        self.sources: dict[cuda.Spec | cuda_rows.RowSpec, str] = {}
+        if not isinstance(self.kernel, (Kernel, RowKernel)):  # a schedule the renderer lacks
             self.failed = True
 
-    def source_for(self, spec: cuda.Spec) -> str:
+    def source_for(self, spec: cuda.Spec | cuda_rows.RowSpec) -> str:
         """The CUDA source of this region's kernel for layout class `spec`."""
         source = self.sources.get(spec)
         if source is None:
-            source = self.sources[spec] = cuda.render(self.kernel, spec, ENTRY)
+            if isinstance(spec, cuda_rows.RowSpec):
+                source = cuda_rows.render_rows(self.kernel, spec, ENTRY)
+            else:
+                source = cuda.render(self.kernel, spec, ENTRY)
+            self.sources[spec] = source
         return source
 
     def __call__(self, *inputs):
@@ -318,6 +333,8 @@ class CudaFusedRegion(RegionCallable):
             return self._run_fallback(inputs)
 
     def _run(self, inputs):
+        if isinstance(self.kernel, RowKernel):
+            return self._run_rows(inputs)
         lowered, kernel = self.lowered, self.kernel
         shape = lowered.shape
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
@@ -350,4 +367,73 @@ class CudaFusedRegion(RegionCallable):
                 results.append(outs[what])
             else:
                 results.append(view_output(inputs[what.input], what))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _run_rows(self, inputs):
+        """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced (as
+        the CPU runtime), then the launches of `cuda_rows.plan_rows`."""
+        lowered, kernel = self.lowered, self.kernel
+        shape, reduced = lowered.shape, lowered.reduced
+        kept = [d for d in range(len(shape)) if d not in reduced]
+        kept_shape = tuple(shape[d] for d in kept)
+        column_shape = tuple(shape[d] for d in reduced)
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        outs = [torch.empty(column_shape if column else kept_shape if row else shape, dtype=dtype,
+                            device=device)
+                for dtype, row, column in zip(kernel.output_dtypes, kernel.output_rows,
+                                              kernel.output_columns)]
+        if math.prod(kept_shape):
+            bases, addresses, rows = [], [], []
+
+            def full(strides, row, column=False):
+                it = iter(strides)
+                if column:
+                    return [next(it) if d in reduced else 0 for d in range(len(shape))]
+                if not row:
+                    return list(strides)
+                return [0 if d in reduced else next(it) for d in range(len(shape))]
+
+            for access, row in zip(kernel.accesses, kernel.access_rows):
+                base, offset, sizes, strides = resolve(inputs[access.input], access)
+                if tuple(sizes) != (kept_shape if row else shape):
+                    raise _Fallback
+                bases.append(base)  # keeps a copied base alive until the launches are queued
+                addresses.append(base.data_ptr() + offset * base.element_size())
+                rows.append(full(strides, row))
+            for out, row, column in zip(outs, kernel.output_rows, kernel.output_columns):
+                addresses.append(out.data_ptr())
+                rows.append(full(list(out.stride()), row, column))
+            outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
+            inner, inner_rows = coalesce(column_shape, [[r[d] for d in reduced] for r in rows])
+            sizes = outer + inner
+            rows = [o + i for o, i in zip(outer_rows, inner_rows)]
+            try:
+                how = cuda_rows.plan_rows(kernel, sizes, len(outer), rows)
+            except cuda_rows.NoPlan:
+                raise _Fallback from None
+            if len(cuda_rows.pack_rows(how, sizes, rows, addresses, 0, 0)) > MAX_PARAM_BYTES:
+                raise _Fallback
+            source = self.source_for(how.spec)
+            function = load_function(source, device)
+            columns = load_function(source, device, ENTRY + "_columns") if how.groups else None
+            work = torch.empty(how.work // 8, dtype=torch.float64, device=device) \
+                if how.work else None
+            work_address = work.data_ptr() if work is not None else 0
+            for phase in range(how.phases):
+                params = cuda_rows.pack_rows(how, sizes, rows, addresses, work_address, phase)
+                launch(function, device, how.grid, params, how.spec.block)
+            if columns is not None:
+                launch(columns, device, how.column_grid, params, cuda_rows.FINISH_BLOCK)
+        else:
+            for out, column in zip(outs, kernel.output_columns):
+                if column:
+                    out.zero_()  # a sum over no rows
+        results = []
+        for plan in lowered.outputs:
+            if plan[0] == "kernel":
+                results.append(outs[plan[1]])
+            elif plan[0] == "rowview":
+                results.append(view_output(outs[plan[1]], plan[2]))
+            else:
+                results.append(view_output(inputs[plan[1].input], plan[1]))
         return results[0] if len(results) == 1 else tuple(results)

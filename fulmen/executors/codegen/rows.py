@@ -41,6 +41,7 @@ from fulmen.executors.codegen.lower import (
     VIEWS,
     Unsupported,
     _freeze,
+    cast_scalar,
     lower,
 )  # fmt: skip
 from fulmen.transforms.fusion import region_inputs
@@ -151,7 +152,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
 
     def operand(arg, dtype, row: bool) -> int:
         if not isinstance(arg, torch.Tensor):
-            return add(Const(torch.tensor(arg, dtype=dtype).item(), dtype), True)
+            return add(Const(cast_scalar(arg, dtype), dtype), True)
         kind = view_of(arg)
         if kind[0] == "column":
             raise Unsupported("a column sum used inside its kernel")

@@ -7,8 +7,22 @@
    negative stride, reshape -> view strides), giving strides over the iteration space;
 2. allocates the outputs (contiguous), drops size-1 dims and merges dims every pointer walks
    contiguously (so a contiguous region runs as one flat loop);
-3. picks the kernel compiled for the pointers' inner-stride classes (compiling it the first
-   time, possibly in a background thread started when the region was fused), and calls it.
+3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
+
+When kernels are compiled is the `policy` (`set_compile_policy`, or the environment variable
+`FULMEN_CODEGEN_COMPILE`):
+
+- "lazy" (the default): a kernel already in the disk cache is loaded when the region is fused;
+  any other kernel starts compiling in a background thread once its region has been called
+  `hot_calls` times (`FULMEN_CODEGEN_HOT_CALLS`, default 3), and until it is ready the region
+  runs its prims on the torch executor. One-off functions never wait for a C++ compiler.
+- "eager": compiling starts when the region is fused and the first call waits for it (what
+  benchmarks and the codegen tests use, to time and check the kernels themselves).
+
+Outputs of 4 MiB and more are allocated with transparent huge pages advised (`madvise`,
+Linux), so writing a fresh output does not take a page fault every 4 KiB: for a 64 MiB output
+that is most of the time of a memory-bound kernel (PyTorch offers the same for its own CPU
+allocations behind `THP_MEM_ALLOC_ENABLE`).
 
 If the compiler is missing or fails, the region warns once and runs its prims with the torch
 executor from then on: never a crash, never a wrong result.
@@ -18,12 +32,16 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import sys
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from fulmen.executors.codegen.compile import CompileError, load_kernel
+from fulmen.executors.codegen import compile as _compile
+from fulmen.executors.codegen.compile import CompileError, is_cached, load_kernel
 from fulmen.executors.codegen.cpp import render
 from fulmen.executors.codegen.cpp_rows import render_rows
 from fulmen.executors.codegen.ir import Access, RowKernel
@@ -35,6 +53,78 @@ _pool = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())))
 
 class _Fallback(Exception):
     pass
+
+
+@dataclass
+class CompilePolicy:
+    """When kernels compile (see the module docstring): `mode` "lazy" or "eager"; in lazy mode
+    a region's kernel starts compiling at its `hot_calls`-th call."""
+
+    mode: str = "lazy"
+    hot_calls: int = 3
+
+
+policy = CompilePolicy(os.environ.get("FULMEN_CODEGEN_COMPILE", "lazy"),
+                       int(os.environ.get("FULMEN_CODEGEN_HOT_CALLS", "3")))
+
+
+def set_compile_policy(mode: str | None = None, hot_calls: int | None = None) -> CompilePolicy:
+    """Set when the codegen executor compiles kernels; returns the previous policy.
+
+    Args:
+        mode: "lazy" (torch runs a region until it is hot and its kernel is compiled in the
+            background) or "eager" (compile when fused, the first call waits).
+        hot_calls: in lazy mode, the call of a region that starts its compile (>= 1).
+
+    Raises:
+        ValueError: an unknown mode or hot_calls < 1.
+    """
+    previous = CompilePolicy(policy.mode, policy.hot_calls)
+    if mode is not None:
+        if mode not in ("lazy", "eager"):
+            raise ValueError(f"codegen compile mode must be 'lazy' or 'eager', got {mode!r}")
+        policy.mode = mode
+    if hot_calls is not None:
+        if hot_calls < 1:
+            raise ValueError(f"hot_calls must be at least 1, got {hot_calls}")
+        policy.hot_calls = hot_calls
+    return previous
+
+
+_HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
+_madvise = None
+if sys.platform.startswith("linux"):
+    try:
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        _madvise = None
+
+
+_submitted: dict[tuple, Future] = {}
+
+
+def _submit(source: str) -> Future:
+    """The (shared) future loading `source`: identical regions, e.g. of repeated layers, build
+    their kernel once even while the first build is still running."""
+    key = (source, str(_compile.cache_dir()), _compile.compiler())
+    future = _submitted.get(key)
+    if future is None or (future.done() and future.exception() is not None):
+        future = _submitted[key] = _pool.submit(load_kernel, source)
+    return future
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype=dtype)` on the CPU; from 4 MiB on, its whole 2 MiB pages are
+    advised MADV_HUGEPAGE before anything touches them (a hint: without THP nothing changes)."""
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if _madvise is not None and nbytes >= 2 * _HUGE:
+        start = -(-out.data_ptr() // _HUGE) * _HUGE
+        end = (out.data_ptr() + nbytes) // _HUGE * _HUGE
+        if end > start:
+            _madvise(start, end - start, 14)  # MADV_HUGEPAGE; failure only loses the hint
+    return out
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -177,23 +267,53 @@ class FusedRegion(RegionCallable):
     def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
         super().__init__(name, lowered, fallback_trace)
         self.sources: dict[tuple, str] = {}
+        self.calls = 0
         self._kernels: dict[tuple, Future] = {}
+        self._plans: dict[tuple, tuple] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
         if isinstance(self.kernel, RowKernel):  # kept-shape pointers do not move along a row
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
-        self._kernel_for(contiguous)  # start compiling the common layout in the background
+        source = self._source(contiguous)
+        if policy.mode == "eager" or is_cached(source):
+            self._start(contiguous)  # the common layout, in the background
 
-    def _kernel_for(self, layout: tuple) -> Future:
-        future = self._kernels.get(layout)
-        if future is None:
+    def _source(self, layout: tuple) -> str:
+        source = self.sources.get(layout)
+        if source is None:
             kernel = self.kernel
             source = (render_rows if isinstance(kernel, RowKernel) else render)(kernel, layout)
             self.sources[layout] = source
-            future = self._kernels[layout] = _pool.submit(load_kernel, source)
+        return source
+
+    def _start(self, layout: tuple) -> Future:
+        future = self._kernels.get(layout)
+        if future is None:
+            future = self._kernels[layout] = _submit(self._source(layout))
         return future
 
+    def _kernel_for(self, layout: tuple):
+        """The compiled kernel for `layout`; raises _Fallback while it is not ready (lazy)."""
+        future = self._kernels.get(layout)
+        if future is None:
+            if policy.mode == "lazy" and self.calls < policy.hot_calls:
+                raise _Fallback
+            future = self._start(layout)
+        if policy.mode == "lazy" and not future.done():
+            raise _Fallback
+        return future.result()
+
+    def ready(self) -> bool:
+        """Whether every kernel started so far is compiled (waits for none)."""
+        return all(f.done() for f in self._kernels.values())
+
+    def wait(self) -> None:
+        """Block until every kernel started so far is compiled (errors surface at the call)."""
+        for future in list(self._kernels.values()):
+            future.exception()
+
     def __call__(self, *inputs):
+        self.calls += 1
         if self.failed:
             return self._run_fallback(inputs)
         try:
@@ -211,40 +331,59 @@ class FusedRegion(RegionCallable):
             return self._run_rows(inputs)
         lowered, kernel = self.lowered, self.kernel
         shape = lowered.shape
-        outs = [torch.empty(shape, dtype=dtype) for dtype in kernel.output_dtypes]
+        if not math.prod(shape):
+            outs = [torch.empty(shape, dtype=dtype) for dtype in kernel.output_dtypes]
+            return self._results(inputs, outs)
+        key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(inputs)
+        fn, ndim, c_sizes, c_strides, pointers, block, nthreads = plan
+        outs = [empty(shape, dtype) for dtype in kernel.output_dtypes]
+        c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
+            *[(inputs[i] if isinstance(i, int) else i).data_ptr() + o for i, o in pointers],
+            *[out.data_ptr() for out in outs])
+        fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
+           ctypes.addressof(c_ptrs), block, nthreads)
+        return self._results(inputs, outs)
+
+    def _plan(self, inputs) -> tuple:
+        """How to call the kernel for inputs of these shapes and strides: (kernel, ndim, sizes,
+        strides, per access (input index or base tensor, byte offset), block, threads). Kept
+        for later calls with the same shapes and strides unless an access had to copy."""
+        kernel, shape = self.kernel, self.lowered.shape
+        pointers, rows, copied = [], [], False
+        for access in kernel.accesses:
+            base, offset, sizes, strides = resolve(inputs[access.input], access)
+            if tuple(sizes) != shape:
+                raise _Fallback
+            own = base is inputs[access.input]
+            copied |= not own
+            pointers.append((access.input if own else base, offset * base.element_size()))
+            rows.append(strides)
+        rows += [_contiguous(shape) for _ in kernel.outputs]
+        sizes, rows = coalesce(shape, rows)
+        layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
+        fn = self._kernel_for(layout)
         numel = math.prod(shape)
-        if numel:
-            bases, offsets, rows = [], [], []
-            for access in kernel.accesses:
-                base, offset, sizes, strides = resolve(inputs[access.input], access)
-                if tuple(sizes) != shape:
-                    raise _Fallback
-                bases.append(base)
-                offsets.append(offset)
-                rows.append(strides)
-            for out in outs:
-                bases.append(out)
-                offsets.append(0)
-                rows.append(list(out.stride()))
-            sizes, rows = coalesce(shape, rows)
-            layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
-            fn = self._kernel_for(layout).result()
-            nthreads = torch.get_num_threads() if numel >= GRAIN else 1
-            inner = sizes[-1]
-            nrows = numel // inner
-            block = inner
-            if nthreads > 1 and nrows < 4 * nthreads:
-                pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
-                block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-            ndim = len(sizes)
-            c_sizes = (ctypes.c_int64 * ndim)(*sizes)
-            c_strides = (ctypes.c_int64 * (ndim * len(rows)))(*[s for row in rows for s in row])
-            c_ptrs = (ctypes.c_void_p * len(bases))(
-                *[b.data_ptr() + o * b.element_size() for b, o in zip(bases, offsets)])
-            fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-               ctypes.addressof(c_ptrs), block, nthreads)
+        nthreads = torch.get_num_threads() if numel >= GRAIN else 1
+        inner = sizes[-1]
+        nrows = numel // inner
+        block = inner
+        if nthreads > 1 and nrows < 4 * nthreads:
+            pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
+            block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
+        flat = [s for row in rows for s in row]
+        plan = (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
+                (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads)
+        if not copied:
+            key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
+            self._plans[key] = plan
+        return plan
+
+    def _results(self, inputs, outs):
         results = []
-        for kind, what in lowered.outputs:
+        for kind, what in self.lowered.outputs:
             if kind == "kernel":
                 results.append(outs[what])
             else:
@@ -258,9 +397,8 @@ class FusedRegion(RegionCallable):
         kept = [d for d in range(len(shape)) if d not in reduced]
         kept_shape = tuple(shape[d] for d in kept)
         column_shape = tuple(shape[d] for d in reduced)
-        outs = [torch.empty(column_shape if column else kept_shape if row else shape, dtype=dtype)
-                for dtype, row, column in zip(kernel.output_dtypes, kernel.output_rows,
-                                              kernel.output_columns)]
+        out_shapes = [column_shape if column else kept_shape if row else shape
+                      for row, column in zip(kernel.output_rows, kernel.output_columns)]
         nrows = math.prod(kept_shape)
         numel = nrows * math.prod(shape[d] for d in reduced)
         nthreads = torch.get_num_threads() if numel >= GRAIN else 1
@@ -285,25 +423,21 @@ class FusedRegion(RegionCallable):
                 bases.append(base)
                 offsets.append(offset)
                 rows.append(full(strides, row))
-            for out, row, column in zip(outs, kernel.output_rows, kernel.output_columns):
-                bases.append(out)
-                offsets.append(0)
-                rows.append(full(list(out.stride()), row, column))
+            for out_shape, row, column in zip(out_shapes, kernel.output_rows,
+                                              kernel.output_columns):
+                rows.append(full(_contiguous(out_shape), row, column))
             outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
             inner, inner_rows = coalesce([shape[d] for d in reduced],
                                          [[r[d] for d in reduced] for r in rows])
             layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
-            fn = self._kernel_for(layout).result()
-            sizes = outer + inner
-            ndim = len(sizes)
+            fn = self._kernel_for(layout)
+            outs = [empty(s, dtype) for s, dtype in zip(out_shapes, kernel.output_dtypes)]
+            bases += outs
+            offsets += [0] * len(outs)
             flat = [s for o, i in zip(outer_rows, inner_rows) for s in o + i]
-            c_sizes = (ctypes.c_int64 * ndim)(*sizes)
-            c_strides = (ctypes.c_int64 * len(flat))(*flat)
-            c_ptrs = (ctypes.c_void_p * len(bases))(
-                *[b.data_ptr() + o * b.element_size() for b, o in zip(bases, offsets)])
-            fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-               ctypes.addressof(c_ptrs), len(outer), nthreads)
+            _call(fn, outer + inner, flat, bases, offsets, len(outer), nthreads)
         else:
+            outs = [torch.empty(s, dtype=dtype) for s, dtype in zip(out_shapes, kernel.output_dtypes)]
             for out, column in zip(outs, kernel.output_columns):
                 if column:
                     out.zero_()  # a sum over no rows
@@ -316,3 +450,23 @@ class FusedRegion(RegionCallable):
             else:
                 results.append(view_output(inputs[plan[1].input], plan[1]))
         return results[0] if len(results) == 1 else tuple(results)
+
+
+def _contiguous(shape) -> list[int]:
+    """Row-major element strides of `shape` (those of `torch.empty(shape)`)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _call(fn, sizes, strides, bases, offsets, block: int, nthreads: int) -> None:
+    """Call a compiled kernel: (ndim, sizes*, strides*, pointers*, block, threads)."""
+    ndim = len(sizes)
+    c_sizes = (ctypes.c_int64 * ndim)(*sizes)
+    c_strides = (ctypes.c_int64 * len(strides))(*strides)
+    c_ptrs = (ctypes.c_void_p * len(bases))(
+        *[b.data_ptr() + o * b.element_size() for b, o in zip(bases, offsets)])
+    fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides), ctypes.addressof(c_ptrs),
+       block, nthreads)

@@ -1,0 +1,134 @@
+"""When codegen compiles (lazy: torch runs a region until it is hot; eager: compile when fused),
+and the huge-page outputs of large kernels."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.executors.codegen import compile as cg_compile
+from fulmen.executors.codegen import runtime, set_compile_policy, wait_for_kernels
+
+EXECUTORS = ["codegen", "torch"]
+
+
+@pytest.fixture
+def lazy(tmp_path, monkeypatch):
+    monkeypatch.setenv("FULMEN_CACHE_DIR", str(tmp_path))  # an empty kernel cache
+    previous = set_compile_policy("lazy", hot_calls=3)
+    builds = []
+    real_build = cg_compile._build
+
+    def counting_build(source, cxx, path):
+        builds.append(source)
+        real_build(source, cxx, path)
+
+    monkeypatch.setattr(cg_compile, "_build", counting_build)
+    monkeypatch.setattr(cg_compile, "_loaded", {})  # no kernel loaded by an earlier test
+    monkeypatch.setattr(runtime, "_submitted", {})
+    yield builds
+    set_compile_policy(previous.mode, previous.hot_calls)
+
+
+def _regions(jfn):
+    trace = fulmen.last_traces(jfn)[-1]
+    return [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, runtime.FusedRegion)]
+
+
+def _fallback_calls(region, monkeypatch):
+    calls = []
+    real = region._run_fallback
+
+    def spy(inputs):
+        calls.append(1)
+        return real(inputs)
+
+    monkeypatch.setattr(region, "_run_fallback", spy)
+    return calls
+
+
+def fn(x, y):
+    return torch.tanh(x * y + 1.5) - y
+
+
+def test_lazy_region_runs_torch_until_hot_then_its_kernel(lazy, monkeypatch):
+    x, y = torch.randn(64, 33), torch.randn(64, 33)
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    (region,) = _regions(jfn)
+    fallbacks = _fallback_calls(region, monkeypatch)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    assert lazy == [] and len(fallbacks) == 1  # two calls: not hot, nothing compiled
+    torch.testing.assert_close(jfn(x, y), fn(x, y))  # the third call starts the compile
+    wait_for_kernels(fulmen.last_traces(jfn)[-1])
+    assert len(lazy) == 1
+    before = len(fallbacks)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    assert len(fallbacks) == before  # the kernel ran
+
+
+def test_lazy_loads_a_kernel_already_in_the_disk_cache(lazy, monkeypatch):
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    set_compile_policy("eager")
+    first = fulmen.jit(fn, executors=EXECUTORS)
+    first(x, y)
+    assert len(lazy) == 1
+    set_compile_policy("lazy")
+    jfn = fulmen.jit(fn, executors=EXECUTORS)  # a new function, the same region
+    jfn(x, y)
+    (region,) = _regions(jfn)
+    region.wait()
+    fallbacks = _fallback_calls(region, monkeypatch)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    assert fallbacks == [] and len(lazy) == 1  # loaded from disk on its first call
+
+
+def test_eager_policy_compiles_before_the_first_call_returns(lazy, monkeypatch):
+    set_compile_policy("eager")
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    (region,) = _regions(jfn)
+    assert region.ready() and len(lazy) == 1
+
+
+def test_policy_arguments_are_checked():
+    with pytest.raises(ValueError, match="lazy.*eager"):
+        set_compile_policy("sometimes")
+    with pytest.raises(ValueError, match="hot_calls"):
+        set_compile_policy(hot_calls=0)
+
+
+def _huge_pages_enabled() -> bool:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.exists() and "[never]" not in path.read_text()
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        match = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if match:
+            mapping = int(match[1], 16) <= address < int(match[2], 16)
+        elif mapping and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_empty_matches_torch_empty_and_small_outputs_are_untouched():
+    for shape, dtype in [((3, 5), torch.float16), ((2048, 1024), torch.float32), ((0,), torch.int64)]:
+        out = runtime.empty(shape, dtype)
+        assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+        out.fill_(1)
+        assert bool((out == 1).all())
+
+
+@pytest.mark.skipif(not _huge_pages_enabled() or runtime._madvise is None,
+                    reason="transparent huge pages are off here")
+def test_large_outputs_get_huge_pages():
+    out = runtime.empty((4096, 1024), torch.float32)  # 16 MiB
+    out.fill_(2.0)
+    assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20
