@@ -93,8 +93,9 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
 
 
 class _Partition:
-    """Regions as nodes of a dataflow graph (successor and predecessor sets per region; the
-    final order is a networkx topological sort)."""
+    """Regions as nodes of a dataflow graph: successor and predecessor sets per region and the
+    descendants of each as a bitset, so the cycle check of a merge reads a few bits instead of
+    searching the graph; the final order is a networkx topological sort."""
 
     def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int) -> None:
         self.nodes = nodes
@@ -114,27 +115,26 @@ class _Partition:
                     self.pred[i].add(self.producer[name])
             for name in node.bsym.output_names:
                 self.producer[name] = i
+        # descendants of each region as a bitset (statement order is topological)
+        self.reach: dict[int, int] = {}
+        for i in range(len(nodes) - 1, -1, -1):
+            bits = 0
+            for nxt in self.succ[i]:
+                bits |= self.reach[nxt] | 1 << nxt
+            self.reach[i] = bits
 
     def fusible(self, region: int) -> bool:
         return self.nodes[region].fusible
 
     def _would_cycle(self, a: int, b: int) -> bool:
-        """Whether a path joins a and b through a third region (one search per direction)."""
-        succ = self.succ
-        for src, dst in ((a, b), (b, a)):
-            stack = [s for s in succ[src] if s != dst]
-            seen = set(stack)
-            while stack:
-                for nxt in succ[stack.pop()]:
-                    if nxt == dst:
-                        return True
-                    if nxt not in seen:
-                        seen.add(nxt)
-                        stack.append(nxt)
-        return False
+        """Whether a path joins a and b through a third region."""
+        reach = self.reach
+        return (any(reach[s] >> b & 1 for s in self.succ[a] if s != b)
+                or any(reach[s] >> a & 1 for s in self.succ[b] if s != a))
 
     def _contract(self, keep: int, gone: int) -> None:
-        """Merge region `gone` into `keep` in the graph."""
+        """Merge region `gone` into `keep`: edges, and the descendants of every region that
+        reached either (they now reach `keep` and all it reaches)."""
         for nxt in self.succ.pop(gone):
             self.pred[nxt].discard(gone)
             if nxt != keep:
@@ -145,6 +145,12 @@ class _Partition:
             if prev != keep:
                 self.succ[prev].add(keep)
                 self.pred[keep].add(prev)
+        both = 1 << keep | 1 << gone
+        merged = (self.reach[keep] | self.reach.pop(gone)) & ~both
+        self.reach[keep] = merged
+        for region, reach in self.reach.items():
+            if reach & both:
+                self.reach[region] = reach | merged | 1 << keep
 
     def try_merge(self, a: int, b: int) -> bool:
         a, b = self.region_of[a], self.region_of[b]

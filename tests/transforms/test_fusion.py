@@ -141,3 +141,30 @@ def test_compiler_error_falls_back(monkeypatch):
     x = torch.randn(9)
     with pytest.warns(RuntimeWarning, match="fulmen codegen"):
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_fast_pointwise_check_agrees_with_lowering():
+    from fulmen.executors.codegen.lower import Unsupported, fits_pointwise, lower
+    from fulmen.transforms import decompose_to_prims
+
+    def fn(x, b):
+        y = (x + b).t() * 2  # a view of a computed value
+        z = x.t().exp() + y  # a view of an input
+        return z.sum(0) + b, z[1:] * 3  # another shape; a slice of a computed value
+
+    jfn = fulmen.jit(fn, executors=["torch"], transforms=[decompose_to_prims])
+    jfn(torch.randn(4, 4), torch.randn(4))
+    bsyms = [b for b in fulmen.last_traces(jfn)[1].bsyms if b.sym.is_prim and b.output is not None
+             and b.sym.name != "sum"]
+    outcomes = []
+    for start in range(len(bsyms)):
+        for end in range(start + 1, len(bsyms) + 1):
+            region = bsyms[start:end]
+            try:
+                lower(region, [], check_only=True)
+                expected = True
+            except Unsupported:
+                expected = False
+            assert fits_pointwise(region) == expected, [b.sym.name for b in region]
+            outcomes.append(expected)
+    assert outcomes.count(True) > 10 and outcomes.count(False) > 10

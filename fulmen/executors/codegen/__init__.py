@@ -20,7 +20,7 @@ import itertools
 from fulmen.core import BoundSymbol, Symbol, Trace
 from fulmen.executors.base import FusionExecutor
 from fulmen.executors.codegen import nvrtc
-from fulmen.executors.codegen.lower import Unsupported, fusible
+from fulmen.executors.codegen.lower import REDUCTIONS, Unsupported, fits_pointwise, fusible
 from fulmen.executors.codegen.rows import lower_any
 from fulmen.executors.codegen.runtime import FusedRegion, set_compile_policy
 from fulmen.executors.registry import register_executor
@@ -48,6 +48,8 @@ class CodegenExecutor(FusionExecutor):
         return fusible(bsym) or nvrtc.fusible(bsym)  # nvrtc: regions of CUDA tensors
 
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
+        if not any(bsym.sym.name in REDUCTIONS for bsym in region):
+            return fits_pointwise(region)
         try:
             lower_any(region, [], check_only=True)
         except Unsupported:

@@ -30,38 +30,21 @@ from __future__ import annotations
 import torch
 
 from fulmen.executors.codegen.cpp import COMPUTE, PRELUDE, STORAGE, _expr, literal
-from fulmen.executors.codegen.ir import ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel
+from fulmen.executors.codegen.ir import (
+    ColumnReduce,
+    Const,
+    Count,
+    Load,
+    Op,
+    Reduce,
+    RowKernel,
+    element_closure,
+    row_stages,
+)  # fmt: skip
 
 __all__ = ["BLOCK", "render_rows"]
 
 BLOCK = 1024  # elements per float32 partial sum
-
-
-def _stages(kernel: RowKernel) -> list[int]:
-    stages: list[int] = []
-    for value in kernel.values:
-        if isinstance(value, Reduce):
-            stages.append(stages[value.arg] + 1)
-        elif isinstance(value, Op):
-            stages.append(max((stages[a] for a in value.args), default=0))
-        else:
-            stages.append(0)
-    return stages
-
-
-def _closure(kernel: RowKernel, targets, leaves=frozenset()) -> list[int]:
-    """Element-level values the targets need, in SSA order (not looking past `leaves`)."""
-    need: set[int] = set()
-    stack = list(targets)
-    while stack:
-        v = stack.pop()
-        if v in need or kernel.rows[v]:
-            continue
-        need.add(v)
-        value = kernel.values[v]
-        if isinstance(value, Op) and v not in leaves:
-            stack.extend(value.args)
-    return sorted(need)
 
 
 COSTLY = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfc", "tanh",
@@ -75,7 +58,7 @@ def _stash(kernel: RowKernel, previous: list[int], final: list[int], outputs) ->
     shared = set(previous) & set(final)
     costly = [v for v in sorted(shared)
               if any(isinstance(kernel.values[u], Op) and kernel.values[u].name in COSTLY
-                     for u in _closure(kernel, [v]) if u in shared)]
+                     for u in element_closure(kernel, [v]) if u in shared)]
     if not costly:
         return None
     v = costly[-1]
@@ -173,7 +156,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
     dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
     names = [f"v{v}" for v in range(len(kernel.values))]
-    stages = _stages(kernel)
+    stages = row_stages(kernel)
     columns = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
                if isinstance(kernel.values[v], ColumnReduce)]
     ncol = len(columns)
@@ -255,7 +238,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
                        if not kernel.rows[v] and nacc + k not in skip]
     args = [kernel.values[v].arg for _, v in columns]
-    final = _closure(kernel, [v for _, v in element_outputs] + args)
+    final = element_closure(kernel, [v for _, v in element_outputs] + args)
     last_stage = max((stages[v] for v, value in enumerate(kernel.values)
                       if isinstance(value, Reduce)), default=0)
     stash = None
@@ -268,7 +251,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         pieces = [_reduction(kernel, v) for v in reds]
         for piece in pieces:
             lines.extend("    " + line for line in piece["acc"])
-        previous = _closure(kernel, [kernel.values[v].arg for v in reds])
+        previous = element_closure(kernel, [kernel.values[v].arg for v in reds])
         body = [_value_line(kernel, v, layout, names) for v in previous]
         if stage == last_stage and all(layout[p] == 1 for p, _ in element_outputs):
             stash = _stash(kernel, previous, final, element_outputs)
@@ -284,7 +267,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     if element_outputs or columns:
         leaves = {stash[0]} if stash else set()
         body = []
-        for v in _closure(kernel, [v for _, v in element_outputs] + args, leaves):
+        for v in element_closure(kernel, [v for _, v in element_outputs] + args, leaves):
             if v in leaves:
                 body.append(f"const {COMPUTE[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
             else:

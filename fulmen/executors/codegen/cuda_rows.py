@@ -59,7 +59,17 @@ from fulmen.executors.codegen.cuda import (
     needs_headers,
     prelude,
 )  # fmt: skip
-from fulmen.executors.codegen.ir import ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel
+from fulmen.executors.codegen.ir import (
+    ColumnReduce,
+    Const,
+    Count,
+    Load,
+    Op,
+    Reduce,
+    RowKernel,
+    element_closure,
+    row_stages,
+)  # fmt: skip
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",
            "render_rows_body"]
@@ -138,20 +148,6 @@ class RowLaunch:
     column_grid: int
 
 
-def _stages(kernel: RowKernel) -> list[int]:
-    """The stage of each value: 0 before any reduction, s + 1 for a reduction of a stage-s
-    value, the latest stage of its arguments for an op."""
-    stages: list[int] = []
-    for value in kernel.values:
-        if isinstance(value, Reduce):
-            stages.append(stages[value.arg] + 1)
-        elif isinstance(value, Op):
-            stages.append(max((stages[a] for a in value.args), default=0))
-        else:
-            stages.append(0)
-    return stages
-
-
 def _op_args(kernel: RowKernel, op: Op) -> tuple[int, ...]:
     """The arguments an op's rendering reads (a constant exponent rendered as x * x is none)."""
     if op.name == "pow" and len(op.args) == 2 and _const_exponent(kernel, op):
@@ -181,17 +177,7 @@ def _reductions(kernel: RowKernel) -> list[int]:
 
 def _closure(kernel: RowKernel, targets) -> list[int]:
     """Element-level values the targets need, in SSA order."""
-    need: set[int] = set()
-    stack = list(targets)
-    while stack:
-        v = stack.pop()
-        if v in need or kernel.rows[v]:
-            continue
-        need.add(v)
-        value = kernel.values[v]
-        if isinstance(value, Op):
-            stack.extend(_op_args(kernel, value))
-    return sorted(need)
+    return element_closure(kernel, targets, args_of=lambda op: _op_args(kernel, op))
 
 
 def _round(expr: str, dtype: torch.dtype) -> str:
@@ -234,7 +220,7 @@ class _Renderer:
         assert len(spec.classes) == self.nptr
         self.ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
         self.live = _live(kernel)
-        self.stages = _stages(kernel)
+        self.stages = row_stages(kernel)
         self.reductions = _reductions(kernel)
         self.slots = {v: i for i, v in enumerate(self.reductions)}
         self.columns = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs)
@@ -561,7 +547,7 @@ def plan_rows(kernel: RowKernel, sizes: list[int], nouter: int,
                if column), "column outputs are contiguous"
     reach = max(sum((s - 1) * abs(st) for s, st in zip(inner, row[nouter:])) for row in rows)
     index = "int" if count + 2**16 < 2**31 and reach < 2**31 else "long long"
-    stages, reductions = _stages(kernel), _reductions(kernel)
+    stages, reductions = row_stages(kernel), _reductions(kernel)
     nphases = len({stages[v] for v in reductions}) + 1
     nred = len(reductions)
     if ncol:

@@ -179,3 +179,34 @@ class RowKernel:
                 lines.append(f"{where}v{i} = {value.name}({args}{params}) : {value.dtype}")
         lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
         return "\n".join(lines)
+
+
+def row_stages(kernel: RowKernel) -> list[int]:
+    """The stage of each value of a row kernel: 0 before any reduction, s + 1 for a reduction
+    of a stage-s value, the latest stage of its arguments for an op."""
+    stages: list[int] = []
+    for value in kernel.values:
+        if isinstance(value, Reduce):
+            stages.append(stages[value.arg] + 1)
+        elif isinstance(value, Op):
+            stages.append(max((stages[a] for a in value.args), default=0))
+        else:
+            stages.append(0)
+    return stages
+
+
+def element_closure(kernel: RowKernel, targets, leaves=frozenset(),
+                    args_of=lambda op: op.args) -> list[int]:
+    """Element-level values the targets need, in SSA order, not looking past `leaves`;
+    `args_of(op)` gives the arguments an op's rendering reads."""
+    need: set[int] = set()
+    stack = list(targets)
+    while stack:
+        v = stack.pop()
+        if v in need or kernel.rows[v]:
+            continue
+        need.add(v)
+        value = kernel.values[v]
+        if isinstance(value, Op) and v not in leaves:
+            stack.extend(args_of(value))
+    return sorted(need)

@@ -139,6 +139,26 @@ class LoweredRegion:
     outputs: tuple[tuple, ...]
 
 
+def fits_pointwise(region: list[BoundSymbol]) -> bool:
+    """Whether `lower(region, ..., check_only=True)` accepts the region, without building the
+    kernel (the partitioner asks this for every candidate merge): every computing statement
+    has one shape, and views read only region inputs or other views."""
+    shape = None
+    computed: set[str] = set()
+    for bsym in region:
+        if bsym.sym.name in VIEWS:
+            if bsym.args[0].name in computed:
+                return False
+            continue
+        out = bsym.output
+        if shape is None:
+            shape = out.shape
+        elif out.shape != shape:
+            return False
+        computed.add(out.name)
+    return True
+
+
 def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) -> LoweredRegion:
     """Lower `region` (statements in trace order) computing `outputs`. With `check_only`, a
     region of views only is accepted (it may still merge with its consumers).

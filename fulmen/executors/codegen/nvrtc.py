@@ -45,8 +45,8 @@ from fulmen.executors.codegen.runtime import (
     RegionCallable,
     _Fallback,
     coalesce,
+    region_results,
     resolve,
-    view_output,
 )
 
 OPTIONS = ("-std=c++17", "--fmad=false")
@@ -361,13 +361,7 @@ class CudaFusedRegion(RegionCallable):
             index = device.index if device.index is not None else torch.cuda.current_device()
             grid = max(1, min(-(-work // cuda.BLOCK), _sm_count(index) * 8))
             launch(function, device, grid, params)
-        results = []
-        for kind, what in lowered.outputs:
-            if kind == "kernel":
-                results.append(outs[what])
-            else:
-                results.append(view_output(inputs[what.input], what))
-        return results[0] if len(results) == 1 else tuple(results)
+        return region_results(lowered, inputs, outs)
 
     def _run_rows(self, inputs):
         """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced (as
@@ -428,12 +422,4 @@ class CudaFusedRegion(RegionCallable):
             for out, column in zip(outs, kernel.output_columns):
                 if column:
                     out.zero_()  # a sum over no rows
-        results = []
-        for plan in lowered.outputs:
-            if plan[0] == "kernel":
-                results.append(outs[plan[1]])
-            elif plan[0] == "rowview":
-                results.append(view_output(outs[plan[1]], plan[2]))
-            else:
-                results.append(view_output(inputs[plan[1].input], plan[1]))
-        return results[0] if len(results) == 1 else tuple(results)
+        return region_results(lowered, inputs, outs)

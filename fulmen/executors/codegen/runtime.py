@@ -221,6 +221,20 @@ def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:
     return tensor
 
 
+def region_results(lowered, inputs, outs):
+    """A region's outputs from its kernel's outputs `outs`, by the lowering's plan: per output
+    ("kernel", k), ("view", access) of an input, or ("rowview", k, access) of kernel output k."""
+    results = []
+    for plan in lowered.outputs:
+        if plan[0] == "kernel":
+            results.append(outs[plan[1]])
+        elif plan[0] == "rowview":
+            results.append(view_output(outs[plan[1]], plan[2]))
+        else:
+            results.append(view_output(inputs[plan[1].input], plan[1]))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
 def coalesce(shape, rows):
     """Drop size-1 dims and merge dims contiguous for every stride row; returns new (sizes, rows)."""
     dims = [d for d, size in enumerate(shape) if size != 1]
@@ -333,7 +347,7 @@ class FusedRegion(RegionCallable):
         shape = lowered.shape
         if not math.prod(shape):
             outs = [torch.empty(shape, dtype=dtype) for dtype in kernel.output_dtypes]
-            return self._results(inputs, outs)
+            return region_results(self.lowered, inputs, outs)
         key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
         plan = self._plans.get(key)
         if plan is None:
@@ -345,7 +359,7 @@ class FusedRegion(RegionCallable):
             *[out.data_ptr() for out in outs])
         fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
            ctypes.addressof(c_ptrs), block, nthreads)
-        return self._results(inputs, outs)
+        return region_results(self.lowered, inputs, outs)
 
     def _plan(self, inputs) -> tuple:
         """How to call the kernel for inputs of these shapes and strides: (kernel, ndim, sizes,
@@ -380,15 +394,6 @@ class FusedRegion(RegionCallable):
             key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
             self._plans[key] = plan
         return plan
-
-    def _results(self, inputs, outs):
-        results = []
-        for kind, what in self.lowered.outputs:
-            if kind == "kernel":
-                results.append(outs[what])
-            else:
-                results.append(view_output(inputs[what.input], what))
-        return results[0] if len(results) == 1 else tuple(results)
 
     def _run_rows(self, inputs):
         """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced."""
@@ -441,15 +446,7 @@ class FusedRegion(RegionCallable):
             for out, column in zip(outs, kernel.output_columns):
                 if column:
                     out.zero_()  # a sum over no rows
-        results = []
-        for plan in lowered.outputs:
-            if plan[0] == "kernel":
-                results.append(outs[plan[1]])
-            elif plan[0] == "rowview":
-                results.append(view_output(outs[plan[1]], plan[2]))
-            else:
-                results.append(view_output(inputs[plan[1].input], plan[1]))
-        return results[0] if len(results) == 1 else tuple(results)
+        return region_results(lowered, inputs, outs)
 
 
 def _contiguous(shape) -> list[int]:
