@@ -1,18 +1,25 @@
 """Training-step benchmark: forward+backward time and bytes saved for backward.
 
 Models: a LayerNorm-Linear-GELU-Linear residual block (hidden 1024, 2048 tokens) and litgpt
-pythia-14m (batch 4 x 128 tokens). For each: eager, fulmen (torch executor) and torch.compile,
-measured in the same run. Saved bytes are counted with `torch.autograd.graph.saved_tensors_hooks`
-(which also sees tensors saved inside custom autograd Functions), each storage counted once, with
-and without the parameters' storages (eager and fulmen both save the weights of linear layers).
+pythia-14m (batch 4 x 128 tokens). For each: eager, fulmen with the torch executor and with
+`executors=["codegen", "torch"]`, each with and without rematerialization, and torch.compile,
+all measured in the same run. Step times are medians over rounds that take one step of every
+callable in turn (after warm-up steps, which also compile the codegen kernels and fill the
+kernel cache), so a change in the machine's load hits every callable alike.
+
+Saved bytes are counted with `torch.autograd.graph.saved_tensors_hooks` (which also sees
+tensors saved inside custom autograd Functions), each storage counted once, in two columns:
+all storages, and activations only (the parameters' storages left out: eager and fulmen both
+must keep the weights alive anyway, so saving a weight for backward is no extra memory).
 Also: per-call time of a 10-op elementwise function whose input requires grad.
 
-Run: `make bench` (or `python benchmarks/training.py [--quick]`).
+Run: `make bench` (or `python benchmarks/training.py [--quick] [--no-compile]`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -23,6 +30,8 @@ import torch.nn.functional as F
 from overhead import ten_ops  # benchmarks/ is the script directory
 
 import fulmen
+
+CODEGEN = ["codegen", "torch"]
 
 
 class Block(torch.nn.Module):
@@ -55,40 +64,49 @@ def saved_bytes(step, exclude=()) -> int:
     return sum(size for ptr, size in seen.items() if ptr not in excluded)
 
 
-def step_seconds(forward, loss_of, params, repeat: int) -> float:
-    def step():
+def step_seconds(steps: dict, params, repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one forward+backward step for each callable in `steps` (label ->
+    `step()` returning the loss), measured in interleaved rounds."""
+
+    def run(step):
         for p in params:
             p.grad = None
-        loss_of(forward()).backward()
+        step().backward()
 
-    step()
-    step()
-    times = []
+    for step in steps.values():
+        for _ in range(warmup):
+            run(step)
+    times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeat):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for label, step in steps.items():
+            start = time.perf_counter()
+            run(step)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def bench_model(name, make, make_input, loss_of, repeat, compile_too) -> list[tuple]:
+    """Rows `(model, callable, seconds per step, saved bytes, saved bytes without params)`."""
     torch.manual_seed(0)
     model = make()
     x = make_input()
-    rows = []
     candidates = {
         "eager": model,
         "fulmen (torch, no remat)": fulmen.jit(model, rematerialize=False),
         "fulmen (torch)": fulmen.jit(model),
+        "fulmen (codegen, no remat)": fulmen.jit(model, executors=CODEGEN, rematerialize=False),
+        "fulmen (codegen)": fulmen.jit(model, executors=CODEGEN),
     }
     if compile_too:
         candidates["torch.compile"] = torch.compile(model)
     params = list(model.parameters())
+    steps = {label: lambda fn=fn: loss_of(fn(x)) for label, fn in candidates.items()}
+    seconds = step_seconds(steps, params, repeat)
+    rows = []
     for label, fn in candidates.items():
-        seconds = step_seconds(lambda fn=fn: fn(x), loss_of, params, repeat)
         total = saved_bytes(lambda fn=fn: fn(x))
         activations = saved_bytes(lambda fn=fn: fn(x), exclude=params)
-        rows.append((name, label, seconds, total, activations))
+        rows.append((name, label, seconds[label], total, activations))
     return rows
 
 
@@ -104,7 +122,7 @@ def grad_call_us(repeat: int = 5) -> dict[str, float]:
 
 
 def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
-    """The summary rows `benchmarks/run_all.py` prints."""
+    """The summary rows `benchmarks/run_all.py` prints (fulmen = torch executor, with remat)."""
     repeat = 3 if quick else 10
     hidden, tokens = (256, 512) if quick else (1024, 2048)
     measured = _models(hidden, tokens, repeat, compile_too)
@@ -145,27 +163,37 @@ def _models(hidden: int, tokens: int, repeat: int, compile_too: bool) -> list[tu
     return rows_
 
 
+def _print_table(measured: list[tuple]) -> None:
+    print("| model | callable | ms per step | vs eager | vs no remat | saved MiB, all storages "
+          "| vs eager | saved MiB, activations only | vs eager |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    by_key = {(row[0], row[1]): row for row in measured}
+    for name, label, seconds, total, activations in measured:
+        _, _, e_s, e_total, e_act = by_key[name, "eager"]
+        plain = by_key.get((name, label.replace(")", ", no remat)")))
+        vs_plain = f"{seconds / plain[2]:.2f}" if plain and plain[1] != label else ""
+        print(f"| {name} | {label} | {seconds * 1e3:.1f} | {seconds / e_s:.2f} | {vs_plain} | "
+              f"{total / 2**20:.1f} | {total / e_total:.2f} | {activations / 2**20:.1f} | "
+              f"{activations / e_act:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--repeat", type=int, help="timed rounds (default 10, 3 with --quick)")
     opts = parser.parse_args()
-    repeat = 3 if opts.quick else 10
+    repeat = opts.repeat or (3 if opts.quick else 10)
     hidden, tokens = (256, 512) if opts.quick else (1024, 2048)
 
-    rows = _models(hidden, tokens, repeat, not opts.no_compile)
-
+    start = time.perf_counter()
+    measured = _models(hidden, tokens, repeat, not opts.no_compile)
     print(f"Training step (forward+backward), {platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads\n")
-    print("| model | callable | ms per step | vs eager | saved MiB (all) | vs eager "
-          "| saved MiB (without parameters) | vs eager |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    eager = {row[0]: row for row in rows if row[1] == "eager"}
-    for name, label, seconds, total, activations in rows:
-        _, _, e_s, e_total, e_act = eager[name]
-        print(f"| {name} | {label} | {seconds * 1e3:.1f} | {seconds / e_s:.2f} | "
-              f"{total / 2**20:.1f} | {total / e_total:.2f} | {activations / 2**20:.1f} | "
-              f"{activations / e_act:.2f} |")
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} at the end, "
+          f"{time.perf_counter() - start:.0f} s\n")
+    print("Saved for backward: distinct storages; 'activations only' leaves out the parameters, "
+          "which eager and fulmen both keep alive anyway.\n")
+    _print_table(measured)
 
     results = grad_call_us()
     print("\nPer-call time, 10 elementwise ops on 8x8, one input requires grad (forward only)\n")

@@ -6,8 +6,8 @@ saved. The choice is a minimum s-t cut on the forward dataflow graph, following 
 formulation of AOTAutograd's partitioner (Horace He, "Min-cut optimal recomputation (i.e.
 activation checkpointing) with AOTAutograd", PyTorch dev discussions, 2022):
 
-- every tensor value v is an edge in(v) -> out(v) whose capacity is its size in bytes (cutting it
-  = saving it); forward inputs cost 0 (the caller keeps them alive anyway);
+- every value v is an edge in(v) -> out(v) whose capacity is the bytes that saving it keeps
+  alive (cutting it = saving it); forward inputs cost 0 (the caller keeps them alive anyway);
 - a recomputable statement connects out(input) -> in(output) for each of its inputs, with
   infinite capacity; a statement that must not be recomputed (matmul, convolution, opaque ops,
   random ops, large reductions) is fed from the source, so its outputs can only be saved;
@@ -15,8 +15,27 @@ activation checkpointing) with AOTAutograd", PyTorch dev discussions, 2022):
 - values computed inside a `torch.utils.checkpoint` region (non-reentrant) are recomputable
   whatever the op (as eager's checkpoint recomputes them) and expensive to save.
 
-`networkx.minimum_cut` finds the cheapest set of values to save; the backward then starts by
-recomputing, from them, the values it needs (dead code elimination drops the rest).
+Storages, not tensors. A view op (`view`, `transpose`, `split`, basic indexing, `expand`, ...)
+returns a tensor that shares its input's storage, so saving a view keeps the whole base alive,
+and saving two views of one base costs the base once. Such outputs get an infinite capacity
+(when the view op is recomputable): the cut then falls on the base, which is exactly the
+storage that saving the view would keep, counted once however many of its views the backward
+reads; the backward re-takes the views (free). (Example: attention's `q, k, v = qkv.split(...)`;
+saving `v` keeps all of `qkv` alive, so saving `qkv` and recomputing rotary-embedded `q` and `k`
+from it costs less than saving `q`, `k` and `v`.) `reshape`/`flatten` may copy, so their outputs
+are charged their own bytes; an executor that materializes a view makes this an upper bound.
+
+The cut is exact for this objective (bytes of distinct storages saved). Among the cuts of
+minimum bytes, `networkx.minimum_cut` returns the one closest to the sink (its sink side is the
+set of nodes that still reach the sink in the max-flow residual network), whose recomputed set is
+contained in that of every other minimum cut: on a tie in bytes (saving `exp(a)` or its input
+`a`), the backward is given the value it reads rather than recomputing it.
+
+From the saved values, the backward recomputes each value it needs just before its first use
+(dependencies first; dead code elimination drops the rest), so a recomputed value is alive only
+while the backward needs it (recomputing everything up front would hold all of it at once
+through the backward) and sits next to its consumers, where a fusion executor can fuse the
+recomputation into the backward's kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +56,10 @@ _CHEAP_TAGS = {"elementwise", "shape"}
 CHECKPOINT_WEIGHT = 10**6
 # a reduction is recomputed only when each output element reads at most this many elements
 MAX_RECOMPUTED_REDUCTION = 4096
+# prims whose result is a view of their input when torch runs them (`reshape` may copy)
+_VIEW_PRIMS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze"})
+# torch-level ops made of view prims that copy when their input's layout requires it
+_MAY_COPY = frozenset({"reshape", "flatten", "reshape_as", "contiguous"})
 
 
 def _reduced_per_output(bsym: BoundSymbol) -> int:
@@ -63,6 +86,26 @@ def is_recomputable(bsym: BoundSymbol) -> bool:
     return bool(bsym.subsymbols) and all(is_recomputable(sub) for sub in bsym.subsymbols)
 
 
+def _only_view_prims(bsym: BoundSymbol) -> bool:
+    if not bsym.subsymbols:
+        return bsym.sym.is_prim and (bsym.sym.name in _VIEW_PRIMS or bsym.sym.name == "reshape")
+    return all(_only_view_prims(sub) for sub in bsym.subsymbols)
+
+
+def is_view(bsym: BoundSymbol) -> bool:
+    """Whether the outputs of `bsym` share their input's storage when the torch executor runs
+    it: the view prims (`broadcast_in_dim`, `permute`, `slice`, `squeeze`) and torch-level ops
+    made only of them and `prims.reshape` (`view`, `transpose`, `split`, `unsqueeze`, basic
+    indexing...), except `reshape`/`flatten`, which copy a tensor they cannot view."""
+    if "opaque" in bsym.sym.tags or not any(isinstance(p, TensorProxy)
+                                            for p in bsym.proxy_inputs):
+        return False
+    if bsym.sym.is_prim:
+        return bsym.sym.name in _VIEW_PRIMS
+    return (bsym.sym.name not in _MAY_COPY and bool(bsym.subsymbols)
+            and _only_view_prims(bsym))
+
+
 def nbytes(proxy: Proxy) -> int:
     """Bytes of a tensor value (0 for other values, which are never worth recomputing)."""
     if isinstance(proxy, TensorProxy):
@@ -80,8 +123,9 @@ def _out(name: str) -> str:
 
 def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
                  needed: Iterable[Proxy]) -> list[Proxy]:
-    """The minimum-bytes set of values from which every `needed` value can be recomputed
-    (see the module docstring). Forward inputs in the result cost nothing."""
+    """The set of values of fewest saved bytes (distinct storages: a recomputable view costs
+    its base) from which every `needed` value can be recomputed, and among those the one that
+    recomputes least (see the module docstring). Forward inputs in the result cost nothing."""
     graph = nx.DiGraph()
     values: dict[str, Proxy] = {}
 
@@ -94,11 +138,13 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
         graph.add_edge("source", _in(proxy.name), capacity=math.inf)
     for bsym in bsyms:
         recomputable = is_recomputable(bsym)
+        view = recomputable and is_view(bsym)
         # the user asked for a checkpoint region's values to be recomputed: saving them costs
         # far more than their bytes (finite, so a region with an opaque op stays feasible)
         weight = CHECKPOINT_WEIGHT if recomputable and "checkpoint" in bsym.tags else 1
         for output in bsym.proxy_outputs:
-            add_value(output, nbytes(output) * weight)
+            add_value(output, math.inf if view and isinstance(output, TensorProxy)
+                      else nbytes(output) * weight)
             if not recomputable:
                 graph.add_edge("source", _in(output.name), capacity=math.inf)
                 continue
@@ -108,9 +154,11 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
         graph.add_edge(_out(proxy.name), "sink", capacity=math.inf)
     if "sink" not in graph:
         return []
-    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    # networkx returns the minimum cut closest to the sink: its sink side is the set of nodes
+    # that still reach the sink in the residual network
+    _, (_, sink_side) = nx.minimum_cut(graph, "source", "sink")
     return [proxy for name, proxy in values.items()
-            if _in(name) in reachable and _out(name) not in reachable]
+            if _in(name) not in sink_side and _out(name) in sink_side]
 
 
 def _all_names(bsym: BoundSymbol) -> set[str]:
@@ -126,6 +174,41 @@ def _parts(bsym: BoundSymbol) -> list[BoundSymbol]:
     return [part for sub in bsym.subsymbols for part in _parts(sub.replace(source=bsym.source))]
 
 
+def _just_in_time(recomputed: list[BoundSymbol], rest: list[BoundSymbol]) -> list[BoundSymbol]:
+    """`rest` in order, each statement of `recomputed` placed just before the first statement
+    that reads one of its outputs (its own recomputed inputs before it)."""
+    producer = {name: bsym for bsym in recomputed for name in bsym.output_names}
+    placed: set[int] = set()
+    order: list[BoundSymbol] = []
+
+    def place_inputs_of(bsym: BoundSymbol) -> None:
+        # iterative depth-first walk: recomputed chains can be long
+        stack = [(bsym, iter(bsym.proxy_inputs))]
+        while stack:
+            current, inputs = stack[-1]
+            for proxy in inputs:
+                source = producer.get(proxy.name)
+                if source is not None and id(source) not in placed:
+                    placed.add(id(source))
+                    stack.append((source, iter(source.proxy_inputs)))
+                    break
+            else:
+                stack.pop()
+                if current is not bsym:
+                    order.append(current)
+
+    for bsym in rest:
+        place_inputs_of(bsym)
+        order.append(bsym)
+    # recomputed values the backward returns as they are (dead code elimination drops the rest)
+    for bsym in recomputed:
+        if id(bsym) not in placed:
+            placed.add(id(bsym))
+            place_inputs_of(bsym)
+            order.append(bsym)
+    return order
+
+
 @transform("rematerialization")
 def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved_names: set[str],
                       cotangents: tuple) -> Trace:
@@ -134,13 +217,13 @@ def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved
     # goes in as its parts, and the backward's own later copies of them are dropped: the same
     # name is the same forward value, so the trace stays SSA.
     defined = set().union(*(_all_names(b) for b in backward.bsyms)) if backward.bsyms else set()
-    prologue = []
+    recomputed = []
     for bsym in recompute:
-        prologue.extend(_parts(bsym) if (_all_names(bsym) - bsym.output_names) & defined
-                        else [bsym])
-    early = {name for b in prologue for name in _all_names(b)}
+        recomputed.extend(_parts(bsym) if (_all_names(bsym) - bsym.output_names) & defined
+                          else [bsym])
+    early = {name for b in recomputed for name in _all_names(b)}
     rest = [b for b in backward.bsyms if not (b.output_names and b.output_names <= early)]
-    bsyms = live_bsyms((*prologue, *rest), backward.output)
+    bsyms = live_bsyms(_just_in_time(recomputed, rest), backward.output)
     defined = {name for b in bsyms for name in b.output_names} | {c.name for c in cotangents}
     residuals: dict[str, Proxy] = {}
     for bsym in bsyms:
@@ -154,8 +237,9 @@ def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved
 
 
 def rematerialize(split: ForwardBackward) -> ForwardBackward:
-    """Save the min-cut set of values instead of the split's residuals; recompute the rest at the
-    start of the backward. Returns `split` itself when nothing changes.
+    """Save the min-cut set of values instead of the split's residuals; the backward recomputes
+    each other value it needs just before its first use. Returns `split` itself when nothing
+    changes.
 
     Example:
         >>> split = rematerialize(split_forward_backward(trace))
@@ -186,4 +270,4 @@ def saved_bytes(residuals: Iterable[Proxy], forward_inputs: Iterable[Proxy] = ()
     return sum(nbytes(p) for p in residuals if p.name not in inputs)
 
 
-__all__ = ["choose_saved", "is_recomputable", "nbytes", "rematerialize", "saved_bytes"]
+__all__ = ["choose_saved", "is_recomputable", "is_view", "nbytes", "rematerialize", "saved_bytes"]

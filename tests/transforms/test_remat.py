@@ -9,7 +9,7 @@ import fulmen
 from fulmen.tracer import trace_program
 from fulmen.transforms import dce
 from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.transforms.remat import choose_saved, is_recomputable, nbytes
+from fulmen.transforms.remat import choose_saved, is_recomputable, is_view, nbytes, rematerialize
 
 
 def _split(fn, *shapes):
@@ -26,7 +26,35 @@ def _computable(target: str, available: set[str], producers: dict) -> bool:
     return all(_computable(p.name, available, producers) for p in bsym.proxy_inputs)
 
 
-def _brute_force_cost(forward, needed) -> int:
+def _recomputed(needed, available: set[str], producers: dict) -> int:
+    """How many values the backward computes again from `available` (re-taking a view of a
+    value it has costs nothing and is not counted)."""
+    names, stack = set(), [p.name for p in needed]
+    while stack:
+        name = stack.pop()
+        if name in available or name in names:
+            continue
+        names.add(name)
+        stack.extend(p.name for p in producers[name].proxy_inputs)
+    return sum(not is_view(producers[name]) for name in names)
+
+
+def _storage_bytes(saved, producers: dict, inputs: set[str]) -> int:
+    """Bytes kept alive by saving `saved`: a view keeps its base's storage (each counted once);
+    forward inputs cost nothing."""
+    bases = set()
+    for proxy in saved:
+        name = proxy.name
+        while name in producers and is_view(producers[name]):
+            name = next(p.name for p in producers[name].proxy_inputs)
+        bases.add(name)
+    proxies = {p.name: p for b in producers.values() for p in b.proxy_outputs}
+    return sum(nbytes(proxies[name]) for name in bases if name not in inputs)
+
+
+def _brute_force(forward, needed) -> tuple[int, int]:
+    """(fewest bytes kept alive, fewest recomputed values at those bytes) over every set of
+    forward values the backward could be given."""
     producers = {name: b for b in forward.bsyms for name in b.output_names}
     inputs = {p.name for p in forward.args}
     candidates = [p for b in forward.bsyms for p in b.proxy_outputs]
@@ -35,7 +63,8 @@ def _brute_force_cost(forward, needed) -> int:
         for subset in itertools.combinations(candidates, size):
             available = inputs | {p.name for p in subset}
             if all(_computable(p.name, available, producers) for p in needed):
-                cost = sum(nbytes(p) for p in subset)
+                cost = (_storage_bytes(subset, producers, inputs),
+                        _recomputed(needed, available, producers))
                 best = cost if best is None else min(best, cost)
     return best
 
@@ -46,6 +75,14 @@ PROGRAMS = {
     "diamond": (lambda x: (x.exp() * x.sin()) + x.cos() * x.exp(), [(5, 5)]),
     "broadcast": (lambda x, b: torch.tanh(x + b).pow(2).mean(0), [(6, 4), (4,)]),
     "mlp": (lambda x, w1, w2: torch.nn.functional.gelu(x @ w1) @ w2, [(3, 4), (4, 8), (8, 2)]),
+    # views of one matmul output, as in attention's q/k/v split: the backward needs exp(q) and
+    # v; saving v keeps all of x @ w alive, so saving exp(q) too would cost more than x @ w
+    "split views": (lambda x, w: (lambda q, v: q.exp() * v)(*(x @ w).split(3, dim=1)),
+                    [(4, 5), (5, 6)]),
+    "transposed views": (lambda x, w: (lambda q, v: (q.sin() * 2).transpose(0, 1) @ v)(
+        *(x @ w).split(3, dim=1)), [(4, 5), (5, 6)]),
+    # a tie in bytes: saving exp(x @ w) or x @ w (and recomputing exp)
+    "tie": (lambda x, w: torch.exp(x @ w) @ w, [(4, 4), (4, 4)]),
 }
 
 
@@ -57,11 +94,46 @@ def test_min_cut_matches_brute_force(name):
     residuals = forward.output[1]
     saved = choose_saved(forward.args, forward.bsyms, residuals)
     inputs = {p.name for p in forward.args}
-    cost = sum(nbytes(p) for p in saved if p.name not in inputs)
-    assert cost == _brute_force_cost(forward, residuals)
     producers = {n: b for b in forward.bsyms for n in b.output_names}
     available = inputs | {p.name for p in saved}
     assert all(_computable(p.name, available, producers) for p in residuals)
+    bytes_ = _storage_bytes(saved, producers, inputs)
+    # fewest bytes, and among the residual sets of fewest bytes, the least recomputation
+    assert (bytes_, _recomputed(residuals, available, producers)) == \
+        _brute_force(forward, residuals)
+
+
+def test_a_view_is_charged_its_base_once():
+    # the backward needs two views of one matmul output: save the output, re-take the views
+    split = _split(lambda x, w: (lambda q, v: q.exp() * v)(*(x @ w).split(2, dim=1)),
+                   (3, 4), (4, 4))
+    forward = split.forward
+    saved = choose_saved(forward.args, forward.bsyms, forward.output[1])
+    matmul_outputs = {p.name for b in forward.bsyms if not is_recomputable(b)
+                      for p in b.proxy_outputs}
+    assert {p.name for p in saved} - {p.name for p in forward.args} == matmul_outputs
+
+
+def test_recomputation_is_placed_just_before_its_first_use():
+    def fn(x, w1, w2, w3):
+        h = x
+        for w in (w1, w2, w3):
+            h = torch.sin(h) @ w  # backward: cos(h) needs h, w's gradient needs sin(h)
+        return h
+
+    split = _split(fn, (4, 8), (8, 8), (8, 8), (8, 8))
+    remat = rematerialize(split)
+    forward_names = {n for b in split.forward.bsyms for n in b.output_names}
+    bsyms = remat.backward.bsyms
+    recomputed = [bool(b.output_names & forward_names) for b in bsyms]
+    assert sum(recomputed) == 3  # the three sin(h), none saved
+    for index, bsym in enumerate(bsyms):
+        if not recomputed[index]:
+            continue
+        # the first statement after this run of recomputation reads what it recomputed
+        after = next(i for i in range(index, len(bsyms)) if not recomputed[i])
+        used = set().union(*(b.input_names for b in bsyms[index + 1: after + 1]))
+        assert bsym.output_names & used
 
 
 def test_matmul_and_random_ops_are_never_recomputed():
