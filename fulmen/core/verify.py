@@ -39,8 +39,10 @@ def _check_nested_names(trace) -> None:
                                    f"{bsym.sym.python_name})", bsym)
 
 
-def check_trace(trace) -> None:
-    """Raise `FulmenError` describing the first broken invariant of `trace`."""
+def check_trace(trace, compile_source: bool = True) -> None:
+    """Raise `FulmenError` describing the first broken invariant of `trace`: SSA (each name
+    assigned once, also inside decompositions), def-before-use, use-after-del, metadata agreeing
+    between definition and uses, and (with `compile_source`) that the printed trace compiles."""
     types: dict[str, str] = {}
     live: set[str] = set()
 
@@ -74,6 +76,8 @@ def check_trace(trace) -> None:
             define(proxy, bsym)
     for proxy in iter_proxies(trace.output):
         use(proxy)
+    if not compile_source:
+        return
     try:
         compile(trace.source(), f"<check {trace.name}>", "exec")
     except SyntaxError as error:

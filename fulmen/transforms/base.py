@@ -1,8 +1,9 @@
 """The `transform` decorator: names a pass, times it, and records provenance.
 
 A pass is a pure function `Trace -> Trace`. The decorator stamps the returned trace with
-`provenance` ("after <name>") and the seconds the pass took, and runs `check_trace` on it
-(set `FULMEN_CHECK=0` to skip verification). The pass body only transforms; a pass that
+`provenance` ("after <name>") and the seconds the pass took, and runs `check_trace` on it:
+by default the structural checks (SSA, def-before-use, metadata); `FULMEN_CHECK=1` also prints
+and compiles every stage (the test suite sets it), `FULMEN_CHECK=0` skips verification. The pass body only transforms; a pass that
 returns its input unchanged produces no new stage.
 """
 
@@ -15,7 +16,8 @@ from collections.abc import Callable
 
 from fulmen.core import Trace, check_trace
 
-CHECK_TRACES = os.environ.get("FULMEN_CHECK", "1") != "0"
+CHECK_TRACES = os.environ.get("FULMEN_CHECK", "structural") != "0"
+CHECK_SOURCE = os.environ.get("FULMEN_CHECK") == "1"  # print and compile every stage too
 
 
 def transform(name: str) -> Callable[[Callable[..., Trace]], Callable[..., Trace]]:
@@ -36,7 +38,7 @@ def transform(name: str) -> Callable[[Callable[..., Trace]], Callable[..., Trace
             seconds = time.perf_counter() - start
             result = result.replace(provenance=f"after {name}", seconds=seconds)
             if CHECK_TRACES:
-                check_trace(result)
+                check_trace(result, compile_source=CHECK_SOURCE)
             return result
 
         run.pass_name = name

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import networkx as nx
 
 from fulmen.core import BoundSymbol, Trace
-from fulmen.core.proxy import iter_proxies
+from fulmen.core.proxy import Proxy, iter_proxies
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
 
@@ -148,9 +148,10 @@ class _Partition:
         both = 1 << keep | 1 << gone
         merged = (self.reach[keep] | self.reach.pop(gone)) & ~both
         self.reach[keep] = merged
-        for region, reach in self.reach.items():
-            if reach & both:
-                self.reach[region] = reach | merged | 1 << keep
+        grown = merged | 1 << keep
+        reach = self.reach
+        for region in [r for r, bits in reach.items() if bits & both]:
+            reach[region] |= grown
 
     def try_merge(self, a: int, b: int) -> bool:
         a, b = self.region_of[a], self.region_of[b]
@@ -253,8 +254,20 @@ def region_inputs(region: Sequence[BoundSymbol]) -> list:
     produced: set[str] = set()
     seen: dict[str, object] = {}
     for bsym in region:
-        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
+        for arg in bsym.args:
+            if isinstance(arg, Proxy):
+                if arg.name not in produced:
+                    seen.setdefault(arg.name, arg)
+            elif isinstance(arg, (tuple, list, dict, slice)):
+                for proxy in iter_proxies(arg):
+                    if proxy.name not in produced:
+                        seen.setdefault(proxy.name, proxy)
+        for proxy in iter_proxies(bsym.kwargs) if bsym.kwargs else ():
             if proxy.name not in produced:
                 seen.setdefault(proxy.name, proxy)
-        produced |= bsym.output_names
+        output = bsym.output
+        if isinstance(output, Proxy):
+            produced.add(output.name)
+        else:
+            produced |= bsym.output_names
     return list(seen.values())

@@ -46,9 +46,13 @@ def cache_dir() -> Path:
 
 def compiler() -> str | None:
     """The C++ compiler command (`CXX`, else `g++` or `c++` on PATH), or None."""
-    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
-    for name in candidates:
-        found = shutil.which(name)
+    return _find_compiler(os.environ.get("CXX"), os.environ.get("PATH"))
+
+
+@functools.lru_cache(maxsize=16)
+def _find_compiler(cxx: str | None, path: str | None) -> str | None:
+    for name in [cxx] if cxx else ["g++", "c++"]:
+        found = shutil.which(name, path=path)
         if found:
             return found
     return None
