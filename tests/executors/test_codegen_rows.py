@@ -202,3 +202,20 @@ def test_vectorised_exp_and_erf_match_eager():
         assert "codegen.fusion" in _trace(jfn)
     jfn = fulmen.jit(torch.erf, executors=EXECUTORS)
     torch.testing.assert_close(jfn(-x), torch.erf(-x), rtol=1.3e-6, atol=1e-30, equal_nan=True)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_backward_fuses_with_the_recomputed_gelu(approximate):
+    def fn(x, w):
+        return torch.nn.functional.gelu(x * w, approximate=approximate).sum(-1)
+
+    x = torch.randn(64, 96, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(96, dtype=torch.float64, requires_grad=True)
+    jfn = fulmen.jit(fn)
+    grads = torch.autograd.grad(jfn(x, w).sum(), (x, w))
+    torch.testing.assert_close(grads, torch.autograd.grad(fn(x, w).sum(), (x, w)))
+    backward = fulmen.last_backward_traces(jfn)[-1]
+    fused = [sub.sym.name for b in backward.bsyms if "fusion" in b.sym.name
+             for sub in b.subsymbols]
+    assert ("erf" if approximate == "none" else "tanh") in fused  # gelu_backward's prims
+    assert "torchex" not in str(backward)  # nothing left to the torch executor

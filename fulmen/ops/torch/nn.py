@@ -147,6 +147,36 @@ def gelu(input, approximate="none"):
     return to_dtype(out, input.dtype)
 
 
+@torch_op(torch.ops.aten.gelu_backward.default)
+def gelu_backward(grad_output, input, approximate="none"):
+    """The gradient of `F.gelu` (`aten.gelu_backward`, what gelu's VJP rule calls): with
+    approximate="none", `g * (cdf(x) + x * pdf(x))`, cdf(x) = (1 + erf(x/sqrt(2)))/2 and
+    pdf(x) = exp(-x^2/2)/sqrt(2 pi); with "tanh", the derivative of the tanh form. Computed in
+    float32 for half inputs, as eager's kernel. The torch executor runs eager's fused kernel; a
+    fusion executor fuses these prims (with the gelu recomputed for the backward, if any)."""
+    _check_floating("gelu_backward", input)
+    dtype = compute_dtype(input.dtype)
+    x, g = to_dtype(input, dtype), to_dtype(grad_output, dtype)
+    if approximate == "none":
+        cdf = prims.mul(prims.add(prims.erf(prims.mul(x, math.sqrt(0.5))), 1), 0.5)
+        pdf = prims.mul(prims.exp(prims.mul(prims.mul(x, x), -0.5)), 1 / math.sqrt(2 * math.pi))
+        slope = prims.add(cdf, prims.mul(x, pdf))
+    elif approximate == "tanh":
+        beta, kappa = math.sqrt(2 / math.pi), 0.044715
+        square = prims.mul(x, x)
+        inner = prims.mul(prims.add(x, prims.mul(prims.mul(square, x), kappa)), beta)
+        tanh = prims.tanh(inner)
+        left = prims.mul(x, 0.5)
+        right = prims.add(tanh, 1)
+        tanh_slope = prims.sub(1, prims.mul(tanh, tanh))
+        inner_slope = prims.mul(prims.add(prims.mul(square, 3 * kappa), 1), beta)
+        slope = prims.add(prims.mul(right, 0.5),
+                          prims.mul(prims.mul(left, tanh_slope), inner_slope))
+    else:
+        raise _unsupported("gelu_backward", f"approximate={approximate!r} (eager raises)")
+    return to_dtype(prims.mul(g, slope), grad_output.dtype)
+
+
 @torch_op(F.silu)
 def silu(input, inplace=False):
     """`F.silu`: `x * sigmoid(x)`, computed as `x / (1 + exp(-x))`."""

@@ -145,14 +145,14 @@ def _embedding_vjp(grad, out, input, weight, padding_idx, max_norm, norm_type,
 
 # --- activations with fused eager backward kernels ------------------------------------------
 
-GELU_BACKWARD = opaque_symbol(torch.ops.aten.gelu_backward.default)
 SILU_BACKWARD = opaque_symbol(torch.ops.aten.silu_backward.default)
 
 
 @vjp_rule(ltorch.gelu)
 def _gelu_vjp(grad, out, input, approximate):
-    """Eager's fused `gelu_backward` kernel: one pass instead of the ten of the erf formula."""
-    return GELU_BACKWARD(grad, input, approximate=approximate), None
+    """`gelu_backward`: the torch executor runs eager's fused kernel (one pass instead of the
+    ten of the erf formula); a fusion executor fuses its prims with their neighbours."""
+    return ltorch.gelu_backward(grad, input, approximate=approximate), None
 
 
 @vjp_rule(ltorch.silu)
