@@ -422,10 +422,11 @@ def test_nvrtc_row_models():
     """The row kernels of a real model's forward and backward (tiny Llama: rms_norm, softmax,
     cross-entropy) compile."""
     model = _llama()
-    state = dict(model.named_parameters())
-    names = list(state)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    names = list(params) + list(buffers)  # buffers on "cuda" too: the model moves them there
     proxies = [TensorProxy(None, t.shape, torch.bfloat16, "cuda", requires_grad=True)
-               for t in state.values()]
+               for t in params.values()]
+    proxies += [TensorProxy(None, t.shape, t.dtype, "cuda") for t in buffers.values()]
     ids = TensorProxy("ids", (2, 16), torch.int64, "cuda")
 
     def loss(ids, *tensors):
