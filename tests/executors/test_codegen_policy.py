@@ -129,6 +129,8 @@ def test_empty_matches_torch_empty_and_small_outputs_are_untouched():
 @pytest.mark.skipif(not _huge_pages_enabled() or runtime._madvise is None,
                     reason="transparent huge pages are off here")
 def test_large_outputs_get_huge_pages():
-    out = runtime.empty((4096, 1024), torch.float32)  # 16 MiB
+    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so always fresh pages (a smaller
+    # buffer may reuse heap memory that is already touched, where the hint changes nothing)
+    out = runtime.empty((4096, 4096), torch.float32)
     out.fill_(2.0)
     assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20

@@ -341,40 +341,61 @@ class FusedRegion(RegionCallable):
             return self._run_fallback(inputs)
 
     def _run(self, inputs):
-        if isinstance(self.kernel, RowKernel):
-            return self._run_rows(inputs)
         lowered, kernel = self.lowered, self.kernel
-        shape = lowered.shape
-        if not math.prod(shape):
-            outs = [torch.empty(shape, dtype=dtype) for dtype in kernel.output_dtypes]
-            return region_results(self.lowered, inputs, outs)
+        rows = isinstance(kernel, RowKernel)
+        if rows and not math.prod(lowered.shape[d] for d in range(len(lowered.shape))
+                                  if d not in lowered.reduced):
+            outs = [torch.empty(s, dtype=dtype)
+                    for s, dtype in zip(self._out_shapes(), kernel.output_dtypes)]
+            for out, column in zip(outs, kernel.output_columns):
+                if column:
+                    out.zero_()  # a sum over no rows
+            return region_results(lowered, inputs, outs)
+        if not rows and not math.prod(lowered.shape):
+            outs = [torch.empty(lowered.shape, dtype=dtype) for dtype in kernel.output_dtypes]
+            return region_results(lowered, inputs, outs)
         key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(inputs)
-        fn, ndim, c_sizes, c_strides, pointers, block, nthreads = plan
-        outs = [empty(shape, dtype) for dtype in kernel.output_dtypes]
+            plan = self._plan_rows(inputs) if rows else self._plan(inputs)
+            if plan[-1]:  # no access copied its input: valid for every call with this key
+                self._plans[key] = plan
+        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, _ = plan
+        outs = [empty(shape, dtype) for shape, dtype in out_specs]
         c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
             *[(inputs[i] if isinstance(i, int) else i).data_ptr() + o for i, o in pointers],
             *[out.data_ptr() for out in outs])
         fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-           ctypes.addressof(c_ptrs), block, nthreads)
-        return region_results(self.lowered, inputs, outs)
+           ctypes.addressof(c_ptrs), arg, nthreads)
+        return region_results(lowered, inputs, outs)
 
-    def _plan(self, inputs) -> tuple:
-        """How to call the kernel for inputs of these shapes and strides: (kernel, ndim, sizes,
-        strides, per access (input index or base tensor, byte offset), block, threads). Kept
-        for later calls with the same shapes and strides unless an access had to copy."""
-        kernel, shape = self.kernel, self.lowered.shape
-        pointers, rows, copied = [], [], False
-        for access in kernel.accesses:
+    def _out_shapes(self) -> list[tuple]:
+        lowered, kernel = self.lowered, self.kernel
+        shape, reduced = lowered.shape, lowered.reduced
+        kept_shape = tuple(shape[d] for d in range(len(shape)) if d not in reduced)
+        column_shape = tuple(shape[d] for d in reduced)
+        return [column_shape if column else kept_shape if row else shape
+                for row, column in zip(kernel.output_rows, kernel.output_columns)]
+
+    def _pointers(self, inputs, expected) -> tuple[list, list, bool]:
+        """Per access: (input index or base tensor, byte offset), its strides, and whether
+        every access reads its input in place (no copy)."""
+        pointers, rows, in_place = [], [], True
+        for access, shape in zip(self.kernel.accesses, expected):
             base, offset, sizes, strides = resolve(inputs[access.input], access)
             if tuple(sizes) != shape:
                 raise _Fallback
             own = base is inputs[access.input]
-            copied |= not own
+            in_place &= own
             pointers.append((access.input if own else base, offset * base.element_size()))
             rows.append(strides)
+        return pointers, rows, in_place
+
+    def _plan(self, inputs) -> tuple:
+        """How to call a pointwise kernel for inputs of these shapes and strides: (kernel,
+        ndim, sizes, strides, pointers, block, threads, output (shape, dtype)s, reusable)."""
+        kernel, shape = self.kernel, self.lowered.shape
+        pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses))
         rows += [_contiguous(shape) for _ in kernel.outputs]
         sizes, rows = coalesce(shape, rows)
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
@@ -388,65 +409,48 @@ class FusedRegion(RegionCallable):
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
         flat = [s for row in rows for s in row]
-        plan = (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
-                (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads)
-        if not copied:
-            key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
-            self._plans[key] = plan
-        return plan
+        return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
+                (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads,
+                [(shape, dtype) for dtype in kernel.output_dtypes], in_place)
 
-    def _run_rows(self, inputs):
-        """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced."""
+    def _plan_rows(self, inputs) -> tuple:
+        """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
+        block): strides over (kept axes, reduced axes), each part coalesced."""
         lowered, kernel = self.lowered, self.kernel
         shape, reduced = lowered.shape, lowered.reduced
         kept = [d for d in range(len(shape)) if d not in reduced]
         kept_shape = tuple(shape[d] for d in kept)
-        column_shape = tuple(shape[d] for d in reduced)
-        out_shapes = [column_shape if column else kept_shape if row else shape
-                      for row, column in zip(kernel.output_rows, kernel.output_columns)]
+        out_shapes = self._out_shapes()
         nrows = math.prod(kept_shape)
         numel = nrows * math.prod(shape[d] for d in reduced)
         nthreads = torch.get_num_threads() if numel >= GRAIN else 1
         if nthreads > 1 and nrows < nthreads and numel >= 16 * GRAIN:
             raise _Fallback  # too few rows to share: torch's reductions split rows
-        if nrows:
-            bases, offsets, rows = [], [], []
 
-            def full(strides, row, column=False):
-                if column:
-                    it = iter(strides)
-                    return [next(it) if d in reduced else 0 for d in range(len(shape))]
-                if not row:
-                    return strides
+        def full(strides, row, column=False):
+            if column:
                 it = iter(strides)
-                return [0 if d in reduced else next(it) for d in range(len(shape))]
+                return [next(it) if d in reduced else 0 for d in range(len(shape))]
+            if not row:
+                return strides
+            it = iter(strides)
+            return [0 if d in reduced else next(it) for d in range(len(shape))]
 
-            for access, row in zip(kernel.accesses, kernel.access_rows):
-                base, offset, sizes, strides = resolve(inputs[access.input], access)
-                if tuple(sizes) != (kept_shape if row else shape):
-                    raise _Fallback
-                bases.append(base)
-                offsets.append(offset)
-                rows.append(full(strides, row))
-            for out_shape, row, column in zip(out_shapes, kernel.output_rows,
-                                              kernel.output_columns):
-                rows.append(full(_contiguous(out_shape), row, column))
-            outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
-            inner, inner_rows = coalesce([shape[d] for d in reduced],
-                                         [[r[d] for d in reduced] for r in rows])
-            layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
-            fn = self._kernel_for(layout)
-            outs = [empty(s, dtype) for s, dtype in zip(out_shapes, kernel.output_dtypes)]
-            bases += outs
-            offsets += [0] * len(outs)
-            flat = [s for o, i in zip(outer_rows, inner_rows) for s in o + i]
-            _call(fn, outer + inner, flat, bases, offsets, len(outer), nthreads)
-        else:
-            outs = [torch.empty(s, dtype=dtype) for s, dtype in zip(out_shapes, kernel.output_dtypes)]
-            for out, column in zip(outs, kernel.output_columns):
-                if column:
-                    out.zero_()  # a sum over no rows
-        return region_results(lowered, inputs, outs)
+        expected = [kept_shape if row else shape for row in kernel.access_rows]
+        pointers, strides, in_place = self._pointers(inputs, expected)
+        rows = [full(s, row) for s, row in zip(strides, kernel.access_rows)]
+        rows += [full(_contiguous(out_shape), row, column) for out_shape, row, column
+                 in zip(out_shapes, kernel.output_rows, kernel.output_columns)]
+        outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
+        inner, inner_rows = coalesce([shape[d] for d in reduced],
+                                     [[r[d] for d in reduced] for r in rows])
+        layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
+        fn = self._kernel_for(layout)
+        sizes = outer + inner
+        flat = [s for o, i in zip(outer_rows, inner_rows) for s in o + i]
+        return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
+                (ctypes.c_int64 * len(flat))(*flat), pointers, len(outer), nthreads,
+                list(zip(out_shapes, kernel.output_dtypes)), in_place)
 
 
 def _contiguous(shape) -> list[int]:
@@ -456,14 +460,3 @@ def _contiguous(shape) -> list[int]:
         strides.append(step)
         step *= max(size, 1)
     return strides[::-1]
-
-
-def _call(fn, sizes, strides, bases, offsets, block: int, nthreads: int) -> None:
-    """Call a compiled kernel: (ndim, sizes*, strides*, pointers*, block, threads)."""
-    ndim = len(sizes)
-    c_sizes = (ctypes.c_int64 * ndim)(*sizes)
-    c_strides = (ctypes.c_int64 * len(strides))(*strides)
-    c_ptrs = (ctypes.c_void_p * len(bases))(
-        *[b.data_ptr() + o * b.element_size() for b, o in zip(bases, offsets)])
-    fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides), ctypes.addressof(c_ptrs),
-       block, nthreads)
