@@ -227,6 +227,15 @@ def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
 _FLOAT_BINARY_ONLY = frozenset({"div", "remainder", "floor_div", "trunc_div"})
 
 
+def loaded(expr: str, dtype: torch.dtype) -> str:
+    """A stored element `expr` of `dtype` as its compute type (half types widen to float)."""
+    if dtype == torch.float16:
+        return f"__half2float({expr})"
+    if dtype == torch.bfloat16:
+        return f"__bfloat162float({expr})"
+    return expr
+
+
 def needs_headers(kernel: Kernel) -> tuple[bool, bool]:
     """Whether `kernel` touches float16, bfloat16 (and so includes their headers)."""
     dtypes = {v.dtype for v in kernel.values} | set(kernel.access_dtypes)
@@ -331,11 +340,7 @@ def _element_body(kernel: Kernel, spec: Spec, dtypes: list[torch.dtype]):
                 continue
             ctype = COMPUTE[value.dtype]
             if isinstance(value, Load):
-                expr = where(value.access, vector)
-                if value.dtype == torch.float16:
-                    expr = f"__half2float({expr})"
-                elif value.dtype == torch.bfloat16:
-                    expr = f"__bfloat162float({expr})"
+                expr = loaded(where(value.access, vector), value.dtype)
             elif isinstance(value, Const):
                 expr = literal(value.value, value.dtype)
             else:

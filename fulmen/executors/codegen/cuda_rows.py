@@ -56,6 +56,7 @@ from fulmen.executors.codegen.cuda import (
     _const_exponent,
     _expr,
     literal,
+    loaded,
     needs_headers,
     prelude,
 )  # fmt: skip
@@ -246,11 +247,7 @@ class _Renderer:
         ctype = COMPUTE[value.dtype]
         names = [f"v{i}" for i in range(len(kernel.values))]
         if isinstance(value, Load):
-            expr = self.where(value.access, element)
-            if value.dtype == torch.float16:
-                expr = f"__half2float({expr})"
-            elif value.dtype == torch.bfloat16:
-                expr = f"__bfloat162float({expr})"
+            expr = loaded(self.where(value.access, element), value.dtype)
         elif isinstance(value, Const):
             expr = literal(value.value, value.dtype)
         elif isinstance(value, Count):
