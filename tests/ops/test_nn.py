@@ -277,3 +277,24 @@ def test_module_forward(mode, training):
     ops = ops_of(jmodel)
     assert not any(op.startswith("opaque") for op in ops), ops
     assert ("ltorch.dropout" in ops) == training
+
+
+def test_linear_shape_errors_name_the_op():
+    jfn = fulmen.jit(lambda x, w: torch.nn.functional.linear(x, w))
+    with pytest.raises(fulmen.FulmenError, match="linear.*5 features"):
+        jfn(torch.randn(2, 5), torch.randn(3, 4))
+
+
+def test_first_linear_trace_does_not_import_dynamo():
+    # PyTorch's meta path for linear with a bias (addmm's Python decomposition) imports
+    # torch._dynamo, about a second; the linear prim describes the common case itself
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, fulmen\n"
+            "m, x = torch.nn.Linear(8, 4), torch.randn(2, 8)\n"
+            "torch.testing.assert_close(fulmen.jit(m)(x), m(x))\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert result.stdout.strip() == "False"

@@ -30,7 +30,22 @@ def matmul(a: TensorProxy, b: TensorProxy) -> TensorProxy:
 
 @prim("linear", tags=["matmul"])
 def linear(a: TensorProxy, weight: TensorProxy, bias: TensorProxy | None) -> TensorProxy:
-    """`a @ weight.T + bias`, weight of shape (out, in)."""
+    """`a @ weight.T + bias`, weight of shape (out, in): shape a.shape[:-1] + (out,).
+
+    The common case (2-D weight, no bias or a bias of shape (out,)) is described directly;
+    others run PyTorch's meta kernel (whose Python decomposition of addmm imports
+    torch._dynamo, about a second, on first use)."""
+    if (a.ndim >= 1 and weight.ndim == 2
+            and (bias is None or tuple(bias.shape) == (weight.shape[0],))):
+        check(a.dtype == weight.dtype and (bias is None or bias.dtype == a.dtype), "linear",
+              f"dtypes differ: input {a.dtype}, weight {weight.dtype}"
+              + (f", bias {bias.dtype}" if bias is not None else ""))
+        check(a.shape[-1] == weight.shape[1], "linear",
+              f"input has {a.shape[-1]} features but weight {tuple(weight.shape)} expects "
+              f"{weight.shape[1]}")
+        check(a.device == weight.device and (bias is None or bias.device == a.device),
+              "linear", "tensors on different devices")
+        return TensorProxy.like(a, shape=(*a.shape[:-1], weight.shape[0]))
     return run_meta(torch.nn.functional.linear, a, weight, bias)
 
 
