@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import networkx as nx
 
 from fulmen.core import BoundSymbol, Trace
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import iter_proxies
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
 
@@ -254,20 +254,8 @@ def region_inputs(region: Sequence[BoundSymbol]) -> list:
     produced: set[str] = set()
     seen: dict[str, object] = {}
     for bsym in region:
-        for arg in bsym.args:
-            if isinstance(arg, Proxy):
-                if arg.name not in produced:
-                    seen.setdefault(arg.name, arg)
-            elif isinstance(arg, (tuple, list, dict, slice)):
-                for proxy in iter_proxies(arg):
-                    if proxy.name not in produced:
-                        seen.setdefault(proxy.name, proxy)
-        for proxy in iter_proxies(bsym.kwargs) if bsym.kwargs else ():
+        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
             if proxy.name not in produced:
                 seen.setdefault(proxy.name, proxy)
-        output = bsym.output
-        if isinstance(output, Proxy):
-            produced.add(output.name)
-        else:
-            produced |= bsym.output_names
+        produced |= bsym.output_names
     return list(seen.values())

@@ -79,13 +79,17 @@ def cache_key(source: str, cxx: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _library_path(key: str) -> Path:
+    return cache_dir() / f"k_{key}.so"
+
+
 def is_cached(source: str) -> bool:
     """Whether `source` is already loaded or compiled in the disk cache (no compiler runs)."""
     cxx = compiler()
     if cxx is None:
         return False
     key = cache_key(source, cxx)
-    return key in _loaded or (cache_dir() / f"k_{key}.so").exists()
+    return key in _loaded or _library_path(key).exists()
 
 
 def load_kernel(source: str):
@@ -101,7 +105,7 @@ def load_kernel(source: str):
     with _lock:
         lib = _loaded.get(key)
     if lib is None:
-        path = cache_dir() / f"k_{key}.so"
+        path = _library_path(key)
         if not path.exists():
             _build(source, cxx, path)
         lib = ctypes.CDLL(str(path))

@@ -343,16 +343,14 @@ class FusedRegion(RegionCallable):
     def _run(self, inputs):
         lowered, kernel = self.lowered, self.kernel
         rows = isinstance(kernel, RowKernel)
-        if rows and not math.prod(lowered.shape[d] for d in range(len(lowered.shape))
-                                  if d not in lowered.reduced):
+        shape = lowered.shape
+        points = [shape[d] for d in range(len(shape)) if d not in lowered.reduced] if rows else shape
+        if not math.prod(points):  # nothing to compute (no rows, or an empty iteration space)
             outs = [torch.empty(s, dtype=dtype)
                     for s, dtype in zip(self._out_shapes(), kernel.output_dtypes)]
-            for out, column in zip(outs, kernel.output_columns):
+            for out, column in zip(outs, kernel.output_columns if rows else ()):
                 if column:
                     out.zero_()  # a sum over no rows
-            return region_results(lowered, inputs, outs)
-        if not rows and not math.prod(lowered.shape):
-            outs = [torch.empty(lowered.shape, dtype=dtype) for dtype in kernel.output_dtypes]
             return region_results(lowered, inputs, outs)
         key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
         plan = self._plans.get(key)
@@ -370,7 +368,11 @@ class FusedRegion(RegionCallable):
         return region_results(lowered, inputs, outs)
 
     def _out_shapes(self) -> list[tuple]:
+        """The shape of each kernel output: the iteration space (pointwise); for a row kernel
+        the full, kept (row outputs) or reduced (column sums) shape."""
         lowered, kernel = self.lowered, self.kernel
+        if not isinstance(kernel, RowKernel):
+            return [lowered.shape] * len(kernel.outputs)
         shape, reduced = lowered.shape, lowered.reduced
         kept_shape = tuple(shape[d] for d in range(len(shape)) if d not in reduced)
         column_shape = tuple(shape[d] for d in reduced)
@@ -411,7 +413,7 @@ class FusedRegion(RegionCallable):
         flat = [s for row in rows for s in row]
         return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
                 (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads,
-                [(shape, dtype) for dtype in kernel.output_dtypes], in_place)
+                list(zip(self._out_shapes(), kernel.output_dtypes)), in_place)
 
     def _plan_rows(self, inputs) -> tuple:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
