@@ -1,8 +1,4 @@
-"""When codegen compiles (lazy: torch runs a region until it is hot; eager: compile when fused),
-and the huge-page outputs of large kernels."""
-
-import re
-from pathlib import Path
+"""When codegen compiles (lazy: torch runs a region until it is hot; eager: compile when fused)."""
 
 import pytest
 import torch
@@ -99,38 +95,3 @@ def test_policy_arguments_are_checked():
         set_compile_policy("sometimes")
     with pytest.raises(ValueError, match="hot_calls"):
         set_compile_policy(hot_calls=0)
-
-
-def _huge_pages_enabled() -> bool:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return path.exists() and "[never]" not in path.read_text()
-
-
-def _anon_huge_bytes(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
-    mapping = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        match = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-        if match:
-            mapping = int(match[1], 16) <= address < int(match[2], 16)
-        elif mapping and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def test_empty_matches_torch_empty_and_small_outputs_are_untouched():
-    for shape, dtype in [((3, 5), torch.float16), ((2048, 1024), torch.float32), ((0,), torch.int64)]:
-        out = runtime.empty(shape, dtype)
-        assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
-        out.fill_(1)
-        assert bool((out == 1).all())
-
-
-@pytest.mark.skipif(not _huge_pages_enabled() or runtime._madvise is None,
-                    reason="transparent huge pages are off here")
-def test_large_outputs_get_huge_pages():
-    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so always fresh pages (a smaller
-    # buffer may reuse heap memory that is already touched, where the hint changes nothing)
-    out = runtime.empty((4096, 4096), torch.float32)
-    out.fill_(2.0)
-    assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20

@@ -92,8 +92,8 @@ def is_cached(source: str) -> bool:
     return key in _loaded or _library_path(key).exists()
 
 
-def load_kernel(source: str):
-    """The `fulmen_kernel` function of `source`, compiled (or found in the cache) and loaded.
+def load_library(source: str) -> ctypes.CDLL:
+    """The shared library of `source`, compiled (or found in the cache) and loaded.
 
     Raises:
         CompileError: no compiler, or the compiler failed (its stderr is in the message).
@@ -110,8 +110,17 @@ def load_kernel(source: str):
             _build(source, cxx, path)
         lib = ctypes.CDLL(str(path))
         with _lock:
-            _loaded[key] = lib
-    fn = lib.fulmen_kernel
+            lib = _loaded.setdefault(key, lib)
+    return lib
+
+
+def load_kernel(source: str):
+    """The `fulmen_kernel` function of `source` (see `load_library`).
+
+    Raises:
+        CompileError: no compiler, or the compiler failed (its stderr is in the message).
+    """
+    fn = load_library(source).fulmen_kernel
     fn.argtypes = _ARGTYPES
     fn.restype = None
     return fn

@@ -19,10 +19,9 @@ When kernels are compiled is the `policy` (`set_compile_policy`, or the environm
 - "eager": compiling starts when the region is fused and the first call waits for it (what
   benchmarks and the codegen tests use, to time and check the kernels themselves).
 
-Outputs of 4 MiB and more are allocated with transparent huge pages advised (`madvise`,
-Linux), so writing a fresh output does not take a page fault every 4 KiB: for a 64 MiB output
-that is most of the time of a memory-bound kernel (PyTorch offers the same for its own CPU
-allocations behind `THP_MEM_ALLOC_ENABLE`).
+Outputs of 4 MiB and more come from fulmen's buffer pool (`pool.py`): their memory returns to
+the pool when torch frees them and is reused without the page faults and zeroing of fresh
+memory, which would otherwise be most of the time of a memory-bound kernel.
 
 If the compiler is missing or fails, the region warns once and runs its prims with the torch
 executor from then on: never a crash, never a wrong result.
@@ -33,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import sys
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ from fulmen.executors.codegen.cpp import render
 from fulmen.executors.codegen.cpp_rows import render_rows
 from fulmen.executors.codegen.ir import Access, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
+from fulmen.executors.codegen.pool import empty
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
 _pool = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())))
@@ -91,16 +90,6 @@ def set_compile_policy(mode: str | None = None, hot_calls: int | None = None) ->
     return previous
 
 
-_HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
-_madvise = None
-if sys.platform.startswith("linux"):
-    try:
-        _madvise = ctypes.CDLL(None, use_errno=True).madvise
-        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except (OSError, AttributeError):
-        _madvise = None
-
-
 _submitted: dict[tuple, Future] = {}
 
 
@@ -112,19 +101,6 @@ def _submit(source: str) -> Future:
     if future is None or (future.done() and future.exception() is not None):
         future = _submitted[key] = _pool.submit(load_kernel, source)
     return future
-
-
-def empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.empty(shape, dtype=dtype)` on the CPU; from 4 MiB on, its whole 2 MiB pages are
-    advised MADV_HUGEPAGE before anything touches them (a hint: without THP nothing changes)."""
-    out = torch.empty(shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if _madvise is not None and nbytes >= 2 * _HUGE:
-        start = -(-out.data_ptr() // _HUGE) * _HUGE
-        end = (out.data_ptr() + nbytes) // _HUGE * _HUGE
-        if end > start:
-            _madvise(start, end - start, 14)  # MADV_HUGEPAGE; failure only loses the hint
-    return out
 
 
 def _ceil_div(a: int, b: int) -> int:

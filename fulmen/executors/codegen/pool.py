@@ -1,0 +1,311 @@
+"""Output memory of the CPU kernels: large buffers that return to fulmen when torch frees them.
+
+A memory-bound kernel that writes a fresh 64 MiB output spends much of its time in the
+operating system: glibc maps every allocation over 32 MiB freshly and unmaps it on free, so
+each call takes a page fault per page and the kernel zeroes every page before the kernel can
+write it (measured on the 2-core dev VM: `fill_` into a reused buffer 2.8 ms, into a fresh
+huge-page buffer 6.1 ms, into a fresh 4 KiB-page buffer ~25 ms). `torch.add(a, b, out=c)`
+pays none of this; a training step pays it for every large activation and gradient.
+
+`empty(shape, dtype)` therefore takes outputs of `MIN_BYTES` and more from a pool: a small
+C++ library (built once with the kernel compiler, cached on disk like a kernel) hands out
+blocks as DLPack tensors whose deleter puts the block back on a free list. torch calls the
+deleter when the tensor's storage dies, i.e. when no tensor, view or saved tensor uses it any
+more, so a block is never reused while anything can still read it. Blocks are advised
+MADV_HUGEPAGE (Linux) and are kept per size (rounded up to 2 MiB); at most `limit` bytes of
+free blocks are kept (`FULMEN_CODEGEN_POOL_BYTES`, default min(1 GiB, RAM / 16); 0 turns the
+pool off), beyond that a freed block goes back to the system. `empty_cache()` releases every
+free block; `pool_stats()` reports the pool's state.
+
+The tensors are ordinary contiguous CPU tensors (no view, no base), except that their storage
+cannot be resized (as for any tensor made from external memory): `out.resize_(larger)` raises.
+Until the library is built (in the background, once per machine) and wherever it cannot be,
+outputs come from `torch.empty` with the huge-page hint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+
+import torch
+
+MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
+_HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
+
+_SOURCE = r"""
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+// DLPack's ABI (dlpack.h, v0.8): the struct torch's from_dlpack consumes.
+struct DLDevice { int32_t device_type; int32_t device_id; };
+struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct DLTensor {
+  void* data; DLDevice device; int32_t ndim; DLDataType dtype;
+  int64_t* shape; int64_t* strides; uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor; void* manager_ctx; void (*deleter)(DLManagedTensor*);
+};
+
+namespace {
+const size_t kPage = size_t(1) << 21;
+struct Block { DLManagedTensor managed; int64_t shape[16]; size_t capacity; };
+std::mutex lock;
+std::unordered_map<size_t, std::vector<void*>> free_blocks;  // capacity -> blocks, LIFO
+size_t cached = 0, limit = 0, in_use = 0, hits = 0, misses = 0;
+
+void put_back(DLManagedTensor* managed) {
+  Block* block = static_cast<Block*>(managed->manager_ctx);
+  void* data = managed->dl_tensor.data;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    in_use -= block->capacity;
+    if (cached + block->capacity <= limit) {
+      free_blocks[block->capacity].push_back(data);
+      cached += block->capacity;
+      data = nullptr;
+    }
+  }
+  std::free(data);
+  delete block;
+}
+}  // namespace
+
+extern "C" DLManagedTensor* fulmen_pool_take(int64_t nbytes, int32_t ndim, const int64_t* shape,
+                                              uint8_t code, uint8_t bits) {
+  if (ndim < 0 || ndim > 16 || nbytes <= 0) return nullptr;
+  const size_t capacity = (size_t(nbytes) + kPage - 1) / kPage * kPage;
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    auto found = free_blocks.find(capacity);
+    if (found != free_blocks.end() && !found->second.empty()) {
+      data = found->second.back();
+      found->second.pop_back();
+      cached -= capacity;
+      ++hits;
+    } else {
+      ++misses;
+    }
+    in_use += capacity;
+  }
+  if (data == nullptr) {
+    data = std::aligned_alloc(kPage, capacity);
+    if (data == nullptr) {
+      std::lock_guard<std::mutex> guard(lock);
+      in_use -= capacity;
+      return nullptr;
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(data, capacity, MADV_HUGEPAGE);  // a hint: without THP nothing changes
+#endif
+  }
+  Block* block = new Block();
+  block->capacity = capacity;
+  for (int32_t d = 0; d < ndim; ++d) block->shape[d] = shape[d];
+  DLTensor& t = block->managed.dl_tensor;
+  t.data = data;
+  t.device = DLDevice{1, 0};  // kDLCPU
+  t.ndim = ndim;
+  t.dtype = DLDataType{code, bits, 1};
+  t.shape = block->shape;
+  t.strides = nullptr;  // compact row-major
+  t.byte_offset = 0;
+  block->managed.manager_ctx = block;
+  block->managed.deleter = put_back;
+  return &block->managed;
+}
+
+extern "C" void fulmen_pool_put(DLManagedTensor* managed) { put_back(managed); }
+
+extern "C" void fulmen_pool_set_limit(int64_t bytes) {
+  std::lock_guard<std::mutex> guard(lock);
+  limit = bytes < 0 ? 0 : size_t(bytes);
+}
+
+extern "C" void fulmen_pool_release(int64_t keep) {
+  std::vector<void*> release;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    for (auto& entry : free_blocks) {
+      while (!entry.second.empty() && cached > size_t(keep < 0 ? 0 : keep)) {
+        release.push_back(entry.second.back());
+        entry.second.pop_back();
+        cached -= entry.first;
+      }
+    }
+  }
+  for (void* data : release) std::free(data);
+}
+
+extern "C" void fulmen_pool_stats(int64_t* out) {
+  std::lock_guard<std::mutex> guard(lock);
+  out[0] = int64_t(cached); out[1] = int64_t(in_use); out[2] = int64_t(limit);
+  out[3] = int64_t(hits); out[4] = int64_t(misses);
+}
+"""
+
+# DLPack type codes (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6) and bits.
+_DLPACK_TYPES = {
+    torch.float32: (2, 32), torch.float64: (2, 64), torch.float16: (2, 16),
+    torch.bfloat16: (4, 16), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
+    torch.int64: (0, 64), torch.uint8: (1, 8), torch.bool: (6, 8),
+}  # fmt: skip
+
+
+def _default_limit() -> int:
+    env = os.environ.get("FULMEN_CODEGEN_POOL_BYTES")
+    if env is not None:
+        return max(0, int(env))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(1 << 30, ram // 16)
+
+
+class _Pool:
+    """The pool library, loaded when first wanted (built in the background if not cached)."""
+
+    def __init__(self) -> None:
+        self.lib = None
+        self.future = None
+        self.failed = False
+        self.limit = _default_limit()
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The loaded library, or None while it builds / when it cannot be built."""
+        if self.limit == 0:
+            return None
+        if self.lib is not None or self.failed:
+            return self.lib
+        with self._lock:
+            if self.lib is None and not self.failed:
+                self._start()
+        return self.lib
+
+    def wait(self) -> bool:
+        """Build and load the library now if it is not loaded; whether the pool is usable."""
+        self.get()
+        if self.future is not None and self.lib is None and not self.failed:
+            try:
+                self.future.result()
+            except Exception:
+                pass
+            self.get()
+        return self.lib is not None and self.limit > 0
+
+    def _start(self) -> None:
+        from fulmen.executors.codegen import compile as _compile
+        from fulmen.executors.codegen.runtime import _pool
+
+        if self.future is None:
+            if _compile.is_cached(_SOURCE):
+                self._load(_compile.load_library(_SOURCE))
+                return
+            self.future = _pool.submit(_compile.load_library, _SOURCE)
+        if self.future.done():
+            try:
+                self._load(self.future.result())
+            except Exception:  # no compiler, a failed build: torch.empty serves every output
+                self.failed = True
+
+    def _load(self, lib) -> None:
+        lib.fulmen_pool_take.restype = ctypes.c_void_p
+        lib.fulmen_pool_take.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
+                                         ctypes.c_uint8, ctypes.c_uint8]
+        lib.fulmen_pool_put.argtypes = [ctypes.c_void_p]
+        lib.fulmen_pool_set_limit.argtypes = [ctypes.c_int64]
+        lib.fulmen_pool_release.argtypes = [ctypes.c_int64]
+        lib.fulmen_pool_stats.argtypes = [ctypes.c_void_p]
+        lib.fulmen_pool_set_limit(self.limit)
+        self.lib = lib
+
+
+_state = _Pool()
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_madvise = None
+if sys.platform.startswith("linux"):
+    try:
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        _madvise = None
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor like `torch.empty(shape, dtype=dtype)`; from
+    `MIN_BYTES` on its memory comes from the pool (see the module docstring) or, until the
+    pool library is ready, from torch with its whole 2 MiB pages advised MADV_HUGEPAGE."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * dtype.itemsize
+    if nbytes < MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    lib = _state.get()
+    code_bits = _DLPACK_TYPES.get(dtype)
+    if lib is not None and code_bits is not None and len(shape) <= 16:
+        c_shape = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+        managed = lib.fulmen_pool_take(nbytes, len(shape), c_shape, *code_bits)
+        if managed:
+            try:
+                return torch._C._from_dlpack(_capsule_new(managed, b"dltensor", None))
+            except Exception:
+                lib.fulmen_pool_put(managed)
+                raise
+    out = torch.empty(shape, dtype=dtype)
+    if _madvise is not None:
+        start = -(-out.data_ptr() // _HUGE) * _HUGE
+        end = (out.data_ptr() + nbytes) // _HUGE * _HUGE
+        if end > start:
+            _madvise(start, end - start, 14)  # MADV_HUGEPAGE; failure only loses the hint
+    return out
+
+
+def ready() -> bool:
+    """Wait until the pool library is built and loaded; whether the pool serves outputs (False
+    without a compiler, or with the pool turned off)."""
+    return _state.wait()
+
+
+def pool_stats() -> dict[str, int]:
+    """The pool's state: `cached` (bytes of free blocks kept), `in_use` (bytes of blocks held
+    by live tensors), `limit` (bytes), `hits`/`misses` (takes served from / not from the free
+    blocks). All zero while the pool library is not loaded."""
+    names = ("cached", "in_use", "limit", "hits", "misses")
+    lib = _state.lib
+    if lib is None:
+        return dict.fromkeys(names, 0)
+    out = (ctypes.c_int64 * 5)()
+    lib.fulmen_pool_stats(out)
+    return dict(zip(names, out))
+
+
+def empty_cache() -> None:
+    """Return every free block of the pool to the system (live tensors are not affected)."""
+    if _state.lib is not None:
+        _state.lib.fulmen_pool_release(0)
+
+
+def set_pool_limit(nbytes: int) -> int:
+    """Keep at most `nbytes` of free blocks (0 turns the pool off for new outputs); returns the
+    previous limit. Free blocks above the new limit are released."""
+    previous, _state.limit = _state.limit, max(0, int(nbytes))
+    if _state.lib is not None:
+        _state.lib.fulmen_pool_set_limit(_state.limit)
+        _state.lib.fulmen_pool_release(_state.limit)
+    return previous

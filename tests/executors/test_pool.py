@@ -1,0 +1,154 @@
+"""The output pool of the CPU kernels: large outputs reuse memory torch has freed, never memory
+anything can still read, and behave as `torch.empty` tensors."""
+
+import gc
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.executors.codegen import pool
+
+BIG = (1024, 2048)  # 8 MiB of float32: from the pool
+
+
+@pytest.fixture
+def ready(codegen_eager):
+    if not pool.ready():
+        pytest.skip("no C++ compiler: outputs come from torch.empty")
+    pool.empty_cache()
+    yield
+    pool.empty_cache()
+
+
+def _huge_pages_enabled() -> bool:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.exists() and "[never]" not in path.read_text()
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        match = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if match:
+            mapping = int(match[1], 16) <= address < int(match[2], 16)
+        elif mapping and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.int16, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_empty_is_a_plain_contiguous_tensor(ready, dtype):
+    for shape in [(3, 5), (0,), (), BIG, (2, 1, 3, 1 << 20)]:
+        out = pool.empty(shape, dtype)
+        assert out.shape == shape and out.dtype == dtype and out.device.type == "cpu"
+        assert out.is_contiguous() and out._base is None and not out.requires_grad
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+        out.fill_(1)
+        assert bool((out == 1).all())
+
+
+def test_a_freed_block_is_reused_and_a_live_view_keeps_it(ready):
+    out = pool.empty(BIG, torch.float32)
+    address = out.data_ptr()
+    view = out[1:].t()
+    del out
+    other = pool.empty(BIG, torch.float32)  # the view still holds the first block
+    assert other.data_ptr() != address
+    del view
+    again = pool.empty(BIG, torch.float32)
+    assert again.data_ptr() == address
+    stats = pool.pool_stats()
+    assert stats["in_use"] >= 2 * 8 << 20 and stats["hits"] >= 1
+
+
+def test_outputs_still_alive_are_never_overwritten(ready):
+    def fn(x, i):
+        return torch.sin(x) * i + 1
+
+    jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+    x = torch.randn(BIG)
+    kept = [jfn(x, i) for i in range(4)]
+    assert pool.pool_stats()["in_use"] >= 4 * x.nbytes  # the kernel's outputs are pooled
+    saved = [y[:, ::2] for y in (jfn(x, i) for i in range(4, 8))]  # only a view survives
+    for _ in range(4):
+        jfn(x, 100)  # freed at once: its block is reused by the next call
+    for i, y in enumerate(kept):
+        torch.testing.assert_close(y, fn(x, i))
+    for i, v in enumerate(saved, start=4):
+        torch.testing.assert_close(v, fn(x, i)[:, ::2])
+
+
+def test_backward_residuals_keep_their_blocks(ready):
+    w = torch.randn(BIG[1], requires_grad=True)
+    x = torch.randn(BIG)
+
+    def fn(x, w):
+        return (torch.exp(x * w) * torch.sin(x)).sum()
+
+    jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+    losses = [jfn(x + i, w) for i in range(3)]  # three graphs alive, residuals from the pool
+    for _ in range(3):
+        jfn(x, w)
+    grads = [torch.autograd.grad(loss, w)[0] for loss in losses]
+    for i, grad in enumerate(grads):
+        expected = torch.autograd.grad(fn(x + i, w), w)[0]
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_free_from_other_threads(ready):
+    outs = [pool.empty(BIG, torch.float32) for _ in range(8)]
+    threads = [threading.Thread(target=outs.pop) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gc.collect()
+    assert not outs and pool.pool_stats()["cached"] >= 8 * (8 << 20)
+
+
+def test_limit_and_empty_cache(ready):
+    previous = pool.set_pool_limit(16 << 20)
+    try:
+        outs = [pool.empty(BIG, torch.float32) for _ in range(4)]
+        del outs
+        assert pool.pool_stats()["cached"] == 16 << 20  # two blocks kept, two released
+        pool.empty_cache()
+        assert pool.pool_stats()["cached"] == 0
+        pool.set_pool_limit(0)  # off: outputs come from torch again (resizable storage)
+        out = pool.empty(BIG, torch.float32)
+        out.resize_(2048, 2048)
+    finally:
+        pool.set_pool_limit(previous)
+
+
+def test_pooled_storage_cannot_grow(ready):
+    out = pool.empty(BIG, torch.float32)
+    out.resize_(10, 10)  # shrinking keeps the storage
+    with pytest.raises(RuntimeError, match="not resizable"):
+        out.resize_(4096, 4096)
+
+
+def test_without_a_compiler_outputs_come_from_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("FULMEN_CACHE_DIR", str(tmp_path))
+    state = pool._Pool()
+    monkeypatch.setattr(pool, "_state", state)
+    assert not pool.ready() and state.failed
+    out = pool.empty(BIG, torch.float32)
+    out.resize_(2048, 2048)  # torch's own storage
+    assert pool.pool_stats()["in_use"] == 0
+
+
+@pytest.mark.skipif(not _huge_pages_enabled() or pool._madvise is None,
+                    reason="transparent huge pages are off here")
+def test_large_outputs_get_huge_pages(ready):
+    out = pool.empty((4096, 4096), torch.float32)
+    out.fill_(2.0)
+    assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20
