@@ -19,8 +19,9 @@ free block; `pool_stats()` reports the pool's state.
 
 The tensors are ordinary contiguous CPU tensors (no view, no base), except that their storage
 cannot be resized (as for any tensor made from external memory): `out.resize_(larger)` raises.
-Until the library is built (in the background, once per machine) and wherever it cannot be,
-outputs come from `torch.empty` with the huge-page hint.
+Until the library is built (in the background, once per machine; the "eager" compile policy
+waits for it, as for kernels) and wherever it cannot be, outputs come from `torch.empty` with
+the huge-page hint.
 """
 
 from __future__ import annotations
@@ -184,26 +185,34 @@ class _Pool:
         self._lock = threading.Lock()
 
     def get(self):
-        """The loaded library, or None while it builds / when it cannot be built."""
+        """The loaded library, or None while it builds (the "eager" compile policy waits for the
+        build, as for kernels) or when it cannot be built."""
+        from fulmen.executors.codegen.runtime import policy
+
         if self.limit == 0:
             return None
-        if self.lib is not None or self.failed:
-            return self.lib
-        with self._lock:
-            if self.lib is None and not self.failed:
-                self._start()
+        if self.lib is None and not self.failed:
+            if policy.mode == "eager":
+                self.wait()
+            else:
+                self._poll()
         return self.lib
 
     def wait(self) -> bool:
         """Build and load the library now if it is not loaded; whether the pool is usable."""
-        self.get()
+        self._poll()
         if self.future is not None and self.lib is None and not self.failed:
             try:
                 self.future.result()
             except Exception:
                 pass
-            self.get()
+            self._poll()
         return self.lib is not None and self.limit > 0
+
+    def _poll(self) -> None:
+        with self._lock:
+            if self.lib is None and not self.failed:
+                self._start()
 
     def _start(self) -> None:
         from fulmen.executors.codegen import compile as _compile

@@ -207,11 +207,12 @@ def _softmax(op: str, a, dim, dtype, *, log: bool):
     top = expand_reduced(prims.amax(x, dims), x.shape, dims)
     shifted = prims.sub(x, top)
     exps = prims.exp(shifted)
-    total = expand_reduced(prims.sum(exps, dims), x.shape, dims)
     if log:
+        total = expand_reduced(prims.sum(exps, dims), x.shape, dims)
         out = prims.sub(shifted, prims.log(total))
-    else:
-        out = prims.div(exps, total)
+    else:  # times the reciprocal of the sum, as eager's CPU kernel: one division per row
+        total = prims.reciprocal(prims.sum(exps, dims))
+        out = prims.mul(exps, expand_reduced(total, x.shape, dims))
     return to_dtype(out, a.dtype)
 
 
@@ -227,8 +228,8 @@ def _implicit_softmax_dim(name: str, ndim: int, stacklevel: int) -> int:
 
 @torch_op(torch.softmax, torch.special.softmax, methods=("softmax",))
 def softmax(input, dim, dtype=None):
-    """`torch.softmax`: `exp(x - max) / sum(exp(x - max))` along `dim`, after converting to
-    `dtype` if given."""
+    """`torch.softmax`: `exp(x - max) * (1 / sum(exp(x - max)))` along `dim`, after converting
+    to `dtype` if given."""
     return _softmax("softmax", input, dim, dtype, log=False)
 
 
