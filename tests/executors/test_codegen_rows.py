@@ -222,6 +222,19 @@ def test_exp_and_erf_ulp_bounds_against_float64():
     assert _ulps(jfn(x), torch.erf(x.double())).max() < 2.7
 
 
+@pytest.mark.parametrize("fn", [F.softmax, F.log_softmax])
+def test_softmax_exp_of_nonpositive_values_special_rows(fn):
+    # exp(x - max(x)) uses f_exp_nonpos: subnormal and zero results, -inf, +inf and NaN rows
+    inf, nan = float("inf"), float("nan")
+    rows = [torch.linspace(-110, 0, 64), torch.linspace(-90, 5, 64), torch.full((64,), -inf),
+            torch.full((64,), inf), torch.randn(64), torch.randn(64) * 40]
+    rows[4][3], rows[5][7] = nan, inf
+    x = torch.stack(rows + [torch.where(torch.arange(64) % 2 == 0, -inf, 1.0)])
+    jfn = fulmen.jit(lambda a: fn(a, -1), executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x), fn(x, -1), rtol=1.3e-6, atol=1e-44, equal_nan=True)
+    assert "f_exp_nonpos(" in "".join(fulmen.last_kernels(jfn).values())
+
+
 def test_only_compute_bound_row_passes_prefetch_the_next_row():
     x, w = torch.randn(8, 64), torch.randn(64)
     softmax = fulmen.jit(lambda a: F.softmax(a, -1), executors=EXECUTORS)

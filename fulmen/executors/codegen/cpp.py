@@ -80,15 +80,9 @@ template <typename T> static inline T f_sign(T a) { return (T)((T(0) < a) - (a <
 // float exp the compiler can vectorise (libm's expf is a scalar call): exp(x) = 2^k exp(r) with
 // |r| <= ln2/2, ln2 split in two (the high part has 15 bits, so k * high is exact and the
 // reduction loses nothing with or without FMA), exp(r) = 1 + r P(r) with P of degree 5 (a
-// Chebyshev fit; within 0.94 ulp over the normal range, checked against float64 exp). 2^k is
-// applied as two factors so results down to the smallest subnormal round once. x is clamped
-// to [-104, 89] first (two plain selects: a compare and a blend each in vector code):
-// out-of-range results overflow to inf or underflow to 0 exactly as exp does; NaN passes
-// through the clamps and the arithmetic.
-static inline float f_exp(float x) {
-  float xc = x > 89.0f ? 89.0f : x;
-  xc = xc < -104.0f ? -104.0f : xc;
-  const float k = __builtin_rintf(xc * 1.44269504088896341f);
+// Chebyshev fit; within 0.94 ulp over the normal range, checked against float64 exp).
+static inline float f_exp_reduced(float xc, float& k) {
+  k = __builtin_rintf(xc * 1.44269504088896341f);
   float r = f_madd(k, -0x1.62e4000000000p-1f, xc);
   r = f_madd(k, -0x1.7f7d1c0000000p-20f, r);
   float p = 0x1.6d754c0000000p-10f;
@@ -97,7 +91,17 @@ static inline float f_exp(float x) {
   p = f_madd(p, r, 0x1.55547c0000000p-3f);
   p = f_madd(p, r, 0.5f);
   p = f_madd(p, r, 1.0f);
-  p = f_madd(p, r, 1.0f);
+  return f_madd(p, r, 1.0f);
+}
+// exp over all floats: x is clamped to [-104, 89] first (two plain selects: a compare and a
+// blend each in vector code), so out-of-range results overflow to inf or underflow to 0
+// exactly as exp does; NaN passes through the clamps and the arithmetic. 2^k is applied as two
+// factors so results down to the smallest subnormal round once.
+static inline float f_exp(float x) {
+  float xc = x > 89.0f ? 89.0f : x;
+  xc = xc < -104.0f ? -104.0f : xc;
+  float k;
+  const float p = f_exp_reduced(xc, k);
   const int32_t ki = (int32_t)k;
   const int32_t k1 = ki >> 1;
   const uint32_t b1 = (uint32_t)(k1 + 127) << 23, b2 = (uint32_t)(ki - k1 + 127) << 23;
@@ -105,6 +109,18 @@ static inline float f_exp(float x) {
   std::memcpy(&s1, &b1, 4);
   std::memcpy(&s2, &b2, 4);
   return p * s1 * s2;
+}
+// exp of x <= 0 or NaN (softmax's x - max(x)): no upper clamp, and 2^k applied as one factor
+// 2^(k + 24), normal for every k >= -150, times the constant 2^-24 (exact for normal results,
+// one rounding for subnormal ones).
+static inline float f_exp_nonpos(float x) {
+  const float xc = x < -104.0f ? -104.0f : x;
+  float k;
+  const float p = f_exp_reduced(xc, k);
+  const uint32_t bits = (uint32_t)((int32_t)k + 151) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale * 0x1.0p-24f;
 }
 // float erf the compiler can vectorise, two polynomials (Chebyshev fits, 19 multiply-adds in
 // all): x * P(x^2) for |x| < 1.25 and 1 - E(|x|) for 1.25 <= |x| < 3.92 (E ~ erfc, in

@@ -91,10 +91,24 @@ def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
         expr = literal(value.value, value.dtype)
     elif isinstance(value, Count):
         expr = f"({ctype})count"
+    elif _nonpositive_exp(kernel, value):
+        expr = f"f_exp_nonpos(v{value.args[0]})"
     else:
         expr = f"({ctype})({_expr(kernel, value, names)})"
         expr = _round(expr, value.dtype)
     return f"const {ctype} v{v} = {expr};"
+
+
+def _nonpositive_exp(kernel: RowKernel, value) -> bool:
+    """Whether `value` is a float32 exp of `x - amax(x)` over the row (never positive: NaN when
+    x holds a NaN or the row is all inf/-inf), where `f_exp_nonpos` is exact as `f_exp`."""
+    if not (isinstance(value, Op) and value.name == "exp" and value.dtype == torch.float32):
+        return False
+    arg = kernel.values[value.args[0]]
+    if not (isinstance(arg, Op) and arg.name == "sub"):
+        return False
+    top = kernel.values[arg.args[1]]
+    return isinstance(top, Reduce) and top.name == "amax" and top.arg == arg.args[0]
 
 
 def _round(expr: str, dtype: torch.dtype) -> str:
