@@ -138,8 +138,9 @@ def test_layer_norm_is_one_kernel_per_direction():
 
 
 def test_column_sums():
-    # sums over leading axes: per-thread float64 partials, correctly rounded
-    cases = [((5000, 300), lambda t: (t * 2).sum(0)), ((30, 20, 70), lambda t: (t * 2).sum((0, 1))),
+    # sums over leading axes: per-thread float32 partials over 16 rows (5000 rows: a partial
+    # group at each thread's end) added into float64 partials; float64 values straight in
+    cases = [((5000, 300), lambda t: (t * 2).sum(0)), ((1001, 33), lambda t: (t.double() * 2).sum(0)), ((30, 20, 70), lambda t: (t * 2).sum((0, 1))),
              ((70, 300), lambda t: (t.t() - 1).sum(0)), ((300, 70), lambda t: (t * 2).half().sum(0)),
              ((64, 96), lambda t: ((t * 3).sum(0), F.softmax(t, -1), (t * t).sum(0)))]
     for shape, fn in cases:

@@ -11,7 +11,8 @@ The first `nouter` axes of `sizes` are the kept axes (one row per point; OpenMP 
                       (`#pragma omp simd reduction` over blocks of BLOCK elements), then the
                       row-level values computed from them
     one pass over the row computing and storing the element-level outputs (and adding the
-                      column sums into this thread's float64 partials)
+                      column sums into this thread's float32 partials, which go into its
+                      float64 partials every COLUMN_GROUP rows)
     the row-level outputs
     after all rows: the column sums, each the sum of the threads' partials
 
@@ -48,6 +49,7 @@ from fulmen.executors.codegen.ir import (
 __all__ = ["BLOCK", "render_rows"]
 
 BLOCK = 1024  # elements per float32 partial sum
+COLUMN_GROUP = 16  # rows per float32 partial column sum
 
 
 COSTLY = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfc", "tanh",
@@ -187,12 +189,21 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
              "  for (int64_t d = nouter; d + 1 < ndim; ++d) subrows *= sizes[d];",
              "  const int64_t inner = sizes[ndim - 1];",
              "  const int64_t count = subrows * inner;"]
+    args = [kernel.values[v].arg for _, v in columns]
+    # float column values add into float partials, flushed into the float64 sums every
+    # COLUMN_GROUP rows (a float add per element instead of a conversion and a double add)
+    grouped = COLUMN_GROUP > 1 and bool(args) and all(COMPUTE[kernel.values[a].dtype] == "float" for a in args)
     if ncol:
-        lines += [f"  double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);",
-                  "  #pragma omp parallel num_threads(nthreads) if(nthreads > 1)",
+        lines.append(f"  double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);")
+        if grouped:
+            lines.append(f"  float* colpart = (float*)std::calloc(nthreads * count * {ncol} + 1, 4);")
+        lines += ["  #pragma omp parallel num_threads(nthreads) if(nthreads > 1)",
                   "  {",
-                  f"  double* cacc = colacc + omp_get_thread_num() * count * {ncol};",
-                  "  #pragma omp for schedule(static)"]
+                  f"  double* cacc = colacc + omp_get_thread_num() * count * {ncol};"]
+        if grouped:
+            lines += [f"  float* facc = colpart + omp_get_thread_num() * count * {ncol};",
+                      "  int64_t pending = 0;"]
+        lines.append("  #pragma omp for schedule(static)")
     else:
         lines.append("  #pragma omp parallel for num_threads(nthreads) schedule(static) "
                      "if(nthreads > 1)")
@@ -272,7 +283,6 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     row_values(0)
     element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
                        if not kernel.rows[v] and nacc + k not in skip]
-    args = [kernel.values[v].arg for _, v in columns]
     final = element_closure(kernel, [v for _, v in element_outputs] + args)
     last_stage = max((stages[v] for v, value in enumerate(kernel.values)
                       if isinstance(value, Reduce)), default=0)
@@ -309,13 +319,20 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
             else:
                 body.append(_value_line(kernel, v, layout, names))
         body += [f"q{p}[{_index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
-        body += [f"cacc[{c} * count + sub * inner + j] += (double)v{arg};"
+        acc = "facc" if grouped else "cacc"
+        body += [f"{acc}[{c} * count + sub * inner + j] += {'' if grouped else '(double)'}v{arg};"
                  for c, arg in enumerate(args)]
         row_pass(body, None)
     for k, v in enumerate(kernel.outputs):
         if kernel.rows[v]:
             lines.append(f"    p{nacc + k}[0] = {_store(kernel, v)};")
+    flush = (f"for (int64_t i = 0; i < count * {ncol}; ++i) {{ cacc[i] += facc[i]; facc[i] = 0; }}"
+             " pending = 0;")
+    if grouped:
+        lines.append(f"    if (++pending == {COLUMN_GROUP}) {{ {flush} }}")
     lines.append("  }")
+    if grouped:
+        lines.append(f"  if (pending) {{ {flush} }}")
     if ncol:
         lines += ["  }", "  for (int64_t col = 0; col < count; ++col) {",
                   "    int64_t rs = col / inner;",
@@ -334,7 +351,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
             lines.append(f"    {{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
                          f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}")
             lines.append(f"    (({STORAGE[dtype]}*)ptrs[{p}])[o{p}] = {value};")
-        lines += ["  }", "  std::free(colacc);"]
+        lines += ["  }", "  std::free(colacc);"] + (["  std::free(colpart);"] if grouped else [])
     lines += ["}", ""]
     return "\n".join(lines)
 

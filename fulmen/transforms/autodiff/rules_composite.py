@@ -85,7 +85,7 @@ def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
     """Recomputes mean and 1/std from the input (cheaper to keep than two more residuals):
 
     x_hat = (x - mean) * rstd;  dx = rstd * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat))
-    with g_hat = g * weight; dweight = sum(g * x_hat); dbias = sum(g), over the batch dims.
+    with g_hat = g * weight and mean(g_hat * x_hat) taken as rstd * mean(g_hat * (x - mean)); dweight = sum(g * x_hat); dbias = sum(g), over the batch dims.
     Reference: Ba, Kiros, Hinton, "Layer Normalization" (2016), and eager's layer_norm_backward.
     """
     dtype = _compute_dtype(input.dtype)
@@ -100,7 +100,8 @@ def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
     mean = prims.div(prims.sum(x, norm_dims), count)
     centered = prims.sub(x, _keep(mean, x, norm_dims))
     var = prims.div(prims.sum(prims.mul(centered, centered), norm_dims), count)
-    rstd = _keep(prims.rsqrt(prims.add(var, eps)), x, norm_dims)
+    rstd_row = prims.rsqrt(prims.add(var, eps))
+    rstd = _keep(rstd_row, x, norm_dims)
     x_hat = prims.mul(centered, rstd)
 
     def along_batch(t):
@@ -109,7 +110,10 @@ def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
 
     g_hat = prims.mul(g, along_batch(weight)) if weight is not None else g
     mean_g = _keep(prims.div(prims.sum(g_hat, norm_dims), count), x, norm_dims)
-    mean_gx = _keep(prims.div(prims.sum(prims.mul(g_hat, x_hat), norm_dims), count), x, norm_dims)
+    # mean(g_hat * x_hat) = rstd * mean(g_hat * centered), as eager factors it: the sum needs
+    # only the mean, so a fused row kernel takes it in the same pass as the variance
+    sum_gc = prims.sum(prims.mul(g_hat, centered), norm_dims)
+    mean_gx = _keep(prims.div(prims.mul(sum_gc, rstd_row), count), x, norm_dims)
     grad_input = prims.mul(rstd, prims.sub(prims.sub(g_hat, mean_g), prims.mul(x_hat, mean_gx)))
     grad_weight = grad_bias = None
     if weight is not None:
