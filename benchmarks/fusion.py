@@ -1,12 +1,14 @@
 """Fusion benchmark (CPU, float32): fulmen's codegen executor vs eager and torch.compile.
 
-    .venv/bin/python benchmarks/fusion.py [--n 4096] [--repeats 15] [--no-compile-time]
+    .venv/bin/python benchmarks/fusion.py [--n 4096] [--repeats 7] [--no-compile-time]
 
 Kernels (issue 5): gelu(x*y+b), LayerNorm forward, LayerNorm forward+backward, RMSNorm,
 softmax, an Adam update, (x+b)*s+r, on n x n inputs (b, weights: n). For each: the median time
 per call of eager, torch.compile and fulmen codegen, the speedups, and codegen's achieved
 bandwidth (the minimal bytes the computation must move / time) as a fraction of
-`torch.add(a, b, out=c)`'s bandwidth measured in the same run. Then the compile time of
+`torch.add(a, b, out=c)`'s bandwidth measured in the same run: each kernel runs 5 alternating
+rounds of add, eager, torch.compile and codegen (median of `--repeats` calls each), and the
+fraction is the median over rounds of the ratio within a round. Then the compile time of
 litgpt pythia-14m forward+backward (first call, in a fresh process): fulmen codegen with an
 empty kernel cache (cold) and again with that cache (warm), and torch.compile with an empty
 inductor cache. Kernels compile into a fresh temporary FULMEN_CACHE_DIR.
@@ -74,12 +76,13 @@ def _kernels(n: int):
     ]
 
 
-def _median_time(call, repeats: int) -> float:
-    """Median seconds of `repeats` calls after a warm-up of at least 3 calls and 0.5 s (at most
-    20 calls): on a VM, memory the guest never touched is backed by the host at first touch,
-    which costs milliseconds per fresh 2 MiB and would otherwise be timed as the kernel's."""
+def _median_time(call, repeats: int, warm_up: bool = True) -> float:
+    """Median seconds of `repeats` calls, after (with `warm_up`) at least 3 calls and 0.5 s (at
+    most 20 calls): on a VM, memory the guest never touched is backed by the host at first
+    touch, which costs milliseconds per fresh 2 MiB and would otherwise be timed as the
+    kernel's."""
     start, warm = time.perf_counter(), 0
-    while warm < 20 and (warm < 3 or time.perf_counter() - start < 0.5):
+    while warm_up and warm < 20 and (warm < 3 or time.perf_counter() - start < 0.5):
         call()
         warm += 1
     times = []
@@ -104,20 +107,31 @@ def _runner(fn, args, backward: bool):
     return step
 
 
-def measure_kernels(n: int, repeats: int):
-    """Yield `(name, tensors moved, {"eager"|"compile"|"codegen": seconds})` per kernel."""
+def measure_kernels(n: int, repeats: int, rounds: int = 5):
+    """Yield `(name, tensors moved, {"eager"|"compile"|"codegen"|"add": seconds}, add ratio)` per
+    kernel. `rounds` alternating rounds each time `torch.add(a, b, out=c)`, eager, torch.compile
+    and codegen (median of `repeats` calls each; the VM's speed drifts over seconds); times are
+    medians over rounds and `add ratio` is the median over rounds of add time / codegen time."""
     import fulmen
     from fulmen.executors.codegen import set_compile_policy
 
     set_compile_policy("eager")  # time the kernels, not the torch fallback of a cold region
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     for name, fn, make, tensors, backward in _kernels(n):
         args = make()
         jfn = fulmen.jit(fn, executors=["codegen", "torch"])
         cfn = torch.compile(fn)
         if not backward:
             torch.testing.assert_close(jfn(*args), fn(*args), rtol=1e-4, atol=1e-4)
-        yield name, tensors, {label: _median_time(_runner(f, args, backward), repeats)
-                              for label, f in (("eager", fn), ("compile", cfn), ("codegen", jfn))}
+        calls = {"add": lambda: torch.add(a, b, out=c),
+                 **{label: _runner(f, args, backward)
+                    for label, f in (("eager", fn), ("compile", cfn), ("codegen", jfn))}}
+        samples = {label: [] for label in calls}
+        for r in range(rounds):
+            for label, call in calls.items():
+                samples[label].append(_median_time(call, repeats, warm_up=r == 0))
+        ratio = statistics.median(x / y for x, y in zip(samples["add"], samples["codegen"]))
+        yield name, tensors, {k: statistics.median(v) for k, v in samples.items()}, ratio
 
 
 def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
@@ -127,7 +141,7 @@ def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
     out = [{"benchmark": f"fused kernel: {name}, float32 {n}x{n} (codegen)", "unit": "ms",
             "eager": times["eager"] * 1e3, "fulmen": times["codegen"] * 1e3,
             "torch.compile": times["compile"] * 1e3}
-           for name, _, times in measure_kernels(n, 3 if quick else 9)]
+           for name, _, times, _ in measure_kernels(n, 3 if quick else 5, 1 if quick else 3)]
     if compile_too and not quick:
         kernels = tempfile.mkdtemp(prefix="fulmen-bench-cache-")
         inductor = tempfile.mkdtemp(prefix="inductor-bench-cache-")
@@ -141,22 +155,19 @@ def rows(quick: bool = False, compile_too: bool = True) -> list[dict]:
 
 
 def bench_kernels(n: int, repeats: int) -> list[str]:
-    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-    add_s = _median_time(lambda: torch.add(a, b, out=c), repeats)
-    add_bw = 3 * a.numel() * 4 / add_s
-    rows = [f"torch.add(a, b, out=c): {add_s * 1e3:.2f} ms, {add_bw / 1e9:.1f} GB/s\n",
-            "| kernel | eager ms | torch.compile ms | codegen ms | vs eager | vs compile "
-            "| bandwidth vs add |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| kernel | eager ms | torch.compile ms | codegen ms | vs eager | vs compile "
+            "| add(out=) ms | bandwidth vs add |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     speedups_eager, speedups_compile = [], []
-    for name, tensors, times in measure_kernels(n, repeats):
-        bandwidth = tensors * n * n * 4 / times["codegen"]
+    for name, tensors, times, add_ratio in measure_kernels(n, repeats):
+        # codegen bytes/s over add's (3 tensors), per round: median of add time / codegen time
+        fraction = add_ratio * tensors / 3
         vs_eager = times["eager"] / times["codegen"]
         vs_compile = times["compile"] / times["codegen"]
         speedups_eager.append(vs_eager)
         speedups_compile.append(vs_compile)
         rows.append(f"| {name} | {times['eager'] * 1e3:.2f} | {times['compile'] * 1e3:.2f} | "
                     f"{times['codegen'] * 1e3:.2f} | {vs_eager:.2f}x | {vs_compile:.2f}x | "
-                    f"{bandwidth / add_bw:.0%} |")
+                    f"{times['add'] * 1e3:.2f} | {fraction:.0%} |")
 
     def geomean(values):
         return math.exp(sum(math.log(v) for v in values) / len(values))
@@ -220,12 +231,13 @@ def bench_compile_time() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-compile-time", action="store_true")
     opts = parser.parse_args()
     os.environ["FULMEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="fulmen-bench-")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"float32 {opts.n}x{opts.n}, median of {opts.repeats}\n")
+          f"float32 {opts.n}x{opts.n}, 5 alternating rounds of {opts.repeats} calls per method, "
+          f"load average {os.getloadavg()[0]:.2f}\n")
     print("\n".join(bench_kernels(opts.n, opts.repeats)))
     if not opts.no_compile_time:
         print("\n".join(bench_compile_time()))

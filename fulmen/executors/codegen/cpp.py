@@ -123,10 +123,10 @@ static inline float f_exp_nonpos(float x) {
   return p * scale * 0x1.0p-24f;
 }
 // float erf the compiler can vectorise, two polynomials (Chebyshev fits, 19 multiply-adds in
-// all): x * P(x^2) for |x| < 1.25 and 1 - E(|x|) for 1.25 <= |x| < 3.92 (E ~ erfc, in
-// s = (|x| - 2.585) / 1.335), 1 beyond (erf rounds to 1 there). Within 2.6 ulp of erf over
-// all floats (checked against libm in float64 on a dense grid). The sign is copied back; NaN
-// passes through.
+// all): x * P(x^2) for |x| < 1.25 and 1 - E(|x| - 2.585) for 1.25 <= |x| < 3.92 (E ~ erfc),
+// 1 beyond (erf rounds to 1 there). Within 2.6 ulp of erf over all floats with FMA (checked
+// against float64 erf on a dense grid). x * P keeps the sign and NaN (the comparisons send NaN
+// there); the sign bit of x is put on 1 - E by an xor.
 static inline float f_erf(float x) {
   const float ax = std::fabs(x);
   const float t = ax * ax;
@@ -137,23 +137,28 @@ static inline float f_erf(float x) {
   p = f_madd(p, t, 0x1.ce1fc40000000p-4f);
   p = f_madd(p, t, -0x1.8126e80000000p-2f);
   p = f_madd(p, t, 0x1.20dd740000000p+0f);
-  const float s = ((ax < 3.92f ? ax : 3.92f) - 2.585f) * 0x1.7f85460000000p-1f;
-  float e = 0x1.22907e0000000p-12f;
-  e = f_madd(e, s, -0x1.1928740000000p-12f);
-  e = f_madd(e, s, -0x1.6056100000000p-10f);
-  e = f_madd(e, s, 0x1.7e45960000000p-9f);
-  e = f_madd(e, s, -0x1.0808b00000000p-10f);
-  e = f_madd(e, s, -0x1.574b420000000p-8f);
-  e = f_madd(e, s, 0x1.c4559a0000000p-7f);
-  e = f_madd(e, s, -0x1.4af6500000000p-6f);
-  e = f_madd(e, s, 0x1.487e500000000p-6f);
-  e = f_madd(e, s, -0x1.c692ec0000000p-7f);
-  e = f_madd(e, s, 0x1.aae4d20000000p-8f);
-  e = f_madd(e, s, -0x1.eeb7cc0000000p-10f);
-  e = f_madd(e, s, 0x1.0ce4b40000000p-12f);
+  const float u = ax - 2.585f;  // only used for ax < 3.92
+  float e = 0x1.22257c0000000p-17f;
+  e = f_madd(e, u, -0x1.76ce560000000p-17f);
+  e = f_madd(e, u, -0x1.3984fe0000000p-14f);
+  e = f_madd(e, u, 0x1.c61c1c0000000p-13f);
+  e = f_madd(e, u, -0x1.a2b9c60000000p-14f);
+  e = f_madd(e, u, -0x1.6b66e80000000p-11f);
+  e = f_madd(e, u, 0x1.3f9e5a0000000p-9f);
+  e = f_madd(e, u, -0x1.38330a0000000p-8f);
+  e = f_madd(e, u, 0x1.9dad5c0000000p-8f);
+  e = f_madd(e, u, -0x1.7e1cae0000000p-8f);
+  e = f_madd(e, u, 0x1.df0ea20000000p-9f);
+  e = f_madd(e, u, -0x1.7293440000000p-10f);
+  e = f_madd(e, u, 0x1.0ce4b40000000p-12f);
   const float big = ax < 3.92f ? 1.0f - e : 1.0f;
-  const float r = ax < 1.25f ? ax * p : big;
-  return x != x ? x : std::copysign(r, x);
+  uint32_t bits, sign;
+  std::memcpy(&bits, &big, 4);
+  std::memcpy(&sign, &x, 4);
+  bits ^= sign & 0x80000000u;
+  float signed_big;
+  std::memcpy(&signed_big, &bits, 4);
+  return ax >= 1.25f ? signed_big : x * p;
 }
 """
 
