@@ -2,6 +2,7 @@
 anything can still read, and behave as `torch.empty` tensors."""
 
 import gc
+import os
 import re
 import threading
 from pathlib import Path
@@ -152,3 +153,20 @@ def test_large_outputs_get_huge_pages(ready):
     out = pool.empty((4096, 4096), torch.float32)
     out.fill_(2.0)
     assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_uses_the_pool(ready):
+    pool.empty(BIG, torch.float32)  # freed at once: a free block the child inherits
+    pid = os.fork()
+    if pid == 0:  # the child: take the inherited block, write it, give it back (small writes:
+        code = 3  # an OpenMP region after fork() may never start with GNU OpenMP)
+        try:
+            out = pool.empty(BIG, torch.float32)
+            out[:2, :8] = 1.0
+            code = 0 if out[1, 7].item() == 1.0 and pool.pool_stats()["hits"] >= 1 else 4
+            del out
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -40,6 +40,8 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <new>
+#include <pthread.h>
 #include <unordered_map>
 #include <vector>
 #ifdef __linux__
@@ -63,6 +65,10 @@ struct Block { DLManagedTensor managed; int64_t shape[16]; size_t capacity; };
 std::mutex lock;
 std::unordered_map<size_t, std::vector<void*>> free_blocks;  // capacity -> blocks, LIFO
 size_t cached = 0, limit = 0, in_use = 0, hits = 0, misses = 0;
+// a child forked while another thread held the lock would wait on it forever: it gets a new one
+struct ResetAfterFork {
+  ResetAfterFork() { pthread_atfork(nullptr, nullptr, [] { new (&lock) std::mutex(); }); }
+} reset_after_fork;
 
 void put_back(DLManagedTensor* managed) {
   Block* block = static_cast<Block*>(managed->manager_ctx);
