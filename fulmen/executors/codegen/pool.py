@@ -32,6 +32,7 @@ import sys
 import threading
 
 import torch
+from torch.utils.dlpack import from_dlpack
 
 MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
 _HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
@@ -278,7 +279,7 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
         managed = lib.fulmen_pool_take(nbytes, len(shape), c_shape, *code_bits)
         if managed:
             try:
-                return torch._C._from_dlpack(_capsule_new(managed, b"dltensor", None))
+                return from_dlpack(_capsule_new(managed, b"dltensor", None))
             except Exception:
                 lib.fulmen_pool_put(managed)
                 raise
