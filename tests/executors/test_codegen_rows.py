@@ -5,12 +5,17 @@ reduction and normalisation ops. Kernels compile into a per-session FULMEN_CACHE
 fixture of test_codegen.py is repeated here)."""
 
 
+import os
+import platform
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fulmen
 from fulmen.executors.codegen import kernel_sources
+from fulmen.executors.codegen.compile import CXX_FLAGS, compiler
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
 pytestmark = pytest.mark.usefixtures("codegen_eager")
@@ -234,6 +239,48 @@ def test_softmax_exp_of_nonpositive_values_special_rows(fn):
     jfn = fulmen.jit(lambda a: fn(a, -1), executors=EXECUTORS)
     torch.testing.assert_close(jfn(x), fn(x, -1), rtol=1.3e-6, atol=1e-44, equal_nan=True)
     assert "f_exp_nonpos(" in "".join(fulmen.last_kernels(jfn).values())
+
+
+def test_bool_masks_are_bytes_and_every_loop_vectorises():
+    # GCC 12 vectorises no loop that loads a C++ bool or converts one to float ("no vectype"):
+    # masks are stored as uint8_t and converted by a select. Causal attention ran scalar before.
+    mask = torch.rand(16, 64) > 0.3
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def fn(a, m):
+        return F.softmax(torch.where(m, a, -float("inf")), -1) * m.float() + m.float()
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    out = jfn(x, mask)
+    (grad,) = torch.autograd.grad((out * out).sum(), x)
+    x2 = x.detach().requires_grad_()
+    expected = fn(x2, mask)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad((expected * expected).sum(), x2)[0])
+    sources = list(fulmen.last_kernels(jfn).values())
+    assert sources and not any("bool*" in src for src in sources)
+    cxx = compiler()
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    for src in sources:  # the compiler's own report: nothing in a simd loop it cannot vectorise
+        result = subprocess.run([cxx, *CXX_FLAGS, "-fopt-info-vec-missed", "-S", "-x", "c++",
+                                 "-", "-o", os.devnull], input=src, capture_output=True, text=True)
+        body = _simd_loop_lines(src)
+        assert not [line for line in result.stderr.splitlines()
+                    if "no vectype" in line and int(line.split(":")[1]) in body]
+
+
+def _simd_loop_lines(src: str) -> set[int]:
+    """1-based numbers of the lines inside `#pragma omp simd` loops of a generated kernel."""
+    lines, inside = src.splitlines(), set()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("#pragma omp simd"):
+            indent = len(lines[i + 1]) - len(lines[i + 1].lstrip())
+            k = i + 2
+            while lines[k].strip() != "}" or len(lines[k]) - len(lines[k].lstrip()) != indent:
+                inside.add(k + 1)
+                k += 1
+    return inside
 
 
 def test_only_compute_bound_row_passes_prefetch_the_next_row():

@@ -22,12 +22,14 @@ import torch
 
 from fulmen.executors.codegen.ir import Const, Kernel, Load, Op
 
+# bool tensors are read and written as bytes: GCC 12 vectorises no loop that loads a C++ `bool`
+# ("no vectype"), so every kernel with a mask input (attention, where, dropout) ran scalar
 STORAGE = {
     torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.float32: "float",
     torch.float64: "double", torch.int8: "int8_t", torch.int16: "int16_t",
-    torch.int32: "int32_t", torch.int64: "int64_t", torch.uint8: "uint8_t", torch.bool: "bool",
+    torch.int32: "int32_t", torch.int64: "int64_t", torch.uint8: "uint8_t", torch.bool: "uint8_t",
 }  # fmt: skip
-COMPUTE = {**STORAGE, torch.float16: "float", torch.bfloat16: "float"}
+COMPUTE = {**STORAGE, torch.float16: "float", torch.bfloat16: "float", torch.bool: "bool"}
 _LOW = (torch.float16, torch.bfloat16)
 
 PRELUDE = r"""
@@ -230,6 +232,8 @@ def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
     if name == "convert_element_type":
         if op.dtype == torch.bool:
             return f"({a} != 0)"
+        if arg_dtype == torch.bool:  # a select: GCC 12 does not vectorise bool -> float casts
+            return f"({a} ? {literal(1, op.dtype)} : {literal(0, op.dtype)})"
         return f"({COMPUTE[op.dtype]})({a})"
     if name == "where":
         return f"({a} ? {b} : {names[op.args[2]]})"
@@ -289,10 +293,7 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
         ctype = COMPUTE[value.dtype]
         if isinstance(value, Load):
             expr = f"p{value.access}[{_index(layout[value.access], value.access)}]"
-            if value.dtype == torch.bfloat16:
-                expr = f"bf16_load({expr})"
-            elif value.dtype == torch.float16:
-                expr = f"(float)({expr})"
+            expr = load(expr, value.dtype)
         elif isinstance(value, Const):
             expr = literal(value.value, value.dtype)
         else:
@@ -306,14 +307,32 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     for k, v in enumerate(kernel.outputs):
         p = len(kernel.accesses) + k
         dtype = kernel.values[v].dtype
-        value = names[v]
-        if dtype == torch.bfloat16:
-            value = f"bf16_store({value})"
-        elif dtype == torch.float16:
-            value = f"(_Float16)({value})"
+        value = store(names[v], dtype)
         lines.append(f"      p{p}[{_index(layout[p], p)}] = {value};")
     lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)
+
+
+def load(expr: str, dtype: torch.dtype) -> str:
+    """The compute value of the stored element `expr` of `dtype`."""
+    if dtype == torch.bfloat16:
+        return f"bf16_load({expr})"
+    if dtype == torch.float16:
+        return f"(float)({expr})"
+    if dtype == torch.bool:
+        return f"({expr} != 0)"
+    return expr
+
+
+def store(expr: str, dtype: torch.dtype) -> str:
+    """The stored element of `dtype` for the compute value `expr`."""
+    if dtype == torch.bfloat16:
+        return f"bf16_store({expr})"
+    if dtype == torch.float16:
+        return f"(_Float16)({expr})"
+    if dtype == torch.bool:
+        return f"(uint8_t)({expr})"
+    return expr
 
 
 def _index(kind: int, p: int) -> str:

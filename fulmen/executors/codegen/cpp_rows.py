@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.executors.codegen.cpp import COMPUTE, PRELUDE, STORAGE, _expr, literal
+from fulmen.executors.codegen.cpp import COMPUTE, PRELUDE, STORAGE, _expr, literal, load, store
 from fulmen.executors.codegen.ir import (
     ColumnReduce,
     Const,
@@ -84,11 +84,7 @@ def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
     if isinstance(value, Load):
         a = value.access
         ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{_index(layout[a], a)}]"
-        if value.dtype == torch.bfloat16:
-            ptr = f"bf16_load({ptr})"
-        elif value.dtype == torch.float16:
-            ptr = f"(float)({ptr})"
-        expr = ptr
+        expr = load(ptr, value.dtype)
     elif isinstance(value, Const):
         expr = literal(value.value, value.dtype)
     elif isinstance(value, Count):
@@ -343,11 +339,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
                       "    double t{c} = 0;".replace("{c}", str(c)),
                       f"    for (int64_t th = 0; th < nthreads; ++th) "
                       f"t{c} += colacc[(th * {ncol} + {c}) * count + col];"]
-            value = f"(float)t{c}" if dtype != torch.float64 else f"t{c}"
-            if dtype == torch.bfloat16:
-                value = f"bf16_store({value})"
-            elif dtype == torch.float16:
-                value = f"(_Float16)({value})"
+            value = store(f"(float)t{c}" if dtype != torch.float64 else f"t{c}", dtype)
             lines.append(f"    {{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
                          f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}")
             lines.append(f"    (({STORAGE[dtype]}*)ptrs[{p}])[o{p}] = {value};")
@@ -357,9 +349,4 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
 
 
 def _store(kernel: RowKernel, v: int) -> str:
-    dtype = kernel.values[v].dtype
-    if dtype == torch.bfloat16:
-        return f"bf16_store(v{v})"
-    if dtype == torch.float16:
-        return f"(_Float16)(v{v})"
-    return f"v{v}"
+    return store(f"v{v}", kernel.values[v].dtype)
