@@ -313,26 +313,20 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+# how an element of each storage type becomes its compute value, and back
+_LOAD = {torch.bfloat16: "bf16_load({})", torch.float16: "(float)({})", torch.bool: "({} != 0)"}
+_STORE = {torch.bfloat16: "bf16_store({})", torch.float16: "(_Float16)({})",
+          torch.bool: "(uint8_t)({})"}  # fmt: skip
+
+
 def load(expr: str, dtype: torch.dtype) -> str:
     """The compute value of the stored element `expr` of `dtype`."""
-    if dtype == torch.bfloat16:
-        return f"bf16_load({expr})"
-    if dtype == torch.float16:
-        return f"(float)({expr})"
-    if dtype == torch.bool:
-        return f"({expr} != 0)"
-    return expr
+    return _LOAD.get(dtype, "{}").format(expr)
 
 
 def store(expr: str, dtype: torch.dtype) -> str:
     """The stored element of `dtype` for the compute value `expr`."""
-    if dtype == torch.bfloat16:
-        return f"bf16_store({expr})"
-    if dtype == torch.float16:
-        return f"(_Float16)({expr})"
-    if dtype == torch.bool:
-        return f"(uint8_t)({expr})"
-    return expr
+    return _STORE.get(dtype, "{}").format(expr)
 
 
 def _index(kind: int, p: int) -> str:
