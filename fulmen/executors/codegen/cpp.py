@@ -11,7 +11,9 @@ the last dim; OpenMP shares (row, block) tasks among `nthreads` threads. The inn
 and stride of that layout.
 
 float16/bfloat16 are loaded and stored as such and computed in float32; every float16/bfloat16
-result is rounded to its dtype, as eager rounds after each op. No flag changes IEEE semantics.
+result is rounded to its dtype, as eager rounds after each op; bool elements are bytes (0/1).
+exp and erf of float32 are the vectorisable polynomials of the prelude (ulp bounds there). No
+flag changes IEEE semantics.
 """
 
 from __future__ import annotations
