@@ -194,11 +194,11 @@ class _Pool:
     def get(self):
         """The loaded library, or None while it builds (the "eager" compile policy waits for the
         build, as for kernels) or when it cannot be built."""
-        from fulmen.executors.codegen.runtime import policy
-
         if self.limit == 0:
             return None
         if self.lib is None and not self.failed:
+            from fulmen.executors.codegen.runtime import policy
+
             if policy.mode == "eager":
                 self.wait()
             else:
