@@ -299,11 +299,7 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
         elif isinstance(value, Const):
             expr = literal(value.value, value.dtype)
         else:
-            expr = f"({ctype})({_expr(kernel, value, names)})"
-            if value.dtype == torch.float16:
-                expr = f"f16_round({expr})"
-            elif value.dtype == torch.bfloat16:
-                expr = f"bf16_round({expr})"
+            expr = rounded(f"({ctype})({_expr(kernel, value, names)})", value.dtype)
         lines.append(f"      const {ctype} {name} = {expr};")
         names.append(name)
     for k, v in enumerate(kernel.outputs):
@@ -315,10 +311,12 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-# how an element of each storage type becomes its compute value, and back
+# how an element of each storage type becomes its compute value, and back; and how a computed
+# float16/bfloat16 value is rounded to its dtype (as eager rounds after each op)
 _LOAD = {torch.bfloat16: "bf16_load({})", torch.float16: "(float)({})", torch.bool: "({} != 0)"}
 _STORE = {torch.bfloat16: "bf16_store({})", torch.float16: "(_Float16)({})",
           torch.bool: "(uint8_t)({})"}  # fmt: skip
+_ROUND = {torch.bfloat16: "bf16_round({})", torch.float16: "f16_round({})"}
 
 
 def load(expr: str, dtype: torch.dtype) -> str:
@@ -329,6 +327,11 @@ def load(expr: str, dtype: torch.dtype) -> str:
 def store(expr: str, dtype: torch.dtype) -> str:
     """The stored element of `dtype` for the compute value `expr`."""
     return _STORE.get(dtype, "{}").format(expr)
+
+
+def rounded(expr: str, dtype: torch.dtype) -> str:
+    """The compute value `expr` of a `dtype` result, rounded to `dtype` (float16/bfloat16)."""
+    return _ROUND.get(dtype, "{}").format(expr)
 
 
 def _index(kind: int, p: int) -> str:

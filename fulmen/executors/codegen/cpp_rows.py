@@ -33,7 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.executors.codegen.cpp import COMPUTE, PRELUDE, STORAGE, _expr, literal, load, store
+from fulmen.executors.codegen.cpp import (
+    COMPUTE,
+    PRELUDE,
+    STORAGE,
+    _expr,
+    literal,
+    load,
+    rounded,
+    store,
+)  # fmt: skip
 from fulmen.executors.codegen.ir import (
     ColumnReduce,
     Const,
@@ -93,7 +102,7 @@ def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
         expr = f"f_exp_nonpos(v{value.args[0]})"
     else:
         expr = f"({ctype})({_expr(kernel, value, names)})"
-        expr = _round(expr, value.dtype)
+        expr = rounded(expr, value.dtype)
     return f"const {ctype} v{v} = {expr};"
 
 
@@ -107,14 +116,6 @@ def _nonpositive_exp(kernel: RowKernel, value) -> bool:
         return False
     top = kernel.values[arg.args[1]]
     return isinstance(top, Reduce) and top.name == "amax" and top.arg == arg.args[0]
-
-
-def _round(expr: str, dtype: torch.dtype) -> str:
-    if dtype == torch.float16:
-        return f"f16_round({expr})"
-    if dtype == torch.bfloat16:
-        return f"bf16_round({expr})"
-    return expr
 
 
 def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
@@ -158,7 +159,7 @@ def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
             out["combine"].append(f"nf{v} |= n{v};")
             result = f"(nf{v} ? std::numeric_limits<{ctype}>::quiet_NaN() : a{v})"
     rtype = COMPUTE[red.dtype]
-    out["final"] = [f"const {rtype} v{v} = {_round(f'({rtype})({result})', red.dtype)};"]
+    out["final"] = [f"const {rtype} v{v} = {rounded(f'({rtype})({result})', red.dtype)};"]
     return out
 
 
