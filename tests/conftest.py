@@ -1,3 +1,4 @@
+import importlib.metadata
 import os
 
 import pytest
@@ -9,6 +10,28 @@ os.environ.setdefault("FULMEN_CHECK", "1")
 def pytest_addoption(parser):
     parser.addoption("--opinfo-samples", default="8",
                      help="samples per OpInfo in conformance tests: a number or 'all'")
+
+
+def _versions() -> str:
+    """The versions a run used: real-model results depend on transformers and litgpt."""
+    found = []
+    for name in ("torch", "transformers", "litgpt"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} absent")
+    return ", ".join(found)
+
+
+def pytest_report_header(config):
+    return _versions()
+
+
+def pytest_sessionstart(session):
+    # -q hides the report header (make test runs quietly): print the versions anyway.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not reporter.showheader:
+        reporter.write_line(_versions())
 
 
 @pytest.fixture(scope="session", autouse=True)
