@@ -318,7 +318,7 @@ class CudaFusedRegion(RegionCallable):
         return source
 
     def __call__(self, *inputs):
-        if self.failed:
+        if self.failed or not self.accepts(inputs):
             return self._run_fallback(inputs)
         try:
             return self._run(inputs)

@@ -238,8 +238,21 @@ class RegionCallable:
         self.lowered = lowered
         self.kernel = lowered.kernel
         self.fallback_trace = fallback_trace
+        self.input_types = tuple(_input_type(proxy) for proxy in lowered.inputs)
         self._fallback = None
         self.failed = False
+
+    def accepts(self, inputs) -> bool:
+        """Whether every input has the dtype and device the kernel was built for. A kernel
+        reads raw memory: a bfloat16 buffer handed to a float32 kernel would be read as float32
+        (garbage), so a region called with other types runs its torch fallback instead."""
+        if len(inputs) != len(self.input_types):
+            return False
+        for tensor, expected in zip(inputs, self.input_types):
+            if expected is not None and (not isinstance(tensor, torch.Tensor)
+                                         or (tensor.dtype, tensor.device) != expected):
+                return False
+        return True
 
     def _run_fallback(self, inputs):
         if self._fallback is None:
@@ -322,15 +335,20 @@ class FusedRegion(RegionCallable):
         shape = lowered.shape
         points = [shape[d] for d in range(len(shape)) if d not in lowered.reduced] if rows else shape
         if not math.prod(points):  # nothing to compute (no rows, or an empty iteration space)
+            if not self.accepts(inputs):
+                raise _Fallback
             outs = [torch.empty(s, dtype=dtype)
                     for s, dtype in zip(self._out_shapes(), kernel.output_dtypes)]
             for out, column in zip(outs, kernel.output_columns if rows else ()):
                 if column:
                     out.zero_()  # a sum over no rows
             return region_results(lowered, inputs, outs)
-        key = (torch.get_num_threads(), *[(t.shape, t.stride()) for t in inputs])
+        key = (torch.get_num_threads(),
+               *[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])
         plan = self._plans.get(key)
         if plan is None:
+            if not self.accepts(inputs):
+                raise _Fallback
             plan = self._plan_rows(inputs) if rows else self._plan(inputs)
             if plan[-1]:  # no access copied its input: valid for every call with this key
                 self._plans[key] = plan
@@ -429,6 +447,13 @@ class FusedRegion(RegionCallable):
         return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
                 (ctypes.c_int64 * len(flat))(*flat), pointers, len(outer), nthreads,
                 list(zip(out_shapes, kernel.output_dtypes)), in_place)
+
+
+def _input_type(proxy) -> tuple | None:
+    """(dtype, device) a kernel expects of a region input; None for a non-tensor input."""
+    if not isinstance(proxy, torch.Tensor):
+        return None
+    return proxy.dtype, proxy.device
 
 
 def _contiguous(shape) -> list[int]:
