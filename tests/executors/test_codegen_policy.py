@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors.codegen import compile as cg_compile
-from fulmen.executors.codegen import runtime, set_compile_policy, wait_for_kernels
+from fulmen.executors.codegen import build as cg_build
+from fulmen.executors.codegen import policy, runtime, set_compile_policy, wait_for_kernels
 
 EXECUTORS = ["codegen", "torch"]
 
@@ -15,15 +15,15 @@ def lazy(tmp_path, monkeypatch):
     monkeypatch.setenv("FULMEN_CACHE_DIR", str(tmp_path))  # an empty kernel cache
     previous = set_compile_policy("lazy", hot_calls=3)
     builds = []
-    real_build = cg_compile._build
+    real_build = cg_build._build
 
     def counting_build(source, cxx, path):
         builds.append(source)
         real_build(source, cxx, path)
 
-    monkeypatch.setattr(cg_compile, "_build", counting_build)
-    monkeypatch.setattr(cg_compile, "_loaded", {})  # no kernel loaded by an earlier test
-    monkeypatch.setattr(runtime, "_submitted", {})
+    monkeypatch.setattr(cg_build, "_build", counting_build)
+    monkeypatch.setattr(cg_build, "_loaded", {})  # no kernel loaded by an earlier test
+    monkeypatch.setattr(policy, "_jobs", {})
     yield builds
     set_compile_policy(previous.mode, previous.hot_calls)
 

@@ -9,8 +9,8 @@ import torch
 
 import fulmen
 from fulmen.core import check_trace
+from fulmen.executors.codegen import build as cg_build
 from fulmen.executors.codegen import codegen_ex
-from fulmen.executors.codegen import compile as cg_compile
 from fulmen.transforms.fusion import partition_for_fusion
 
 EXECUTORS = ["codegen", "torch"]
@@ -115,7 +115,7 @@ def test_printed_fused_trace_snapshot():
 
 
 def test_compile_failure_falls_back_to_torch_with_one_warning(monkeypatch):
-    monkeypatch.setattr(cg_compile, "compiler", lambda: None)
+    monkeypatch.setattr(cg_build, "compiler", lambda: None)
 
     def fn(x):
         return (x * 3.25).tanh() - 0.125

@@ -7,7 +7,7 @@
 
 The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
 `lower.py` turns a pointwise region into the kernel IR (`ir.py`) and `rows.py` a region with
-reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `compile.py`
+reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `build.py`
 builds and caches them (`FULMEN_CACHE_DIR`), and `runtime.py` calls them. A new kernel costs a
 C++ compile of about a second, so by default (`set_compile_policy`) a region runs its prims on
 the torch executor until it is hot, while its kernel compiles in the background.
@@ -21,8 +21,9 @@ from fulmen.core import BoundSymbol, Symbol, Trace
 from fulmen.executors.base import FusionExecutor
 from fulmen.executors.codegen import nvrtc
 from fulmen.executors.codegen.lower import REDUCTIONS, Unsupported, fits_pointwise, fusible
+from fulmen.executors.codegen.policy import set_compile_policy
 from fulmen.executors.codegen.rows import lower_any
-from fulmen.executors.codegen.runtime import FusedRegion, set_compile_policy
+from fulmen.executors.codegen.runtime import FusedRegion
 from fulmen.executors.registry import register_executor
 
 __all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources", "set_compile_policy",

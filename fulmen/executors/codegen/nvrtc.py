@@ -38,7 +38,7 @@ import torch
 
 from fulmen.core import BoundSymbol
 from fulmen.executors.codegen import cuda, cuda_rows
-from fulmen.executors.codegen.compile import cache_dir as _cpp_cache_dir
+from fulmen.executors.codegen.build import cache_dir as _cpp_cache_dir
 from fulmen.executors.codegen.ir import Kernel, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
 from fulmen.executors.codegen.runtime import (

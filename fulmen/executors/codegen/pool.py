@@ -34,6 +34,9 @@ import threading
 import torch
 from torch.utils.dlpack import from_dlpack
 
+from fulmen.executors.codegen import build
+from fulmen.executors.codegen.policy import policy, submit
+
 MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
 _HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
 
@@ -191,14 +194,16 @@ class _Pool:
         self.limit = _default_limit()
         self._lock = threading.Lock()
 
+    def reset_after_fork(self) -> None:
+        """A forked child's lock (the parent's may have been held by a thread the child lacks)."""
+        self._lock = threading.Lock()
+
     def get(self):
         """The loaded library, or None while it builds (the "eager" compile policy waits for the
         build, as for kernels) or when it cannot be built."""
         if self.limit == 0:
             return None
         if self.lib is None and not self.failed:
-            from fulmen.executors.codegen.runtime import policy
-
             if policy.mode == "eager":
                 self.wait()
             else:
@@ -222,14 +227,15 @@ class _Pool:
                 self._start()
 
     def _start(self) -> None:
-        from fulmen.executors.codegen import compile as _compile
-        from fulmen.executors.codegen.runtime import _pool
-
-        if self.future is None:
-            if _compile.is_cached(_SOURCE):
-                self._load(_compile.load_library(_SOURCE))
-                return
-            self.future = _pool.submit(_compile.load_library, _SOURCE)
+        if self.future is None and build.is_cached(_SOURCE):
+            try:
+                self._load(build.load_library(_SOURCE))
+            except build.CompileError:
+                self.failed = True
+            return
+        if self.future is None or not self.future.done():  # not done: see NOTE [fork]
+            self.future = submit(("pool", str(build.cache_dir()), build.compiler()),
+                                 build.load_library, _SOURCE)
         if self.future.done():
             try:
                 self._load(self.future.result())
@@ -249,6 +255,7 @@ class _Pool:
 
 
 _state = _Pool()
+os.register_at_fork(after_in_child=_state.reset_after_fork)
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]

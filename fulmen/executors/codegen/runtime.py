@@ -9,7 +9,7 @@
    contiguously (so a contiguous region runs as one flat loop);
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
-When kernels are compiled is the `policy` (`set_compile_policy`, or the environment variable
+When kernels are compiled is the `policy` (`policy.py`: `set_compile_policy`, or the variable
 `FULMEN_CODEGEN_COMPILE`):
 
 - "lazy" (the default): a kernel already in the disk cache is loaded when the region is fused;
@@ -31,76 +31,33 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 import torch
 
-from fulmen.executors.codegen import compile as _compile
-from fulmen.executors.codegen.compile import CompileError, is_cached, load_kernel
+from fulmen.executors.claim import claim_executors
+from fulmen.executors.codegen import build
+from fulmen.executors.codegen.build import CompileError, is_cached, load_kernel
 from fulmen.executors.codegen.cpp import render
 from fulmen.executors.codegen.cpp_rows import render_rows
 from fulmen.executors.codegen.ir import Access, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
+from fulmen.executors.codegen.policy import policy, submit
 from fulmen.executors.codegen.pool import empty
+from fulmen.executors.registry import get_executor
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
-_pool = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())))
 
 
 class _Fallback(Exception):
     pass
 
 
-@dataclass
-class CompilePolicy:
-    """When kernels compile (see the module docstring): `mode` "lazy" or "eager"; in lazy mode
-    a region's kernel starts compiling at its `hot_calls`-th call."""
-
-    mode: str = "lazy"
-    hot_calls: int = 3
-
-
-policy = CompilePolicy(os.environ.get("FULMEN_CODEGEN_COMPILE", "lazy"),
-                       int(os.environ.get("FULMEN_CODEGEN_HOT_CALLS", "3")))
-
-
-def set_compile_policy(mode: str | None = None, hot_calls: int | None = None) -> CompilePolicy:
-    """Set when the codegen executor compiles kernels; returns the previous policy.
-
-    Args:
-        mode: "lazy" (torch runs a region until it is hot and its kernel is compiled in the
-            background) or "eager" (compile when fused, the first call waits).
-        hot_calls: in lazy mode, the call of a region that starts its compile (>= 1).
-
-    Raises:
-        ValueError: an unknown mode or hot_calls < 1.
-    """
-    previous = CompilePolicy(policy.mode, policy.hot_calls)
-    if mode is not None:
-        if mode not in ("lazy", "eager"):
-            raise ValueError(f"codegen compile mode must be 'lazy' or 'eager', got {mode!r}")
-        policy.mode = mode
-    if hot_calls is not None:
-        if hot_calls < 1:
-            raise ValueError(f"hot_calls must be at least 1, got {hot_calls}")
-        policy.hot_calls = hot_calls
-    return previous
-
-
-_submitted: dict[tuple, Future] = {}
-
-
 def _submit(source: str) -> Future:
-    """The (shared) future loading `source`: identical regions, e.g. of repeated layers, build
-    their kernel once even while the first build is still running."""
-    key = (source, str(_compile.cache_dir()), _compile.compiler())
-    future = _submitted.get(key)
-    if future is None or (future.done() and future.exception() is not None):
-        future = _submitted[key] = _pool.submit(load_kernel, source)
-    return future
+    """The (shared) future loading the kernel of `source` (see `policy.submit`)."""
+    key = ("kernel", source, str(build.cache_dir()), build.compiler())
+    return submit(key, load_kernel, source)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -256,9 +213,6 @@ class RegionCallable:
 
     def _run_fallback(self, inputs):
         if self._fallback is None:
-            from fulmen.executors.claim import claim_executors
-            from fulmen.executors.registry import get_executor
-
             trace = claim_executors(self.fallback_trace, [get_executor("torch")])
             self._fallback = trace.python_callable()
         return self._fallback(*inputs)
@@ -290,18 +244,19 @@ class FusedRegion(RegionCallable):
         return source
 
     def _start(self, layout: tuple) -> Future:
+        """The build of the kernel for `layout`, started if it is not (or if it was unfinished
+        in the parent of a forked process: NOTE [fork] in `policy.py`)."""
         future = self._kernels.get(layout)
-        if future is None:
+        if future is None or not future.done():
             future = self._kernels[layout] = _submit(self._source(layout))
         return future
 
     def _kernel_for(self, layout: tuple):
         """The compiled kernel for `layout`; raises _Fallback while it is not ready (lazy)."""
-        future = self._kernels.get(layout)
-        if future is None:
-            if policy.mode == "lazy" and self.calls < policy.hot_calls:
-                raise _Fallback
-            future = self._start(layout)
+        if layout not in self._kernels and policy.mode == "lazy" \
+                and self.calls < policy.hot_calls:
+            raise _Fallback
+        future = self._start(layout)
         if policy.mode == "lazy" and not future.done():
             raise _Fallback
         return future.result()
@@ -312,8 +267,8 @@ class FusedRegion(RegionCallable):
 
     def wait(self) -> None:
         """Block until every kernel started so far is compiled (errors surface at the call)."""
-        for future in list(self._kernels.values()):
-            future.exception()
+        for layout in list(self._kernels):
+            self._start(layout).exception()
 
     def __call__(self, *inputs):
         self.calls += 1
