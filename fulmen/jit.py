@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,12 @@ from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.remat import rematerialize
+from fulmen.transforms.segments import split_at_breaks
+from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
 _PASSES = get_logger("passes")
+_BREAKS = get_logger("breaks")
 
 
 @dataclass
@@ -50,6 +54,7 @@ class CacheEntry:
     grad_specs: list | None = None
     all_leaves_are_inputs: bool = False
     mutated_inputs: tuple[int, ...] = ()
+    tree: bool = False  # `fn` is a TraceTree (the program has graph breaks)
 
 
 @dataclass
@@ -58,6 +63,9 @@ class CompileStats:
 
     `stage_seconds` maps each stage of the last compilation (tracing, each pass, Python
     compilation) to seconds; `calls`, `cache_hits` and `cache_misses` count calls.
+    `graph_breaks` names the breaks of the path last compiled (`bool(t17) at model.py:12 ...`),
+    `branches` counts the compiled paths, `eager_calls` the calls that ran eagerly because a
+    guard had too many different answers (`fulmen.tree.MAX_BRANCHES`).
     """
 
     calls: int = 0
@@ -67,21 +75,35 @@ class CompileStats:
     last_backward_traces: list[Trace] = field(default_factory=list)
     recompile_reasons: list[list[str]] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    graph_breaks: list[str] = field(default_factory=list)
+    eager_calls: int = 0
+
+    @property
+    def branches(self) -> int:
+        """Compiled paths through programs with graph breaks, over all cache entries."""
+        return sum(entry.fn.paths() for entry in self._entries() if entry.tree)
+
+    def _entries(self):
+        return self.cache.values() if self.cache is not None else ()
+
+    cache: dict | None = None
 
 
 class _Jitted:
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
     def _setup(self, fn, module, executors, transforms, grad_argnums=None,
-               rematerialize=True) -> None:
+               rematerialize=True, fullgraph=False) -> None:
         self._fn = fn
+        self._fullgraph = fullgraph
+        self._warned_eager = False
         self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
         self._module = module
         self._executors = resolve_executors(executors)
         self._transforms = list(transforms or ())
         self._cache: dict[tuple, CacheEntry] = {}
-        self._stats = CompileStats()
+        self._stats = CompileStats(cache=self._cache)
         modules = tuple(module.modules()) if module is not None else ()
         self._guard = CacheKeyBuilder(modules, fn if module is None else module.forward)
         self._state_slots = state_slots(module) if module is not None else []
@@ -108,6 +130,10 @@ class _Jitted:
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
             check_no_input_aliasing([*[leaves[i] for i in entry.tensor_positions], *state,
                                      *entry.captured], entry.mutated_inputs)
+        if entry.tree:
+            inputs = [*leaves, *state] if entry.all_leaves_are_inputs else \
+                [*[leaves[i] for i in entry.tensor_positions], *state]
+            return self._run_tree(entry, args, kwargs, inputs)
         if entry.all_leaves_are_inputs:
             out = entry.fn(*leaves, *state, *entry.captured)
         else:
@@ -131,11 +157,12 @@ class _Jitted:
                              "; ".join(reasons))
         self._last_described = described
 
-    def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
-        seconds: dict[str, float] = {}
+    def _trace(self, args: tuple, kwargs: dict):
+        """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff)."""
         rng_state = torch.random.get_rng_state()
         try:
-            program = trace_program(self._fn, args, kwargs, module=self._module)
+            program = trace_program(self._fn, args, kwargs, module=self._module,
+                                    allow_breaks=not self._fullgraph and self._grad_argnums is None)
         except FulmenError as error:
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
@@ -147,8 +174,32 @@ class _Jitted:
                 "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
                 "while it runs; a compiled function would not repeat that on later calls",
                 op="torch.manual_seed", hint="seed outside the compiled function")
-        seconds["tracing"] = program.seconds
-        traces = [program.trace]
+        return program
+
+    def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
+        program = self._trace(args, kwargs)
+        if program.breaks:
+            return self._compile_tree(program, args, kwargs)
+        grad_specs = wrt = None
+        if self._grad_argnums is not None:
+            wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
+        compiled, seconds = self._compile_trace(program.trace, wrt)
+        seconds = {"tracing": program.seconds, **seconds}
+        self._stats.last_traces = compiled.traces
+        self._stats.last_backward_traces = compiled.backward_traces
+        self._stats.stage_seconds = seconds
+        self._stats.graph_breaks = []
+        return CacheEntry(compiled.fn, compiled.traces, program.tensor_positions, program.captured,
+                          program.output_spec, seconds, grad_specs=grad_specs,
+                          mutated_inputs=program.mutated_inputs,
+                          all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
+                          and all(isinstance(a, torch.Tensor) for a in args))
+
+    def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
+        """The pass pipeline on one trace: dce, user transforms, autodiff and
+        rematerialization when it is differentiated, claiming by the executors, deletion."""
+        seconds: dict[str, float] = {}
+        traces = [trace]
         backward_traces: list[Trace] = []
 
         def run(stages: list[Trace], stage, *extra) -> None:
@@ -162,11 +213,9 @@ class _Jitted:
         run(traces, dce)
         for user_transform in self._transforms:
             run(traces, user_transform)
-        grad_specs = None
-        if self._grad_argnums is not None:
-            wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
+        if wrt is not None:
             run(traces, value_and_grad_trace, wrt)
-        needs_grad = (self._grad_argnums is None and torch.is_grad_enabled()
+        needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
                       and any(p.requires_grad for p in traces[-1].args))
         if needs_grad:
             start = time.perf_counter()
@@ -197,14 +246,86 @@ class _Jitted:
                                 any(not isinstance(r, torch.Tensor) for r in residuals))
             fn = functools.partial(_call_with_autograd, pair, split.output_spec)
         seconds["python compilation"] = time.perf_counter() - start
-        self._stats.last_traces = traces
-        self._stats.last_backward_traces = backward_traces
-        self._stats.stage_seconds = seconds
-        return CacheEntry(fn, traces, program.tensor_positions, program.captured,
-                          program.output_spec, seconds, grad_specs=grad_specs,
-                          mutated_inputs=program.mutated_inputs,
+        return CompiledSegment(fn, traces, backward_traces), seconds
+
+    def _compile_tree(self, program, args: tuple, kwargs: dict,
+                      entry: CacheEntry | None = None) -> CacheEntry:
+        """Compile a traced path with graph breaks into a new trace tree (or graft it onto the
+        tree of `entry`)."""
+        captured = len(program.captured)
+        arg_proxies = program.trace.args[:len(program.trace.args) - captured]
+        constants = {p.name: t for p, t in zip(program.trace.args[len(arg_proxies):],
+                                               program.captured)}
+        seconds: dict[str, float] = {"tracing": program.seconds}
+
+        def compile_segment(trace: Trace) -> CompiledSegment:
+            compiled, stage_seconds = self._compile_trace(trace)
+            for stage, value in stage_seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + value
+            return compiled
+
+        tree = entry.fn if entry is not None else TraceTree(tuple(p.name for p in arg_proxies),
+                                                            compile_segment)
+        tree.compile_segment = compile_segment
+        segments = split_at_breaks(program.trace, program.requires_grad_names)
+        path = tree.graft(segments, program.trace.output, program.output_spec, constants)
+        _log_breaks(program.breaks)
+        stats = self._stats
+        stats.graph_breaks = [str(info) for info in program.breaks]
+        if path is not None:
+            stats.last_traces = [program.trace] + [t for n in path for t in n.compiled.traces]
+            stats.last_backward_traces = [t for n in path for t in n.compiled.backward_traces]
+            stats.stage_seconds = seconds
+        mutated = tuple(i for i in program.mutated_inputs if i < len(arg_proxies))
+        if entry is not None:
+            entry.mutated_inputs = tuple(sorted({*entry.mutated_inputs, *mutated}))
+            return entry
+        return CacheEntry(tree, [program.trace], program.tensor_positions, (), None, seconds,
+                          mutated_inputs=mutated, tree=True,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
+
+    def _run_tree(self, entry: CacheEntry, args: tuple, kwargs: dict, inputs: list):
+        """Run a trace tree; on a new answer, retrace from the root, graft, run again. A call
+        whose path cannot be compiled (a guard with too many answers) runs eagerly."""
+        rng_state = torch.random.get_rng_state()
+        for attempt in range(2):
+            try:
+                return entry.fn(*inputs)
+            except PathMiss as error:
+                miss = error
+                torch.random.set_rng_state(rng_state)  # the next run draws the same numbers
+                if miss.node.closed or attempt == 1:
+                    break
+                _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
+                self._stats.recompile_reasons.append(
+                    [f"graph break {miss.node.reason} answered {miss.answer!r}"])
+                program = self._trace(args, kwargs)
+                torch.random.set_rng_state(rng_state)
+                self._compile_tree(program, args, kwargs, entry)
+        return self._run_eagerly(args, kwargs, miss)
+
+    def _run_eagerly(self, args: tuple, kwargs: dict, miss: PathMiss):
+        self._stats.eager_calls += 1
+        if not self._warned_eager:
+            self._warned_eager = True
+            warnings.warn(
+                f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
+                "different answers; calls taking a new answer run eagerly", stacklevel=4)
+        target = self._module if self._module is not None else self._fn
+        return target(*args, **kwargs)
+
+
+def _log_breaks(breaks) -> None:
+    """Log each graph break once per process (`FULMEN_LOGS=breaks`)."""
+    for info in breaks:
+        key = (info.reason.split("(")[0], info.source)
+        if key not in _LOGGED_BREAKS:
+            _LOGGED_BREAKS.add(key)
+            _BREAKS.info("graph break: %s", info)
+
+
+_LOGGED_BREAKS: set = set()
 
 
 def _with_examine_report(error: FulmenError, fn, args: tuple, kwargs: dict) -> FulmenError:
@@ -260,8 +381,8 @@ class JittedFunction(_Jitted):
     """A function compiled by `fulmen.jit`; call it like the original."""
 
     def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None,
-                 rematerialize: bool = True) -> None:
-        self._setup(fn, None, executors, transforms, grad_argnums, rematerialize)
+                 rematerialize: bool = True, fullgraph: bool = False) -> None:
+        self._setup(fn, None, executors, transforms, grad_argnums, rematerialize, fullgraph)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -280,11 +401,12 @@ class JittedModule(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, executors=None, transforms=None,
-                 rematerialize: bool = True) -> None:
+                 rematerialize: bool = True, fullgraph: bool = False) -> None:
         super().__init__()
         self._orig_mod = module
         self._jit = _Jitted()
-        self._jit._setup(module, module, executors, transforms, rematerialize=rematerialize)
+        self._jit._setup(module, module, executors, transforms, rematerialize=rematerialize,
+                         fullgraph=fullgraph)
 
     def forward(self, *args, **kwargs):
         return self._jit._call(args, kwargs)
@@ -302,6 +424,7 @@ def jit(
     executors: Sequence[Executor | str] | None = None,
     transforms: Sequence[Callable[[Trace], Trace]] | None = None,
     rematerialize: bool = True,
+    fullgraph: bool = False,
 ) -> JittedFunction | JittedModule:
     """Compile a function or `nn.Module` with fulmen.
 
@@ -313,6 +436,9 @@ def jit(
         transforms: extra passes `Trace -> Trace`, applied after dce and before executors claim.
         rematerialize: when training, choose the values saved for backward by a minimum cut and
             recompute the rest in the backward (`fulmen.transforms.remat`).
+        fullgraph: raise when the program needs a tensor's value in Python (`if t.any():`,
+            `.item()`, `nonzero`) instead of splitting it there into segments joined by a
+            guard (a graph break; see `fulmen.tree`).
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
@@ -326,8 +452,9 @@ def jit(
         >>> jfn(torch.randn(4))
     """
     if isinstance(fn, torch.nn.Module):
-        return JittedModule(fn, executors, transforms, rematerialize)
-    return JittedFunction(fn, executors, transforms, rematerialize=rematerialize)
+        return JittedModule(fn, executors, transforms, rematerialize, fullgraph)
+    return JittedFunction(fn, executors, transforms, rematerialize=rematerialize,
+                          fullgraph=fullgraph)
 
 
 def _jitted(jfn) -> _Jitted:

@@ -1,6 +1,7 @@
 """fulmen's logs, through the standard `logging` module.
 
-Topics: `recompiles` (why each retrace happened), `passes` (seconds per pass), `fusion` (fusion
+Topics: `recompiles` (why each retrace happened), `passes` (seconds per pass), `breaks` (each
+graph break, once, with its reason and line), `fusion` (fusion
 decisions). Enable them with the environment variable `FULMEN_LOGS=recompiles,passes` (or `all`),
 or with `logging.getLogger("fulmen.recompiles").setLevel(logging.INFO)` and a handler.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-TOPICS = ("recompiles", "passes", "fusion")
+TOPICS = ("recompiles", "passes", "fusion", "breaks")
 
 
 def get_logger(topic: str) -> logging.Logger:

@@ -32,6 +32,7 @@ from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.symbol import BoundSymbol, Symbol
 
 INDENT = "  "
+GRAPH_BREAK_TAG = "graph_break"  # tag of the guard statement a graph break records
 
 _DTYPE_NAMES = {
     dtype: str(dtype).removeprefix("torch.")
@@ -124,6 +125,8 @@ class _Printer:
             if depth == 1 and bsym.source is not None and bsym.source != last_source:
                 lines.append(f"{pad}# {bsym.source}")
                 last_source = bsym.source
+            if GRAPH_BREAK_TAG in bsym.sym.tags:  # args: (question, fn, expected, *values)
+                lines.append(f"{pad}# graph break: {bsym.args[0]}, answered {bsym.args[2]!r}")
             line = pad + self.statement(bsym)
             types = type_comment(bsym.output)
             if types:

@@ -4,8 +4,9 @@ Every torch call whose arguments include a proxy arrives here, through
 `TensorProxy.__torch_function__` or through `FactoryMode` (a `TorchFunctionMode` that also sees
 calls with no tensor argument, such as `torch.zeros`). The route, in order:
 
-1. a value-dependent call (`.item()`, `bool(t)`, `.tolist()`, ...) raises a `FulmenError` naming
-   the construct and the user's line;
+1. a value-dependent call (`.item()`, `bool(t)`, `.tolist()`, `t in x`, ...) is answered from
+   the real inputs and recorded as a graph break (`fulmen.tracer.breaks`); with breaks off
+   (`fullgraph=True`) it raises a `FulmenError` naming the construct and the user's line;
 2. an in-place or `out=` call is functionalized (`fulmen.tracer.mutation`): recorded as its
    out-of-place form, with the mutated tensor's later reads and a final write-back following it;
 3. tensor arguments are replaced by their current values (after earlier in-place updates), and
@@ -13,8 +14,9 @@ calls with no tensor argument, such as `torch.zeros`). The route, in order:
 4. a torch callable with a fulmen decomposition records that torch-level symbol (a
    decomposition that raises `NotYetSupportedError` for some arguments falls through to 5);
 5. anything else records the opaque symbol for the callable (PyTorch's meta kernel gives the
-   output); a call whose result holds no tensor (a metadata query) returns that result as a
-   constant and records nothing.
+   output; when it cannot, as for `nonzero`, the op runs on the real values and its output
+   shapes become a graph break's guard); a call whose result holds no tensor (a metadata query)
+   returns that result as a constant and records nothing.
 
 Afterwards, views are registered (so mutating a view updates its base, and the reverse), and
 grad mode is honoured: under `torch.no_grad()` inside a differentiated function, results that
@@ -64,7 +66,10 @@ _VALUE_DEPENDENT = {
     torch.allclose: "torch.allclose()",
     T.allclose: "Tensor.allclose()",
     torch.is_nonzero: "torch.is_nonzero()",
+    T.__contains__: "`element in tensor`",
 }
+# Questions about a tensor's storage rather than its values: no graph break can answer them.
+_IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
 
 
 def _func_name(func) -> str:
@@ -142,6 +147,8 @@ class TracerCtx(TraceCtx):
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
         self._internal = 0
+        # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
+        self.breaks = None
 
     def add_input(self, proxy: TensorProxy) -> None:
         """Declare `proxy` a trace input (argument, module state or captured tensor)."""
@@ -197,6 +204,9 @@ class TracerCtx(TraceCtx):
                 "recomputes the region in the backward",
             )
         if func in _VALUE_DEPENDENT:
+            if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
+                args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))
+                return self.breaks.take_value(func, args, kwargs)
             raise FulmenError(
                 f"{_VALUE_DEPENDENT[func]} needs the tensor's value, which is unknown while tracing",
                 op=_func_name(func),
@@ -231,7 +241,16 @@ class TracerCtx(TraceCtx):
             except NotYetSupportedError:
                 sym = None  # the decomposition does not cover these arguments: run the op whole
         if sym is None:
-            out = opaque_symbol(func)(*args, **kwargs)
+            sym = opaque_symbol(func)
+            try:
+                out = sym(*args, **kwargs)
+            except FulmenError as error:
+                # PyTorch cannot describe the output without values (`nonzero`, `x[mask]`):
+                # with graph breaks, run it on the real values and guard the shapes it gave
+                if (self.breaks is None or len(self.scopes) != 1 or error.__cause__ is None
+                        or isinstance(error.__cause__, FulmenError)):
+                    raise
+                out = self.breaks.run_for_real(sym, func, args, kwargs)
         if self.requires_grad_names and func not in _DETACH:
             out = self._track_grad(func, args, kwargs, out)
         return out

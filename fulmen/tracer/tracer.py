@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError, Trace, tracing
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.mutation import WRITE_BACK
 
@@ -43,6 +44,8 @@ class TracedProgram:
         mutated_inputs: indices (among the trace inputs) of the tensors the trace writes back
             to; the runtime checks that they share memory with no other input
             (`check_no_input_aliasing`).
+        breaks: the graph breaks taken, in order (each is a guard statement in the trace).
+        requires_grad_names: the proxies that depend on an input requiring grad.
     """
 
     trace: Trace
@@ -53,6 +56,8 @@ class TracedProgram:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
     mutated_inputs: tuple[int, ...] = ()
+    breaks: tuple[BreakInfo, ...] = ()
+    requires_grad_names: frozenset[str] = frozenset()
 
 
 def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
@@ -195,11 +200,14 @@ def _flatten_output(out) -> tuple[list, Any]:
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
-                  name: str = "computation", ctx: TracerCtx | None = None) -> TracedProgram:
+                  name: str = "computation", ctx: TracerCtx | None = None,
+                  allow_breaks: bool = False) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
 
     `ctx` is a fresh recording context to use (by default one is made); after a failure its
     statements are the part of the program traced so far (`fulmen.examine` reports them).
+    With `allow_breaks`, value-dependent Python is answered from the real `args` and recorded
+    as graph breaks (`fulmen.tracer.breaks`) instead of raising.
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
@@ -237,6 +245,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         ctx.add_input(state[id(tensor)])
         state_names.append(slot.qualname)
 
+    if allow_breaks:
+        real = {proxy.name: leaves_with_paths[index][1] for proxy, index in zip(inputs, positions)}
+        for slot in state_slots(module) if module is not None else ():
+            real[state[id(slot.get())].name] = slot.get()
+        ctx.breaks = BreakRecorder(ctx, real)
+
     with tracing(ctx), FactoryMode(ctx):
         if module is not None:
             with swapped_state(module, state):
@@ -261,4 +275,6 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
     mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
-                         output_spec, seconds, mutated_inputs=mutated)
+                         output_spec, seconds, mutated_inputs=mutated,
+                         breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
+                         requires_grad_names=frozenset(ctx.requires_grad_names))

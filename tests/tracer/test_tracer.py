@@ -71,8 +71,9 @@ def _item_user(x):
     ],
 )
 def test_value_dependent_constructs_raise_with_source_line(fn, construct):
+    # with fullgraph=True; by default these are graph breaks (tests/tracer/test_graph_breaks.py)
     with pytest.raises(FulmenError) as info:
-        fulmen.jit(fn)(torch.randn(3))
+        fulmen.jit(fn, fullgraph=True)(torch.randn(3))
     message = str(info.value)
     assert construct in message
     assert "test_tracer.py:" in message
@@ -104,7 +105,7 @@ def test_opaque_op_is_traced_and_run_by_torch():
 
 def test_data_dependent_shape_raises_clearly():
     with pytest.raises(FulmenError, match="nonzero"):
-        fulmen.jit(lambda x: torch.nonzero(x))(torch.randn(4))
+        fulmen.jit(lambda x: torch.nonzero(x), fullgraph=True)(torch.randn(4))
 
 
 def test_metadata_queries_are_constants():
@@ -216,7 +217,7 @@ def test_unsupported_construct_errors_carry_the_examine_report():
         return -y
 
     with pytest.raises(FulmenError) as info:
-        fulmen.jit(fn)(torch.randn(3))
+        fulmen.jit(fn, fullgraph=True)(torch.randn(3))
     message = str(info.value)
     assert "bool(tensor)" in message and "fulmen.examine" in message
     assert "torch.special.i0" in message  # the report lists what traced before the failure

@@ -1,0 +1,181 @@
+"""Values while tracing: answering value-dependent Python with the real inputs (graph breaks).
+
+The tracer holds the real inputs of the call it traces. When the traced code needs a value
+(`bool(t)`, `t.item()`, `t in x`, `torch.equal`) or calls an op whose output shape depends on
+values (`nonzero`, `x[mask]`, `unique`), `BreakRecorder`:
+
+1. runs the statements recorded so far on the real inputs (a *shadow run*: the recorded symbols'
+   implementations, under `no_grad`, without autocast, with its own copy of the random generator
+   state taken when tracing started, so random ops draw exactly what the compiled run will draw);
+2. computes the real answer and hands it to the Python code (for a data-dependent op: runs the op
+   for real and records it with output proxies of the real shapes);
+3. records a guard statement (`fulmen.ops.breaks.GUARD`) that re-asks the question at run time.
+
+The trace then goes on as usual; `fulmen.transforms.segments` later cuts it after each guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import BoundSymbol, FulmenError, SourceLocation, TraceCtx
+from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
+from fulmen.core.source import user_source_location
+from fulmen.core.trace import not_tracing
+from fulmen.ops.breaks import GRAPH_BREAK_TAG, GUARD, output_shapes
+from fulmen.ops.torch import torch_qualname
+from fulmen.proxies import TensorProxy
+
+_READABLE = {
+    torch.Tensor.__bool__: "bool", torch.Tensor.item: "item", torch.Tensor.tolist: "tolist",
+    torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
+    torch.Tensor.__contains__: "contains", torch.is_nonzero: "is_nonzero",
+    output_shapes: "shapes",
+}  # fmt: skip
+
+
+def describe_call(fn, args: tuple, kwargs: dict) -> str:
+    """`bool(t17)`, `torch.nonzero(t3)`: a call as the break's reason names it."""
+    name = _READABLE.get(fn) or torch_qualname(fn) or getattr(fn, "__qualname__", repr(fn))
+    parts = [p.name if isinstance(p, Proxy) else repr(p) for p in args]
+    parts += [f"{key}={value.name if isinstance(value, Proxy) else value!r}"
+              for key, value in kwargs.items()]
+    return f"{name}({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class BreakInfo:
+    """One graph break: what was asked (`bool(t17)`), the answer, and the user's line."""
+
+    reason: str
+    answer: Any
+    source: SourceLocation | None
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source is not None else ""
+        return f"{self.reason}{where}"
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    if not torch._C._is_any_autocast_enabled():
+        yield
+        return
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+def _bind(target: Any, value: Any, env: dict[str, Any]) -> None:
+    if isinstance(target, Proxy):
+        env[target.name] = value
+    elif isinstance(target, (tuple, list)):
+        for item, item_value in zip(target, value):
+            _bind(item, item_value, env)
+
+
+class BreakRecorder:
+    """Real values of a trace being recorded, and the graph breaks taken (see module docstring).
+
+    `inputs` maps the names of the trace's input proxies to the real tensors; tensors captured
+    later (closures, globals) are read from the context's `captured` table.
+    """
+
+    def __init__(self, ctx: TraceCtx, inputs: dict[str, torch.Tensor]) -> None:
+        self.ctx = ctx
+        self.env: dict[str, Any] = dict(inputs)
+        self.done = 0
+        self.rng = torch.random.get_rng_state()
+        self.breaks: list[BreakInfo] = []
+
+    @contextlib.contextmanager
+    def _shadow(self) -> Iterator[None]:
+        """Real computation inside tracing: no recording, no grad, no autocast, own RNG."""
+        user_rng = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.rng)
+        try:
+            with not_tracing(), torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast():
+                yield
+        finally:
+            self.rng = torch.random.get_rng_state()
+            torch.random.set_rng_state(user_rng)
+
+    def _catch_up(self) -> None:
+        """Run the statements recorded since the last shadow run."""
+        for tensor, proxy in getattr(self.ctx, "captured", {}).values():
+            self.env.setdefault(proxy.name, tensor)
+        bsyms = self.ctx.bsyms
+        if self.done == len(bsyms):
+            return
+        with self._shadow():
+            for bsym in bsyms[self.done:]:
+                if GRAPH_BREAK_TAG in bsym.sym.tags:
+                    continue
+                args, kwargs = map_proxies(lambda p: self.env[p.name], (bsym.args, bsym.kwargs))
+                try:
+                    value = bsym.sym.impl(*args, **kwargs)
+                except Exception as error:
+                    names = ", ".join(p.name for p in iter_proxies(bsym.output))
+                    raise FulmenError(
+                        f"computing {names} on the real inputs, to answer a value-dependent "
+                        f"question later in the program, failed: {error}", op=bsym.sym.id,
+                        where=bsym.source) from error
+                _bind(bsym.output, value, self.env)
+        self.done = len(bsyms)
+
+    def real(self, tree: Any) -> Any:
+        """`tree` with every proxy replaced by its real value."""
+        self._catch_up()
+        return map_proxies(lambda p: self.env[p.name], tree)
+
+    def _record_guard(self, fn, expected: Any, args: tuple, kwargs: dict) -> None:
+        source = user_source_location()
+        question = describe_call(fn, args, kwargs)
+        self.ctx.bsyms.append(BoundSymbol(GUARD, (question, fn, expected, *args), dict(kwargs),
+                                          None, (), source, frozenset()))
+        self.breaks.append(BreakInfo(question, expected, source))
+
+    def take_value(self, fn, args: tuple, kwargs: dict) -> Any:
+        """The real answer of `fn(*args, **kwargs)` (e.g. `Tensor.__bool__(t)`), recorded as a
+        graph break whose guard re-asks it at run time."""
+        real_args, real_kwargs = self.real((args, kwargs))
+        with self._shadow():
+            answer = fn(*real_args, **real_kwargs)
+        self._record_guard(fn, copy.deepcopy(answer), args, kwargs)
+        return answer
+
+    def run_for_real(self, sym, fn, args: tuple, kwargs: dict) -> Any:
+        """Record `sym` (the opaque symbol of torch callable `fn`, whose output metadata
+        PyTorch cannot compute without values) with outputs shaped as the real run's, followed
+        by a guard on those shapes."""
+        real_args, real_kwargs = self.real((args, kwargs))
+        with self._shadow():
+            out = fn(*real_args, **real_kwargs)
+        tensors = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        if not tensors:  # a Python answer, such as a count
+            self._record_guard(fn, copy.deepcopy(out), args, kwargs)
+            return out
+        proxies: dict[int, TensorProxy] = {}
+
+        def to_proxy(leaf):
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            proxy = TensorProxy(self.ctx.names.new(), leaf.shape, leaf.dtype, leaf.device,
+                                strides=leaf.stride())
+            proxies[id(proxy)] = proxy
+            self.env[proxy.name] = leaf
+            return proxy
+
+        proxy_out = pytree.tree_map(to_proxy, out)
+        self.ctx.bsyms.append(BoundSymbol(sym, args, dict(kwargs), proxy_out, (),
+                                          user_source_location(), self.ctx.call_site_tags()))
+        self.done = len(self.ctx.bsyms)
+        outs = [leaf for leaf in pytree.tree_leaves(proxy_out) if isinstance(leaf, TensorProxy)]
+        self._record_guard(output_shapes, output_shapes(*tensors), tuple(outs), {})
+        return proxy_out

@@ -1,0 +1,181 @@
+"""The trace tree: how a program with graph breaks runs.
+
+A program whose Python asked for tensor values while it was traced is compiled as segments
+(`fulmen.transforms.segments`) arranged in a tree, as in tracing JITs (Gal et al., "Trace-based
+Just-in-Time Type Specialization for Dynamic Languages", PLDI 2009): a node is one compiled
+segment followed by a guard; its children are the continuations recorded for each answer the
+guard has given. A call runs the root segment, evaluates its guard on the real values, and
+continues with the child recorded for that answer, until a leaf assembles the output.
+
+An answer never seen before raises `PathMiss`: the caller (`fulmen.jit`) retraces the program
+from the root with the real inputs and grafts the new path with `TraceTree.graft`; segments
+already compiled (same statements) are shared, not rebuilt.
+
+Each differentiable segment runs inside its own `torch.autograd.Function` (its compiled callable
+does that), so gradients flow through the values handed from segment to segment as in eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import Trace
+from fulmen.core.proxy import map_proxies
+from fulmen.ops.breaks import answer_key
+from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
+
+MAX_BRANCHES = 8  # distinct answers one guard may have before new ones run eagerly
+
+
+@dataclass
+class CompiledSegment:
+    """The output of compiling one segment's trace: the callable and every stage's trace."""
+
+    fn: Callable
+    traces: list[Trace]
+    backward_traces: list[Trace] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class SegmentNode:
+    """One compiled segment of the tree, the guard after it and its continuations.
+
+    Attributes:
+        fingerprint: the segment's statements (see `Segment.fingerprint`).
+        input_names / output_names: what it reads from and adds to the run's values.
+        compiled: the compiled segment.
+        constants: captured tensors (closures, globals) the segment reads, by input name.
+        guard: `(fn, args, kwargs)` asked after the segment, or None at a leaf.
+        children: answer key -> the node that continues the path for that answer.
+        output / output_spec: at a leaf, the program's output built from the run's values.
+        closed: the guard has had `MAX_BRANCHES` answers; new ones are not compiled.
+    """
+
+    fingerprint: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    compiled: CompiledSegment
+    constants: dict[str, torch.Tensor]
+    guard: tuple | None
+    children: dict = field(default_factory=dict)
+    output: Any = None
+    output_spec: Any = None
+    closed: bool = False
+    reason: str = ""
+
+
+class PathMiss(Exception):
+    """A guard gave an answer with no compiled continuation (`node` is the guard's segment)."""
+
+    def __init__(self, node: SegmentNode, answer: Any) -> None:
+        super().__init__(f"no compiled path for answer {answer!r} of {node.reason}")
+        self.node = node
+        self.answer = answer
+
+
+def _real(env: dict[str, Any]):
+    return lambda proxy: env[proxy.name]
+
+
+class TraceTree:
+    """The compiled segments of one cache entry. Call it with the trace inputs (the call's
+    tensors, then the module's parameters and buffers); it returns the program's output.
+
+    `compile_segment(trace) -> CompiledSegment` runs the pass pipeline on one segment.
+
+    Raises:
+        PathMiss: when a guard answers something no compiled path continues from.
+    """
+
+    def __init__(self, arg_names: tuple[str, ...],
+                 compile_segment: Callable[[Trace], CompiledSegment]) -> None:
+        self.arg_names = arg_names
+        self.compile_segment = compile_segment
+        self.root: SegmentNode | None = None
+
+    def __call__(self, *args):
+        env = dict(zip(self.arg_names, args))
+        node = self.root
+        while True:
+            if node.constants:
+                env.update(node.constants)
+            outputs = node.compiled.fn(*[env[name] for name in node.input_names])
+            env.update(zip(node.output_names, outputs))
+            if node.guard is None:
+                break
+            fn, guard_args, guard_kwargs = node.guard
+            answer = fn(*map_proxies(_real(env), guard_args), **map_proxies(_real(env), guard_kwargs))
+            child = node.children.get(answer_key(answer))
+            if child is None:
+                raise PathMiss(node, answer)
+            node = child
+        out = map_proxies(_real(env), node.output)
+        if node.output_spec is not None:
+            out = pytree.tree_unflatten(list(out), node.output_spec)
+        return out
+
+    def _node(self, segment: Segment, constants: dict[str, torch.Tensor],
+              old: SegmentNode | None) -> SegmentNode:
+        """A node for `segment`: `old` when it is the same segment and returns enough, else a
+        freshly compiled one (keeping `old`'s continuations when only the outputs grew)."""
+        needed = [p.name for p in segment.trace.output]
+        if old is not None and old.fingerprint == segment.fingerprint:
+            if set(needed) <= set(old.output_names):
+                return old
+            names = list(dict.fromkeys([*old.output_names, *needed]))
+            segment = with_outputs(segment, names)
+            children = old.children
+        else:
+            children = {}
+        trace = segment.trace
+        guard = guard_inputs(segment.guard) if segment.guard is not None else None
+        return SegmentNode(
+            segment.fingerprint, tuple(p.name for p in trace.args),
+            tuple(p.name for p in trace.output), self.compile_segment(trace),
+            {p.name: constants[p.name] for p in trace.args if p.name in constants},
+            guard, children, reason=_reason(segment))
+
+    def graft(self, segments: list[Segment], output: Any, output_spec: Any,
+              constants: dict[str, torch.Tensor]) -> list[SegmentNode] | None:
+        """Add the path `segments` (one traced path, cut at its breaks); return its nodes, or
+        None when a guard on it already has `MAX_BRANCHES` answers (the node is closed)."""
+        path: list[SegmentNode] = []
+        parent, key, old = None, None, self.root
+        for segment in segments:
+            if parent is not None and old is None and len(parent.children) >= MAX_BRANCHES:
+                parent.closed = True
+                return None
+            node = self._node(segment, constants, old)
+            if parent is None:
+                self.root = node
+            else:
+                parent.children[key] = node
+            path.append(node)
+            if segment.guard is None:
+                node.output, node.output_spec = output, output_spec
+                break
+            parent, key = node, answer_key(segment.answer)
+            old = node.children.get(key)
+        return path
+
+    def paths(self) -> int:
+        """How many paths (leaves) the tree holds."""
+        def count(node: SegmentNode | None) -> int:
+            if node is None:
+                return 0
+            if node.guard is None:
+                return 1
+            return sum(count(child) for child in node.children.values())
+        return count(self.root)
+
+
+def _reason(segment: Segment) -> str:
+    if segment.guard is None:
+        return "the end of the program"
+    where = f" at {segment.guard.source}" if segment.guard.source is not None else ""
+    return f"{segment.guard.args[0]}{where}"
