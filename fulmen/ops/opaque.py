@@ -11,11 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import torch
+
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.ops.meta import run_meta
 from fulmen.ops.torch.base import torch_qualname
+from fulmen.proxies import TensorProxy
 
 OPAQUE_NAMESPACE = Namespace("opaque", "fulmen.ops.opaque", "from fulmen.ops import opaque")
 _OPAQUE: dict[Callable, Symbol] = {}
@@ -45,6 +48,36 @@ def _is_random(fn: Callable) -> bool:
     return getattr(fn, "__name__", "") in _RANDOM_NAMES
 
 
+def _grouped_mm_meta(fn, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """`torch._grouped_mm`: PyTorch's meta kernel states CUDA's rules (bfloat16 only), but the
+    CPU kernel takes any floating dtype (HF's MoE layers call it on float32). On CPU the output
+    is contiguous with the meta kernel's shape rule; the kernel checks alignment when it runs."""
+    if mat_a.device.type != "cpu" or mat_a.dtype != mat_b.dtype or mat_a.dtype == torch.bfloat16:
+        return run_meta(fn, mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if {mat_a.dim(), mat_b.dim()} - {2, 3} or (a_2d or b_2d) == (offs is None):
+        raise ValueError("grouped_mm takes 2D or 3D operands, and offs exactly when one is 2D")
+    if a_2d and b_2d:  # the groups split the shared inner dimension
+        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+        inner = mat_a.shape[1], mat_b.shape[0]
+    elif a_2d:  # the groups split mat_a's rows
+        shape = (mat_a.shape[0], mat_b.shape[2])
+        inner = mat_a.shape[1], mat_b.shape[1]
+    elif b_2d:  # the groups split mat_b's columns
+        shape = (mat_a.shape[1], mat_b.shape[1])
+        inner = mat_a.shape[2], mat_b.shape[0]
+    else:  # a batched matmul
+        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[2])
+        inner = mat_a.shape[2], mat_b.shape[1]
+    if inner[0] != inner[1]:
+        raise ValueError(f"grouped_mm: contraction sizes differ ({inner[0]} and {inner[1]})")
+    return TensorProxy(None, shape, out_dtype or mat_a.dtype, mat_a.device)
+
+
+# Ops whose PyTorch meta kernel does not describe every call eager accepts.
+_META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta}
+
+
 def opaque_symbol(fn: Callable) -> Symbol:
     """The (cached) opaque symbol for torch callable `fn`."""
     sym = _OPAQUE.get(fn)
@@ -57,7 +90,7 @@ def opaque_symbol(fn: Callable) -> Symbol:
 
     def meta(*args, **kwargs):
         try:
-            return run_meta(fn, *args, **kwargs)
+            return _META_OVERRIDES.get(fn, run_meta)(fn, *args, **kwargs)
         except FulmenError:
             raise
         except Exception as error:

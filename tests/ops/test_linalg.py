@@ -55,3 +55,28 @@ def test_two_norm_gradient_at_zero_matches_eager():
         (expected,) = torch.autograd.grad(fn(x).sum(), x)
         (actual,) = torch.autograd.grad(fulmen.jit(fn)(x).sum(), x)
         torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("layout", ["2d-3d", "3d-2d", "2d-2d", "3d-3d"])
+def test_grouped_mm_float32_on_cpu(layout):
+    # HF's MoE experts call torch._grouped_mm on float32; PyTorch's meta kernel accepts only
+    # bfloat16 (CUDA's rule), the CPU kernel any floating dtype: traced as an opaque op
+    offs = torch.tensor([4, 4, 12], dtype=torch.int32)  # one empty group
+    shapes = {"2d-3d": ((12, 8), (3, 8, 4)), "3d-2d": ((3, 4, 12), (12, 8)),
+              "2d-2d": ((4, 12), (12, 8)), "3d-3d": ((3, 4, 8), (3, 8, 4))}[layout]
+    a, b = (torch.randn(shape, requires_grad=True) for shape in shapes)
+    if layout == "3d-3d":
+        offs = None
+
+    def fn(a, b):
+        return torch._grouped_mm(a, b, offs=offs).tanh()
+
+    jfn = fulmen.jit(fn)
+    expected, actual = fn(a, b), jfn(a, b)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, (a, b), cotangent),
+                               torch.autograd.grad(expected, (a, b), cotangent))
+    traced = str(fulmen.last_traces(jfn)[0])
+    assert "opaque.grouped_mm" in traced
+    assert "graph break" not in traced  # described by its meta, not run to learn its shape
