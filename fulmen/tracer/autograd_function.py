@@ -1,0 +1,83 @@
+"""`torch.autograd.Function.apply` inside traced code.
+
+`Function.apply` never reaches `__torch_function__`: PyTorch's C++ `apply` calls the user's
+`forward` under no-grad, so tracing through it would record the forward's ops and lose the
+user's `backward`. While a trace is recorded, `intercept_function_apply(ctx)` routes
+`Function.apply` here instead:
+
+- the call is recorded as one op, `fulmen.ops.autograd_function.function_symbol(cls)`, which
+  runs `cls.apply` itself at run time; when the op is differentiated, the autodiff transform
+  keeps its torch.autograd graph, so the backward is the user's;
+- inside a `torch.no_grad()` region of a function called with grad enabled, `apply` runs as in
+  eager, on the proxies: `forward`'s ops are traced inline (eager records no backward there).
+
+NOTE [Function.apply interception]: the patch is installed while at least one trace is being
+recorded (a depth count, so nested and concurrent traces share it) and removed afterwards. A
+call on a context other than the one being recorded runs the original `apply` untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
+
+from fulmen.core.trace import get_tracectx
+from fulmen.ops.autograd_function import autocast_state, function_symbol
+
+_Function = torch.autograd.Function
+_ORIGINAL_APPLY = _Function.__dict__["apply"]
+_lock = threading.Lock()
+_depth = 0
+_recording: dict[int, int] = {}  # id of each context being recorded -> its depth
+
+
+def _traced_whole(ctx) -> bool:
+    """Whether a call is recorded as one op: always, except inside a `torch.no_grad()` region of
+    a function called with grad enabled (eager records no backward there). Which inputs get
+    gradients is not known yet: `fulmen.grad` and `fulmen.vjp` choose them after tracing."""
+    return torch.is_grad_enabled() or not ctx.differentiable
+
+
+def _apply(cls, *args, **kwargs):
+    ctx = get_tracectx()
+    if ctx is None or id(ctx) not in _recording or ctx._internal or not any(
+            isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    args, kwargs = ctx._proxify((args, kwargs))
+    args, kwargs = ctx.mutation.resolve_tree((args, kwargs))
+    if not _traced_whole(ctx) or cls is CheckpointFunction:  # the tracer refuses it clearly
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    return ctx.call(function_symbol(cls, autocast_state()), *args, **kwargs)
+
+
+_PATCHED_APPLY = classmethod(_apply)
+
+
+@contextlib.contextmanager
+def intercept_function_apply(ctx) -> Iterator[None]:
+    """Route `torch.autograd.Function.apply` calls made while `ctx` records to `ctx` (see the
+    module docstring)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            _Function.apply = _PATCHED_APPLY
+        _depth += 1
+        _recording[id(ctx)] = _recording.get(id(ctx), 0) + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _recording[id(ctx)] -= 1
+            if not _recording[id(ctx)]:
+                del _recording[id(ctx)]
+            _depth -= 1
+            if _depth == 0:
+                _Function.apply = _ORIGINAL_APPLY
+
+
+__all__ = ["intercept_function_apply"]
