@@ -479,11 +479,12 @@ class Functionalizer:
             value = src.to(self_value.dtype) if src.dtype != self_value.dtype else src
             if tuple(value.shape) != tuple(self_value.shape):
                 value = value.expand(self_value.shape).clone()
-            return value
+            return self._overwrite(self_value, value)
         if name == "zero_":
-            return torch.zeros_like(self_value)
+            return self._overwrite(self_value, torch.zeros_like(self_value))
         if name == "fill_" and isinstance(rest[0] if rest else kwargs.get("value"), (int, float, bool)):
-            return torch.full_like(self_value, rest[0] if rest else kwargs["value"])
+            value = rest[0] if rest else kwargs["value"]
+            return self._overwrite(self_value, torch.full_like(self_value, value))
         out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
         out_fn = getattr(T, out_name, None)
         if name in _RANDOM_INPLACE or out_fn is None or name == "fill_":
@@ -491,6 +492,14 @@ class Functionalizer:
             return self.ctx.call(sym, name, self_value, *rest, **kwargs)
         result = out_fn(self_value, *rest, **kwargs)
         return self._fit(result, self_value, label)
+
+    def _overwrite(self, target: TensorProxy, value: TensorProxy) -> TensorProxy:
+        """`value` (of `target`'s shape and dtype) replacing `target`. When `target` depends on
+        an input requiring grad it stays an operand (`where(True, value, target)`), so that
+        input gets zeros as its gradient, as from eager's Fill/Zero/CopyBackward, not None."""
+        if target.name not in self.ctx.requires_grad_names:
+            return value
+        return torch.where(torch.ones_like(target, dtype=torch.bool), value, target)
 
     def _fit(self, result, target: TensorProxy, label: str) -> TensorProxy:
         """`result` checked and cast to the mutated tensor's shape and dtype, as eager does."""

@@ -3,6 +3,7 @@
 from fulmen.transforms.autodiff import (  # noqa: F401  (importing registers the rules)
     rules,
     rules_composite,
+    rules_edges,
     rules_nn,
     rules_structural,
 )

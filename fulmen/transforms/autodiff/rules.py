@@ -160,26 +160,26 @@ def _pow_vjp(grad, out, a, b):
     return grad_a, grad_b
 
 
-def _selection_rule(prim, pick_a):
-    """maximum/minimum: the gradient goes to the selected operand, split evenly on ties."""
+def _selection_rule(prim, loses):
+    """maximum/minimum as eager: an operand gets the gradient unless it `loses` to the other
+    (so a NaN on either side sends it to both), halved on ties."""
 
     def rule(grad, out, a, b):
         t = _first_tensor(a, b)
         a_t = a if _is_tensor(a) else prims.full(tuple(t.shape), a, t.dtype, t.device)
         b_t = b if _is_tensor(b) else prims.full(tuple(t.shape), b, t.dtype, t.device)
-        tie = prims.eq(a_t, b_t)
-        half = prims.mul(grad, 0.5)
+        shared = prims.where(prims.eq(a_t, b_t), prims.div(grad, 2), grad)
         zero = _zeros_like(grad)
-        grad_a = prims.where(tie, half, prims.where(pick_a(a_t, b_t), grad, zero))
-        grad_b = prims.where(tie, half, prims.where(pick_a(a_t, b_t), zero, grad))
+        grad_a = prims.where(loses(a_t, b_t), zero, shared)
+        grad_b = prims.where(loses(b_t, a_t), zero, shared)
         return _for_tensor(a, grad_a), _for_tensor(b, grad_b)
 
     rule.__name__ = f"_{prim.name}_vjp"
     vjp_rule(prim)(rule)
 
 
-_selection_rule(prims.maximum, prims.gt)
-_selection_rule(prims.minimum, prims.lt)
+_selection_rule(prims.maximum, prims.lt)
+_selection_rule(prims.minimum, prims.gt)
 
 
 @vjp_rule(prims.atan2)
@@ -236,6 +236,18 @@ def _primal_leaves(args, kwargs) -> list:
                 seen.add(key)
                 leaves.append(leaf)
     return leaves
+
+
+def _per_argument(values: list, primals: list, grads) -> list:
+    """One cotangent entry per argument from torch.autograd's gradients of the distinct primals.
+
+    NOTE [one gradient per primal]: torch.autograd already sums the uses of a tensor passed
+    twice (`cdist(x, x)`, `index_add(0, i, x)` on x itself), so its gradient goes to the first
+    argument holding it and the others get None; giving it to each would double it.
+    """
+    pending = {p.name: g for p, g in zip(primals, grads)}
+    return [map_proxies(lambda p: pending.pop(p.name, None), v) if iter_proxies(v) else None
+            for v in values]
 
 
 def autograd_vjp_impl(fn, args, kwargs, cotangent):
@@ -351,10 +363,7 @@ def graph_vjp(bsym: BoundSymbol, graph: ObjectProxy, requires: set[str], cotange
     primals = [p for p in _primal_leaves(bsym.args, bsym.kwargs) if p.name in requires]
     specs = tuple((tuple(p.shape), p.dtype, p.device) for p in primals)
     grads = AUTOGRAD_BACKWARD(graph, specs, cotangent)
-    by_name = {p.name: g for p, g in zip(primals, grads)}
-    values = list(bsym.args) + list(bsym.kwargs.values())
-    return [map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
-            for v in values]
+    return _per_argument(list(bsym.args) + list(bsym.kwargs.values()), primals, grads)
 
 
 def opaque_vjp(bsym: BoundSymbol, cotangent):
@@ -364,19 +373,14 @@ def opaque_vjp(bsym: BoundSymbol, cotangent):
     """
     primals = _primal_leaves(bsym.args, bsym.kwargs)
     grads = AUTOGRAD_VJP(bsym.sym, bsym.args, bsym.kwargs, cotangent)
-    by_name = {p.name: g for p, g in zip(primals, grads)}
-    values = list(bsym.args) + list(bsym.kwargs.values())
-    return [map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
-            for v in values]
+    return _per_argument(list(bsym.args) + list(bsym.kwargs.values()), primals, grads)
 
 
 def autograd_cotangents(fn: Symbol, args: tuple, grad) -> tuple:
     """One cotangent per entry of `args` for `fn(*args)`, computed by torch.autograd."""
     primals = _primal_leaves(args, {})
     grads = AUTOGRAD_VJP(fn, args, {}, grad)
-    by_name = {p.name: g for p, g in zip(primals, grads)}
-    return tuple(map_proxies(lambda p: by_name.get(p.name), v) if list(iter_proxies(v)) else None
-                 for v in args)
+    return tuple(_per_argument(list(args), primals, grads))
 
 
 def autograd_rule(prim: Symbol):

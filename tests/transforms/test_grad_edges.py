@@ -1,0 +1,175 @@
+"""Gradients at the edges of an op's domain equal eager's, bit for bit where eager's formula is
+ours: subgradients at ties and NaN, overflow-safe forms, one gradient per tensor passed twice
+to an opaque op, zeros (not None) through an overwritten clone."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+
+NAN = math.nan
+EXECUTORS = ["torch", "codegen"]
+
+
+@pytest.fixture(params=EXECUTORS)
+def executors(request):
+    if request.param == "codegen":
+        request.getfixturevalue("codegen_eager")
+        return ["codegen", "torch"]
+    return ["torch"]
+
+
+def _grads(fn, values, executors=None, dtype=torch.float32):
+    """The gradient of `fn(x).sum()` for x = `values`, eager and through fulmen.jit."""
+    out = []
+    for jit in (False, True):
+        x = torch.tensor(values, dtype=dtype, requires_grad=True)
+        f = fulmen.jit(fn, executors=executors) if jit else fn
+        for _ in range(2 if jit else 1):  # the second call runs the cached entry
+            x.grad = None
+            f(x).sum().backward()
+        out.append(x.grad)
+    return out
+
+
+def _check(fn, values, executors=None, dtype=torch.float32):
+    expected, actual = _grads(fn, values, executors, dtype)
+    torch.testing.assert_close(actual, expected, equal_nan=True, rtol=1e-6, atol=1e-30)
+
+
+# --- subgradients at ties and NaN ---------------------------------------------------------------
+
+TIES = {
+    "relu": (torch.relu, [0.0, -0.0, NAN, 1.0, -1.0]),
+    "F.relu": (F.relu, [0.0, NAN, 2.0]),
+    "hardtanh": (F.hardtanh, [-1.0, 1.0, 0.0, NAN, 2.0, -2.0]),
+    "relu6": (F.relu6, [0.0, 6.0, NAN, 3.0]),
+    "clamp(min=0)": (lambda x: x.clamp(min=0), [0.0, NAN, 1.0, -1.0]),
+    "clamp(0, 1)": (lambda x: x.clamp(0, 1), [0.0, 1.0, NAN, 0.5, 2.0]),
+    "clamp(max=1)": (lambda x: torch.clamp(x, max=1), [1.0, NAN, 2.0]),
+    "clamp_min": (lambda x: x.clamp_min(0.5), [0.5, NAN, 0.0]),
+    "clamp_max": (lambda x: torch.clamp_max(x, 0.5), [0.5, NAN, 1.0]),
+    "clip inverted": (lambda x: x.clip(2, 1), [1.0, 1.5, 2.0, NAN]),
+    "maximum NaN": (lambda x: torch.maximum(x, x.flip(0)), [0.0, NAN, 1.0]),
+    "minimum NaN": (lambda x: torch.minimum(x, x.flip(0)), [0.0, NAN, 1.0]),
+    "maximum tie": (lambda x: torch.maximum(x, torch.zeros(3)), [0.0, -1.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIES))
+def test_subgradients_at_ties_and_nan_match_eager(case, executors):
+    fn, values = TIES[case]
+    _check(fn, values, executors)
+
+
+def test_clamp_with_tensor_bounds_matches_eager():
+    low = torch.tensor([0.0, 0.0, 1.0, NAN])
+    high = torch.tensor([1.0, 0.0, 0.0, 2.0])
+    _check(lambda x: torch.clamp(x, low, high), [0.0, 0.0, 0.5, 1.0])
+
+
+def test_clamp_gradient_reaches_tensor_bounds_as_eager():
+    def fn(x, low):
+        return torch.clamp(x, min=low).sum()
+
+    x = torch.tensor([0.0, 1.0, -1.0], requires_grad=True)
+    low = torch.tensor([0.0, 0.5, 0.0], requires_grad=True)
+    expected = torch.autograd.grad(fn(x, low), (x, low))
+    actual = torch.autograd.grad(fulmen.jit(fn)(x, low), (x, low))
+    torch.testing.assert_close(actual, expected)
+
+
+# --- overflow: NaN gradients where eager is finite ----------------------------------------------
+
+OVERFLOW = {
+    "sigmoid": (torch.sigmoid, [-100.0, -90.0, 100.0, NAN, 0.5]),
+    "softplus": (F.softplus, [100.0, 90.0, -100.0, NAN, 20.0, 3.0]),
+    "softplus beta": (lambda x: F.softplus(x, beta=2.0, threshold=100.0), [60.0, -3.0]),
+    "elu": (F.elu, [100.0, 0.0, -100.0, NAN, -0.5]),
+    "elu alpha": (lambda x: F.elu(x, alpha=0.5), [95.0, -2.0]),
+    "mish": (F.mish, [100.0, 90.0, NAN, 0.5, -3.0]),
+    "glu": (F.glu, [1.0, 2.0, -100.0, 100.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERFLOW))
+def test_overflow_safe_gradients_match_eager(case, executors):
+    fn, values = OVERFLOW[case]
+    _check(fn, values, executors)
+
+
+def test_mish_gradient_is_finite_for_very_negative_input():
+    expected, actual = _grads(F.mish, [-100.0, -90.0])
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-40)
+
+
+def test_sigmoid_in_float16_matches_eager():
+    _check(torch.sigmoid, [-20.0, -12.0, 0.5, 12.0], dtype=torch.float16)
+
+
+STD = {
+    "std constant row": (lambda x: x.view(2, 2).std(dim=1, correction=0), [1.0, 1.0, 2.0, 3.0]),
+    "std one element": (lambda x: x.std(correction=0), [1.0]),
+    "std_mean": (lambda x: sum(torch.std_mean(x, correction=0)), [1.0, 1.0]),
+    "std_mean keepdim": (lambda x: torch.std_mean(x.view(2, 2), 0, keepdim=True)[0],
+                         [1.0, 2.0, 1.0, 5.0]),
+    "std unbiased": (lambda x: x.std(), [1.0, 2.0, 4.0]),
+    "std dims": (lambda x: x.view(2, 1, 2).std((0, 2)), [1.0, 2.0, 4.0, 0.5]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STD))
+def test_std_gradients_match_eager(case, executors):
+    fn, values = STD[case]
+    expected, actual = _grads(fn, values, executors)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+
+
+# --- the same tensor in two arguments of an opaque op -------------------------------------------
+
+
+def _twice_cases():
+    index = torch.tensor([1, 0, 2])
+    mask = torch.tensor([True, False, True])
+    weight = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(0))
+    return {
+        "cdist": lambda x: torch.cdist(x, x),
+        "kron": lambda x: torch.kron(x, x),
+        "bilinear": lambda x: F.bilinear(x, x, weight),
+        "hypot": lambda x: torch.hypot(x, x),
+        "logaddexp": lambda x: torch.logaddexp(x, x),
+        "fmin": lambda x: torch.fmin(x, x),
+        "fmax": lambda x: torch.fmax(x, x),
+        "index_add": lambda x: x.index_add(0, index, x),
+        "masked_scatter": lambda x: x.masked_scatter(mask, x),
+        "trapezoid": lambda x: torch.trapezoid(x, x),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_twice_cases()))
+def test_tensor_passed_twice_to_an_opaque_op_gets_one_gradient(case):
+    fn = _twice_cases()[case]
+    values = {"cdist": [[1.0], [2.0], [4.0]], "bilinear": [[1.0, 2.0, 4.0]]}.get(case,
+                                                                             [1.0, 2.0, 4.0])
+    _check(fn, values)
+
+
+# --- an overwritten clone keeps its input's gradient (zeros) ------------------------------------
+
+OVERWRITE = {
+    "zero_": lambda x: x.clone().zero_() + 1,
+    "fill_": lambda x: x.clone().fill_(3.0) * 2,
+    "copy_": lambda x: x.clone().copy_(torch.ones(2)) * 2,
+    "fill_ then use": lambda x: x.clone().fill_(2.0) * x.sum(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERWRITE))
+def test_overwritten_clone_gives_zero_gradient_not_none(case):
+    expected, actual = _grads(OVERWRITE[case], [1.0, 2.0])
+    assert actual is not None
+    torch.testing.assert_close(actual, expected)
