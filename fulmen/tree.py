@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import Trace
+from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import map_proxies
 from fulmen.ops.breaks import answer_key
+from fulmen.tracer.breaks import bind_outputs, no_autocast
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
 
 MAX_BRANCHES = 8  # distinct answers one guard may have before new ones run eagerly
@@ -67,6 +68,7 @@ class SegmentNode:
     output_spec: Any = None
     closed: bool = False
     reason: str = ""
+    op: BoundSymbol | None = None
 
 
 class PathMiss(Exception):
@@ -108,6 +110,8 @@ class TraceTree:
             env.update(zip(node.output_names, outputs))
             if node.guard is None:
                 break
+            if node.op is not None:
+                _run_op(node.op, env)
             fn, guard_args, guard_kwargs = node.guard
             answer = fn(*map_proxies(_real(env), guard_args), **map_proxies(_real(env), guard_kwargs))
             child = node.children.get(answer_key(answer))
@@ -138,7 +142,7 @@ class TraceTree:
             segment.fingerprint, tuple(p.name for p in trace.args),
             tuple(p.name for p in trace.output), self.compile_segment(trace),
             {p.name: constants[p.name] for p in trace.args if p.name in constants},
-            guard, children, reason=_reason(segment))
+            guard, children, reason=_reason(segment), op=segment.op)
 
     def graft(self, segments: list[Segment], output: Any, output_spec: Any,
               constants: dict[str, torch.Tensor]) -> list[SegmentNode] | None:
@@ -172,6 +176,15 @@ class TraceTree:
                 return 1
             return sum(count(child) for child in node.children.values())
         return count(self.root)
+
+
+def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:
+    """Run a data-dependent op eagerly (recording autograd as eager does, in the grad mode it
+    was traced in, without autocast: its arguments were cast when it was traced)."""
+    args, kwargs = map_proxies(_real(env), (op.args, op.kwargs))
+    with torch.set_grad_enabled("grad" in op.tags and torch.is_grad_enabled()), no_autocast():
+        out = op.sym.impl(*args, **kwargs)
+    bind_outputs(op.output, out, env)
 
 
 def _reason(segment: Segment) -> str:

@@ -64,7 +64,8 @@ class BreakInfo:
 
 
 @contextlib.contextmanager
-def _no_autocast() -> Iterator[None]:
+def no_autocast() -> Iterator[None]:
+    """Autocast off for CPU and CUDA inside the block (free when it is off already)."""
     if not torch._C._is_any_autocast_enabled():
         yield
         return
@@ -72,12 +73,13 @@ def _no_autocast() -> Iterator[None]:
         yield
 
 
-def _bind(target: Any, value: Any, env: dict[str, Any]) -> None:
+def bind_outputs(target: Any, value: Any, env: dict[str, Any]) -> None:
+    """`env[proxy.name] = value` for each proxy of `target` and the matching part of `value`."""
     if isinstance(target, Proxy):
         env[target.name] = value
     elif isinstance(target, (tuple, list)):
         for item, item_value in zip(target, value):
-            _bind(item, item_value, env)
+            bind_outputs(item, item_value, env)
 
 
 class BreakRecorder:
@@ -100,7 +102,7 @@ class BreakRecorder:
         user_rng = torch.random.get_rng_state()
         torch.random.set_rng_state(self.rng)
         try:
-            with not_tracing(), torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast():
+            with not_tracing(), torch._C.DisableTorchFunction(), torch.no_grad(), no_autocast():
                 yield
         finally:
             self.rng = torch.random.get_rng_state()
@@ -126,7 +128,7 @@ class BreakRecorder:
                         f"computing {names} on the real inputs, to answer a value-dependent "
                         f"question later in the program, failed: {error}", op=bsym.sym.id,
                         where=bsym.source) from error
-                _bind(bsym.output, value, self.env)
+                bind_outputs(bsym.output, value, self.env)
         self.done = len(bsyms)
 
     def real(self, tree: Any) -> Any:
@@ -173,8 +175,9 @@ class BreakRecorder:
             return proxy
 
         proxy_out = pytree.tree_map(to_proxy, out)
+        tags = self.ctx.call_site_tags() | ({"grad"} if torch.is_grad_enabled() else set())
         self.ctx.bsyms.append(BoundSymbol(sym, args, dict(kwargs), proxy_out, (),
-                                          user_source_location(), self.ctx.call_site_tags()))
+                                          user_source_location(), frozenset(tags)))
         self.done = len(self.ctx.bsyms)
         outs = [leaf for leaf in pytree.tree_leaves(proxy_out) if isinstance(leaf, TensorProxy)]
         self._record_guard(output_shapes, output_shapes(*tensors), tuple(outs), {})

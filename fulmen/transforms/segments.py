@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.printer import statement_source, type_comment
 from fulmen.core.proxy import Proxy, iter_proxies
-from fulmen.ops.breaks import GRAPH_BREAK_TAG
+from fulmen.ops.breaks import GRAPH_BREAK_TAG, output_shapes
 from fulmen.proxies import TensorProxy
 
 
@@ -24,13 +24,17 @@ from fulmen.proxies import TensorProxy
 class Segment:
     """One piece of a path: its trace and the guard evaluated after it (None for the last).
 
-    `fingerprint` identifies the statements (and the guard's question, not its answer), so a
-    retrace that reaches the same segment again can share the compiled one.
+    `op` is the statement of an op whose output shape depends on values (`nonzero`, `x[mask]`):
+    it runs eagerly between this segment and the guard on its output shapes, so the segment
+    before it never depends on those shapes. `fingerprint` identifies the statements (and the
+    guard's question, not its answer), so a retrace that reaches the same segment again can
+    share the compiled one.
     """
 
     trace: Trace
     guard: BoundSymbol | None
     fingerprint: str
+    op: BoundSymbol | None = None
 
     @property
     def answer(self):
@@ -47,8 +51,10 @@ def has_breaks(trace: Trace) -> bool:
     return any(is_guard(bsym) for bsym in trace.bsyms)
 
 
-def _fingerprint(bsyms, guard: BoundSymbol | None) -> str:
+def _fingerprint(bsyms, guard: BoundSymbol | None, op: BoundSymbol | None) -> str:
     lines = [f"{statement_source(b)}  # {type_comment(b.output)}" for b in bsyms]
+    if op is not None:
+        lines.append(f"then {statement_source(op)}")
     if guard is not None:
         question, fn, _, *args = guard.args
         lines.append(f"guard {question} {fn!r} {[getattr(a, 'name', a) for a in args]} "
@@ -76,26 +82,34 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
     `requires_grad` names the values that depend on an input requiring grad; a later segment's
     input for such a value requires grad, so the segment is differentiated with respect to it.
     """
-    pieces: list[tuple[list[BoundSymbol], BoundSymbol | None]] = [([], None)]
+    pieces: list[tuple[list[BoundSymbol], BoundSymbol | None, BoundSymbol | None]] = []
+    current: list[BoundSymbol] = []
     for bsym in trace.bsyms:
-        if is_guard(bsym):
-            pieces[-1] = (pieces[-1][0], bsym)
-            pieces.append(([], None))
-        else:
-            pieces[-1][0].append(bsym)
-    # names read at or after each piece: later statements, guards and the program's output
+        if not is_guard(bsym):
+            current.append(bsym)
+            continue
+        op = None
+        if bsym.args[1] is output_shapes and current and \
+                [p.name for p in current[-1].proxy_outputs] == [p.name for p in bsym.proxy_inputs]:
+            op = current.pop()
+        pieces.append((current, bsym, op))
+        current = []
+    pieces.append((current, None, None))
+    # names read at or after each piece: later statements, ops, guards and the program's output
     read_later: list[set[str]] = [set() for _ in pieces]
     reads = {p.name for p in iter_proxies(trace.output)}
     for index in range(len(pieces) - 1, -1, -1):
-        bsyms, guard = pieces[index]
+        bsyms, guard, op = pieces[index]
         if guard is not None:
             reads |= guard.input_names
+        if op is not None:
+            reads = (reads - op.output_names) | op.input_names
         read_later[index] = set(reads)
         for bsym in bsyms:
             reads |= bsym.input_names
     by_name = {p.name: p for p in trace.args}
     segments = []
-    for index, (bsyms, guard) in enumerate(pieces):
+    for index, (bsyms, guard, op) in enumerate(pieces):
         defined: dict[str, Proxy] = {}
         inputs: dict[str, Proxy] = {}
         for bsym in bsyms:
@@ -109,7 +123,7 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
         segment_trace = Trace(f"{trace.name}_segment{index}", tuple(inputs.values()),
                               tuple(bsyms), outputs, provenance=f"segment {index} of the path",
                               seconds=trace.seconds)
-        segments.append(Segment(segment_trace, guard, _fingerprint(bsyms, guard)))
+        segments.append(Segment(segment_trace, guard, _fingerprint(bsyms, guard, op), op))
     return segments
 
 
@@ -117,7 +131,8 @@ def with_outputs(segment: Segment, names: list[str]) -> Segment:
     """`segment` returning the values `names` (each defined by one of its statements)."""
     defined = {p.name: p for b in segment.trace.bsyms for p in b.proxy_outputs}
     outputs = tuple(defined[name] for name in names)
-    return Segment(segment.trace.replace(output=outputs), segment.guard, segment.fingerprint)
+    return Segment(segment.trace.replace(output=outputs), segment.guard, segment.fingerprint,
+                   segment.op)
 
 
 def guard_inputs(guard: BoundSymbol) -> tuple:
