@@ -12,6 +12,7 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -31,11 +32,23 @@ def _tensor_key(t: Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())
 
 
+def _float_key(value: float) -> Any:
+    """NaN equals itself, and -0.0 differs from 0.0 (`x * math.copysign(1, s)` bakes the sign
+    in), though Python's `==` says otherwise for both."""
+    if value != value:
+        return "nan"
+    if value == 0:
+        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
+    return value
+
+
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, Tensor):
         return _tensor_key(leaf)
-    if isinstance(leaf, float) and leaf != leaf:
-        return (float, "nan")
+    if isinstance(leaf, float):
+        return (type(leaf), _float_key(leaf))
+    if isinstance(leaf, complex):
+        return (complex, _float_key(leaf.real), _float_key(leaf.imag))
     if isinstance(leaf, Hashable):
         try:
             return (type(leaf), leaf)
@@ -143,6 +156,12 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     return described
 
 
+def _differs(old: object, new: object) -> bool:
+    if isinstance(old, float) and isinstance(new, float):
+        return _float_key(old) != _float_key(new)
+    return old != new and not (old != old and new != new)
+
+
 def explain_change(old: dict[str, object], new: dict[str, object]) -> list[str]:
     """`['x.shape changed from (4, 4) to (8, 4)', ...]`: why `new` missed the cache."""
     reasons = []
@@ -151,6 +170,6 @@ def explain_change(old: dict[str, object], new: dict[str, object]) -> list[str]:
             reasons.append(f"{key} is new ({new[key]!r})")
         elif key not in new:
             reasons.append(f"{key} is gone (was {old[key]!r})")
-        elif old[key] != new[key] and not (old[key] != old[key] and new[key] != new[key]):
+        elif _differs(old[key], new[key]):
             reasons.append(f"{key} changed from {old[key]!r} to {new[key]!r}")
     return reasons or ["the input structure changed"]
