@@ -297,3 +297,21 @@ def computation(x, y):
   return t3
 """,
         )
+
+
+def test_permuted_proxies_report_eager_strides():
+    # HF GPT-J/DeBERTa/Swin merge heads by `x.permute(...).contiguous().view(...)`: the permuted
+    # proxy must not claim contiguity, or `.contiguous()` is dropped and the view fails at run time
+    def fn(x):
+        y = x.permute(0, 2, 1, 3)
+        flags = (y.is_contiguous(), y.stride(), y.transpose(0, 1).stride())
+        return y.contiguous().view(2, 4, 12), flags
+
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    jfn = fulmen.jit(fn)
+    (expected, expected_flags), (actual, actual_flags) = fn(x), jfn(x)
+    assert actual_flags == expected_flags
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent),
+                               torch.autograd.grad(expected, x, cotangent))

@@ -54,10 +54,14 @@ def squeeze(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
 
 @prim("permute", tags=["shape"])
 def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
-    """Reorder dimensions: output dim i is input dim `dims[i]`."""
+    """Reorder dimensions: output dim i is input dim `dims[i]`.
+
+    The output reports eager's (permuted) strides, so `x.transpose(1, 2).is_contiguous()` is
+    False and the user's `.contiguous()` before a `.view` is a real copy, as in eager."""
     dims = canonical_dims("permute", dims, a.ndim)
     check(len(dims) == a.ndim, "permute", f"permutation {dims} for rank {a.ndim}")
-    return TensorProxy.like(a, shape=[a.shape[d] for d in dims])
+    return TensorProxy(None, [a.shape[d] for d in dims], a.dtype, a.device,
+                       strides=[a.stride()[d] for d in dims])
 
 
 @prim("slice", tags=["shape"])
