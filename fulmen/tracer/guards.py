@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.core.ambient import autocast_key
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
-_is_autocast_enabled = torch.is_autocast_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
@@ -113,7 +113,7 @@ class CacheKeyBuilder:
         return (
             _is_grad_enabled(),
             _get_default_dtype(),
-            _any_autocast() and (_is_autocast_enabled("cpu"), _is_autocast_enabled("cuda")),
+            _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             tuple([module.training for module in self.modules]) if self.modules else (),
             tuple([_leaf_key(read()) for _, read in self.scalar_sources]),
         )
@@ -137,7 +137,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     described: dict[str, object] = {
         "grad mode": _is_grad_enabled(),
         "default dtype": _get_default_dtype(),
-        "autocast": (_is_autocast_enabled("cpu"), _is_autocast_enabled("cuda")),
+        "autocast": autocast_key() or "off",
     }
     for name, module in zip(module_names, modules):
         described[f"{name or 'model'}.training"] = module.training

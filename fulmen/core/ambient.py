@@ -1,0 +1,67 @@
+"""Ambient autocast state: its cache-key form, and running compiled traces without it.
+
+Casts that `torch.autocast` applies while a function is traced are recorded in the trace as
+explicit conversions (`fulmen.tracer.autocast`), so an execution trace is complete as it stands.
+If it ran under the caller's autocast, torch would cast again: a matmul the trace computes in
+float32 (inside the user's `autocast(enabled=False)` region) would come back as bfloat16, and
+a fused kernel built for float32 would read the wrong bytes. So compiled forward and backward
+traces run with autocast disabled on every device (`without_autocast`); the ambient state at
+the call is part of the cache key instead (`autocast_key`), so a different state retraces.
+
+Both cost one `torch._C._is_any_autocast_enabled()` check when autocast is off.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# device types torch.autocast accepts
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu",
+                    "privateuseone")
+_any_autocast = torch._C._is_any_autocast_enabled
+_is_enabled = torch.is_autocast_enabled
+_DisableAutocast = torch._C._DisableAutocast
+_get_dtype = torch.get_autocast_dtype
+
+
+def autocast_key() -> tuple:
+    """`()` when autocast is off; else `((device, dtype), ...)` for each device with autocast
+    enabled (the dtype matters: bfloat16 and float16 regions trace differently)."""
+    if not _any_autocast():
+        return ()
+    return tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
+                  if _is_enabled(device)])
+
+
+def run_without_autocast(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` with autocast disabled on every device, restored afterwards."""
+    if not _any_autocast():
+        return fn(*args)
+    with _DisableAutocast():  # excludes every autocast dispatch key, as torch's own compilers do
+        return fn(*args)
+
+
+def without_autocast(fn: Callable) -> Callable:
+    """`fn` made to run with autocast disabled (see the module docstring).
+
+    Example:
+        >>> compiled = without_autocast(trace.python_callable())
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     compiled(x)  # runs exactly the casts the trace records, no others
+    """
+
+    @functools.wraps(fn)
+    def run(*args):
+        if not _any_autocast():
+            return fn(*args)
+        with _DisableAutocast():
+            return fn(*args)
+
+    return run
+
+
+__all__ = ["AUTOCAST_DEVICES", "autocast_key", "run_without_autocast", "without_autocast"]
