@@ -17,9 +17,9 @@ def lazy(tmp_path, monkeypatch):
     builds = []
     real_build = cg_build._build
 
-    def counting_build(source, cxx, path):
+    def counting_build(source, *args):
         builds.append(source)
-        real_build(source, cxx, path)
+        return real_build(source, *args)
 
     monkeypatch.setattr(cg_build, "_build", counting_build)
     monkeypatch.setattr(cg_build, "_loaded", {})  # no kernel loaded by an earlier test

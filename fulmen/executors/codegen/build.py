@@ -1,10 +1,12 @@
 """Compile C++ kernel sources with the system compiler and load them with ctypes.
 
-Shared objects are cached on disk in `FULMEN_CACHE_DIR` (default `~/.cache/fulmen`), under a
-name made from the hash of the source, the compiler command, the compiler's version and the
-CPU, so a warm cache skips the compiler. Files are written to a temporary name and renamed
-(atomic), so concurrent processes never load a half-written library. Loaded libraries are
-kept in memory by the same key. `CompileError` reports a missing compiler or a failed build.
+Shared objects are cached on disk (`cache.py`: `FULMEN_CACHE_DIR`, else
+`$XDG_CACHE_HOME/fulmen`, else `~/.cache/fulmen`), in entries keyed by the hash of the source,
+the compiler command, the compiler's version and the CPU's feature line, so a warm cache skips
+the compiler. Entries are written atomically and authenticated before they are loaded (NOTE
+[kernel cache trust] in `cache.py`): a truncated, corrupt or planted object is rebuilt, never
+loaded. Loaded libraries are kept in memory by the same key. `CompileError` reports a missing
+compiler, a failed build, or a cache that cannot be used at all.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from fulmen.executors.codegen import cache
 
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared",
              "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-ffp-contract=off")  # fmt: skip
@@ -32,6 +35,9 @@ _ARGTYPES = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
              ctypes.c_int64]  # fmt: skip
 _loaded: dict[str, ctypes.CDLL] = {}
 _lock = threading.Lock()
+KIND = "cpp"  # the cache's directory of C++ kernels
+_OBJECT = "kernel.so"
+_FEATURE_LINES = ("flags", "features", "isa")
 
 
 class CompileError(RuntimeError):
@@ -39,9 +45,9 @@ class CompileError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """The kernel cache directory (`FULMEN_CACHE_DIR`, default `~/.cache/fulmen`)."""
-    root = os.environ.get("FULMEN_CACHE_DIR") or os.path.join(Path.home(), ".cache", "fulmen")
-    return Path(root) / "cpp"
+    """The directory of the C++ kernel cache (`cache.root() / "cpp"`, created private; in a
+    private temporary directory when the configured one cannot be used safely)."""
+    return cache.kind_dir(KIND)
 
 
 def compiler() -> str | None:
@@ -68,19 +74,31 @@ def _toolchain_id(cxx: str) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu += next((line for line in f if line.startswith("flags")), "")
+            cpu += cpu_features(f.read())
     except OSError:
         pass
     return f"{cxx}\n{version}\n{cpu}"
 
 
+def cpu_features(cpuinfo: str) -> str:
+    """The CPU feature line of `/proc/cpuinfo` text (x86 names it `flags`, aarch64 `Features`,
+    RISC-V `isa`), which `-march=native` compiles for; "" when there is none.
+
+    Example:
+        >>> cpu_features("processor : 0\nFeatures : fp asimd sve\n")
+        'Features : fp asimd sve'
+    """
+    for line in cpuinfo.splitlines():
+        name = line.split(":", 1)[0].strip().lower()
+        if name in _FEATURE_LINES:
+            return line.strip()
+    return ""
+
+
 def cache_key(source: str, cxx: str) -> str:
+    """The cache entry name of `source` built by `cxx` with `CXX_FLAGS` on this CPU."""
     text = "\n".join([source, " ".join(CXX_FLAGS), _toolchain_id(cxx)])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _library_path(key: str) -> Path:
-    return cache_dir() / f"k_{key}.so"
 
 
 def is_cached(source: str) -> bool:
@@ -89,14 +107,18 @@ def is_cached(source: str) -> bool:
     if cxx is None:
         return False
     key = cache_key(source, cxx)
-    return key in _loaded or _library_path(key).exists()
+    try:
+        return key in _loaded or cache.contains(KIND, key, _OBJECT)
+    except OSError:
+        return False
 
 
 def load_library(source: str) -> ctypes.CDLL:
-    """The shared library of `source`, compiled (or found in the cache) and loaded.
+    """The shared library of `source`, compiled (or found verified in the cache) and loaded.
 
     Raises:
-        CompileError: no compiler, or the compiler failed (its stderr is in the message).
+        CompileError: no compiler, the compiler failed (its stderr is in the message), or no
+            cache directory, not even a temporary one, can be written.
     """
     cxx = compiler()
     if cxx is None:
@@ -105,10 +127,11 @@ def load_library(source: str) -> ctypes.CDLL:
     with _lock:
         lib = _loaded.get(key)
     if lib is None:
-        path = _library_path(key)
-        if not path.exists():
-            _build(source, cxx, path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            path = cache.lookup(KIND, key, _OBJECT) or _build(source, cxx, key)
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise CompileError(f"the kernel cache failed: {error}") from error
         with _lock:
             lib = _loaded.setdefault(key, lib)
     return lib
@@ -126,12 +149,22 @@ def load_kernel(source: str):
     return fn
 
 
-def _build(source: str, cxx: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src = Path(tmp) / "kernel.cpp"
+def _build(source: str, cxx: str, key: str) -> Path:
+    """Compile `source` into the cache entry `key`; its object's path. When the cache
+    directory fails while in use, the build is redone in a private temporary one."""
+    try:
+        return _build_in_cache(source, cxx, key)
+    except OSError as error:
+        if not cache.give_up(error):
+            raise
+    return _build_in_cache(source, cxx, key)
+
+
+def _build_in_cache(source: str, cxx: str, key: str) -> Path:
+    with cache.workspace(KIND) as tmp:
+        src = tmp / "kernel.cpp"
         src.write_text(source)
-        out = Path(tmp) / "kernel.so"
+        out = tmp / _OBJECT
         try:
             result = subprocess.run([cxx, *CXX_FLAGS, str(src), "-o", str(out)],
                                     capture_output=True, text=True, timeout=300)
@@ -139,9 +172,12 @@ def _build(source: str, cxx: str, path: Path) -> None:
             raise CompileError(f"running {cxx} failed: {error}") from error
         if result.returncode != 0:
             raise CompileError(f"{cxx} failed:\n{result.stderr[-4000:]}")
-        os.replace(out, path)  # atomic: readers see no file or the whole file
-    src_copy = path.with_suffix(".cpp")
-    if not src_copy.exists():
-        tmp_src = path.with_suffix(f".cpp.{os.getpid()}.tmp")
-        tmp_src.write_text(source)
-        os.replace(tmp_src, src_copy)
+        return cache.publish(KIND, key, tmp, _OBJECT)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
