@@ -9,9 +9,12 @@ Every fulmen trace is runnable Python, so each stage can be run on the same inpu
 3. in the first diverging stage, compare every statement's outputs with the values the previous
    stage computed under the same names (SSA names survive passes); a statement without a
    counterpart (a fusion region) is compared with its own subsymbols run by torch;
-4. write a standalone repro script for that statement.
+4. write a standalone repro script for that statement: a fusion in it is fused again by its
+   executor from its region (`rebuild_fusion`), so the script runs in a fresh process.
 
-Tolerances default to `torch.testing.assert_close`'s per-dtype values (x10 for gradients).
+Tolerances are per dtype: `torch.testing.assert_close`'s values (x10 for gradients), and never
+tighter than one unit in the last place of the dtype, also when `rtol` is given (a 1-ulp
+bfloat16 difference is rounding, not a divergence).
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, FulmenError, Symbol, Trace
 from fulmen.core.interpret import interpret
 from fulmen.core.printer import print_trace, statement_source
 from fulmen.core.proxy import iter_proxies
+from fulmen.core.symbol import Namespace
+from fulmen.core.trace import TraceCtx, tracing
+from fulmen.executors.registry import get_executor
 from fulmen.jit import _jitted, jit
+from fulmen.proxies import TensorProxy
 
 _TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
     torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
@@ -77,10 +84,32 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _tolerance(dtype, rtol, atol, scale=1.0):
-    default = _TOLERANCES.get(dtype, (0.0, 0.0))
-    return (rtol if rtol is not None else default[0] * scale,
-            atol if atol is not None else default[1] * scale)
+def _tolerance(dtype, rtol, atol, scale=1.0) -> tuple[float, float]:
+    """(rtol, atol) for `dtype`: the given values or the dtype's defaults, and an rtol of at
+    least one ulp (`finfo.eps`) for floating dtypes; integers and bools compare exactly."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return (rtol or 0.0, atol or 0.0)
+    eps = torch.finfo(dtype).eps
+    default = _TOLERANCES.get(dtype, (2 * eps, 1e-5))
+    chosen_rtol = rtol if rtol is not None else default[0] * scale
+    chosen_atol = atol if atol is not None else default[1] * scale
+    return max(chosen_rtol, eps), chosen_atol
+
+
+def _close(a: torch.Tensor, e: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
+    """Whether |a - e| <= atol + rtol * |e| everywhere (NaN matching NaN, infinities matching),
+    computed in float64 so low-precision dtypes do not round the check; and the worst error."""
+    if not a.numel():
+        return True, 0.0
+    a64, e64 = a.detach().to(torch.complex128 if a.is_complex() else torch.float64), \
+        e.detach().to(torch.complex128 if e.is_complex() else torch.float64)
+    diff = (a64 - e64).abs()
+    both_nan = torch.isnan(a64) & torch.isnan(e64)
+    same = (a64 == e64) | both_nan  # equal infinities too
+    diff = torch.where(same, 0, diff)
+    worst = float(diff.nan_to_num(float("inf")).max())
+    ok = bool(((diff <= atol + rtol * e64.abs()) | same).all())
+    return ok, worst
 
 
 def _compare(actual, expected, rtol, atol, scale=1.0) -> tuple[bool, float, str]:
@@ -94,17 +123,24 @@ def _compare(actual, expected, rtol, atol, scale=1.0) -> tuple[bool, float, str]
             if a.shape != e.shape or a.dtype != e.dtype:
                 return False, float("inf"), f"output {index}: {a.dtype}{list(a.shape)} vs " \
                                             f"{e.dtype}{list(e.shape)}"
-            if a.numel():
-                diff = (a.double() - e.double()).abs()
-                diff = torch.where(torch.isnan(a) & torch.isnan(e), 0, diff)
-                worst = max(worst, float(diff.nan_to_num(float("inf")).max()))
             r, t = _tolerance(e.dtype, rtol, atol, scale)
-            if not torch.allclose(a, e, rtol=r, atol=t, equal_nan=True):
+            ok, error = _close(a, e, r, t)
+            worst = max(worst, error)
+            if not ok:
                 return False, worst, f"output {index} differs"
         elif (e is None) != (a is None) or (e is not None and not isinstance(e, torch.Tensor)
                                             and a != e):
             return False, float("inf"), f"output {index}: {a!r} vs {e!r}"
     return True, worst, ""
+
+
+def check_repro(actual, expected) -> int:
+    """What a repro script ends with: print the largest difference between the region's and
+    the reference's outputs; return the exit status (1 when they differ beyond the dtype's
+    tolerance, 0 otherwise)."""
+    ok, worst, detail = _compare(actual, expected, None, None)
+    print("max |region - reference| =", worst, detail)
+    return 0 if ok else 1
 
 
 def _clone(tree):
@@ -149,17 +185,82 @@ def _counterpart(good: Trace, bsym: BoundSymbol) -> BoundSymbol | None:
     return next((b for b in good.bsyms if b.output_names & names), None)
 
 
+def _is_fusion(bsym: BoundSymbol) -> bool:
+    return "fusion" in bsym.sym.tags and bsym.sym.executor is not None and bool(bsym.subsymbols)
+
+
+def rebuild_fusion(executor: str, body, inputs: list[tuple]):
+    """Fuse a region again, in this process, with the executor called `executor`; return a
+    callable taking the region's inputs in order. How repro scripts run a fusion: its symbol
+    exists only in the process that fused it.
+
+    `body` is the region as a Python function of prims (a printed trace); `inputs` gives each
+    input's `(name, shape, dtype, device, strides)`.
+
+    Raises:
+        FulmenError: when the executor no longer fuses the region.
+    """
+    fuser = get_executor(executor)
+    ctx = TraceCtx("region")
+    proxies = [TensorProxy(name, shape, dtype, device, strides=strides)
+               for name, shape, dtype, device, strides in inputs]
+    with tracing(ctx):
+        outputs = list(iter_proxies(body(*proxies)))
+    fused = fuser.fuse(list(ctx.bsyms), outputs)
+    if fused is None:
+        raise FulmenError("the executor does not fuse the region again", op=f"{executor}.fuse")
+    names = [p.name for p in proxies]
+
+    def run(*values):
+        by_name = dict(zip(names, values))
+        return fused.sym.impl(*[by_name[p.name] for p in fused.args])
+
+    return run
+
+
+def _fusion_preamble(bsym: BoundSymbol) -> tuple[str, BoundSymbol]:
+    """Source that rebuilds fusion `bsym` in a fresh process (its region as a function, fused
+    again by its executor), and `bsym` calling the rebuilt fusion by a plain name."""
+    name = bsym.sym.name
+    body = Trace(f"{name}_region", tuple(bsym.proxy_inputs), bsym.subsymbols, bsym.output)
+    specs = ", ".join(f"({p.name!r}, {tuple(p.shape)}, {p.dtype}, {str(p.device)!r}, "
+                      f"{tuple(p.stride())})" for p in bsym.proxy_inputs)
+    executor = bsym.sym.executor.name
+    lines = [print_trace(body)[0]]
+    if executor == "codegen":  # compile the kernel now, not after the region gets hot
+        lines.append("from fulmen.executors.codegen import set_compile_policy\n"
+                     "set_compile_policy('eager')")
+    lines.append(f"from fulmen.verify import rebuild_fusion\n"
+                 f"{name} = rebuild_fusion({executor!r}, {name}_region, [{specs}])")
+    local = Symbol(name, None, namespace=Namespace(name, None, ""), python_name=name,
+                   impl=bsym.sym.impl, tags=bsym.sym.tags)
+    return "\n".join(lines), bsym.replace(sym=local, args=tuple(bsym.proxy_inputs), kwargs={})
+
+
 def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
     """A script that runs the culprit and its reference on random inputs of the same metadata
-    and exits 1 when they disagree."""
+    and exits 1 when they disagree; it needs no state of this process (fusions are rebuilt).
+    A fusion's reference is its own region, run by torch."""
     inputs = culprit.proxy_inputs
-    region = Trace("region", tuple(inputs), (culprit,), culprit.output)
-    region_source, _ = print_trace(region)
-    parts = [region_source]
-    if reference is not None:
+    parts = []
+    statement = culprit
+    reference_call = None
+    if _is_fusion(culprit):
+        preamble, statement = _fusion_preamble(culprit)
+        parts.append(preamble)
+        reference_call = f"{culprit.sym.name}_region"
+        reference_inputs = inputs
+    region = Trace("region", tuple(inputs), (statement,), culprit.output)
+    parts.insert(0, print_trace(region)[0])
+    if reference_call is None and reference is not None:
+        if _is_fusion(reference):
+            preamble, reference = _fusion_preamble(reference)
+            parts.append(preamble)
         ref_trace = Trace("reference", tuple(reference.proxy_inputs), (reference,),
                           reference.output)
         parts.append(print_trace(ref_trace)[0])
+        reference_call = "reference"
+        reference_inputs = reference.proxy_inputs
     makers = []
     for proxy in inputs:
         dtype = str(proxy.dtype)
@@ -170,23 +271,25 @@ def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory:
         else:
             makers.append(f"torch.randint(0, 8, {tuple(proxy.shape)}, dtype={dtype})")
     by_name = ", ".join(f"{p.name!r}: {m}" for p, m in zip(inputs, makers))
-    ref_args = ", ".join(f"values[{p.name!r}]" for p in (reference.proxy_inputs if reference else ()))
+    ref_args = ", ".join(f"values[{p.name!r}]" for p in (reference_inputs if reference_call
+                                                         else ()))
     main = f'''
 
 if __name__ == "__main__":
     import sys
+
+    from fulmen.verify import check_repro
+
     torch.manual_seed(0)
     values = {{{by_name}}}
     actual = region(*values.values())
-    expected = {"reference(" + ref_args + ")" if reference is not None else "None"}
+    expected = {f"{reference_call}({ref_args})" if reference_call else "None"}
     if expected is None:
         print("no reference statement; actual:", actual)
         sys.exit(0)
-    same = torch.allclose(actual, expected, equal_nan=True, rtol=1.3e-6, atol=1e-5)
-    print("max |region - reference| =", (actual - expected).abs().max().item())
-    sys.exit(0 if same else 1)
+    sys.exit(check_repro(actual, expected))
 '''
-    # the two printed traces each carry their own header and imports; keep them as one module
+    # the printed traces each carry their own header and imports; keep them as one module
     source = "\n\n".join(parts) + main
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"fulmen_repro_{culprit.sym.name}.py")
@@ -298,4 +401,4 @@ def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected,
             previous = trace
 
 
-__all__ = ["StageCheck", "VerifyReport", "verify"]
+__all__ = ["StageCheck", "VerifyReport", "check_repro", "rebuild_fusion", "verify"]

@@ -51,3 +51,52 @@ def test_verify_finds_a_wrong_op_used_only_by_the_backward():
     report = fulmen.verify(lambda t: (t.exp() - t).sum(), x, executors=[bad, "torch"])
     assert not report.ok and report.first_bad_stage.startswith("backward"), str(report)
     assert "neg" in report.culprit_op
+
+
+def test_repro_of_a_codegen_fusion_runs_on_its_own(tmp_path, monkeypatch, codegen_eager):
+    from fulmen.executors.codegen import codegen_ex
+
+    fuse = codegen_ex.fuse
+
+    def planted(region, outputs):  # a kernel that is 1% off, in this process only
+        bsym = fuse(region, outputs)
+        if bsym is not None:
+            impl = bsym.sym.impl
+            bsym.sym.impl = lambda *args: impl(*args) * 1.01
+        return bsym
+
+    monkeypatch.setattr(codegen_ex, "fuse", planted)
+
+    def g(x, y):
+        return (torch.sin(x) * y + x.exp() * 0.1).softmax(-1) * 3
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    report = fulmen.verify(g, x, y, executors=["codegen", "torch"], repro_dir=str(tmp_path))
+    assert not report.ok and "fusion" in report.culprit_op, str(report)
+    result = subprocess.run([sys.executable, report.repro_path], capture_output=True, text=True)
+    # a fresh process fuses the region again (the real kernel) and compares it with its prims
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "max |region - reference|" in result.stdout
+
+
+def _one_ulp_up(t):
+    return t.view(torch.int16).add(1).view(torch.bfloat16)
+
+
+def test_one_ulp_bfloat16_is_not_a_divergence():
+    ulp = OperatorExecutor("one_ulp")
+    op = ulp.register_operator("sin_one_ulp_up", like=torch.sin,
+                               fn=lambda a: _one_ulp_up(torch.sin(a)))
+    ulp.register_implementation(torch.sin, op)
+    x, y = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    report = fulmen.verify(lambda a: torch.sin(a) * 2, x, executors=[ulp, "torch"])
+    assert report.ok and report.stages[-1].max_error > 0, str(report)
+    # also with tolerances given for float32: never tighter than the dtype's ulp
+    report = fulmen.verify(lambda a: torch.sin(a) * 2, x, executors=[ulp, "torch"], rtol=1e-6,
+                           atol=0.0)
+    assert report.ok, str(report)
+    # but a real error in bfloat16 is one
+    wrong = OperatorExecutor("wrong_bf16")
+    op = wrong.register_operator("sin_off", like=torch.sin, fn=lambda a: torch.sin(a) + 0.1)
+    wrong.register_implementation(torch.sin, op)
+    assert not fulmen.verify(f, x, y, executors=[wrong, "torch"]).ok
