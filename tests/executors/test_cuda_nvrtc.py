@@ -246,8 +246,8 @@ def test_nvrtc_compile_error_is_reported():
 def test_nvrtc_disk_cache(monkeypatch):
     source = cuda.render(_add_kernel(), cuda.Spec(1, (1, 1, 1), 4))
     image = nvrtc.compile_cached(source, 80)
-    files = sorted(p.suffix for p in nvrtc.cache_dir().iterdir())
-    assert files == [".cu", ".cubin"]
+    files = sorted(p.name for p in nvrtc.cache_dir().glob("k_*/*"))
+    assert files == ["kernel.cu", "kernel.cubin", "kernel.cubin.mac"]
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("compiled again despite the cache")
@@ -273,6 +273,12 @@ def test_nvrtc_plan_and_pack():
     assert int.from_bytes(packed[:8], "little") == 1000
 
 
+def _accept_cpu_stand_ins(inputs) -> bool:
+    """CPU tensors stand in for CUDA ones on a machine without a GPU (a region would otherwise
+    refuse them: `RegionCallable.accepts`)."""
+    return True
+
+
 def test_nvrtc_failure_falls_back_to_torch_with_one_warning(monkeypatch):
     """A load failure (no GPU here, or an image the driver refuses) runs the region on torch."""
     region = cuda_regions(lambda a, c: (a * 2 + c).exp(),
@@ -284,6 +290,7 @@ def test_nvrtc_failure_falls_back_to_torch_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(nvrtc, "load_function", refuse)
     monkeypatch.setattr(nvrtc, "_warned", set())
+    monkeypatch.setattr(region, "accepts", _accept_cpu_stand_ins)
     a, c = torch.randn(8, 4), torch.randn(4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -542,6 +549,7 @@ def test_nvrtc_row_failure_falls_back_to_torch_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(nvrtc, "load_function", refuse)
     monkeypatch.setattr(nvrtc, "_warned", set())
+    monkeypatch.setattr(region, "accepts", _accept_cpu_stand_ins)
     a = torch.randn(8, 32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -4,9 +4,10 @@ Compilation targets the device's exact architecture: a cubin for `sm_XX` when th
 the architecture, else PTX for the newest architecture it knows below the device's (the driver
 JIT-compiles it; PTX newer than the driver cannot load, and that failure, like any other,
 becomes a fallback). Images are cached on disk under `FULMEN_CACHE_DIR/cuda`, keyed by the
-source, the target, the NVRTC version and the options, written atomically; loaded functions are
-kept in memory per device. `cuda_fp16.h`/`cuda_bf16.h` come from the `nvidia-cuda-runtime` wheel
-(found with `cuda.pathfinder`), else from a CUDA toolkit (`CUDA_HOME`, `/usr/local/cuda`).
+source, the target, the NVRTC version and the options, written atomically and verified before
+use (`cache.py`); loaded functions are kept in memory per device. `cuda_fp16.h`/`cuda_bf16.h`
+come from the `nvidia-cuda-runtime` wheel (found with `cuda.pathfinder`), else from a CUDA
+toolkit (`CUDA_HOME`, `/usr/local/cuda`).
 
 `CudaFusedRegion` is the implementation of a fusion symbol whose tensors live on a CUDA device:
 it resolves strides like the CPU runtime, picks the layout class (`cuda.Spec` for a pointwise
@@ -29,7 +30,6 @@ import importlib.util
 import math
 import os
 import struct
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.executors.codegen import cuda, cuda_rows
-from fulmen.executors.codegen.build import cache_dir as _cpp_cache_dir
+from fulmen.executors.codegen import cache, cuda, cuda_rows
 from fulmen.executors.codegen.ir import Kernel, RowKernel
 from fulmen.executors.codegen.lower import LoweredRegion
 from fulmen.executors.codegen.runtime import (
@@ -55,6 +54,7 @@ OPTIONS = ("-std=c++17", "--fmad=false")
 MAX_PARAM_BYTES = 4096
 ENTRY = "fulmen_kernel"
 
+_KIND = "cuda"  # the cache's directory of CUDA images
 _lock = threading.Lock()
 _functions: dict[tuple, object] = {}
 _modules: dict[tuple, object] = {}
@@ -184,8 +184,8 @@ def compile_source(source: str, arch: int, kind: str = "cubin") -> tuple[bytes, 
 
 
 def cache_dir() -> Path:
-    """Where compiled CUDA images live (`FULMEN_CACHE_DIR/cuda`)."""
-    return _cpp_cache_dir().parent / "cuda"
+    """Where compiled CUDA images live (`FULMEN_CACHE_DIR/cuda`; see `cache.py`)."""
+    return cache.kind_dir(_KIND)
 
 
 def cache_key(source: str, arch: int, kind: str) -> str:
@@ -194,20 +194,24 @@ def cache_key(source: str, arch: int, kind: str) -> str:
 
 
 def compile_cached(source: str, arch: int, kind: str = "cubin") -> bytes:
-    """`compile_source`, through the on-disk cache (written atomically)."""
-    path = cache_dir() / f"k_{cache_key(source, arch, kind)}.{kind}"
-    if path.exists():
-        return path.read_bytes()
+    """`compile_source`, through the on-disk cache (entries written atomically and verified
+    before use: NOTE [kernel cache trust] in `cache.py`); a cache that cannot be read or
+    written only costs the compile."""
+    key, name = cache_key(source, arch, kind), f"kernel.{kind}"
+    try:
+        path = cache.lookup(_KIND, key, name)
+        if path is not None:
+            return path.read_bytes()
+    except OSError:
+        pass
     image, _ = compile_source(source, arch, kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-        tmp.write(image)
-    os.replace(tmp.name, path)  # readers see no file or the whole file
-    source_copy = path.with_suffix(".cu")
-    if not source_copy.exists():
-        tmp_source = path.with_suffix(f".cu.{os.getpid()}.tmp")
-        tmp_source.write_text(source)
-        os.replace(tmp_source, source_copy)
+    try:
+        with cache.workspace(_KIND) as tmp:
+            (tmp / name).write_bytes(image)
+            (tmp / "kernel.cu").write_text(source)
+            cache.publish(_KIND, key, tmp, name)
+    except OSError:
+        pass
     return image
 
 

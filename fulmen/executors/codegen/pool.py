@@ -34,7 +34,7 @@ import threading
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from fulmen.executors.codegen import build
+from fulmen.executors.codegen import build, cache
 from fulmen.executors.codegen.policy import policy, submit
 
 MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
@@ -234,7 +234,7 @@ class _Pool:
                 self.failed = True
             return
         if self.future is None or not self.future.done():  # not done: see NOTE [fork]
-            self.future = submit(("pool", str(build.cache_dir()), build.compiler()),
+            self.future = submit(("pool", str(cache.requested_root()), build.compiler()),
                                  build.load_library, _SOURCE)
         if self.future.done():
             try:

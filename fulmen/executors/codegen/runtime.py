@@ -37,7 +37,7 @@ from concurrent.futures import Future
 import torch
 
 from fulmen.executors.claim import claim_executors
-from fulmen.executors.codegen import build
+from fulmen.executors.codegen import build, cache
 from fulmen.executors.codegen.build import CompileError, is_cached, load_kernel
 from fulmen.executors.codegen.cpp import render
 from fulmen.executors.codegen.cpp_rows import render_rows
@@ -56,7 +56,7 @@ class _Fallback(Exception):
 
 def _submit(source: str) -> Future:
     """The (shared) future loading the kernel of `source` (see `policy.submit`)."""
-    key = ("kernel", source, str(build.cache_dir()), build.compiler())
+    key = ("kernel", source, str(cache.requested_root()), build.compiler())
     return submit(key, load_kernel, source)
 
 
