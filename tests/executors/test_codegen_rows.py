@@ -202,9 +202,13 @@ def test_vectorised_exp_and_erf_match_eager():
                             -87.3, -103.5, -104.5, 3.9999, 4.0, 1.0, 0.99999994, 1e-45])
     x = torch.cat([torch.linspace(-110, 95, 200_001), torch.logspace(-40, 1, 2000), special])
     # gelu's 1 + erf(x) cancels for x << 0: 1 ulp of erf there is an absolute 3e-7 in eager too
-    for fn, atol in ((torch.exp, 1e-30), (torch.erf, 1e-30), (F.gelu, 1e-6)):
+    # eager's gelu(+-inf) is inf from its scalar loop and NaN from its AVX-512 vector loop (so
+    # it depends on the machine and on where the element falls): compare gelu on finite values
+    finite = x[x.isfinite() | x.isnan()]
+    for fn, atol, inputs in ((torch.exp, 1e-30, x), (torch.erf, 1e-30, x), (F.gelu, 1e-6, finite)):
         jfn = fulmen.jit(fn, executors=EXECUTORS)
-        torch.testing.assert_close(jfn(x), fn(x), rtol=1.3e-6, atol=atol, equal_nan=True)
+        torch.testing.assert_close(jfn(inputs), fn(inputs), rtol=1.3e-6, atol=atol,
+                                   equal_nan=True)
         assert "codegen.fusion" in _trace(jfn)
     jfn = fulmen.jit(torch.erf, executors=EXECUTORS)
     torch.testing.assert_close(jfn(-x), torch.erf(-x), rtol=1.3e-6, atol=1e-30, equal_nan=True)
