@@ -26,6 +26,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
 
+from fulmen.core import FulmenError
+from fulmen.core.source import user_source_location
 from fulmen.core.trace import get_tracectx
 from fulmen.ops.autograd_function import autocast_state, function_symbol
 
@@ -80,4 +82,26 @@ def intercept_function_apply(ctx) -> Iterator[None]:
                 _Function.apply = _ORIGINAL_APPLY
 
 
-__all__ = ["intercept_function_apply"]
+# Running backward inside traced code is refused (see `backward_refusal`): op, as written
+BACKWARD_CALLS = {
+    torch.Tensor.backward: ("torch.Tensor.backward", "loss.backward()"),
+    torch.autograd.backward: ("torch.autograd.backward", "torch.autograd.backward()"),
+    torch.autograd.grad: ("torch.autograd.grad", "torch.autograd.grad()"),
+}
+
+
+def backward_refusal(func) -> FulmenError:
+    """The error for `loss.backward()` (or `torch.autograd.backward`/`grad`) inside a
+    compiled function: the trace is the forward, and fulmen derives its backward itself."""
+    op, spelling = BACKWARD_CALLS[func]
+    return FulmenError(
+        f"{spelling} inside a compiled function: fulmen compiles the forward and derives its "
+        "backward; the backward cannot run in the middle of the trace",
+        op=op, where=user_source_location(),
+        hint="return the loss from the compiled function and call loss.backward() on the "
+        "result (e.g. loss = fulmen.jit(model_and_loss)(batch); loss.backward(); "
+        "optimizer.step()), or use fulmen.grad / fulmen.value_and_grad for gradients as values",
+    )
+
+
+__all__ = ["BACKWARD_CALLS", "backward_refusal", "intercept_function_apply"]

@@ -45,6 +45,11 @@ from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import METADATA_FUNCTIONS
 from fulmen.tracer.autocast import autocast_arguments
+from fulmen.tracer.autograd_function import (
+    BACKWARD_CALLS,
+    backward_refusal,
+    intercept_function_apply,
+)
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 
 T = torch.Tensor
@@ -203,6 +208,8 @@ class TracerCtx(TraceCtx):
                 hint="pass use_reentrant=False (PyTorch's recommended mode); fulmen then "
                 "recomputes the region in the backward",
             )
+        if func in BACKWARD_CALLS:
+            raise backward_refusal(func)
         if func in _VALUE_DEPENDENT:
             if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
                 args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))
@@ -307,6 +314,15 @@ class FactoryMode(TorchFunctionMode):
     def __init__(self, ctx: TracerCtx) -> None:
         super().__init__()
         self.ctx = ctx
+        self._apply_hook = intercept_function_apply(ctx)  # autograd.Function.apply: no torch fn
+
+    def __enter__(self):
+        self._apply_hook.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        super().__exit__(*exc_info)
+        self._apply_hook.__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,0 +1,88 @@
+"""What a jitted module needs to behave like the module it wraps.
+
+- `HookWatch`: forward and backward hooks (and pre-hooks) of a module's submodules, and the
+  global module hooks, run while the module is traced, so they are part of the trace. A hook
+  added or removed after jitting must retrace; `changed()` tells, at O(1) per call in the
+  common case: a registration anywhere bumps `RemovableHandle.next_id`, and a removal shrinks
+  one of the dicts that held hooks at the last check (only those are looked at).
+- `strip_wrapper_prefix` / `add_wrapper_prefix`: state-dict hooks that make a wrapper's state
+  dict read like the wrapped module's (`linear.weight`, not `_orig_mod.linear.weight`), so
+  checkpoints move freely between a module and its jitted wrapper; both spellings load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_modules_module = torch.nn.modules.module
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+class HookWatch:
+    """Watches the hooks of `module` and its submodules (as they were when it was made)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.modules = tuple(module.modules())
+        self._snapshot(self._keys())
+
+    def _dicts(self) -> list[dict]:
+        dicts = [getattr(_modules_module, name) for name in _GLOBAL_HOOK_DICTS
+                 if hasattr(_modules_module, name)]
+        for sub in self.modules:
+            dicts.extend(getattr(sub, name) for name in _HOOK_DICTS if hasattr(sub, name))
+        return dicts
+
+    def _keys(self) -> tuple:
+        return tuple([tuple(hooks) for hooks in self._dicts()])
+
+    def _snapshot(self, keys: tuple) -> None:
+        self.keys = keys
+        self.next_id = RemovableHandle.next_id
+        self.held = [(hooks, len(hooks)) for hooks in self._dicts() if hooks]
+
+    def changed(self) -> bool:
+        """Whether a hook was added or removed since the last call (or since creation)."""
+        if RemovableHandle.next_id == self.next_id and all(
+                len(hooks) == count for hooks, count in self.held):
+            return False
+        keys = self._keys()
+        changed = keys != self.keys
+        self._snapshot(keys)
+        return changed
+
+
+WRAPPED = "_orig_mod."
+
+
+def strip_wrapper_prefix(module, state_dict, prefix: str, local_metadata) -> None:
+    """State-dict post hook: `<prefix>_orig_mod.<key>` -> `<prefix><key>` (and metadata)."""
+    inner = prefix + WRAPPED
+    for key in [key for key in state_dict if key.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [key for key in metadata if key.startswith(inner) or key == inner[:-1]]:
+            value = metadata.pop(key)
+            metadata[prefix + key[len(inner):] if key != inner[:-1] else prefix[:-1]] = value
+
+
+def add_wrapper_prefix(module, state_dict, prefix: str, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs) -> None:
+    """Load-state-dict pre hook: accept the wrapped module's keys (`<prefix><key>`) as well as
+    the wrapper's (`<prefix>_orig_mod.<key>`)."""
+    inner = prefix + WRAPPED
+    for key in [key for key in state_dict if key.startswith(prefix)
+                and not key.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # the caller's own dict: add entries, never remove any
+        for key in [key for key in metadata if (key.startswith(prefix) or key == prefix[:-1])
+                    and not key.startswith(inner)]:
+            inner_key = inner[:-1] if key == prefix[:-1] else inner + key[len(prefix):]
+            metadata.setdefault(inner_key, metadata[key])
+
+
+__all__ = ["HookWatch", "add_wrapper_prefix", "strip_wrapper_prefix"]

@@ -1,0 +1,200 @@
+"""A jitted module behaves like the module it wraps: copies, pickling, state dicts, modes, hooks;
+and the patterns it cannot compile fail with an error that says what to do."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.core import FulmenError, NotYetSupportedError
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(self.norm(self.linear(x)).relu()))
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _same_module(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> None:
+    """`a` and `b` compute the same thing in eval and in training (same seed)."""
+    a.eval(), b.eval()
+    torch.testing.assert_close(a(x), b(x))
+    a.train(), b.train()
+    torch.manual_seed(1)
+    expected = a(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(b(x), expected)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_compile_anew_and_are_independent(how):
+    model = _net()
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6)
+    jmodel(x).sum().backward()  # compiled, with a cache holding traces
+    if how == "deepcopy":
+        copied = copy.deepcopy(jmodel)
+    elif how == "pickle":
+        copied = pickle.loads(pickle.dumps(jmodel))
+    else:
+        buffer = io.BytesIO()
+        torch.save(jmodel, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert isinstance(copied, type(jmodel))
+    assert fulmen.cache_misses(copied) == 0  # compiled lazily, at the first call
+    reference = copy.deepcopy(model)
+    _same_module(copied, reference, x)
+    assert fulmen.cache_misses(copied) == 2  # eval, train
+    with torch.no_grad():  # independent parameters: the copy (an EMA model, say) moves alone
+        for p in copied.parameters():
+            p.mul_(0.5)
+    assert not torch.equal(copied.linear.weight, model.linear.weight)
+    copied.eval(), reference.eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(copied(x), reference(x))
+
+
+def test_copy_keeps_the_executors_and_options():
+    jmodel = fulmen.jit(_net(), executors=["torch"], rematerialize=False)
+    copied = copy.deepcopy(jmodel)
+    copied(torch.randn(4, 6))
+    assert "codegen" not in str(fulmen.last_traces(copied)[-1])
+
+
+def test_state_dict_round_trips_with_the_modules_own_keys():
+    model, jmodel = _net(), fulmen.jit(Net())
+    assert list(jmodel.state_dict()) == list(model.state_dict())
+    jmodel.load_state_dict(model.state_dict())  # eager checkpoint -> jitted
+    x = torch.randn(5, 6)
+    _same_module(jmodel, model, x)
+    fresh = Net()
+    fresh.load_state_dict(jmodel.state_dict())  # jitted checkpoint -> eager
+    _same_module(fresh, model, x)
+    prefixed = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    fulmen.jit(Net()).load_state_dict(prefixed)  # torch.compile's spelling loads too
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        jmodel.load_state_dict({**model.state_dict(), "bogus": torch.zeros(1)})
+
+
+def test_jitted_module_inside_a_parent_state_dict():
+    parent = torch.nn.Sequential(fulmen.jit(_net()), torch.nn.Linear(3, 2))
+    eager = torch.nn.Sequential(_net(), torch.nn.Linear(3, 2))
+    assert list(parent.state_dict()) == list(eager.state_dict())
+    parent.load_state_dict(eager.state_dict())
+    eager.load_state_dict(parent.state_dict())
+
+
+def test_train_and_eval_switch_the_compiled_program():
+    model = _net()
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6)
+    for mode in ("eval", "train", "eval"):
+        getattr(jmodel, mode)()
+        assert model.training == (mode == "train") and jmodel.training == model.training
+        torch.manual_seed(2)
+        actual = jmodel(x)
+        torch.manual_seed(2)
+        getattr(model, mode)()
+        torch.testing.assert_close(actual, model(x))
+
+
+def test_hooks_added_and_removed_after_jitting():
+    model = _net()
+    jmodel = fulmen.jit(model.eval())
+    x = torch.randn(5, 6)
+    plain = jmodel(x)
+    seen = []
+
+    def double(module, args, output):
+        seen.append(output.shape)
+        return output * 2
+
+    def shift(module, args):
+        return (args[0] + 1,)
+
+    handle = model.linear.register_forward_hook(double)
+    torch.testing.assert_close(jmodel(x), model(x))
+    assert seen  # traced through
+    pre = model.head.register_forward_pre_hook(shift)
+    torch.testing.assert_close(jmodel(x), model(x))
+    handle.remove()
+    pre.remove()
+    torch.testing.assert_close(jmodel(x), plain)
+    hits = fulmen.cache_hits(jmodel)
+    jmodel(x)
+    assert fulmen.cache_hits(jmodel) == hits + 1  # unchanged hooks: the cache serves again
+
+
+def test_global_module_hooks_after_jitting():
+    model = _net().eval()
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6)
+    jmodel(x)
+
+    def negate_linear(module, args, output):
+        return -output if isinstance(module, torch.nn.Linear) else output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(negate_linear)
+    try:
+        torch.testing.assert_close(jmodel(x), model(x))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
+def test_hooks_on_the_jitted_module_run_eagerly():
+    jmodel = fulmen.jit(_net().eval())
+    calls = []
+    jmodel.register_forward_hook(lambda module, args, output: calls.append(1))
+    x = torch.randn(5, 6)
+    jmodel(x)
+    jmodel(x)
+    assert calls == [1, 1] and fulmen.cache_hits(jmodel) == 1
+
+
+@pytest.mark.parametrize("spelling", ["method", "autograd.backward", "autograd.grad"])
+def test_backward_inside_a_compiled_function_says_what_to_do(spelling):
+    model = torch.nn.Linear(4, 1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        if spelling == "method":
+            loss.backward()
+        elif spelling == "autograd.backward":
+            torch.autograd.backward(loss)
+        else:
+            return torch.autograd.grad(loss, model.weight)
+        return loss
+
+    with pytest.raises(FulmenError, match="inside a compiled function") as info:
+        fulmen.jit(step)(torch.randn(3, 4))
+    assert "loss.backward() on the result" in str(info.value)
+    assert "test_module_behaviour.py" in str(info.value)  # the user's line
+    assert model.weight.grad is None
+
+
+def test_jit_of_ddp_names_the_better_spelling():
+    module = torch.nn.Linear(4, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel)  # no process group needed to be refused
+    torch.nn.Module.__init__(ddp)
+    ddp.module = module
+    with pytest.raises(NotYetSupportedError, match=r"DDP\(fulmen.jit\(model\)\)"):
+        fulmen.jit(ddp)
