@@ -1,0 +1,108 @@
+"""`DDP(fulmen.jit(model))` trains exactly like single-process eager: two CPU processes, gloo.
+
+DDP's own forward runs eagerly around the compiled module, and its gradient hooks fire as the
+compiled backward accumulates into the parameters, so gradients are all-reduced on every step
+(also after `no_sync()` accumulation). `fulmen.jit(DDP(model))` is refused (test_module_behaviour).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fulmen
+
+WORLD = 2
+STEPS = 3
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is needed")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 4))
+
+
+def _batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+
+
+def _micro_batches(step: int) -> int:
+    return 2 if step == STEPS - 1 else 1  # the last step accumulates under no_sync()
+
+
+def _train(model, step_fn) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses.append(step_fn(step))
+        optimizer.step()
+    return losses
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(fulmen.jit(model))
+
+        def step_fn(step: int) -> float:
+            total = 0.0
+            count = _micro_batches(step)
+            for micro in range(count):
+                x, y = _batch(step, micro)
+                x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+                sync = micro == count - 1
+                with ddp.no_sync() if not sync else torch.enable_grad():
+                    loss = torch.nn.functional.mse_loss(ddp(x), y)
+                    loss.backward()
+                total += loss.item()
+            return total
+
+        losses = _train(ddp, step_fn)
+        torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses,
+                    "cache_hits": fulmen.cache_hits(ddp.module)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ddp_of_a_jitted_module_equals_single_process_eager(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+
+    model = _model()
+
+    def step_fn(step: int) -> float:
+        total = 0.0
+        for micro in range(_micro_batches(step)):
+            x, y = _batch(step, micro)
+            # the mean over the full batch: what DDP's averaged half-batch gradients equal
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            total += loss.item()
+        return total
+
+    losses = _train(model, step_fn)
+    for rank in ranks:
+        assert rank["cache_hits"] >= STEPS - 1  # compiled once, then served from the cache
+        for actual, expected in zip(rank["params"], model.parameters()):
+            torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
+    # each rank's loss is over its half batch: their mean is the full-batch loss
+    mean_losses = [sum(rank["losses"][step] for rank in ranks) / WORLD for step in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(losses), atol=1e-5,
+                               rtol=1e-5)
