@@ -56,7 +56,7 @@ def test_a_forked_child_compiles_a_new_kernel(codegen_eager):
 
     def child() -> bool:
         jchild = fulmen.jit(child_fn, executors=EXECUTORS)
-        trace_ok = torch.allclose(jchild(x), child_fn(x))
+        trace_ok = torch.allclose(jchild(x), child_fn(x), rtol=1.3e-6, atol=1e-5)
         regions = [b.sym.impl for b in fulmen.last_traces(jchild)[-1].bsyms
                    if hasattr(b.sym.impl, "ready")]
         return trace_ok and bool(regions) and all(r.ready() and not r.failed for r in regions)

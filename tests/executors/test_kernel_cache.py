@@ -36,6 +36,7 @@ def fn(x, y):
     return torch.tanh(x * y + 1.5) - y
 
 set_compile_policy("eager")
+torch.manual_seed(0)
 x, y = torch.randn(16, 8), torch.randn(16, 8)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -44,7 +45,7 @@ with warnings.catch_warnings(record=True) as caught:
 regions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
            if isinstance(b.sym.impl, runtime.FusedRegion)]
 print(json.dumps({
-    "right": all(torch.allclose(r, fn(x, y)) for r in results),
+    "right": all(torch.allclose(r, fn(x, y), rtol=1.3e-6, atol=1e-5) for r in results),
     "kernel": bool(regions) and all(r.ready() and not r.failed for r in regions),
     "warnings": [str(w.message) for w in caught if str(w.message).startswith("fulmen")],
 }))

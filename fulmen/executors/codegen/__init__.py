@@ -8,9 +8,10 @@
 The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
 `lower.py` turns a pointwise region into the kernel IR (`ir.py`) and `rows.py` a region with
 reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `build.py`
-builds and caches them (`FULMEN_CACHE_DIR`), and `runtime.py` calls them. A new kernel costs a
-C++ compile of about a second, so by default (`set_compile_policy`) a region runs its prims on
-the torch executor until it is hot, while its kernel compiles in the background.
+builds them, `cache.py` keeps them on disk (`FULMEN_CACHE_DIR`; private, verified before
+loading), and `runtime.py` calls them. A new kernel costs a C++ compile of about a second, so by
+default (`policy.py`: `set_compile_policy`) a region runs its prims on the torch executor until
+it is hot, while its kernel compiles in the background.
 """
 
 from __future__ import annotations

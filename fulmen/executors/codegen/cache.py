@@ -115,7 +115,7 @@ def kind_dir(kind: str) -> Path:
 
 def entry_path(kind: str, key: str, name: str) -> Path:
     """Where the object `name` of entry `key` lives (whether or not it exists)."""
-    return root() / kind / f"k_{key}" / name
+    return kind_dir(kind) / f"k_{key}" / name
 
 
 def lookup(kind: str, key: str, name: str) -> Path | None:
@@ -176,6 +176,17 @@ def publish(kind: str, key: str, built: Path, name: str) -> Path:
 def contains(kind: str, key: str, name: str) -> bool:
     """Whether entry `key` has its object `name` on disk (not verified: see `lookup`)."""
     return entry_path(kind, key, name).exists()
+
+
+def give_up(error: OSError) -> bool:
+    """The requested root failed while in use (`error`): use a private temporary root from now
+    on (one warning). False when a private root is already in use (nothing left to try)."""
+    requested = requested_root()
+    with _lock:
+        if _roots.get(str(requested)) != requested:
+            return False
+        _roots[str(requested)] = _private_root(requested, error)
+        return True
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -293,17 +304,6 @@ def _fsync(path: Path) -> None:
         pass  # some file systems refuse fsync on directories
     finally:
         os.close(fd)
-
-
-def give_up(error: OSError) -> bool:
-    """The requested root failed while in use (`error`): use a private temporary root from now
-    on (one warning). False when a private root is already in use (nothing left to try)."""
-    requested = requested_root()
-    with _lock:
-        if _roots.get(str(requested)) != requested:
-            return False
-        _roots[str(requested)] = _private_root(requested, error)
-        return True
 
 
 def _private_root(requested: Path, error: OSError) -> Path:

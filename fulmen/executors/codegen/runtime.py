@@ -9,6 +9,11 @@
    contiguously (so a contiguous region runs as one flat loop);
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
+Steps 1-3 make a call plan, kept per (threads, sizes, strides, dtypes, devices) of the inputs. A
+plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
+kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
+would reinterpret their bytes.
+
 When kernels are compiled is the `policy` (`policy.py`: `set_compile_policy`, or the variable
 `FULMEN_CODEGEN_COMPILE`):
 
