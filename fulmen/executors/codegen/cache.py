@@ -138,9 +138,12 @@ def lookup(kind: str, key: str, name: str) -> Path | None:
 def workspace(kind: str) -> Iterator[Path]:
     """A fresh private directory to build an entry in (see `publish`); removed on exit unless
     it was published."""
-    parent = kind_dir(kind)
     prefix = f"{_WORKSPACE}{_host_tag()}-{os.getpid()}-"
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=kind_dir(kind)))
+    except FileNotFoundError:  # the cache was deleted while in use: set it up again
+        _forget()
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=kind_dir(kind)))
     try:
         yield path
     finally:
@@ -187,6 +190,15 @@ def give_up(error: OSError) -> bool:
             return False
         _roots[str(requested)] = _private_root(requested, error)
         return True
+
+
+def _forget() -> None:
+    """Check and set up the requested root again at its next use."""
+    with _lock:
+        found = _roots.pop(str(requested_root()), None)
+        if found is not None:
+            _secrets.pop(found, None)
+            _swept.difference_update([p for p in _swept if p.parent == found])
 
 
 def _ensure_private_dir(path: Path) -> None:
