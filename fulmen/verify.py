@@ -14,7 +14,11 @@ Every fulmen trace is runnable Python, so each stage can be run on the same inpu
 
 Tolerances are per dtype: `torch.testing.assert_close`'s values (x10 for gradients), and never
 tighter than one unit in the last place of the dtype, also when `rtol` is given (a 1-ulp
-bfloat16 difference is rounding, not a divergence).
+bfloat16 difference is rounding, not a divergence). With low-precision inputs (float16,
+bfloat16) rounding differences can grow through a program (a sum that cancels); there `fn` is
+also run in float64 where it can be, and a result outside the tolerance still agrees when its
+error against float64 is at most twice eager's (root mean square; the rule of
+`torch._dynamo`'s accuracy checks).
 """
 
 from __future__ import annotations
@@ -112,11 +116,37 @@ def _close(a: torch.Tensor, e: torch.Tensor, rtol: float, atol: float) -> tuple[
     return ok, worst
 
 
-def _compare(actual, expected, rtol, atol, scale=1.0) -> tuple[bool, float, str]:
-    """Compare two pytrees of tensors/values; return (ok, max error, detail)."""
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_REFERENCE_MULTIPLIER = 2.0
+
+
+def _rmse(a: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((a.detach().double() - reference.detach().double()).square().mean().sqrt())
+
+
+def _as_accurate(a: torch.Tensor, e: torch.Tensor, reference) -> bool:
+    """Whether `a` is at most twice as far from the float64 `reference` as eager's `e` is
+    (root mean square; only for low-precision results with a finite reference)."""
+    if not isinstance(reference, torch.Tensor) or e.dtype not in _LOW_PRECISION \
+            or reference.shape != e.shape or not torch.isfinite(reference).all():
+        return False
+    if not (torch.isfinite(a) == torch.isfinite(e)).all():
+        return False
+    finite = torch.isfinite(e)
+    a, e, reference = a[finite], e[finite], reference[finite]
+    eager_error = _rmse(e, reference)
+    return _rmse(a, reference) <= _REFERENCE_MULTIPLIER * eager_error + torch.finfo(e.dtype).tiny
+
+
+def _compare(actual, expected, rtol, atol, scale=1.0, reference=None) -> tuple[bool, float, str]:
+    """Compare two pytrees of tensors/values; return (ok, max error, detail). `reference`, when
+    given, is `expected` computed in float64 (see the module docstring)."""
     act, exp = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
     if len(act) != len(exp):
         return False, float("inf"), f"{len(act)} outputs, expected {len(exp)}"
+    refs = pytree.tree_leaves(reference) if reference is not None else []
+    if len(refs) != len(exp):
+        refs = [None] * len(exp)
     worst = 0.0
     for index, (a, e) in enumerate(zip(act, exp)):
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
@@ -126,7 +156,7 @@ def _compare(actual, expected, rtol, atol, scale=1.0) -> tuple[bool, float, str]
             r, t = _tolerance(e.dtype, rtol, atol, scale)
             ok, error = _close(a, e, r, t)
             worst = max(worst, error)
-            if not ok:
+            if not ok and not _as_accurate(a, e, refs[index]):
                 return False, worst, f"output {index} differs"
         elif (e is None) != (a is None) or (e is not None and not isinstance(e, torch.Tensor)
                                             and a != e):
@@ -298,6 +328,32 @@ if __name__ == "__main__":
     return path
 
 
+def _float64_run(fn, args, kwargs):
+    """`(inputs requiring grad, outputs)` of `fn` run on float64 copies of its low-precision
+    floating inputs, or None when there are none or `fn` does not compute in float64 then
+    (it holds low-precision tensors of its own, or fails)."""
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not any(t.dtype in _LOW_PRECISION for t in leaves):
+        return None
+
+    def widen(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION:
+            return leaf.detach().double().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    wide_args, wide_kwargs = pytree.tree_map(widen, (args, kwargs))
+    try:
+        outputs = fn(*wide_args, **wide_kwargs)
+    except Exception:
+        return None
+    if not all(o.dtype == torch.float64 for o in pytree.tree_leaves(outputs)
+               if isinstance(o, torch.Tensor) and o.is_floating_point()):
+        return None
+    grad_inputs = [t for t in pytree.tree_leaves((wide_args, wide_kwargs))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+    return grad_inputs, outputs
+
+
 def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | None = None,
            repro_dir: str | None = None, **kwargs) -> VerifyReport:
     """Compile `fn` and check every stage against eager on `(args, kwargs)`.
@@ -315,6 +371,9 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
     grad_inputs = [t for t in pytree.tree_leaves((eager_args, eager_kwargs))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
     wants_grad = torch.is_grad_enabled() and bool(grad_inputs)
+    with torch.random.fork_rng(devices=[]):  # the compiled run draws what eager drew
+        wide = _float64_run(fn, *_clone((args, kwargs)))
+    reference = _detached(wide[1]) if wide is not None else None
 
     jit_args, jit_kwargs = _clone((args, kwargs))
     jfn = jit(fn, executors=executors)
@@ -330,7 +389,8 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
     with torch.no_grad():
         for trace in traces:
             value, _ = interpret(trace, *inputs)
-            ok, worst, detail = _compare(_stage_output(trace, value), expected, rtol, atol)
+            ok, worst, detail = _compare(_stage_output(trace, value), expected, rtol, atol,
+                                         reference=reference)
             report.stages.append(StageCheck(trace.provenance, ok, worst, detail))
             if not ok and report.first_bad_stage is None:
                 report.first_bad_stage = trace.provenance
@@ -339,8 +399,12 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
 
     if wants_grad:
         _verify_backward(report, machinery, traces, inputs, expected, grad_inputs,
-                         rtol, atol, repro_dir)
+                         rtol, atol, repro_dir, wide)
     return report
+
+
+def _detached(tree):
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _locate(report, good, bad, inputs_for, rtol, atol, repro_dir) -> None:
@@ -361,7 +425,7 @@ def _locate(report, good, bad, inputs_for, rtol, atol, repro_dir) -> None:
 
 
 def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected, grad_inputs,
-                     rtol, atol, repro_dir) -> None:
+                     rtol, atol, repro_dir, wide=None) -> None:
     """Run every backward stage on the forward's residuals; compare input gradients. Residuals
     are taken by name from the values of every forward stage (an early backward stage may read
     a value that a later forward stage computes inside a fusion)."""
@@ -373,6 +437,7 @@ def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected,
                   if isinstance(o, torch.Tensor) and o.requires_grad]
     cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
     eager_grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
+    reference = _float64_grads(wide, cotangents, grad_inputs)
     with torch.no_grad():
         forward_env = {}
         for forward in forwards:
@@ -392,13 +457,29 @@ def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected,
             expected_grads = [torch.zeros_like(x) if g is None else g
                               for g, x in zip(eager_grads, grad_inputs)]
             actual = [torch.zeros_like(x) if g is None else g for g, x in zip(actual, grad_inputs)]
-            ok, worst, detail = _compare(actual, expected_grads, rtol, atol, scale=10.0)
+            ok, worst, detail = _compare(actual, expected_grads, rtol, atol, scale=10.0,
+                                         reference=reference)
             stage = f"backward: {trace.provenance}"
             report.stages.append(StageCheck(stage, ok, worst, detail))
             if not ok and report.first_bad_stage is None:
                 report.first_bad_stage = stage
                 _locate(report, previous, trace, backward_inputs, rtol, atol, repro_dir)
             previous = trace
+
+
+def _float64_grads(wide, cotangents, grad_inputs) -> list | None:
+    """The float64 run's input gradients for the same cotangents (zeros where unused), or
+    None without a float64 run that matches the inputs requiring grad."""
+    if wide is None:
+        return None
+    wide_inputs, outputs = wide
+    out_leaves = [o for o in pytree.tree_leaves(outputs)
+                  if isinstance(o, torch.Tensor) and o.requires_grad]
+    if len(wide_inputs) != len(grad_inputs) or len(out_leaves) != len(cotangents):
+        return None
+    grads = torch.autograd.grad(out_leaves, wide_inputs, [c.double() for c in cotangents],
+                                allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wide_inputs)]
 
 
 __all__ = ["StageCheck", "VerifyReport", "check_repro", "rebuild_fusion", "verify"]
