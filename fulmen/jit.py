@@ -28,6 +28,7 @@ from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
+from fulmen.tracer.objects import ObjectInputs
 from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, state_slots
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -55,6 +56,7 @@ class CacheEntry:
     all_leaves_are_inputs: bool = False
     mutated_inputs: tuple[int, ...] = ()
     tree: bool = False  # `fn` is a TraceTree (the program has graph breaks)
+    objects: ObjectInputs | None = None  # object arguments: inputs read through them, epilogue
 
 
 @dataclass
@@ -127,17 +129,36 @@ class _Jitted:
             self._cache[key] = entry
         else:
             stats.cache_hits += 1
+        objects = entry.objects
+        if objects is None and not entry.mutated_inputs and not entry.tree:  # the common case
+            if entry.all_leaves_are_inputs:
+                out = entry.fn(*leaves, *state, *entry.captured)
+            else:
+                out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state,
+                               *entry.captured)
+            return self._finish(entry, out)
+        roots = {}
+        inputs = [leaves[i] for i in entry.tensor_positions]
+        if objects is not None:
+            roots = {i: leaves[i] if i >= 0 else self._guard.fn_roots[-1 - i]
+                     for i in objects.roots}
+            inputs += objects.read_tensors(roots)
+        inputs += [*state, *entry.captured]
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
-            check_no_input_aliasing([*[leaves[i] for i in entry.tensor_positions], *state,
-                                     *entry.captured], entry.mutated_inputs)
+            check_no_input_aliasing(inputs, entry.mutated_inputs)
         if entry.tree:
-            inputs = [*leaves, *state] if entry.all_leaves_are_inputs else \
-                [*[leaves[i] for i in entry.tensor_positions], *state]
-            return self._run_tree(entry, args, kwargs, inputs)
-        if entry.all_leaves_are_inputs:
-            out = entry.fn(*leaves, *state, *entry.captured)
+            out = self._run_tree(entry, args, kwargs, inputs)
+            if isinstance(out, _RanEagerly):
+                return out.value
         else:
-            out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state, *entry.captured)
+            out = entry.fn(*inputs)
+        if objects is not None and objects.epilogue:
+            out_leaves, extras = out
+            out = list(out_leaves)
+            objects.epilogue.run(out, extras, roots)
+        return self._finish(entry, out)
+
+    def _finish(self, entry: CacheEntry, out):
         if entry.output_spec is not None:
             out = pytree.tree_unflatten(list(out), entry.output_spec)
         if entry.grad_specs is not None:
@@ -191,7 +212,7 @@ class _Jitted:
         self._stats.graph_breaks = []
         return CacheEntry(compiled.fn, compiled.traces, program.tensor_positions, program.captured,
                           program.output_spec, seconds, grad_specs=grad_specs,
-                          mutated_inputs=program.mutated_inputs,
+                          mutated_inputs=program.mutated_inputs, objects=program.objects,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
 
@@ -268,7 +289,9 @@ class _Jitted:
                                                             compile_segment)
         tree.compile_segment = compile_segment
         segments = split_at_breaks(program.trace, program.requires_grad_names)
-        path = tree.graft(segments, program.trace.output, program.output_spec, constants)
+        epilogue = program.objects is not None and bool(program.objects.epilogue)
+        path = tree.graft(segments, program.trace.output,
+                          None if epilogue else program.output_spec, constants)
         _log_breaks(program.breaks)
         stats = self._stats
         stats.graph_breaks = [str(info) for info in program.breaks]
@@ -279,9 +302,16 @@ class _Jitted:
         mutated = tuple(i for i in program.mutated_inputs if i < len(arg_proxies))
         if entry is not None:
             entry.mutated_inputs = tuple(sorted({*entry.mutated_inputs, *mutated}))
+            if epilogue and program.output_spec != entry.output_spec \
+                    or (program.objects is None) != (entry.objects is None):
+                raise NotYetSupportedError(
+                    "the program returns a different kind of object after a graph break took "
+                    "a new branch", op="return", hint="return the same structure on every path")
+            entry.objects = program.objects
             return entry
-        return CacheEntry(tree, [program.trace], program.tensor_positions, (), None, seconds,
-                          mutated_inputs=mutated, tree=True,
+        return CacheEntry(tree, [program.trace], program.tensor_positions, (),
+                          program.output_spec if epilogue else None, seconds,
+                          mutated_inputs=mutated, tree=True, objects=program.objects,
                           all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
                           and all(isinstance(a, torch.Tensor) for a in args))
 
@@ -303,7 +333,7 @@ class _Jitted:
                 program = self._trace(args, kwargs)
                 torch.random.set_rng_state(rng_state)
                 self._compile_tree(program, args, kwargs, entry)
-        return self._run_eagerly(args, kwargs, miss)
+        return _RanEagerly(self._run_eagerly(args, kwargs, miss))
 
     def _run_eagerly(self, args: tuple, kwargs: dict, miss: PathMiss):
         self._stats.eager_calls += 1
@@ -314,6 +344,13 @@ class _Jitted:
                 "different answers; calls taking a new answer run eagerly", stacklevel=4)
         target = self._module if self._module is not None else self._fn
         return target(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _RanEagerly:
+    """The output of a call that ran eagerly (already the user's structure, stores done)."""
+
+    value: Any
 
 
 def _log_breaks(breaks) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
+from fulmen.tracer.objects import function_roots, is_plain_object, object_key
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -49,6 +50,8 @@ def _leaf_key(leaf: Any) -> Any:
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, complex):
         return (complex, _float_key(leaf.real), _float_key(leaf.imag))
+    if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded
+        return object_key(leaf, _leaf_key)
     if isinstance(leaf, Hashable):
         try:
             return (type(leaf), leaf)
@@ -106,6 +109,10 @@ class CacheKeyBuilder:
     def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
         self.modules = modules
         self.scalar_sources = scalar_sources(fn, modules)
+        # a jitted bound method reads its object, a wrapper the objects it closes over (found
+        # again on every call: closure cells change)
+        self.fn = fn if fn is not None and not modules else None
+        self.fn_roots: list = []
 
     def global_key(self) -> tuple:
         """Grad mode, default dtype, autocast state, module training flags, and the Python
@@ -116,7 +123,14 @@ class CacheKeyBuilder:
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             tuple([module.training for module in self.modules]) if self.modules else (),
             tuple([_leaf_key(read()) for _, read in self.scalar_sources]),
+            self._fn_roots_key(),
         )
+
+    def _fn_roots_key(self) -> tuple:
+        if self.fn is None:
+            return ()
+        self.fn_roots = function_roots(self.fn)
+        return tuple([object_key(root, _leaf_key) for root in self.fn_roots])
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
         global_key = self.global_key()

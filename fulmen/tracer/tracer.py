@@ -26,6 +26,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.mutation import WRITE_BACK
+from fulmen.tracer.objects import ObjectInputs, function_roots, is_plain_object, walk
 
 
 @dataclass
@@ -46,6 +47,9 @@ class TracedProgram:
             (`check_no_input_aliasing`).
         breaks: the graph breaks taken, in order (each is a guard statement in the trace).
         requires_grad_names: the proxies that depend on an input requiring grad.
+        objects: the object arguments (`fulmen.tracer.objects`): the tensors inside them are
+            trace inputs after the call's tensor leaves; when its epilogue has stores or
+            rebuilt outputs, the trace returns `(output_leaves, epilogue_values)`.
     """
 
     trace: Trace
@@ -58,6 +62,7 @@ class TracedProgram:
     mutated_inputs: tuple[int, ...] = ()
     breaks: tuple[BreakInfo, ...] = ()
     requires_grad_names: frozenset[str] = frozenset()
+    objects: ObjectInputs | None = None
 
 
 def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
@@ -173,9 +178,8 @@ def _flatten_output(out) -> tuple[list, Any]:
     """`pytree.tree_flatten(out)`, registering dataclass types met among the leaves as pytree
     nodes first (so a dataclass of tensors is rebuilt around the compiled outputs).
 
-    Raises:
-        NotYetSupportedError: for an output object holding traced tensors that cannot be
-            rebuilt (a class pytree does not know, a dataclass with `init=False` fields).
+    Other objects holding traced tensors stay leaves; the epilogue rebuilds them per call
+    (`fulmen.tracer.objects`).
     """
     while True:
         leaves, spec = pytree.tree_flatten(out)
@@ -189,14 +193,31 @@ def _flatten_output(out) -> tuple[list, Any]:
                     pytree.register_dataclass(kind)
                     registered = True
                 continue
-            held = getattr(leaf, "__dict__", {})
-            if any(isinstance(value, TensorProxy) for value in held.values()):
-                raise NotYetSupportedError(
-                    f"the function returns a {kind.__qualname__} holding traced tensors, which "
-                    "fulmen cannot rebuild", op="return",
-                    hint="return tensors in tuples, lists, dicts, NamedTuples or dataclasses")
         if not registered:
             return leaves, spec
+
+
+def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProxy]:
+    """Record the stores into the object arguments and the output objects holding traced
+    tensors (replacing them by None in `out_leaves`); return the proxies their templates hold,
+    which the trace must return."""
+    objects.record_stores()
+    for index, leaf in enumerate(out_leaves):
+        if is_plain_object(leaf) and any(isinstance(v, TensorProxy) for _, v in walk(leaf)):
+            objects.epilogue.outputs.append((index, leaf))
+            out_leaves[index] = None
+    templates = [store[3] for store in objects.epilogue.stores]
+    templates += [store[2][1] for store in objects.epilogue.stores
+                  if store[2] is not None and isinstance(store[2][1], TensorProxy)]
+    templates += [template for _, template in objects.epilogue.outputs]
+    found: dict[str, TensorProxy] = {}
+    for template in templates:
+        values = [template] if isinstance(template, TensorProxy) else [v for _, v in walk(template)]
+        for value in values:
+            if isinstance(value, TensorProxy):
+                found.setdefault(value.name, value)
+    objects.epilogue.names = list(found)
+    return list(found.values())
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
@@ -235,6 +256,27 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             proxied_leaves.append(leaf)
     proxy_args, proxy_kwargs = pytree.tree_unflatten(proxied_leaves, in_spec)
 
+    roots = {index: leaf for index, (_, leaf) in enumerate(leaves_with_paths)
+             if is_plain_object(leaf)}
+    for index, obj in enumerate(function_roots(fn) if module is None else ()):
+        roots[-1 - index] = obj  # a bound method's self, objects in the closure
+    objects = ObjectInputs(roots)
+    object_pairs = []
+    if roots:
+        def make_proxy(root, path, tensor):
+            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else \
+                ("self" if root == -1 else f"object{-1 - root}")
+            steps = "_".join(str(key) if isinstance(key, (str, int)) else "tensor"
+                             for _, key in path)
+            proxy = TensorProxy(ctx.names.named(f"{label}_{steps}"), tensor.shape, tensor.dtype,
+                                tensor.device, requires_grad=tensor.requires_grad,
+                                strides=tensor.stride())
+            ctx.add_input(proxy)
+            return proxy
+
+        object_pairs = objects.swap_in(make_proxy)
+        inputs.extend(proxy for proxy, _ in object_pairs)
+
     state_names: list[str] = []
     state: dict[int, TensorProxy] = {}
     for slot in state_slots(module) if module is not None else ():
@@ -247,22 +289,30 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
     if allow_breaks:
         real = {proxy.name: leaves_with_paths[index][1] for proxy, index in zip(inputs, positions)}
+        real.update({proxy.name: tensor for proxy, tensor in object_pairs})
         for slot in state_slots(module) if module is not None else ():
             real[state[id(slot.get())].name] = slot.get()
         ctx.breaks = BreakRecorder(ctx, real)
 
-    with tracing(ctx), FactoryMode(ctx):
-        if module is not None:
-            with swapped_state(module, state):
-                out = module(*proxy_args, **proxy_kwargs)
-        else:
-            out = fn(*proxy_args, **proxy_kwargs)
-        out_leaves, out_spec = _flatten_output(out)
-        out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
-                      and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
-        out_leaves = ctx.mutation.finish(out_leaves)
+    try:
+        with tracing(ctx), FactoryMode(ctx):
+            if module is not None:
+                with swapped_state(module, state):
+                    out = module(*proxy_args, **proxy_kwargs)
+            else:
+                out = fn(*proxy_args, **proxy_kwargs)
+            out_leaves, out_spec = _flatten_output(out)
+            out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
+                          and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
+            extras = _epilogue_values(objects, out_leaves)
+            resolved = ctx.mutation.finish([*out_leaves, *extras])
+            out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
+    finally:
+        objects.finish_restore()
 
-    if _is_printable_spec(out_spec):
+    if objects.epilogue:
+        output, output_spec = (tuple(out_leaves), tuple(extras)), out_spec
+    elif _is_printable_spec(out_spec):
         output, output_spec = pytree.tree_unflatten(out_leaves, out_spec), None
     else:
         output, output_spec = tuple(out_leaves), out_spec
@@ -277,4 +327,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
                          output_spec, seconds, mutated_inputs=mutated,
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
-                         requires_grad_names=frozenset(ctx.requires_grad_names))
+                         requires_grad_names=frozenset(ctx.requires_grad_names),
+                         objects=objects if objects.roots or objects.epilogue else None)

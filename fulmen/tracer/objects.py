@@ -1,0 +1,315 @@
+"""Python objects the traced code reads and writes: tensors inside them are inputs, stores into
+them are replayed, and their Python state is guarded.
+
+Model code hands objects around that are not tensors or pytrees: an HF `DynamicCache` (a list of
+layers, each holding key and value tensors and flags), an optimizer (`param_groups`, `state`),
+a config. Baking what the code read from them into the trace would be wrong on the next call,
+and so would leaving proxies in them after tracing. For every such object among the call's
+arguments (and the `self` of a jitted bound method), `ObjectInputs`:
+
+- walks what it holds (attributes, lists, tuples, dicts; `walk`), and makes each tensor found a
+  trace input, read again through the same path on every call (`read_tensors`);
+- guards everything else it holds: the cache key of the object is its walked structure, each
+  Python value and each tensor's metadata (`object_key`);
+- after tracing, compares the object with how it was and records each store the code made
+  (`obj.keys = t5`, `layers.append(DynamicLayer(...))`, `self.seen = 3`) as an epilogue
+  action; the object is then put back as it was, and the compiled program replays the stores
+  with the real values on every call (`Epilogue.run`). Objects the program returns that hold
+  traced tensors (a cache created inside the model) are rebuilt the same way.
+
+Values are rebuilt from *templates*: the object as traced, in which proxies are replaced by the
+run's real tensors, objects that existed before the call by the current call's objects at the
+same path, and everything else is copied (`copy.deepcopy` with a prepared memo).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fulmen.core import NotYetSupportedError
+from fulmen.proxies import TensorProxy
+
+_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+          torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format, torch.layout)
+_OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
+           types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
+_MAX_DEPTH = 6
+_MAX_SLOTS = 4096
+
+
+def is_plain_object(value: Any) -> bool:
+    """Whether fulmen looks inside `value`: an instance of a Python class with a `__dict__`
+    (not a tensor, module, function, class or atom such as a number or dtype)."""
+    return not isinstance(value, _ATOMS + _OPAQUE) and hasattr(value, "__dict__")
+
+
+def _children(value: Any) -> list[tuple[tuple, Any]]:
+    """`(step, child)` for what `value` holds: attributes, list/tuple items, dict entries."""
+    if isinstance(value, (list, tuple)):
+        return [(("item", i), item) for i, item in enumerate(value)]
+    if isinstance(value, dict):  # tensor keys too: an optimizer's `state[param]`
+        return [(("key", key), item) for key, item in value.items()
+                if isinstance(key, (str, int, bool, enum.Enum, torch.Tensor))]
+    if is_plain_object(value):
+        return [(("attr", name), item) for name, item in vars(value).items()]
+    return []
+
+
+def _walkable(value: Any) -> bool:
+    return isinstance(value, (list, tuple, dict)) or is_plain_object(value)
+
+
+def function_roots(fn: Any, depth: int = 0) -> list[Any]:
+    """The objects a function reads besides its arguments: the `self` of a bound method and
+    the objects in its closure cells (through weak references and the bound methods and
+    functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order."""
+    found: list[Any] = []
+    if depth > 2:
+        return found
+    bound = getattr(fn, "__self__", None)
+    if is_plain_object(bound):
+        found.append(bound)
+    inner = getattr(fn, "__func__", fn)
+    for cell in getattr(inner, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, weakref.ReferenceType):
+            value = value()
+        if isinstance(value, (types.FunctionType, types.MethodType)):
+            found += function_roots(value, depth + 1)
+        elif is_plain_object(value) and not callable(value):  # not another jitted function
+            found.append(value)
+    unique: dict[int, Any] = {}
+    for value in found:
+        unique.setdefault(id(value), value)
+    return list(unique.values())
+
+
+def walk(root: Any) -> list[tuple[tuple, Any]]:
+    """Every `(path, value)` reachable from `root` through attributes and containers (depth
+    first, each container once, at most 6 levels deep). A path is a tuple of steps
+    `("attr", name)`, `("item", index)`, `("key", key)`."""
+    found: list[tuple[tuple, Any]] = []
+    seen: set[int] = set()
+
+    def visit(value, path):
+        if len(found) >= _MAX_SLOTS or id(value) in seen or len(path) > _MAX_DEPTH:
+            return
+        seen.add(id(value))
+        for step, child in _children(value):
+            found.append(((*path, step), child))
+            if _walkable(child):
+                visit(child, (*path, step))
+
+    visit(root, ())
+    return found
+
+
+def follow(root: Any, path: tuple) -> Any:
+    """The value at `path` inside `root`."""
+    for kind, key in path:
+        root = getattr(root, key) if kind == "attr" else root[key]
+    return root
+
+
+def _store(owner: Any, step: tuple, value: Any) -> None:
+    kind, key = step
+    if kind == "attr":
+        setattr(owner, key, value)
+    else:
+        owner[key] = value
+
+
+def object_key(root: Any, leaf_key) -> tuple:
+    """The cache key of an object argument: each walked path with its value's key (`leaf_key`
+    for tensors and Python values; the type for containers, whose contents are walked)."""
+    parts = [type(root)]
+    for path, value in walk(root):
+        if isinstance(value, torch.Tensor):
+            grad = value.grad
+            parts.append((path, leaf_key(value), None if grad is None else leaf_key(grad)))
+        else:
+            parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
+    return tuple(parts)
+
+
+def _snapshot(container: Any) -> Any:
+    if isinstance(container, list):
+        return list(container)
+    if isinstance(container, dict):
+        return dict(container)
+    if is_plain_object(container):
+        return dict(vars(container))
+    return None
+
+
+def _restore(container: Any, saved: Any) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    elif isinstance(container, dict):
+        container.clear()
+        container.update(saved)
+    elif saved is not None:
+        state = vars(container)
+        state.clear()
+        state.update(saved)
+
+
+@dataclass
+class Epilogue:
+    """Stores to replay after each call, and outputs to rebuild (see the module docstring).
+
+    `stores`: `(root, path_to_owner, step, template)`; `outputs`: `(leaf_index, template)`;
+    `names`: the proxies the templates hold, which the trace returns after the user's output;
+    `existing`: id of each object that existed before the traced call -> `(root, path)`.
+    """
+
+    stores: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    existing: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.outputs)
+
+    def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any]) -> Any:
+        memo: dict[int, Any] = {}
+
+        def prepare(value, depth=0):
+            if id(value) in memo or depth > _MAX_DEPTH + 2:
+                return
+            if isinstance(value, TensorProxy):
+                memo[id(value)] = real[value.name]
+            elif id(value) in self.existing:
+                root, path = self.existing[id(value)]
+                memo[id(value)] = follow(roots[root], path) if path else roots[root]
+            elif isinstance(value, _OPAQUE) or not _walkable(value):
+                memo[id(value)] = value  # shared, never copied
+            else:
+                for _, child in _children(value):
+                    prepare(child, depth + 1)
+
+        prepare(template)
+        return copy.deepcopy(template, memo)
+
+    def run(self, out_leaves: list, extras, roots: dict[int, Any]) -> None:
+        """Replay the stores into the call's objects and rebuild the objects among the output
+        leaves (in place in `out_leaves`)."""
+        real = dict(zip(self.names, extras))
+        for root, path, step, template in self.stores:
+            owner = follow(roots[root], path)
+            if step is None:  # a list changed in place
+                owner[:] = self._materialize(template, real, roots)
+            else:
+                kind, key = step
+                if isinstance(key, TensorProxy):  # a new entry keyed by an input tensor
+                    key = real[key.name]
+                _store(owner, (kind, key), self._materialize(template, real, roots))
+        for index, template in self.outputs:
+            out_leaves[index] = self._materialize(template, real, roots)
+
+
+class ObjectInputs:
+    """The object arguments of one traced call (see the module docstring).
+
+    `roots` maps a flat argument index (or -1 for a bound method's `self`) to the object.
+    """
+
+    def __init__(self, roots: dict[int, Any]) -> None:
+        self.roots = roots
+        self.tensor_paths: list[tuple[int, tuple]] = []
+        self._saved: list[tuple[Any, Any]] = []
+        self._objects: dict[int, Any] = {}
+        self._containers: dict[int, tuple[int, tuple]] = {}
+        self.epilogue = Epilogue()
+
+    def swap_in(self, make_proxy) -> list[tuple[TensorProxy, torch.Tensor]]:
+        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`; return
+        `(proxy, tensor)` pairs in input order."""
+        pairs = []
+        for root_index, root in self.roots.items():
+            self._containers.setdefault(id(root), (root_index, ()))
+            self._objects[id(root)] = root
+            self.epilogue.existing.setdefault(id(root), (root_index, ()))
+            for path, value in walk(root):
+                if _walkable(value):
+                    self._containers.setdefault(id(value), (root_index, path))
+                    self._objects[id(value)] = value
+                    self.epilogue.existing.setdefault(id(value), (root_index, path))
+                elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
+                    owner = follow(root, path[:-1])
+                    if isinstance(owner, tuple):
+                        continue  # cannot be swapped in place; read as a captured tensor
+                    proxy = make_proxy(root_index, path, value)
+                    self._saved.append((owner, path[-1], value))
+                    _store(owner, path[-1], proxy)
+                    self.tensor_paths.append((root_index, path))
+                    pairs.append((proxy, value))
+                    if value.grad is not None:  # an optimizer reads `p.grad`: an input too
+                        grad_path = (*path, ("attr", "grad"))
+                        grad = make_proxy(root_index, grad_path, value.grad)
+                        with torch._C.DisableTorchFunctionSubclass():
+                            proxy.grad = grad
+                        self.tensor_paths.append((root_index, grad_path))
+                        pairs.append((grad, value.grad))
+        self._rekey([proxy for proxy, _ in pairs], [tensor for _, tensor in pairs])
+        self._snapshots = {cid: (obj, _snapshot(obj)) for cid, obj in self._objects.items()}
+        return pairs
+
+    def _rekey(self, proxies: list, tensors: list) -> None:
+        """Dicts keyed by a tensor that is now an input (`optimizer.state[param]`) are keyed
+        by its proxy while tracing, so the traced code finds the entries."""
+        self._rekeyed: list[tuple[dict, list]] = []
+        by_tensor = {id(t): p for p, t in zip(proxies, tensors)}
+        for container in self._objects.values():
+            if isinstance(container, dict) and any(id(k) in by_tensor for k in container):
+                items = list(container.items())
+                self._rekeyed.append((container, items))
+                container.clear()
+                container.update((by_tensor.get(id(k), k), v) for k, v in items)
+
+    def record_stores(self) -> None:
+        """Record the stores the traced code made into the objects (`epilogue.stores`)."""
+        for _, (obj, saved) in getattr(self, "_snapshots", {}).items():
+            if saved is None or isinstance(obj, tuple):
+                continue
+            root, path = self._containers[id(obj)]
+            if isinstance(obj, list):
+                if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved)):
+                    self.epilogue.stores.append((root, path, None, list(obj)))
+                continue
+            now = dict(obj) if isinstance(obj, dict) else dict(vars(obj))
+            kind = "key" if isinstance(obj, dict) else "attr"
+            if set(saved) - set(now):
+                raise NotYetSupportedError(
+                    f"the compiled function deletes {sorted(set(saved) - set(now))} from an "
+                    f"object it was given ({type(obj).__qualname__})", op="del",
+                    hint="delete outside the compiled function")
+            for key, value in now.items():
+                if key not in saved or saved[key] is not value:
+                    self.epilogue.stores.append((root, path, (kind, key), value))
+
+    def finish_restore(self) -> None:
+        """Put every object back as it was before tracing (real tensors, no proxies)."""
+        for _, (obj, saved) in getattr(self, "_snapshots", {}).items():
+            if saved is not None and not isinstance(obj, tuple):
+                _restore(obj, saved)
+        for owner, step, tensor in self._saved:
+            _store(owner, step, tensor)
+        for container, items in getattr(self, "_rekeyed", ()):
+            container.clear()
+            container.update(items)
+
+    def read_tensors(self, roots: dict[int, Any]) -> list[torch.Tensor]:
+        """The tensors inside the call's objects, in input order."""
+        return [follow(roots[root], path) for root, path in self.tensor_paths]

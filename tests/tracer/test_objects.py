@@ -1,0 +1,122 @@
+"""Objects the traced code reads and writes: tensors in them are inputs, stores are replayed."""
+
+import pytest
+import torch
+
+import fulmen
+
+
+class Holder:
+    def __init__(self, w, scale=2.0):
+        self.w = w
+        self.scale = scale
+        self.items = []
+
+
+def _read(x, holder):
+    return x * holder.w * holder.scale
+
+
+def test_tensors_inside_an_argument_object_are_read_on_every_call():
+    jfn = fulmen.jit(_read)
+    x = torch.randn(3)
+    for _ in range(3):
+        holder = Holder(torch.randn(3))  # same shapes: a cache hit must read the new tensor
+        torch.testing.assert_close(jfn(x, holder), _read(x, holder))
+    assert fulmen.cache_misses(jfn) == 1
+    holder = Holder(torch.randn(3), scale=5.0)  # Python values inside the object are guarded
+    torch.testing.assert_close(jfn(x, holder), _read(x, holder))
+    assert fulmen.cache_misses(jfn) == 2
+
+
+def _store(x, holder):
+    y = x + holder.w
+    holder.last = y * 2
+    holder.count = getattr(holder, "count", 0) + 1
+    holder.items.append(y.sum())
+    return y
+
+
+def test_stores_into_argument_objects_are_replayed_with_real_tensors():
+    jfn = fulmen.jit(_store)
+    for _ in range(3):
+        x, w = torch.randn(4), torch.randn(4)
+        got, ref = Holder(w.clone()), Holder(w.clone())
+        out = jfn(x, got)
+        torch.testing.assert_close(out, _store(x, ref))
+        assert type(got.last) is torch.Tensor
+        torch.testing.assert_close(got.last, ref.last)
+        assert got.count == ref.count == 1
+        assert len(got.items) == 1 and type(got.items[0]) is torch.Tensor
+        torch.testing.assert_close(got.items[0], ref.items[0])
+
+
+class Cache:
+    def __init__(self):
+        self.keys = None
+
+    def update(self, k):
+        self.keys = k if self.keys is None else torch.cat([self.keys, k])
+        return self.keys
+
+
+def _attend(x, cache=None):
+    cache = Cache() if cache is None else cache
+    keys = cache.update(x * 2)
+    return keys.sum(0), cache
+
+
+def test_an_object_created_inside_and_returned_holds_real_tensors():
+    jfn = fulmen.jit(_attend)
+    x = torch.randn(2, 3)
+    out, cache = jfn(x)
+    ref, ref_cache = _attend(x)
+    assert type(cache) is Cache and type(cache.keys) is torch.Tensor
+    torch.testing.assert_close(cache.keys, ref_cache.keys)
+    # the returned cache feeds the next call, which appends to it in place
+    out2, cache2 = jfn(x + 1, cache)
+    ref2, _ = _attend(x + 1, ref_cache)
+    assert cache2 is cache
+    torch.testing.assert_close(out2, ref2)
+    torch.testing.assert_close(cache.keys, ref_cache.keys)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
+    def train(jit):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        step = fulmen.jit(opt.step) if jit else opt.step
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(2, 4)).square().sum().backward()
+            with torch.no_grad():
+                step()
+            sched.step()
+        return [p.detach() for p in model.parameters()]
+
+    for got, ref in zip(train(True), train(False)):
+        torch.testing.assert_close(got, ref)
+
+
+def test_hf_generate_with_a_jitted_forward_equals_eager():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    eager_forward = model.forward
+    jitted = fulmen.jit(model.forward)
+    for prompt_len in (5, 5, 3):
+        ids = torch.randint(0, 64, (2, prompt_len))
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0  # left padding on one row
+        model.forward = eager_forward
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        model.forward = jitted
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, ref)
+    assert fulmen.cache_hits(jitted) > 0  # the second prompt of the same length reuses them
