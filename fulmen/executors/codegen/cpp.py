@@ -13,7 +13,9 @@ and stride of that layout.
 float16/bfloat16 are loaded and stored as such and computed in float32; every float16/bfloat16
 result is rounded to its dtype, as eager rounds after each op; bool elements are bytes (0/1).
 exp and erf of float32 are the vectorisable polynomials of the prelude (ulp bounds there). No
-flag changes IEEE semantics.
+flag changes IEEE semantics, and no statement has undefined behaviour: float -> integer
+conversions give eager's x86-64 results through the prelude's `f_to_i64`/`f_to_i32`. A Python
+number exponent of a float32 `pow` stays a double, as in eager's CPU kernel.
 """
 
 from __future__ import annotations
@@ -52,8 +54,20 @@ static inline uint16_t bf16_store(float f) {
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 static inline float f16_round(float f) { return (float)(_Float16)f; }
 
-template <typename T> static inline T f_max(T a, T b) { return (a > b || a != a) ? a : b; }
-template <typename T> static inline T f_min(T a, T b) { return (a < b || a != a) ? a : b; }
+// NaN from either side; on a tie the first operand, so clamp/relu keep the input's -0.0 as
+// eager's clamp does (maximum/minimum are decomposed with the input first)
+template <typename T> static inline T f_max(T a, T b) { return (a >= b || a != a) ? a : b; }
+template <typename T> static inline T f_min(T a, T b) { return (a <= b || a != a) ? a : b; }
+// float -> integer as eager's casts run on x86-64 (cvttss2si/cvttsd2si): a value out of the
+// 32- or 64-bit range, or NaN, gives that width's INT_MIN; int8/int16 keep the low bits of the
+// 32-bit conversion, uint8 those of the 64-bit one (c10 casts to uint8 through int64). Written
+// with defined operations: the plain C++ cast of such values is undefined behaviour.
+static inline int64_t f_to_i64(double x) {
+  return (x >= -0x1p63 && x < 0x1p63) ? (int64_t)x : std::numeric_limits<int64_t>::min();
+}
+static inline int32_t f_to_i32(double x) {
+  return (x > -2147483649.0 && x < 0x1p31) ? (int32_t)x : std::numeric_limits<int32_t>::min();
+}
 template <typename T> static inline T f_remainder(T a, T b) {
   T m = std::fmod(a, b);
   if (m != 0 && ((b < 0) != (m < 0))) m += b;
@@ -201,6 +215,12 @@ _BINARY = {
     "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})",
 }  # fmt: skip
 _BOOL_BINARY = {"add": "({a} || {b})", "mul": "({a} && {b})"}
+# float -> integer conversions (see f_to_i64 in the prelude)
+_FLOAT_TO_INT = {
+    torch.int64: "f_to_i64({a})", torch.int32: "f_to_i32({a})",
+    torch.int16: "(int16_t)f_to_i32({a})", torch.int8: "(int8_t)f_to_i32({a})",
+    torch.uint8: "(uint8_t)f_to_i64({a})",
+}  # fmt: skip
 # torch computes x ** c for these constant exponents without pow.
 _POW_CONST = {2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "std::sqrt({a})",
               -0.5: "({one} / std::sqrt({a}))", -1.0: "({one} / {a})",
@@ -236,6 +256,8 @@ def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
             return f"({a} != 0)"
         if arg_dtype == torch.bool:  # a select: GCC 12 does not vectorise bool -> float casts
             return f"({a} ? {literal(1, op.dtype)} : {literal(0, op.dtype)})"
+        if arg_dtype.is_floating_point and op.dtype in _FLOAT_TO_INT:
+            return _FLOAT_TO_INT[op.dtype].format(a=a)
         return f"({COMPUTE[op.dtype]})({a})"
     if name == "where":
         return f"({a} ? {b} : {names[op.args[2]]})"

@@ -65,11 +65,12 @@ __device__ __forceinline__ bool fm_isfinite(float a) { return fabsf(a) < FM_INF_
 __device__ __forceinline__ bool fm_isfinite(double a) { return fabs(a) < FM_INF_D; }
 __device__ __forceinline__ bool fm_signbit(float a) { return __float_as_int(a) < 0; }
 __device__ __forceinline__ bool fm_signbit(double a) { return __double_as_longlong(a) < 0; }
+// NaN from either side; on a tie the first operand (clamp/relu keep the input's -0.0)
 template <typename T> __device__ __forceinline__ T fm_max(T a, T b) {
-  return (a > b || a != a) ? a : b;
+  return (a >= b || a != a) ? a : b;
 }
 template <typename T> __device__ __forceinline__ T fm_min(T a, T b) {
-  return (a < b || a != a) ? a : b;
+  return (a <= b || a != a) ? a : b;
 }
 template <typename T> __device__ __forceinline__ T fm_sign(T a) {
   return (T)((T(0) < a) - (a < T(0)));
@@ -191,7 +192,11 @@ def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
     b = names[op.args[1]] if len(op.args) > 1 else ""
     name = op.name
     if name == "convert_element_type":
-        return f"({a} != 0)" if op.dtype == torch.bool else f"(({COMPUTE[op.dtype]}){a})"
+        if op.dtype == torch.bool:
+            return f"({a} != 0)"
+        if op.dtype == torch.uint8 and arg_dtype.is_floating_point:
+            return f"((unsigned char)(long long){a})"  # through int64, as c10's cast to uint8
+        return f"(({COMPUTE[op.dtype]}){a})"
     if name == "where":
         return f"({a} ? {b} : {names[op.args[2]]})"
     if arg_dtype == torch.bool:
@@ -212,6 +217,10 @@ def _expr(kernel: Kernel, op: Op, names: list[str]) -> str:
     if name == "pow" and _const_exponent(kernel, op):
         exponent = float(kernel.values[op.args[1]].value)
         return _POW_CONST[exponent].format(a=a, one=one, sqrt=fns["sqrt"])
+    if name == "pow" and kernel.values[op.args[1]].dtype != arg_dtype:
+        # a float64 number exponent of a float32 base (`lower.number_dtype`): eager's CUDA kernel
+        # reads the exponent as the base's type, unlike its CPU kernel
+        return f"{fns['pow']}({a}, ({COMPUTE[arg_dtype]}){b})"
     if len(op.args) == 1:
         if name in _FLOAT_UNARY:
             return _FLOAT_UNARY[name].format(a=a, one=one, sqrt=fns["sqrt"])

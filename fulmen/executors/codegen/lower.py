@@ -73,6 +73,16 @@ def cast_scalar(value, dtype: torch.dtype):
     return torch.tensor(value, dtype=dtype).item()
 
 
+def number_dtype(name: str, position: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Python number operand of prim `name` (at `position`) takes in a kernel whose
+    tensor operands have `dtype`: `dtype`, except the exponent of a float32 `pow`, which eager's
+    CPU kernel keeps in double (`std::pow(float, double)`: `x ** 2147483647` stays odd, and
+    `x ** 5e-324` is not `x ** 0`). Renderers for devices that round it do so themselves."""
+    if name == "pow" and position == 1 and dtype == torch.float32:
+        return torch.float64
+    return dtype
+
+
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether the codegen executor can put `bsym` into a fusion region."""
     sym = bsym.sym
@@ -219,7 +229,8 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
                     operand(bsym.args[2], dtype))
         else:
             dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
-            args = tuple(operand(arg, dtype) for arg in bsym.args)
+            args = tuple(operand(arg, number_dtype(name, i, dtype))
+                         for i, arg in enumerate(bsym.args))
         values.append(Op(name, args, out.dtype))
         env[out.name] = ("value", len(values) - 1)
     if shape is None:

@@ -43,6 +43,7 @@ from fulmen.executors.codegen.lower import (
     _freeze,
     cast_scalar,
     lower,
+    number_dtype,
 )  # fmt: skip
 from fulmen.transforms.fusion import region_inputs
 
@@ -220,7 +221,8 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
                     operand(bsym.args[2], out.dtype, row))
         else:
             dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
-            args = tuple(operand(arg, dtype, row) for arg in bsym.args)
+            args = tuple(operand(arg, number_dtype(name, i, dtype), row)
+                         for i, arg in enumerate(bsym.args))
         env[out.name] = ("value", add(Op(name, args, out.dtype), row))
     kernel_outputs: list[int] = []
     plan = []
