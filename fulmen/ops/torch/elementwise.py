@@ -31,6 +31,8 @@ from fulmen.ops.torch.utils import (
     Promotion,
     broadcast_shapes,
     broadcast_to,
+    check_like_eager,
+    check_uint64_operands,
     elementwise,
     promote,
     to_dtype,
@@ -64,6 +66,7 @@ def _check_operands(op: str, args) -> list[torch.Tensor]:
         raise _unsupported(op, "needs a tensor operand")
     if len({tensor.device for tensor in tensors}) > 1:
         raise _unsupported(op, "operands on different devices")
+    check_uint64_operands(op, args)
     return tensors
 
 
@@ -185,18 +188,28 @@ def add(input: TensorLike, other: TensorLike, *, alpha: Number = 1) -> torch.Ten
 @torch_op(torch.sub, torch.subtract, methods=("sub", "subtract", "__sub__"))
 def sub(input: TensorLike, other: TensorLike, *, alpha: Number = 1) -> torch.Tensor:
     """`input - alpha * other`."""
+    _check_bool_subtraction("sub", input, other)
     return _scaled_binary("sub", prims.sub, input, other, alpha)
+
+
+def _check_bool_subtraction(op: str, a, b) -> None:
+    """Eager refuses `-` with a bool operand (a Python bool too): raise its error while tracing
+    (a fused kernel would compute it)."""
+    if any(isinstance(v, bool) or getattr(v, "dtype", None) == torch.bool for v in (a, b)):
+        check_like_eager(op, torch.sub, a, b)
 
 
 @torch_op(torch.rsub)
 def rsub(input: TensorLike, other: TensorLike, *, alpha: Number = 1) -> torch.Tensor:
     """`other - alpha * input`."""
+    _check_bool_subtraction("rsub", input, other)
     return _scaled_binary("rsub", prims.sub, other, input, alpha)
 
 
 @torch_op(T.__rsub__)
 def rsub_dunder(self: torch.Tensor, other: TensorLike) -> torch.Tensor:
     """`other - self` (Python's `2 - x`)."""
+    _check_bool_subtraction("rsub_dunder", self, other)
     return _scaled_binary("rsub_dunder", prims.sub, other, self, 1)
 
 
@@ -659,6 +672,8 @@ def where(condition: torch.Tensor, input: TensorLike = None, other: TensorLike =
     values = [v for v in (input, other) if isinstance(v, torch.Tensor)]
     if len({t.device for t in (condition, *values)}) > 1:
         raise _unsupported("where", "operands on different devices")
+    if len(values) < 2:  # a number that does not fit the result dtype: eager raises
+        check_like_eager("where", torch.where, condition, input, other)
     dtype = promote(input, other)[1]
     shape = broadcast_shapes(condition.shape, *[v.shape for v in values])
     pred = broadcast_to(condition, shape)
@@ -688,6 +703,8 @@ def clamp(
         raise _unsupported("clamp", "input must be a tensor")
     if len({isinstance(bound, torch.Tensor) for bound in (min, max) if bound is not None}) > 1:
         raise _unsupported("clamp", "one tensor bound and one number bound")  # eager rejects it
+    if not any(isinstance(bound, torch.Tensor) for bound in (min, max)):
+        check_like_eager("clamp", torch.clamp, input, min, max)  # a bound the dtype cannot hold
 
     def fn(a, low, high):
         if low is not None:

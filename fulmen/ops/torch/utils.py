@@ -18,7 +18,9 @@ from fulmen.ops import prims
 
 __all__ = [
     "Promotion", "broadcast_shapes", "broadcast_to", "canonical_dim", "canonical_dims",
-    "elementwise", "promote", "to_dtype", "is_number", "scalar_to_tensor_like",
+    "check_like_eager", "check_uint64_operands", "elementwise", "promote", "to_dtype",
+    "is_number",
+    "scalar_to_tensor_like",
 ]  # fmt: skip
 
 
@@ -29,6 +31,47 @@ def is_number(value) -> bool:
 def promote(*args, kind: Promotion = Promotion.DEFAULT) -> tuple[torch.dtype, torch.dtype]:
     """(computation dtype, result dtype) of an elementwise op on `args`, as in eager."""
     return elementwise_dtypes(*[a for a in args if a is not None], type_promotion_kind=kind)
+
+
+def check_uint64_operands(op: str, args) -> None:
+    """Raise where eager's promotion raises: a Python int in [2**63, 2**64) is a uint64 to
+    eager, which promotes with nothing but wider unsigned types, so eager refuses it beside bool
+    tensors alone (`bool_mask / 2**63`); integral or floating operands set the result type."""
+    present = [a for a in args if a is not None]
+    if any(_is_uint64(a) for a in present) and not any(_outranks_int(a) for a in present):
+        raise FulmenError("Promotion for uint16, uint32, uint64 types is not supported, "
+                          "attempted to promote Bool and UInt64", op=f"ltorch.{op}")
+
+
+def _is_uint64(value) -> bool:
+    return type(value) is int and 2**63 <= value < 2**64
+
+
+def _outranks_int(value) -> bool:
+    """Whether `value` keeps a Python int from setting the result type (integral or floating
+    tensors, Python floats and complex numbers do)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype != torch.bool
+    return isinstance(value, (float, complex))
+
+
+def check_like_eager(op: str, torch_fn, *args, **kwargs) -> None:
+    """Raise eager's error, as a FulmenError naming `op`, where eager refuses `torch_fn` on
+    these arguments for their dtypes and Python numbers alone (`clamp(int8_tensor, min=300)`,
+    `where(c, float32_tensor, 1e308)`: numbers that do not fit the result dtype). The call runs
+    eager on one-element CPU tensors of the arguments' dtypes."""
+
+    def stand_in(value):
+        if isinstance(value, torch.Tensor):
+            return torch.zeros((), dtype=value.dtype)
+        return value
+
+    with torch._C.DisableTorchFunction():
+        try:
+            torch_fn(*[stand_in(a) for a in args],
+                     **{key: stand_in(value) for key, value in kwargs.items()})
+        except RuntimeError as error:
+            raise FulmenError(str(error).split("\n")[0], op=f"ltorch.{op}") from None
 
 
 def to_dtype(a, dtype: torch.dtype):
