@@ -45,8 +45,8 @@ class HookWatch:
 
     def changed(self) -> bool:
         """Whether a hook was added or removed since the last call (or since creation)."""
-        if RemovableHandle.next_id == self.next_id and all(
-                len(hooks) == count for hooks, count in self.held):
+        if RemovableHandle.next_id == self.next_id and (
+                not self.held or all([len(hooks) == count for hooks, count in self.held])):
             return False
         keys = self._keys()
         changed = keys != self.keys
