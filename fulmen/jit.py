@@ -22,12 +22,13 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
 from fulmen.examine import examine_quietly
-from fulmen.executors import Executor, resolve_executors
+from fulmen.executors import Executor, get_executor, resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
 from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
+from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
 from fulmen.tracer.objects import ObjectInputs
 from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, state_slots
 from fulmen.transforms import dce, delete_last_used
@@ -434,25 +435,64 @@ class JittedModule(torch.nn.Module):
     """An `nn.Module` compiled by `fulmen.jit`.
 
     It holds the original module as `_orig_mod` and shares its parameters and buffers, so
-    `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors.
+    `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors. It behaves
+    like the module: `state_dict()` has the module's own keys (`load_state_dict` takes those or
+    `_orig_mod.`-prefixed ones); `copy.deepcopy`, pickle and `torch.save` copy the module and
+    its options, and the copy compiles anew at its first call; `train()`/`eval()` and hooks
+    added to or removed from its submodules after jitting retrace.
     """
 
     def __init__(self, module: torch.nn.Module, executors=None, transforms=None,
                  rematerialize: bool = True, fullgraph: bool = False) -> None:
         super().__init__()
         self._orig_mod = module
+        self._jit_options = dict(executors=executors, transforms=transforms,
+                                 rematerialize=rematerialize, fullgraph=fullgraph)
+        self._start_jit()
+        self.register_state_dict_post_hook(strip_wrapper_prefix)
+        self.register_load_state_dict_pre_hook(add_wrapper_prefix)
+
+    def _start_jit(self) -> None:
         self._jit = _Jitted()
-        self._jit._setup(module, module, executors, transforms, rematerialize=rematerialize,
-                         fullgraph=fullgraph)
+        self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
+        self._hooks = HookWatch(self._orig_mod)
 
     def forward(self, *args, **kwargs):
+        if self._hooks.changed():  # hooks run inside the trace: a new or removed one retraces
+            self._jit._cache.clear()
         return self._jit._call(args, kwargs)
+
+    def __getstate__(self):
+        """The module and the options, without the compiled cache (its traces hold proxies and
+        compiled code); registered executors are kept by name."""
+        state = self.__dict__.copy()
+        del state["_jit"], state["_hooks"]
+        executors = self._jit_options["executors"]
+        if executors is not None:
+            executors = [_registered_name(executor) for executor in executors]
+        state["_jit_options"] = {**self._jit_options, "executors": executors}
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._start_jit()
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_orig_mod"], name)
+
+
+def _registered_name(executor):
+    """An executor's name when it is the one registered under it (picklable), else itself."""
+    if isinstance(executor, Executor):
+        try:
+            if get_executor(executor.name) is executor:
+                return executor.name
+        except KeyError:
+            pass
+    return executor
 
 
 def jit(
@@ -488,6 +528,12 @@ def jit(
         >>> jfn = fulmen.jit(lambda x: torch.nn.functional.gelu(x) * 2)
         >>> jfn(torch.randn(4))
     """
+    if isinstance(fn, torch.nn.parallel.DistributedDataParallel):
+        raise NotYetSupportedError(
+            "fulmen.jit(DistributedDataParallel(model)): DDP's forward (gradient sync, buffer "
+            "broadcast, no_sync()) would run only while tracing, not on cached calls",
+            op="fulmen.jit", argument="fn", hint="compile the model and wrap that: "
+            "DDP(fulmen.jit(model)) - gradients are all-reduced as in eager")
     if isinstance(fn, torch.nn.Module):
         return JittedModule(fn, executors, transforms, rematerialize, fullgraph)
     return JittedFunction(fn, executors, transforms, rematerialize=rematerialize,
