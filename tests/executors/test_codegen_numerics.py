@@ -199,3 +199,20 @@ ACCEPTED = {
 def test_what_eager_accepts_still_runs(case):
     fn, x = ACCEPTED[case]
     torch.testing.assert_close(_jit(fn)(x), fn(x))
+
+
+# --- layer_norm where the row mean's square overflows ---------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [[[1e20, 1.0]], [[1e20, 1e20], [1.0, 2.0]], [[1e19, 1.0]],
+                                  [[1e20] * 15 + [1.0]], [[1e20] * 8 + [1.0]],
+                                  [[1.0, 2.0, 3.0, 5.0]]], ids=str)
+def test_layer_norm_of_huge_rows_matches_eager(rows):
+    x = torch.tensor(rows)
+
+    def fn(x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],)) * 2
+
+    first, second, expected = _run_twice(fn, x)
+    torch.testing.assert_close(first, expected, equal_nan=True)
+    torch.testing.assert_close(second, expected, equal_nan=True)

@@ -295,6 +295,12 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05):
     mean = prims.div(prims.sum(x, dims), elements)
     centered = prims.sub(x, expand_reduced(mean, x.shape, dims))
     var = prims.div(prims.sum(prims.mul(centered, centered), dims), elements)
+    if input.device.type == "cpu" and (elements <= 8 or elements % 8 == 0):
+        # eager's CPU kernel merges the moments of 8 vector lanes (AVX2), and merging an empty
+        # lane makes the variance NaN where the square of the row mean overflows (a row
+        # [1e20, 1]); the centred sum gives inf there, so an output of 0. Measured for rows of
+        # up to 8 elements and multiples of 8 (other lengths leave no lane empty at the end).
+        var = prims.where(prims.isinf(prims.mul(mean, mean)), math.nan, var)
     rstd = prims.rsqrt(prims.add(var, eps))
     out = prims.mul(centered, expand_reduced(rstd, x.shape, dims))
     if weight is not None:
