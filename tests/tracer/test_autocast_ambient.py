@@ -80,7 +80,7 @@ def test_module_with_an_enabled_false_region(codegen_eager, backward_inside):
             torch.testing.assert_close(g_jit, g_eager, **tolerance, msg=label)
 
 
-def test_llama_under_autocast(codegen_eager):
+def test_llama_under_autocast():  # default executors and compile policy, as a user runs it
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, hidden_size=32,
@@ -88,7 +88,7 @@ def test_llama_under_autocast(codegen_eager):
                                       max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    jmodel = fulmen.jit(model, executors=["codegen", "torch"])
+    jmodel = fulmen.jit(model)
     ids = torch.randint(0, 64, (2, 8))
     for enabled in (True, False, True):
         results = []
