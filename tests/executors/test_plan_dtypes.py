@@ -1,11 +1,17 @@
-"""A compiled region called with inputs of another dtype than its kernel was built for runs its
-torch fallback (eager's answer): a kernel reads raw memory and must never reinterpret bytes."""
+"""A compiled region called with inputs of another dtype or device than its kernel was built for
+runs its torch fallback (eager's answer): a kernel reads raw memory and must never reinterpret
+bytes."""
 
 import pytest
 import torch
 
 import fulmen
-from fulmen.executors.codegen import runtime
+from fulmen.executors import get_executor
+from fulmen.executors.claim import claim_executors
+from fulmen.executors.codegen import nvrtc, runtime
+from fulmen.proxies import TensorProxy
+from fulmen.tracer import trace_program
+from fulmen.transforms import dce
 
 EXECUTORS = ["codegen", "torch"]
 
@@ -78,3 +84,20 @@ def test_matching_inputs_run_the_kernel(codegen_eager, monkeypatch):
     fallbacks = _count_calls(region, "_run_fallback", monkeypatch)
     torch.testing.assert_close(region(x, y), pointwise(x, y))
     assert calls == [1] and fallbacks == []
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="cuda-python is not installed")
+def test_a_cuda_region_given_cpu_tensors_never_launches(monkeypatch):
+    """CPU pointers must never reach a GPU kernel: the region runs its torch fallback."""
+    a, c = (TensorProxy(None, (8, 4), torch.float32, "cuda") for _ in range(2))
+    program = trace_program(pointwise, (a, c), {})
+    trace = claim_executors(dce(program.trace), [get_executor("codegen"), get_executor("torch")])
+    (region,) = [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, nvrtc.CudaFusedRegion)]
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a CUDA kernel was loaded for CPU tensors")
+
+    monkeypatch.setattr(nvrtc, "load_function", no_launch)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    torch.testing.assert_close(region(x, y), pointwise(x, y))
+    assert not region.failed
