@@ -141,7 +141,7 @@ class TraceTree:
         return SegmentNode(
             segment.fingerprint, tuple(p.name for p in trace.args),
             tuple(p.name for p in trace.output), self.compile_segment(trace),
-            {p.name: constants[p.name] for p in trace.args if p.name in constants},
+            {name: constants[name] for name in _reads(segment) if name in constants},
             guard, children, reason=_reason(segment), op=segment.op)
 
     def graft(self, segments: list[Segment], output: Any, output_spec: Any,
@@ -176,6 +176,15 @@ class TraceTree:
                 return 1
             return sum(count(child) for child in node.children.values())
         return count(self.root)
+
+
+def _reads(segment: Segment) -> list[str]:
+    """Names a node reads from the run's values: its trace's inputs, its op's and guard's."""
+    names = [p.name for p in segment.trace.args]
+    for bsym in (segment.op, segment.guard):
+        if bsym is not None:
+            names += [p.name for p in bsym.proxy_inputs]
+    return names
 
 
 def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:

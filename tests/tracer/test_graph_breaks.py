@@ -233,3 +233,15 @@ def test_no_break_program_has_no_tree():
     assert [entry.tree for entry in jfn._cache.values()] == [False]
     assert fulmen.compile_stats(jfn).graph_breaks == []
     assert fulmen.compile_stats(jfn).branches == 0
+
+
+def test_data_dependent_op_reading_a_captured_tensor():
+    weights = torch.randint(1, 4, (5,))
+
+    def fn(x):
+        return torch.cov(x, fweights=weights) + torch.nonzero(weights > 1).sum()
+
+    jfn = fulmen.jit(fn)
+    for _ in range(2):
+        x = torch.randn(3, 5)
+        torch.testing.assert_close(jfn(x), fn(x))
