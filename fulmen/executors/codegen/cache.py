@@ -348,4 +348,5 @@ def _after_fork_in_child() -> None:
     _lock = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only (no fork on Windows)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -255,7 +255,8 @@ class _Pool:
 
 
 _state = _Pool()
-os.register_at_fork(after_in_child=_state.reset_after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX only (no fork on Windows)
+    os.register_at_fork(after_in_child=_state.reset_after_fork)
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
