@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
+from fulmen.core.ambient import without_autocast
 from fulmen.examine import examine_quietly
 from fulmen.executors import Executor, get_executor, resolve_executors
 from fulmen.executors.claim import claim_executors
@@ -260,10 +261,11 @@ class _Jitted:
         run(traces, delete_last_used)
 
         start = time.perf_counter()
-        fn = traces[-1].python_callable()
+        # the traces hold autocast's casts explicitly: never cast again under the caller's
+        fn = without_autocast(traces[-1].python_callable())
         if needs_grad:
             residuals = traces[-1].output[1]
-            pair = CompiledPair(fn, backward_traces[-1].python_callable(),
+            pair = CompiledPair(fn, without_autocast(backward_traces[-1].python_callable()),
                                 split.differentiable_outputs,
                                 any(not isinstance(r, torch.Tensor) for r in residuals))
             fn = functools.partial(_call_with_autograd, pair, split.output_spec)
@@ -458,8 +460,16 @@ class JittedModule(torch.nn.Module):
         self._hooks = HookWatch(self._orig_mod)
 
     def forward(self, *args, **kwargs):
-        if self._hooks.changed():  # hooks run inside the trace: a new or removed one retraces
+        hooks = self._hooks
+        if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
             self._jit._cache.clear()
+        if hooks.backward_hooked and torch.is_grad_enabled():
+            raise NotYetSupportedError(
+                f"backward hooks (register_full_backward_hook) on {hooks.backward_hooked[0]!r} "
+                "inside a jitted module: they would never fire", op="register_full_backward_hook",
+                hint="register the hook on the jitted module itself (it runs as a module around "
+                "the compiled call), or use tensor hooks on parameters (p.register_hook, "
+                "register_post_accumulate_grad_hook)")
         return self._jit._call(args, kwargs)
 
     def __getstate__(self):

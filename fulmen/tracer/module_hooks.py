@@ -5,6 +5,8 @@
   added or removed after jitting must retrace; `changed()` tells, at O(1) per call in the
   common case: a registration anywhere bumps `RemovableHandle.next_id`, and a removal shrinks
   one of the dicts that held hooks at the last check (only those are looked at).
+  Hooks that run in the backward (`register_full_backward_hook`) cannot be traced; the
+  modules holding them are listed in `backward_hooked` so the caller can refuse.
 - `strip_wrapper_prefix` / `add_wrapper_prefix`: state-dict hooks that make a wrapper's state
   dict read like the wrapped module's (`linear.weight`, not `_orig_mod.linear.weight`), so
   checkpoints move freely between a module and its jitted wrapper; both spellings load.
@@ -25,7 +27,9 @@ class HookWatch:
     """Watches the hooks of `module` and its submodules (as they were when it was made)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.modules = tuple(module.modules())
+        named = list(module.named_modules())
+        self.modules = tuple(sub for _, sub in named)
+        self.names = tuple(name or type(module).__name__ for name, _ in named)
         self._snapshot(self._keys())
 
     def _dicts(self) -> list[dict]:
@@ -42,6 +46,13 @@ class HookWatch:
         self.keys = keys
         self.next_id = RemovableHandle.next_id
         self.held = [(hooks, len(hooks)) for hooks in self._dicts() if hooks]
+        # modules whose hooks run in the backward: their BackwardHookFunction sees traced
+        # tensors, so the hooks would silently never fire
+        self.backward_hooked = [
+            name for name, sub in zip(self.names, self.modules)
+            if getattr(sub, "_backward_hooks", None) or getattr(sub, "_backward_pre_hooks", None)]
+        if any(getattr(_modules_module, name, None) for name in _GLOBAL_HOOK_DICTS[2:]):
+            self.backward_hooked.append("every module (global backward hooks)")
 
     def changed(self) -> bool:
         """Whether a hook was added or removed since the last call (or since creation)."""

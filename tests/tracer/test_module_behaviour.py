@@ -198,3 +198,21 @@ def test_jit_of_ddp_names_the_better_spelling():
     ddp.module = module
     with pytest.raises(NotYetSupportedError, match=r"DDP\(fulmen.jit\(model\)\)"):
         fulmen.jit(ddp)
+
+
+def test_backward_hooks_inside_are_refused_and_on_the_jitted_module_work():
+    model = _net().eval()
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6, requires_grad=True)
+    seen = []
+    handle = model.linear.register_full_backward_hook(
+        lambda module, grad_in, grad_out: seen.append(grad_out[0].shape))
+    with pytest.raises(NotYetSupportedError, match="'linear'") as info:
+        jmodel(x)
+    assert "on the jitted module itself" in str(info.value)
+    with torch.no_grad():  # no backward, nothing to miss
+        torch.testing.assert_close(jmodel(x), model(x))
+    handle.remove()
+    jmodel.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("outer"))
+    jmodel(x).sum().backward()
+    assert seen == ["outer"]
