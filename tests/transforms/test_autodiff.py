@@ -291,3 +291,29 @@ def test_rms_norm_composite_rule():
                      _any(2, 3, 4), _any(4))
     assert "rms_norm" in str(fulmen.last_traces(jfn)[-1])  # the forward keeps the op whole
     _gradcheck(lambda x: torch.nn.functional.rms_norm(x, (3, 4)), _any(2, 3, 4))
+
+
+@pytest.mark.parametrize("op", ["mul", "div", "exp", "sum"])
+def test_complex_intermediates_differentiate_as_eager(op):
+    # the prim rules are for real values; complex ones (HF Llama 4's rotary embedding) go
+    # through torch.autograd, whose gradients conjugate (d(a*b)/da = grad * conj(b))
+    def fn(x, w):
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        rotation = torch.polar(torch.ones_like(w), w)
+        if op == "mul":
+            z = z * rotation[:, None]
+        elif op == "div":
+            z = z / (rotation[:, None] + 2)
+        elif op == "exp":
+            z = (z * rotation[:, None] * 0.5).exp() + z
+        else:
+            z = (z + rotation[:, None]).sum(0) * 2
+        return torch.view_as_real(z).flatten(-2)
+
+    x = torch.randn(3, 2, 8, dtype=D, requires_grad=True)
+    w = torch.randn(3, 4, dtype=D, requires_grad=True)
+    expected, actual = fn(x, w), fulmen.jit(fn)(x, w)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, (x, w), cotangent),
+                               torch.autograd.grad(expected, (x, w), cotangent))

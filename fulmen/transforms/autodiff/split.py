@@ -70,6 +70,23 @@ def _is_differentiable(bsym: BoundSymbol) -> bool:
     return any(map(_differentiable_dtype, bsym.proxy_outputs))
 
 
+def _is_complex(bsym: BoundSymbol) -> bool:
+    """NOTE [complex values]: the VJP rules are written for real values, and PyTorch's complex
+    gradients are conjugated (the cotangent of `a` in `a * b` is `grad * b.conj()`), so an op
+    reading or producing a complex tensor is differentiated by torch.autograd, as an opaque op
+    is (HF Llama 4's rotary embedding multiplies complex tensors)."""
+    proxies = (*iter_proxies((bsym.args, bsym.kwargs)), *bsym.proxy_outputs)
+    return any(isinstance(p, TensorProxy) and p.dtype.is_complex for p in proxies)
+
+
+def _by_autograd(bsym: BoundSymbol) -> bool:
+    """Whether the forward runs `bsym` under torch.autograd and keeps its graph for the
+    backward: an opaque op without a rule, or an op on complex values (NOTE [complex values])."""
+    if rule_for(bsym.sym) is None and "opaque" in bsym.sym.tags:
+        return True
+    return bsym.sym.impl is not None and not bsym.has_side_effects and _is_complex(bsym)
+
+
 def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
              differentiable: list[BoundSymbol], graphs: dict[int, tuple], names) -> None:
     """Append `bsym` to the forward statements `out`, tracking values that require grad.
@@ -92,7 +109,7 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
     produced = {p.name for p in bsym.proxy_outputs if _differentiable_dtype(p)}
-    if rule_for(bsym.sym) is None and "opaque" in bsym.sym.tags:
+    if _by_autograd(bsym):
         graph = ObjectProxy(names.new("g"), "autograd graph")
         wrt = bsym.input_names & requires
         graphs[id(bsym)] = (graph, wrt)
