@@ -12,6 +12,8 @@ needs no autocast state to run. An op PyTorch cannot run on fake tensors raises
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,6 +63,20 @@ def _casts(func, args, kwargs, device_type: str, enabled: bool) -> dict[str, tor
     return log.casts
 
 
+def _own_casts(func, args, kwargs, device_type: str) -> dict[str, torch.dtype]:
+    """The casts `func` makes without autocast; none when it cannot run without autocast's
+    casts (mixed dtypes such as a float32 bias with bfloat16 operands: eager runs it only
+    because autocast casts them alike)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the failure
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        return _casts(func, args, kwargs, device_type, False)
+    except Exception:
+        return {}
+    finally:
+        logger.disabled = disabled
+
+
 def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`(args, kwargs)` with the casts autocast would apply to `func`'s tensor arguments
     recorded as `Tensor.to` statements (unchanged outside autocast or for unaffected ops).
@@ -80,7 +96,7 @@ def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                                    where=user_source_location())
     try:
         with_autocast = _casts(func, args, kwargs, active[0], True)
-        without = _casts(func, args, kwargs, active[0], False) if with_autocast else {}
+        without = _own_casts(func, args, kwargs, active[0]) if with_autocast else {}
     except FulmenError:
         raise
     except Exception as error:

@@ -131,3 +131,13 @@ def test_without_autocast():
         assert torch.is_autocast_enabled("cpu")  # restored
         assert torch.matmul(a, a).dtype == torch.bfloat16
     assert matmul(a, a).dtype == torch.float32
+
+
+def test_op_that_runs_only_with_autocasts_casts():
+    # eager runs baddbmm(float32 bias, bfloat16, bfloat16) only because autocast casts all three
+    def fn(bias, q, k):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return bias.baddbmm(q.bfloat16(), k.bfloat16(), beta=1.0, alpha=0.5).float()
+
+    bias, q, k = torch.randn(2, 4, 4), torch.randn(2, 4, 8), torch.randn(2, 8, 4)
+    torch.testing.assert_close(fulmen.jit(fn)(bias, q, k), fn(bias, q, k))
