@@ -141,3 +141,26 @@ def test_op_that_runs_only_with_autocasts_casts():
 
     bias, q, k = torch.randn(2, 4, 4), torch.randn(2, 4, 8), torch.randn(2, 8, 4)
     torch.testing.assert_close(fulmen.jit(fn)(bias, q, k), fn(bias, q, k))
+
+
+def test_bloom_training_under_autocast():
+    # BLOOM: a custom autograd.Function (GeLU), and baddbmm of a float32 alibi bias
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4,
+                                      hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).train()
+    jmodel = fulmen.jit(model)
+    ids = torch.randint(0, 128, (2, 8))
+    for enabled in (True, False, True):
+        results = []
+        for run in (model, jmodel):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+                loss = run(ids, labels=ids).loss
+                loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        (loss_eager, grads_eager), (loss_jit, grads_jit) = results
+        torch.testing.assert_close(loss_jit, loss_eager, atol=1e-4, rtol=1e-4)
+        for g_jit, g_eager in zip(grads_jit, grads_eager):
+            torch.testing.assert_close(g_jit, g_eager, atol=1e-4, rtol=1e-3)
