@@ -4,6 +4,11 @@ A program is a list of steps; each step applies one op to values already compute
 first) and appends its result. Shapes are chosen so broadcasting, reductions, views and
 non-contiguous inputs all occur. A program is plain data, so hypothesis shrinks it and a failure
 prints as a readable list of steps.
+
+Inputs are normal samples, or (`VALUES`) small integers with signed zeros, so ties at 0, at clamp
+bounds and between operands occur, or samples of magnitude ~100, where exp-based activations
+overflow and in-kernel casts to integers go out of range. A binary step takes the same value
+twice now and then (`maximum(x, x)`, `hypot(x, x)`: one gradient per tensor).
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ UNARY = {
     "layer_norm": lambda a: F.layer_norm(a, a.shape[-1:]),
     "scale": lambda a: a * 0.5 + 1.0,
     "to_double_back": lambda a: a.double().sin().to(a.dtype),
+    "softplus": F.softplus,
+    "elu": F.elu,
+    "mish": F.mish,
+    "hardtanh": F.hardtanh,
+    "clamp_min0": lambda a: a.clamp(min=0),
+    "clamp_bounds": lambda a: a.clamp(-1, 1),
+    "std_last": lambda a: a.std(-1, keepdim=True, correction=0) if a.ndim else a,
+    "int8_cast": lambda a: (a * 50).to(torch.int8).to(a.dtype) + a,
+    "uint8_cast": lambda a: (a * 3).to(torch.uint8).to(a.dtype) * a,
+    "fake_quant": lambda a: (a / 0.1).round().to(torch.int8).to(a.dtype) * 0.1,
 }
 
 BINARY = {
@@ -52,10 +67,24 @@ BINARY = {
     "atan2": torch.atan2,
     "pow": lambda a, b: (a.abs() + 0.5) ** b.clamp(-2, 2),
     "hypot_like": lambda a, b: torch.sqrt(a * a + b * b + 1e-3),
+    "hypot": torch.hypot,
+    "logaddexp": torch.logaddexp,
+    "fmax": torch.fmax,
+    "clamp_by": lambda a, b: torch.clamp(a, min=b),
 }
 
 SHAPES = [(4, 5), (1, 5), (4, 1), (5,), (3, 4, 5), (1,), ()]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+VALUES = ["normal", "normal", "ties", "large"]  # how input values are drawn (see make_inputs)
+
+
+def _sample(shape, values: str, generator) -> torch.Tensor:
+    """float32 values of `shape`: normal, small integers with signed zeros, or magnitude ~100."""
+    if values == "ties":
+        sign = torch.randint(0, 2, shape, generator=generator) * 2 - 1.0
+        return torch.randint(-2, 3, shape, generator=generator) * sign
+    scale = 100.0 if values == "large" else 1.0
+    return torch.randn(shape, generator=generator) * scale
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,7 @@ class Program:
     dtype: torch.dtype
     transposed: tuple[bool, ...]
     steps: tuple[Step, ...]
+    values: str = "normal"
 
     def run(self, *inputs):
         values = list(inputs)
@@ -84,10 +114,10 @@ class Program:
         inputs = []
         for shape, transposed in zip(self.input_shapes, self.transposed):
             if transposed and len(shape) >= 2:
-                base = torch.randn(shape[::-1], generator=generator).to(self.dtype)
+                base = _sample(shape[::-1], self.values, generator).to(self.dtype)
                 tensor = base.transpose(0, -1) if len(shape) == 2 else base.permute(2, 1, 0)
             else:
-                tensor = torch.randn(shape, generator=generator).to(self.dtype)
+                tensor = _sample(shape, self.values, generator).to(self.dtype)
             inputs.append(tensor.requires_grad_(requires_grad))
         return inputs
 
@@ -98,6 +128,7 @@ def programs(draw, max_steps: int = 6) -> Program:
     shapes = tuple(draw(st.sampled_from(SHAPES)) for _ in range(count))
     transposed = tuple(draw(st.booleans()) for _ in range(count))
     dtype = draw(st.sampled_from(DTYPES))
+    values = draw(st.sampled_from(VALUES))
     steps = []
     for index in range(draw(st.integers(1, max_steps))):
         available = count + index
@@ -106,6 +137,8 @@ def programs(draw, max_steps: int = 6) -> Program:
             operands = (draw(st.integers(0, available - 1)),)
         else:
             op = draw(st.sampled_from(sorted(BINARY)))
-            operands = (draw(st.integers(0, available - 1)), draw(st.integers(0, available - 1)))
+            first = draw(st.integers(0, available - 1))
+            same = draw(st.integers(0, 3)) == 0  # the same tensor in both arguments
+            operands = (first, first if same else draw(st.integers(0, available - 1)))
         steps.append(Step(op, operands))
-    return Program(shapes, dtype, transposed, tuple(steps))
+    return Program(shapes, dtype, transposed, tuple(steps), values)

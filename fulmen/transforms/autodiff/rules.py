@@ -184,9 +184,12 @@ _selection_rule(prims.minimum, prims.gt)
 
 @vjp_rule(prims.atan2)
 def _atan2_vjp(grad, out, a, b):
+    """As eager's atan2_backward: `grad * b * r` and `grad * -a * r` with r = 1 / (a^2 + b^2),
+    and r = 0 where a^2 + b^2 is 0 (the origin's subgradient is 0, not NaN)."""
     denominator = prims.add(_square(a), _square(b))
-    grad_a = prims.div(prims.mul(grad, b), denominator)
-    grad_b = prims.div(prims.mul(prims.neg(grad), a), denominator)
+    recip = prims.where(prims.eq(denominator, 0), 0.0, prims.reciprocal(denominator))
+    grad_a = prims.mul(prims.mul(grad, b), recip)
+    grad_b = prims.mul(prims.mul(grad, prims.neg(a)), recip)
     return _for_tensor(a, grad_a), _for_tensor(b, grad_b)
 
 

@@ -8,7 +8,8 @@ eager's answer at the edges:
   none to a NaN, `hardtanh` none at its bounds and the full gradient to a NaN.
 - overflow: the transpose of `1 / (1 + exp(-x))` multiplies a zero cotangent by `exp(-x) = inf`
   below about -88 (float32), so `sigmoid`, `glu`, `softplus`, `elu` and `mish` give NaN where
-  eager's fused backward is finite; `std` divides by a zero deviation over a constant row.
+  eager's fused backward is finite. (`std` needs no rule: its decomposition keeps the zero
+  deviation of a constant row out of sqrt's derivative, see `reductions._standard_deviation`.)
 
 Each rule here is eager's backward formula (`derivatives.yaml` and the ATen kernels it names),
 computed in float32 for float16/bfloat16 inputs as eager's kernels do.
@@ -16,14 +17,11 @@ computed in float32 for float16/bfloat16 inputs as eager's kernels do.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fulmen.ops import ltorch, prims
-from fulmen.ops.torch.reductions import _correction, reduction_dims
 from fulmen.transforms.autodiff.registry import vjp_rule
-from fulmen.transforms.autodiff.rules import AUTOGRAD_VJP, _zeros_like, autograd_cotangents
+from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -177,64 +175,3 @@ def _mish_vjp(grad, out, input, inplace):
     t = prims.tanh(prims.log1p(prims.exp(x)))
     slope = prims.mul(prims.mul(x, _sigmoid(x)), prims.sub(1, prims.mul(t, t)))
     return _to(prims.mul(g, prims.add(t, slope)), input.dtype), None
-
-
-# --- std: no division by a zero deviation -----------------------------------------------------
-
-
-def _std_input_grad(grad_std, grad_mean, out, input, dim, unbiased, keepdim, correction):
-    """`std_backward` then `var_backward` (plus the mean's share for `std_mean`):
-    `grad / (2 std)`, 0 where std is 0, times `2 (x - mean) / (N - correction)`."""
-    dim, correction = _correction("std", dim, unbiased, correction)
-    dims = reduction_dims(input, dim, op="std")
-    kept = tuple(d for d in range(input.ndim) if d not in dims)
-    reduced = tuple(input.shape[d] for d in kept)
-    count = math.prod(input.shape[d] for d in dims)
-    x = _compute(input)
-
-    def unreduce(t):
-        t = _compute(prims.reshape(t, reduced) if keepdim and dims else t)
-        return prims.broadcast_in_dim(t, tuple(input.shape), kept)
-
-    std = unreduce(out)
-    grad = None
-    if grad_std is not None:
-        grad_var = prims.div(unreduce(grad_std), prims.mul(std, 2))
-        grad_var = prims.where(prims.eq(std, 0), _zeros_like(grad_var), grad_var)
-        mean = prims.broadcast_in_dim(prims.div(prims.sum(x, dims), count), tuple(x.shape), kept)
-        scale = 2.0 / (count - correction) if count != correction else math.inf
-        grad = prims.mul(prims.mul(grad_var, prims.sub(x, mean)), scale)
-    if grad_mean is not None:
-        share = prims.div(unreduce(grad_mean), count)
-        grad = share if grad is None else prims.add(grad, share)
-    return None if grad is None else _to(grad, input.dtype)
-
-
-def _std_by_autograd(sym, grad, input, dim, unbiased, keepdim, correction):
-    """The cotangents of a `std`/`std_mean` call the rule does not cover (complex, empty)."""
-    dim, correction = _correction(sym.name, dim, unbiased, correction)
-    kwargs = {"dim": dim, "keepdim": keepdim, "correction": correction}
-    (grad_input,) = AUTOGRAD_VJP(sym, (input,), kwargs, grad)
-    return grad_input, None, None, None, None
-
-
-def _is_simple_std(input) -> bool:
-    return _floating(input) and input.numel() > 0
-
-
-@vjp_rule(ltorch.std)
-def _std_vjp(grad, out, input, dim, unbiased, keepdim, correction):
-    if not _is_simple_std(input):
-        return _std_by_autograd(ltorch.std, grad, input, dim, unbiased, keepdim, correction)
-    grad_input = _std_input_grad(grad, None, out, input, dim, unbiased, keepdim, correction)
-    return grad_input, None, None, None, None
-
-
-@vjp_rule(ltorch.std_mean)
-def _std_mean_vjp(grad, out, input, dim, unbiased, keepdim, correction):
-    if not _is_simple_std(input):
-        return _std_by_autograd(ltorch.std_mean, grad, input, dim, unbiased, keepdim, correction)
-    grad_std, grad_mean = grad
-    grad_input = _std_input_grad(grad_std, grad_mean, out[0], input, dim, unbiased, keepdim,
-                                 correction)
-    return grad_input, None, None, None, None
