@@ -349,3 +349,24 @@ def test_forward_reading_a_parameter_it_was_not_given_is_refused():
 
     with pytest.raises(NotYetSupportedError, match="not an argument of apply"):
         fulmen.jit(Model())(torch.randn(2, 4, requires_grad=True))
+
+
+class GradientReversal(torch.autograd.Function):
+    """Identity forward returning its input as is; negated, scaled gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+def test_identity_forward_returning_its_input():
+    def fn(x, w):
+        features = x * w
+        return (GradientReversal.apply(features, 0.5) * 3).sum() + features.sum()
+
+    _compare(fn, lambda: [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)])
