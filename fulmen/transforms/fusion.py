@@ -68,10 +68,17 @@ def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
 
 
 class _Node:
-    __slots__ = ("bsym", "origin", "fusible")
+    """One statement of the partition: a bound symbol or a prim of a flattened op. `inputs`:
+    the names it reads; the last prim of a flattened op also reads the op's own inputs, since
+    the op is restored whole in its place when none of its prims is fused (a shape-only
+    argument, such as `expand_as`'s `other`, is read by no prim)."""
 
-    def __init__(self, bsym: BoundSymbol, origin: int, fusible: bool) -> None:
+    __slots__ = ("bsym", "origin", "fusible", "inputs")
+
+    def __init__(self, bsym: BoundSymbol, origin: int, fusible: bool,
+                 inputs: set[str] | None = None) -> None:
         self.bsym, self.origin, self.fusible = bsym, origin, fusible
+        self.inputs = bsym.input_names if inputs is None else inputs
 
 
 def _flatten_for(trace: Trace, executor: FusionExecutor,
@@ -87,6 +94,8 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
             fusible = [executor.can_fuse(sub) for sub in flat]
             if flat[0] is not bsym and (all(fusible) or _worth_splitting(flat, fusible)):
                 nodes.extend(_Node(sub, origin, ok) for sub, ok in zip(flat, fusible))
+                last = nodes[-1]
+                last.inputs = last.inputs | bsym.input_names
             else:
                 nodes.append(_Node(bsym, origin, False))
     return nodes
@@ -108,7 +117,7 @@ class _Partition:
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, list[int]] = {}
         for i, node in enumerate(nodes):
-            for name in node.bsym.input_names:
+            for name in node.inputs:
                 self.consumers.setdefault(name, []).append(i)
                 if name in self.producer:
                     self.succ[self.producer[name]].add(i)

@@ -44,6 +44,20 @@ def test_no_cycle_through_unfusible_op():
     assert [s.sym.name for s in fused[1].subsymbols] == ["add", "sin"]
 
 
+def test_op_restored_whole_keeps_its_shape_only_input():
+    # expand_as's prims never read `y`; left unfused, the op is restored whole and reads it,
+    # so the region producing `y` must come first (HF HRM: `z_init.expand_as(hidden)`)
+    def fn(x, w):
+        y = x * 2
+        z = torch.cumsum(w.expand_as(y), -1)
+        return z + y
+
+    x, w = torch.randn(2, 3, 4), torch.randn(1, 3, 4)
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, w), fn(x, w))
+    check_trace(fulmen.last_traces(jfn)[-1])
+
+
 def test_partitioner_is_pure_and_merges_siblings():
     def fn(x, y):
         return x.exp() * 2, (x + y).cos()  # independent siblings sharing x
