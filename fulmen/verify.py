@@ -36,8 +36,10 @@ from fulmen.core.printer import print_trace, statement_source
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.symbol import Namespace
 from fulmen.core.trace import TraceCtx, tracing
+from fulmen.executors import Executor
 from fulmen.executors.registry import get_executor
 from fulmen.jit import _jitted, jit
+from fulmen.ops.torch import torch_qualname
 from fulmen.proxies import TensorProxy
 
 _TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
@@ -267,13 +269,36 @@ def _fusion_preamble(bsym: BoundSymbol) -> tuple[str, BoundSymbol]:
     return "\n".join(lines), bsym.replace(sym=local, args=tuple(bsym.proxy_inputs), kwargs={})
 
 
+_TORCH = Namespace("torch", "torch", "import torch")
+
+
+def _portable_symbol(sym):
+    """`sym`, or a stand-in printed as the torch callable it runs, when its own name resolves
+    only in this process (opaque ops, operators of executors: `torchex.op_gelu_default`)."""
+    if not isinstance(sym, Symbol) or not (sym.namespace.alias == "opaque"
+                                           or isinstance(sym.namespace.value, Executor)):
+        return sym
+    fn = sym.impl
+    path = f"torch.ops.{fn}" if isinstance(fn, torch._ops.OpOverload) else torch_qualname(fn)
+    if path is None:
+        return sym
+    return Symbol(sym.name, None, namespace=_TORCH, python_name=path, impl=fn, tags=sym.tags)
+
+
+def _portable(bsym: BoundSymbol) -> BoundSymbol:
+    """`bsym` with its symbol, and symbols among its arguments, made portable."""
+    args, kwargs = pytree.tree_map(_portable_symbol, (bsym.args, bsym.kwargs))
+    return bsym.replace(sym=_portable_symbol(bsym.sym), args=args, kwargs=kwargs)
+
+
 def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
     """A script that runs the culprit and its reference on random inputs of the same metadata
     and exits 1 when they disagree; it needs no state of this process (fusions are rebuilt).
     A fusion's reference is its own region, run by torch."""
     inputs = culprit.proxy_inputs
     parts = []
-    statement = culprit
+    statement = _portable(culprit)
+    reference = _portable(reference) if reference is not None else None
     reference_call = None
     if _is_fusion(culprit):
         preamble, statement = _fusion_preamble(culprit)

@@ -113,3 +113,18 @@ def test_bfloat16_rounding_that_grows_is_judged_against_float64(codegen_eager):
     assert report.ok, str(report)
     assert any(check.stage.startswith("backward") and check.max_error > 0
                for check in report.stages)
+
+
+def test_repro_with_opaque_ops_runs_on_its_own(tmp_path):
+    def h(x):
+        return torch.ops.aten.gelu.default(x) * 2  # an opaque op (an OpOverload)
+
+    bad = OperatorExecutor("planted_opaque")
+    op = bad.register_operator("wrong_gelu", like=torch.ops.aten.gelu.default,
+                               fn=torch.ops.aten.silu.default)
+    bad.register_implementation(torch.ops.aten.gelu.default, op)
+    report = fulmen.verify(h, torch.randn(4), executors=[bad, "torch"], repro_dir=str(tmp_path))
+    assert not report.ok
+    result = subprocess.run([sys.executable, report.repro_path], capture_output=True, text=True)
+    assert result.returncode == 1, result.stdout + result.stderr  # reproduces in a new process
+    assert "torch.ops.aten.gelu.default(x)" in open(report.repro_path).read()
