@@ -200,3 +200,24 @@ def test_std_gradients_match_eager_with_prims_only(case):
     x = torch.tensor(values, requires_grad=True)
     fulmen.jit(fn, executors=["torch"], transforms=[decompose_to_prims])(x).sum().backward()
     torch.testing.assert_close(x.grad, expected, equal_nan=True)
+
+
+# --- max/min: the gradient goes to the selected element -----------------------------------------
+
+SELECTIONS = {
+    "max(dim) ties": (lambda x: x.view(2, 3).max(-1).values, [1.0, 1.0, 0.0, 2.0, 3.0, 3.0]),
+    "max(dim) NaN": (lambda x: x.view(2, 3).max(1)[0], [1.0, NAN, 0.0, 2.0, 3.0, 3.0]),
+    "min(dim=0) keepdim": (lambda x: x.view(2, 3).min(0, keepdim=True).values,
+                           [1.0, 0.0, 0.0, 1.0, -1.0, 0.0]),
+    "max() ties": (lambda x: x.max(), [1.0, 1.0, 0.0]),
+    "max() NaN": (lambda x: x.max(), [1.0, NAN, NAN]),
+    "min() ties": (lambda x: torch.min(x), [1.0, -1.0, -1.0]),
+    "max(a, b)": (lambda x: torch.max(x, x.flip(0)), [2.0, 0.0, 2.0]),
+    "min(a, other=b)": (lambda x: torch.min(x, other=torch.zeros(1)), [2.0, 0.0, -1.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SELECTIONS))
+def test_max_min_gradients_go_to_the_selected_element(case, executors):
+    fn, values = SELECTIONS[case]
+    _check(fn, values, executors)

@@ -175,3 +175,58 @@ def _mish_vjp(grad, out, input, inplace):
     t = prims.tanh(prims.log1p(prims.exp(x)))
     slope = prims.mul(prims.mul(x, _sigmoid(x)), prims.sub(1, prims.mul(t, t)))
     return _to(prims.mul(g, prims.add(t, slope)), input.dtype), None
+
+
+# --- max/min: eager's gradient goes to the selected element -----------------------------------
+
+
+def _evenly_to_extremum(grad, out, input):
+    """`evenly_distribute_backward`: `grad / count` to each element equal to the extremum `out`
+    of all of `input`, where a NaN extremum is equal to the NaN elements (amax's rule would
+    give NaN everywhere)."""
+    value = prims.broadcast_in_dim(out, tuple(input.shape), ())
+    hit = prims.bitwise_or(prims.eq(input, value),
+                           prims.bitwise_and(prims.isnan(input), prims.isnan(value)))
+    share = prims.div(grad, prims.sum(prims.convert_element_type(hit, grad.dtype),
+                                      tuple(range(input.ndim))))
+    return prims.where(hit, prims.broadcast_in_dim(share, tuple(input.shape), ()),
+                       _zeros_like(input))
+
+
+def _to_selected_index(grad, indices, input, dim: int, keepdim: bool):
+    """`value_selecting_reduction_backward`: each cotangent goes to the element whose index
+    `max(x, dim)`/`min(x, dim)` returned (the first extremum, or the first NaN), not shared by
+    ties."""
+    dim = dim % input.ndim
+    if not keepdim:
+        kept = tuple(1 if d == dim else size for d, size in enumerate(input.shape))
+        grad, indices = prims.reshape(grad, kept), prims.reshape(indices, kept)
+    return prims.scatter_add(_zeros_like(input), dim, indices, grad)
+
+
+def _max_or_min_rule(sym):
+    def rule(grad, out, input, dim, keepdim, other):
+        if isinstance(dim, torch.Tensor) or other is not None:  # the elementwise form
+            b = dim if isinstance(dim, torch.Tensor) else other
+            grad_input, grad_b = autograd_cotangents(sym, (input, b), grad)
+            if isinstance(dim, torch.Tensor):
+                return grad_input, grad_b, None, None
+            return grad_input, None, None, grad_b
+        if not _floating(input):
+            return None, None, None, None
+        if dim is None:
+            return _evenly_to_extremum(grad, out, input), None, None, None
+        if input.ndim == 0:
+            return grad[0], None, None, None
+        values_grad = grad[0]
+        if values_grad is None:
+            return None, None, None, None
+        grad_input = _to_selected_index(values_grad, out[1], input, dim, keepdim)
+        return grad_input, None, None, None
+
+    rule.__name__ = f"_{sym.name}_vjp"
+    vjp_rule(sym)(rule)
+
+
+_max_or_min_rule(ltorch.max)
+_max_or_min_rule(ltorch.min)
