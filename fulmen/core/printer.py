@@ -65,7 +65,7 @@ class _Printer:
                 return "float('nan')"
             if math.isinf(value):
                 return "float('inf')" if value > 0 else "-float('inf')"
-            return repr(value)
+            return repr(float(value))  # a float subclass (np.float64) as the float it holds
         if isinstance(value, complex):
             return f"complex({self.value(value.real)}, {self.value(value.imag)})"
         if isinstance(value, torch.dtype):

@@ -8,6 +8,7 @@ prims run), and compares dtypes, shapes and values.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -731,3 +732,22 @@ def test_printed_decomposition():
         "    # t4 = prims.floor_div(t3, 2)",
         "  return t4",
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_numpy_scalar_operands_count_as_python_numbers(dtype):
+    # HF CTRL: `x *= np.sqrt(d_model)`; np.float64 is a float subclass PyTorch's promotion
+    # helper refuses; eager reads it as the Python float
+    scale = np.sqrt(np.float64(8.0))
+
+    def fn(x):
+        y = x * scale
+        y += scale
+        return y
+
+    x = torch.arange(6).to(dtype)
+    jfn = fulmen.jit(fn)
+    expected, actual = fn(x.clone()), jfn(x.clone())
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected)
+    assert "np." not in str(fulmen.last_traces(jfn)[-1])

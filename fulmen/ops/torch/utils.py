@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Number
 
+import numpy as np
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promotion
 from torch._prims_common import elementwise_dtypes
@@ -30,7 +31,10 @@ def is_number(value) -> bool:
 
 def promote(*args, kind: Promotion = Promotion.DEFAULT) -> tuple[torch.dtype, torch.dtype]:
     """(computation dtype, result dtype) of an elementwise op on `args`, as in eager."""
-    return elementwise_dtypes(*[a for a in args if a is not None], type_promotion_kind=kind)
+    # a numpy scalar counts as the Python number it holds (np.float64 is a float subclass,
+    # which PyTorch's helper refuses; HF CTRL scales by `np.sqrt(d_model)`)
+    args = [a.item() if isinstance(a, np.generic) else a for a in args if a is not None]
+    return elementwise_dtypes(*args, type_promotion_kind=kind)
 
 
 def check_uint64_operands(op: str, args) -> None:
