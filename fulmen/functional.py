@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch.utils._pytree as pytree
 
+from fulmen.core.ambient import without_autocast
 from fulmen.executors import resolve_executors
 from fulmen.executors.claim import claim_executors
 from fulmen.jit import JittedFunction
@@ -68,8 +69,10 @@ def vjp(fn: Callable, *primals, executors=None):
            if inputs[positions[i]].dtype.is_floating_point}
     split = split_forward_backward(trace, wrt, zeros_for_unused=True)
     chosen = resolve_executors(executors)
-    forward = delete_last_used(claim_executors(split.forward, chosen)).python_callable()
-    backward = delete_last_used(claim_executors(dce(split.backward), chosen)).python_callable()
+    forward = without_autocast(
+        delete_last_used(claim_executors(split.forward, chosen)).python_callable())
+    backward = without_autocast(
+        delete_last_used(claim_executors(dce(split.backward), chosen)).python_callable())
 
     tensor_inputs = [inputs[p] for p in positions]
     output_leaves, residuals = forward(*tensor_inputs, *program.captured)

@@ -11,6 +11,7 @@ callable, a miss traces and compiles anew.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
+# Held while a call reads module state or object tensors, and while a program is traced.
+_TRACING = threading.RLock()
 _PASSES = get_logger("passes")
 _BREAKS = get_logger("breaks")
 
@@ -119,19 +122,27 @@ class _Jitted:
             # called while an outer jitted function is being traced (recursion, nesting): trace
             # through the Python source, so the outer trace records the ops themselves
             return (self._module if self._module is not None else self._fn)(*args, **kwargs)
-        state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
-        key, leaves = self._guard.key(args, kwargs, state)
-        stats = self._stats
-        stats.calls += 1
-        entry = self._cache.get(key)
-        if entry is None:
-            stats.cache_misses += 1
-            self._explain_miss(args, kwargs)
-            entry = self._compile(args, kwargs)
-            self._cache[key] = entry
-        else:
-            stats.cache_hits += 1
-        objects = entry.objects
+        # a trace swaps proxies into the user's modules and objects: every read of them (and
+        # every trace) holds the tracing lock, so no thread ever sees a proxy
+        with _TRACING:
+            state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
+            key, leaves = self._guard.key(args, kwargs, state)
+            stats = self._stats
+            stats.calls += 1
+            entry = self._cache.get(key)
+            if entry is None:
+                stats.cache_misses += 1
+                self._explain_miss(args, kwargs)
+                entry = self._compile(args, kwargs)
+                self._cache[key] = entry
+            else:
+                stats.cache_hits += 1
+            objects = entry.objects
+            roots = {}
+            if objects is not None:
+                roots = {i: leaves[i] if i >= 0 else self._guard.fn_roots[-1 - i]
+                         for i in objects.roots}
+                object_tensors = objects.read_tensors(roots)
         if objects is None and not entry.mutated_inputs and not entry.tree:  # the common case
             if entry.all_leaves_are_inputs:
                 out = entry.fn(*leaves, *state, *entry.captured)
@@ -139,12 +150,9 @@ class _Jitted:
                 out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state,
                                *entry.captured)
             return self._finish(entry, out)
-        roots = {}
         inputs = [leaves[i] for i in entry.tensor_positions]
         if objects is not None:
-            roots = {i: leaves[i] if i >= 0 else self._guard.fn_roots[-1 - i]
-                     for i in objects.roots}
-            inputs += objects.read_tensors(roots)
+            inputs += object_tensors
         inputs += [*state, *entry.captured]
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
             check_no_input_aliasing(inputs, entry.mutated_inputs)
@@ -190,7 +198,10 @@ class _Jitted:
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
             reseeded = not torch.equal(rng_state, torch.random.get_rng_state())
-        if reseeded:
+        # seeding through torch's Python functions raises where it happens
+        # (`fulmen.tracer.seeding`); a changed state is then another thread's draws, unless this
+        # is the only thread (`torch.default_generator.set_state` called directly)
+        if reseeded and threading.active_count() == 1:
             # tracing draws no random numbers, so the code reseeded or set the generator
             torch.random.set_rng_state(rng_state)
             raise NotYetSupportedError(
@@ -333,9 +344,10 @@ class _Jitted:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
-                program = self._trace(args, kwargs)
-                torch.random.set_rng_state(rng_state)
-                self._compile_tree(program, args, kwargs, entry)
+                with _TRACING:
+                    program = self._trace(args, kwargs)
+                    torch.random.set_rng_state(rng_state)
+                    self._compile_tree(program, args, kwargs, entry)
         return _RanEagerly(self._run_eagerly(args, kwargs, miss))
 
     def _run_eagerly(self, args: tuple, kwargs: dict, miss: PathMiss):
@@ -346,7 +358,8 @@ class _Jitted:
                 f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
                 "different answers; calls taking a new answer run eagerly", stacklevel=4)
         target = self._module if self._module is not None else self._fn
-        return target(*args, **kwargs)
+        with _TRACING:  # no other thread is tracing (with proxies in the module) meanwhile
+            return target(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -93,20 +93,20 @@ class BreakRecorder:
         self.ctx = ctx
         self.env: dict[str, Any] = dict(inputs)
         self.done = 0
-        self.rng = torch.random.get_rng_state()
+        self.rng = torch.default_generator.get_state()
         self.breaks: list[BreakInfo] = []
 
     @contextlib.contextmanager
     def _shadow(self) -> Iterator[None]:
         """Real computation inside tracing: no recording, no grad, no autocast, own RNG."""
-        user_rng = torch.random.get_rng_state()
-        torch.random.set_rng_state(self.rng)
+        user_rng = torch.default_generator.get_state()
+        torch.default_generator.set_state(self.rng)
         try:
             with not_tracing(), torch._C.DisableTorchFunction(), torch.no_grad(), no_autocast():
                 yield
         finally:
-            self.rng = torch.random.get_rng_state()
-            torch.random.set_rng_state(user_rng)
+            self.rng = torch.default_generator.get_state()
+            torch.default_generator.set_state(user_rng)
 
     def _catch_up(self) -> None:
         """Run the statements recorded since the last shadow run."""

@@ -154,6 +154,8 @@ class TracerCtx(TraceCtx):
         self._internal = 0
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
         self.breaks = None
+        # id of each parameter/buffer of the traced module -> its input proxy
+        self.state_proxies: dict[int, TensorProxy] = {}
 
     def add_input(self, proxy: TensorProxy) -> None:
         """Declare `proxy` a trace input (argument, module state or captured tensor)."""
@@ -172,6 +174,9 @@ class TracerCtx(TraceCtx):
 
     def capture(self, tensor: torch.Tensor) -> TensorProxy:
         """The input proxy standing for a real tensor the traced code closed over."""
+        state = self.state_proxies.get(id(tensor))
+        if state is not None:  # a parameter or buffer of the traced module
+            return state
         entry = self.captured.get(id(tensor))
         if entry is None:
             name = self.names.named(f"captured{len(self.captured)}")
@@ -223,11 +228,15 @@ class TracerCtx(TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
+        user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
         if self._internal:
             return self._dispatch(func, args, kwargs)
         if _is_inplace(func, args, kwargs):
-            return self.mutation.functionalize(func, args, kwargs)
+            out = self.mutation.functionalize(func, args, kwargs)
+            if self.state_proxies:  # `self.count += 1` returns (and stores) the module's tensor
+                out = _restore_identities(out, (user_args, user_kwargs), (args, kwargs))
+            return out
         r_args, r_kwargs = self.mutation.resolve_tree((args, kwargs))
         with self.internal():
             if torch._C._is_any_autocast_enabled():

@@ -10,11 +10,10 @@ the trace; the cache key guards their values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,27 +109,6 @@ def state_slots(module: torch.nn.Module) -> list[StateSlot]:
                 seen.add(id(tensor))
                 slots.append(StateSlot(owner, key, f"{prefix}.{key}" if prefix else key))
     return slots
-
-
-@contextlib.contextmanager
-def swapped_state(module: torch.nn.Module, proxies: dict[int, TensorProxy]) -> Iterator[None]:
-    """Temporarily replace every parameter/buffer tensor `t` of `module` by `proxies[id(t)]`.
-
-    Swapping the owning dicts directly handles modules reachable under several names and tensors
-    shared between modules (tied weights).
-    """
-    undo: list[tuple[dict, str, torch.Tensor]] = []
-    try:
-        for sub in module.modules():
-            for owner in (sub._parameters, sub._buffers):
-                for key, tensor in list(owner.items()):
-                    if tensor is not None and id(tensor) in proxies:
-                        undo.append((owner, key, tensor))
-                        owner[key] = proxies[id(tensor)]
-        yield
-    finally:
-        for owner, key, tensor in reversed(undo):
-            owner[key] = tensor
 
 
 def _path_name(path, param_names: list[str]) -> str:
@@ -297,8 +275,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     try:
         with tracing(ctx), FactoryMode(ctx):
             if module is not None:
-                with swapped_state(module, state):
-                    out = module(*proxy_args, **proxy_kwargs)
+                # the module keeps its real tensors (another thread may use it meanwhile);
+                # every torch call made while tracing sees its state proxies instead
+                ctx.state_proxies = state
+                out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
             out_leaves, out_spec = _flatten_output(out)
