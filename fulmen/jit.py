@@ -11,6 +11,8 @@ callable, a miss traces and compiles anew.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import time
 import warnings
@@ -100,9 +102,14 @@ class _Jitted:
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
     def _setup(self, fn, module, executors, transforms, grad_argnums=None,
-               rematerialize=True, fullgraph=False) -> None:
+               rematerialize=True, fullgraph=False, cache_size_limit=None) -> None:
         self._fn = fn
         self._fullgraph = fullgraph
+        if cache_size_limit is None:
+            cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
+        # functional autodiff returns (value, grads): no eager fallback has that structure
+        self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
+        self._warned_limit = False
         self._warned_eager = False
         self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
@@ -132,7 +139,9 @@ class _Jitted:
             entry = self._cache.get(key)
             if entry is None:
                 stats.cache_misses += 1
-                self._explain_miss(args, kwargs)
+                reasons = self._explain_miss(args, kwargs)
+                if len(self._cache) >= self._cache_size_limit:
+                    return self._over_limit(args, kwargs, reasons)
                 entry = self._compile(args, kwargs)
                 self._cache[key] = entry
             else:
@@ -175,18 +184,35 @@ class _Jitted:
             out = _restructure_grads(out, entry.grad_specs, self._grad_argnums)
         return out
 
-    def _explain_miss(self, args: tuple, kwargs: dict) -> None:
+    def _explain_miss(self, args: tuple, kwargs: dict) -> list[str]:
         """Record (and log to `fulmen.recompiles`) why this call missed the cache."""
         target = self._module.forward if self._module is not None else self._fn
         names = [name for name, _ in self._module.named_modules()] if self._module else []
         described = describe_call(_positional_names(target), args, kwargs,
                                   self._guard.modules, names, self._guard.scalar_sources)
+        reasons = ["first call"]
         if self._last_described is not None:
             reasons = explain_change(self._last_described, described)
             self._stats.recompile_reasons.append(reasons)
             _RECOMPILES.info("retracing %s: %s", getattr(target, "__qualname__", target),
                              "; ".join(reasons))
         self._last_described = described
+        return reasons
+
+    def _over_limit(self, args: tuple, kwargs: dict, reasons: list[str]):
+        """A call past `cache_size_limit` specialisations: run it eagerly (warning once)."""
+        self._stats.eager_calls += 1
+        target = self._module if self._module is not None else self._fn
+        if not self._warned_limit:
+            self._warned_limit = True
+            name = getattr(getattr(target, "forward", target), "__qualname__", repr(target))
+            warnings.warn(
+                f"fulmen: {name} has been compiled for {self._cache_size_limit} different calls "
+                f"(cache_size_limit); calls matching none of them run eagerly. The last "
+                f"retrace was because {'; '.join(reasons)}. Raise the limit with "
+                "fulmen.jit(..., cache_size_limit=N) or FULMEN_CACHE_SIZE_LIMIT, or keep that "
+                "value fixed between calls", stacklevel=4)
+        return target(*args, **kwargs)
 
     def _trace(self, args: tuple, kwargs: dict):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff)."""
@@ -434,8 +460,10 @@ class JittedFunction(_Jitted):
     """A function compiled by `fulmen.jit`; call it like the original."""
 
     def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None,
-                 rematerialize: bool = True, fullgraph: bool = False) -> None:
-        self._setup(fn, None, executors, transforms, grad_argnums, rematerialize, fullgraph)
+                 rematerialize: bool = True, fullgraph: bool = False,
+                 cache_size_limit: int | None = None) -> None:
+        self._setup(fn, None, executors, transforms, grad_argnums, rematerialize, fullgraph,
+                    cache_size_limit)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -458,11 +486,13 @@ class JittedModule(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, executors=None, transforms=None,
-                 rematerialize: bool = True, fullgraph: bool = False) -> None:
+                 rematerialize: bool = True, fullgraph: bool = False,
+                 cache_size_limit: int | None = None) -> None:
         super().__init__()
         self._orig_mod = module
         self._jit_options = dict(executors=executors, transforms=transforms,
-                                 rematerialize=rematerialize, fullgraph=fullgraph)
+                                 rematerialize=rematerialize, fullgraph=fullgraph,
+                                 cache_size_limit=cache_size_limit)
         self._start_jit()
         self.register_state_dict_post_hook(strip_wrapper_prefix)
         self.register_load_state_dict_pre_hook(add_wrapper_prefix)
@@ -525,6 +555,7 @@ def jit(
     transforms: Sequence[Callable[[Trace], Trace]] | None = None,
     rematerialize: bool = True,
     fullgraph: bool = False,
+    cache_size_limit: int | None = None,
 ) -> JittedFunction | JittedModule:
     """Compile a function or `nn.Module` with fulmen.
 
@@ -539,6 +570,10 @@ def jit(
         fullgraph: raise when the program needs a tensor's value in Python (`if t.any():`,
             `.item()`, `nonzero`) instead of splitting it there into segments joined by a
             guard (a graph break; see `fulmen.tree`).
+        cache_size_limit: how many compiled specialisations (shapes, dtypes, guarded values)
+            one function keeps; a call matching none of them once the limit is reached runs
+            eagerly, with one warning naming the guard that kept failing. Default
+            `FULMEN_CACHE_SIZE_LIMIT` or 8 (torch.compile's default).
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
@@ -558,9 +593,10 @@ def jit(
             op="fulmen.jit", argument="fn", hint="compile the model and wrap that: "
             "DDP(fulmen.jit(model)) - gradients are all-reduced as in eager")
     if isinstance(fn, torch.nn.Module):
-        return JittedModule(fn, executors, transforms, rematerialize, fullgraph)
+        return JittedModule(fn, executors, transforms, rematerialize, fullgraph,
+                            cache_size_limit)
     return JittedFunction(fn, executors, transforms, rematerialize=rematerialize,
-                          fullgraph=fullgraph)
+                          fullgraph=fullgraph, cache_size_limit=cache_size_limit)
 
 
 def _jitted(jfn) -> _Jitted:

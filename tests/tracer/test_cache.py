@@ -176,3 +176,22 @@ def test_fusion_decisions_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="fulmen.fusion"):
         fulmen.jit(f, executors=["codegen", "torch"])(torch.randn(4, 4), torch.randn(4, 4))
     assert "codegen fuses" in caplog.text
+
+
+def test_cache_size_limit_runs_further_calls_eagerly_with_one_warning():
+    import warnings
+
+    def fn(x):
+        return torch.sin(x) * 2
+
+    jfn = fulmen.jit(fn, cache_size_limit=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 7):
+            x = torch.randn(n)
+            torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 6 and fulmen.compile_stats(jfn).eager_calls == 3
+    messages = [str(w.message) for w in caught if "cache_size_limit" in str(w.message)]
+    assert len(messages) == 1 and "x.shape changed" in messages[0]
+    torch.testing.assert_close(jfn(torch.ones(2)), fn(torch.ones(2)))  # compiled ones still hit
+    assert fulmen.cache_hits(jfn) == 1
