@@ -31,6 +31,7 @@ from fulmen.tracer.dispatch import TracerCtx
 from fulmen.tracer.mutation import is_functionalized
 from fulmen.tracer.tracer import trace_program
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.segments import split_at_breaks
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ExamineReport:
     fallbacks: dict[str, list[str]] = field(default_factory=dict)
     functionalized: dict[str, list[str]] = field(default_factory=dict)
     errors: list[tuple[str, str, str]] = field(default_factory=list)
+    breaks: list[str] = field(default_factory=list)
     traced: bool = False
 
     @property
@@ -73,6 +75,9 @@ class ExamineReport:
                     shown = ", ".join(sorted(set(places))[:4])
                     more = len(set(places)) - 4
                     lines.append(f"  {op} x{len(places)}  ({shown}{f', +{more}' if more > 0 else ''})")
+        if self.breaks:
+            lines.append("graph breaks (value-dependent Python; the program is split there):")
+            lines.extend(f"  {info}" for info in self.breaks)
         if self.errors:
             lines.append("cannot be traced:")
             for op, where, message in self.errors:
@@ -116,8 +121,9 @@ def examine(fn: Callable | torch.nn.Module, *args, **kwargs) -> ExamineReport:
     ctx = TracerCtx()
     program = None
     try:
-        program = trace_program(fn, args, kwargs, module=module, ctx=ctx)
+        program = trace_program(fn, args, kwargs, module=module, ctx=ctx, allow_breaks=True)
         report.traced = True
+        report.breaks = [str(info) for info in program.breaks]
     except FulmenError as error:
         report.errors.append((error.op or "?", str(error.where or "?"), _message(error)))
     except Exception as error:  # an error of the user's code itself, seen on proxies
@@ -126,7 +132,9 @@ def examine(fn: Callable | torch.nn.Module, *args, **kwargs) -> ExamineReport:
     if program is not None and torch.is_grad_enabled() and any(
             p.requires_grad for p in program.trace.args):
         try:
-            split_forward_backward(program.trace)
+            for segment in split_at_breaks(program.trace, program.requires_grad_names):
+                if any(p.requires_grad for p in segment.trace.args) and segment.trace.output:
+                    split_forward_backward(segment.trace)
         except FulmenError as error:
             report.errors.append((error.op or "?", str(error.where or "?"),
                                   "(autodiff) " + _message(error)))

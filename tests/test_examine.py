@@ -25,17 +25,30 @@ def test_examine_a_function(capsys):
     assert torch.equal(x, before)
 
 
-def test_examine_reports_what_cannot_be_traced_without_raising():
+def test_examine_reports_graph_breaks():
     def fn(x):
         y = x.exp()
-        if y.sum() > 0:  # value-dependent control flow
+        if y.sum() > 0:  # value-dependent control flow: a graph break
             return y
         return -y
 
     report = fulmen.examine(fn, torch.randn(3))
+    assert report.traced and report.ok
+    (info,) = report.breaks
+    assert info.startswith("bool(") and "test_examine.py:" in info
+    assert "graph breaks" in str(report)
+
+
+def test_examine_reports_what_cannot_be_traced_without_raising():
+    def fn(x):
+        y = x.exp()
+        torch.manual_seed(0)  # a compiled function would not repeat it
+        return y
+
+    report = fulmen.examine(fn, torch.randn(3))
     assert not report.traced and not report.ok
     ((op, where, message),) = report.errors
-    assert "bool" in message or "bool" in op
+    assert "manual_seed" in op and "random state" in message
     assert where.startswith("test_examine.py:")
     assert "ltorch.exp" in report.decomposed  # what traced before the failure is reported
 
