@@ -169,9 +169,8 @@ def _selection_rule(prim, loses):
         a_t = a if _is_tensor(a) else prims.full(tuple(t.shape), a, t.dtype, t.device)
         b_t = b if _is_tensor(b) else prims.full(tuple(t.shape), b, t.dtype, t.device)
         shared = prims.where(prims.eq(a_t, b_t), prims.div(grad, 2), grad)
-        zero = _zeros_like(grad)
-        grad_a = prims.where(loses(a_t, b_t), zero, shared)
-        grad_b = prims.where(loses(b_t, a_t), zero, shared)
+        grad_a = prims.where(loses(a_t, b_t), 0.0, shared)
+        grad_b = prims.where(loses(b_t, a_t), 0.0, shared)
         return _for_tensor(a, grad_a), _for_tensor(b, grad_b)
 
     rule.__name__ = f"_{prim.name}_vjp"

@@ -40,8 +40,8 @@ def _floating(a) -> bool:
 
 
 def _pass_where(keep, grad):
-    """`grad` where `keep` holds, else 0."""
-    return prims.where(keep, grad, _zeros_like(grad))
+    """`grad` where `keep` holds, else 0 (a number: a fused kernel needs no zero tensor)."""
+    return prims.where(keep, grad, 0.0)
 
 
 # --- subgradients: relu, hardtanh, clamp ------------------------------------------------------
@@ -50,7 +50,7 @@ def _pass_where(keep, grad):
 def _relu_grad(grad, out):
     """`threshold_backward(grad, out, 0)`: nothing where the output is <= 0 (so a NaN input
     passes the gradient)."""
-    return prims.where(prims.le(out, 0), _zeros_like(grad), grad)
+    return prims.where(prims.le(out, 0), 0.0, grad)
 
 
 @vjp_rule(ltorch.relu)
@@ -67,7 +67,7 @@ def _functional_relu_vjp(grad, out, input, inplace):
 def _hardtanh_vjp(grad, out, input, min_val, max_val, inplace):
     """`hardtanh_backward`: nothing at or beyond the bounds, the gradient elsewhere (NaN too)."""
     outside = prims.bitwise_or(prims.le(input, float(min_val)), prims.ge(input, float(max_val)))
-    return prims.where(outside, _zeros_like(grad), grad), None, None, None
+    return prims.where(outside, 0.0, grad), None, None, None
 
 
 def _clamp_grad(grad, input, low, high):
@@ -189,8 +189,7 @@ def _evenly_to_extremum(grad, out, input):
                            prims.bitwise_and(prims.isnan(input), prims.isnan(value)))
     share = prims.div(grad, prims.sum(prims.convert_element_type(hit, grad.dtype),
                                       tuple(range(input.ndim))))
-    return prims.where(hit, prims.broadcast_in_dim(share, tuple(input.shape), ()),
-                       _zeros_like(input))
+    return prims.where(hit, prims.broadcast_in_dim(share, tuple(input.shape), ()), 0.0)
 
 
 def _to_selected_index(grad, indices, input, dim: int, keepdim: bool):
