@@ -28,6 +28,7 @@ from fulmen.jit import (
     last_backward_traces,
     last_traces,
 )
+from fulmen.profile import Profile, profile
 from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memory
 from fulmen.verify import VerifyReport, verify
 
@@ -61,6 +62,8 @@ __all__ = [
     "memory_estimate",
     "MemoryEstimate",
     "plot_memory",
+    "Profile",
+    "profile",
     "python_ex",
     "register_executor",
     "set_default_executors",

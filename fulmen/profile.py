@@ -1,0 +1,274 @@
+"""`fulmen.profile`: where the time of one call (and its backward) goes, statement by statement.
+
+    prof = fulmen.profile(jmodel, x)      # forward, and backward when the output requires grad
+    print(prof)                           # the table; prof.rows / prof.totals for code
+
+The compiled callables of a jitted function are the printed execution traces. For the profile,
+each one's code object is swapped (for the duration of the measured steps only) for a copy whose
+every top-level statement is wrapped in two `time.perf_counter()` reads; the statements, their
+callables and their arguments stay exactly those of the normal run. Every statement gets one row
+named as the trace prints it (`t12 = codegen.fusion4(t9, w)`), in a category:
+
+- `fused kernel`: a fusion executor's region (`codegen.fusionN`);
+- `matmul`: matrix products and convolutions (`matmul`, `linear`, `mm`, `bmm`, `addmm`, ...);
+- `opaque`: ops run under `torch.autograd` (`autograd_forward`/`autograd_backward`);
+- `torch op`: every other statement that calls something (views, copies, `full`, ...);
+- `free (del)`: `del` statements (a tensor's storage may be released there);
+- `host overhead`: the step's wall time minus all statement times: the jitted call (cache key,
+  guards, autograd.Function, trace tree), the loss sum and the autograd engine, and the timers'
+  own cost (about 0.1 µs per statement).
+
+On CPU a statement's time is its host dispatch plus its kernel, measured together. Times are
+seconds per step, averaged over `steps` steps taken after `warmup` steps (which also wait for
+the lazily compiled codegen kernels).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import linecache
+import re
+import statistics
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import Trace
+from fulmen.core.symbol import BoundSymbol
+from fulmen.executors.codegen import wait_for_kernels
+from fulmen.jit import _jitted
+
+CATEGORIES = ("fused kernel", "matmul", "opaque", "torch op", "free (del)", "host overhead")
+_MATMUL = re.compile(r"(^|[._])(matmul|linear|mm|bmm|addmm|addmv|baddbmm|addbmm|einsum|"
+                     r"conv\w*|_addmm_activation)$")
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One statement: `phase` ('forward'/'backward'), the trace's name, the statement as printed,
+    its category, seconds per step and the share of the step."""
+
+    phase: str
+    trace: str
+    statement: str
+    category: str
+    seconds: float
+    share: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The result of `fulmen.profile`; `str(profile)` is the table.
+
+    Attributes:
+        rows: one per statement of every execution trace run, slowest first.
+        totals: seconds per step by category (`CATEGORIES`), host overhead included.
+        step_seconds: median wall time of one instrumented step.
+        plain_step_seconds: median wall time of one step without instrumentation (same run).
+        steps: how many steps were averaged.
+    """
+
+    rows: tuple[ProfileRow, ...]
+    totals: dict[str, float]
+    step_seconds: float
+    plain_step_seconds: float
+    steps: int
+
+    def table(self, limit: int | None = 40, width: int = 90) -> str:
+        """The profile as markdown: totals per category, then the `limit` slowest statements."""
+        step = self.step_seconds
+        lines = [f"fulmen.profile: {self.steps} steps, {step * 1e3:.3f} ms per instrumented step "
+                 f"({self.plain_step_seconds * 1e3:.3f} ms without instrumentation)", "",
+                 "| category | ms per step | share | statements |", "| --- | ---: | ---: | ---: |"]
+        counts = {c: sum(row.category == c for row in self.rows) for c in CATEGORIES}
+        for category in CATEGORIES:
+            seconds = self.totals.get(category, 0.0)
+            count = counts[category] if category != "host overhead" else ""
+            lines.append(f"| {category} | {seconds * 1e3:.3f} | {seconds / step:.1%} | {count} |")
+        lines.append(f"| total | {sum(self.totals.values()) * 1e3:.3f} | 100% | "
+                     f"{len(self.rows)} |")
+        shown = self.rows if limit is None else self.rows[:limit]
+        lines += ["", "| phase | statement | category | ms per step | share |",
+                  "| --- | --- | --- | ---: | ---: |"]
+        for row in shown:
+            text = row.statement if len(row.statement) <= width else row.statement[:width - 3] + "..."
+            text = text.replace("|", "\\|")
+            lines.append(f"| {row.phase} | `{text}` | {row.category} | {row.seconds * 1e3:.3f} "
+                         f"| {row.share:.1%} |")
+        if limit is not None and len(self.rows) > limit:
+            rest = sum(row.seconds for row in self.rows[limit:])
+            lines.append(f"| | ({len(self.rows) - limit} more statements) | | {rest * 1e3:.3f} "
+                         f"| {rest / step:.1%} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(self.table())
+
+
+def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
+    """Run `jfn(*args, **kwargs)` (and, when an output requires grad, the backward of the sum of
+    the outputs) and attribute the time of a step to each statement of the execution traces.
+
+    `steps` and `warmup` are taken by the profile, every other keyword goes to `jfn`. Gradients
+    accumulate into `.grad` as in repeated eager steps.
+
+    Example:
+        >>> jmodel = fulmen.jit(model)
+        >>> print(fulmen.profile(jmodel, x))      # ms per step by category and by statement
+
+    Returns:
+        A `Profile`; times in seconds per step (the table prints milliseconds).
+    """
+    def step():
+        out = jfn(*args, **kwargs)
+        leaves = [leaf for leaf in pytree.tree_leaves(out)
+                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if leaves and torch.is_grad_enabled():
+            sum(leaf.sum() for leaf in leaves).backward()
+        return out
+
+    for _ in range(max(warmup, 1)):
+        step()
+    compiled = _compiled_functions(_jitted(jfn))
+    wait_for_kernels(*[fn.__fulmen_trace__ for fn in compiled])
+    step()
+
+    swaps = [_Instrumented(fn) for fn in compiled]
+    plain, timed = [], []
+    for _ in range(steps):  # alternate: a change in the machine's load hits both alike
+        start = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - start)
+        for swap in swaps:
+            swap.install()
+        try:
+            start = time.perf_counter()
+            step()
+            timed.append(time.perf_counter() - start)
+        finally:
+            for swap in swaps:
+                swap.remove()
+
+    total = sum(timed) / steps
+    rows = []
+    for swap in swaps:
+        for label, category, seconds in swap.results():
+            rows.append(ProfileRow(swap.phase, swap.trace.name, label, category,
+                                   seconds / steps, seconds / steps / total))
+    rows.sort(key=lambda row: -row.seconds)
+    totals = {category: 0.0 for category in CATEGORIES}
+    for row in rows:
+        totals[row.category] += row.seconds
+    totals["host overhead"] = total - sum(row.seconds for row in rows)
+    return Profile(tuple(rows), totals, total, statistics.median(plain), steps)
+
+
+class _Instrumented:
+    """A compiled trace function and a copy of its code that times every statement."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+        self.trace: Trace = fn.__fulmen_trace__
+        self.phase = "backward" if self.trace.name.startswith("backward") else "forward"
+        self.plain_code = fn.__code__
+        source_lines = linecache.getlines(fn.__code__.co_filename)
+        module = ast.parse("".join(source_lines))
+        func = next(node for node in module.body if isinstance(node, ast.FunctionDef))
+        body = [stmt for stmt in func.body if not isinstance(stmt, ast.Return)]
+        # the printer writes one statement per bound symbol, in order (comments are not code)
+        bsyms = self.trace.bsyms if len(self.trace.bsyms) == len(body) else [None] * len(body)
+        self.labels = [_label(source_lines[stmt.lineno - 1]) for stmt in body]
+        self.categories = [_category(bsym, stmt, label)
+                           for bsym, stmt, label in zip(bsyms, body, self.labels)]
+        self.times = [0.0] * len(body)
+        new_body = []
+        for index, stmt in enumerate(body):
+            new_body += ast.parse("_fulmen_t = _fulmen_clock()").body
+            new_body.append(stmt)
+            new_body += ast.parse(
+                f"_fulmen_times[{index}] += _fulmen_clock() - _fulmen_t").body
+        returns = [stmt for stmt in func.body if isinstance(stmt, ast.Return)]
+        func.body = new_body + returns
+        module.body = [func]
+        ast.fix_missing_locations(module)
+        code = compile(module, fn.__code__.co_filename, "exec")
+        self.timed_code = next(const for const in code.co_consts
+                               if isinstance(const, types.CodeType) and const.co_name == func.name)
+
+    def install(self) -> None:
+        self.fn.__globals__["_fulmen_clock"] = time.perf_counter
+        self.fn.__globals__["_fulmen_times"] = self.times
+        self.fn.__code__ = self.timed_code
+
+    def remove(self) -> None:
+        self.fn.__code__ = self.plain_code
+
+    def results(self) -> list[tuple[str, str, float]]:
+        return list(zip(self.labels, self.categories, self.times))
+
+
+def _label(line: str) -> str:
+    """A statement's line without its indentation and type comment."""
+    code = line.strip()
+    cut = code.find("  # ")
+    return code[:cut] if cut >= 0 else code
+
+
+def _category(bsym, stmt: ast.stmt, label: str) -> str:
+    if isinstance(stmt, ast.Delete):
+        return "free (del)"
+    if bsym is not None and "fusion" in bsym.sym.tags:
+        return "fused kernel"
+    value = getattr(stmt, "value", None)
+    callee = ast.unparse(value.func) if isinstance(value, ast.Call) else label
+    if callee.endswith(("autograd_forward", "autograd_backward")):
+        return "opaque"
+    if _MATMUL.search(callee):
+        return "matmul"
+    if bsym is None and re.search(r"\.fusion\d+$", callee):
+        return "fused kernel"
+    return "torch op"
+
+
+def _compiled_functions(jitted) -> list[types.FunctionType]:
+    """Every compiled trace function (`Trace.python_callable`) reachable from the cache
+    entries: through partials, `without_autocast` wrappers, compiled pairs and trace trees."""
+    found: dict[int, types.FunctionType] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [entry.fn for entry in jitted._cache.values()]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (Trace, BoundSymbol, torch.Tensor, str)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            if hasattr(obj, "__wrapped__"):  # functools.wraps copies __fulmen_trace__ too
+                stack.append(obj.__wrapped__)
+            elif hasattr(obj, "__fulmen_trace__"):
+                found[id(obj)] = obj
+        elif isinstance(obj, functools.partial):
+            stack += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack += [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        elif type(obj).__module__.startswith("fulmen") and hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+    return list(found.values())
+
+
+__all__ = ["CATEGORIES", "Profile", "ProfileRow", "profile"]
