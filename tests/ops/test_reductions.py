@@ -247,3 +247,16 @@ def test_unsupported_arguments_fall_back_to_the_torch_op():
 def test_methods_route_to_the_same_symbol():
     jfn = check(lambda x: (x.sum(1), x.amax(0), x.var(), x.all(), x.argmin()), x234)
     assert ops_of(jfn) == ["ltorch.sum", "ltorch.amax", "ltorch.var", "ltorch.all", "ltorch.argmin"]
+
+
+def test_numpy_axis_keyword_runs_as_eager():
+    # torch accepts numpy's `axis=` for `dim=` (HF I-BERT: `x.mean(axis=2, keepdim=True)`);
+    # a call the decomposition cannot bind is recorded as the exact torch op, not a TypeError
+    def fn(x):
+        return x.mean(axis=1, keepdim=True) + torch.sum(x, axis=0) * x.amax(axis=-1, keepdim=True)
+
+    x = torch.randn(3, 3, requires_grad=True)
+    expected, actual = fn(x), fulmen.jit(fn)(x)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(torch.autograd.grad(actual.sum(), x),
+                               torch.autograd.grad(expected.sum(), x))

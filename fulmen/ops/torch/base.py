@@ -8,12 +8,14 @@ executor can run the op whole by calling that callable with the recorded argumen
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from fulmen.core import Symbol
+from fulmen.core import NotYetSupportedError, Symbol
 from fulmen.core.symbol import Namespace
 
 LTORCH_NAMESPACE = Namespace("ltorch", "fulmen.ops.torch", "from fulmen.ops import ltorch")
@@ -46,7 +48,7 @@ def torch_op(
             raise ValueError(f"torch-level op {sym_name!r} is declared twice")
         sym = Symbol(
             sym_name,
-            decomposition,
+            _binding_checked(decomposition),
             namespace=LTORCH_NAMESPACE,
             impl=torch_fn,
             torch_fn=torch_fn,
@@ -63,6 +65,24 @@ def torch_op(
         return sym
 
     return declare
+
+
+def _binding_checked(decomposition: Callable) -> Callable:
+    """`decomposition`, raising `NotYetSupportedError` for a call whose arguments do not bind to
+    its signature (an alias spelling such as numpy's `axis=` for `dim=`, which torch accepts):
+    the tracer then records the exact torch op instead of failing with a TypeError."""
+    signature = inspect.signature(decomposition)
+
+    @functools.wraps(decomposition)
+    def checked(*args, **kwargs):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise NotYetSupportedError(f"unsupported arguments: {error}",
+                                       op=decomposition.__name__) from None
+        return decomposition(*args, **kwargs)
+
+    return checked
 
 
 def symbol_for(torch_fn: Callable) -> Symbol | None:
