@@ -266,7 +266,12 @@ class TracerCtx(TraceCtx):
                 if (self.breaks is None or len(self.scopes) != 1 or error.__cause__ is None
                         or isinstance(error.__cause__, FulmenError)):
                     raise
-                out = self.breaks.run_for_real(sym, func, args, kwargs)
+                try:
+                    out = self.breaks.run_for_real(sym, func, args, kwargs)
+                except FulmenError:
+                    raise
+                except Exception as real:  # eager raises too: name the op and the line
+                    raise error from real
         if self.requires_grad_names and func not in _DETACH:
             out = self._track_grad(func, args, kwargs, out)
         return out
