@@ -1,0 +1,92 @@
+"""Model-level differential fuzzing: random models (transformer blocks with masks, rotary, MoE
+top-k routing; conv stages) in random calling contexts (train/eval, no_grad, autocast around
+and inside, bf16 weights, checkpoint, gradient accumulation, custom autograd.Function, buffer
+updates, changing shapes and state) through `fulmen.jit` vs eager: every output, buffer and
+gradient must agree, by a tight tolerance or the float64 rule (`tests/fuzz/models.py`).
+
+A failure is shrunk by hypothesis, then by `minimize` (drops calls, blocks, contexts and flags
+while the failure keeps its kind); the message holds the minimized case and a standalone repro.
+
+`make test` runs a few examples per executor list; FULMEN_FUZZ_EXAMPLES scales it (`make
+fuzz`). A campaign that keeps going after failures and tallies them:
+
+    .venv/bin/python -m tests.fuzz.test_models 300 torch
+"""
+
+import os
+import sys
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.control import current_build_context
+
+from tests.fuzz.models import cases, failure_of, minimize, repro
+
+EXAMPLES = max(3, int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200")) // 40)
+EXECUTORS = {"torch": ["torch"], "codegen": ["codegen", "torch"]}
+
+
+def _report(case, failure, executors) -> str:
+    small = minimize(case, executors, failure.kind)
+    final = failure_of(small, executors) or failure
+    return (f"{final}\n\nminimized case:\n{small!r}\n\nstandalone repro "
+            f"(python -c from the repository root):\n{repro(small, executors)}")
+
+
+@pytest.mark.parametrize("config", list(EXECUTORS))
+def test_random_models_match_eager(config, request):
+    if config == "codegen":
+        request.getfixturevalue("codegen_eager")  # the generated kernels, not torch's fallback
+    executors = EXECUTORS[config]
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def run(case):
+        failure = failure_of(case, executors)
+        if failure is None:
+            return
+        if current_build_context().is_final:  # hypothesis has shrunk it: reduce further
+            raise AssertionError(_report(case, failure, executors)) from failure
+        raise failure
+
+    run()
+
+
+def campaign(examples: int, config: str) -> None:
+    """Run `examples` cases without stopping at failures; print a tally and one minimized
+    repro per failure kind."""
+    executors = EXECUTORS[config]
+    if config == "codegen":
+        from fulmen.executors.codegen import set_compile_policy
+
+        set_compile_policy("eager")
+    found, kinds = [], Counter()
+    start = time.time()
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def run(case):
+        failure = failure_of(case, executors)
+        kinds["ok" if failure is None else failure.kind] += 1
+        if failure is not None:
+            print(f"FAIL {failure.kind}: {str(failure)[:300]}\n  {case!r}", flush=True)
+            found.append((case, failure))
+
+    run()
+    print(f"\n{sum(kinds.values())} cases in {time.time() - start:.0f} s ({config}): "
+          f"{dict(kinds)}")
+    seen = set()
+    for case, failure in found:
+        if failure.kind in seen:
+            continue
+        seen.add(failure.kind)
+        print("\n" + "=" * 80 + "\n" + _report(case, failure, executors))
+
+
+if __name__ == "__main__":
+    campaign(int(sys.argv[1]) if len(sys.argv) > 1 else 100,
+             sys.argv[2] if len(sys.argv) > 2 else "torch")
