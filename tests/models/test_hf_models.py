@@ -86,6 +86,13 @@ MODELS = {
         "DeepseekV3Config", "DeepseekV3ForCausalLM", num_key_value_heads=4, n_routed_experts=4,
         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, **MOE)),
+    "llama4": ("causal", _decoder(  # complex-valued rotary embedding, MoE
+        "Llama4TextConfig", "Llama4ForCausalLM", head_dim=8, intermediate_size_mlp=64,
+        num_local_experts=4, num_experts_per_tok=1)),
+    "hrm": ("causal", _decoder("HrmTextConfig", "HrmTextForCausalLM", head_dim=8,
+                               num_layers_per_stack=1, H_cycles=2, L_cycles=2)),
+    "ctrl": ("causal", lambda: T.CTRLLMHeadModel(T.CTRLConfig(  # scales by a numpy scalar
+        n_layer=2, n_head=4, n_embd=32, dff=64, vocab_size=VOCAB, n_positions=64))),
     "bloom": ("causal", lambda: T.BloomForCausalLM(T.BloomConfig(
         n_layer=2, n_head=4, hidden_size=32, vocab_size=VOCAB))),
     "falcon": ("causal", lambda: T.FalconForCausalLM(T.FalconConfig(
@@ -102,6 +109,7 @@ MODELS = {
     "distilbert": ("masked", lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
         n_layers=2, dim=32, n_heads=4, hidden_dim=64, vocab_size=VOCAB,
         max_position_embeddings=64))),
+    "ibert": ("masked", _encoder("IBertConfig", "IBertForMaskedLM")),  # mean(axis=...)
     # encoder-decoders
     "bart": ("seq2seq", _seq2seq("BartConfig", "BartForConditionalGeneration")),
     "t5": ("seq2seq", lambda: T.T5ForConditionalGeneration(T.T5Config(
