@@ -25,9 +25,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
+from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import map_proxies
 from fulmen.ops.breaks import answer_key
-from fulmen.tracer.breaks import bind_outputs, no_autocast
+from fulmen.tracer.breaks import no_autocast
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
 
 MAX_BRANCHES = 8  # distinct answers one guard may have before new ones run eagerly

@@ -12,12 +12,13 @@ from fulmen.core.errors import FulmenError
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 
 
-def _bind(target: Any, value: Any, env: dict[str, Any]) -> None:
+def bind_outputs(target: Any, value: Any, env: dict[str, Any]) -> None:
+    """`env[proxy.name] = value` for each proxy of `target` and the matching part of `value`."""
     if isinstance(target, Proxy):
         env[target.name] = value
     elif isinstance(target, (tuple, list)):
         for item, item_value in zip(target, value):
-            _bind(item, item_value, env)
+            bind_outputs(item, item_value, env)
 
 
 def interpret(trace, *args) -> tuple[Any, dict[str, Any]]:
@@ -38,5 +39,5 @@ def interpret(trace, *args) -> tuple[Any, dict[str, Any]]:
             names = ", ".join(p.name for p in iter_proxies(bsym.output))
             raise FulmenError(f"failed while computing {names}: {error}", op=bsym.sym.python_name,
                               where=bsym.source) from error
-        _bind(bsym.output, value, env)
+        bind_outputs(bsym.output, value, env)
     return map_proxies(lambda p: env[p.name], trace.output), env

@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, FulmenError, SourceLocation, TraceCtx
+from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
 from fulmen.core.trace import not_tracing
@@ -71,15 +72,6 @@ def no_autocast() -> Iterator[None]:
         return
     with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
         yield
-
-
-def bind_outputs(target: Any, value: Any, env: dict[str, Any]) -> None:
-    """`env[proxy.name] = value` for each proxy of `target` and the matching part of `value`."""
-    if isinstance(target, Proxy):
-        env[target.name] = value
-    elif isinstance(target, (tuple, list)):
-        for item, item_value in zip(target, value):
-            bind_outputs(item, item_value, env)
 
 
 class BreakRecorder:
