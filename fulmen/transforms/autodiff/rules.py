@@ -214,10 +214,11 @@ def _copysign_vjp(grad, out, a, b):
 
 @vjp_rule(prims.where)
 def _where_vjp(grad, out, pred, a, b):
-    zero = _zeros_like(grad)
+    """The cotangent where each side was taken, 0 elsewhere (a number: a fused kernel needs no
+    zero tensor, and the torch executor allocates none)."""
     return (None,
-            prims.where(pred, grad, zero) if _is_tensor(a) else None,
-            prims.where(pred, zero, grad) if _is_tensor(b) else None)
+            prims.where(pred, grad, 0.0) if _is_tensor(a) else None,
+            prims.where(pred, 0.0, grad) if _is_tensor(b) else None)
 
 
 # --- opaque ops and rules that defer to torch.autograd ----------------------------------------
