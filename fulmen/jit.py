@@ -169,6 +169,8 @@ class _Jitted:
             out = self._run_tree(entry, args, kwargs, inputs)
             if isinstance(out, _RanEagerly):
                 return out.value
+            out, leaf = out
+            objects = leaf.objects  # each path has the epilogue of its own trace
         else:
             out = entry.fn(*inputs)
         if objects is not None and objects.epilogue:
@@ -332,6 +334,8 @@ class _Jitted:
         epilogue = program.objects is not None and bool(program.objects.epilogue)
         path = tree.graft(segments, program.trace.output,
                           None if epilogue else program.output_spec, constants)
+        if path is not None:
+            path[-1].objects = program.objects
         _log_breaks(program.breaks)
         stats = self._stats
         stats.graph_breaks = [str(info) for info in program.breaks]
@@ -347,7 +351,6 @@ class _Jitted:
                 raise NotYetSupportedError(
                     "the program returns a different kind of object after a graph break took "
                     "a new branch", op="return", hint="return the same structure on every path")
-            entry.objects = program.objects
             return entry
         return CacheEntry(tree, [program.trace], program.tensor_positions, (),
                           program.output_spec if epilogue else None, seconds,

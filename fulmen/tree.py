@@ -70,6 +70,7 @@ class SegmentNode:
     closed: bool = False
     reason: str = ""
     op: BoundSymbol | None = None
+    objects: Any = None  # at a leaf: the path's `ObjectInputs` (its epilogue)
 
 
 class PathMiss(Exception):
@@ -87,7 +88,8 @@ def _real(env: dict[str, Any]):
 
 class TraceTree:
     """The compiled segments of one cache entry. Call it with the trace inputs (the call's
-    tensors, then the module's parameters and buffers); it returns the program's output.
+    tensors, then the module's parameters and buffers); it returns the program's output and
+    the leaf it reached.
 
     `compile_segment(trace) -> CompiledSegment` runs the pass pipeline on one segment.
 
@@ -122,7 +124,7 @@ class TraceTree:
         out = map_proxies(_real(env), node.output)
         if node.output_spec is not None:
             out = pytree.tree_unflatten(list(out), node.output_spec)
-        return out
+        return out, node
 
     def _node(self, segment: Segment, constants: dict[str, torch.Tensor],
               old: SegmentNode | None) -> SegmentNode:

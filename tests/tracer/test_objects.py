@@ -120,3 +120,26 @@ def test_hf_generate_with_a_jitted_forward_equals_eager():
         got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, ref)
     assert fulmen.cache_hits(jitted) > 0  # the second prompt of the same length reuses them
+
+
+def _branchy_cache(x):
+    cache = Cache()
+    if x.sum() > 0:  # a graph break: each branch stores something else in the cache
+        cache.update(x * 2)
+        cache.note = "positive"
+    else:
+        cache.update(torch.cat([x, x]))
+        cache.note = "negative"
+    return cache.keys.sum(), cache
+
+
+def test_each_branch_rebuilds_its_own_objects():
+    jfn = fulmen.jit(_branchy_cache)
+    for sign in (1, -1, 1, -1):
+        x = torch.rand(3) * sign
+        out, cache = jfn(x)
+        ref, ref_cache = _branchy_cache(x)
+        torch.testing.assert_close(out, ref)
+        assert cache.note == ref_cache.note
+        torch.testing.assert_close(cache.keys, ref_cache.keys)
+    assert fulmen.compile_stats(jfn).branches == 2
