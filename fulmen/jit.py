@@ -537,7 +537,34 @@ class JittedModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["_orig_mod"], name)
+            module = self._modules["_orig_mod"]
+            value = getattr(module, name)
+            if getattr(value, "__self__", None) is module and name != "forward":
+                # a method of the module that calls `self(...)` (HF `generate`) runs the
+                # compiled forward, as it would on the module itself
+                return functools.partial(self._with_jitted_forward, value)
+            return value
+
+    def _with_jitted_forward(self, method, *args, **kwargs):
+        """Run `method` of the wrapped module with its `forward` compiled: calls made while
+        tracing (the trace of that forward itself) reach the module's own forward."""
+        module = self._orig_mod
+        own = module.__dict__.get("forward")
+        original = module.forward
+
+        def forward(*call_args, **call_kwargs):
+            if get_tracectx() is not None:
+                return original(*call_args, **call_kwargs)
+            return self.forward(*call_args, **call_kwargs)
+
+        module.forward = forward
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
 
 
 def _registered_name(executor):

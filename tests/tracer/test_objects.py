@@ -143,3 +143,21 @@ def test_each_branch_rebuilds_its_own_objects():
         assert cache.note == ref_cache.note
         torch.testing.assert_close(cache.keys, ref_cache.keys)
     assert fulmen.compile_stats(jfn).branches == 2
+
+
+def test_generate_of_a_jitted_hf_model_runs_the_compiled_forward():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    jmodel = fulmen.jit(model)
+    ids = torch.randint(0, 64, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    got = jmodel.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, ref)
+    assert fulmen.compile_stats(jmodel).calls == 4  # prefill and three decode steps, compiled
+    assert "forward" not in vars(model)  # the module is left as it was
