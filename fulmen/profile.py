@@ -11,7 +11,7 @@ named as the trace prints it (`t12 = codegen.fusion4(t9, w)`), in a category:
 
 - `fused kernel`: a fusion executor's region (`codegen.fusionN`);
 - `matmul`: matrix products and convolutions (`matmul`, `linear`, `mm`, `bmm`, `addmm`, ...);
-- `opaque`: ops run under `torch.autograd` (`autograd_forward`/`autograd_backward`);
+- `opaque`: ops run under `torch.autograd` (`autograd_forward`/`autograd_backward`/`autograd_vjp`);
 - `torch op`: every other statement that calls something (views, copies, `full`, ...);
 - `free (del)`: `del` statements (a tensor's storage may be released there);
 - `host overhead`: the step's wall time minus all statement times: the jitted call (cache key,
@@ -142,7 +142,7 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
     for _ in range(max(warmup, 1)):
         step()
     compiled = _compiled_functions(_jitted(jfn))
-    wait_for_kernels(*[fn.__fulmen_trace__ for fn in compiled])
+    wait_for_kernels(*execution_traces(jfn))
     step()
 
     swaps = [_Instrumented(fn) for fn in compiled]
@@ -233,13 +233,20 @@ def _category(bsym, stmt: ast.stmt, label: str) -> str:
         return "fused kernel"
     value = getattr(stmt, "value", None)
     callee = ast.unparse(value.func) if isinstance(value, ast.Call) else label
-    if callee.endswith(("autograd_forward", "autograd_backward")):
+    if callee.endswith(("autograd_forward", "autograd_backward", "autograd_vjp")):
         return "opaque"
     if _MATMUL.search(callee):
         return "matmul"
     if bsym is None and re.search(r"\.fusion\d+$", callee):
         return "fused kernel"
     return "torch op"
+
+
+def execution_traces(jfn) -> list[Trace]:
+    """The execution traces every compiled specialisation of `jfn` runs (forward and backward,
+    every segment of programs with graph breaks), e.g. to wait for their kernels:
+    `fulmen.executors.codegen.wait_for_kernels(*execution_traces(jfn))`."""
+    return [fn.__fulmen_trace__ for fn in _compiled_functions(_jitted(jfn))]
 
 
 def _compiled_functions(jitted) -> list[types.FunctionType]:
@@ -271,4 +278,4 @@ def _compiled_functions(jitted) -> list[types.FunctionType]:
     return list(found.values())
 
 
-__all__ = ["CATEGORIES", "Profile", "ProfileRow", "profile"]
+__all__ = ["CATEGORIES", "Profile", "ProfileRow", "execution_traces", "profile"]

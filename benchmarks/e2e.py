@@ -1,0 +1,222 @@
+"""End to end: a training step and an inference forward of real models, eager vs fulmen vs
+torch.compile, all in the same run, on 1 and 2 threads (issue 21).
+
+Models (tiny configs by default, `--size small` for larger ones; random weights, no downloads):
+HF Llama, HF GPT-2 and HF BERT (the installed transformers, called with `labels=` and an
+attention mask that right-pads one row), litgpt pythia-14m (its own config, a short sequence),
+and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
+
+- training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
+  cross entropy / mean square on the output), `backward`, `AdamW.step` - the optimizer is eager
+  for every callable, only the model is compiled.
+- inference: forward under `torch.no_grad()`.
+
+Every callable is warmed up until its codegen regions are hot and their kernels built (and
+torch.compile has compiled); then rounds take `--number` steps of each callable in turn and the
+median over rounds is reported, so load changes on a shared machine hit every callable alike.
+Times are ms per step; ratios below 1 mean fulmen is faster.
+
+Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.executors.codegen import wait_for_kernels
+from fulmen.jit import JittedModule
+from fulmen.profile import execution_traces
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIZES = {
+    "tiny": dict(hidden=64, layers=2, heads=4, inter=256, vocab=1024, batch=2, seq=64),
+    "small": dict(hidden=256, layers=4, heads=8, inter=1024, vocab=8192, batch=4, seq=128),
+}
+
+
+@dataclass
+class Case:
+    """A model and how to call it: `call(fn)` runs one forward and returns the loss."""
+
+    name: str
+    model: torch.nn.Module
+    call: Callable
+    infer: Callable
+
+
+def _hf_inputs(size: dict, vocab: int):
+    ids = torch.randint(3, vocab, (size["batch"], size["seq"]))
+    mask = torch.ones_like(ids)
+    mask[-1, -size["seq"] // 4:] = 0  # one right-padded row
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _hf_case(name: str, model, size: dict) -> Case:
+    ids, mask, labels = _hf_inputs(size, model.config.vocab_size)
+    extra = {"use_cache": False} if name != "bert" else {}
+
+    def call(fn):
+        return fn(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
+
+    def infer(fn):
+        return fn(input_ids=ids, attention_mask=mask, **extra).logits
+
+    return Case(name, model, call, infer)
+
+
+def make_cases(size_name: str, names: list[str]) -> list[Case]:
+    import transformers as T
+
+    size = SIZES[size_name]
+    h, n, heads, inter, vocab = (size[k] for k in ("hidden", "layers", "heads", "inter", "vocab"))
+    factories = {
+        "llama": lambda: _hf_case("llama", T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=heads // 2, intermediate_size=inter, vocab_size=vocab,
+            max_position_embeddings=512)), size),
+        "gpt2": lambda: _hf_case("gpt2", T.GPT2LMHeadModel(T.GPT2Config(
+            n_embd=h, n_layer=n, n_head=heads, vocab_size=vocab, n_positions=512)), size),
+        "bert": lambda: _hf_case("bert", T.BertForMaskedLM(T.BertConfig(
+            hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+            intermediate_size=inter, vocab_size=vocab, max_position_embeddings=512)), size),
+        "pythia-14m": lambda: _pythia(size),
+        "linear-relu": _linear_relu,
+    }
+    cases = []
+    for name in names:
+        torch.manual_seed(0)
+        cases.append(factories[name]())
+    return cases
+
+
+def _pythia(size: dict) -> Case:
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config.from_name("pythia-14m")
+    model = GPT(config)
+    ids = torch.randint(0, config.padded_vocab_size, (size["batch"], size["seq"]))
+
+    def call(fn):
+        logits = fn(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+    return Case("pythia-14m", model, call, lambda fn: fn(ids))
+
+
+def _linear_relu() -> Case:
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(4, 16)
+    return Case("8x(Linear+ReLU) 4x16", model, lambda fn: fn(x).pow(2).mean(), lambda fn: fn(x))
+
+
+def _warm(fn, step, calls: int = 6) -> None:
+    for _ in range(calls):
+        step()
+    if isinstance(fn, JittedModule):
+        wait_for_kernels(*execution_traces(fn))
+    step()
+
+
+def measure(case: Case, threads_list: list[int], number: int, repeat: int,
+            compile_too: bool) -> list[dict]:
+    """Rows `{model, mode, threads, eager, fulmen, torch.compile}` in ms per step."""
+    model = case.model
+    candidates = {"eager": model, "fulmen": fulmen.jit(model)}
+    if compile_too:
+        candidates["torch.compile"] = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def train_step(fn):
+        optimizer.zero_grad(set_to_none=True)
+        case.call(fn).backward()
+        optimizer.step()
+
+    def infer_step(fn):
+        with torch.no_grad():
+            case.infer(fn)
+
+    with torch.no_grad():  # the compiled callables agree with eager before anything is timed
+        expected = case.infer(model)
+        for label, fn in candidates.items():
+            torch.testing.assert_close(case.infer(fn), expected, rtol=1e-3, atol=1e-3,
+                                       msg=lambda m, label=label: f"{case.name} {label}: {m}")
+    rows = []
+    for mode, step in (("training step", train_step), ("inference", infer_step)):
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            model.train(mode == "training step")
+            for fn in candidates.values():
+                _warm(fn, lambda fn=fn, step=step: step(fn))
+            times: dict[str, list[float]] = {label: [] for label in candidates}
+            for _ in range(repeat):
+                for label, fn in candidates.items():
+                    start = time.perf_counter()
+                    for _ in range(number):
+                        step(fn)
+                    times[label].append((time.perf_counter() - start) / number)
+            row = {"model": case.name, "mode": mode, "threads": threads}
+            row.update({label: statistics.median(values) * 1e3 for label, values in times.items()})
+            rows.append(row)
+    model.eval()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| model | mode | threads | eager ms | fulmen ms | torch.compile ms | fulmen / eager "
+          "| fulmen / torch.compile |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        compiled = row.get("torch.compile")
+        fulmen_ms = row["fulmen"]
+        compiled_ms = f"{compiled:.3f}" if compiled else "-"
+        vs_compiled = f"{fulmen_ms / compiled:.2f}" if compiled else "-"
+        print(f"| {row['model']} | {row['mode']} | {row['threads']} | {row['eager']:.3f} "
+              f"| {fulmen_ms:.3f} | {compiled_ms} | {fulmen_ms / row['eager']:.2f} "
+              f"| {vs_compiled} |")
+
+
+MODELS = ("llama", "gpt2", "bert", "pythia-14m", "linear-relu")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--number", type=int, default=3, help="steps per timed sample")
+    parser.add_argument("--repeat", type=int, default=9, help="timed rounds (median)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    opts = parser.parse_args()
+    threads_list = [int(t) for t in opts.threads.split(",")]
+    initial_threads = torch.get_num_threads()
+    start = time.perf_counter()
+    rows = []
+    for case in make_cases(opts.size, opts.models.split(",")):
+        rows += measure(case, threads_list, opts.number, opts.repeat, not opts.no_compile)
+    torch.set_num_threads(initial_threads)
+    print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f} at the end, "
+          f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
+          f"{opts.number} steps\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
