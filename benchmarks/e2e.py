@@ -151,6 +151,7 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
         with torch.no_grad():
             case.infer(fn)
 
+    model.eval()
     with torch.no_grad():  # the compiled callables agree with eager before anything is timed
         expected = case.infer(model)
         for label, fn in candidates.items():

@@ -2,6 +2,7 @@
 
 from fulmen.transforms.autodiff import (  # noqa: F401  (importing registers the rules)
     rules,
+    rules_attention,
     rules_composite,
     rules_edges,
     rules_nn,
