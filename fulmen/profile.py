@@ -19,8 +19,10 @@ named as the trace prints it (`t12 = codegen.fusion4(t9, w)`), in a category:
   own cost (about 0.1 µs per statement).
 
 On CPU a statement's time is its host dispatch plus its kernel, measured together. Times are
-seconds per step, averaged over `steps` steps taken after `warmup` steps (which also wait for
-the lazily compiled codegen kernels).
+seconds per step: the median over `steps` steps (taken after `warmup` steps, which also wait for
+the lazily compiled codegen kernels) of each statement and of the whole step, so a preemption on
+a shared machine does not land on one statement; host overhead is the median step minus the sum
+of the statement medians.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Profile:
         totals: seconds per step by category (`CATEGORIES`), host overhead included.
         step_seconds: median wall time of one instrumented step.
         plain_step_seconds: median wall time of one step without instrumentation (same run).
-        steps: how many steps were averaged.
+        steps: how many steps were measured (statement and step times are medians).
     """
 
     rows: tuple[ProfileRow, ...]
@@ -161,12 +163,12 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
             for swap in swaps:
                 swap.remove()
 
-    total = sum(timed) / steps
+    total = statistics.median(timed)
     rows = []
     for swap in swaps:
         for label, category, seconds in swap.results():
-            rows.append(ProfileRow(swap.phase, swap.trace.name, label, category,
-                                   seconds / steps, seconds / steps / total))
+            rows.append(ProfileRow(swap.phase, swap.trace.name, label, category, seconds,
+                                   seconds / total))
     rows.sort(key=lambda row: -row.seconds)
     totals = {category: 0.0 for category in CATEGORIES}
     for row in rows:
@@ -192,7 +194,7 @@ class _Instrumented:
         self.labels = [_label(source_lines[stmt.lineno - 1]) for stmt in body]
         self.categories = [_category(bsym, stmt, label)
                            for bsym, stmt, label in zip(bsyms, body, self.labels)]
-        self.times = [0.0] * len(body)
+        self.steps: list[list[float]] = []  # seconds per statement, one list per step
         new_body = []
         for index, stmt in enumerate(body):
             new_body += ast.parse("_fulmen_t = _fulmen_clock()").body
@@ -209,14 +211,18 @@ class _Instrumented:
 
     def install(self) -> None:
         self.fn.__globals__["_fulmen_clock"] = time.perf_counter
-        self.fn.__globals__["_fulmen_times"] = self.times
+        self.steps.append([0.0] * len(self.labels))
+        self.fn.__globals__["_fulmen_times"] = self.steps[-1]
         self.fn.__code__ = self.timed_code
 
     def remove(self) -> None:
         self.fn.__code__ = self.plain_code
 
     def results(self) -> list[tuple[str, str, float]]:
-        return list(zip(self.labels, self.categories, self.times))
+        """`(statement, category, median seconds over the steps)` per statement."""
+        medians = [statistics.median(times) for times in zip(*self.steps)] if self.steps \
+            else [0.0] * len(self.labels)
+        return list(zip(self.labels, self.categories, medians))
 
 
 def _label(line: str) -> str:
