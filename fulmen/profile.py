@@ -54,7 +54,8 @@ _MATMUL = re.compile(r"(^|[._])(matmul|linear|mm|bmm|addmm|addmv|baddbmm|addbmm|
 @dataclass(frozen=True)
 class ProfileRow:
     """One statement: `phase` ('forward'/'backward'), the trace's name, the statement as printed,
-    its category, seconds per step and the share of the step."""
+    its category, seconds per step, the share of the step and the user's source line it came
+    from (`model.py:12  y = ...`, empty when unknown)."""
 
     phase: str
     trace: str
@@ -62,6 +63,7 @@ class ProfileRow:
     category: str
     seconds: float
     share: float
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,24 @@ class Profile:
             rest = sum(row.seconds for row in self.rows[limit:])
             lines.append(f"| | ({len(self.rows) - limit} more statements) | | {rest * 1e3:.3f} "
                          f"| {rest / step:.1%} |")
+        return "\n".join(lines)
+
+    def by_source(self, limit: int | None = 20, width: int = 100) -> str:
+        """Markdown: seconds per step of the user's source lines (forward and backward
+        statements that came from each line), slowest first."""
+        totals: dict[str, list] = {}
+        for row in self.rows:
+            entry = totals.setdefault(row.source or "(no source line)", [0.0, 0])
+            entry[0] += row.seconds
+            entry[1] += 1
+        ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+        lines = ["| source line | ms per step | share | statements |",
+                 "| --- | ---: | ---: | ---: |"]
+        for source, (seconds, count) in ranked if limit is None else ranked[:limit]:
+            text = source if len(source) <= width else source[:width - 3] + "..."
+            text = text.replace("|", "\\|")
+            lines.append(f"| `{text}` | {seconds * 1e3:.3f} | {seconds / self.step_seconds:.1%} "
+                         f"| {count} |")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -166,9 +186,9 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
     total = statistics.median(timed)
     rows = []
     for swap in swaps:
-        for label, category, seconds in swap.results():
+        for label, category, seconds, source in swap.results():
             rows.append(ProfileRow(swap.phase, swap.trace.name, label, category, seconds,
-                                   seconds / total))
+                                   seconds / total, source))
     rows.sort(key=lambda row: -row.seconds)
     totals = {category: 0.0 for category in CATEGORIES}
     for row in rows:
@@ -192,6 +212,8 @@ class _Instrumented:
         # the printer writes one statement per bound symbol, in order (comments are not code)
         bsyms = self.trace.bsyms if len(self.trace.bsyms) == len(body) else [None] * len(body)
         self.labels = [_label(source_lines[stmt.lineno - 1]) for stmt in body]
+        self.sources = [" ".join(str(bsym.source).split()) if bsym is not None
+                        and bsym.source is not None else "" for bsym in bsyms]
         self.categories = [_category(bsym, stmt, label)
                            for bsym, stmt, label in zip(bsyms, body, self.labels)]
         self.steps: list[list[float]] = []  # seconds per statement, one list per step
@@ -218,11 +240,11 @@ class _Instrumented:
     def remove(self) -> None:
         self.fn.__code__ = self.plain_code
 
-    def results(self) -> list[tuple[str, str, float]]:
-        """`(statement, category, median seconds over the steps)` per statement."""
+    def results(self) -> list[tuple[str, str, float, str]]:
+        """`(statement, category, median seconds over the steps, source)` per statement."""
         medians = [statistics.median(times) for times in zip(*self.steps)] if self.steps \
             else [0.0] * len(self.labels)
-        return list(zip(self.labels, self.categories, medians))
+        return list(zip(self.labels, self.categories, medians, self.sources))
 
 
 def _label(line: str) -> str:

@@ -54,6 +54,9 @@ def test_profile_training_step_has_every_statement_and_adds_up():
     assert abs(statements + prof.totals["host overhead"] - prof.step_seconds) < 1e-9
     assert abs(sum(row.share for row in prof.rows) - statements / prof.step_seconds) < 1e-6
 
+    assert any("test_profile.py" in row.source for row in prof.rows)
+    by_source = prof.by_source(limit=None)
+    assert "x + self.down(F.gelu(self.up(self.norm(x))))" in by_source
     table = str(prof)
     assert "| fused kernel |" in table and "| host overhead |" in table
     assert "backward" in table and "forward" in table
