@@ -315,3 +315,20 @@ def test_permuted_proxies_report_eager_strides():
     cotangent = torch.randn_like(expected)
     torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent),
                                torch.autograd.grad(expected, x, cotangent))
+
+
+def test_elementwise_results_keep_their_operands_layout():
+    # eager's elementwise kernels keep a transposed operand's layout, so the user's
+    # `.contiguous()` before a `.view` must stay a copy (the torch executor runs the map on the
+    # transposed tensor itself)
+    def fn(x):
+        y = (x.transpose(1, 2) * 2).sin()
+        z = y.to(torch.float64)
+        return y.contiguous().view(2, 12), y.stride(), z.stride(), y.is_contiguous()
+
+    x = torch.randn(2, 3, 4)
+    expected = fn(x)
+    for executors in (["torch"], None):
+        actual = fulmen.jit(fn, executors=executors)(x)
+        assert actual[1:] == expected[1:]
+        torch.testing.assert_close(actual[0], expected[0])

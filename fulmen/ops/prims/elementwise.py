@@ -29,7 +29,25 @@ __all__ = [
 
 def _map_meta(name: str, args, bool_result: bool) -> TensorProxy:
     first = check_elementwise(name, args)
-    return TensorProxy.like(first, dtype=torch.bool if bool_result else first.dtype)
+    return _output_like(first, args, torch.bool if bool_result else first.dtype)
+
+
+def _output_like(first: torch.Tensor, args, dtype: torch.dtype) -> TensorProxy:
+    """The output of an elementwise map over `args` (tensor `first` among them).
+
+    NOTE [elementwise layout]: eager's kernels give the output its operands' layout: a map over
+    transposed tensors is transposed (`empty_like`'s preserve_format). When every tensor
+    operand has the same non-contiguous strides, the output reports eager's layout, so that
+    `(x.transpose(1, 2) * 2).contiguous().view(...)` keeps the user's copy; operands of
+    different layouts still give a contiguous description.
+    """
+    strides = first.stride()
+    if first.is_contiguous() or any(
+            isinstance(arg, torch.Tensor) and arg.stride() != strides for arg in args):
+        return TensorProxy.like(first, dtype=dtype)
+    with torch._C.DisableTorchFunction():  # not a traced op
+        layout = torch.empty_like(torch.empty_strided(first.shape, strides, device="meta"))
+    return TensorProxy(None, first.shape, dtype, first.device, strides=layout.stride())
 
 
 def _unary(name: str, *, bool_result: bool = False, doc: str = ""):
@@ -127,7 +145,7 @@ def where(pred: TensorProxy, a: TensorProxy | Number, b: TensorProxy | Number) -
     if values:
         first = check_elementwise("where", values)
         check(pred.shape == first.shape, "where", f"pred shape {pred.shape} != {first.shape}")
-        return TensorProxy.like(first)
+        return _output_like(first, (pred, a, b), first.dtype)
     check(False, "where", "needs a tensor value operand (torch-level where materialises scalars)")
 
 
@@ -136,4 +154,4 @@ def convert_element_type(a: TensorProxy, dtype: torch.dtype) -> TensorProxy:
     """`a` converted to `dtype`, elementwise (as `Tensor.to(dtype)`)."""
     check(isinstance(a, torch.Tensor), "convert_element_type", "operand must be a tensor")
     check(isinstance(dtype, torch.dtype), "convert_element_type", f"{dtype!r} is not a dtype")
-    return TensorProxy.like(a, dtype=dtype)
+    return _output_like(a, (a,), dtype)
