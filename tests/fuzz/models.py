@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class Attn:
     mask_if: bool = True
     checkpoint: bool = False
     autocast_inside: bool = False  # the attention core under autocast(bf16) inside the model
+    dropout: bool = False  # on the attention probabilities (p=0.1, training only)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Mlp:
     norm: str = "layer"
     checkpoint: bool = False
     fp32_island: bool = False  # the norm runs under autocast(enabled=False) in float32
+    inplace: bool = False  # in-place activation and residual (`relu_`, `h += x`)
+    dropout: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,12 @@ class Stat:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """State carried between calls: a buffer reassigned each call with one more row (kept to
+    the last 3), read by the forward (a KV-cache-like store that changes shape)."""
+
+
+@dataclass(frozen=True)
 class SeqModel:
     vocab: int = 11
     dim: int = 8
@@ -89,6 +99,8 @@ class SeqModel:
     head: str = "lm"  # lm | tied | cls
     loss: str = "ce"  # ce | mse | none
     early_exit: bool = False  # eval mode skips the head's last block (a module flag)
+    dict_output: bool = False  # HF-style output: {"logits", "loss", "hidden_states": [...]}
+    inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class ConvModel:
     stages: tuple = ()
     classes: int = 5
     extra: tuple = ()  # Custom / Stat blocks applied to the pooled features
+    channels_last: bool = False  # weights and images in channels-last layout
     loss: str = "ce"  # ce | mse | none
 
 
@@ -115,7 +128,8 @@ class ConvModel:
 class Call:
     """One call: batch size, sequence length (or image size), padded tail lengths, and a state
     change made just before it (`train`, `eval`, `flag`: flip a module attribute read by the
-    forward, `buffer`: write a buffer in place from outside)."""
+    forward, `buffer`: write a buffer in place from outside, `freeze`: flip requires_grad of
+    the first parameters, `temperature`: change a float attribute read by the forward)."""
 
     batch: int = 2
     length: int = 5
@@ -180,6 +194,7 @@ class Attention(nn.Module):
         head_dim = dim // spec.heads
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.temperature = 1.0
 
     def core(self, x, mask):
         spec = self.spec
@@ -198,13 +213,16 @@ class Attention(nn.Module):
         if mask is not None and (not spec.mask_if or not mask.all()):
             padding = mask[:, None, None, :]
             keep = padding if keep is None else keep & padding
+        scale = 1.0 / (math.sqrt(q.shape[-1]) * self.temperature)
+        dropout = 0.1 if spec.dropout and self.training else 0.0
         if spec.sdpa:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout,
+                                                 scale=scale)
         else:
-            scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+            scores = q @ k.transpose(-1, -2) * scale
             if keep is not None:
                 scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-            out = scores.softmax(-1) @ v
+            out = F.dropout(scores.softmax(-1), dropout, self.training) @ v
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
     def forward(self, x, mask):
@@ -237,9 +255,13 @@ class MLP(nn.Module):
         elif self.spec.act == "gelu":
             h = F.gelu(h, approximate="tanh" if h.shape[-1] % 2 else "none")
         elif self.spec.act == "silu":
-            h = F.silu(h)
+            h = F.silu(h, inplace=self.spec.inplace)
+        elif self.spec.inplace:
+            h.relu_()
         else:
             h = torch.relu(h)
+        if self.spec.dropout:
+            h = F.dropout(h, 0.1, self.training)
         return self.down(h)
 
     def forward(self, x, mask):
@@ -252,6 +274,10 @@ class MLP(nn.Module):
             h = checkpoint(self.core, h, use_reentrant=False)
         else:
             h = self.core(h)
+        if self.spec.inplace:
+            h = h.to(x.dtype)
+            h += x
+            return h
         return x + h.to(x.dtype)
 
 
@@ -330,7 +356,19 @@ class Stats(nn.Module):
         return x - 0.1 * self.running.to(x.dtype)
 
 
-_SEQ_BLOCKS = {Attn: Attention, Mlp: MLP, Moe: MoE, Custom: CustomFn, Stat: Stats}
+class MemoryBlock(nn.Module):
+    def __init__(self, spec: Memory, dim):
+        super().__init__()
+        self.register_buffer("memory", torch.zeros(0, dim))
+
+    def forward(self, x, mask=None):
+        summary = x.detach().reshape(-1, x.shape[-1]).mean(0, keepdim=True)
+        self.memory = torch.cat([self.memory, summary.to(self.memory.dtype)])[-3:]
+        return x + 0.5 * self.memory.mean(0).to(x.dtype)
+
+
+_SEQ_BLOCKS = {Attn: Attention, Mlp: MLP, Moe: MoE, Custom: CustomFn, Stat: Stats,
+               Memory: MemoryBlock}
 
 
 class SeqNet(nn.Module):
@@ -354,8 +392,10 @@ class SeqNet(nn.Module):
         blocks = list(self.blocks)
         if self.early_exit and not self.training and blocks:
             blocks = blocks[:-1]
+        hidden = []
         for block in blocks:
             h = block(h, mask)
+            hidden.append(h)
         h = self.norm(h)
         if self.spec.head == "cls":  # mean over the unpadded positions
             if mask is None:
@@ -364,16 +404,24 @@ class SeqNet(nn.Module):
                 m = mask[..., None].to(h.dtype)
                 h = (h * m).sum(1) / m.sum(1)
         logits = self.head(h)
+        loss = self.loss(logits, mask, labels)
+        if self.spec.dict_output:
+            return {"logits": logits, "loss": loss, "hidden_states": hidden}
+        return logits if loss is None else (logits, loss)
+
+    def loss(self, logits, mask, labels):
         if self.spec.loss == "none":
-            return logits
+            return None
         if self.spec.loss == "mse":
-            return logits, F.mse_loss(logits.float(), torch.zeros_like(logits, dtype=torch.float))
+            return F.mse_loss(logits.float(), torch.zeros_like(logits, dtype=torch.float))
         if self.spec.head == "cls":
-            return logits, F.cross_entropy(logits.float(), labels[:, 0] % 3)
+            return F.cross_entropy(logits.float(), labels[:, 0] % 3)
         if mask is not None:
-            labels = labels.masked_fill(~mask, -100)
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                       ignore_index=-100)
+            if self.spec.inplace_labels:
+                labels.masked_fill_(~mask, -100)
+            else:
+                labels = labels.masked_fill(~mask, -100)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 class Stage(nn.Module):
@@ -449,6 +497,8 @@ def build(case: Case, dtype=None) -> nn.Module:
         dtype = torch.bfloat16
     if dtype is not None:
         model = model.to(dtype)
+    if isinstance(case.model, ConvModel) and case.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model.train(case.context.training)
     return model
 
@@ -474,6 +524,8 @@ def make_inputs(case: Case, index: int, dtype) -> tuple:
         return ids, mask, labels
     images = torch.randn(call.batch, model.in_channels, call.length, call.length,
                          generator=gen).to(dtype)
+    if model.channels_last:
+        images = images.to(memory_format=torch.channels_last)
     labels = torch.randint(0, model.classes, (call.batch,), generator=gen)
     return images, labels
 
@@ -487,10 +539,18 @@ def _change_state(model: nn.Module, change: str, index: int) -> None:
         for module in model.modules():
             if hasattr(module, "early_exit"):
                 module.early_exit = not module.early_exit
+    elif change == "freeze":
+        first = next(model.parameters())
+        for p in list(model.parameters())[:2]:
+            p.requires_grad_(not first.requires_grad)
+    elif change == "temperature":
+        for module in model.modules():
+            if hasattr(module, "temperature"):
+                module.temperature = 0.5 * (index + 1)
     elif change == "buffer":
         with torch.no_grad():
             for name, buffer in model.named_buffers():
-                if buffer.is_floating_point() and "inv_freq" not in name:
+                if buffer.is_floating_point() and "inv_freq" not in name and buffer.numel():
                     buffer.add_(0.25 * (index + 1))
 
 
@@ -502,6 +562,11 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
     dtype = torch.float64 if reference else (
         torch.bfloat16 if ctx.bf16_weights else torch.float32)
     records = []
+
+    def record(what, tensor):
+        records.append((what, None if tensor is None else tensor.detach().clone()))
+
+    torch.manual_seed(case.seed)  # dropout draws the same masks in every run
     for index, call in enumerate(case.calls):
         _change_state(model, call.change, index)
         if not ctx.accumulate:
@@ -513,37 +578,52 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
                     else contextlib.nullcontext())
         with grad_mode, autocast:
             out = fn(*inputs)
-        logits, loss = out if isinstance(out, tuple) else (out, None)
-        records.append((f"call {index} output", logits))
+        if isinstance(out, dict):
+            logits, loss = out["logits"], out["loss"]
+            for i, h in enumerate(out["hidden_states"]):
+                record(f"call {index} output hidden_states[{i}]", h)
+        else:
+            logits, loss = out if isinstance(out, tuple) else (out, None)
+        record(f"call {index} output", logits)
         if loss is not None:
-            records.append((f"call {index} loss", loss))
+            record(f"call {index} loss", loss)
+        for i, tensor in enumerate(inputs):
+            if tensor is not None:
+                record(f"call {index} input {i}", tensor)
         for name, buffer in model.named_buffers():
-            records.append((f"call {index} buffer {name}", buffer))
+            record(f"call {index} buffer {name}", buffer)
         if ctx.grad:
             target = loss if loss is not None else logits.float().square().mean()
             if target.requires_grad:
                 target.backward()
                 for name, p in model.named_parameters():
-                    records.append((f"call {index} grad {name}", p.grad))
-    return [(what, None if t is None else t.detach().clone()) for what, t in records]
+                    record(f"call {index} grad {name}", p.grad)
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
 # strategies
 
+# FULMEN_FUZZ_KNOWN_BUGS=1 also generates the patterns excluded for open bugs:
+# - `Memory`: a tensor stored on the module (`self.memory = torch.cat([...])`, buffer or plain
+#   attribute) leaks a TensorProxy into the module and later calls are wrong (issue 18 report)
+KNOWN_BUGS = os.environ.get("FULMEN_FUZZ_KNOWN_BUGS") == "1"
 _norms = st.sampled_from(["layer", "rms"])
+_often = st.sampled_from([True, True, False])
+_sometimes = st.sampled_from([False, False, True])
+_rarely = st.sampled_from([False, False, False, True])
 
 
 def _attn(dim):
     heads = st.sampled_from([h for h in (1, 2, 4) if dim % h == 0 and (dim // h) % 2 == 0])
     return st.builds(Attn, heads=heads, causal=st.booleans(), rotary=st.booleans(),
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
-                     checkpoint=st.booleans(), autocast_inside=st.booleans())
+                     checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes)
 
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
                  mult=st.integers(1, 3), norm=_norms, checkpoint=st.booleans(),
-                 fp32_island=st.booleans())
+                 fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes)
 _moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms)
 _custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste"]))
 _stat = st.just(Stat())
@@ -552,14 +632,18 @@ _stat = st.just(Stat())
 @st.composite
 def seq_models(draw):
     dim = draw(st.sampled_from([8, 12, 16]))
-    block = st.one_of(_attn(dim), _mlp, _moe, _custom, _stat)
+    kinds = [_attn(dim), _mlp, _moe, _custom, _stat]
+    if KNOWN_BUGS:
+        kinds.append(st.just(Memory()))
+    block = st.one_of(*kinds)
     blocks = tuple(draw(st.lists(block, min_size=1, max_size=4)))
     head = draw(st.sampled_from(["lm", "tied", "cls"]))
     return SeqModel(vocab=draw(st.integers(5, 20)), dim=dim, blocks=blocks,
                     learned_pos=draw(st.booleans()),
                     final_norm=draw(st.sampled_from(["layer", "rms", "none"])), head=head,
                     loss=draw(st.sampled_from(["ce", "mse", "none"])),
-                    early_exit=draw(st.booleans()))
+                    early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
+                    inplace_labels=draw(st.booleans()))
 
 
 _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sampled_from([1, 3]),
@@ -571,16 +655,16 @@ conv_models = st.builds(
     ConvModel, in_channels=st.integers(1, 3), stages=st.lists(_stage, min_size=1, max_size=3)
     .map(tuple), classes=st.integers(2, 6),
     extra=st.lists(st.one_of(_custom, _stat), max_size=2).map(tuple),
-    loss=st.sampled_from(["ce", "mse", "none"]))
+    loss=st.sampled_from(["ce", "mse", "none"]), channels_last=_sometimes)
 
 
 @st.composite
 def cases(draw):
     model = draw(st.one_of(seq_models(), conv_models))
     seq = isinstance(model, SeqModel)
-    context = draw(st.builds(Context, training=st.booleans(), grad=st.booleans(),
-                             autocast=st.booleans(), bf16_weights=st.booleans(),
-                             accumulate=st.booleans()))
+    # bf16 hides small errors in its rounding: most cases run in float32
+    context = draw(st.builds(Context, training=_often, grad=_often, autocast=_sometimes,
+                             bf16_weights=_rarely, accumulate=st.booleans()))
     if context.bf16_weights and context.autocast:
         context = dataclasses.replace(context, autocast=False)
     n_calls = draw(st.integers(1, 3))
@@ -588,9 +672,12 @@ def cases(draw):
     for i in range(n_calls):
         length = draw(st.integers(2, 7) if seq else st.integers(3, 8))
         padding = tuple(draw(st.lists(st.integers(0, 3), max_size=3))) if seq else ()
-        change = draw(st.sampled_from(["none", "none", "train", "eval", "flag", "buffer"])
+        change = draw(st.sampled_from(["none", "none", "none", "train", "eval", "flag", "buffer",
+                                       "freeze", "temperature"])
                       if i else st.just("none"))
-        calls.append(Call(batch=draw(st.integers(1, 3)), length=length, padding=padding,
+        # batch norm in training needs more than one value per channel after pooling
+        batch = draw(st.integers(1 if seq else 2, 3))
+        calls.append(Call(batch=batch, length=length, padding=padding,
                           change=change))
     return Case(model=model, context=context, calls=tuple(calls),
                 seed=draw(st.integers(0, 2**16)))
@@ -631,6 +718,7 @@ def smaller(case: Case):
                     model, **{field: parts[:i] + (new,) + parts[i + 1:]}))
     if isinstance(model, SeqModel):
         for name, plain in (("learned_pos", False), ("early_exit", False),
+                            ("dict_output", False), ("inplace_labels", False),
                             ("final_norm", "none"), ("loss", "none"), ("head", "lm")):
             if getattr(model, name) != plain:
                 yield dataclasses.replace(case, model=dataclasses.replace(model, **{name: plain}))
@@ -769,3 +857,63 @@ def repro(case: Case, executors) -> str:
                   "set_compile_policy('eager')\n")
     return ("import torch\n" + policy + "from tests.fuzz.models import *  # noqa\n\n"
             f"case = {case!r}\ncheck_case(case, {list(executors)!r})\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# every pattern at least once: explicit examples that `make test` always runs
+
+PATTERNS = (
+    # LM training in float32: causal + padding masks, rotary, checkpoint, SwiGLU, MoE top-2,
+    # custom autograd.Function, buffer updates, dropout; shapes change, a buffer written from
+    # outside, gradients accumulated over the calls
+    Case(SeqModel(vocab=13, dim=8, blocks=(
+        Attn(heads=2, causal=True, rotary=True, sdpa=False, norm="rms", mask_if=True,
+             dropout=True),
+        Mlp(act="swiglu", checkpoint=True, dropout=True), Moe(experts=3, top_k=2),
+        Custom("scale"), Stat()), learned_pos=True, final_norm="rms", head="lm", loss="ce"),
+        Context(training=True, grad=True, accumulate=True),
+        (Call(2, 5, (0, 2)), Call(3, 7, ()), Call(2, 5, (1,), change="buffer")), seed=1),
+    # HF-style dict output, labels masked in place in the caller's tensor, a KV-cache-like
+    # memory growing over the calls, in-place activation and residual, frozen parameters and
+    # a float attribute changed between calls
+    Case(SeqModel(vocab=10, dim=8, blocks=(
+        *((Memory(),) if KNOWN_BUGS else ()), Attn(heads=2, causal=True, sdpa=True),
+        Mlp(act="relu", inplace=True)),
+        head="lm", loss="ce", dict_output=True, inplace_labels=True),
+        Context(training=True, grad=True),
+        (Call(2, 4, (1,)), Call(2, 4, (2,), change="temperature"), Call(2, 5, (0, 1),
+                                                                         change="freeze"),
+         Call(2, 4, (1,), change="freeze")), seed=7),
+    # evaluation without grad: mask-dependent `if` takes both answers, early exit by a flag
+    # flipped between calls, train/eval switches
+    Case(SeqModel(vocab=9, dim=12, blocks=(
+        Attn(heads=2, causal=False, sdpa=True, mask_if=True), Moe(experts=2, top_k=1),
+        Mlp(act="gelu", mult=3)), head="cls", loss="ce", early_exit=True),
+        Context(training=False, grad=False),
+        (Call(2, 4, (0,)), Call(2, 4, (1, 0)), Call(2, 6, (), change="flag"),
+         Call(1, 3, (), change="train")), seed=2),
+    # autocast(bf16) around training; an autocast(enabled=False) float32 island inside
+    Case(SeqModel(vocab=11, dim=16, blocks=(
+        Attn(heads=4, causal=True, rotary=True, sdpa=True, checkpoint=True),
+        Mlp(act="gelu", fp32_island=True), Custom("ste")), head="tied", loss="ce"),
+        Context(training=True, grad=True, autocast=True),
+        (Call(2, 5, (1,)), Call(2, 6, ())), seed=3),
+    # bf16 weights; autocast inside the model
+    Case(SeqModel(vocab=7, dim=8, blocks=(
+        Attn(heads=1, causal=True, sdpa=False, autocast_inside=True), Mlp(act="silu"),
+        Stat()), final_norm="layer", head="lm", loss="mse"),
+        Context(training=True, grad=True, bf16_weights=True), (Call(2, 4, (1,)),), seed=4),
+    # conv stages: batch norm running stats, group norm, residual, checkpoint, max/avg pool;
+    # image size and train/eval change between calls
+    Case(ConvModel(in_channels=3, stages=(
+        ConvStage(channels=4, kernel=3, norm="batch", act="relu", pool="max"),
+        ConvStage(channels=4, kernel=3, norm="group", act="silu", residual=True, checkpoint=True),
+        ConvStage(channels=6, kernel=1, norm="batch", act="gelu", pool="avg")),
+        extra=(Custom("ste"), Stat()), classes=4, loss="ce", channels_last=True),
+        Context(training=True, grad=True, accumulate=True),
+        (Call(2, 6), Call(3, 8), Call(2, 6, change="eval")), seed=5),
+    # conv under autocast
+    Case(ConvModel(in_channels=2, stages=(
+        ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,
+        loss="mse"), Context(training=True, grad=True, autocast=True), (Call(2, 5),), seed=6),
+)

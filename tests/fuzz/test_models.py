@@ -19,10 +19,10 @@ import time
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis.control import current_build_context
 
-from tests.fuzz.models import cases, failure_of, minimize, repro
+from tests.fuzz.models import PATTERNS, cases, failure_of, minimize, repro
 
 EXAMPLES = max(3, int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200")) // 40)
 EXECUTORS = {"torch": ["torch"], "codegen": ["codegen", "torch"]}
@@ -52,6 +52,8 @@ def test_random_models_match_eager(config, request):
             raise AssertionError(_report(case, failure, executors)) from failure
         raise failure
 
+    for case in PATTERNS:  # every pattern of issue 18 at least once
+        run = example(case)(run)
     run()
 
 
