@@ -137,6 +137,11 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
             compile_too: bool) -> list[dict]:
     """Rows `{model, mode, threads, eager, fulmen, torch.compile}` in ms per step."""
     model = case.model
+    # HF models share one decorated `forward` wrapper (one code object): torch.compile's
+    # per-code recompile limit would otherwise be spent by the earlier models (grad mode x
+    # threads x train/eval each), and later ones would silently run eagerly
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
     candidates = {"eager": model, "fulmen": fulmen.jit(model)}
     if compile_too:
         candidates["torch.compile"] = torch.compile(model)
