@@ -186,6 +186,8 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
     total = statistics.median(timed)
     rows = []
     for swap in swaps:
+        if not any(any(times) for times in swap.steps):
+            continue  # another specialisation or branch, not run by this call
         for label, category, seconds, source in swap.results():
             rows.append(ProfileRow(swap.phase, swap.trace.name, label, category, seconds,
                                    seconds / total, source))

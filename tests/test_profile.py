@@ -81,3 +81,11 @@ def test_profile_inference_and_fused_kernels():
     assert prof.rows and all(row.phase == "forward" for row in prof.rows)
     assert any(row.category == "fused kernel" for row in prof.rows)
     assert prof.plain_step_seconds > 0
+
+
+def test_profile_lists_only_what_the_call_runs():
+    jfn = fulmen.jit(lambda x: (x * 2).sin() + x.cos())
+    jfn(torch.randn(3))  # another specialisation, compiled but not run by the profiled call
+    prof = fulmen.profile(jfn, torch.randn(5, 2), steps=2, warmup=1)
+    trace = fulmen.last_traces(jfn)[-1]
+    assert sorted(row.statement for row in prof.rows) == sorted(_statement_lines(trace))
