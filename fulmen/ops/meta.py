@@ -33,7 +33,9 @@ def from_meta(value: Any, device: torch.device) -> Any:
 
     def convert(leaf):
         if isinstance(leaf, torch.Tensor):
-            return TensorProxy(None, leaf.shape, leaf.dtype, device, strides=leaf.stride())
+            proxy = TensorProxy(None, leaf.shape, leaf.dtype, device, strides=leaf.stride())
+            proxy._fulmen_exact_strides = True  # PyTorch's own meta kernel chose them
+            return proxy
         return leaf
 
     return pytree.tree_map(convert, value)

@@ -309,7 +309,10 @@ class Functionalizer:
             if any(True for _ in iter_proxies((rest, kwargs))) or name in _UNREPLAYABLE:
                 exact = False
             if maybe and exact:
-                exact = self._reshape_is_view(source, out)
+                decided = self._reshape_is_view(source, out)
+                if decided is False:
+                    return  # eager copies: the result aliases nothing
+                exact = bool(decided)
             step = (kind, name, tuple(rest), dict(kwargs))
         parent = self.views.get(source.name)
         root_name = parent.root if parent is not None else self._root(source).proxy.name
@@ -332,12 +335,28 @@ class Functionalizer:
             self.views[leaf.name] = _View(root_name, (*steps, this), root.version, leaf,
                                           exact and this is not None, blame)
 
-    def _reshape_is_view(self, source: TensorProxy, out) -> bool:
-        """Whether eager's reshape/flatten of `source` returns a view (see NOTE [aliasing the
-        tracer cannot decide]): always for a same-shape result or a contiguous trace input."""
-        if isinstance(out, TensorProxy) and tuple(out.shape) == tuple(source.shape):
+    def _reshape_is_view(self, source: TensorProxy, out) -> bool | None:
+        """Whether eager's reshape/flatten of `source` returns a view (True), a copy (False),
+        or None when the tracer cannot tell (see NOTE [aliasing the tracer cannot decide]).
+
+        A same-shape result is a view; otherwise the answer needs `source`'s real strides,
+        known for trace inputs and for outputs of PyTorch's meta kernels: eager returns a view
+        exactly when `view` would succeed on those strides.
+        """
+        if not isinstance(out, TensorProxy):
+            return None
+        if tuple(out.shape) == tuple(source.shape):
             return True
-        return source.name in self.inputs and source.is_contiguous()
+        if source.name not in self.inputs and not getattr(source, "_fulmen_exact_strides", False):
+            return None
+        layout = torch.empty_strided(tuple(source.shape), source.stride(), dtype=source.dtype,
+                                     device="meta")
+        try:
+            with torch._C.DisableTorchFunction():
+                layout.view(tuple(out.shape))
+        except RuntimeError:
+            return False
+        return True
 
     # -- mutation -------------------------------------------------------------------------------
 

@@ -365,3 +365,27 @@ def test_mutated_inputs_sharing_memory_raise():
         jfn(a, a)  # a cache hit: the runtime checks aliasing of mutated inputs
     with pytest.raises(NotYetSupportedError, match="share memory"):
         fulmen.jit(lambda x, y: x.mul_(y))(a, a[:])
+
+
+def test_reshape_aliasing_decided_from_meta_kernel_strides():
+    # MobileNetV2: flatten of a pooled output, then an in-place dropout/add on the result;
+    # the pool's output strides come from PyTorch's meta kernel, so flatten is known a view
+    def pooled(x):
+        p = torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), start_dim=1)
+        p.add_(1)
+        return p
+
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(fulmen.jit(pooled)(x), pooled(x))
+
+
+def test_reshape_of_a_non_contiguous_input_is_a_copy():
+    def fn(x):
+        flat = x.reshape(-1)  # x is a transposed input: eager copies
+        flat.add_(1)
+        return flat
+
+    base = torch.randn(3, 4)
+    x, x_eager = base.t(), base.clone().t()
+    torch.testing.assert_close(fulmen.jit(fn)(x), fn(x_eager))
+    torch.testing.assert_close(x, x_eager)  # the input is not modified, as in eager
