@@ -567,6 +567,23 @@ class JittedModule(torch.nn.Module):
                 module.forward = own
 
 
+def _fsdp_sharded(module: torch.nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) was applied to `module` or one of its submodules (its
+    jitted blocks excepted: sharding a compiled block is the supported spelling)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return False
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, FSDPModule) and not isinstance(current, JittedModule):
+            return True
+        if not isinstance(current, JittedModule):
+            stack.extend(current.children())
+    return False
+
+
 def _registered_name(executor):
     """An executor's name when it is the one registered under it (picklable), else itself."""
     if isinstance(executor, Executor):
@@ -622,6 +639,12 @@ def jit(
             "broadcast, no_sync()) would run only while tracing, not on cached calls",
             op="fulmen.jit", argument="fn", hint="compile the model and wrap that: "
             "DDP(fulmen.jit(model)) - gradients are all-reduced as in eager")
+    if isinstance(fn, torch.nn.Module) and _fsdp_sharded(fn):
+        raise NotYetSupportedError(
+            "fulmen.jit of a module sharded with FSDP2 (fully_shard): its hooks gather and free "
+            "the parameters around every call, which a compiled call would not repeat",
+            op="fulmen.jit", argument="fn", hint="shard compiled blocks instead: "
+            "fully_shard(fulmen.jit(block)) for each block, then fully_shard(model)")
     if isinstance(fn, torch.nn.Module):
         return JittedModule(fn, executors, transforms, rematerialize, fullgraph,
                             cache_size_limit)
