@@ -129,7 +129,8 @@ class Call:
     """One call: batch size, sequence length (or image size), padded tail lengths, and a state
     change made just before it (`train`, `eval`, `flag`: flip a module attribute read by the
     forward, `buffer`: write a buffer in place from outside, `freeze`: flip requires_grad of
-    the first parameters, `temperature`: change a float attribute read by the forward)."""
+    the first parameters, `temperature`: change a float attribute read by the forward, `grad`
+    and `autocast`: flip grad mode or autocast for this and later calls)."""
 
     batch: int = 2
     length: int = 5
@@ -144,6 +145,7 @@ class Context:
     autocast: bool = False  # torch.autocast("cpu", bfloat16) around every call
     bf16_weights: bool = False
     accumulate: bool = False  # gradients accumulate over the calls (else zeroed before each)
+    input_grad: bool = False  # the images require grad (conv models): their gradient compared
 
 
 @dataclass(frozen=True)
@@ -567,14 +569,21 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
         records.append((what, None if tensor is None else tensor.detach().clone()))
 
     torch.manual_seed(case.seed)  # dropout draws the same masks in every run
+    grad, use_autocast = ctx.grad, ctx.autocast
     for index, call in enumerate(case.calls):
         _change_state(model, call.change, index)
+        if call.change == "grad":  # the ambient state changes between calls
+            grad = not grad
+        elif call.change == "autocast" and not ctx.bf16_weights:
+            use_autocast = not use_autocast
         if not ctx.accumulate:
             for p in model.parameters():
                 p.grad = None
         inputs = make_inputs(case, index, dtype)
-        grad_mode = torch.enable_grad() if ctx.grad else torch.no_grad()
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if ctx.autocast
+        if ctx.input_grad and isinstance(case.model, ConvModel):
+            inputs[0].requires_grad_()
+        grad_mode = torch.enable_grad() if grad else torch.no_grad()
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if use_autocast
                     else contextlib.nullcontext())
         with grad_mode, autocast:
             out = fn(*inputs)
@@ -592,12 +601,14 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
                 record(f"call {index} input {i}", tensor)
         for name, buffer in model.named_buffers():
             record(f"call {index} buffer {name}", buffer)
-        if ctx.grad:
+        if grad:
             target = loss if loss is not None else logits.float().square().mean()
             if target.requires_grad:
                 target.backward()
                 for name, p in model.named_parameters():
                     record(f"call {index} grad {name}", p.grad)
+                if ctx.input_grad and isinstance(case.model, ConvModel):
+                    record(f"call {index} grad input", inputs[0].grad)
     return records
 
 
@@ -664,7 +675,8 @@ def cases(draw):
     seq = isinstance(model, SeqModel)
     # bf16 hides small errors in its rounding: most cases run in float32
     context = draw(st.builds(Context, training=_often, grad=_often, autocast=_sometimes,
-                             bf16_weights=_rarely, accumulate=st.booleans()))
+                             bf16_weights=_rarely, accumulate=st.booleans(),
+                             input_grad=st.booleans()))
     if context.bf16_weights and context.autocast:
         context = dataclasses.replace(context, autocast=False)
     n_calls = draw(st.integers(1, 3))
@@ -673,7 +685,7 @@ def cases(draw):
         length = draw(st.integers(2, 7) if seq else st.integers(3, 8))
         padding = tuple(draw(st.lists(st.integers(0, 3), max_size=3))) if seq else ()
         change = draw(st.sampled_from(["none", "none", "none", "train", "eval", "flag", "buffer",
-                                       "freeze", "temperature"])
+                                       "freeze", "temperature", "grad", "autocast"])
                       if i else st.just("none"))
         # batch norm in training needs more than one value per channel after pooling
         batch = draw(st.integers(1 if seq else 2, 3))
@@ -699,7 +711,7 @@ def smaller(case: Case):
         for i in range(len(model.extra)):
             yield dataclasses.replace(case, model=dataclasses.replace(
                 model, extra=model.extra[:i] + model.extra[i + 1:]))
-    for name in ("autocast", "bf16_weights", "accumulate"):
+    for name in ("autocast", "bf16_weights", "accumulate", "input_grad"):
         if getattr(ctx, name):
             yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: False}))
     for index, call in enumerate(case.calls):
@@ -800,6 +812,7 @@ def check_case(case: Case, executors=("torch",)) -> None:
         raise Mismatch("structure", f"{[w for w, _ in actual]} vs {[w for w, _ in expected]}")
     reference = None
     low_precision = case.context.autocast or case.context.bf16_weights or any(
+        call.change == "autocast" for call in case.calls) or any(
         getattr(b, "autocast_inside", False) for b in getattr(case.model, "blocks", ()))
     for index, ((what, e), (_, a)) in enumerate(zip(expected, actual)):
         kind = what.split()[2]
@@ -910,8 +923,9 @@ PATTERNS = (
         ConvStage(channels=4, kernel=3, norm="group", act="silu", residual=True, checkpoint=True),
         ConvStage(channels=6, kernel=1, norm="batch", act="gelu", pool="avg")),
         extra=(Custom("ste"), Stat()), classes=4, loss="ce", channels_last=True),
-        Context(training=True, grad=True, accumulate=True),
-        (Call(2, 6), Call(3, 8), Call(2, 6, change="eval")), seed=5),
+        Context(training=True, grad=True, accumulate=True, input_grad=True),
+        (Call(2, 6), Call(3, 8), Call(2, 6, change="eval"), Call(2, 6, change="autocast"),
+         Call(2, 6, change="grad")), seed=5),
     # conv under autocast
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,
