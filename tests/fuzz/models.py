@@ -97,7 +97,7 @@ class SeqModel:
     learned_pos: bool = False
     final_norm: str = "layer"  # layer | rms | none
     head: str = "lm"  # lm | tied | cls
-    loss: str = "ce"  # ce | mse | none
+    loss: str = "ce"  # ce | ce_tokens (sum / tokens counted by .item()) | mse | none
     early_exit: bool = False  # eval mode skips the head's last block (a module flag)
     dict_output: bool = False  # HF-style output: {"logits", "loss", "hidden_states": [...]}
     inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
@@ -331,15 +331,42 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+class _Linear(torch.autograd.Function):
+    """A linear layer with a hand-written backward (needs_input_grad, two outputs, one of them
+    non-differentiable), as custom kernels are wrapped."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        y = x @ weight.t() + bias
+        peak = y.detach().abs().amax(-1, keepdim=True)
+        ctx.mark_non_differentiable(peak)
+        return y, peak
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        x, weight = ctx.saved_tensors
+        gx = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.flatten(0, -2).t() @ x.flatten(0, -2) if ctx.needs_input_grad[1] else None
+        gb = grad.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
 class CustomFn(nn.Module):
     def __init__(self, spec: Custom, dim):
         super().__init__()
         self.spec = spec
         self.register_buffer("scale", torch.tensor(4.0))
+        if spec.kind == "linear":
+            self.weight = nn.Parameter(torch.randn(dim, dim) / math.sqrt(dim))
+            self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x, mask=None):
         if self.spec.kind == "scale":
             return _ScaleGrad.apply(x)
+        if self.spec.kind == "linear":
+            y, peak = _Linear.apply(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+            return x + y / (1 + peak)
         return _StraightThrough.apply(x, self.scale.to(x.dtype))
 
 
@@ -423,6 +450,10 @@ class SeqNet(nn.Module):
                 labels.masked_fill_(~mask, -100)
             else:
                 labels = labels.masked_fill(~mask, -100)
+        if self.spec.loss == "ce_tokens":  # a value read by Python: a graph break
+            tokens = int((labels != -100).sum().item())
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                   ignore_index=-100, reduction="sum") / max(tokens, 1)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
@@ -636,7 +667,7 @@ _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
                  mult=st.integers(1, 3), norm=_norms, checkpoint=st.booleans(),
                  fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes)
 _moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms)
-_custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste"]))
+_custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste", "linear"]))
 _stat = st.just(Stat())
 
 
@@ -652,7 +683,7 @@ def seq_models(draw):
     return SeqModel(vocab=draw(st.integers(5, 20)), dim=dim, blocks=blocks,
                     learned_pos=draw(st.booleans()),
                     final_norm=draw(st.sampled_from(["layer", "rms", "none"])), head=head,
-                    loss=draw(st.sampled_from(["ce", "mse", "none"])),
+                    loss=draw(st.sampled_from(["ce", "ce_tokens", "mse", "none"])),
                     early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
                     inplace_labels=draw(st.booleans()))
 
@@ -883,7 +914,8 @@ PATTERNS = (
         Attn(heads=2, causal=True, rotary=True, sdpa=False, norm="rms", mask_if=True,
              dropout=True),
         Mlp(act="swiglu", checkpoint=True, dropout=True), Moe(experts=3, top_k=2),
-        Custom("scale"), Stat()), learned_pos=True, final_norm="rms", head="lm", loss="ce"),
+        Custom("scale"), Custom("linear"), Stat()), learned_pos=True, final_norm="rms",
+        head="lm", loss="ce_tokens"),
         Context(training=True, grad=True, accumulate=True),
         (Call(2, 5, (0, 2)), Call(3, 7, ()), Call(2, 5, (1,), change="buffer")), seed=1),
     # HF-style dict output, labels masked in place in the caller's tensor, a KV-cache-like
