@@ -101,6 +101,7 @@ class SeqModel:
     early_exit: bool = False  # eval mode skips the head's last block (a module flag)
     dict_output: bool = False  # HF-style output: {"logits", "loss", "hidden_states": [...]}
     inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
+    shared: bool = False  # the blocks are applied twice (weights shared across depth)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class Call:
     change made just before it (`train`, `eval`, `flag`: flip a module attribute read by the
     forward, `buffer`: write a buffer in place from outside, `freeze`: flip requires_grad of
     the first parameters, `temperature`: change a float attribute read by the forward, `grad`
-    and `autocast`: flip grad mode or autocast for this and later calls)."""
+    and `autocast`: flip grad mode or autocast for this and later calls, `hook`: a forward hook
+    on the first submodule, `grad_hook`: a gradient hook on the first parameter)."""
 
     batch: int = 2
     length: int = 5
@@ -422,7 +424,7 @@ class SeqNet(nn.Module):
         if self.early_exit and not self.training and blocks:
             blocks = blocks[:-1]
         hidden = []
-        for block in blocks:
+        for block in blocks * (2 if self.spec.shared else 1):
             h = block(h, mask)
             hidden.append(h)
         h = self.norm(h)
@@ -563,6 +565,14 @@ def make_inputs(case: Case, index: int, dtype) -> tuple:
     return images, labels
 
 
+def _halve_output(module, args, output):
+    return output * 0.5
+
+
+def _double(grad):
+    return grad * 2
+
+
 def _change_state(model: nn.Module, change: str, index: int) -> None:
     if change == "train":
         model.train()
@@ -572,6 +582,11 @@ def _change_state(model: nn.Module, change: str, index: int) -> None:
         for module in model.modules():
             if hasattr(module, "early_exit"):
                 module.early_exit = not module.early_exit
+    elif change == "hook":  # a forward hook on the first submodule with parameters
+        first = next(m for m in model.modules() if m is not model and m._parameters)
+        first.register_forward_hook(_halve_output)
+    elif change == "grad_hook":
+        next(model.parameters()).register_hook(_double)
     elif change == "freeze":
         first = next(model.parameters())
         for p in list(model.parameters())[:2]:
@@ -685,7 +700,7 @@ def seq_models(draw):
                     final_norm=draw(st.sampled_from(["layer", "rms", "none"])), head=head,
                     loss=draw(st.sampled_from(["ce", "ce_tokens", "mse", "none"])),
                     early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
-                    inplace_labels=draw(st.booleans()))
+                    inplace_labels=draw(st.booleans()), shared=draw(_sometimes))
 
 
 _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sampled_from([1, 3]),
@@ -716,7 +731,8 @@ def cases(draw):
         length = draw(st.integers(2, 7) if seq else st.integers(3, 8))
         padding = tuple(draw(st.lists(st.integers(0, 3), max_size=3))) if seq else ()
         change = draw(st.sampled_from(["none", "none", "none", "train", "eval", "flag", "buffer",
-                                       "freeze", "temperature", "grad", "autocast"])
+                                       "freeze", "temperature", "grad", "autocast", "hook",
+                                       "grad_hook"])
                       if i else st.just("none"))
         # batch norm in training needs more than one value per channel after pooling
         batch = draw(st.integers(1 if seq else 2, 3))
@@ -761,7 +777,7 @@ def smaller(case: Case):
                     model, **{field: parts[:i] + (new,) + parts[i + 1:]}))
     if isinstance(model, SeqModel):
         for name, plain in (("learned_pos", False), ("early_exit", False),
-                            ("dict_output", False), ("inplace_labels", False),
+                            ("dict_output", False), ("inplace_labels", False), ("shared", False),
                             ("final_norm", "none"), ("loss", "none"), ("head", "lm")):
             if getattr(model, name) != plain:
                 yield dataclasses.replace(case, model=dataclasses.replace(model, **{name: plain}))
@@ -924,11 +940,12 @@ PATTERNS = (
     Case(SeqModel(vocab=10, dim=8, blocks=(
         *((Memory(),) if KNOWN_BUGS else ()), Attn(heads=2, causal=True, sdpa=True),
         Mlp(act="relu", inplace=True)),
-        head="lm", loss="ce", dict_output=True, inplace_labels=True),
+        head="lm", loss="ce", dict_output=True, inplace_labels=True, shared=True),
         Context(training=True, grad=True),
         (Call(2, 4, (1,)), Call(2, 4, (2,), change="temperature"), Call(2, 5, (0, 1),
                                                                          change="freeze"),
-         Call(2, 4, (1,), change="freeze")), seed=7),
+         Call(2, 4, (1,), change="freeze"), Call(2, 4, (1,), change="hook"),
+         Call(2, 4, (), change="grad_hook")), seed=7),
     # evaluation without grad: mask-dependent `if` takes both answers, early exit by a flag
     # flipped between calls, train/eval switches
     Case(SeqModel(vocab=9, dim=12, blocks=(
