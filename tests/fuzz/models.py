@@ -148,6 +148,11 @@ class Context:
     bf16_weights: bool = False
     accumulate: bool = False  # gradients accumulate over the calls (else zeroed before each)
     input_grad: bool = False  # the images require grad (conv models): their gradient compared
+    fp16: bool = False  # float16 instead of bfloat16 for autocast and low-precision weights
+
+    @property
+    def half(self):
+        return torch.float16 if self.fp16 else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -524,12 +529,13 @@ class ConvNet(nn.Module):
 
 def build(case: Case, dtype=None) -> nn.Module:
     """The module described by `case`, initialised from `case.seed`; float64 when `dtype` is
-    torch.float64 (the reference), else bfloat16 where the context asks for bf16 weights."""
+    torch.float64 (the reference), else bfloat16/float16 where the context asks for
+    low-precision weights."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(case.seed)
         model = SeqNet(case.model) if isinstance(case.model, SeqModel) else ConvNet(case.model)
     if dtype is None and case.context.bf16_weights:
-        dtype = torch.bfloat16
+        dtype = case.context.half
     if dtype is not None:
         model = model.to(dtype)
     if isinstance(case.model, ConvModel) and case.model.channels_last:
@@ -608,7 +614,7 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
     float64 run (no autocast, float64 inputs)."""
     ctx = case.context
     dtype = torch.float64 if reference else (
-        torch.bfloat16 if ctx.bf16_weights else torch.float32)
+        ctx.half if ctx.bf16_weights else torch.float32)
     records = []
 
     def record(what, tensor):
@@ -629,7 +635,7 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
         if ctx.input_grad and isinstance(case.model, ConvModel):
             inputs[0].requires_grad_()
         grad_mode = torch.enable_grad() if grad else torch.no_grad()
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if use_autocast
+        autocast = (torch.autocast("cpu", dtype=ctx.half) if use_autocast
                     else contextlib.nullcontext())
         with grad_mode, autocast:
             out = fn(*inputs)
@@ -722,7 +728,7 @@ def cases(draw):
     # bf16 hides small errors in its rounding: most cases run in float32
     context = draw(st.builds(Context, training=_often, grad=_often, autocast=_sometimes,
                              bf16_weights=_rarely, accumulate=st.booleans(),
-                             input_grad=st.booleans()))
+                             input_grad=st.booleans(), fp16=_sometimes))
     if context.bf16_weights and context.autocast:
         context = dataclasses.replace(context, autocast=False)
     n_calls = draw(st.integers(1, 3))
@@ -758,7 +764,7 @@ def smaller(case: Case):
         for i in range(len(model.extra)):
             yield dataclasses.replace(case, model=dataclasses.replace(
                 model, extra=model.extra[:i] + model.extra[i + 1:]))
-    for name in ("autocast", "bf16_weights", "accumulate", "input_grad"):
+    for name in ("autocast", "bf16_weights", "accumulate", "input_grad", "fp16"):
         if getattr(ctx, name):
             yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: False}))
     for index, call in enumerate(case.calls):
@@ -797,11 +803,12 @@ class Mismatch(AssertionError):
 
 
 _TIGHT = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
+          torch.float16: (1e-3, 1e-5),
           torch.float64: (1e-7, 1e-7)}
 # the fp64 rule: fulmen's error vs float64 may be at most MULTIPLIER x eager's, plus a floor
 # relative to the reference's magnitude
-_MULTIPLIER = {torch.float32: 2.0, torch.bfloat16: 3.0}
-_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
+_MULTIPLIER = {torch.float32: 2.0, torch.bfloat16: 3.0, torch.float16: 3.0}
+_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
 def _rms(t):
@@ -822,7 +829,7 @@ def _accurate(a, e, ref, low_precision: bool) -> tuple[bool, str]:
         return False, "no finite float64 reference"
     if not (torch.isfinite(a) == torch.isfinite(e)).all():
         return False, "non-finite values differ"
-    dtype = torch.bfloat16 if low_precision or e.dtype == torch.bfloat16 else torch.float32
+    dtype = torch.bfloat16 if low_precision or e.dtype != torch.float32 else torch.float32
     ref = ref.double()
     a_err, e_err = _rms(a.double() - ref), _rms(e.double() - ref)
     bound = _MULTIPLIER[dtype] * e_err + _FLOOR[dtype] * _rms(ref) + 1e-7
@@ -975,8 +982,9 @@ PATTERNS = (
         Context(training=True, grad=True, accumulate=True, input_grad=True),
         (Call(2, 6), Call(3, 8), Call(2, 6, change="eval"), Call(2, 6, change="autocast"),
          Call(2, 6, change="grad")), seed=5),
-    # conv under autocast
+    # conv under autocast(float16)
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,
-        loss="mse"), Context(training=True, grad=True, autocast=True), (Call(2, 5),), seed=6),
+        loss="mse"), Context(training=True, grad=True, autocast=True, fp16=True),
+        (Call(2, 5),), seed=6),
 )
