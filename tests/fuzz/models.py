@@ -46,6 +46,7 @@ class Attn:
     checkpoint: bool = False
     autocast_inside: bool = False  # the attention core under autocast(bf16) inside the model
     dropout: bool = False  # on the attention probabilities (p=0.1, training only)
+    kv_heads: int = 0  # grouped-query attention: fewer key/value heads, repeated (HF repeat_kv)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Moe:
     experts: int = 3
     top_k: int = 2
     norm: str = "rms"
+    checkpoint: bool = False  # the routing (with its graph breaks) inside checkpoint
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         self.norm = _norm(spec.norm, dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.kv_heads = spec.kv_heads or spec.heads
+        self.qkv = nn.Linear(dim, dim + 2 * self.kv_heads * (dim // spec.heads))
         self.proj = nn.Linear(dim, dim, bias=False)
         head_dim = dim // spec.heads
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -208,8 +211,13 @@ class Attention(nn.Module):
     def core(self, x, mask):
         spec = self.spec
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, spec.heads, d // spec.heads).unbind(2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        hd, kv = d // spec.heads, self.kv_heads
+        q, k, v = self.qkv(x).split([d, kv * hd, kv * hd], dim=-1)
+        q = q.view(b, t, spec.heads, hd).transpose(1, 2)
+        k, v = k.view(b, t, kv, hd).transpose(1, 2), v.view(b, t, kv, hd).transpose(1, 2)
+        if kv != spec.heads:  # HF repeat_kv: expand, then reshape (a copy)
+            k = k[:, :, None].expand(b, kv, spec.heads // kv, t, hd).reshape(b, -1, t, hd)
+            v = v[:, :, None].expand(b, kv, spec.heads // kv, t, hd).reshape(b, -1, t, hd)
         if spec.rotary:
             freqs = torch.outer(torch.arange(t, device=x.device).float(), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -301,6 +309,11 @@ class MoE(nn.Module):
             for _ in range(spec.experts))
 
     def forward(self, x, mask):
+        if self.spec.checkpoint and torch.is_grad_enabled():
+            return checkpoint(self.route, x, use_reentrant=False)
+        return self.route(x)
+
+    def route(self, x):
         b, t, d = x.shape
         h = self.norm(x).reshape(b * t, d)
         probs = self.router(h).softmax(-1, dtype=torch.float)
@@ -677,17 +690,20 @@ _sometimes = st.sampled_from([False, False, True])
 _rarely = st.sampled_from([False, False, False, True])
 
 
-def _attn(dim):
-    heads = st.sampled_from([h for h in (1, 2, 4) if dim % h == 0 and (dim // h) % 2 == 0])
-    return st.builds(Attn, heads=heads, causal=st.booleans(), rotary=st.booleans(),
+@st.composite
+def _attn(draw, dim):
+    heads = draw(st.sampled_from([h for h in (1, 2, 4) if dim % h == 0 and (dim // h) % 2 == 0]))
+    kv_heads = draw(st.sampled_from([0] + [k for k in (1, 2) if k < heads and heads % k == 0]))
+    return draw(st.builds(Attn, heads=st.just(heads), kv_heads=st.just(kv_heads), causal=st.booleans(), rotary=st.booleans(),
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
-                     checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes)
+                     checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes))
 
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
                  mult=st.integers(1, 3), norm=_norms, checkpoint=st.booleans(),
                  fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes)
-_moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms)
+_moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms,
+                 checkpoint=_sometimes)
 _custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste", "linear"]))
 _stat = st.just(Stat())
 
@@ -935,8 +951,8 @@ PATTERNS = (
     # outside, gradients accumulated over the calls
     Case(SeqModel(vocab=13, dim=8, blocks=(
         Attn(heads=2, causal=True, rotary=True, sdpa=False, norm="rms", mask_if=True,
-             dropout=True),
-        Mlp(act="swiglu", checkpoint=True, dropout=True), Moe(experts=3, top_k=2),
+             dropout=True, kv_heads=1),
+        Mlp(act="swiglu", checkpoint=True, dropout=True), Moe(experts=3, top_k=2, checkpoint=True),
         Custom("scale"), Custom("linear"), Stat()), learned_pos=True, final_norm="rms",
         head="lm", loss="ce_tokens"),
         Context(training=True, grad=True, accumulate=True),
