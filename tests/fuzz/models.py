@@ -661,6 +661,10 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
         record(f"call {index} output", logits)
         if loss is not None:
             record(f"call {index} loss", loss)
+        for name, tensor in (("output", logits), ("loss", loss)):
+            if tensor is not None:  # requires_grad and layout as eager's
+                record(f"call {index} layout {name}",
+                       torch.tensor([tensor.requires_grad, *tensor.stride()]))
         for i, tensor in enumerate(inputs):
             if tensor is not None:
                 record(f"call {index} input {i}", tensor)
