@@ -605,7 +605,9 @@ def _change_state(model: nn.Module, change: str, index: int) -> None:
         first = next(m for m in model.modules() if m is not model and m._parameters)
         first.register_forward_hook(_halve_output)
     elif change == "grad_hook":
-        next(model.parameters()).register_hook(_double)
+        first = next(model.parameters())
+        if first.requires_grad:
+            first.register_hook(_double)
     elif change == "freeze":
         first = next(model.parameters())
         for p in list(model.parameters())[:2]:
@@ -822,6 +824,10 @@ class Mismatch(AssertionError):
         self.kind = kind
 
 
+class InvalidCase(Exception):
+    """Eager itself fails on the case: a bug of the generator, not of fulmen."""
+
+
 _TIGHT = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
           torch.float16: (1e-3, 1e-5),
           torch.float64: (1e-7, 1e-7)}
@@ -842,9 +848,12 @@ def _tight(a, e) -> bool:
     return torch.allclose(a.double(), e.double(), rtol=rtol, atol=atol, equal_nan=True)
 
 
-def _accurate(a, e, ref, low_precision: bool) -> tuple[bool, str]:
+def _accurate(a, e, ref, low_precision: bool, noise: float = 0.0) -> tuple[bool, str]:
     """The float64 accuracy rule (torch._dynamo's): |fulmen - fp64| <= k |eager - fp64| + floor,
-    as root mean squares; k = 2 for float32, 3 where bf16 took part."""
+    as root mean squares; k = 2 for float32, 3 where bf16 took part. `noise`: eager's mean error
+    over the tensor's group (the call's gradients, say) stands in for a tensor's own when that
+    is smaller: a value that cancels to ~0 (a conv bias before batch norm) can have an eager
+    error far below its terms' rounding by luck."""
     if ref is None or ref.shape != e.shape or not torch.isfinite(ref).all():
         return False, "no finite float64 reference"
     if not (torch.isfinite(a) == torch.isfinite(e)).all():
@@ -852,8 +861,17 @@ def _accurate(a, e, ref, low_precision: bool) -> tuple[bool, str]:
     dtype = torch.bfloat16 if low_precision or e.dtype != torch.float32 else torch.float32
     ref = ref.double()
     a_err, e_err = _rms(a.double() - ref), _rms(e.double() - ref)
-    bound = _MULTIPLIER[dtype] * e_err + _FLOOR[dtype] * _rms(ref) + 1e-7
+    bound = _MULTIPLIER[dtype] * max(e_err, noise) + _FLOOR[dtype] * _rms(ref) + 1e-7
     return a_err <= bound, f"rms error vs fp64 {a_err:.3g}, eager's {e_err:.3g}, bound {bound:.3g}"
+
+
+def _group_noise(expected, reference, what) -> float:
+    """Eager's mean rms error vs float64 over the records of `what`'s call and kind."""
+    group = what.split()[:3]
+    errors = [_rms(e.double() - r.double()) for (w, e), (_, r) in zip(expected, reference)
+              if w.split()[:3] == group and e is not None and r is not None
+              and e.is_floating_point() and e.shape == r.shape and torch.isfinite(r).all()]
+    return sum(errors) / len(errors) if errors else 0.0
 
 
 def run_eager(case: Case) -> list:
@@ -877,7 +895,10 @@ def run_reference(case: Case) -> list:
 def check_case(case: Case, executors=("torch",)) -> None:
     """Run `case` eagerly and through fulmen.jit; raise `Mismatch` where outputs, buffers or
     gradients disagree beyond the tight tolerance and the float64 rule."""
-    expected = run_eager(case)
+    try:
+        expected = run_eager(case)
+    except Exception as error:  # noqa: BLE001
+        raise InvalidCase(f"eager fails: {type(error).__name__}: {error}") from error
     try:
         actual = run_fulmen(case, list(executors))
     except Exception as error:  # noqa: BLE001 - any error of fulmen's is a finding
@@ -905,7 +926,8 @@ def check_case(case: Case, executors=("torch",)) -> None:
             raise Mismatch(f"value: {kind}", f"{what}: {a.tolist()} vs {e.tolist()}")
         if reference is None:
             reference = run_reference(case)
-        ok, detail = _accurate(a, e, reference[index][1], low_precision)
+        ok, detail = _accurate(a, e, reference[index][1], low_precision,
+                               _group_noise(expected, reference, what))
         if not ok:
             raise Mismatch(f"value: {kind}", f"{what}: max |fulmen - eager| "
                                              f"{float((a.double() - e.double()).abs().max()):.3g}; "

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis.control import current_build_context
 
-from tests.fuzz.models import PATTERNS, cases, failure_of, minimize, repro
+from tests.fuzz.models import PATTERNS, InvalidCase, cases, failure_of, minimize, repro
 
 EXAMPLES = max(2, int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200")) // 50)
 EXECUTORS = {"torch": ["torch"], "codegen": ["codegen", "torch"]}
@@ -75,7 +75,12 @@ def campaign(examples: int, config: str) -> None:
               suppress_health_check=list(HealthCheck))
     @given(cases())
     def run(case):
-        failure = failure_of(case, executors)
+        try:
+            failure = failure_of(case, executors)
+        except InvalidCase as invalid:
+            kinds["invalid (generator bug)"] += 1
+            print(f"INVALID {invalid}\n  {case!r}", flush=True)
+            return
         kinds["ok" if failure is None else failure.kind] += 1
         if failure is not None:
             print(f"FAIL {failure.kind}: {str(failure)[:300]}\n  {case!r}", flush=True)
