@@ -790,7 +790,9 @@ def smaller(case: Case):
         if getattr(ctx, name):
             yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: False}))
     for index, call in enumerate(case.calls):
-        simpler = [dataclasses.replace(call, change="none"), dataclasses.replace(call, padding=())]
+        simpler = [dataclasses.replace(call, change="none"), dataclasses.replace(call, padding=()),
+                   dataclasses.replace(call, batch=max(1, call.batch - 1)),
+                   dataclasses.replace(call, length=max(2, call.length - 1))]
         for new in simpler:
             if new != call:
                 calls = case.calls[:index] + (new,) + case.calls[index + 1:]
@@ -799,8 +801,8 @@ def smaller(case: Case):
     for i, part in enumerate(parts):
         for f in dataclasses.fields(part):
             value = getattr(part, f.name)
-            if value is True:
-                new = dataclasses.replace(part, **{f.name: False})
+            if value is True or type(value) is int and value > 1:  # flags off, sizes down
+                new = dataclasses.replace(part, **{f.name: False if value is True else value - 1})
                 yield dataclasses.replace(case, model=dataclasses.replace(
                     model, **{field: parts[:i] + (new,) + parts[i + 1:]}))
     if isinstance(model, SeqModel):
@@ -949,7 +951,10 @@ def minimize(case: Case, executors, kind: str, attempts: int = 80) -> Case:
         progress = False
         for candidate in smaller(case):
             attempts -= 1
-            failure = failure_of(candidate, executors)
+            try:
+                failure = failure_of(candidate, executors)
+            except InvalidCase:  # the simplification made a case eager rejects
+                continue
             if failure is not None and failure.kind == kind:
                 case, progress = candidate, True
                 break
