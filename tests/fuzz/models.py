@@ -58,6 +58,7 @@ class Mlp:
     fp32_island: bool = False  # the norm runs under autocast(enabled=False) in float32
     inplace: bool = False  # in-place activation and residual (`relu_`, `h += x`)
     dropout: bool = False
+    unpad: bool = False  # only unpadded tokens, gathered by nonzero and scattered back
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,14 @@ class MLP(nn.Module):
                 h = self.norm(x)
         else:
             h = self.norm(x)
-        if self.spec.checkpoint and torch.is_grad_enabled():
+        if self.spec.unpad and mask is not None:  # varlen style: a data-dependent shape
+            b, t, d = h.shape
+            index = torch.nonzero(mask.flatten()).flatten()
+            tokens = self.core(h.reshape(b * t, d)[index])
+            h = torch.zeros(b * t, tokens.shape[-1], dtype=tokens.dtype, device=tokens.device)
+            h[index] = tokens
+            h = h.view(b, t, -1)
+        elif self.spec.checkpoint and torch.is_grad_enabled():
             h = checkpoint(self.core, h, use_reentrant=False)
         else:
             h = self.core(h)
@@ -707,7 +715,8 @@ def _attn(draw, dim):
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
                  mult=st.integers(1, 3), norm=_norms, checkpoint=st.booleans(),
-                 fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes)
+                 fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes,
+                 unpad=_sometimes)
 _moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms,
                  checkpoint=_sometimes)
 _custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste", "linear"]))
@@ -993,7 +1002,7 @@ PATTERNS = (
     # a float attribute changed between calls
     Case(SeqModel(vocab=10, dim=8, blocks=(
         *((Memory(),) if KNOWN_BUGS else ()), Attn(heads=2, causal=True, sdpa=True),
-        Mlp(act="relu", inplace=True)),
+        Mlp(act="relu", inplace=True, unpad=True)),
         head="lm", loss="ce", dict_output=True, inplace_labels=True, shared=True),
         Context(training=True, grad=True),
         (Call(2, 4, (1,)), Call(2, 4, (2,), change="temperature"), Call(2, 5, (0, 1),
@@ -1004,7 +1013,7 @@ PATTERNS = (
     # flipped between calls, train/eval switches
     Case(SeqModel(vocab=9, dim=12, blocks=(
         Attn(heads=2, causal=False, sdpa=True, mask_if=True), Moe(experts=2, top_k=1),
-        Mlp(act="gelu", mult=3)), head="cls", loss="ce", early_exit=True),
+        Mlp(act="gelu", mult=3, unpad=True)), head="cls", loss="ce", early_exit=True),
         Context(training=False, grad=False),
         (Call(2, 4, (0,)), Call(2, 4, (1, 0)), Call(2, 6, (), change="flag"),
          Call(1, 3, (), change="train")), seed=2),
