@@ -41,8 +41,11 @@ def test_random_models_match_eager(config, request):
         request.getfixturevalue("codegen_eager")  # the generated kernels, not torch's fallback
     executors = EXECUTORS[config]
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    # cold kernel builds cost seconds per model: the small budget builds fewer for codegen
+    small = config == "codegen" and EXAMPLES < 10
+
+    @settings(max_examples=EXAMPLES // 2 if small else EXAMPLES, deadline=None,
+              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(cases())
     def run(case):
         failure = failure_of(case, executors)
@@ -52,10 +55,7 @@ def test_random_models_match_eager(config, request):
             raise AssertionError(_report(case, failure, executors)) from failure
         raise failure
 
-    patterns = PATTERNS
-    if config == "codegen" and EXAMPLES < 10:  # cold kernel builds cost ~10 s per model
-        patterns = (PATTERNS[0], PATTERNS[5])
-    for case in patterns:  # every pattern of issue 18 at least once
+    for case in PATTERNS[1:2] if small else PATTERNS:  # every pattern of issue 18 at least once
         run = example(case)(run)
     run()
 
