@@ -726,7 +726,7 @@ _stat = st.just(Stat())
 @st.composite
 def seq_models(draw):
     dim = draw(st.sampled_from([8, 12, 16]))
-    kinds = [_attn(dim), _mlp, _moe, _custom, _stat]
+    kinds = [_attn(dim), _attn(dim), _attn(dim), _mlp, _mlp, _moe, _moe, _custom, _stat]  # weights
     if KNOWN_BUGS:
         kinds.append(st.just(Memory()))
     block = st.one_of(*kinds)
@@ -754,7 +754,7 @@ conv_models = st.builds(
 
 @st.composite
 def cases(draw):
-    model = draw(st.one_of(seq_models(), conv_models))
+    model = draw(st.one_of(seq_models(), seq_models(), conv_models))
     seq = isinstance(model, SeqModel)
     # bf16 hides small errors in its rounding: most cases run in float32
     context = draw(st.builds(Context, training=_often, grad=_often, autocast=_sometimes,
