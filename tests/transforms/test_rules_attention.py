@@ -61,3 +61,20 @@ def test_sdpa_only_some_inputs_require_grad():
     (actual,) = torch.autograd.grad(jfn(q), q, cotangent)
     (expected,) = torch.autograd.grad(fn(q), q, cotangent)
     torch.testing.assert_close(actual, expected)
+
+
+def test_sdpa_forward_runs_whole_next_to_fused_ops():
+    """The fusion partition does not split attention around its softmax (eager's fused kernel
+    runs; no (L, S) -inf fill or scores in the forward), with or without grad."""
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q.sin(), k, v, attn_mask=MASK[:, :5]).cos()
+
+    for requires_grad in (False, True):
+        q.requires_grad_(requires_grad)
+        jfn = fulmen.jit(fn)
+        torch.testing.assert_close(jfn(q, k, v), fn(q, k, v))
+        forward = str(fulmen.last_traces(jfn)[-1])
+        assert "torch.nn.functional.scaled_dot_product_attention(" in forward
+        assert "-float('inf')" not in forward and "[2, 3, 5, 5]" not in forward
