@@ -2,7 +2,8 @@
 top-k routing; conv stages) in random calling contexts (train/eval, no_grad, autocast around
 and inside, bf16 weights, checkpoint, gradient accumulation, custom autograd.Function, buffer
 updates, changing shapes and state) through `fulmen.jit` vs eager: every output, buffer and
-gradient must agree, by a tight tolerance or the float64 rule (`tests/fuzz/models.py`).
+gradient must agree, by a tight tolerance or the float64 rule (`tests/fuzz/model_check.py`;
+models: `models.py`, generator and explicit patterns: `model_cases.py`).
 
 A failure is shrunk by hypothesis, then by `minimize` (drops calls, blocks, contexts and flags
 while the failure keeps its kind); the message holds the minimized case and a standalone repro.
@@ -22,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis.control import current_build_context
 
-from tests.fuzz.models import PATTERNS, InvalidCase, cases, failure_of, minimize, repro
+from tests.fuzz.model_cases import PATTERNS, cases
+from tests.fuzz.model_check import InvalidCase, failure_of, minimize, repro
 
 EXAMPLES = max(2, int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200")) // 50)
 EXECUTORS = {"torch": ["torch"], "codegen": ["codegen", "torch"]}
