@@ -246,6 +246,8 @@ class TracerCtx(TraceCtx):
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
         if func in VIEW_FUNCTIONS:
             self.mutation.record_view(func, args, kwargs, out)
+        if self.state_proxies:  # `buffer.to(same dtype)` returns the module's own tensor
+            out = _restore_identities(out, (user_args, user_kwargs), (args, kwargs))
         return out
 
     def _dispatch(self, func, args, kwargs):

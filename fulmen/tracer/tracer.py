@@ -10,10 +10,11 @@ the trace; the cache key guards their values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,87 @@ def state_slots(module: torch.nn.Module) -> list[StateSlot]:
                 seen.add(id(tensor))
                 slots.append(StateSlot(owner, key, f"{prefix}.{key}" if prefix else key))
     return slots
+
+
+def _holds_proxy(value: Any) -> bool:
+    if isinstance(value, TensorProxy):
+        return True
+    if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
+        return any(isinstance(item, TensorProxy) for _, item in walk(value))
+    return False
+
+
+@contextlib.contextmanager
+def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
+    """Refuse a traced forward that stores a traced tensor on a module (`self.mem = t`, a
+    buffer replaced, `self.cache["h"] = t`): a compiled call would not repeat the store. The
+    modules are put back as they were either way.
+
+    Raises:
+        NotYetSupportedError: naming the module attribute.
+    """
+    saved = []
+    for name, sub in module.named_modules():
+        attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+        contents = {k: _snapshot_container(v) for k, v in attrs.items()}
+        saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        stored = None
+        for name, sub, attrs, contents, params, buffers in saved:
+            now = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+            for key, value in [*now.items(), *sub._buffers.items(), *sub._parameters.items()]:
+                before = attrs.get(key, buffers.get(key, params.get(key)))
+                changed = value is not before or not _same_container(value, contents.get(key))
+                if changed and stored is None and _holds_proxy(value):
+                    stored = f"{name + '.' if name else ''}{key}"
+            for key in set(now) - set(attrs):
+                delattr(sub, key)
+            vars(sub).update(attrs)
+            for key, value in contents.items():
+                if value is not None:
+                    _restore_container(attrs[key], value)
+            sub._parameters.clear()
+            sub._parameters.update(params)
+            sub._buffers.clear()
+            sub._buffers.update(buffers)
+        if stored is not None and not failed:
+            raise NotYetSupportedError(
+                f"the forward stores a traced tensor in the module attribute {stored!r}; a "
+                "compiled call would not repeat that store", op="setattr",
+                hint="update a registered buffer in place (self.mem.copy_(...), "
+                "self.mem[...] = ...), or return the value and keep it outside the module")
+
+
+def _snapshot_container(value: Any):
+    """A shallow copy of a list or dict attribute (None for anything else)."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return None
+
+
+def _same_container(value: Any, snapshot) -> bool:
+    if snapshot is None:
+        return True
+    now = _snapshot_container(value)
+    if now is None or len(now) != len(snapshot):
+        return False
+    if isinstance(now, list):
+        return all(a is b for a, b in zip(now, snapshot))
+    return now.keys() == snapshot.keys() and all(now[k] is snapshot[k] for k in now)
+
+
+def _restore_container(container: Any, snapshot) -> None:
+    if isinstance(container, list):
+        container[:] = snapshot
+    elif isinstance(container, dict):
+        container.clear()
+        container.update(snapshot)
 
 
 def _path_name(path, param_names: list[str]) -> str:
@@ -278,7 +360,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
                 ctx.state_proxies = state
-                out = module(*proxy_args, **proxy_kwargs)
+                with refused_module_stores(module):
+                    out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
             out_leaves, out_spec = _flatten_output(out)

@@ -187,3 +187,32 @@ def test_transformers_model_output():
     torch.testing.assert_close(out.last_hidden_state, torch.full((2,), 2.0))
     torch.testing.assert_close(out["hidden_states"][1], torch.full((2,), 2.0))
     assert out.attentions is None
+
+
+class _StoresTensor(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("mem", torch.zeros(2))
+        self.attr = torch.zeros(2)
+        self.cache = {"h": torch.zeros(2)}
+
+    def forward(self, x):
+        if self.kind == "buffer":
+            self.mem = self.mem + x
+        elif self.kind == "attr":
+            self.attr = self.attr + x
+        else:
+            self.cache["h"] = self.cache["h"] + x
+        self.mem = self.mem.to(torch.float32)  # a no-op store of the module's own tensor is fine
+        return x * 2
+
+
+@pytest.mark.parametrize("kind", ["buffer", "attr", "dict"])
+def test_storing_a_traced_tensor_on_the_module_is_refused_and_undone(kind):
+    # a compiled call would not repeat the store: refused (was silently dropped or left proxies)
+    model = _StoresTensor(kind)
+    before = (model.mem, model.attr, model.cache["h"])
+    with pytest.raises(NotYetSupportedError, match="stores a traced tensor in the module"):
+        fulmen.jit(model)(torch.ones(2))
+    assert (model.mem, model.attr, model.cache["h"]) == before  # the module is as it was
