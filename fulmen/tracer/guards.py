@@ -111,7 +111,10 @@ class CacheKeyBuilder:
         self.scalar_sources = scalar_sources(fn, modules)
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
-        self.fn = fn if fn is not None and not modules else None
+        inner = getattr(fn, "__func__", fn)
+        reads_objects = getattr(fn, "__self__", None) is not None or bool(
+            getattr(inner, "__closure__", None))
+        self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
 
     def global_key(self) -> tuple:
