@@ -73,7 +73,8 @@ def test_outputs_still_alive_are_never_overwritten(ready):
     def fn(x, i):
         return torch.sin(x) * i + 1
 
-    jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+    # nine values of i: nine specialisations, all compiled (the default limit is 8)
+    jfn = fulmen.jit(fn, executors=["codegen", "torch"], cache_size_limit=16)
     x = torch.randn(BIG)
     kept = [jfn(x, i) for i in range(4)]
     assert pool.pool_stats()["in_use"] >= 4 * x.nbytes  # the kernel's outputs are pooled
