@@ -101,13 +101,17 @@ def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
         torch.testing.assert_close(got, ref)
 
 
-def test_hf_generate_with_a_jitted_forward_equals_eager():
+def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_hf_generate_with_a_jitted_forward_equals_eager():
+    model = _tiny_llama()
     eager_forward = model.forward
     jitted = fulmen.jit(model.forward)
     for prompt_len in (5, 5, 3):
@@ -146,12 +150,7 @@ def test_each_branch_rebuilds_its_own_objects():
 
 
 def test_generate_of_a_jitted_hf_model_runs_the_compiled_forward():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama()
     jmodel = fulmen.jit(model)
     ids = torch.randint(0, 64, (2, 5))
     mask = torch.ones_like(ids)
