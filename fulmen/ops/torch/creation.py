@@ -31,7 +31,7 @@ import torch
 from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
-from fulmen.ops.torch.shape import as_int, checked_op
+from fulmen.ops.torch.shape import as_int
 
 T = torch.Tensor
 FACTORY = ("factory",)
@@ -144,7 +144,7 @@ ones = torch_op(torch.ones, tags=FACTORY)(_constant_factory("ones", 1))
 empty = torch_op(torch.empty, tags=FACTORY)(_constant_factory("empty", 0))  # NOTE [empty]
 
 
-@checked_op(torch.full, tags=FACTORY)
+@torch_op(torch.full, tags=FACTORY)
 def full(size, fill_value, *, out=None, dtype=None, layout=None, device=None, pin_memory=False,
          requires_grad=False):
     check_options("full", layout=layout, requires_grad=requires_grad, pin_memory=pin_memory)
@@ -166,21 +166,21 @@ def _like(input, value, op, dtype, layout, device, requires_grad, memory_format)
                   input.device if device is None else resolve_device(device))
 
 
-@checked_op(torch.zeros_like, tags=FACTORY)
+@torch_op(torch.zeros_like, tags=FACTORY)
 def zeros_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
                requires_grad=False, memory_format=torch.preserve_format):
     check_options("zeros_like", pin_memory=pin_memory)
     return _like(input, 0, "zeros_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@checked_op(torch.ones_like, tags=FACTORY)
+@torch_op(torch.ones_like, tags=FACTORY)
 def ones_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False, memory_format=torch.preserve_format):
     check_options("ones_like", pin_memory=pin_memory)
     return _like(input, 1, "ones_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@checked_op(torch.empty_like, tags=FACTORY)
+@torch_op(torch.empty_like, tags=FACTORY)
 def empty_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
                requires_grad=False, memory_format=torch.preserve_format):
     """Zero-filled (NOTE [empty])."""
@@ -188,7 +188,7 @@ def empty_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
     return _like(input, 0, "empty_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@checked_op(torch.full_like, tags=FACTORY)
+@torch_op(torch.full_like, tags=FACTORY)
 def full_like(input, fill_value, *, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False, memory_format=torch.preserve_format):
     check_options("full_like", pin_memory=pin_memory)
@@ -223,7 +223,7 @@ def new_empty(self, *size, **kwargs):
     return _new(self, size, kwargs, 0, "new_empty")
 
 
-@checked_op(T.new_full, tags=FACTORY)
+@torch_op(T.new_full, tags=FACTORY)
 def new_full(self, size, fill_value, *, dtype=None, device=None, layout=None,
              requires_grad=False, pin_memory=False):
     value = number_arg(fill_value, "new_full")
@@ -232,7 +232,7 @@ def new_full(self, size, fill_value, *, dtype=None, device=None, layout=None,
     return _new(self, (size,), kwargs, value, "new_full")
 
 
-@checked_op(torch.tensor, tags=FACTORY)
+@torch_op(torch.tensor, tags=FACTORY)
 def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
     """A tensor of a Python scalar; other data (lists, arrays) is recorded as the torch op."""
     check_options("tensor", requires_grad=requires_grad, pin_memory=pin_memory)
@@ -257,7 +257,7 @@ def _trunc_div(a: int, b: int) -> int:
     return q if (a >= 0) == (b >= 0) else -q
 
 
-@checked_op(torch.arange, tags=FACTORY)
+@torch_op(torch.arange, tags=FACTORY)
 def arange(start=0, end=None, step=1, *, out=None, dtype=None, layout=None, device=None,
            pin_memory=False, requires_grad=False):
     """`torch.arange` in its three forms: `(end)`, `(start, end)`, `(start, end, step)`."""
@@ -286,7 +286,7 @@ def arange(start=0, end=None, step=1, *, out=None, dtype=None, layout=None, devi
     return prims.iota(length, start, step, dtype, resolve_device(device))
 
 
-@checked_op(torch.linspace, tags=FACTORY)
+@torch_op(torch.linspace, tags=FACTORY)
 def linspace(start, end, steps, *, out=None, dtype=None, layout=None, device=None,
              pin_memory=False, requires_grad=False):
     """`steps` evenly spaced floats from `start` to `end`, computed in the output dtype with

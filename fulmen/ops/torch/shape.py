@@ -19,11 +19,9 @@ recorded, as `prims.reshape` to the same shape, because eager returns a new tens
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,31 +36,6 @@ T = torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def checked_op(torch_fn: Callable, *aliases: Callable, methods: Sequence[str] = (),
-               name: str | None = None, tags: Sequence[str] = ()) -> Callable[[Callable], object]:
-    """`torch_op`, with a check that the call's arguments bind to the decomposition's signature.
-
-    A call that does not bind (a keyword spelled differently by an alias, numpy's `axis=`)
-    raises `NotYetSupportedError`, so the tracer falls back to the exact torch op.
-    """
-
-    def declare(decomposition: Callable):
-        signature = inspect.signature(decomposition)
-
-        @functools.wraps(decomposition)
-        def checked(*args, **kwargs):
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError as error:
-                raise NotYetSupportedError(f"unsupported arguments: {error}",
-                                           op=decomposition.__name__) from None
-            return decomposition(*args, **kwargs)
-
-        return torch_op(torch_fn, *aliases, methods=methods, name=name, tags=tags)(checked)
-
-    return declare
 
 
 def as_int(value, op: str) -> int:
@@ -284,17 +257,17 @@ def reshape(self, *shape, **kwargs):
     return reshape_to(self, _varargs(shape, kwargs, "shape", "reshape"))
 
 
-@checked_op(T.view_as)
+@torch_op(T.view_as)
 def view_as(self, other):
     return reshape_to(self, tuple(other.shape), "view_as")
 
 
-@checked_op(T.reshape_as)
+@torch_op(T.reshape_as)
 def reshape_as(self, other):
     return reshape_to(self, tuple(other.shape), "reshape_as")
 
 
-@checked_op(torch.flatten, methods=("flatten",))
+@torch_op(torch.flatten, methods=("flatten",))
 def flatten(input, start_dim=0, end_dim=-1):
     start = wrap_dim(start_dim, input.ndim, "flatten")
     end = wrap_dim(end_dim, input.ndim, "flatten")
@@ -310,7 +283,7 @@ def flatten(input, start_dim=0, end_dim=-1):
     return prims.reshape(input, new_shape)
 
 
-@checked_op(torch.unflatten, methods=("unflatten",))
+@torch_op(torch.unflatten, methods=("unflatten",))
 def unflatten(input, dim, sizes):
     dim = wrap_dim(dim, input.ndim, "unflatten")
     check_not_scalar(input, "unflatten")
@@ -321,7 +294,7 @@ def unflatten(input, dim, sizes):
     return prims.reshape(input, (*input.shape[:dim], *sizes, *input.shape[dim + 1:]))
 
 
-@checked_op(torch.squeeze, methods=("squeeze",))
+@torch_op(torch.squeeze, methods=("squeeze",))
 def squeeze(input, dim=None):
     if dim is None:
         dims = tuple(d for d, size in enumerate(input.shape) if size == 1)
@@ -331,7 +304,7 @@ def squeeze(input, dim=None):
     return prims.squeeze(input, dims)
 
 
-@checked_op(torch.unsqueeze, methods=("unsqueeze",))
+@torch_op(torch.unsqueeze, methods=("unsqueeze",))
 def unsqueeze(input, dim):
     return unsqueeze_at(input, wrap_dim(dim, input.ndim + 1, "unsqueeze"))
 
@@ -341,7 +314,7 @@ def expand(self, *sizes, implicit=False, **kwargs):
     return expand_to(self, _varargs(sizes, kwargs, "size", "expand"))
 
 
-@checked_op(T.expand_as)
+@torch_op(T.expand_as)
 def expand_as(self, other):
     return expand_to(self, tuple(other.shape), "expand_as")
 
@@ -351,7 +324,7 @@ def broadcast_to(self, *size, **kwargs):
     return expand_to(self, _varargs(size, kwargs, "size", "broadcast_to"), "broadcast_to")
 
 
-@checked_op(T.contiguous)
+@torch_op(T.contiguous)
 def contiguous(self, memory_format=torch.contiguous_format):
     if memory_format is not torch.contiguous_format or not self.is_contiguous():
         raise NotYetSupportedError("a copy into a new layout", op="contiguous")
@@ -372,22 +345,22 @@ def permute(self, *dims, **kwargs):
     return permute_to(self, wrap_dims(dims, self.ndim, "permute"))
 
 
-@checked_op(torch.transpose, methods=("transpose",))
+@torch_op(torch.transpose, methods=("transpose",))
 def transpose(input, dim0, dim1):
     return transpose_dims(input, dim0, dim1)
 
 
-@checked_op(torch.swapaxes, methods=("swapaxes",))
+@torch_op(torch.swapaxes, methods=("swapaxes",))
 def swapaxes(input, axis0, axis1):
     return transpose_dims(input, axis0, axis1, "swapaxes")
 
 
-@checked_op(torch.swapdims, methods=("swapdims",))
+@torch_op(torch.swapdims, methods=("swapdims",))
 def swapdims(input, dim0, dim1):
     return transpose_dims(input, dim0, dim1, "swapdims")
 
 
-@checked_op(torch.t, methods=("t",))
+@torch_op(torch.t, methods=("t",))
 def t(input):
     if input.ndim > 2:
         raise FulmenError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim}D",
@@ -395,7 +368,7 @@ def t(input):
     return permute_to(input, tuple(reversed(range(input.ndim))))
 
 
-@checked_op(T.T.__get__, name="T")
+@torch_op(T.T.__get__, name="T")
 def numpy_T(self):
     return permute_to(self, tuple(reversed(range(self.ndim))))
 
@@ -407,12 +380,12 @@ def _matrix_transpose(a: T, op: str) -> T:
     return transpose_dims(a, -2, -1, op)
 
 
-@checked_op(T.mT.__get__, name="mT")
+@torch_op(T.mT.__get__, name="mT")
 def matrix_T(self):
     return _matrix_transpose(self, "mT")
 
 
-@checked_op(T.mH.__get__, name="mH")
+@torch_op(T.mH.__get__, name="mH")
 def matrix_H(self):
     if self.dtype.is_complex:
         raise NotYetSupportedError("conjugate transpose of a complex tensor", op="mH")
@@ -438,12 +411,12 @@ def _movedim(input, source, destination, op: str) -> T:
     return permute_to(input, [d if d != -1 else next(rest) for d in order])
 
 
-@checked_op(torch.movedim, methods=("movedim",))
+@torch_op(torch.movedim, methods=("movedim",))
 def movedim(input, source, destination):
     return _movedim(input, source, destination, "movedim")
 
 
-@checked_op(torch.moveaxis, methods=("moveaxis",))
+@torch_op(torch.moveaxis, methods=("moveaxis",))
 def moveaxis(input, source, destination):
     return _movedim(input, source, destination, "moveaxis")
 
@@ -459,14 +432,14 @@ def flip(self, *dims, **kwargs):
     return prims.flip(self, tuple(sorted(dims)))
 
 
-@checked_op(torch.fliplr, methods=("fliplr",))
+@torch_op(torch.fliplr, methods=("fliplr",))
 def fliplr(input):
     if input.ndim < 2:
         raise FulmenError("Input must be >= 2-d.", op="fliplr")
     return prims.flip(input, (1,))
 
 
-@checked_op(torch.flipud, methods=("flipud",))
+@torch_op(torch.flipud, methods=("flipud",))
 def flipud(input):
     if input.ndim < 1:
         raise FulmenError("Input must be >= 1-d.", op="flipud")
@@ -506,17 +479,17 @@ def tile(self, *dims, **kwargs):
 # ---------------------------------------------------------------------------------------------
 
 
-@checked_op(torch.cat, torch.concat, name="cat")
+@torch_op(torch.cat, torch.concat, name="cat")
 def cat(tensors, dim=0):
     return cat_tensors(tensors, dim)
 
 
-@checked_op(torch.concatenate, name="concatenate")
+@torch_op(torch.concatenate, name="concatenate")
 def concatenate_op(tensors, axis=0):
     return cat_tensors(tensors, axis, "concatenate")
 
 
-@checked_op(torch.stack)
+@torch_op(torch.stack)
 def stack(tensors, dim=0):
     tensors = _tensors_arg(tensors, "stack")
     first = tensors[0]
@@ -531,7 +504,7 @@ def stack(tensors, dim=0):
 # ---------------------------------------------------------------------------------------------
 
 
-@checked_op(torch.split, T.split)
+@torch_op(torch.split, T.split)
 def split(tensor, split_size_or_sections, dim=0):
     check_not_scalar(tensor, "split")
     dim = wrap_dim(dim, tensor.ndim, "split")
@@ -557,14 +530,14 @@ def split_with_sizes_of(a: T, sizes, dim: int, op: str) -> tuple[T, ...]:
     return split_sizes(a, dim, sizes)
 
 
-@checked_op(torch.split_with_sizes, methods=("split_with_sizes",))
+@torch_op(torch.split_with_sizes, methods=("split_with_sizes",))
 def split_with_sizes(input, split_sizes, dim=0):
     check_not_scalar(input, "split_with_sizes")
     dim = wrap_dim(dim, input.ndim, "split_with_sizes")
     return split_with_sizes_of(input, split_sizes, dim, "split_with_sizes")
 
 
-@checked_op(torch.chunk, methods=("chunk",))
+@torch_op(torch.chunk, methods=("chunk",))
 def chunk(input, chunks, dim=0):
     check_not_scalar(input, "chunk")
     chunks = as_int(chunks, "chunk")
@@ -579,7 +552,7 @@ def chunk(input, chunks, dim=0):
     return split_sizes(input, dim, [min(size, length - i * size) for i in range(count)])
 
 
-@checked_op(torch.tensor_split, methods=("tensor_split",))
+@torch_op(torch.tensor_split, methods=("tensor_split",))
 def tensor_split(input, indices_or_sections, dim=0):
     check_not_scalar(input, "tensor_split")
     dim = wrap_dim(dim, input.ndim, "tensor_split")
@@ -599,7 +572,7 @@ def tensor_split(input, indices_or_sections, dim=0):
     return split_sizes(input, dim, [small + 1 if i < extra else small for i in range(sections)])
 
 
-@checked_op(torch.unbind, methods=("unbind",))
+@torch_op(torch.unbind, methods=("unbind",))
 def unbind(input, dim=0):
     if input.ndim == 0:
         raise IndexError("Dimension specified as 0 but tensor has no dimensions")
@@ -607,7 +580,7 @@ def unbind(input, dim=0):
     return tuple(select_index(input, dim, i, "unbind") for i in range(input.shape[dim]))
 
 
-@checked_op(torch.narrow, methods=("narrow",))
+@torch_op(torch.narrow, methods=("narrow",))
 def narrow(input, dim, start, length):
     check_not_scalar(input, "narrow")
     dim = wrap_dim(dim, input.ndim, "narrow")
@@ -623,7 +596,7 @@ def narrow(input, dim, start, length):
     return slice_dim(input, dim, start, start + length)
 
 
-@checked_op(torch.select, methods=("select",))
+@torch_op(torch.select, methods=("select",))
 def select(input, dim, index):
     if input.ndim == 0:
         raise IndexError("select() cannot be applied to a 0-dim tensor.")
@@ -653,7 +626,7 @@ def _index_items(index) -> tuple:
     return tuple(out)
 
 
-@checked_op(T.__getitem__, name="getitem")
+@torch_op(T.__getitem__, name="getitem")
 def getitem(self, index):
     """`self[index]` for ints, slices, None and Ellipsis; other indices run as the torch op."""
     items = _index_items(index)
