@@ -86,16 +86,12 @@ class CompileStats:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     graph_breaks: list[str] = field(default_factory=list)
     eager_calls: int = 0
+    cache: dict = field(default_factory=dict)  # the jitted callable's cache entries, by key
 
     @property
     def branches(self) -> int:
         """Compiled paths through programs with graph breaks, over all cache entries."""
-        return sum(entry.fn.paths() for entry in self._entries() if entry.tree)
-
-    def _entries(self):
-        return self.cache.values() if self.cache is not None else ()
-
-    cache: dict | None = None
+        return sum(entry.fn.paths() for entry in self.cache.values() if entry.tree)
 
 
 class _Jitted:
@@ -109,8 +105,7 @@ class _Jitted:
             cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
-        self._warned_limit = False
-        self._warned_eager = False
+        self._warned: set[str] = set()  # the eager-fallback warnings given
         self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
         self._module = module
@@ -129,8 +124,9 @@ class _Jitted:
             # called while an outer jitted function is being traced (recursion, nesting): trace
             # through the Python source, so the outer trace records the ops themselves
             return (self._module if self._module is not None else self._fn)(*args, **kwargs)
-        # a trace swaps proxies into the user's modules and objects: every read of them (and
-        # every trace) holds the tracing lock, so no thread ever sees a proxy
+        # a trace swaps proxies into argument objects and undoes stores into modules: every
+        # read of module state and objects (and every trace) holds the tracing lock, so no
+        # thread ever sees a proxy
         with _TRACING:
             state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
             key, leaves = self._guard.key(args, kwargs, state)
@@ -203,18 +199,14 @@ class _Jitted:
 
     def _over_limit(self, args: tuple, kwargs: dict, reasons: list[str]):
         """A call past `cache_size_limit` specialisations: run it eagerly (warning once)."""
-        self._stats.eager_calls += 1
         target = self._module if self._module is not None else self._fn
-        if not self._warned_limit:
-            self._warned_limit = True
-            name = getattr(getattr(target, "forward", target), "__qualname__", repr(target))
-            warnings.warn(
-                f"fulmen: {name} has been compiled for {self._cache_size_limit} different calls "
-                f"(cache_size_limit); calls matching none of them run eagerly. The last "
-                f"retrace was because {'; '.join(reasons)}. Raise the limit with "
-                "fulmen.jit(..., cache_size_limit=N) or FULMEN_CACHE_SIZE_LIMIT, or keep that "
-                "value fixed between calls", stacklevel=4)
-        return target(*args, **kwargs)
+        name = getattr(getattr(target, "forward", target), "__qualname__", repr(target))
+        return self._run_eagerly(args, kwargs, "cache_size_limit", (
+            f"fulmen: {name} has been compiled for {self._cache_size_limit} different calls "
+            f"(cache_size_limit); calls matching none of them run eagerly. The last "
+            f"retrace was because {'; '.join(reasons)}. Raise the limit with "
+            "fulmen.jit(..., cache_size_limit=N) or FULMEN_CACHE_SIZE_LIMIT, or keep that "
+            "value fixed between calls"))
 
     def _trace(self, args: tuple, kwargs: dict):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff)."""
@@ -254,8 +246,7 @@ class _Jitted:
         return CacheEntry(compiled.fn, compiled.traces, program.tensor_positions, program.captured,
                           program.output_spec, seconds, grad_specs=grad_specs,
                           mutated_inputs=program.mutated_inputs, objects=program.objects,
-                          all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
-                          and all(isinstance(a, torch.Tensor) for a in args))
+                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
         """The pass pipeline on one trace: dce, user transforms, autodiff and
@@ -327,13 +318,11 @@ class _Jitted:
                 seconds[stage] = seconds.get(stage, 0.0) + value
             return compiled
 
-        tree = entry.fn if entry is not None else TraceTree(tuple(p.name for p in arg_proxies),
-                                                            compile_segment)
-        tree.compile_segment = compile_segment
+        tree = entry.fn if entry is not None else TraceTree(tuple(p.name for p in arg_proxies))
         segments = split_at_breaks(program.trace, program.requires_grad_names)
         epilogue = program.objects is not None and bool(program.objects.epilogue)
         path = tree.graft(segments, program.trace.output,
-                          None if epilogue else program.output_spec, constants)
+                          None if epilogue else program.output_spec, constants, compile_segment)
         if path is not None:
             path[-1].objects = program.objects
         _log_breaks(program.breaks)
@@ -355,8 +344,7 @@ class _Jitted:
         return CacheEntry(tree, [program.trace], program.tensor_positions, (),
                           program.output_spec if epilogue else None, seconds,
                           mutated_inputs=mutated, tree=True, objects=program.objects,
-                          all_leaves_are_inputs=not kwargs and len(program.tensor_positions) == len(args)
-                          and all(isinstance(a, torch.Tensor) for a in args))
+                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs))
 
     def _run_tree(self, entry: CacheEntry, args: tuple, kwargs: dict, inputs: list):
         """Run a trace tree; on a new answer, retrace from the root, graft, run again. A call
@@ -377,17 +365,19 @@ class _Jitted:
                     program = self._trace(args, kwargs)
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
-        return _RanEagerly(self._run_eagerly(args, kwargs, miss))
+        return _RanEagerly(self._run_eagerly(args, kwargs, "branches", (
+            f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
+            "different answers; calls taking a new answer run eagerly")))
 
-    def _run_eagerly(self, args: tuple, kwargs: dict, miss: PathMiss):
+    def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str):
+        """Run the original function or module on the call (no other thread traces
+        meanwhile); the first time for each `kind` of reason, warn with `warning`."""
         self._stats.eager_calls += 1
-        if not self._warned_eager:
-            self._warned_eager = True
-            warnings.warn(
-                f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
-                "different answers; calls taking a new answer run eagerly", stacklevel=4)
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(warning, stacklevel=5)
         target = self._module if self._module is not None else self._fn
-        with _TRACING:  # no other thread is tracing (with proxies in the module) meanwhile
+        with _TRACING:
             return target(*args, **kwargs)
 
 
@@ -396,6 +386,13 @@ class _RanEagerly:
     """The output of a call that ran eagerly (already the user's structure, stores done)."""
 
     value: Any
+
+
+def _all_leaves_are_inputs(program, args: tuple, kwargs: dict) -> bool:
+    """Whether the call's arguments are exactly the trace's leading tensor inputs (the fast
+    path of `_Jitted._call` passes them without picking)."""
+    return (not kwargs and len(program.tensor_positions) == len(args)
+            and all(isinstance(a, torch.Tensor) for a in args))
 
 
 def _log_breaks(breaks) -> None:

@@ -91,20 +91,17 @@ class TraceTree:
     tensors, then the module's parameters and buffers); it returns the program's output and
     the leaf it reached.
 
-    `compile_segment(trace) -> CompiledSegment` runs the pass pipeline on one segment.
-
     Raises:
         PathMiss: when a guard answers something no compiled path continues from.
     """
 
-    def __init__(self, arg_names: tuple[str, ...],
-                 compile_segment: Callable[[Trace], CompiledSegment]) -> None:
+    def __init__(self, arg_names: tuple[str, ...]) -> None:
         self.arg_names = arg_names
-        self.compile_segment = compile_segment
         self.root: SegmentNode | None = None
 
     def __call__(self, *args):
         env = dict(zip(self.arg_names, args))
+        real = _real(env)
         node = self.root
         while True:
             if node.constants:
@@ -116,18 +113,19 @@ class TraceTree:
             if node.op is not None:
                 _run_op(node.op, env)
             fn, guard_args, guard_kwargs = node.guard
-            answer = fn(*map_proxies(_real(env), guard_args), **map_proxies(_real(env), guard_kwargs))
+            answer = fn(*map_proxies(real, guard_args), **map_proxies(real, guard_kwargs))
             child = node.children.get(answer_key(answer))
             if child is None:
                 raise PathMiss(node, answer)
             node = child
-        out = map_proxies(_real(env), node.output)
+        out = map_proxies(real, node.output)
         if node.output_spec is not None:
             out = pytree.tree_unflatten(list(out), node.output_spec)
         return out, node
 
-    def _node(self, segment: Segment, constants: dict[str, torch.Tensor],
-              old: SegmentNode | None) -> SegmentNode:
+    @staticmethod
+    def _node(segment: Segment, constants: dict[str, torch.Tensor], old: SegmentNode | None,
+              compile_segment: Callable[[Trace], CompiledSegment]) -> SegmentNode:
         """A node for `segment`: `old` when it is the same segment and returns enough, else a
         freshly compiled one (keeping `old`'s continuations when only the outputs grew)."""
         needed = [p.name for p in segment.trace.output]
@@ -143,21 +141,23 @@ class TraceTree:
         guard = guard_inputs(segment.guard) if segment.guard is not None else None
         return SegmentNode(
             segment.fingerprint, tuple(p.name for p in trace.args),
-            tuple(p.name for p in trace.output), self.compile_segment(trace),
+            tuple(p.name for p in trace.output), compile_segment(trace),
             {name: constants[name] for name in _reads(segment) if name in constants},
             guard, children, reason=_reason(segment), op=segment.op)
 
     def graft(self, segments: list[Segment], output: Any, output_spec: Any,
-              constants: dict[str, torch.Tensor]) -> list[SegmentNode] | None:
+              constants: dict[str, torch.Tensor],
+              compile_segment: Callable[[Trace], CompiledSegment]) -> list[SegmentNode] | None:
         """Add the path `segments` (one traced path, cut at its breaks); return its nodes, or
-        None when a guard on it already has `MAX_BRANCHES` answers (the node is closed)."""
+        None when a guard on it already has `MAX_BRANCHES` answers (the node is closed).
+        `compile_segment(trace)` runs the pass pipeline on a segment not compiled yet."""
         path: list[SegmentNode] = []
         parent, key, old = None, None, self.root
         for segment in segments:
             if parent is not None and old is None and len(parent.children) >= MAX_BRANCHES:
                 parent.closed = True
                 return None
-            node = self._node(segment, constants, old)
+            node = self._node(segment, constants, old, compile_segment)
             if parent is None:
                 self.root = node
             else:

@@ -143,7 +143,9 @@ def object_key(root: Any, leaf_key) -> tuple:
     return tuple(parts)
 
 
-def _snapshot(container: Any) -> Any:
+def snapshot(container: Any) -> Any:
+    """A shallow copy of what `container` holds: a list's items, a dict's entries, a plain
+    object's attributes (None for anything else)."""
     if isinstance(container, list):
         return list(container)
     if isinstance(container, dict):
@@ -153,7 +155,18 @@ def _snapshot(container: Any) -> Any:
     return None
 
 
-def _restore(container: Any, saved: Any) -> None:
+def unchanged(container: Any, saved: Any) -> bool:
+    """Whether `container` holds the very objects its `snapshot` recorded."""
+    now = snapshot(container)
+    if saved is None or now is None:
+        return saved is now
+    if isinstance(now, list):
+        return len(now) == len(saved) and all(a is b for a, b in zip(now, saved))
+    return now.keys() == saved.keys() and all(now[key] is saved[key] for key in now)
+
+
+def restore(container: Any, saved: Any) -> None:
+    """Put back what `snapshot(container)` recorded, in place."""
     if isinstance(container, list):
         container[:] = saved
     elif isinstance(container, dict):
@@ -222,30 +235,31 @@ class Epilogue:
 class ObjectInputs:
     """The object arguments of one traced call (see the module docstring).
 
-    `roots` maps a flat argument index (or -1 for a bound method's `self`) to the object.
+    `roots` maps a flat argument index (or, negative, the position in `function_roots` of the
+    traced function: -1 is the first) to the object.
     """
 
     def __init__(self, roots: dict[int, Any]) -> None:
         self.roots = roots
         self.tensor_paths: list[tuple[int, tuple]] = []
-        self._saved: list[tuple[Any, Any]] = []
-        self._objects: dict[int, Any] = {}
-        self._containers: dict[int, tuple[int, tuple]] = {}
         self.epilogue = Epilogue()
+        self._saved: list[tuple[Any, Any, torch.Tensor]] = []  # (owner, step, real tensor)
+        self._objects: dict[int, Any] = {}  # every container walked, by id
+        self._snapshots: dict[int, tuple[Any, Any]] = {}
+        self._rekeyed: list[tuple[dict, list]] = []
 
     def swap_in(self, make_proxy) -> list[tuple[TensorProxy, torch.Tensor]]:
         """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`; return
         `(proxy, tensor)` pairs in input order."""
         pairs = []
+        existing = self.epilogue.existing
         for root_index, root in self.roots.items():
-            self._containers.setdefault(id(root), (root_index, ()))
             self._objects[id(root)] = root
-            self.epilogue.existing.setdefault(id(root), (root_index, ()))
+            existing.setdefault(id(root), (root_index, ()))
             for path, value in walk(root):
                 if _walkable(value):
-                    self._containers.setdefault(id(value), (root_index, path))
                     self._objects[id(value)] = value
-                    self.epilogue.existing.setdefault(id(value), (root_index, path))
+                    existing.setdefault(id(value), (root_index, path))
                 elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
                     owner = follow(root, path[:-1])
                     if isinstance(owner, tuple):
@@ -263,13 +277,12 @@ class ObjectInputs:
                         self.tensor_paths.append((root_index, grad_path))
                         pairs.append((grad, value.grad))
         self._rekey([proxy for proxy, _ in pairs], [tensor for _, tensor in pairs])
-        self._snapshots = {cid: (obj, _snapshot(obj)) for cid, obj in self._objects.items()}
+        self._snapshots = {cid: (obj, snapshot(obj)) for cid, obj in self._objects.items()}
         return pairs
 
     def _rekey(self, proxies: list, tensors: list) -> None:
         """Dicts keyed by a tensor that is now an input (`optimizer.state[param]`) are keyed
         by its proxy while tracing, so the traced code finds the entries."""
-        self._rekeyed: list[tuple[dict, list]] = []
         by_tensor = {id(t): p for p, t in zip(proxies, tensors)}
         for container in self._objects.values():
             if isinstance(container, dict) and any(id(k) in by_tensor for k in container):
@@ -280,13 +293,12 @@ class ObjectInputs:
 
     def record_stores(self) -> None:
         """Record the stores the traced code made into the objects (`epilogue.stores`)."""
-        for _, (obj, saved) in getattr(self, "_snapshots", {}).items():
-            if saved is None or isinstance(obj, tuple):
+        for obj, saved in self._snapshots.values():
+            if saved is None or unchanged(obj, saved):
                 continue
-            root, path = self._containers[id(obj)]
+            root, path = self.epilogue.existing[id(obj)]
             if isinstance(obj, list):
-                if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved)):
-                    self.epilogue.stores.append((root, path, None, list(obj)))
+                self.epilogue.stores.append((root, path, None, list(obj)))
                 continue
             now = dict(obj) if isinstance(obj, dict) else dict(vars(obj))
             kind = "key" if isinstance(obj, dict) else "attr"
@@ -301,12 +313,12 @@ class ObjectInputs:
 
     def finish_restore(self) -> None:
         """Put every object back as it was before tracing (real tensors, no proxies)."""
-        for _, (obj, saved) in getattr(self, "_snapshots", {}).items():
-            if saved is not None and not isinstance(obj, tuple):
-                _restore(obj, saved)
+        for obj, saved in self._snapshots.values():
+            if saved is not None:
+                restore(obj, saved)
         for owner, step, tensor in self._saved:
             _store(owner, step, tensor)
-        for container, items in getattr(self, "_rekeyed", ()):
+        for container, items in self._rekeyed:
             container.clear()
             container.update(items)
 

@@ -26,7 +26,15 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.mutation import WRITE_BACK
-from fulmen.tracer.objects import ObjectInputs, function_roots, is_plain_object, walk
+from fulmen.tracer.objects import (
+    ObjectInputs,
+    function_roots,
+    is_plain_object,
+    restore,
+    snapshot,
+    unchanged,
+    walk,
+)
 
 
 @dataclass
@@ -132,7 +140,7 @@ def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
     saved = []
     for name, sub in module.named_modules():
         attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
-        contents = {k: _snapshot_container(v) for k, v in attrs.items()}
+        contents = {k: snapshot(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
         saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
     failed = True
     try:
@@ -144,15 +152,15 @@ def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
             now = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
             for key, value in [*now.items(), *sub._buffers.items(), *sub._parameters.items()]:
                 before = attrs.get(key, buffers.get(key, params.get(key)))
-                changed = value is not before or not _same_container(value, contents.get(key))
+                changed = value is not before or (
+                    key in contents and not unchanged(value, contents[key]))
                 if changed and stored is None and _holds_proxy(value):
                     stored = f"{name + '.' if name else ''}{key}"
             for key in set(now) - set(attrs):
                 delattr(sub, key)
             vars(sub).update(attrs)
             for key, value in contents.items():
-                if value is not None:
-                    _restore_container(attrs[key], value)
+                restore(attrs[key], value)
             sub._parameters.clear()
             sub._parameters.update(params)
             sub._buffers.clear()
@@ -163,34 +171,6 @@ def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
                 "compiled call would not repeat that store", op="setattr",
                 hint="update a registered buffer in place (self.mem.copy_(...), "
                 "self.mem[...] = ...), or return the value and keep it outside the module")
-
-
-def _snapshot_container(value: Any):
-    """A shallow copy of a list or dict attribute (None for anything else)."""
-    if isinstance(value, list):
-        return list(value)
-    if isinstance(value, dict):
-        return dict(value)
-    return None
-
-
-def _same_container(value: Any, snapshot) -> bool:
-    if snapshot is None:
-        return True
-    now = _snapshot_container(value)
-    if now is None or len(now) != len(snapshot):
-        return False
-    if isinstance(now, list):
-        return all(a is b for a, b in zip(now, snapshot))
-    return now.keys() == snapshot.keys() and all(now[k] is snapshot[k] for k in now)
-
-
-def _restore_container(container: Any, snapshot) -> None:
-    if isinstance(container, list):
-        container[:] = snapshot
-    elif isinstance(container, dict):
-        container.clear()
-        container.update(snapshot)
 
 
 def _path_name(path, param_names: list[str]) -> str:
