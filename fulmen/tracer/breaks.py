@@ -42,7 +42,7 @@ _READABLE = {
 }  # fmt: skip
 
 
-def describe_call(fn, args: tuple, kwargs: dict) -> str:
+def describe_question(fn, args: tuple, kwargs: dict) -> str:
     """`bool(t17)`, `torch.nonzero(t3)`: a call as the break's reason names it."""
     name = _READABLE.get(fn) or torch_qualname(fn) or getattr(fn, "__qualname__", repr(fn))
     parts = [p.name if isinstance(p, Proxy) else repr(p) for p in args]
@@ -130,7 +130,7 @@ class BreakRecorder:
 
     def _record_guard(self, fn, expected: Any, args: tuple, kwargs: dict) -> None:
         source = user_source_location()
-        question = describe_call(fn, args, kwargs)
+        question = describe_question(fn, args, kwargs)
         self.ctx.bsyms.append(BoundSymbol(GUARD, (question, fn, expected, *args), dict(kwargs),
                                           None, (), source, frozenset()))
         self.breaks.append(BreakInfo(question, expected, source))

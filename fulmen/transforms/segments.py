@@ -46,11 +46,6 @@ def is_guard(bsym: BoundSymbol) -> bool:
     return GRAPH_BREAK_TAG in bsym.sym.tags
 
 
-def has_breaks(trace: Trace) -> bool:
-    """Whether `trace` holds a graph-break guard."""
-    return any(is_guard(bsym) for bsym in trace.bsyms)
-
-
 def _fingerprint(bsyms, guard: BoundSymbol | None, op: BoundSymbol | None) -> str:
     lines = [f"{statement_source(b)}  # {type_comment(b.output)}" for b in bsyms]
     if op is not None:
@@ -141,4 +136,4 @@ def guard_inputs(guard: BoundSymbol) -> tuple:
     return fn, tuple(args), dict(guard.kwargs)
 
 
-__all__ = ["Segment", "guard_inputs", "has_breaks", "split_at_breaks", "with_outputs"]
+__all__ = ["Segment", "guard_inputs", "split_at_breaks", "with_outputs"]
