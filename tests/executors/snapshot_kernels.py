@@ -1,0 +1,168 @@
+"""Dump every generated kernel source of the demo model and pythia-14m into a directory.
+
+    .venv/bin/python tests/executors/snapshot_kernels.py /tmp/kernels_before
+    diff -r /tmp/kernels_before /tmp/kernels_after
+
+The models (the GPT of `examples/train_gpt.py` with its default config, litgpt's pythia-14m with
+random weights as in `tests/models`) are traced with `executors=["codegen", "torch"]`: a
+training step (forward and backward traces) and a no-grad forward, float32, plus a bfloat16
+no-grad forward of pythia for the half-precision paths. Nothing is compiled (the compile policy
+waits for 10**9 calls): each fusion's kernel is rendered here, by the CPU target for a few
+layout classes and by the CUDA target for a few specs (rendering needs no GPU). Files are named
+`<case>/<trace>_<k>_<target>_<layout>.{cpp,cu}`, with `k` the fusion's position in its trace,
+so runs in different processes compare file by file. A kernel the CUDA target cannot render is
+recorded as a `.unsupported` file holding the reason.
+
+This is the byte-identity check of the codegen refactor (issue 17), kept as a tool for the next.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import fulmen  # noqa: E402
+from fulmen.executors.codegen import set_compile_policy  # noqa: E402
+
+
+def _renderers():
+    """(cpu_render(kernel, layout), cuda_render(kernel, spec), Spec, RowSpec, RowKernel,
+    vector_width, unsupported exception types) from whichever codegen layout is installed."""
+    try:  # the package layout of issue 17
+        from fulmen.executors.codegen.cpu import render as cpu_render
+        from fulmen.executors.codegen.cuda import RowSpec, Spec, render as cuda_render
+        from fulmen.executors.codegen.cuda import vector_width
+        from fulmen.executors.codegen.ir import RowKernel
+        from fulmen.executors.codegen.ops import Unsupported
+        return cpu_render, cuda_render, Spec, RowSpec, RowKernel, vector_width, (Unsupported,)
+    except ImportError:
+        from fulmen.executors.codegen import cpp, cpp_rows, cuda, cuda_rows
+        from fulmen.executors.codegen.ir import RowKernel
+        from fulmen.executors.codegen.lower import Unsupported
+
+        def cpu_render(kernel, layout):
+            if isinstance(kernel, RowKernel):
+                return cpp_rows.render_rows(kernel, layout)
+            return cpp.render(kernel, layout)
+
+        def cuda_render(kernel, spec):
+            if isinstance(spec, cuda_rows.RowSpec):
+                return cuda_rows.render_rows(kernel, spec)
+            return cuda.render(kernel, spec)
+
+        return (cpu_render, cuda_render, cuda.Spec, cuda_rows.RowSpec, RowKernel,
+                cuda.vector_width, (Unsupported, cuda.Unsupported, KeyError))
+
+
+def _cpu_layouts(kernel, RowKernel) -> dict[str, tuple]:
+    nacc, nout = len(kernel.accesses), len(kernel.outputs)
+    if isinstance(kernel, RowKernel):
+        rows = tuple(kernel.access_rows) + tuple(kernel.output_rows)
+        default = tuple(0 if row else 1 for row in rows)
+        strided = tuple(0 if row else 2 for row in rows)
+        return {"default": default, "strided": strided}
+    return {"default": (1,) * (nacc + nout), "strided": (2,) * (nacc + nout),
+            "broadcast": (0,) * nacc + (1,) * nout}
+
+
+def _cuda_specs(kernel, Spec, RowSpec, RowKernel, vector_width) -> dict[str, object]:
+    nacc, nout = len(kernel.accesses), len(kernel.outputs)
+    if isinstance(kernel, RowKernel):
+        rows = tuple(kernel.access_rows) + tuple(kernel.output_rows)
+        default = tuple(0 if row else 1 for row in rows)
+        columns = any(kernel.output_columns)
+        specs = {"default": RowSpec(1, 1, default, 256, False, 4 if columns else 0, "int")}
+        if not columns:
+            strided = tuple(0 if row else 2 for row in rows)
+            specs["split"] = RowSpec(2, 2, strided, 1024, True, 0, "long long")
+        return specs
+    default = (1,) * (nacc + nout)
+    return {"default": Spec(1, default, vector_width(kernel, default), "int"),
+            "strided": Spec(3, (2,) * (nacc + nout), 1, "long long"),
+            "broadcast": Spec(1, (0,) * nacc + (1,) * nout,
+                              vector_width(kernel, (0,) * nacc + (1,) * nout), "int")}
+
+
+def dump(traces: dict[str, object], out: Path) -> int:
+    """Render the kernels of every fusion of the execution traces into `out`; files written."""
+    cpu_render, cuda_render, Spec, RowSpec, RowKernel, vector_width, unsupported = _renderers()
+    out.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for label, trace in traces.items():
+        k = 0
+        for bsym in trace.bsyms:
+            lowered = getattr(bsym.sym.impl, "lowered", None)
+            if lowered is None:
+                continue
+            kernel = lowered.kernel
+            stem = f"{label}_{k:03d}"
+            (out / f"{stem}_ir.txt").write_text(str(kernel) + "\n")
+            for name, layout in _cpu_layouts(kernel, RowKernel).items():
+                (out / f"{stem}_cpu_{name}.cpp").write_text(cpu_render(kernel, layout))
+                written += 1
+            for name, spec in _cuda_specs(kernel, Spec, RowSpec, RowKernel, vector_width).items():
+                try:
+                    (out / f"{stem}_cuda_{name}.cu").write_text(cuda_render(kernel, spec))
+                except unsupported as error:
+                    (out / f"{stem}_cuda_{name}.unsupported").write_text(f"{error}\n")
+                written += 1
+            k += 1
+    return written
+
+
+def _train_step(jmodel, ids):
+    logits = jmodel(ids)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+    loss.backward()
+
+
+def cases():
+    """(case name, model factory, dtype, training?, ids) of each traced call."""
+    from train_gpt import make_model
+
+    from tests.models.test_real_models import VOCAB, pythia
+
+    def gpt():
+        return make_model(layers=2, width=128, heads=4, context=128)
+
+    return [("gpt_train", gpt, torch.float32, True, (2, 128), 256),
+            ("gpt_eval", gpt, torch.float32, False, (2, 128), 256),
+            ("pythia_train", pythia, torch.float32, True, (2, 16), VOCAB),
+            ("pythia_eval", pythia, torch.float32, False, (2, 16), VOCAB),
+            ("pythia_eval_bf16", pythia, torch.bfloat16, False, (2, 16), VOCAB)]
+
+
+def main(out: Path) -> None:
+    set_compile_policy("lazy", hot_calls=10**9)  # render only, never compile
+    total = 0
+    for name, make, dtype, training, shape, vocab in cases():
+        torch.manual_seed(0)
+        model = make().to(dtype)
+        model.train(training)
+        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+        jmodel = fulmen.jit(model, executors=["codegen", "torch"])
+        if training:
+            _train_step(jmodel, ids)
+            traces = {"fwd": fulmen.last_traces(jmodel)[-1],
+                      "bwd": fulmen.last_backward_traces(jmodel)[-1]}
+        else:
+            with torch.no_grad():
+                jmodel(ids)
+            traces = {"fwd": fulmen.last_traces(jmodel)[-1]}
+        count = dump(traces, out / name)
+        total += count
+        print(f"{name}: {count} sources")
+    print(f"{total} sources in {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("FULMEN_CACHE_DIR", "/tmp/fulmen-snapshot-cache")
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kernels"))
