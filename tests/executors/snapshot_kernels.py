@@ -140,9 +140,77 @@ def cases():
             ("pythia_eval_bf16", pythia, torch.bfloat16, False, (2, 16), VOCAB)]
 
 
+def op_kernels():
+    """One small pointwise kernel per supported (op, operand dtype) of the executor's prims,
+    every conversion pair, and pow by each constant exponent: the whole op table, rendered."""
+    from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op
+
+    try:
+        from fulmen.executors.codegen.ops import OPS
+        supported = {name: op.dtypes for name, op in OPS.items() if op.arity}
+    except ImportError:
+        from fulmen.executors.codegen.lower import SUPPORTED as supported
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+              torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+    boolean = {"eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "signbit",
+               "logical_not"}
+    unary = {"neg", "abs", "floor", "ceil", "round", "trunc", "sign", "logical_not", "isnan",
+             "isinf", "isfinite", "signbit", "bitwise_not", "exp", "exp2", "expm1", "log",
+             "log1p", "log2", "log10", "sqrt", "rsqrt", "sin", "cos", "tan", "asin", "acos",
+             "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc",
+             "reciprocal"}
+    kernels = {}
+    for name in sorted(supported):
+        if name in ("convert_element_type", "where"):
+            continue
+        for dtype in [d for d in dtypes if d in supported[name]]:
+            out = torch.bool if name in boolean else dtype
+            if name in unary:
+                acc, values = (Access(0, ()),), (Load(0, dtype), Op(name, (0,), out))
+            else:
+                acc = (Access(0, ()), Access(1, ()))
+                values = (Load(0, dtype), Load(1, dtype), Op(name, (0, 1), out))
+            kernels[f"{name}_{str(dtype)[6:]}"] = Kernel(acc, (dtype,) * len(acc), values,
+                                                         (len(values) - 1,))
+    for src in dtypes:
+        for dst in dtypes:
+            values = (Load(0, src), Op("convert_element_type", (0,), dst))
+            kernels[f"convert_{str(src)[6:]}_{str(dst)[6:]}"] = Kernel(
+                (Access(0, ()),), (src,), values, (1,))
+    for dtype in dtypes:
+        values = (Load(0, torch.bool), Load(1, dtype), Load(2, dtype), Op("where", (0, 1, 2), dtype))
+        kernels[f"where_{str(dtype)[6:]}"] = Kernel(
+            (Access(0, ()), Access(1, ()), Access(2, ())), (torch.bool, dtype, dtype), values, (3,))
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        for exponent in (2.0, 3.0, 0.5, -0.5, -1.0, -2.0, 1.0, 1.5, float("inf"), float("nan")):
+            edtype = torch.float64 if dtype == torch.float32 else dtype
+            values = (Load(0, dtype), Const(exponent, edtype), Op("pow", (0, 1), dtype))
+            kernels[f"pow_{str(dtype)[6:]}_{exponent}"] = Kernel(
+                (Access(0, ()),), (dtype,), values, (2,))
+    return kernels
+
+
+def dump_ops(out: Path) -> int:
+    """Render every kernel of `op_kernels` on both targets (errors recorded as text)."""
+    cpu_render, cuda_render, Spec, _, _, vector_width, _ = _renderers()
+    out.mkdir(parents=True, exist_ok=True)
+    for name, kernel in op_kernels().items():
+        n = len(kernel.accesses) + len(kernel.outputs)
+        for suffix, render, layout in (
+                ("cpp", cpu_render, (1,) * n),
+                ("cu", cuda_render, Spec(1, (1,) * n, vector_width(kernel, (1,) * n), "int"))):
+            try:
+                text = render(kernel, layout)
+            except Exception as error:  # noqa: BLE001 - the snapshot records every outcome
+                text = f"ERROR {type(error).__name__}: {error}\n"
+            (out / f"{name}.{suffix}").write_text(text)
+    return 2 * len(op_kernels())
+
+
 def main(out: Path) -> None:
     set_compile_policy("lazy", hot_calls=10**9)  # render only, never compile
-    total = 0
+    total = dump_ops(out / "ops")
+    print(f"ops: {total} sources")
     for name, make, dtype, training, shape, vocab in cases():
         torch.manual_seed(0)
         model = make().to(dtype)
