@@ -14,11 +14,11 @@ Every fulmen trace is runnable Python, so each stage can be run on the same inpu
 
 Tolerances are per dtype: `torch.testing.assert_close`'s values (x10 for gradients), and never
 tighter than one unit in the last place of the dtype, also when `rtol` is given (a 1-ulp
-bfloat16 difference is rounding, not a divergence). With low-precision inputs (float16,
-bfloat16) rounding differences can grow through a program (a sum that cancels); there `fn` is
-also run in float64 where it can be, and a result outside the tolerance still agrees when its
-error against float64 is at most twice eager's (root mean square; the rule of
-`torch._dynamo`'s accuracy checks).
+bfloat16 difference is rounding, not a divergence). Rounding differences can grow through a
+program (a sum that cancels, bfloat16 everywhere); so `fn` is also run in float64 where it can
+be, and a stage's result outside the tolerance still agrees when it passes the float64 rule of
+`fulmen.accuracy` (error vs float64 at most 2x eager's, 3x for float16/bfloat16, plus a small
+floor; the rule of `torch._dynamo`'s accuracy checks).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.accuracy import check_accuracy
 from fulmen.core import BoundSymbol, FulmenError, Symbol, Trace
 from fulmen.core.interpret import interpret
 from fulmen.core.printer import print_trace, statement_source
@@ -118,26 +119,13 @@ def _close(a: torch.Tensor, e: torch.Tensor, rtol: float, atol: float) -> tuple[
     return ok, worst
 
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_REFERENCE_MULTIPLIER = 2.0
-
-
-def _rmse(a: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((a.detach().double() - reference.detach().double()).square().mean().sqrt())
-
-
 def _as_accurate(a: torch.Tensor, e: torch.Tensor, reference) -> bool:
-    """Whether `a` is at most twice as far from the float64 `reference` as eager's `e` is
-    (root mean square; only for low-precision results with a finite reference)."""
-    if not isinstance(reference, torch.Tensor) or e.dtype not in _LOW_PRECISION \
-            or reference.shape != e.shape or not torch.isfinite(reference).all():
+    """Whether `a` is as accurate as eager's `e` by the float64 rule (`fulmen.accuracy`):
+    against the float64 `reference`, at most 2x eager's error (3x for float16/bfloat16) plus
+    a small floor. False without a usable reference."""
+    if not isinstance(reference, torch.Tensor) or not e.is_floating_point():
         return False
-    if not (torch.isfinite(a) == torch.isfinite(e)).all():
-        return False
-    finite = torch.isfinite(e)
-    a, e, reference = a[finite], e[finite], reference[finite]
-    eager_error = _rmse(e, reference)
-    return _rmse(a, reference) <= _REFERENCE_MULTIPLIER * eager_error + torch.finfo(e.dtype).tiny
+    return check_accuracy(a, e, reference).ok
 
 
 def _compare(actual, expected, rtol, atol, scale=1.0, reference=None) -> tuple[bool, float, str]:
@@ -354,15 +342,15 @@ if __name__ == "__main__":
 
 
 def _float64_run(fn, args, kwargs):
-    """`(inputs requiring grad, outputs)` of `fn` run on float64 copies of its low-precision
-    floating inputs, or None when there are none or `fn` does not compute in float64 then
-    (it holds low-precision tensors of its own, or fails)."""
+    """`(inputs requiring grad, outputs)` of `fn` run on float64 copies of its floating inputs,
+    or None when there are none below float64 or `fn` does not compute in float64 then (it
+    holds lower-precision tensors of its own, or fails)."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if not any(t.dtype in _LOW_PRECISION for t in leaves):
+    if not any(t.is_floating_point() and t.dtype != torch.float64 for t in leaves):
         return None
 
     def widen(leaf):
-        if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             return leaf.detach().double().requires_grad_(leaf.requires_grad)
         return leaf
 

@@ -1,10 +1,12 @@
 """Checking a model case against eager: `check_case` runs it eagerly, through `fulmen.jit`
 and (when values differ beyond a tight tolerance) in float64, and raises `Mismatch` unless
-fulmen's error vs float64 is within the float64 rule; `minimize` reduces a failing case and
-`repro` writes it as a standalone script."""
+fulmen's error vs float64 is within the float64 rule (`fulmen.accuracy.check_accuracy`, with
+eager's mean error over the record's group as the noise level); `minimize` reduces a failing
+case and `repro` writes it as a standalone script."""
 
 import torch
 
+from fulmen.accuracy import check_accuracy, rms, tight
 from tests.fuzz.model_cases import run_sequence, smaller
 from tests.fuzz.models import Case, build
 
@@ -25,47 +27,10 @@ class InvalidCase(Exception):
     """Eager itself fails on the case: a bug of the generator, not of fulmen."""
 
 
-_TIGHT = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
-          torch.float16: (1e-3, 1e-5),
-          torch.float64: (1e-7, 1e-7)}
-# the fp64 rule: fulmen's error vs float64 may be at most MULTIPLIER x eager's, plus a floor
-# relative to the reference's magnitude
-_MULTIPLIER = {torch.float32: 2.0, torch.bfloat16: 3.0, torch.float16: 3.0}
-_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-
-
-def _rms(t):
-    return float(t.double().square().mean().sqrt()) if t.numel() else 0.0
-
-
-def _tight(a, e) -> bool:
-    if not e.is_floating_point():
-        return torch.equal(a, e)
-    rtol, atol = _TIGHT[e.dtype]
-    return torch.allclose(a.double(), e.double(), rtol=rtol, atol=atol, equal_nan=True)
-
-
-def _accurate(a, e, ref, low_precision: bool, noise: float = 0.0) -> tuple[bool, str]:
-    """The float64 accuracy rule (torch._dynamo's): |fulmen - fp64| <= k |eager - fp64| + floor,
-    as root mean squares; k = 2 for float32, 3 where bf16 took part. `noise`: eager's mean error
-    over the tensor's group (the call's gradients, say) stands in for a tensor's own when that
-    is smaller: a value that cancels to ~0 (a conv bias before batch norm) can have an eager
-    error far below its terms' rounding by luck."""
-    if ref is None or ref.shape != e.shape or not torch.isfinite(ref).all():
-        return False, "no finite float64 reference"
-    if not (torch.isfinite(a) == torch.isfinite(e)).all():
-        return False, "non-finite values differ"
-    dtype = torch.bfloat16 if low_precision or e.dtype != torch.float32 else torch.float32
-    ref = ref.double()
-    a_err, e_err = _rms(a.double() - ref), _rms(e.double() - ref)
-    bound = _MULTIPLIER[dtype] * max(e_err, noise) + _FLOOR[dtype] * _rms(ref) + 1e-7
-    return a_err <= bound, f"rms error vs fp64 {a_err:.3g}, eager's {e_err:.3g}, bound {bound:.3g}"
-
-
 def _group_noise(expected, reference, what) -> float:
     """Eager's mean rms error vs float64 over the records of `what`'s call and kind."""
     group = what.split()[:3]
-    errors = [_rms(e.double() - r.double()) for (w, e), (_, r) in zip(expected, reference)
+    errors = [rms(e.double() - r.double()) for (w, e), (_, r) in zip(expected, reference)
               if w.split()[:3] == group and e is not None and r is not None
               and e.is_floating_point() and e.shape == r.shape and torch.isfinite(r).all()]
     return sum(errors) / len(errors) if errors else 0.0
@@ -117,18 +82,18 @@ def check_case(case: Case, executors=("torch",)) -> None:
         if a.shape != e.shape or a.dtype != e.dtype:
             raise Mismatch(f"metadata: {kind}", f"{what}: {a.dtype}{list(a.shape)} vs "
                                                  f"{e.dtype}{list(e.shape)}")
-        if _tight(a, e):
+        if tight(a, e):
             continue
         if not e.is_floating_point():
             raise Mismatch(f"value: {kind}", f"{what}: {a.tolist()} vs {e.tolist()}")
         if reference is None:
             reference = run_reference(case)
-        ok, detail = _accurate(a, e, reference[index][1], low_precision,
-                               _group_noise(expected, reference, what))
-        if not ok:
+        result = check_accuracy(a, e, reference[index][1], low_precision or None,
+                                _group_noise(expected, reference, what))
+        if not result.ok:
             raise Mismatch(f"value: {kind}", f"{what}: max |fulmen - eager| "
                                              f"{float((a.double() - e.double()).abs().max()):.3g}; "
-                                             f"{detail}")
+                                             f"{result.detail}")
 
 
 def failure_of(case: Case, executors) -> Mismatch | None:
