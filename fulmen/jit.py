@@ -64,6 +64,7 @@ class CacheEntry:
     mutated_inputs: tuple[int, ...] = ()
     tree: bool = False  # `fn` is a TraceTree (the program has graph breaks)
     objects: ObjectInputs | None = None  # object arguments: inputs read through them, epilogue
+    offset_reads: frozenset[int] = frozenset()  # arguments whose storage_offset() was read
 
 
 @dataclass
@@ -139,6 +140,8 @@ class _Jitted:
                 if len(self._cache) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
                 entry = self._compile(args, kwargs)
+                if self._guard.guard_offsets(entry.offset_reads):  # key them from now on
+                    key, leaves = self._guard.key(args, kwargs, state)
                 self._cache[key] = entry
             else:
                 stats.cache_hits += 1
@@ -246,7 +249,8 @@ class _Jitted:
         return CacheEntry(compiled.fn, compiled.traces, program.tensor_positions, program.captured,
                           program.output_spec, seconds, grad_specs=grad_specs,
                           mutated_inputs=program.mutated_inputs, objects=program.objects,
-                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs))
+                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
+                          offset_reads=program.offset_reads)
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
         """The pass pipeline on one trace: dce, user transforms, autodiff and
@@ -344,7 +348,8 @@ class _Jitted:
         return CacheEntry(tree, [program.trace], program.tensor_positions, (),
                           program.output_spec if epilogue else None, seconds,
                           mutated_inputs=mutated, tree=True, objects=program.objects,
-                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs))
+                          all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
+                          offset_reads=program.offset_reads)
 
     def _run_tree(self, entry: CacheEntry, args: tuple, kwargs: dict, inputs: list):
         """Run a trace tree; on a new answer, retrace from the root, graft, run again. A call
@@ -365,6 +370,9 @@ class _Jitted:
                     program = self._trace(args, kwargs)
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
+                    # a new path that read offsets: later calls are keyed by them (this entry,
+                    # keyed without, is then never hit again)
+                    self._guard.guard_offsets(program.offset_reads)
         return _RanEagerly(self._run_eagerly(args, kwargs, "branches", (
             f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
             "different answers; calls taking a new answer run eagerly")))

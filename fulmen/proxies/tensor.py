@@ -48,6 +48,9 @@ METADATA_FUNCTIONS = frozenset(
 )
 
 
+_STORAGE_OFFSET = _T.storage_offset
+
+
 def dtype_short_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `'f32'` (the notation of type comments)."""
     return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
@@ -86,6 +89,7 @@ class TensorProxy(torch.Tensor, Proxy):
         *,
         requires_grad: bool = False,
         strides=None,
+        storage_offset: int = 0,
     ):
         shape = tuple(int(size) for size in shape)
         strides = contiguous_strides(shape) if strides is None else tuple(strides)
@@ -96,6 +100,7 @@ class TensorProxy(torch.Tensor, Proxy):
             dtype=dtype,
             device=torch.device(device),
             requires_grad=requires_grad,
+            storage_offset=storage_offset,
         )
         if name is None:
             ctx = get_tracectx()
@@ -148,6 +153,15 @@ class TensorProxy(torch.Tensor, Proxy):
 
     def __deepcopy__(self, memo):
         raise FulmenError("a traced tensor cannot be deep-copied while tracing", op="copy.deepcopy")
+
+    def storage_offset(self) -> int:
+        """The offset of the tensor's first element in its storage (elements). An input's offset
+        is guarded only when the program reads it (the tracer's `offset_reads`): slices of one
+        buffer at different offsets otherwise share a compilation."""
+        reads = getattr(get_tracectx(), "offset_reads", None)
+        if reads is not None:
+            reads.add(self.name)
+        return _STORAGE_OFFSET(self)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -2,7 +2,7 @@
 
 A trace is valid for another call when the key of that call equals the key it was traced under.
 The key covers the input tree's structure; for each tensor its shape, dtype, device,
-requires_grad and layout class (contiguous or not); the values of Python scalars and other
+requires_grad and strides (and its storage offset where a program read it); the values of Python scalars and other
 constants; grad mode, autocast state and the default dtype; and, for modules, the `training`
 flag of every submodule.
 
@@ -30,7 +30,13 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _tensor_key(t: Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())
+    # the strides, not only contiguity: code reads `x.stride(0)` and
+    # `is_contiguous(memory_format=...)`, and in-place updates of views depend on them
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
+
+
+def _object_tensor_key(t: Tensor) -> tuple:
+    return (*_tensor_key(t), t.storage_offset())
 
 
 def _float_key(value: float) -> Any:
@@ -51,13 +57,17 @@ def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, complex):
         return (complex, _float_key(leaf.real), _float_key(leaf.imag))
     if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded
-        return object_key(leaf, _leaf_key)
+        return object_key(leaf, _object_leaf_key)
     if isinstance(leaf, Hashable):
         try:
             return (type(leaf), leaf)
         except TypeError:
             pass
     return (type(leaf), id(leaf))
+
+
+def _object_leaf_key(leaf: Any) -> Any:
+    return _object_tensor_key(leaf) if isinstance(leaf, Tensor) else _leaf_key(leaf)
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -116,6 +126,16 @@ class CacheKeyBuilder:
             getattr(inner, "__closure__", None))
         self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
+        # flattened-argument positions whose storage offsets a compiled program read (-1: the
+        # module's parameters and buffers); `guard_offsets` adds them as traces reveal them
+        self.offset_positions: frozenset[int] = frozenset()
+
+    def guard_offsets(self, positions: frozenset[int]) -> bool:
+        """Key the storage offsets at `positions` from now on; whether that is new."""
+        if positions <= self.offset_positions:
+            return False
+        self.offset_positions |= positions
+        return True
 
     def global_key(self) -> tuple:
         """Grad mode, default dtype, autocast state, module training flags, and the Python
@@ -137,13 +157,17 @@ class CacheKeyBuilder:
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
         global_key = self.global_key()
+        offsets = self.offset_positions
         state_key = tuple([t.requires_grad for t in state]) if state else ()
-        if not kwargs:
+        if offsets and -1 in offsets:
+            state_key += tuple([t.storage_offset() for t in state])
+        if not kwargs and not offsets:
             tensor_keys = [_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors
                 return (len(args), global_key, state_key, *tensor_keys), args
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        leaf_keys = tuple([_leaf_key(leaf) for leaf in leaves])
+        leaf_keys = tuple([_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
+                           for i, leaf in enumerate(leaves)])
         return (spec, global_key, state_key, leaf_keys), leaves
 
 
@@ -167,7 +191,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             described[f"{name}.dtype"] = leaf.dtype
             described[f"{name}.device"] = leaf.device
             described[f"{name}.requires_grad"] = leaf.requires_grad
-            described[f"{name}.is_contiguous()"] = leaf.is_contiguous()
+            described[f"{name}.stride()"] = leaf.stride()
         else:
             described[name] = leaf
     return described

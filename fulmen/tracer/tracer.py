@@ -58,6 +58,8 @@ class TracedProgram:
         objects: the object arguments (`fulmen.tracer.objects`): the tensors inside them are
             trace inputs after the call's tensor leaves; when its epilogue has stores or
             rebuilt outputs, the trace returns `(output_leaves, epilogue_values)`.
+        offset_reads: positions (as `tensor_positions`) of the arguments whose
+            `storage_offset()` the program read; -1 when it read a parameter's or buffer's.
     """
 
     trace: Trace
@@ -71,6 +73,17 @@ class TracedProgram:
     breaks: tuple[BreakInfo, ...] = ()
     requires_grad_names: frozenset[str] = frozenset()
     objects: ObjectInputs | None = None
+    offset_reads: frozenset[int] = frozenset()
+
+
+def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
+    """The flattened-argument positions of the inputs whose `storage_offset()` was read, with
+    `-1` standing for any parameter or buffer of the module (object tensors are always keyed
+    by their offsets)."""
+    at = dict(zip([proxy.name for proxy in inputs], positions))
+    state_names = {proxy.name for proxy in state.values()}
+    return frozenset([at[name] for name in read if name in at]
+                     + [-1 for name in read if name in state_names])
 
 
 def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
@@ -276,6 +289,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     """
     start = time.perf_counter()
     ctx = TracerCtx(name) if ctx is None else ctx
+    ctx.offset_reads = set()  # inputs whose storage_offset() the program read (to be guarded)
     target = module.forward if module is not None else fn
     param_names = _positional_names(target)
     leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
@@ -287,7 +301,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         if isinstance(leaf, torch.Tensor):
             proxy = TensorProxy(ctx.names.named(_path_name(path, param_names)), leaf.shape,
                                 leaf.dtype, leaf.device, requires_grad=leaf.requires_grad,
-                                strides=leaf.stride())
+                                strides=leaf.stride(), storage_offset=leaf.storage_offset())
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)
@@ -310,7 +324,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                              for _, key in path)
             proxy = TensorProxy(ctx.names.named(f"{label}_{steps}"), tensor.shape, tensor.dtype,
                                 tensor.device, requires_grad=tensor.requires_grad,
-                                strides=tensor.stride())
+                                strides=tensor.stride(), storage_offset=tensor.storage_offset())
             ctx.add_input(proxy)
             return proxy
 
@@ -323,7 +337,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         tensor = slot.get()
         state[id(tensor)] = TensorProxy(ctx.names.named(slot.qualname), tensor.shape,
                                         tensor.dtype, tensor.device,
-                                        requires_grad=tensor.requires_grad, strides=tensor.stride())
+                                        requires_grad=tensor.requires_grad, strides=tensor.stride(),
+                                        storage_offset=tensor.storage_offset())
         ctx.add_input(state[id(tensor)])
         state_names.append(slot.qualname)
 
@@ -371,4 +386,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          output_spec, seconds, mutated_inputs=mutated,
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
                          requires_grad_names=frozenset(ctx.requires_grad_names),
-                         objects=objects if objects.roots or objects.epilogue else None)
+                         objects=objects if objects.roots or objects.epilogue else None,
+                         offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state))
