@@ -17,6 +17,7 @@ A `FusionExecutor` instead groups neighbouring claimable statements into fusion 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +169,26 @@ class FusionExecutor(Executor):
     `fuse(region, outputs) -> BoundSymbol | None` (the fused statement computing `outputs`
     from the region's inputs, or None to leave the region unfused); `can_fuse_region(region)`
     may veto a merge. The shared partitioner (`fulmen.transforms.fusion`) calls them.
+
+    The fusion-symbol registry is shared: `fusion_statement` makes the symbol
+    `<executor>.fusionN` of a region (printed traces find it as an attribute of the executor)
+    and the statement calling it; `fallback_callable` runs a region's own trace with an operator
+    executor, for fusions that cannot run their kernel.
+
+        name = self.next_fusion_name()
+        return self.fusion_statement(name, MyRegion(name, ...), region, inputs, outputs)
     """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.fusions: dict[str, Symbol] = {}
+        self._fusion_ids = itertools.count()
+
+    def __getattr__(self, name: str) -> Symbol:
+        fusions = self.__dict__.get("fusions", {})
+        if name in fusions:
+            return fusions[name]
+        raise AttributeError(f"executor {self.__dict__.get('name')!r} has no fusion {name!r}")
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         raise NotImplementedError
@@ -183,6 +203,36 @@ class FusionExecutor(Executor):
         """Fuse the regions of `trace` this executor can fuse; statements claimed by the
         operator executors `before` (ahead of this one in the priority list) stay as they are."""
         return partition_for_fusion(trace, self, before)
+
+    def next_fusion_name(self) -> str:
+        """A fresh fusion name of this executor: `fusion0`, `fusion1`, ..."""
+        return f"fusion{next(self._fusion_ids)}"
+
+    def fusion_statement(self, name: str, impl: Callable, region: list[BoundSymbol],
+                         inputs: Sequence, outputs: Sequence) -> BoundSymbol:
+        """Register the fusion symbol `name` running `impl` and return the statement that calls
+        it on `inputs`, computing `outputs`, with the region as its subsymbols."""
+        output = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        sym = Symbol(name, None, namespace=self.namespace, python_name=f"{self.name}.{name}",
+                     impl=impl, tags={"fusion"}, executor=self)
+        self.fusions[name] = sym
+        return BoundSymbol(sym, tuple(inputs), {}, output, tuple(region), region[0].source)
+
+    @staticmethod
+    def fallback_callable(body: Trace, executor: OperatorExecutor) -> Callable:
+        """A callable running `body` (a fusion region's own trace) with `executor`, which
+        claims every statement of it (the torch executor runs every prim).
+
+        Raises:
+            ValueError: if `executor` leaves a statement of `body` unclaimed.
+        """
+        bsyms = []
+        for bsym in body.bsyms:
+            claimed = executor.claim(bsym)
+            if claimed is None:
+                raise ValueError(f"{executor.name} cannot run {bsym.sym.name} of {body.name}")
+            bsyms.append(claimed)
+        return body.replace(bsyms=tuple(bsyms)).python_callable()
 
 
 def _meta_like(sym: Symbol) -> Callable[..., Any]:

@@ -37,9 +37,9 @@ def _renderers():
     """(cpu_render(kernel, layout), cuda_render(kernel, spec), Spec, RowSpec, RowKernel,
     vector_width, unsupported exception types) from whichever codegen layout is installed."""
     try:  # the package layout of issue 17
-        from fulmen.executors.codegen.cpu import render as cpu_render
-        from fulmen.executors.codegen.cuda import RowSpec, Spec, render as cuda_render
-        from fulmen.executors.codegen.cuda import vector_width
+        from fulmen.executors.codegen.cpu import render_any as cpu_render
+        from fulmen.executors.codegen.cuda import RowSpec, Spec, vector_width
+        from fulmen.executors.codegen.cuda import render_any as cuda_render
         from fulmen.executors.codegen.ir import RowKernel
         from fulmen.executors.codegen.ops import Unsupported
         return cpu_render, cuda_render, Spec, RowSpec, RowKernel, vector_width, (Unsupported,)

@@ -1,53 +1,75 @@
-"""The codegen executor: fusion regions of prims -> generated C++ kernels for CPU tensors.
+"""The codegen executor: fusion regions of prims -> generated kernels (C++ for CPU tensors,
+CUDA C++ for CUDA tensors).
 
     jfn = fulmen.jit(fn, executors=["codegen", "torch"])
     jfn(x, w)
     print(fulmen.last_traces(jfn)[-1])      # t3 = codegen.fusion0(x, w), its prims as comments
-    print(fulmen.last_kernels(jfn)["fusion0"])  # the generated C++
+    print(fulmen.last_kernels(jfn)["fusion0"])  # the generated source
 
-The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions;
-`lower.py` turns a pointwise region into the kernel IR (`ir.py`) and `rows.py` a region with
-reductions (the normalisation schedule); `cpp.py` / `cpp_rows.py` render them, `build.py`
-builds them, `cache.py` keeps them on disk (`FULMEN_CACHE_DIR`; private, verified before
-loading), and `runtime.py` calls them. A new kernel costs a C++ compile of about a second, so by
-default (`policy.py`: `set_compile_policy`) a region runs its prims on the torch executor until
-it is hot, while its kernel compiles in the background.
+The package reads as the pipeline (each module imports only those above it):
+
+    ops.py      the kernel op table (arity, dtypes, common C spellings) and fusibility
+    ir.py       the kernel IR;  lower.py / rows.py: a region -> a pointwise / row kernel
+    target.py   `Target`: how one dialect spells IR values (types, literals, loads, ops)
+    build.py    when kernels compile, the compile threads, build keys;  cache.py: the disk cache
+    region.py   what every fused-region callable shares (strides, outputs, the fallback)
+    cpu/        the C++ target: render, rows, compiler, output pool, runtime
+    cuda/       the CUDA target: render, rows, NVRTC, runtime
+
+The shared partitioner (`fulmen.transforms.fusion`) groups fusible prims into regions; a prim is
+fusible when the op table lists it for its dtype and the target of its device spells it, so a
+fused region always renders. A new CPU kernel costs a C++ compile of about a second, so by
+default (`build.py`: `set_compile_policy`) a region runs its prims on the torch executor until it
+is hot, while its kernel compiles in the background.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 
-from fulmen.core import BoundSymbol, Symbol, Trace
+import torch
+
+from fulmen.core import BoundSymbol, Trace
 from fulmen.executors.base import FusionExecutor
-from fulmen.executors.codegen import nvrtc
-from fulmen.executors.codegen.lower import REDUCTIONS, Unsupported, fits_pointwise, fusible
-from fulmen.executors.codegen.policy import set_compile_policy
+from fulmen.executors.codegen.build import set_compile_policy
+from fulmen.executors.codegen.cpu import CPU, FusedRegion
+from fulmen.executors.codegen.cuda import CUDA, CudaFusedRegion
+from fulmen.executors.codegen.lower import fits_pointwise
+from fulmen.executors.codegen.ops import REDUCTIONS, Unsupported, fusible
+from fulmen.executors.codegen.region import RegionCallable
 from fulmen.executors.codegen.rows import lower_any
-from fulmen.executors.codegen.runtime import FusedRegion
-from fulmen.executors.registry import register_executor
+from fulmen.executors.codegen.target import Target
+from fulmen.executors.registry import get_executor, register_executor
 
 __all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources", "set_compile_policy",
-           "wait_for_kernels"]
+           "target_of", "wait_for_kernels"]
 
-_fusion_ids = itertools.count()
+# device type -> (target, the callable class of its fusions)
+TARGETS: dict[str, tuple[Target, type]] = {"cpu": (CPU, FusedRegion),
+                                           "cuda": (CUDA, CudaFusedRegion)}
+
+
+def target_of(bsym: BoundSymbol) -> Target | None:
+    """The target rendering `bsym`'s kernels: that of the one device of its tensors, when the
+    target can build kernels here; else None (`bsym` is not fused)."""
+    devices = {a.device for a in bsym.args if isinstance(a, torch.Tensor)}
+    if len(devices) != 1:
+        return None
+    target = TARGETS.get(next(iter(devices)).type, (None, None))[0]
+    return target if target is not None and target.available() else None
+
+
+def _on_torch(body: Trace):
+    """The fallback of a codegen fusion: its region's own trace run by the torch executor."""
+    return FusionExecutor.fallback_callable(body, get_executor("torch"))
 
 
 class CodegenExecutor(FusionExecutor):
-    """Fuses elementwise prims (and the views feeding them) into one C++ loop per region."""
-
-    def __init__(self, name: str = "codegen") -> None:
-        super().__init__(name)
-        self.fusions: dict[str, Symbol] = {}
-
-    def __getattr__(self, name: str) -> Symbol:
-        fusions = self.__dict__.get("fusions", {})
-        if name in fusions:
-            return fusions[name]
-        raise AttributeError(f"executor {self.__dict__.get('name')!r} has no fusion {name!r}")
+    """Fuses elementwise prims, the views feeding them and row reductions into one kernel per
+    region, rendered for the region's device by its target."""
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        return fusible(bsym) or nvrtc.fusible(bsym)  # nvrtc: regions of CUDA tensors
+        return fusible(bsym, target_of(bsym))
 
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
         if not any(bsym.sym.name in REDUCTIONS for bsym in region):
@@ -67,16 +89,14 @@ class CodegenExecutor(FusionExecutor):
             return None
         if not lowered.kernel.outputs:
             return None
-        name = f"fusion{next(_fusion_ids)}"
+        name = self.next_fusion_name()
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
         body = Trace(name, tuple(lowered.inputs), tuple(region), output,
                      provenance=f"fusion region of {self.name}")
         on_cuda = any(p.device.type == "cuda" for p in lowered.inputs)
-        impl = (nvrtc.CudaFusedRegion if on_cuda else FusedRegion)(name, lowered, body)
-        sym = Symbol(name, None, namespace=self.namespace, python_name=f"{self.name}.{name}",
-                     impl=impl, tags={"fusion"}, executor=self)
-        self.fusions[name] = sym
-        return BoundSymbol(sym, tuple(lowered.inputs), {}, output, tuple(region), region[0].source)
+        runtime = TARGETS["cuda" if on_cuda else "cpu"][1]
+        impl = runtime(name, lowered, functools.partial(_on_torch, body))
+        return self.fusion_statement(name, impl, region, lowered.inputs, outputs)
 
 
 def kernel_sources(*traces: Trace) -> dict[str, str]:
@@ -91,7 +111,7 @@ def kernel_sources(*traces: Trace) -> dict[str, str]:
     for trace in traces:
         for bsym in trace.bsyms:
             impl = bsym.sym.impl
-            if isinstance(impl, (FusedRegion, nvrtc.CudaFusedRegion)):
+            if isinstance(impl, RegionCallable):
                 sources[bsym.sym.name] = "\n".join(impl.sources.values())
     return sources
 
@@ -105,4 +125,4 @@ def wait_for_kernels(*traces: Trace) -> None:
                 bsym.sym.impl.wait()
 
 
-codegen_ex = register_executor(CodegenExecutor())
+codegen_ex = register_executor(CodegenExecutor("codegen"))

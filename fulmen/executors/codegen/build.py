@@ -1,183 +1,115 @@
-"""Compile C++ kernel sources with the system compiler and load them with ctypes.
+"""Building kernels, for every target: when they compile, the threads that compile them, and
+the keys of their builds.
 
-Shared objects are cached on disk (`cache.py`: `FULMEN_CACHE_DIR`, else
-`$XDG_CACHE_HOME/fulmen`, else `~/.cache/fulmen`), in entries keyed by the hash of the source,
-the compiler command, the compiler's version and the CPU's feature line, so a warm cache skips
-the compiler. Entries are written atomically and authenticated before they are loaded (NOTE
-[kernel cache trust] in `cache.py`): a truncated, corrupt or planted object is rebuilt, never
-loaded. Loaded libraries are kept in memory by the same key. `CompileError` reports a missing
-compiler, a failed build, or a cache that cannot be used at all.
+`policy` says when a region's kernel is built (`set_compile_policy`, or the environment
+variables `FULMEN_CODEGEN_COMPILE` and `FULMEN_CODEGEN_HOT_CALLS`; see `cpu/runtime.py`).
+`submit` runs a build on the compile threads; builds are shared by key, so identical regions
+(repeated layers) build their kernel once even while the first build is still running.
+`digest(*parts)` names a disk-cache entry (`cache.py`) after everything its object depends on
+(source, options, toolchain).
+
+The CPU runtime, its output pool and the CUDA compiler build through here; this module imports
+nothing else of codegen.
+
+NOTE [fork]: a child made by `fork()` has only the thread that forked, so the parent's compile
+threads do not exist in it, and a build running in the parent never finishes in the child. After
+a fork the child gets a fresh thread pool and forgets the builds that were unfinished; whoever
+asks for one again (`submit` with the same key) starts it anew in the child.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import threading
-from pathlib import Path
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from fulmen.executors.codegen import cache
-
-CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared",
-             "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-ffp-contract=off")  # fmt: skip
-# -fno-math-errno only stops libm setting errno (so sqrt vectorises); -fno-trapping-math lets
-# the compiler turn selects (where, maximum, clamps) into vector blends, assuming no FP trap is
-# enabled (none is in torch); -fwrapv makes signed overflow wrap as torch's integer ops do.
-# None changes an IEEE result; -ffp-contract=off keeps a * b + c two rounded operations (no
-# FMA), as eager computes it.
-
-_ARGTYPES = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-             ctypes.c_int64]  # fmt: skip
-_loaded: dict[str, ctypes.CDLL] = {}
-_lock = threading.Lock()
-KIND = "cpp"  # the cache's directory of C++ kernels
-_OBJECT = "kernel.so"
-_FEATURE_LINES = ("flags", "features", "isa")
+import torch
 
 
-class CompileError(RuntimeError):
-    """The C++ compiler is missing or failed on a kernel."""
+@dataclass
+class CompilePolicy:
+    """When kernels compile (see `runtime.py`): `mode` "lazy" or "eager"; in lazy mode a
+    region's kernel starts compiling at its `hot_calls`-th call."""
+
+    mode: str = "lazy"
+    hot_calls: int = 3
 
 
-def cache_dir() -> Path:
-    """The directory of the C++ kernel cache (`cache.root() / "cpp"`, created private; in a
-    private temporary directory when the configured one cannot be used safely)."""
-    return cache.kind_dir(KIND)
+policy = CompilePolicy(os.environ.get("FULMEN_CODEGEN_COMPILE", "lazy"),
+                       int(os.environ.get("FULMEN_CODEGEN_HOT_CALLS", "3")))
 
 
-def compiler() -> str | None:
-    """The C++ compiler command (`CXX`, else `g++` or `c++` on PATH), or None."""
-    return _find_compiler(os.environ.get("CXX"), os.environ.get("PATH"))
+def set_compile_policy(mode: str | None = None, hot_calls: int | None = None) -> CompilePolicy:
+    """Set when the codegen executor compiles kernels; returns the previous policy.
 
+    Args:
+        mode: "lazy" (torch runs a region until it is hot and its kernel is compiled in the
+            background) or "eager" (compile when fused, the first call waits).
+        hot_calls: in lazy mode, the call of a region that starts its compile (>= 1).
 
-@functools.lru_cache(maxsize=16)
-def _find_compiler(cxx: str | None, path: str | None) -> str | None:
-    for name in [cxx] if cxx else ["g++", "c++"]:
-        found = shutil.which(name, path=path)
-        if found:
-            return found
-    return None
-
-
-@functools.cache
-def _toolchain_id(cxx: str) -> str:
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu += cpu_features(f.read())
-    except OSError:
-        pass
-    return f"{cxx}\n{version}\n{cpu}"
-
-
-def cpu_features(cpuinfo: str) -> str:
-    """The CPU feature line of `/proc/cpuinfo` text (x86 names it `flags`, aarch64 `Features`,
-    RISC-V `isa`), which `-march=native` compiles for; "" when there is none.
+    Raises:
+        ValueError: an unknown mode or hot_calls < 1.
 
     Example:
-        >>> cpu_features("processor : 0\nFeatures : fp asimd sve\n")
-        'Features : fp asimd sve'
+        >>> previous = set_compile_policy("eager")
     """
-    for line in cpuinfo.splitlines():
-        name = line.split(":", 1)[0].strip().lower()
-        if name in _FEATURE_LINES:
-            return line.strip()
-    return ""
+    previous = CompilePolicy(policy.mode, policy.hot_calls)
+    if mode is not None:
+        if mode not in ("lazy", "eager"):
+            raise ValueError(f"codegen compile mode must be 'lazy' or 'eager', got {mode!r}")
+        policy.mode = mode
+    if hot_calls is not None:
+        if hot_calls < 1:
+            raise ValueError(f"hot_calls must be at least 1, got {hot_calls}")
+        policy.hot_calls = hot_calls
+    return previous
 
 
-def cache_key(source: str, cxx: str) -> str:
-    """The cache entry name of `source` built by `cxx` with `CXX_FLAGS` on this CPU."""
-    text = "\n".join([source, " ".join(CXX_FLAGS), _toolchain_id(cxx)])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+def digest(*parts: str) -> str:
+    """The disk-cache entry name of a build that depends on `parts` (32 hex digits).
 
-
-def is_cached(source: str) -> bool:
-    """Whether `source` is already loaded or compiled in the disk cache (no compiler runs)."""
-    cxx = compiler()
-    if cxx is None:
-        return False
-    key = cache_key(source, cxx)
-    try:
-        return key in _loaded or cache.contains(KIND, key, _OBJECT)
-    except OSError:
-        return False
-
-
-def load_library(source: str) -> ctypes.CDLL:
-    """The shared library of `source`, compiled (or found verified in the cache) and loaded.
-
-    Raises:
-        CompileError: no compiler, the compiler failed (its stderr is in the message), or no
-            cache directory, not even a temporary one, can be written.
+    Example:
+        >>> digest(source, " ".join(flags), toolchain)
+        '5f0c...'
     """
-    cxx = compiler()
-    if cxx is None:
-        raise CompileError("no C++ compiler found (set CXX or install g++)")
-    key = cache_key(source, cxx)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _new_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())),
+                              thread_name_prefix="fulmen-compile")
+
+
+_pool = _new_pool()
+_jobs: dict[Hashable, Future] = {}
+_lock = threading.Lock()
+
+
+def submit(key: Hashable, fn: Callable, *args) -> Future:
+    """The future of `fn(*args)` run on the compile threads, shared by every caller with the
+    same `key` until it finishes (a failed one is started again by the next caller).
+
+    Example:
+        >>> submit(("kernel", source), build.load_kernel, source).result()
+    """
     with _lock:
-        lib = _loaded.get(key)
-    if lib is None:
-        try:
-            path = cache.lookup(KIND, key, _OBJECT) or _build(source, cxx, key)
-            lib = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise CompileError(f"the kernel cache failed: {error}") from error
-        with _lock:
-            lib = _loaded.setdefault(key, lib)
-    return lib
-
-
-def load_kernel(source: str):
-    """The `fulmen_kernel` function of `source` (see `load_library`).
-
-    Raises:
-        CompileError: no compiler, or the compiler failed (its stderr is in the message).
-    """
-    fn = load_library(source).fulmen_kernel
-    fn.argtypes = _ARGTYPES
-    fn.restype = None
-    return fn
-
-
-def _build(source: str, cxx: str, key: str) -> Path:
-    """Compile `source` into the cache entry `key`; its object's path. When the cache
-    directory fails while in use, the build is redone in a private temporary one."""
-    try:
-        return _build_in_cache(source, cxx, key)
-    except OSError as error:
-        if not cache.give_up(error):
-            raise
-    return _build_in_cache(source, cxx, key)
-
-
-def _build_in_cache(source: str, cxx: str, key: str) -> Path:
-    with cache.workspace(KIND) as tmp:
-        src = tmp / "kernel.cpp"
-        src.write_text(source)
-        out = tmp / _OBJECT
-        try:
-            result = subprocess.run([cxx, *CXX_FLAGS, str(src), "-o", str(out)],
-                                    capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as error:
-            raise CompileError(f"running {cxx} failed: {error}") from error
-        if result.returncode != 0:
-            raise CompileError(f"{cxx} failed:\n{result.stderr[-4000:]}")
-        return cache.publish(KIND, key, tmp, _OBJECT)
+        future = _jobs.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = _jobs[key] = _pool.submit(fn, *args)
+    return future
 
 
 def _after_fork_in_child() -> None:
-    global _lock
+    """See NOTE [fork]: new threads, a new lock, and no unfinished builds of the parent."""
+    global _pool, _lock
+    _pool = _new_pool()
     _lock = threading.Lock()
+    for key, future in list(_jobs.items()):
+        if not future.done():
+            del _jobs[key]
 
 
 if hasattr(os, "register_at_fork"):  # POSIX only (no fork on Windows)

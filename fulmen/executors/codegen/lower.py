@@ -1,9 +1,7 @@
 """Lowering: a fusion region of prims -> a pointwise `Kernel` (see `ir.py`).
 
-`fusible(bsym)` decides which prims may join a region: elementwise prims on CPU tensors of
-supported dtypes (with per-op dtype rules: no integer division, whose divide-by-zero would trap
-in C++), and the view prims (broadcast_in_dim, permute, slice, squeeze, reshape, flip) applied to
-region inputs. `lower(region, outputs)` builds the kernel; it raises `Unsupported` when the
+Which prims may join a region is `ops.fusible` (the op table and the region's target).
+`lower(region, outputs)` builds the kernel; it raises `Unsupported` when the
 region breaks a rule of the pointwise schedule: every elementwise statement has the same shape
 (the iteration space), and view prims only read region inputs or other views of them.
 """
@@ -11,54 +9,16 @@ region breaks a rule of the pointwise schedule: every elementwise statement has 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Number
 
 import torch
 
-from fulmen.core import BoundSymbol, Proxy
+from fulmen.core import BoundSymbol
 from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op, ViewStep
+from fulmen.executors.codegen.ops import INTS, VIEWS, Unsupported
 from fulmen.transforms.fusion import region_inputs
 
-FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
-BOOL = frozenset({torch.bool})
-NUMERIC = FLOATS | INTS
-ALL = NUMERIC | BOOL
-
-_FLOAT_UNARY = [
-    "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt", "sin", "cos",
-    "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf",
-    "erfc", "reciprocal",
-]  # fmt: skip
-_FLOAT_BINARY = ["div", "remainder", "fmod", "floor_div", "trunc_div", "pow", "atan2", "copysign"]
-
-# prim name -> dtypes of its tensor operands this executor computes exactly like torch.
-SUPPORTED: dict[str, frozenset] = {
-    **{name: FLOATS for name in _FLOAT_UNARY + _FLOAT_BINARY},
-    **{name: NUMERIC for name in ("neg", "abs", "floor", "ceil", "round", "trunc", "sign", "sub")},
-    **{name: ALL for name in ("logical_not", "isnan", "isinf", "isfinite", "signbit", "add",
-                              "mul", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-                              "where", "convert_element_type")},
-    **{name: INTS | BOOL for name in ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor")},
-}  # fmt: skip
-VIEWS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze", "reshape", "flip"})
-# reduction prims of the row schedule (see rows.py) -> dtypes they reduce exactly like torch
-REDUCTIONS: dict[str, frozenset] = {"sum": NUMERIC, "prod": NUMERIC, "amax": NUMERIC,
-                                    "amin": NUMERIC, "var": FLOATS}  # fmt: skip
-
-
-class Unsupported(Exception):
-    """The region (or statement) does not fit the pointwise schedule."""
-
-
-def _number_fits(value, dtype: torch.dtype) -> bool:
-    if isinstance(value, bool):
-        return True
-    if isinstance(value, int):
-        return dtype != torch.bool and (dtype in FLOATS or -(2**63) <= value < 2**63)
-    if isinstance(value, float):
-        return dtype in FLOATS
-    return False
+__all__ = ["LoweredRegion", "Unsupported", "cast_scalar", "fits_pointwise", "lower",
+           "number_dtype"]
 
 
 def cast_scalar(value, dtype: torch.dtype):
@@ -81,61 +41,6 @@ def number_dtype(name: str, position: int, dtype: torch.dtype) -> torch.dtype:
     if name == "pow" and position == 1 and dtype == torch.float32:
         return torch.float64
     return dtype
-
-
-def fusible(bsym: BoundSymbol) -> bool:
-    """Whether the codegen executor can put `bsym` into a fusion region."""
-    sym = bsym.sym
-    if not sym.is_prim or bsym.kwargs:
-        return False
-    tensors = [a for a in bsym.args if isinstance(a, torch.Tensor)]
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
-        return False
-    if sym.name in REDUCTIONS:
-        return _fusible_reduction(bsym)
-    return pointwise_fusible(bsym)
-
-
-def pointwise_fusible(bsym: BoundSymbol) -> bool:
-    """The device-independent part: a view of a supported dtype, or an elementwise prim whose
-    operands have a supported dtype and whose numbers fit it (CPU and CUDA share this)."""
-    sym = bsym.sym
-    if any(isinstance(a, torch.Tensor) and not isinstance(a, Proxy) for a in bsym.args):
-        return False  # a constant tensor baked into the trace: no kernel argument for it
-    if sym.name in VIEWS:
-        return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
-    allowed = SUPPORTED.get(sym.name)
-    if allowed is None:
-        return False
-    operands = bsym.args[1:] if sym.name == "where" else bsym.args
-    if sym.name == "convert_element_type":
-        operands = bsym.args[:1]
-        if bsym.args[1] not in ALL:
-            return False
-    value_tensors = [a for a in operands if isinstance(a, torch.Tensor)]
-    if not value_tensors:
-        return False
-    dtype = value_tensors[0].dtype
-    if dtype not in allowed:
-        return False
-    for arg in operands:
-        if not isinstance(arg, torch.Tensor):
-            if not isinstance(arg, Number) or not _number_fits(arg, dtype):
-                return False
-    return True
-
-
-def _fusible_reduction(bsym: BoundSymbol) -> bool:
-    """Reductions over a non-empty set of axes that includes the last one (the row schedule:
-    rows are the kept axes), and sums over any axes (a sum over leading axes becomes a column
-    sum of the row schedule)."""
-    a, dims = bsym.args[0], bsym.args[1]
-    if not isinstance(a, Proxy) or a.ndim == 0 or a.dtype not in REDUCTIONS[bsym.sym.name]:
-        return False
-    dims = {d % a.ndim for d in dims}
-    if not dims or (a.ndim - 1 not in dims and bsym.sym.name != "sum"):
-        return False
-    return bsym.sym.name != "var" or isinstance(bsym.args[2], Number)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Lowering a region with reductions to the normalisation (row) schedule: a `RowKernel`.
 
 All reductions of the region reduce the same full shape S over the same axes R (which include
-the last axis: see `lower.fusible`); the kept shape K is S without R. Every elementwise
+the last axis: see `ops.fusible`); the kept shape K is S without R. Every elementwise
 statement then has shape S (an element-level value, computed per element of a row) or shape K
 (a row-level value, computed once per row). A row-level value reaches element-level statements
 through views that only add or drop size-1 and reduced axes (`broadcast_in_dim(mean, S, kept)`,
@@ -36,15 +36,8 @@ from fulmen.executors.codegen.ir import (
     RowKernel,
     ViewStep,
 )  # fmt: skip
-from fulmen.executors.codegen.lower import (
-    REDUCTIONS,
-    VIEWS,
-    Unsupported,
-    _freeze,
-    cast_scalar,
-    lower,
-    number_dtype,
-)  # fmt: skip
+from fulmen.executors.codegen.lower import _freeze, cast_scalar, lower, number_dtype
+from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported
 from fulmen.transforms.fusion import region_inputs
 
 __all__ = ["LoweredRows", "lower_any", "lower_rows"]

@@ -33,16 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.executors.codegen.cpp import (
-    COMPUTE,
-    PRELUDE,
-    STORAGE,
-    _expr,
-    literal,
-    load,
-    rounded,
-    store,
-)  # fmt: skip
+from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
 from fulmen.executors.codegen.ir import (
     ColumnReduce,
     Const,
@@ -83,26 +74,21 @@ def _stash(kernel: RowKernel, previous: list[int], final: list[int], outputs) ->
     return None
 
 
-def _index(kind: int, p: int) -> str:
-    return {0: "0", 1: "j"}.get(kind, f"j * s{p}")
-
-
 def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
     value = kernel.values[v]
-    ctype = COMPUTE[value.dtype]
+    ctype = CPU.compute[value.dtype]
     if isinstance(value, Load):
         a = value.access
-        ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{_index(layout[a], a)}]"
-        expr = load(ptr, value.dtype)
+        ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{CPU.index(layout[a], a)}]"
+        expr = CPU.load(ptr, value.dtype)
     elif isinstance(value, Const):
-        expr = literal(value.value, value.dtype)
+        expr = CPU.literal(value.value, value.dtype)
     elif isinstance(value, Count):
         expr = f"({ctype})count"
     elif _nonpositive_exp(kernel, value):
         expr = f"f_exp_nonpos(v{value.args[0]})"
     else:
-        expr = f"({ctype})({_expr(kernel, value, names)})"
-        expr = rounded(expr, value.dtype)
+        expr = CPU.value(kernel, value, names)
     return f"const {ctype} v{v} = {expr};"
 
 
@@ -125,7 +111,7 @@ def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
     red = kernel.values[v]
     x = f"v{red.arg}"
     dtype = kernel.values[red.arg].dtype
-    ctype = COMPUTE[dtype]
+    ctype = CPU.compute[dtype]
     is_float = dtype.is_floating_point
     out = {"acc": [], "part": [], "clauses": [], "update": [], "combine": []}
     if red.name in ("sum", "prod"):
@@ -158,8 +144,8 @@ def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
             out["update"].append(f"n{v} |= ({x} != {x});")
             out["combine"].append(f"nf{v} |= n{v};")
             result = f"(nf{v} ? std::numeric_limits<{ctype}>::quiet_NaN() : a{v})"
-    rtype = COMPUTE[red.dtype]
-    out["final"] = [f"const {rtype} v{v} = {rounded(f'({rtype})({result})', red.dtype)};"]
+    rtype = CPU.compute[red.dtype]
+    out["final"] = [f"const {rtype} v{v} = {CPU.round(CPU.cast(result, red.dtype), red.dtype)};"]
     return out
 
 
@@ -189,7 +175,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     args = [kernel.values[v].arg for _, v in columns]
     # float column values add into float partials, flushed into the float64 sums every
     # COLUMN_GROUP rows (a float add per element instead of a conversion and a double add)
-    grouped = COLUMN_GROUP > 1 and bool(args) and all(COMPUTE[kernel.values[a].dtype] == "float" for a in args)
+    grouped = COLUMN_GROUP > 1 and bool(args) and all(CPU.compute[kernel.values[a].dtype] == "float" for a in args)
     if ncol:
         lines.append(f"  double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);")
         if grouped:
@@ -230,7 +216,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         if p in skip:
             continue
         const = "const " if p < nacc else ""
-        ctype = STORAGE[dtype]
+        ctype = CPU.storage[dtype]
         lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
         if layout[p] == 2 and not ptr_rows[p]:
             lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
@@ -254,7 +240,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         for p, dtype in enumerate(dtypes):
             if not ptr_rows[p] and p not in skip:
                 const = "const " if p < nacc else ""
-                ctype = STORAGE[dtype]
+                ctype = CPU.storage[dtype]
                 lines.append(f"      {const}{ctype}* __restrict__ q{p} = p{p} + so[{p}];")
         if blocked is None:
             lines.extend(["      #pragma omp simd", "      for (int64_t j = 0; j < inner; ++j) {"])
@@ -312,10 +298,10 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
         body = []
         for v in element_closure(kernel, [v for _, v in element_outputs] + args, leaves):
             if v in leaves:
-                body.append(f"const {COMPUTE[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
+                body.append(f"const {CPU.compute[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
             else:
                 body.append(_value_line(kernel, v, layout, names))
-        body += [f"q{p}[{_index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
+        body += [f"q{p}[{CPU.index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
         acc = "facc" if grouped else "cacc"
         body += [f"{acc}[{c} * count + sub * inner + j] += {'' if grouped else '(double)'}v{arg};"
                  for c, arg in enumerate(args)]
@@ -340,14 +326,14 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
                       "    double t{c} = 0;".replace("{c}", str(c)),
                       f"    for (int64_t th = 0; th < nthreads; ++th) "
                       f"t{c} += colacc[(th * {ncol} + {c}) * count + col];"]
-            value = store(f"(float)t{c}" if dtype != torch.float64 else f"t{c}", dtype)
+            value = CPU.store(f"(float)t{c}" if dtype != torch.float64 else f"t{c}", dtype)
             lines.append(f"    {{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
                          f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}")
-            lines.append(f"    (({STORAGE[dtype]}*)ptrs[{p}])[o{p}] = {value};")
+            lines.append(f"    (({CPU.storage[dtype]}*)ptrs[{p}])[o{p}] = {value};")
         lines += ["  }", "  std::free(colacc);"] + (["  std::free(colpart);"] if grouped else [])
     lines += ["}", ""]
     return "\n".join(lines)
 
 
 def _store(kernel: RowKernel, v: int) -> str:
-    return store(f"v{v}", kernel.values[v].dtype)
+    return CPU.store(f"v{v}", kernel.values[v].dtype)

@@ -34,136 +34,15 @@ import threading
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from fulmen.executors.codegen import build, cache
-from fulmen.executors.codegen.policy import policy, submit
+from fulmen.executors.codegen import cache
+from fulmen.executors.codegen.build import policy, submit
+from fulmen.executors.codegen.cpu import compiler
+from fulmen.executors.codegen.target import header
 
 MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
 _HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
 
-_SOURCE = r"""
-#include <cstdint>
-#include <cstdlib>
-#include <mutex>
-#include <new>
-#include <pthread.h>
-#include <unordered_map>
-#include <vector>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
-// DLPack's ABI (dlpack.h, v0.8): the struct torch's from_dlpack consumes.
-struct DLDevice { int32_t device_type; int32_t device_id; };
-struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
-struct DLTensor {
-  void* data; DLDevice device; int32_t ndim; DLDataType dtype;
-  int64_t* shape; int64_t* strides; uint64_t byte_offset;
-};
-struct DLManagedTensor {
-  DLTensor dl_tensor; void* manager_ctx; void (*deleter)(DLManagedTensor*);
-};
-
-namespace {
-const size_t kPage = size_t(1) << 21;
-struct Block { DLManagedTensor managed; int64_t shape[16]; size_t capacity; };
-std::mutex lock;
-std::unordered_map<size_t, std::vector<void*>> free_blocks;  // capacity -> blocks, LIFO
-size_t cached = 0, limit = 0, in_use = 0, hits = 0, misses = 0;
-// a child forked while another thread held the lock would wait on it forever: it gets a new one
-struct ResetAfterFork {
-  ResetAfterFork() { pthread_atfork(nullptr, nullptr, [] { new (&lock) std::mutex(); }); }
-} reset_after_fork;
-
-void put_back(DLManagedTensor* managed) {
-  Block* block = static_cast<Block*>(managed->manager_ctx);
-  void* data = managed->dl_tensor.data;
-  {
-    std::lock_guard<std::mutex> guard(lock);
-    in_use -= block->capacity;
-    if (cached + block->capacity <= limit) {
-      free_blocks[block->capacity].push_back(data);
-      cached += block->capacity;
-      data = nullptr;
-    }
-  }
-  std::free(data);
-  delete block;
-}
-}  // namespace
-
-extern "C" DLManagedTensor* fulmen_pool_take(int64_t nbytes, int32_t ndim, const int64_t* shape,
-                                              uint8_t code, uint8_t bits) {
-  if (ndim < 0 || ndim > 16 || nbytes <= 0) return nullptr;
-  const size_t capacity = (size_t(nbytes) + kPage - 1) / kPage * kPage;
-  void* data = nullptr;
-  {
-    std::lock_guard<std::mutex> guard(lock);
-    auto found = free_blocks.find(capacity);
-    if (found != free_blocks.end() && !found->second.empty()) {
-      data = found->second.back();
-      found->second.pop_back();
-      cached -= capacity;
-      ++hits;
-    } else {
-      ++misses;
-    }
-    in_use += capacity;
-  }
-  if (data == nullptr) {
-    data = std::aligned_alloc(kPage, capacity);
-    if (data == nullptr) {
-      std::lock_guard<std::mutex> guard(lock);
-      in_use -= capacity;
-      return nullptr;
-    }
-#ifdef MADV_HUGEPAGE
-    madvise(data, capacity, MADV_HUGEPAGE);  // a hint: without THP nothing changes
-#endif
-  }
-  Block* block = new Block();
-  block->capacity = capacity;
-  for (int32_t d = 0; d < ndim; ++d) block->shape[d] = shape[d];
-  DLTensor& t = block->managed.dl_tensor;
-  t.data = data;
-  t.device = DLDevice{1, 0};  // kDLCPU
-  t.ndim = ndim;
-  t.dtype = DLDataType{code, bits, 1};
-  t.shape = block->shape;
-  t.strides = nullptr;  // compact row-major
-  t.byte_offset = 0;
-  block->managed.manager_ctx = block;
-  block->managed.deleter = put_back;
-  return &block->managed;
-}
-
-extern "C" void fulmen_pool_put(DLManagedTensor* managed) { put_back(managed); }
-
-extern "C" void fulmen_pool_set_limit(int64_t bytes) {
-  std::lock_guard<std::mutex> guard(lock);
-  limit = bytes < 0 ? 0 : size_t(bytes);
-}
-
-extern "C" void fulmen_pool_release(int64_t keep) {
-  std::vector<void*> release;
-  {
-    std::lock_guard<std::mutex> guard(lock);
-    for (auto& entry : free_blocks) {
-      while (!entry.second.empty() && cached > size_t(keep < 0 ? 0 : keep)) {
-        release.push_back(entry.second.back());
-        entry.second.pop_back();
-        cached -= entry.first;
-      }
-    }
-  }
-  for (void* data : release) std::free(data);
-}
-
-extern "C" void fulmen_pool_stats(int64_t* out) {
-  std::lock_guard<std::mutex> guard(lock);
-  out[0] = int64_t(cached); out[1] = int64_t(in_use); out[2] = int64_t(limit);
-  out[3] = int64_t(hits); out[4] = int64_t(misses);
-}
-"""
+_SOURCE = header("pool.cpp")  # the pool library
 
 # DLPack type codes (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6) and bits.
 _DLPACK_TYPES = {
@@ -227,15 +106,15 @@ class _Pool:
                 self._start()
 
     def _start(self) -> None:
-        if self.future is None and build.is_cached(_SOURCE):
+        if self.future is None and compiler.is_cached(_SOURCE):
             try:
-                self._load(build.load_library(_SOURCE))
-            except build.CompileError:
+                self._load(compiler.load_library(_SOURCE))
+            except compiler.CompileError:
                 self.failed = True
             return
         if self.future is None or not self.future.done():  # not done: see NOTE [fork]
-            self.future = submit(("pool", str(cache.requested_root()), build.compiler()),
-                                 build.load_library, _SOURCE)
+            self.future = submit(("pool", str(cache.requested_root()), compiler.compiler()),
+                                 compiler.load_library, _SOURCE)
         if self.future.done():
             try:
                 self._load(self.future.result())

@@ -1,10 +1,9 @@
-"""Running a fused region: strides, layout, compiled kernel, call.
+"""Running a fused region on CPU tensors: strides, layout, compiled kernel, call.
 
-`FusedRegion(lowered, region, outputs)` is the implementation of one fusion symbol. A call:
+`FusedRegion(name, lowered, fallback)` is the implementation of one fusion symbol. A call:
 
-1. resolves each access of the kernel: the input's sizes and strides pushed through the access's
-   view chain (broadcast -> stride 0, permute, slice -> offset and scaled stride, flip ->
-   negative stride, reshape -> view strides), giving strides over the iteration space;
+1. resolves each access of the kernel (`region.resolve`), giving strides over the iteration
+   space;
 2. allocates the outputs (contiguous), drops size-1 dims and merges dims every pointer walks
    contiguously (so a contiguous region runs as one flat loop);
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
@@ -41,27 +40,23 @@ from concurrent.futures import Future
 
 import torch
 
-from fulmen.executors.claim import claim_executors
-from fulmen.executors.codegen import build, cache
-from fulmen.executors.codegen.build import CompileError, is_cached, load_kernel
-from fulmen.executors.codegen.cpp import render
-from fulmen.executors.codegen.cpp_rows import render_rows
-from fulmen.executors.codegen.ir import Access, RowKernel
-from fulmen.executors.codegen.lower import LoweredRegion
-from fulmen.executors.codegen.policy import policy, submit
-from fulmen.executors.codegen.pool import empty
-from fulmen.executors.registry import get_executor
+from fulmen.executors.codegen import cache
+from fulmen.executors.codegen.build import policy, submit
+from fulmen.executors.codegen.cpu.compiler import CompileError, compiler, is_cached, load_kernel
+from fulmen.executors.codegen.cpu.pool import empty
+from fulmen.executors.codegen.cpu.render import render
+from fulmen.executors.codegen.cpu.rows import render_rows
+from fulmen.executors.codegen.ir import RowKernel
+from fulmen.executors.codegen.region import Fallback, RegionCallable, coalesce, region_results, resolve
+
+__all__ = ["FusedRegion", "render_any"]
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
 
 
-class _Fallback(Exception):
-    pass
-
-
 def _submit(source: str) -> Future:
     """The (shared) future loading the kernel of `source` (see `policy.submit`)."""
-    key = ("kernel", source, str(cache.requested_root()), build.compiler())
+    key = ("kernel", source, str(cache.requested_root()), compiler())
     return submit(key, load_kernel, source)
 
 
@@ -69,165 +64,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _view_strides(sizes, strides, new_sizes):
-    """Strides that view (sizes, strides) as `new_sizes` without a copy, or None."""
-    if math.prod(sizes) <= 1 or math.prod(new_sizes) == 0:
-        return [0] * len(new_sizes)
-    new_strides = [0] * len(new_sizes)
-    view_d = len(new_sizes) - 1
-    chunk_stride = strides[-1]
-    tensor_numel = view_numel = 1
-    for d in range(len(sizes) - 1, -1, -1):
-        tensor_numel *= sizes[d]
-        if d == 0 or (sizes[d - 1] != 1 and strides[d - 1] != tensor_numel * chunk_stride):
-            while view_d >= 0 and (view_numel < tensor_numel or new_sizes[view_d] == 1):
-                new_strides[view_d] = view_numel * chunk_stride
-                view_numel *= new_sizes[view_d]
-                view_d -= 1
-            if view_numel != tensor_numel:
-                return None
-            if d > 0:
-                chunk_stride = strides[d - 1]
-                tensor_numel = view_numel = 1
-    return new_strides if view_d == -1 else None
-
-
-def resolve(tensor: torch.Tensor, access: Access):
-    """(base tensor, element offset from its data_ptr, sizes, strides) of `access`."""
-    offset = 0
-    sizes, strides = list(tensor.shape), list(tensor.stride())
-    for step in access.steps:
-        params = step.params
-        if step.name == "broadcast_in_dim":
-            shape, dims = params
-            new = [0] * len(shape)
-            for i, d in enumerate(dims):
-                new[d] = strides[i] if sizes[i] != 1 else 0
-            sizes, strides = list(shape), new
-        elif step.name == "permute":
-            sizes = [sizes[d] for d in params[0]]
-            strides = [strides[d] for d in params[0]]
-        elif step.name == "slice":
-            starts, ends, steps = params
-            for d, (start, end, st) in enumerate(zip(starts, ends, steps)):
-                offset += start * strides[d]
-                sizes[d] = (end - start + st - 1) // st
-                strides[d] *= st
-        elif step.name == "squeeze":
-            keep = [d for d in range(len(sizes)) if d not in params[0]]
-            sizes, strides = [sizes[d] for d in keep], [strides[d] for d in keep]
-        elif step.name == "flip":
-            for d in params[0]:
-                if sizes[d] > 0:
-                    offset += (sizes[d] - 1) * strides[d]
-                strides[d] = -strides[d]
-        elif step.name == "reshape":
-            new = _view_strides(sizes, strides, list(params[0]))
-            if new is None:
-                if any(s < 0 for s in strides):
-                    raise _Fallback
-                tensor = torch.as_strided(tensor, sizes, strides,
-                                          tensor.storage_offset() + offset).contiguous()
-                offset, strides = 0, list(tensor.stride())
-                new = _view_strides(sizes, strides, list(params[0]))
-            sizes, strides = list(params[0]), new
-        else:
-            raise _Fallback
-    return tensor, offset, sizes, strides
-
-
-def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:
-    """Apply the access's view chain to `tensor` with torch view ops (an escaping view)."""
-    for step in access.steps:
-        params = step.params
-        if step.name == "broadcast_in_dim":
-            shape, dims = params
-            view = [1] * len(shape)
-            for i, d in enumerate(dims):
-                view[d] = tensor.shape[i]
-            tensor = tensor.reshape(view).expand(shape)
-        elif step.name == "permute":
-            tensor = tensor.permute(params[0])
-        elif step.name == "slice":
-            tensor = tensor[tuple(slice(*bounds) for bounds in zip(*params))]
-        elif step.name == "squeeze":
-            tensor = tensor.squeeze(tuple(params[0])) if params[0] else tensor
-        elif step.name == "flip":
-            tensor = tensor.flip(params[0])
-        else:
-            tensor = tensor.reshape(params[0])
-    return tensor
-
-
-def region_results(lowered, inputs, outs):
-    """A region's outputs from its kernel's outputs `outs`, by the lowering's plan: per output
-    ("kernel", k), ("view", access) of an input, or ("rowview", k, access) of kernel output k."""
-    results = []
-    for plan in lowered.outputs:
-        if plan[0] == "kernel":
-            results.append(outs[plan[1]])
-        elif plan[0] == "rowview":
-            results.append(view_output(outs[plan[1]], plan[2]))
-        else:
-            results.append(view_output(inputs[plan[1].input], plan[1]))
-    return results[0] if len(results) == 1 else tuple(results)
-
-
-def coalesce(shape, rows):
-    """Drop size-1 dims and merge dims contiguous for every stride row; returns new (sizes, rows)."""
-    dims = [d for d, size in enumerate(shape) if size != 1]
-    sizes = [shape[d] for d in dims]
-    rows = [[row[d] for d in dims] for row in rows]
-    if not sizes:
-        return [1], [[0] for _ in rows]
-    d = len(sizes) - 2
-    while d >= 0:
-        if all(row[d] == row[d + 1] * sizes[d + 1] for row in rows):
-            sizes[d + 1] *= sizes[d]
-            del sizes[d]
-            for row in rows:
-                del row[d]
-        d -= 1
-    return sizes, rows
-
-
-class RegionCallable:
-    """What the callables behind fusion symbols share: the region, and its own trace run by
-    the torch executor as the fallback when a kernel cannot be built or used."""
-
-    def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
-        self.name = name
-        self.lowered = lowered
-        self.kernel = lowered.kernel
-        self.fallback_trace = fallback_trace
-        self.input_types = tuple(_input_type(proxy) for proxy in lowered.inputs)
-        self._fallback = None
-        self.failed = False
-
-    def accepts(self, inputs) -> bool:
-        """Whether every input has the dtype and device the kernel was built for. A kernel
-        reads raw memory: a bfloat16 buffer handed to a float32 kernel would be read as float32
-        (garbage), so a region called with other types runs its torch fallback instead."""
-        if len(inputs) != len(self.input_types):
-            return False
-        for tensor, expected in zip(inputs, self.input_types):
-            if expected is not None and (not isinstance(tensor, torch.Tensor)
-                                         or (tensor.dtype, tensor.device) != expected):
-                return False
-        return True
-
-    def _run_fallback(self, inputs):
-        if self._fallback is None:
-            trace = claim_executors(self.fallback_trace, [get_executor("torch")])
-            self._fallback = trace.python_callable()
-        return self._fallback(*inputs)
+def render_any(kernel, layout: tuple[int, ...]) -> str:
+    """C++ source of a pointwise or row kernel for inner-stride classes `layout`."""
+    return (render_rows if isinstance(kernel, RowKernel) else render)(kernel, layout)
 
 
 class FusedRegion(RegionCallable):
     """The callable behind one fusion symbol (see the module docstring)."""
 
-    def __init__(self, name: str, lowered: LoweredRegion, fallback_trace) -> None:
-        super().__init__(name, lowered, fallback_trace)
+    def __init__(self, name: str, lowered, fallback) -> None:
+        super().__init__(name, lowered, fallback)
         self.sources: dict[tuple, str] = {}
         self.calls = 0
         self._kernels: dict[tuple, Future] = {}
@@ -243,9 +89,7 @@ class FusedRegion(RegionCallable):
     def _source(self, layout: tuple) -> str:
         source = self.sources.get(layout)
         if source is None:
-            kernel = self.kernel
-            source = (render_rows if isinstance(kernel, RowKernel) else render)(kernel, layout)
-            self.sources[layout] = source
+            source = self.sources[layout] = render_any(self.kernel, layout)
         return source
 
     def _start(self, layout: tuple) -> Future:
@@ -257,13 +101,13 @@ class FusedRegion(RegionCallable):
         return future
 
     def _kernel_for(self, layout: tuple):
-        """The compiled kernel for `layout`; raises _Fallback while it is not ready (lazy)."""
+        """The compiled kernel for `layout`; raises Fallback while it is not ready (lazy)."""
         if layout not in self._kernels and policy.mode == "lazy" \
                 and self.calls < policy.hot_calls:
-            raise _Fallback
+            raise Fallback
         future = self._start(layout)
         if policy.mode == "lazy" and not future.done():
-            raise _Fallback
+            raise Fallback
         return future.result()
 
     def ready(self) -> bool:
@@ -281,7 +125,7 @@ class FusedRegion(RegionCallable):
             return self._run_fallback(inputs)
         try:
             return self._run(inputs)
-        except _Fallback:
+        except Fallback:
             return self._run_fallback(inputs)
         except CompileError as error:
             self.failed = True
@@ -296,7 +140,7 @@ class FusedRegion(RegionCallable):
         points = [shape[d] for d in range(len(shape)) if d not in lowered.reduced] if rows else shape
         if not math.prod(points):  # nothing to compute (no rows, or an empty iteration space)
             if not self.accepts(inputs):
-                raise _Fallback
+                raise Fallback
             outs = [torch.empty(s, dtype=dtype)
                     for s, dtype in zip(self._out_shapes(), kernel.output_dtypes)]
             for out, column in zip(outs, kernel.output_columns if rows else ()):
@@ -308,7 +152,7 @@ class FusedRegion(RegionCallable):
         plan = self._plans.get(key)
         if plan is None:
             if not self.accepts(inputs):
-                raise _Fallback
+                raise Fallback
             plan = self._plan_rows(inputs) if rows else self._plan(inputs)
             if plan[-1]:  # no access copied its input: valid for every call with this key
                 self._plans[key] = plan
@@ -340,7 +184,7 @@ class FusedRegion(RegionCallable):
         for access, shape in zip(self.kernel.accesses, expected):
             base, offset, sizes, strides = resolve(inputs[access.input], access)
             if tuple(sizes) != shape:
-                raise _Fallback
+                raise Fallback
             own = base is inputs[access.input]
             in_place &= own
             pointers.append((access.input if own else base, offset * base.element_size()))
@@ -381,7 +225,7 @@ class FusedRegion(RegionCallable):
         numel = nrows * math.prod(shape[d] for d in reduced)
         nthreads = torch.get_num_threads() if numel >= GRAIN else 1
         if nthreads > 1 and nrows < nthreads and numel >= 16 * GRAIN:
-            raise _Fallback  # too few rows to share: torch's reductions split rows
+            raise Fallback  # too few rows to share: torch's reductions split rows
 
         def full(strides, row, column=False):
             if column:
@@ -407,13 +251,6 @@ class FusedRegion(RegionCallable):
         return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
                 (ctypes.c_int64 * len(flat))(*flat), pointers, len(outer), nthreads,
                 list(zip(out_shapes, kernel.output_dtypes)), in_place)
-
-
-def _input_type(proxy) -> tuple | None:
-    """(dtype, device) a kernel expects of a region input; None for a non-tensor input."""
-    if not isinstance(proxy, torch.Tensor):
-        return None
-    return proxy.dtype, proxy.device
 
 
 def _contiguous(shape) -> list[int]:

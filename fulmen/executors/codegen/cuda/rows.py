@@ -14,7 +14,7 @@ rendered for a `RowSpec`: the ranks, each pointer's inner class (1 contiguous: e
 (one block per row or split rows), and for column sums the elements each thread keeps.
 
 One block per row (the usual path; blocks stride over rows when there are more rows than blocks):
-the block runs the stages of `cpp_rows.py` in order. Each reduction stage is one pass over the row
+the block runs the stages of `cpu/rows.py` in order. Each reduction stage is one pass over the row
 (thread t takes elements t, t + BLOCK, ...; consecutive threads read consecutive elements), then a
 block-wide reduction: `__shfl_xor_sync` within each warp, the warps' results through shared
 memory, a last shuffle in warp 0, and the result broadcast through shared memory so every thread
@@ -35,11 +35,11 @@ of up to COLUMN_BLOCK_MAX * KMAX elements; longer ones run on torch), and run in
 block's rows, the block writes them to `work[group][column][j]`, and `<name>_columns` sums the
 groups in order. Deterministic, as the CPU kernel.
 
-Numerics follow `cpp_rows.py`: floating sums and products accumulate in float32 over at most FLUSH
+Numerics follow `cpu/rows.py`: floating sums and products accumulate in float32 over at most FLUSH
 elements per thread and in float64 beyond (across those runs, threads and chunks), float64 ones in
 float64, integer ones in 64-bit two's complement; amax/amin propagate NaN; float16/bfloat16 are
 loaded and stored as `__half`/`__nv_bfloat16`, computed in float32 and rounded after each op, as
-in `cuda.py`. Element values are recomputed in each pass that needs them (no register cache yet).
+in `render.py`. Element values are recomputed in each pass that needs them (no register cache yet).
 """
 
 from __future__ import annotations
@@ -50,16 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fulmen.executors.codegen.cuda import (
-    COMPUTE,
-    STORAGE,
-    _const_exponent,
-    _expr,
-    literal,
-    loaded,
-    needs_headers,
-    prelude,
-)  # fmt: skip
+from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
 from fulmen.executors.codegen.ir import (
     ColumnReduce,
     Const,
@@ -71,6 +62,7 @@ from fulmen.executors.codegen.ir import (
     element_closure,
     row_stages,
 )  # fmt: skip
+from fulmen.executors.codegen.target import header, op_reads
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",
            "render_rows_body"]
@@ -87,21 +79,7 @@ KMAX = 16  # elements per thread of a kernel with column sums, at most
 FINISH_BLOCK = 256  # threads per block of `<name>_columns`
 MAX_GRID = 1 << 20  # blocks of a launch, at most (blocks stride over the rows beyond)
 
-ROW_PRELUDE = r"""
-struct FmSum { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const {
-  return a + b; } };
-struct FmProd { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const {
-  return a * b; } };
-struct FmMax { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const {
-  return fm_max(a, b); } };
-struct FmMin { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const {
-  return fm_min(a, b); } };
-template <int W, typename T, typename Op> __device__ __forceinline__ T fm_warp_reduce(T v, Op op) {
-  #pragma unroll
-  for (int o = W / 2; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-"""
+ROW_PRELUDE = header("cuda_rows.h")
 
 _FUNCTOR = {"sum": "FmSum", "prod": "FmProd", "amax": "FmMax", "amin": "FmMin"}
 _IDENTITY = {
@@ -149,13 +127,6 @@ class RowLaunch:
     column_grid: int
 
 
-def _op_args(kernel: RowKernel, op: Op) -> tuple[int, ...]:
-    """The arguments an op's rendering reads (a constant exponent rendered as x * x is none)."""
-    if op.name == "pow" and len(op.args) == 2 and _const_exponent(kernel, op):
-        return op.args[:1]
-    return op.args
-
-
 def _live(kernel: RowKernel) -> set[int]:
     """Values the outputs depend on (so no rendered variable goes unused: NVRTC would warn)."""
     live = set(kernel.outputs)
@@ -166,7 +137,7 @@ def _live(kernel: RowKernel) -> set[int]:
         if isinstance(value, (Reduce, ColumnReduce)):
             live.add(value.arg)
         elif isinstance(value, Op):
-            live.update(_op_args(kernel, value))
+            live.update(op_reads(kernel, value))
     return live
 
 
@@ -178,23 +149,7 @@ def _reductions(kernel: RowKernel) -> list[int]:
 
 def _closure(kernel: RowKernel, targets) -> list[int]:
     """Element-level values the targets need, in SSA order."""
-    return element_closure(kernel, targets, args_of=lambda op: _op_args(kernel, op))
-
-
-def _round(expr: str, dtype: torch.dtype) -> str:
-    if dtype == torch.float16:
-        return f"fm_f16_round({expr})"
-    if dtype == torch.bfloat16:
-        return f"fm_bf16_round({expr})"
-    return expr
-
-
-def _store(expr: str, dtype: torch.dtype) -> str:
-    if dtype == torch.float16:
-        return f"__float2half_rn({expr})"
-    if dtype == torch.bfloat16:
-        return f"__float2bfloat16_rn({expr})"
-    return expr
+    return element_closure(kernel, targets, args_of=lambda op: op_reads(kernel, op))
 
 
 def _accumulator(kernel: RowKernel, v: int) -> tuple[str, str | None, str]:
@@ -206,7 +161,7 @@ def _accumulator(kernel: RowKernel, v: int) -> tuple[str, str | None, str]:
             return "unsigned long long", None, "unsigned long long"
         return "double", None if dtype == torch.float64 else "float", "double"
     if dtype.is_floating_point:
-        return COMPUTE[dtype], None, "double"
+        return CUDA.compute[dtype], None, "double"
     return ("int" if dtype.itemsize <= 4 else "long long"), None, "long long"
 
 
@@ -244,16 +199,16 @@ class _Renderer:
     def value_line(self, v: int, element: bool) -> str:
         kernel = self.kernel
         value = kernel.values[v]
-        ctype = COMPUTE[value.dtype]
+        ctype = CUDA.compute[value.dtype]
         names = [f"v{i}" for i in range(len(kernel.values))]
         if isinstance(value, Load):
-            expr = loaded(self.where(value.access, element), value.dtype)
+            expr = CUDA.load(self.where(value.access, element), value.dtype)
         elif isinstance(value, Const):
-            expr = literal(value.value, value.dtype)
+            expr = CUDA.literal(value.value, value.dtype)
         elif isinstance(value, Count):
             expr = f"(({ctype})count)"
         else:
-            expr = _round(f"(({ctype}){_expr(kernel, value, names)})", value.dtype)
+            expr = CUDA.value(kernel, value, names)
         return f"const {ctype} v{v} = {expr};"
 
     def pointers_of(self, values: list[int]) -> list[int]:
@@ -350,9 +305,9 @@ class _Renderer:
             self.emit(2, "}")
         for v in reds:
             red = kernel.values[v]
-            rtype = COMPUTE[red.dtype]
+            rtype = CUDA.compute[red.dtype]
             acc = f"(long long)a{v}" if accs[v][0] == "unsigned long long" else f"a{v}"
-            self.emit(2, f"const {rtype} v{v} = {_round(f'(({rtype}){acc})', red.dtype)};")
+            self.emit(2, f"const {rtype} v{v} = {CUDA.round(CUDA.cast(acc, red.dtype), red.dtype)};")
 
     def block_reduce(self, depth: int, reds: list[int], accs: dict) -> None:
         """Combine the threads' accumulators: within warps, across warps through shared memory;
@@ -381,7 +336,7 @@ class _Renderer:
         if element_outputs or self.columns:
             values = _closure(kernel, [v for _, v in element_outputs] + args)
             body = [self.value_line(u, element=True) for u in values]
-            body += [f"{self.where(p, True)} = {_store(f'v{v}', self.dtypes[p])};"
+            body += [f"{self.where(p, True)} = {CUDA.store(f'v{v}', self.dtypes[p])};"
                      for p, v in element_outputs]
             body += [f"c{c}[k] += (double)v{arg};" for c, arg in enumerate(args)]
             pointers = self.pointers_of(values) + [p for p, _ in element_outputs]
@@ -400,7 +355,7 @@ class _Renderer:
         row_outputs = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs) if kernel.rows[v]]
         if row_outputs:
             self.emit(2, "if (tid == 0 && part == 0) {" if spec.split else "if (tid == 0) {")
-            self.emit(3, *[f"p{p}[0] = {_store(f'v{v}', self.dtypes[p])};"
+            self.emit(3, *[f"p{p}[0] = {CUDA.store(f'v{v}', self.dtypes[p])};"
                            for p, v in row_outputs])
             self.emit(2, "}")
 
@@ -451,7 +406,7 @@ class _Renderer:
         self.emit(2, "  }", "}")
         for p in used:
             const = "const " if p < self.nacc else ""
-            ctype = STORAGE[self.dtypes[p]]
+            ctype = CUDA.storage[self.dtypes[p]]
             self.emit(2, f"{const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)args.ptrs[{p}] "
                          f"+ off{p};")
         self.row_values(0)
@@ -486,7 +441,7 @@ class _Renderer:
             self.emit(2, f"double t{c} = 0.0;",
                       f"for (long long g = 0; g < args.groups; ++g) "
                       f"t{c} += w[(g * {ncol} + {c}) * count + j];",
-                      f"(({STORAGE[dtype]}*)args.ptrs[{p}])[j] = {_store(value, dtype)};")
+                      f"(({CUDA.storage[dtype]}*)args.ptrs[{p}])[j] = {CUDA.store(value, dtype)};")
         self.emit(0, "  }", "}")
 
 

@@ -1,0 +1,76 @@
+"""The CPU pointwise renderer: a `Kernel` -> C++17 source with one `extern "C"` entry point.
+
+    void fulmen_kernel(int64_t ndim, const int64_t* sizes, const int64_t* strides,
+                       char* const* ptrs, int64_t block, int64_t nthreads)
+
+`strides` holds one row of `ndim` element strides per pointer (accesses, then outputs). The
+iteration space is split into rows (all dims but the last) and blocks of `block` elements of
+the last dim; OpenMP shares (row, block) tasks among `nthreads` threads. The inner loop is a
+`#pragma omp simd` loop; its addressing is specialised on each pointer's inner-stride class
+(`layout`: 1 contiguous, 0 broadcast, 2 any stride), so the compiled kernel serves every shape
+and stride of that layout.
+
+Values are spelled by the CPU target (`target.py`: storage and compute types, rounding of
+float16/bfloat16 after each op, the prelude's helpers). A Python number exponent of a float32
+`pow` stays a double, as in eager's CPU kernel.
+"""
+
+from __future__ import annotations
+
+from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
+from fulmen.executors.codegen.ir import Const, Kernel, Load
+
+__all__ = ["render"]
+
+
+def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
+    """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output)."""
+    nptr = len(kernel.accesses) + len(kernel.outputs)
+    assert len(layout) == nptr
+    lines = [PRELUDE, 'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
+             "const int64_t* strides, char* const* ptrs, int64_t block, int64_t nthreads) {",
+             "  const int64_t inner = sizes[ndim - 1];",
+             "  int64_t rows = 1;",
+             "  for (int64_t d = 0; d + 1 < ndim; ++d) rows *= sizes[d];",
+             "  const int64_t nblocks = (inner + block - 1) / block;",
+             "  #pragma omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1)",
+             "  for (int64_t task = 0; task < rows * nblocks; ++task) {",
+             "    const int64_t row = task / nblocks;",
+             "    const int64_t j0 = (task % nblocks) * block;",
+             "    const int64_t j1 = inner < j0 + block ? inner : j0 + block;",
+             f"    int64_t off[{nptr}] = {{0}};",
+             "    int64_t r = row;",
+             "    for (int64_t d = ndim - 2; d >= 0; --d) {",
+             "      const int64_t i = r % sizes[d];",
+             "      r /= sizes[d];",
+             f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
+             "    }"]
+    dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
+    for p, dtype in enumerate(dtypes):
+        const = "const " if p < len(kernel.accesses) else ""
+        ctype = CPU.storage[dtype]
+        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
+        if layout[p] == 2:
+            lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
+    lines.append("    #pragma omp simd")
+    lines.append("    for (int64_t j = j0; j < j1; ++j) {")
+    names: list[str] = []
+    for v, value in enumerate(kernel.values):
+        name = f"v{v}"
+        ctype = CPU.compute[value.dtype]
+        if isinstance(value, Load):
+            expr = f"p{value.access}[{CPU.index(layout[value.access], value.access)}]"
+            expr = CPU.load(expr, value.dtype)
+        elif isinstance(value, Const):
+            expr = CPU.literal(value.value, value.dtype)
+        else:
+            expr = CPU.value(kernel, value, names)
+        lines.append(f"      const {ctype} {name} = {expr};")
+        names.append(name)
+    for k, v in enumerate(kernel.outputs):
+        p = len(kernel.accesses) + k
+        dtype = kernel.values[v].dtype
+        value = CPU.store(names[v], dtype)
+        lines.append(f"      p{p}[{CPU.index(layout[p], p)}] = {value};")
+    lines += ["    }", "  }", "}", ""]
+    return "\n".join(lines)

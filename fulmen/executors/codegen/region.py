@@ -1,0 +1,191 @@
+"""What the callables behind codegen fusion symbols share, on every target.
+
+A call of a fused region resolves each access of its kernel (`resolve`: the input's sizes and
+strides pushed through the access's view chain: broadcast -> stride 0, permute, slice -> offset
+and scaled stride, flip -> negative stride, reshape -> view strides), coalesces the iteration
+space (`coalesce`), runs the kernel, and builds the region's outputs from the kernel's
+(`region_results`: escaping views are applied with torch view ops).
+
+`RegionCallable` holds the region and the fallback handed in by the executor: a function that
+returns a callable running the region's own trace some other way (the torch executor). A kernel
+reads raw memory, so inputs of other dtypes or devices than the kernel was built for
+(`accepts`), a layout the runtime cannot pass (`Fallback`), or a kernel that cannot be built run
+the fallback: never a crash, never a wrong result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from fulmen.executors.codegen.ir import Access
+
+__all__ = ["Fallback", "RegionCallable", "coalesce", "region_results", "resolve",
+           "view_output"]
+
+
+class Fallback(Exception):
+    """This call runs the region's fallback (its kernel cannot serve it, or is not ready)."""
+
+
+def _view_strides(sizes, strides, new_sizes):
+    """Strides that view (sizes, strides) as `new_sizes` without a copy, or None."""
+    if math.prod(sizes) <= 1 or math.prod(new_sizes) == 0:
+        return [0] * len(new_sizes)
+    new_strides = [0] * len(new_sizes)
+    view_d = len(new_sizes) - 1
+    chunk_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for d in range(len(sizes) - 1, -1, -1):
+        tensor_numel *= sizes[d]
+        if d == 0 or (sizes[d - 1] != 1 and strides[d - 1] != tensor_numel * chunk_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_sizes[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_stride
+                view_numel *= new_sizes[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                chunk_stride = strides[d - 1]
+                tensor_numel = view_numel = 1
+    return new_strides if view_d == -1 else None
+
+
+def resolve(tensor: torch.Tensor, access: Access):
+    """(base tensor, element offset from its data_ptr, sizes, strides) of `access`."""
+    offset = 0
+    sizes, strides = list(tensor.shape), list(tensor.stride())
+    for step in access.steps:
+        params = step.params
+        if step.name == "broadcast_in_dim":
+            shape, dims = params
+            new = [0] * len(shape)
+            for i, d in enumerate(dims):
+                new[d] = strides[i] if sizes[i] != 1 else 0
+            sizes, strides = list(shape), new
+        elif step.name == "permute":
+            sizes = [sizes[d] for d in params[0]]
+            strides = [strides[d] for d in params[0]]
+        elif step.name == "slice":
+            starts, ends, steps = params
+            for d, (start, end, st) in enumerate(zip(starts, ends, steps)):
+                offset += start * strides[d]
+                sizes[d] = (end - start + st - 1) // st
+                strides[d] *= st
+        elif step.name == "squeeze":
+            keep = [d for d in range(len(sizes)) if d not in params[0]]
+            sizes, strides = [sizes[d] for d in keep], [strides[d] for d in keep]
+        elif step.name == "flip":
+            for d in params[0]:
+                if sizes[d] > 0:
+                    offset += (sizes[d] - 1) * strides[d]
+                strides[d] = -strides[d]
+        elif step.name == "reshape":
+            new = _view_strides(sizes, strides, list(params[0]))
+            if new is None:
+                if any(s < 0 for s in strides):
+                    raise Fallback
+                tensor = torch.as_strided(tensor, sizes, strides,
+                                          tensor.storage_offset() + offset).contiguous()
+                offset, strides = 0, list(tensor.stride())
+                new = _view_strides(sizes, strides, list(params[0]))
+            sizes, strides = list(params[0]), new
+        else:
+            raise Fallback
+    return tensor, offset, sizes, strides
+
+
+def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:
+    """Apply the access's view chain to `tensor` with torch view ops (an escaping view)."""
+    for step in access.steps:
+        params = step.params
+        if step.name == "broadcast_in_dim":
+            shape, dims = params
+            view = [1] * len(shape)
+            for i, d in enumerate(dims):
+                view[d] = tensor.shape[i]
+            tensor = tensor.reshape(view).expand(shape)
+        elif step.name == "permute":
+            tensor = tensor.permute(params[0])
+        elif step.name == "slice":
+            tensor = tensor[tuple(slice(*bounds) for bounds in zip(*params))]
+        elif step.name == "squeeze":
+            tensor = tensor.squeeze(tuple(params[0])) if params[0] else tensor
+        elif step.name == "flip":
+            tensor = tensor.flip(params[0])
+        else:
+            tensor = tensor.reshape(params[0])
+    return tensor
+
+
+def region_results(lowered, inputs, outs):
+    """A region's outputs from its kernel's outputs `outs`, by the lowering's plan: per output
+    ("kernel", k), ("view", access) of an input, or ("rowview", k, access) of kernel output k."""
+    results = []
+    for plan in lowered.outputs:
+        if plan[0] == "kernel":
+            results.append(outs[plan[1]])
+        elif plan[0] == "rowview":
+            results.append(view_output(outs[plan[1]], plan[2]))
+        else:
+            results.append(view_output(inputs[plan[1].input], plan[1]))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def coalesce(shape, rows):
+    """Drop size-1 dims and merge dims contiguous for every stride row; returns new (sizes, rows)."""
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    sizes = [shape[d] for d in dims]
+    rows = [[row[d] for d in dims] for row in rows]
+    if not sizes:
+        return [1], [[0] for _ in rows]
+    d = len(sizes) - 2
+    while d >= 0:
+        if all(row[d] == row[d + 1] * sizes[d + 1] for row in rows):
+            sizes[d + 1] *= sizes[d]
+            del sizes[d]
+            for row in rows:
+                del row[d]
+        d -= 1
+    return sizes, rows
+
+
+class RegionCallable:
+    """What the callables behind fusion symbols share: the region (a `LoweredRegion` or
+    `LoweredRows`), and `fallback()`, which makes the callable that runs the region when its
+    kernel cannot (see the module docstring)."""
+
+    def __init__(self, name: str, lowered, fallback: Callable[[], Callable]) -> None:
+        self.name = name
+        self.lowered = lowered
+        self.kernel = lowered.kernel
+        self.fallback = fallback
+        self.input_types = tuple(_input_type(proxy) for proxy in lowered.inputs)
+        self._fallback = None
+        self.failed = False
+
+    def accepts(self, inputs) -> bool:
+        """Whether every input has the dtype and device the kernel was built for. A kernel
+        reads raw memory: a bfloat16 buffer handed to a float32 kernel would be read as float32
+        (garbage), so a region called with other types runs its torch fallback instead."""
+        if len(inputs) != len(self.input_types):
+            return False
+        for tensor, expected in zip(inputs, self.input_types):
+            if expected is not None and (not isinstance(tensor, torch.Tensor)
+                                         or (tensor.dtype, tensor.device) != expected):
+                return False
+        return True
+
+    def _run_fallback(self, inputs):
+        if self._fallback is None:
+            self._fallback = self.fallback()
+        return self._fallback(*inputs)
+
+
+def _input_type(proxy) -> tuple | None:
+    """(dtype, device) a kernel expects of a region input; None for a non-tensor input."""
+    if not isinstance(proxy, torch.Tensor):
+        return None
+    return proxy.dtype, proxy.device
