@@ -3,22 +3,50 @@
 Names are Python identifiers, unique within a trace, handed out in order. Each name remembers
 its serial number, so the tracer can tell proxies created by an op from those that existed
 before it ran.
+
+A name a printed trace could not use as a local variable is never handed out: Python keywords,
+the globals printed traces call (`torch`, `prims`, an executor's name such as `codegen`: every
+`Namespace` alias registers itself here), the builtins the printer writes (`float`, `slice`,
+`complex`), and the names of printed constants (`_c0`) and temporaries (`t0`). Names are
+NFKC-normalised first, as Python normalises identifiers, so `ﬁ` and `fi` (or `𝐱` and `x`) are one
+identifier and the second gets a suffix.
 """
 
 from __future__ import annotations
 
 import keyword
 import re
+import unicodedata
 
-_NOT_IDENT = re.compile(r"\W|^(?=\d)")
+_GENERATED = re.compile(r"t\d+|_c\d+")  # temporaries and the printer's constants
+_GLOBALS: set[str] = {"torch", "float", "complex", "slice"}  # plus every Namespace alias
+
+
+def reserve_global(name: str) -> None:
+    """Keep `name` from being a trace variable: printed traces use it as a global."""
+    _GLOBALS.add(name)
+
+
+def is_reserved(ident: str) -> bool:
+    """Whether a printed trace cannot use the identifier `ident` as a local variable."""
+    return keyword.iskeyword(ident) or ident in _GLOBALS or _GENERATED.fullmatch(ident) is not None
+
+
+def _identifier_char(char: str) -> str:
+    return char if ("a" + char).isidentifier() else "_"
 
 
 def sanitize(name: str) -> str:
-    """Turn `layers.0.weight` into the identifier `layers_0_weight`."""
-    ident = _NOT_IDENT.sub("_", name)
-    if keyword.iskeyword(ident) or ident in {"torch", "prims", "ltorch"}:
+    """The identifier a name prints as: `layers.0.weight` -> `layers_0_weight`, `ﬁ` -> `fi`,
+    `torch` -> `torch_`, `if` -> `if_` (see the module docstring for what is reserved)."""
+    text = unicodedata.normalize("NFKC", name)
+    ident = "".join(_identifier_char(char) for char in text)
+    ident = ident if ident[:1].isidentifier() else "_" + ident
+    if unicodedata.normalize("NFKC", ident) != ident or not ident.isidentifier():
+        ident = "_" + re.sub(r"\W", "_", ident.encode("ascii", "replace").decode())
+    if keyword.iskeyword(ident) or ident in _GLOBALS:
         ident = ident + "_"
-    return ident or "_"
+    return ident
 
 
 class NameAllocator:
@@ -57,10 +85,11 @@ class NameAllocator:
                 return self._take(name)
 
     def named(self, name: str) -> str:
-        """`name` made a valid, unused identifier (`x`, then `x_1`, `x_2`, ...)."""
+        """`name` made a valid, unused identifier (`x`, then `x_1`, `x_2`, ...); see
+        `sanitize` for the spelling."""
         base = sanitize(name)
         candidate, k = base, 0
-        while candidate in self._serials or re.fullmatch(r"t\d+", candidate):
+        while candidate in self._serials or is_reserved(candidate):
             k += 1
             candidate = f"{base}_{k}"
         return self._take(candidate)

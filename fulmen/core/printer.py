@@ -17,21 +17,35 @@ Layout of a printed trace (valid Python first, commentary second):
       return t0
 
 Values that have no literal form (an arbitrary Python object passed to an opaque op) are bound
-to names `_c0, _c1, ...` in the namespace `python_callable` executes the source in.
+to names `_c0, _c1, ...` in the namespace `python_callable` executes the source in; so is a
+symbol whose `python_name` is not a dotted Python name (a custom `autograd.Function` class can
+be named anything).
+
+The printed source is compiled, so no user text reaches it unescaped: comments (source lines,
+file names, graph-break questions, statements of decompositions, types) go through
+`printable`, strings through `repr`. Local names (inputs and outputs) must not shadow the
+globals the body uses (`torch`, `prims`, `codegen`, `_c0`, `float`): the tracer never hands
+such names out (`fulmen.core.names`), and `print_trace` raises if a trace has one anyway.
 """
 
 from __future__ import annotations
 
 import enum
+import keyword
 import math
+import unicodedata
 from typing import Any
 
 import torch
 
+from fulmen.core.errors import FulmenError
 from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.source import printable
 from fulmen.core.symbol import BoundSymbol, Symbol
 
 INDENT = "  "
+_PRINTED_BUILTINS = ("float", "complex", "slice")  # builtins `_Printer.value` writes
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 GRAPH_BREAK_TAG = "graph_break"  # tag of the guard statement a graph break records
 
 _DTYPE_NAMES = {
@@ -45,6 +59,7 @@ class _Printer:
     def __init__(self) -> None:
         self.namespace: dict[str, Any] = {"torch": torch}
         self.imports: set[str] = {"import torch"}
+        self.symbols: set = set()  # the sympy symbols of the symbolic sizes printed
 
     def constant(self, value: Any) -> str:
         name = f"_c{sum(key.startswith('_c') for key in self.namespace)}"
@@ -55,9 +70,10 @@ class _Printer:
         """A Python expression for `value`."""
         if isinstance(value, Proxy):
             return value.name
+        if isinstance(value, _SYMBOLIC):
+            return self.symbolic(value)
         if isinstance(value, Symbol):
-            self.use_namespace(value)
-            return value.python_name
+            return self.symbol(value)
         if value is None or isinstance(value, (bool, int, str)) and not isinstance(value, enum.Enum):
             return repr(value)
         if isinstance(value, float):
@@ -87,6 +103,18 @@ class _Printer:
             return "{" + ", ".join(f"{key!r}: {self.value(item)}" for key, item in value.items()) + "}"
         return self.constant(value)
 
+    def symbolic(self, value) -> str:
+        """A symbolic size (`torch.SymInt`, `fulmen.tracer.symbolic`) as a Python expression of
+        its symbols (`4*s0`), which `print_trace` binds from the inputs' shapes."""
+        from torch.utils._sympy.printers import PythonPrinter
+
+        expr = value.node.expr
+        if not expr.free_symbols:
+            return repr(value.node.pytype(expr))
+        self.symbols.update(expr.free_symbols)
+        self.namespace.setdefault("math", math)
+        return f"({PythonPrinter().doprint(expr)})"
+
     def target(self, output: Any) -> str:
         """An assignment target for `output` (`t0`, `(t0, t1)`); constants become `_`."""
         if isinstance(output, Proxy):
@@ -96,6 +124,14 @@ class _Printer:
             return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
         return "_"
 
+    def symbol(self, sym: Symbol) -> str:
+        """How the source names `sym`: its `python_name`, or a constant when that is not a
+        dotted Python name."""
+        if not _is_dotted_name(sym.python_name):
+            return self.constant(sym)
+        self.use_namespace(sym)
+        return sym.python_name
+
     def use_namespace(self, sym: Symbol) -> None:
         if sym.namespace.value is not None:
             self.namespace[sym.namespace.alias] = sym.namespace.resolve()
@@ -103,11 +139,10 @@ class _Printer:
             self.imports.update(sym.namespace.import_line.split("\n"))
 
     def call(self, bsym: BoundSymbol) -> str:
-        sym = bsym.sym
-        self.use_namespace(sym)
+        name = self.symbol(bsym.sym)
         args = [self.value(arg) for arg in bsym.args]
         args += [f"{key}={self.value(arg)}" for key, arg in bsym.kwargs.items()]
-        return f"{sym.python_name}({', '.join(args)})"
+        return f"{name}({', '.join(args)})"
 
     def statement(self, bsym: BoundSymbol) -> str:
         """One line of Python for `bsym`, without its comments."""
@@ -123,21 +158,66 @@ class _Printer:
         for bsym in bsyms:
             pad = INDENT * depth
             if depth == 1 and bsym.source is not None and bsym.source != last_source:
-                lines.append(f"{pad}# {bsym.source}")
+                lines.append(f"{pad}# {bsym.source}")  # str() escapes the user's text
                 last_source = bsym.source
             if GRAPH_BREAK_TAG in bsym.sym.tags:  # args: (question, fn, expected, *values)
-                lines.append(f"{pad}# graph break: {bsym.args[0]}, answered {bsym.args[2]!r}")
+                lines.append(pad + "# " + printable(
+                    f"graph break: {bsym.args[0]}, answered {bsym.args[2]!r}"))
             line = pad + self.statement(bsym)
             types = type_comment(bsym.output)
             if types:
-                line += f"  # {types}"
+                line += f"  # {printable(types)}"
             lines.append(line)
             self.decomposition(bsym.subsymbols, depth + 1, lines)
 
     def decomposition(self, bsyms, depth: int, lines: list[str]) -> None:
         for bsym in bsyms:
-            lines.append(f"{INDENT * depth}# {self.statement(bsym)}")
+            lines.append(f"{INDENT * depth}# {printable(self.statement(bsym))}")
             self.decomposition(bsym.subsymbols, depth + 1, lines)
+
+
+def _symbol_bindings(trace, symbols: set) -> list[str]:
+    """`s0 = x.shape[0]` for each symbol of a symbolic size the body uses, read from the
+    first input that has it as a size.
+
+    Raises:
+        FulmenError: when no input has the symbol as one of its sizes.
+    """
+    if not symbols:
+        return []
+    lines, bound = [""], set()
+    for proxy in trace.args:
+        for dim, size in enumerate(getattr(proxy, "shape", ())):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if expr in symbols and expr not in bound:
+                    bound.add(expr)
+                    lines.append(f"{INDENT}{expr} = {proxy.name}.shape[{dim}]")
+    if symbols - bound:
+        raise FulmenError(f"the symbolic sizes {sorted(map(str, symbols - bound))} are not a "
+                          "size of any input", op=f"print {trace.name}")
+    return lines
+
+
+def _is_dotted_name(text: str) -> bool:
+    """`torch.Tensor.copy_`: identifiers (as Python spells them) joined by dots; `del` too."""
+    if text == "del":
+        return True
+    return unicodedata.normalize("NFKC", text) == text and all(
+        part.isidentifier() and not keyword.iskeyword(part) for part in text.split("."))
+
+
+def _check_locals(trace, printer: _Printer) -> None:
+    """Raise if an input or output name of `trace` is not an identifier or shadows a global
+    its body uses (the tracer's names never do: `fulmen.core.names`)."""
+    shadowed = set(printer.namespace) | set(_PRINTED_BUILTINS)
+    names = [proxy.name for proxy in trace.args]
+    names += [proxy.name for bsym in trace.bsyms for proxy in iter_proxies(bsym.output)]
+    for name in names:
+        if not _is_dotted_name(name) or "." in name or name == "del" or name in shadowed:
+            raise FulmenError(f"the trace variable {printable(name)!r} cannot be printed: it is "
+                              "not an identifier or shadows a global of the printed trace",
+                              op=f"print {trace.name}")
 
 
 def statement_source(bsym: BoundSymbol) -> str:
@@ -157,8 +237,10 @@ def print_trace(trace) -> tuple[str, dict[str, Any]]:
     printer.body(trace.bsyms, 1, lines)
     ret = f"{INDENT}return {printer.value(trace.output)}"
     signature = ", ".join(trace.arg_names)
-    arg_comments = [f'{INDENT}# {proxy.name}: "{proxy.type_string()}"' for proxy in trace.args]
-    header = f"# fulmen · {trace.name} · {trace.provenance}"
+    _check_locals(trace, printer)
+    arg_comments = [f"{INDENT}# {printable(type_comment(proxy))}" for proxy in trace.args]
+    arg_comments += _symbol_bindings(trace, printer.symbols)
+    header = printable(f"# fulmen · {trace.name} · {trace.provenance}")
     if trace.seconds:
         header += f" ({trace.seconds * 1e3:.2f} ms)"
     order = ("import ", "from ")

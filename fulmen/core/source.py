@@ -2,6 +2,11 @@
 
 `user_source_location()` walks the Python stack outward and returns the first frame that is not
 inside fulmen or torch: that is the line the user wrote. It is called only while tracing.
+
+The file name and line text are the user's and go into printed traces as comments, which are
+compiled: `printable()` escapes every character that could end the comment's line (`\n`, `\r`,
+and the other separators `str.splitlines` knows, which would shift the lines `linecache` shows)
+or is not printable (NUL, bidirectional overrides). `str(location)` is printable.
 """
 
 from __future__ import annotations
@@ -14,6 +19,16 @@ from dataclasses import dataclass
 _FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR: str | None = None
 _SKIP_PREFIXES = ("<frozen", "<string>")
+
+
+def printable(text: str) -> str:
+    """`text` with every non-printable character except tab written as its escape (`\\n`,
+    `\\x0b`, `\\u2028`), so it stays on one line wherever it is printed; printable text is
+    returned unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() or char == "\t"
+                   else char.encode("unicode_escape").decode("ascii") for char in text)
 
 
 def _torch_dir() -> str:
@@ -34,11 +49,11 @@ class SourceLocation:
 
     @property
     def short(self) -> str:
-        """`file.py:12`: the base name and line number."""
-        return f"{os.path.basename(self.filename)}:{self.lineno}"
+        """`file.py:12`: the base name and line number (escaped by `printable`)."""
+        return printable(f"{os.path.basename(self.filename)}:{self.lineno}")
 
     def __str__(self) -> str:
-        return f"{self.short}  {self.text}" if self.text else self.short
+        return f"{self.short}  {printable(self.text)}" if self.text else self.short
 
 
 def _is_internal(filename: str) -> bool:

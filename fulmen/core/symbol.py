@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen.core.errors import FulmenError
+from fulmen.core.names import reserve_global
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import SourceLocation
 
@@ -35,6 +36,9 @@ class Namespace:
     alias: str
     value: Any
     import_line: str
+
+    def __post_init__(self) -> None:
+        reserve_global(self.alias)  # no trace variable may shadow the alias
 
     def resolve(self) -> Any:
         if isinstance(self.value, str):

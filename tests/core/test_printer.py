@@ -77,6 +77,88 @@ def computation(x, w):
         self.assertIn("computation", html)
 
 
+_INJECTED = "  import builtins; builtins.fulmen_injected = True"  # indented as trace bodies are
+
+
+def negate(x):
+    return -x
+
+
+class TestUserTextInPrintedTraces(expecttest.TestCase):
+    """Text that is not fulmen's (file names, source lines, graph-break questions, symbol names,
+    provenance) is compiled with the printed trace: it must stay inside its comment."""
+
+    def setUp(self):
+        self.x = torch.randn(2, 3)
+        jfn = fulmen.jit(scale_shift, executors=["torch"])
+        jfn(self.x, torch.ones(3))
+        self.traced = fulmen.last_traces(jfn)[0]
+
+    def tearDown(self):
+        import builtins
+
+        injected = vars(builtins).pop("fulmen_injected", False)
+        self.assertFalse(injected, "user text ran as code of a printed trace")
+
+    def assert_safe_and_runs(self, trace):
+        source = str(trace)
+        self.assertEqual(len(source.splitlines()), source.count("\n"), source)
+        out = trace.python_callable()(self.x, torch.ones(3))
+        torch.testing.assert_close(out, scale_shift(self.x, torch.ones(3)))
+        return source
+
+    def test_source_location_and_provenance(self):
+        from fulmen.core.source import SourceLocation
+
+        evil = f"\n{_INJECTED}\r{_INJECTED}\u2028#"
+        first = self.traced.bsyms[0].replace(source=SourceLocation(f"m.py{evil}", 1, f"y{evil}"))
+        trace = self.traced.replace(bsyms=(first, *self.traced.bsyms[1:]),
+                                    provenance=f"after my pass\n{_INJECTED.strip()}")
+        source = self.assert_safe_and_runs(trace)
+        self.assertIn("# m.py\\n  import builtins; builtins.fulmen_injected = True\\r", source)
+
+    def test_graph_break_question(self):
+        from fulmen.core.symbol import BoundSymbol
+        from fulmen.ops.breaks import GUARD
+
+        t1 = self.traced.bsyms[0].output
+        question = f"bool(t1)\n{_INJECTED}\x85"
+        guard = BoundSymbol(GUARD, (question, torch.Tensor.dim, 2, t1))
+        trace = self.traced.replace(bsyms=(self.traced.bsyms[0], guard, *self.traced.bsyms[1:]))
+        source = self.assert_safe_and_runs(trace)
+        self.assertIn("# graph break: bool(t1)\\n  import builtins", source)
+        self.assertIn("breaks.guard('bool(t1)\\n  import builtins", source)
+
+    def test_symbol_names_that_are_not_python_names(self):
+        # a custom autograd.Function (or a user executor's operator) can be named anything
+        from fulmen.core.symbol import Namespace, Symbol
+
+        jfn = fulmen.jit(negate, executors=["torch"])
+        jfn(self.x)
+        traced = fulmen.last_traces(jfn)[0]
+        odd = Symbol("odd", None, namespace=Namespace("user_ns", None, ""), impl=torch.neg,
+                     python_name=f"user_ns.odd\n{_INJECTED}\n  x = ")
+        bsym = traced.bsyms[0]
+        trace = traced.replace(bsyms=(bsym.replace(sym=odd, subsymbols=(bsym.replace(sym=odd),)),))
+        source = str(trace)
+        self.assertEqual(len(source.splitlines()), source.count("\n"), source)
+        self.assertIn("= _c0(x)", source)
+        torch.testing.assert_close(trace.python_callable()(self.x), -self.x)
+
+    def test_local_shadowing_a_global_is_refused(self):
+        from fulmen.core import FulmenError
+        from fulmen.proxies import TensorProxy
+
+        jfn = fulmen.jit(negate, executors=["torch"])
+        jfn(self.x)
+        traced = fulmen.last_traces(jfn)[0]
+        shadow = TensorProxy("ltorch", self.x.shape, self.x.dtype, self.x.device)
+        bsym = traced.bsyms[0].replace(args=(shadow,), subsymbols=())
+        trace = traced.replace(args=(shadow,), bsyms=(bsym,))
+        with self.assertRaisesRegex(FulmenError, "'ltorch' cannot be printed"):
+            str(trace)
+
+
 def _strip_timing(source: str) -> str:
     first, rest = source.split("\n", 1)
     return first.split(" (")[0] + "\n" + rest
