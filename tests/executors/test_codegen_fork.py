@@ -1,5 +1,5 @@
 """A process forked after codegen compiled kernels can compile new ones (NOTE [fork] in
-`fulmen/executors/codegen/policy.py`): the child gets compile threads of its own."""
+`fulmen/executors/codegen/build.py`): the child gets compile threads of its own."""
 
 import os
 import threading
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors.codegen import build, policy
+from fulmen.executors.codegen import build as policy
+from fulmen.executors.codegen.cpu import compiler as build
 
 EXECUTORS = ["codegen", "torch"]
 CHILD_SECONDS = 240  # a kernel compile takes about a second; a hang never ends

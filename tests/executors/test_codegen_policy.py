@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors.codegen import build as cg_build
-from fulmen.executors.codegen import policy, runtime, set_compile_policy, wait_for_kernels
+from fulmen.executors.codegen import build as policy
+from fulmen.executors.codegen import set_compile_policy, wait_for_kernels
+from fulmen.executors.codegen.cpu import compiler as cg_build
+from fulmen.executors.codegen.cpu import runtime
 
 EXECUTORS = ["codegen", "torch"]
 

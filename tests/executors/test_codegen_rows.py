@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen.executors.codegen import kernel_sources
-from fulmen.executors.codegen.build import CXX_FLAGS, compiler
+from fulmen.executors.codegen.cpu.compiler import CXX_FLAGS, compiler
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
 pytestmark = pytest.mark.usefixtures("codegen_eager")

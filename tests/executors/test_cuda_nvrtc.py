@@ -31,7 +31,11 @@ from tests.executors.test_codegen import EXTRA, NOT_FUSED
 from tests.ops.opinfo_harness import matched_opinfos, samples
 
 pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
-from fulmen.executors.codegen import cuda, cuda_rows, nvrtc  # noqa: E402
+from fulmen.executors.codegen.cuda import nvrtc  # noqa: E402
+from fulmen.executors.codegen.cuda import render as cuda  # noqa: E402
+from fulmen.executors.codegen.cuda import rows as cuda_rows  # noqa: E402
+from fulmen.executors.codegen.cuda import runtime as cuda_runtime  # noqa: E402
+from fulmen.executors.codegen.cuda import target as cuda_target  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 EXECUTORS = [get_executor("codegen"), get_executor("torch")]
@@ -64,7 +68,7 @@ def cuda_regions(fn, args) -> list:
     """The `CudaFusedRegion`s the codegen executor makes for `fn(*args)` (args on "cuda")."""
     program = trace_program(fn, tuple(args), {})
     trace = claim_executors(dce(program.trace), EXECUTORS)
-    return [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, nvrtc.CudaFusedRegion)]
+    return [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, cuda_runtime.CudaFusedRegion)]
 
 
 def _op_regions(info, dtype) -> list:
@@ -108,12 +112,12 @@ def compile_all(kernels: list, kind: str = "ptx", specs=SPECS) -> int:
     bodies, half, bfloat = [], False, False
     for kernel in kernels:
         assert not isinstance(kernel, RowKernel), "row kernels: compile_rows"
-        h, b = cuda.needs_headers(kernel)
+        h, b = cuda_target.needs_headers(kernel)
         half, bfloat = half or h, bfloat or b
         for spec in _specs(kernel, specs):
             bodies.append(cuda.render_body(kernel, spec, f"k{len(bodies)}"))
     for start in range(0, len(bodies), BATCH):
-        source = cuda.prelude(half, bfloat) + "\n".join(bodies[start:start + BATCH])
+        source = cuda_target.prelude(half, bfloat) + "\n".join(bodies[start:start + BATCH])
         for arch in ARCHS:
             image, log = nvrtc.compile_source(source, arch, kind)
             assert image and log == "", f"NVRTC warnings for sm_{arch}:\n{log}"
@@ -260,15 +264,15 @@ def test_nvrtc_disk_cache(monkeypatch):
 def test_nvrtc_plan_and_pack():
     kernel = _add_kernel()  # two float32 inputs, one output
     base = 1 << 20
-    spec = nvrtc.plan(kernel, [1000], [[1], [1], [1]], [base, base + 4096, base + 8192])
+    spec = cuda_runtime.plan(kernel, [1000], [[1], [1], [1]], [base, base + 4096, base + 8192])
     assert spec == cuda.Spec(1, (1, 1, 1), 4, "int")
-    misaligned = nvrtc.plan(kernel, [1000], [[1], [1], [1]], [base + 4, base, base])
+    misaligned = cuda_runtime.plan(kernel, [1000], [[1], [1], [1]], [base + 4, base, base])
     assert misaligned.vec == 1
-    strided = nvrtc.plan(kernel, [10, 100], [[1, 10], [0, 0], [100, 1]], [base] * 3)
+    strided = cuda_runtime.plan(kernel, [10, 100], [[1, 10], [0, 0], [100, 1]], [base] * 3)
     assert strided == cuda.Spec(2, (2, 0, 1), 1, "int")
-    huge = nvrtc.plan(kernel, [2**31 + 5], [[1], [0], [1]], [base] * 3)
+    huge = cuda_runtime.plan(kernel, [2**31 + 5], [[1], [0], [1]], [base] * 3)
     assert huge.index == "long long"
-    packed = nvrtc.pack([10, 100], [[1, 10], [0, 0], [100, 1]], [1, 2, 3])
+    packed = cuda_runtime.pack([10, 100], [[1, 10], [0, 0], [100, 1]], [1, 2, 3])
     assert len(packed) == 8 * (1 + 2 + 6 + 3)
     assert int.from_bytes(packed[:8], "little") == 1000
 
@@ -289,7 +293,7 @@ def test_nvrtc_failure_falls_back_to_torch_with_one_warning(monkeypatch):
         raise nvrtc.NvrtcError("driver refused the image")
 
     monkeypatch.setattr(nvrtc, "load_function", refuse)
-    monkeypatch.setattr(nvrtc, "_warned", set())
+    monkeypatch.setattr(cuda_runtime, "_warned", set())
     monkeypatch.setattr(region, "accepts", _accept_cpu_stand_ins)
     a, c = torch.randn(8, 4), torch.randn(4)
     with warnings.catch_warnings(record=True) as caught:
@@ -306,7 +310,7 @@ def test_cpu_regions_stay_on_the_cpp_path():
     x = torch.randn(16)
     torch.testing.assert_close(jfn(x), x * 2 + 1)
     fusions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms if "fusion" in b.sym.tags]
-    assert fusions and not any(isinstance(f, nvrtc.CudaFusedRegion) for f in fusions)
+    assert fusions and not any(isinstance(f, cuda_runtime.CudaFusedRegion) for f in fusions)
 
 
 # --- the row schedule: reductions and normalisations ----------------------------------------
@@ -324,7 +328,7 @@ def cuda_row_kernels(fn, args) -> list:
     for trace in traces:
         claimed = claim_executors(trace, EXECUTORS)
         kernels += [b.sym.impl.kernel for b in claimed.bsyms
-                    if isinstance(b.sym.impl, nvrtc.CudaFusedRegion)
+                    if isinstance(b.sym.impl, cuda_runtime.CudaFusedRegion)
                     and isinstance(b.sym.impl.kernel, RowKernel)]
     return kernels
 
@@ -377,11 +381,11 @@ def compile_rows(kernels: list, kind: str = "ptx", specs=ROW_SPECS) -> int:
     architecture; fail on a warning. Returns how many kernel bodies were compiled."""
     bodies, half, bfloat = [], False, False
     for kernel in kernels:
-        h, b = cuda.needs_headers(kernel)
+        h, b = cuda_target.needs_headers(kernel)
         half, bfloat = half or h, bfloat or b
         for spec in _row_specs(kernel, specs):
             bodies.append(cuda_rows.render_rows_body(kernel, spec, f"r{len(bodies)}"))
-    source = cuda.prelude(half, bfloat) + cuda_rows.ROW_PRELUDE + "\n".join(bodies)
+    source = cuda_target.prelude(half, bfloat) + cuda_rows.ROW_PRELUDE + "\n".join(bodies)
     for arch in ARCHS:
         image, log = nvrtc.compile_source(source, arch, kind)
         assert image and log == "", f"NVRTC warnings for sm_{arch}:\n{log}"
@@ -467,7 +471,7 @@ def _strides(kernel, nouter, sizes, element=None):
 
 
 def cuda_rows_contiguous(sizes) -> list:
-    return nvrtc._contiguous(list(sizes))
+    return cuda_runtime._contiguous(list(sizes))
 
 
 def test_nvrtc_row_plan_block_grid_and_split():
@@ -541,14 +545,14 @@ def test_nvrtc_row_failure_falls_back_to_torch_with_one_warning(monkeypatch):
     x = TensorProxy(None, (8, 32), torch.float32, "cuda")
     program = trace_program(lambda a: F.softmax(a * 2, -1), (x,), {})
     trace = claim_executors(dce(program.trace), EXECUTORS)
-    (region,) = [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, nvrtc.CudaFusedRegion)]
+    (region,) = [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, cuda_runtime.CudaFusedRegion)]
     assert isinstance(region.kernel, RowKernel)
 
     def refuse(source, device, entry=nvrtc.ENTRY):
         raise nvrtc.NvrtcError("driver refused the image")
 
     monkeypatch.setattr(nvrtc, "load_function", refuse)
-    monkeypatch.setattr(nvrtc, "_warned", set())
+    monkeypatch.setattr(cuda_runtime, "_warned", set())
     monkeypatch.setattr(region, "accepts", _accept_cpu_stand_ins)
     a = torch.randn(8, 32)
     with warnings.catch_warnings(record=True) as caught:
@@ -570,7 +574,7 @@ def _check_gpu(fn, *args, exact=True):
     torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
     assert "codegen.fusion" in str(fulmen.last_traces(jfn)[-1])
     impls = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms if "fusion" in b.sym.tags]
-    assert all(isinstance(i, nvrtc.CudaFusedRegion) and not i.failed for i in impls)
+    assert all(isinstance(i, cuda_runtime.CudaFusedRegion) and not i.failed for i in impls)
 
 
 @pytest.mark.cuda
@@ -659,7 +663,7 @@ def test_cuda_execution_normalisations_forward_and_backward(name, dtype):
         torch.testing.assert_close(x.grad, xe.grad, **tol)
         for trace in (fulmen.last_traces(jfn)[-1], fulmen.last_backward_traces(jfn)[-1]):
             impls = [b.sym.impl for b in trace.bsyms if "fusion" in b.sym.tags]
-            assert impls and all(isinstance(i, nvrtc.CudaFusedRegion) and not i.failed
+            assert impls and all(isinstance(i, cuda_runtime.CudaFusedRegion) and not i.failed
                                  for i in impls)
             assert "torchex.sum" not in str(trace) and "torchex.amax" not in str(trace)
 

@@ -1,4 +1,4 @@
-"""The CUDA row kernels (`cuda_rows.py`) run on the CPU, to check their logic without a GPU:
+"""The CUDA row kernels (`codegen/cuda/rows.py`) run on the CPU, to check their logic without a GPU:
 the normalisation patterns forward and backward, dtypes, layouts, zero sizes, rows split over
 blocks (thresholds lowered so that few emulated threads suffice) and column sums in groups,
 each against eager, through `CudaFusedRegion` with its real planning, packing and launches.
@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
-from fulmen.executors.codegen import cuda_rows, nvrtc
+from fulmen.executors.codegen.cuda import CUDA, nvrtc
+from fulmen.executors.codegen.cuda import rows as cuda_rows
+from fulmen.executors.codegen.cuda import runtime as cuda_runtime
 
 RUNTIME = r"""
 #include <barrier>
@@ -173,7 +175,7 @@ def emulated(monkeypatch):
 
     monkeypatch.setattr(nvrtc, "load_function", load_function)
     monkeypatch.setattr(nvrtc, "launch", launch)
-    monkeypatch.setattr(nvrtc, "_sm_count", lambda index: 2)
+    monkeypatch.setattr(cuda_runtime, "_sm_count", lambda index: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     yield launches
 
@@ -188,14 +190,15 @@ def emulate(monkeypatch):
     """CUDA regions built for CPU tensors and run by the emulator; yields the launches."""
     import fulmen.executors.codegen as codegen
 
-    class Emulated(nvrtc.CudaFusedRegion):  # a CPU region's place, as the codegen tools see it
+    class Emulated(cuda_runtime.CudaFusedRegion):  # a CPU region's place, as the tools see it
         def ready(self) -> bool:
             return True
 
         def wait(self) -> None:
             pass
 
-    monkeypatch.setattr(codegen, "FusedRegion", Emulated)
+    # CPU tensors are fused as the CUDA target fuses and run as CUDA regions
+    monkeypatch.setitem(codegen.TARGETS, "cpu", (CUDA, Emulated))
     with emulated(monkeypatch) as launches:
         yield launches
 
@@ -220,7 +223,7 @@ def _emulated(fn, *args, grad=False, **tol):
         traces.append(fulmen.last_backward_traces(jfn)[-1])
     for trace in traces:
         impls = [b.sym.impl for b in trace.bsyms if "fusion" in b.sym.tags]
-        assert impls and all(isinstance(i, nvrtc.CudaFusedRegion) and not i.failed
+        assert impls and all(isinstance(i, cuda_runtime.CudaFusedRegion) and not i.failed
                              for i in impls)
         assert "torchex.sum" not in str(trace) and "torchex.amax" not in str(trace)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fulmen.executors.codegen import build
+from fulmen.executors.codegen.cpu import compiler as build
 
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
 
@@ -30,7 +30,8 @@ CHILD = r"""
 import json, warnings
 import torch
 import fulmen
-from fulmen.executors.codegen import runtime, set_compile_policy
+from fulmen.executors.codegen import set_compile_policy
+from fulmen.executors.codegen.cpu import runtime
 
 def fn(x, y):
     return torch.tanh(x * y + 1.5) - y

@@ -8,7 +8,9 @@ import torch
 import fulmen
 from fulmen.executors import get_executor
 from fulmen.executors.claim import claim_executors
-from fulmen.executors.codegen import nvrtc, runtime
+from fulmen.executors.codegen.cpu import runtime
+from fulmen.executors.codegen.cuda import nvrtc
+from fulmen.executors.codegen.cuda.runtime import CudaFusedRegion
 from fulmen.proxies import TensorProxy
 from fulmen.tracer import trace_program
 from fulmen.transforms import dce
@@ -92,7 +94,7 @@ def test_a_cuda_region_given_cpu_tensors_never_launches(monkeypatch):
     a, c = (TensorProxy(None, (8, 4), torch.float32, "cuda") for _ in range(2))
     program = trace_program(pointwise, (a, c), {})
     trace = claim_executors(dce(program.trace), [get_executor("codegen"), get_executor("torch")])
-    (region,) = [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, nvrtc.CudaFusedRegion)]
+    (region,) = [b.sym.impl for b in trace.bsyms if isinstance(b.sym.impl, CudaFusedRegion)]
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a CUDA kernel was loaded for CPU tensors")

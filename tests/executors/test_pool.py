@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors.codegen import pool
+from fulmen.executors.codegen.cpu import pool
 
 BIG = (1024, 2048)  # 8 MiB of float32: from the pool
 

@@ -9,8 +9,8 @@ import torch
 
 import fulmen
 from fulmen.core import check_trace
-from fulmen.executors.codegen import build as cg_build
 from fulmen.executors.codegen import codegen_ex
+from fulmen.executors.codegen.cpu import compiler as cg_build
 from fulmen.transforms.fusion import partition_for_fusion
 
 EXECUTORS = ["codegen", "torch"]

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 
 import torch
 
-from fulmen.core import BoundSymbol, Symbol
+from fulmen.core import BoundSymbol
 from fulmen.executors.base import FusionExecutor
 from fulmen.executors.nvfuser.translate import (
     CLAIMED,
@@ -32,7 +31,6 @@ from fulmen.transforms.fusion import region_inputs
 __all__ = ["CLAIMED", "NvFuserExecutor", "frontend", "nvfuser_available"]
 
 VIEWS = frozenset({"reshape", "permute", "squeeze", "slice", "broadcast_in_dim"})
-_ids = itertools.count()
 _definitions: dict[tuple, object] = {}  # canonical form -> built FusionDefinition
 
 
@@ -84,13 +82,6 @@ class NvFuserExecutor(FusionExecutor):
 
     def __init__(self, name: str = "nvfuser") -> None:
         super().__init__(name)
-        self.fusions: dict[str, Symbol] = {}
-
-    def __getattr__(self, name: str) -> Symbol:
-        fusions = self.__dict__.get("fusions", {})
-        if name in fusions:
-            return fusions[name]
-        raise AttributeError(f"executor {self.__dict__.get('name')!r} has no fusion {name!r}")
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         return claimable(bsym)
@@ -110,13 +101,9 @@ class NvFuserExecutor(FusionExecutor):
             return None
         inputs = region_inputs(region)
         key = canonical_form(region, inputs, outputs)
-        name = f"fusion{next(_ids)}"
-        output = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        name = self.next_fusion_name()
         impl = NvFuserRegion(name, region, inputs, outputs, key)
-        sym = Symbol(name, None, namespace=self.namespace, python_name=f"{self.name}.{name}",
-                     impl=impl, tags={"fusion"}, executor=self)
-        self.fusions[name] = sym
-        return BoundSymbol(sym, tuple(inputs), {}, output, tuple(region), region[0].source)
+        return self.fusion_statement(name, impl, region, inputs, outputs)
 
 
 nvfuser_ex = NvFuserExecutor()

@@ -42,7 +42,7 @@ import torch
 
 from fulmen.executors.codegen import cache
 from fulmen.executors.codegen.build import policy, submit
-from fulmen.executors.codegen.cpu.compiler import CompileError, compiler, is_cached, load_kernel
+from fulmen.executors.codegen.cpu import compiler
 from fulmen.executors.codegen.cpu.pool import empty
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
@@ -56,8 +56,8 @@ GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GR
 
 def _submit(source: str) -> Future:
     """The (shared) future loading the kernel of `source` (see `policy.submit`)."""
-    key = ("kernel", source, str(cache.requested_root()), compiler())
-    return submit(key, load_kernel, source)
+    key = ("kernel", source, str(cache.requested_root()), compiler.compiler())
+    return submit(key, compiler.load_kernel, source)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -83,7 +83,7 @@ class FusedRegion(RegionCallable):
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
         source = self._source(contiguous)
-        if policy.mode == "eager" or is_cached(source):
+        if policy.mode == "eager" or compiler.is_cached(source):
             self._start(contiguous)  # the common layout, in the background
 
     def _source(self, layout: tuple) -> str:
@@ -127,7 +127,7 @@ class FusedRegion(RegionCallable):
             return self._run(inputs)
         except Fallback:
             return self._run_fallback(inputs)
-        except CompileError as error:
+        except compiler.CompileError as error:
             self.failed = True
             warnings.warn(f"fulmen codegen: {self.name} runs on the torch executor: {error}",
                           RuntimeWarning, stacklevel=2)

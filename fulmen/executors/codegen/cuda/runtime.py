@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
+from fulmen.executors.codegen.cuda import nvrtc
 from fulmen.executors.codegen.cuda import rows as cuda_rows
-from fulmen.executors.codegen.cuda.nvrtc import ENTRY, MAX_PARAM_BYTES, NvrtcError, launch
-from fulmen.executors.codegen.cuda.nvrtc import load_function
+from fulmen.executors.codegen.cuda.nvrtc import ENTRY, MAX_PARAM_BYTES, NvrtcError
 from fulmen.executors.codegen.cuda.render import BLOCK, Spec, render, vector_width
 from fulmen.executors.codegen.ir import Kernel, RowKernel
 from fulmen.executors.codegen.region import Fallback, RegionCallable, coalesce, region_results, resolve
@@ -133,11 +133,11 @@ class CudaFusedRegion(RegionCallable):
             if len(params) > MAX_PARAM_BYTES:
                 raise Fallback
             spec = plan(kernel, sizes, rows, addresses)
-            function = load_function(self.source_for(spec), device)
+            function = nvrtc.load_function(self.source_for(spec), device)
             work = math.prod(sizes) // spec.vec if spec.vec > 1 else math.prod(sizes)
             index = device.index if device.index is not None else torch.cuda.current_device()
             grid = max(1, min(-(-work // BLOCK), _sm_count(index) * 8))
-            launch(function, device, grid, params, BLOCK)
+            nvrtc.launch(function, device, grid, params, BLOCK)
         return region_results(lowered, inputs, outs)
 
     def _run_rows(self, inputs):
@@ -185,16 +185,16 @@ class CudaFusedRegion(RegionCallable):
             if len(cuda_rows.pack_rows(how, sizes, rows, addresses, 0, 0)) > MAX_PARAM_BYTES:
                 raise Fallback
             source = self.source_for(how.spec)
-            function = load_function(source, device)
-            columns = load_function(source, device, ENTRY + "_columns") if how.groups else None
+            function = nvrtc.load_function(source, device)
+            columns = nvrtc.load_function(source, device, ENTRY + "_columns") if how.groups else None
             work = torch.empty(how.work // 8, dtype=torch.float64, device=device) \
                 if how.work else None
             work_address = work.data_ptr() if work is not None else 0
             for phase in range(how.phases):
                 params = cuda_rows.pack_rows(how, sizes, rows, addresses, work_address, phase)
-                launch(function, device, how.grid, params, how.spec.block)
+                nvrtc.launch(function, device, how.grid, params, how.spec.block)
             if columns is not None:
-                launch(columns, device, how.column_grid, params, cuda_rows.FINISH_BLOCK)
+                nvrtc.launch(columns, device, how.column_grid, params, cuda_rows.FINISH_BLOCK)
         else:
             for out, column in zip(outs, kernel.output_columns):
                 if column:
