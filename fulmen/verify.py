@@ -72,6 +72,9 @@ class VerifyReport:
     culprit: str | None = None
     culprit_op: str | None = None
     repro_path: str | None = None
+    minimized_failure: str | None = None
+    minimized_path: str | None = None
+    minimized_report: VerifyReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +91,12 @@ class VerifyReport:
             lines.append(f"  first diverging statement (op {self.culprit_op}):\n    {self.culprit}")
         if self.repro_path:
             lines.append(f"  repro script: {self.repro_path}")
+        if self.minimized_path:
+            lines.append(f"  minimized program ({self.minimized_failure}): "
+                         f"{self.minimized_path}")
+        if self.minimized_report is not None and not self.minimized_report.ok:
+            inner = str(self.minimized_report).replace("\n", "\n  ")
+            lines.append(f"  on the minimized program: {inner}")
         return "\n".join(lines)
 
 
@@ -279,6 +288,12 @@ def _portable(bsym: BoundSymbol) -> BoundSymbol:
     return bsym.replace(sym=_portable_symbol(bsym.sym), args=args, kwargs=kwargs)
 
 
+def portable_trace(trace: Trace) -> Trace:
+    """`trace` with every statement `_portable`: it prints as Python that runs in a fresh
+    process (opaque ops and executors' operators as the torch callables they run)."""
+    return trace.replace(bsyms=tuple(_portable(bsym) for bsym in trace.bsyms))
+
+
 def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
     """A script that runs the culprit and its reference on random inputs of the same metadata
     and exits 1 when they disagree; it needs no state of this process (fusions are rebuilt).
@@ -368,11 +383,19 @@ def _float64_run(fn, args, kwargs):
 
 
 def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | None = None,
-           repro_dir: str | None = None, **kwargs) -> VerifyReport:
+           repro_dir: str | None = None, minimize: bool = False, against=None,
+           **kwargs) -> VerifyReport:
     """Compile `fn` and check every stage against eager on `(args, kwargs)`.
 
     Returns a `VerifyReport` (never raises for a mismatch). Inputs are cloned, so `fn` sees
     fresh copies in each run. `repro_dir` defaults to a new temporary directory.
+
+    `minimize=True` also compares the whole compiled program with eager (or, given `against`,
+    with the program compiled for the executors `against`: a cross-executor check) by the
+    float64 rule, and when it fails shrinks the traced program statement by statement while
+    the failure keeps its kind (`fulmen.minimize`), writes it as a standalone script
+    (`minimized_path`) and verifies the minimized program stage by stage
+    (`minimized_report`: the pass and the statement).
 
     Example:
         >>> report = fulmen.verify(f, x, y, executors=[myex, "torch"])
@@ -413,7 +436,28 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
     if wants_grad:
         _verify_backward(report, machinery, traces, inputs, expected, grad_inputs,
                          rtol, atol, repro_dir, wide)
+    if minimize and not kwargs:
+        _minimize(report, fn, args, executors, against, repro_dir)
     return report
+
+
+def _minimize(report, fn, args, executors, against, repro_dir) -> None:
+    """Shrink a failing program and verify the small one (see `verify`)."""
+    from fulmen.minimize import minimize_program, write_script
+
+    small = minimize_program(fn, *_clone(args), executors=executors, against=against)
+    if small is None:
+        return
+    directory = repro_dir or tempfile.mkdtemp(prefix="fulmen_verify_")
+    report.minimized_failure = str(small.failure)
+    report.minimized_path = write_script(small, os.path.join(directory, "fulmen_minimized.py"))
+    if report.first_bad_stage is None:
+        report.first_bad_stage = f"whole program ({small.failure.kind})"
+    try:
+        report.minimized_report = verify(small.trace.python_callable(), *small.inputs,
+                                         executors=executors, repro_dir=directory)
+    except Exception:  # noqa: BLE001 - e.g. the failure is an error of the compiled run
+        report.minimized_report = None
 
 
 def _detached(tree):

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import fulmen
@@ -128,3 +129,71 @@ def test_repro_with_opaque_ops_runs_on_its_own(tmp_path):
     result = subprocess.run([sys.executable, report.repro_path], capture_output=True, text=True)
     assert result.returncode == 1, result.stdout + result.stderr  # reproduces in a new process
     assert "torch.ops.aten.gelu.default(x)" in open(report.repro_path).read()
+
+
+def _program(x, w):
+    h = torch.relu(x @ w)
+    g = torch.tanh(h) * 2 + h.sin()
+    return (g.softmax(-1) * x.sum()).mean(0), h.exp()
+
+
+def _planted_tanh(name):
+    from fulmen.executors import register_executor
+
+    bad = OperatorExecutor(name)
+    op = bad.register_operator("tanh_one_percent_off", like=torch.tanh,
+                               fn=lambda a: torch.tanh(a) * 1.01)
+    bad.register_implementation(torch.tanh, op)
+    register_executor(bad)  # by name, so the written script finds it in this process
+    return bad
+
+
+def test_minimizer_shrinks_to_the_wrong_statement_and_keeps_the_failure(tmp_path):
+    import runpy
+
+    from fulmen.minimize import failure_of, minimize_program, write_script
+
+    _planted_tanh("planted_minimize")
+    x, w = torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True)
+    executors = ["planted_minimize", "torch"]
+    failure = failure_of(_program, [x, w], executors=executors)
+    assert failure is not None and failure.kind == "value: output", failure
+    small = minimize_program(_program, x, w, executors=executors)
+    assert small.failure.kind == failure.kind
+    statements = [b.sym.name for b in small.trace.bsyms]
+    assert statements == ["tanh"], small.trace  # from 9 statements to the culprit
+    path = write_script(small, str(tmp_path / "repro.py"))
+    with pytest.raises(SystemExit) as exit_status:  # the script reproduces it
+        runpy.run_path(path, run_name="__main__")
+    assert exit_status.value.code == 1
+    assert failure_of(_program, [x, w], executors=["torch"]) is None  # a correct one passes
+
+
+def test_verify_minimize_writes_a_script_and_names_the_pass(tmp_path):
+    import subprocess
+
+    _planted_tanh("planted_verify_minimize")
+    x, w = torch.randn(4, 5), torch.randn(5, 5)
+    report = fulmen.verify(_program, x, w, executors=["planted_verify_minimize", "torch"],
+                           minimize=True, repro_dir=str(tmp_path))
+    assert not report.ok and report.minimized_path, str(report)
+    assert "value: output" in report.minimized_failure
+    inner = report.minimized_report
+    assert inner is not None and not inner.ok and "tanh" in inner.culprit_op, str(report)
+    assert "claiming by executors" in inner.first_bad_stage
+    # a fresh process has no such executor: the script runs and says so (exit 0, no failure)
+    result = subprocess.run([sys.executable, report.minimized_path], capture_output=True,
+                            text=True)
+    assert "planted_verify_minimize" in result.stdout + result.stderr
+
+
+def test_cross_executor_check_compares_two_compiled_runs():
+    from fulmen.minimize import failure_of
+
+    _planted_tanh("planted_cross")
+    x, w = torch.randn(4, 5), torch.randn(5, 5)
+    assert failure_of(_program, [x, w], executors=["codegen", "torch"], against=["torch"]) \
+        is None
+    failure = failure_of(_program, [x, w], executors=["planted_cross", "torch"],
+                         against=["codegen", "torch"])
+    assert failure is not None and failure.kind == "value: output"

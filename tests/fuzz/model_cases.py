@@ -19,11 +19,13 @@ from tests.fuzz.models import (
     ConvModel,
     ConvStage,
     Custom,
+    Layout,
     Memory,
     Mlp,
     Moe,
     SeqModel,
     Stat,
+    cache_tensors,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -92,10 +94,20 @@ def _change_state(model: nn.Module, change: str, index: int) -> None:
                     buffer.add_(0.25 * (index + 1))
 
 
-def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> list:
+def _new_cache(kind: str):
+    if kind == "dynamic":
+        import transformers
+
+        return transformers.DynamicCache()
+    return [] if kind == "list" else None
+
+
+def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False,
+                 compile_step=None) -> list:
     """Run the case's calls through `fn` (the model itself or its jitted form); return the
-    records [(what, tensor)] of every output, buffer and gradient, in order. `reference`: the
-    float64 run (no autocast, float64 inputs)."""
+    records [(what, tensor)] of every output, buffer, gradient, KV-cache entry and (with an
+    optimizer) parameter, in order. `reference`: the float64 run (no autocast, float64 inputs).
+    `compile_step(opt.step)`: how the optimizer step is called (`fulmen.jit`; else eagerly)."""
     ctx = case.context
     dtype = torch.float64 if reference else (
         ctx.half if ctx.bf16_weights else torch.float32)
@@ -104,6 +116,14 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
     def record(what, tensor):
         records.append((what, None if tensor is None else tensor.detach().clone()))
 
+    cache = _new_cache(ctx.cache) if isinstance(case.model, SeqModel) else None
+    step = scheduler = None
+    if ctx.optimizer != "none":
+        params = list(model.parameters())
+        optimizer = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if ctx.optimizer == "sgd"
+                     else torch.optim.AdamW(params, lr=0.01))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+        step = compile_step(optimizer.step) if compile_step else optimizer.step
     torch.manual_seed(case.seed)  # dropout draws the same masks in every run
     grad, use_autocast = ctx.grad, ctx.autocast
     for index, call in enumerate(case.calls):
@@ -122,7 +142,7 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
         autocast = (torch.autocast("cpu", dtype=ctx.half) if use_autocast
                     else contextlib.nullcontext())
         with grad_mode, autocast:
-            out = fn(*inputs)
+            out = fn(*inputs) if cache is None else fn(*inputs, cache)
         if isinstance(out, dict):
             logits, loss = out["logits"], out["loss"]
             for i, h in enumerate(out["hidden_states"]):
@@ -141,6 +161,8 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
                 record(f"call {index} input {i}", tensor)
         for name, buffer in model.named_buffers():
             record(f"call {index} buffer {name}", buffer)
+        for i, tensor in enumerate(cache_tensors(cache)):
+            record(f"call {index} cache {i}", tensor)
         if grad:
             target = loss if loss is not None else logits.float().square().mean()
             if target.requires_grad:
@@ -149,6 +171,12 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
                     record(f"call {index} grad {name}", p.grad)
                 if ctx.input_grad and isinstance(case.model, ConvModel):
                     record(f"call {index} grad input", inputs[0].grad)
+                if step is not None:
+                    with torch.no_grad():
+                        step()
+                    scheduler.step()
+                    for name, p in model.named_parameters():
+                        record(f"call {index} param {name}", p)
     return records
 
 
@@ -156,8 +184,12 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False) -> l
 # strategies
 
 # FULMEN_FUZZ_KNOWN_BUGS=1 also generates the patterns excluded for open bugs:
-# - `Memory`: a tensor stored on the module (`self.memory = torch.cat([...])`, buffer or plain
-#   attribute) leaks a TensorProxy into the module and later calls are wrong (issue 18 report)
+# - `Layout("strides")`: an elementwise op with a broadcast operand reports contiguous strides
+#   where eager keeps its strided input's layout; Python reading `stride()`/`is_contiguous()`
+#   takes another branch (tests/fuzz/test_layout_truth.py, xfail)
+# - `Context(cache="list")`: a list argument grown by the traced code loses its items
+#   (tests/fuzz/test_found_bugs.py, xfail); `cache="dynamic"` (transformers.DynamicCache) works
+# (`Memory`, a tensor stored on the module, is refused as documented and checked to be)
 KNOWN_BUGS = os.environ.get("FULMEN_FUZZ_KNOWN_BUGS") == "1"
 _norms = st.sampled_from(["layer", "rms"])
 _often = st.sampled_from([True, True, False])
@@ -182,13 +214,15 @@ _moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_
                  checkpoint=_sometimes)
 _custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste", "linear"]))
 _stat = st.just(Stat())
+_layout = st.builds(Layout, kind=st.sampled_from(["view", "strides"] if KNOWN_BUGS else ["view"]))
 
 
 @st.composite
 def seq_models(draw):
     dim = draw(st.sampled_from([8, 12, 16]))
-    kinds = [_attn(dim), _attn(dim), _attn(dim), _mlp, _mlp, _moe, _moe, _custom, _stat]  # weights
-    if KNOWN_BUGS:
+    kinds = [_attn(dim), _attn(dim), _attn(dim), _mlp, _mlp, _moe, _moe, _custom, _stat,
+             _layout]  # repeats weight the draw
+    if draw(st.integers(0, 19)) == 0:  # rarely: a store on the module, which must be refused
         kinds.append(st.just(Memory()))
     block = st.one_of(*kinds)
     blocks = tuple(draw(st.lists(block, min_size=1, max_size=4)))
@@ -209,7 +243,7 @@ _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sample
 conv_models = st.builds(
     ConvModel, in_channels=st.integers(1, 3), stages=st.lists(_stage, min_size=1, max_size=3)
     .map(tuple), classes=st.integers(2, 6),
-    extra=st.lists(st.one_of(_custom, _stat), max_size=2).map(tuple),
+    extra=st.lists(st.one_of(_custom, _stat, _layout), max_size=2).map(tuple),
     loss=st.sampled_from(["ce", "mse", "none"]), channels_last=_sometimes)
 
 
@@ -220,20 +254,31 @@ def cases(draw):
     # bf16 hides small errors in its rounding: most cases run in float32
     context = draw(st.builds(Context, training=_often, grad=_often, autocast=_sometimes,
                              bf16_weights=_rarely, accumulate=st.booleans(),
-                             input_grad=st.booleans(), fp16=_sometimes))
+                             input_grad=st.booleans(), fp16=_sometimes,
+                             optimizer=st.sampled_from(["none", "none", "none", "sgd", "adamw"]),
+                             ddp=_rarely, cache=st.sampled_from(
+                                 ["none", "none", "none", "dynamic"] + ["list"] * KNOWN_BUGS
+                                 if seq else ["none"])))
     if context.bf16_weights and context.autocast:
         context = dataclasses.replace(context, autocast=False)
+    if context.cache != "none":  # a decode loop: no grad through earlier calls' keys
+        context = dataclasses.replace(context, grad=False)
+    changes = ["none", "none", "none", "train", "eval", "flag", "buffer", "freeze",
+               "temperature", "grad", "autocast", "hook", "grad_hook"]
+    if context.cache != "none":
+        changes.remove("grad")
     n_calls = draw(st.integers(1, 3))
     calls = []
     for i in range(n_calls):
         length = draw(st.integers(2, 7) if seq else st.integers(3, 8))
         padding = tuple(draw(st.lists(st.integers(0, 3), max_size=3))) if seq else ()
-        change = draw(st.sampled_from(["none", "none", "none", "train", "eval", "flag", "buffer",
-                                       "freeze", "temperature", "grad", "autocast", "hook",
-                                       "grad_hook"])
-                      if i else st.just("none"))
+        if context.cache != "none":
+            length, padding = draw(st.integers(1, 4)), ()
+        change = draw(st.sampled_from(changes) if i else st.just("none"))
         # batch norm in training needs more than one value per channel after pooling
         batch = draw(st.integers(1 if seq else 2, 3))
+        if context.cache != "none" and calls:
+            batch = calls[0].batch  # the cache's batch
         calls.append(Call(batch=batch, length=length, padding=padding,
                           change=change))
     return Case(model=model, context=context, calls=tuple(calls),
@@ -256,9 +301,12 @@ def smaller(case: Case):
         for i in range(len(model.extra)):
             yield dataclasses.replace(case, model=dataclasses.replace(
                 model, extra=model.extra[:i] + model.extra[i + 1:]))
-    for name in ("autocast", "bf16_weights", "accumulate", "input_grad", "fp16"):
+    for name in ("autocast", "bf16_weights", "accumulate", "input_grad", "fp16", "ddp"):
         if getattr(ctx, name):
             yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: False}))
+    for name in ("optimizer", "cache"):
+        if getattr(ctx, name) != "none":
+            yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: "none"}))
     for index, call in enumerate(case.calls):
         simpler = [dataclasses.replace(call, change="none"), dataclasses.replace(call, padding=()),
                    dataclasses.replace(call, batch=max(1, call.batch - 1)),
@@ -302,7 +350,7 @@ PATTERNS = (
     # memory growing over the calls, in-place activation and residual, frozen parameters and
     # a float attribute changed between calls
     Case(SeqModel(vocab=10, dim=8, blocks=(
-        *((Memory(),) if KNOWN_BUGS else ()), Attn(heads=2, causal=True, sdpa=True),
+        Attn(heads=2, causal=True, sdpa=True),
         Mlp(act="relu", inplace=True, unpad=True)),
         head="lm", loss="ce", dict_output=True, inplace_labels=True, shared=True),
         Context(training=True, grad=True),
@@ -339,6 +387,33 @@ PATTERNS = (
         Context(training=True, grad=True, accumulate=True, input_grad=True),
         (Call(2, 6), Call(3, 8), Call(2, 6, change="eval"), Call(2, 6, change="autocast"),
          Call(2, 6, change="grad")), seed=5),
+    # a KV cache carried between calls: plain list (prefill, then decode steps) with rotary,
+    # grouped-query attention and the blocks applied twice; transformers.DynamicCache likewise
+    Case(SeqModel(vocab=12, dim=8, blocks=(
+        Attn(heads=2, causal=True, rotary=True, kv_heads=1), Mlp(act="swiglu")),
+        head="lm", loss="ce", shared=True),
+        Context(training=False, grad=False, cache="list" if KNOWN_BUGS else "dynamic"),
+        (Call(2, 4), Call(2, 1), Call(2, 2), Call(2, 1, change="temperature")), seed=8),
+    Case(SeqModel(vocab=12, dim=8, blocks=(Attn(heads=2, causal=True, sdpa=False),
+                                           Attn(heads=1, rotary=True))),
+         Context(training=False, grad=False, cache="dynamic", autocast=True),
+         (Call(1, 3), Call(1, 1), Call(1, 1)), seed=9),
+    # a jitted optimizer step with an LR scheduler (SGD with momentum; AdamW with its state
+    # created at the first step), views on strided intermediates and strides read by Python
+    Case(SeqModel(vocab=9, dim=8, blocks=(
+        Layout("view"), Attn(heads=2), *((Layout("strides"),) if KNOWN_BUGS else ()),
+        Mlp(act="gelu")), head="lm", loss="ce"),
+         Context(training=True, grad=True, optimizer="sgd", accumulate=True),
+         (Call(2, 4, (1,)), Call(2, 4), Call(2, 5, change="freeze")), seed=10),
+    Case(ConvModel(in_channels=2, stages=(ConvStage(channels=4, norm="batch", pool="max"),),
+                   extra=(Layout("view"),), classes=3),
+         Context(training=True, grad=True, optimizer="adamw"), (Call(2, 5), Call(2, 6)), seed=11),
+    # jit(DDP(model)) is refused with its hint; DDP(jit(model)) trains as eager (gloo, 1 rank);
+    # a forward storing a tensor on the module is refused
+    Case(SeqModel(vocab=8, dim=8, blocks=(Attn(heads=2), Moe(experts=2, top_k=1)), loss="ce"),
+         Context(training=True, grad=True, ddp=True, optimizer="sgd"),
+         (Call(2, 4), Call(2, 4, (1,))), seed=12),
+    Case(SeqModel(vocab=8, dim=8, blocks=(Memory(), Mlp())), Context(), (Call(2, 3),), seed=13),
     # conv under autocast(float16)
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,

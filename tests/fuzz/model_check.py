@@ -8,7 +8,7 @@ import torch
 
 from fulmen.accuracy import check_accuracy, rms, tight
 from tests.fuzz.model_cases import run_sequence, smaller
-from tests.fuzz.models import Case, build
+from tests.fuzz.models import Case, Memory, build
 
 # ---------------------------------------------------------------------------------------------
 # checking a case against eager
@@ -36,35 +36,100 @@ def _group_noise(expected, reference, what) -> float:
     return sum(errors) / len(errors) if errors else 0.0
 
 
+# executor lists each case runs under: torch alone; decomposed to prims first; codegen kernels
+CONFIGS = {"torch": {"executors": ["torch"]},
+           "decomposed": {"executors": ["torch"], "transforms": "decompose_to_prims"},
+           "codegen": {"executors": ["codegen", "torch"]}}
+
+
+def _config(config) -> dict:
+    """A name of `CONFIGS`, or an executor list."""
+    if isinstance(config, str):
+        config = dict(CONFIGS[config])
+    else:
+        config = {"executors": list(config)}
+    if config.get("transforms") == "decompose_to_prims":
+        from fulmen.transforms import decompose_to_prims
+
+        config["transforms"] = [decompose_to_prims]
+    return config
+
+
+def _process_group():
+    """A single-process gloo group (in-process store) for the DDP contexts; made once."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def _ddp(module):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=_process_group(),
+                                   find_unused_parameters=True)
+
+
 def run_eager(case: Case) -> list:
     model = build(case)
-    return run_sequence(case, model, model)
+    return run_sequence(case, model, _ddp(model) if case.context.ddp else model)
 
 
-def run_fulmen(case: Case, executors) -> list:
+def _refusals(case: Case) -> str | None:
+    """The documented refusal the case must meet (a message fragment), if any."""
+    blocks = getattr(case.model, "blocks", ()) + getattr(case.model, "extra", ())
+    if any(isinstance(b, Memory) for b in blocks):
+        return "stores a traced tensor in the module attribute"
+    return None
+
+
+def run_fulmen(case: Case, config) -> list:
     import fulmen
 
+    options = _config(config)
     model = build(case)
-    jitted = fulmen.jit(model, executors=executors)
-    return run_sequence(case, model, jitted)
+    if case.context.ddp:  # documented: refused, pointing at DDP(fulmen.jit(model))
+        try:
+            fulmen.jit(_ddp(model), **options)
+        except fulmen.NotYetSupportedError as error:
+            if "DDP(fulmen.jit(model))" not in str(error):
+                raise Mismatch("refusal", f"jit(DDP) refused without the hint: {error}") from error
+        else:
+            raise Mismatch("refusal", "fulmen.jit(DDP(model)) was not refused")
+        fn = _ddp(fulmen.jit(model, **options))
+    else:
+        fn = fulmen.jit(model, **options)
+    return run_sequence(case, model, fn,
+                        compile_step=lambda step: fulmen.jit(step, **options))
 
 
 def run_reference(case: Case) -> list:
     model = build(case, torch.float64)
-    return run_sequence(case, model, model, reference=True)
+    return run_sequence(case, model, _ddp(model) if case.context.ddp else model,
+                        reference=True)
 
 
-def check_case(case: Case, executors=("torch",)) -> None:
-    """Run `case` eagerly and through fulmen.jit; raise `Mismatch` where outputs, buffers or
-    gradients disagree beyond the tight tolerance and the float64 rule."""
+def check_case(case: Case, executors="torch") -> None:
+    """Run `case` eagerly and through fulmen.jit (`executors`: a name of `CONFIGS` or an
+    executor list); raise `Mismatch` where outputs, buffers, KV caches, gradients or optimizer
+    updates disagree beyond the tight tolerance and the float64 rule, or where fulmen does not
+    refuse what it documents refusing."""
     try:
         expected = run_eager(case)
     except Exception as error:  # noqa: BLE001
         raise InvalidCase(f"eager fails: {type(error).__name__}: {error}") from error
+    refusal = _refusals(case)
     try:
-        actual = run_fulmen(case, list(executors))
+        actual = run_fulmen(case, executors)
+    except Mismatch:
+        raise
     except Exception as error:  # noqa: BLE001 - any error of fulmen's is a finding
+        if refusal is not None and refusal in str(error):
+            return
         raise Mismatch(f"error: {type(error).__name__}", str(error)[:2000]) from error
+    if refusal is not None:
+        raise Mismatch("refusal", f"expected fulmen to refuse: {refusal}")
     if [w for w, _ in actual] != [w for w, _ in expected]:
         raise Mismatch("structure", f"{[w for w, _ in actual]} vs {[w for w, _ in expected]}")
     reference = None
@@ -126,9 +191,49 @@ def minimize(case: Case, executors, kind: str, attempts: int = 80) -> Case:
 def repro(case: Case, executors) -> str:
     """A standalone script reproducing `case`'s failure (run from the repository root)."""
     policy = ""
-    if "codegen" in executors:
+    if "codegen" in _config(executors)["executors"]:
         policy = ("from fulmen.executors.codegen import set_compile_policy\n"
                   "set_compile_policy('eager')\n")
     return ("import torch\n" + policy + "from tests.fuzz.models import *  # noqa\n"
             "from tests.fuzz.model_check import check_case\n\n"
-            f"case = {case!r}\ncheck_case(case, {list(executors)!r})\n")
+            f"case = {case!r}\ncheck_case(case, {executors!r})\n")
+
+
+def trace_repro(case: Case, executors, directory: str):
+    """Statement deletion on the trace (`fulmen.minimize`): the first call of `case` as one
+    traced program with its inputs (parameters and buffers included), shrunk while it fails
+    the same way by itself, written as a standalone script in `directory`. Returns
+    `(Minimized, path)`, or None when the failure needs the call sequence (state changes,
+    graph breaks) and the first call alone does not show it."""
+    import contextlib
+
+    import fulmen
+    from fulmen.minimize import failure_of as program_failure
+    from fulmen.minimize import program_of, shrink, write_script
+    from tests.fuzz.model_cases import make_inputs
+
+    options = _config(executors)
+    model = build(case)
+    ctx = case.context
+    dtype = ctx.half if ctx.bf16_weights else torch.float32
+    inputs = [t for t in make_inputs(case, 0, dtype) if t is not None]
+    grad = torch.enable_grad() if ctx.grad else torch.no_grad()
+    autocast = (torch.autocast("cpu", dtype=ctx.half) if ctx.autocast
+                else contextlib.nullcontext())
+    with grad, autocast:
+        try:
+            program = program_of(fulmen.jit(model, **options), *inputs)
+        except Exception:  # noqa: BLE001 - the failure is an error while compiling
+            return None
+        if program is None:
+            return None
+        trace, values = program
+        options = {"executors": options["executors"], "transforms": options.get("transforms")}
+        try:
+            failure = program_failure(trace.python_callable(), values, **options)
+        except Exception:  # noqa: BLE001
+            return None
+        if failure is None:
+            return None
+        small = shrink(trace, values, failure, options, max_runs=120)
+    return small, write_script(small, f"{directory}/fulmen_minimized_case.py")

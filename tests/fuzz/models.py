@@ -89,6 +89,15 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A view on an intermediate (HF Swin's window partition): a transposed view, an elementwise
+    op (eager keeps its input's strides), then `.view` back, which is legal only with eager's
+    strides; `strides`: Python also reads `is_contiguous()` and `stride()` of the intermediate."""
+
+    kind: str = "view"  # view | strides
+
+
+@dataclass(frozen=True)
 class SeqModel:
     vocab: int = 11
     dim: int = 8
@@ -148,6 +157,12 @@ class Context:
     accumulate: bool = False  # gradients accumulate over the calls (else zeroed before each)
     input_grad: bool = False  # the images require grad (conv models): their gradient compared
     fp16: bool = False  # float16 instead of bfloat16 for autocast and low-precision weights
+    optimizer: str = "none"  # sgd | adamw: a jitted `optimizer.step` after each backward,
+    #                          then an LR scheduler's step (StepLR halving the rate)
+    ddp: bool = False  # fulmen.jit(DDP(model)) must be refused; DDP(fulmen.jit(model)) runs
+    #                    (a single-process gloo group, find_unused_parameters)
+    cache: str = "none"  # list | dynamic: a KV cache (plain list, or transformers.DynamicCache)
+    #                      passed to every call and grown by the attention blocks
 
     @property
     def half(self):
@@ -205,25 +220,30 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.temperature = 1.0
 
-    def core(self, x, mask):
+    def core(self, x, mask, cache=None, layer=0):
         spec = self.spec
         b, t, d = x.shape
         hd, kv = d // spec.heads, self.kv_heads
         q, k, v = self.qkv(x).split([d, kv * hd, kv * hd], dim=-1)
         q = q.view(b, t, spec.heads, hd).transpose(1, 2)
         k, v = k.view(b, t, kv, hd).transpose(1, 2), v.view(b, t, kv, hd).transpose(1, 2)
-        if kv != spec.heads:  # HF repeat_kv: expand, then reshape (a copy)
-            k = k[:, :, None].expand(b, kv, spec.heads // kv, t, hd).reshape(b, -1, t, hd)
-            v = v[:, :, None].expand(b, kv, spec.heads // kv, t, hd).reshape(b, -1, t, hd)
+        past = _cache_length(cache, layer)
         if spec.rotary:
-            freqs = torch.outer(torch.arange(t, device=x.device).float(), self.inv_freq)
+            positions = torch.arange(past, past + t, device=x.device).float()
+            freqs = torch.outer(positions, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        keep = None  # [b, 1, t, t] bool: which keys each query may see
+        if cache is not None:
+            k, v = _cache_update(cache, layer, k, v)
+        s = k.shape[2]  # keys: past + new
+        if kv != spec.heads:  # HF repeat_kv: expand, then reshape (a copy)
+            k = k[:, :, None].expand(b, kv, spec.heads // kv, s, hd).reshape(b, -1, s, hd)
+            v = v[:, :, None].expand(b, kv, spec.heads // kv, s, hd).reshape(b, -1, s, hd)
+        keep = None  # [b, 1, t, s] bool: which keys each query may see
         if spec.causal:
-            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None]
+            keep = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(past)[None, None]
         if mask is not None and (not spec.mask_if or not mask.all()):
             padding = mask[:, None, None, :]
             keep = padding if keep is None else keep & padding
@@ -239,17 +259,48 @@ class Attention(nn.Module):
             out = F.dropout(scores.softmax(-1), dropout, self.training) @ v
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
-    def forward(self, x, mask):
+    def forward(self, x, mask, cache=None, layer=0):
         h = self.norm(x)
         if self.spec.autocast_inside:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                h = self.core(h, mask)
+                h = self.core(h, mask, cache, layer)
             h = h.to(x.dtype)
-        elif self.spec.checkpoint and torch.is_grad_enabled():
+        elif self.spec.checkpoint and torch.is_grad_enabled() and cache is None:
             h = checkpoint(self.core, h, mask, use_reentrant=False)
         else:
-            h = self.core(h, mask)
+            h = self.core(h, mask, cache, layer)
         return x + h
+
+
+def _cache_length(cache, layer: int) -> int:
+    """Positions already in `cache` (a list of (k, v) per layer, or a DynamicCache)."""
+    if cache is None:
+        return 0
+    if isinstance(cache, list):
+        return cache[layer][0].shape[2] if layer < len(cache) else 0
+    return cache.get_seq_length(layer)
+
+
+def _cache_update(cache, layer: int, k, v):
+    """Append this call's keys and values to the layer's; return all of them."""
+    if not isinstance(cache, list):
+        return cache.update(k, v, layer)
+    if layer < len(cache):
+        past_k, past_v = cache[layer]
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        cache[layer] = (k, v)
+    else:
+        cache.append((k, v))
+    return k, v
+
+
+def cache_tensors(cache) -> list:
+    """Every tensor a cache holds, in order (for comparison with eager's)."""
+    if cache is None:
+        return []
+    if isinstance(cache, list):
+        return [t for pair in cache for t in pair]
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
 class MLP(nn.Module):
@@ -409,6 +460,24 @@ class Stats(nn.Module):
         return x - 0.1 * self.running.to(x.dtype)
 
 
+class LayoutBlock(nn.Module):
+    def __init__(self, spec: Layout, dim):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim // 2))
+
+    def forward(self, x, mask=None):
+        shape, half = x.shape, x.shape[-1] // 2
+        h = x.view(*shape[:-1], 2, half).transpose(-1, -2)  # [..., half, 2], strided
+        h = torch.tanh(h * self.weight[:, None])  # eager: the output keeps h's strides
+        if self.spec.kind == "strides":
+            if not h.is_contiguous():  # eager: not contiguous
+                h = h * 0.5
+            h = h + 0.01 * h.stride(-1)  # eager: half
+        h = h.transpose(-1, -2).view(shape)  # fails unless h has eager's strides
+        return x + h
+
+
 class MemoryBlock(nn.Module):
     def __init__(self, spec: Memory, dim):
         super().__init__()
@@ -421,7 +490,7 @@ class MemoryBlock(nn.Module):
 
 
 _SEQ_BLOCKS = {Attn: Attention, Mlp: MLP, Moe: MoE, Custom: CustomFn, Stat: Stats,
-               Memory: MemoryBlock}
+               Memory: MemoryBlock, Layout: LayoutBlock}
 
 
 class SeqNet(nn.Module):
@@ -438,7 +507,7 @@ class SeqNet(nn.Module):
             self.head.weight = self.embed.weight
         self.early_exit = spec.early_exit
 
-    def forward(self, ids, mask, labels):
+    def forward(self, ids, mask, labels, cache=None):
         h = self.embed(ids)
         if self.pos is not None:
             h = h + self.pos[: ids.shape[1]]
@@ -446,8 +515,13 @@ class SeqNet(nn.Module):
         if self.early_exit and not self.training and blocks:
             blocks = blocks[:-1]
         hidden = []
+        layer = 0  # each attention applied gets its own cache entry
         for block in blocks * (2 if self.spec.shared else 1):
-            h = block(h, mask)
+            if isinstance(block, Attention):
+                h = block(h, mask, cache, layer)
+                layer += 1
+            else:
+                h = block(h, mask)
             hidden.append(h)
         h = self.norm(h)
         if self.spec.head == "cls":  # mean over the unpadded positions

@@ -16,6 +16,7 @@ fuzz`). A campaign that keeps going after failures and tallies them:
 
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -24,24 +25,39 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis.control import current_build_context
 
 from tests.fuzz.model_cases import PATTERNS, cases
-from tests.fuzz.model_check import InvalidCase, failure_of, minimize, repro
+from tests.fuzz.model_check import (
+    CONFIGS,
+    InvalidCase,
+    failure_of,
+    minimize,
+    repro,
+    trace_repro,
+)
 
 EXAMPLES = max(2, int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200")) // 50)
-EXECUTORS = {"torch": ["torch"], "codegen": ["codegen", "torch"]}
+EXECUTORS = list(CONFIGS)  # torch; decomposed to prims first; codegen kernels ahead of torch
 
 
 def _report(case, failure, executors) -> str:
+    """The failure, its case minimized (hypothesis, then `minimize`), a repro of the case and,
+    where the first call fails by itself, its trace minimized by statement deletion."""
     small = minimize(case, executors, failure.kind)
     final = failure_of(small, executors) or failure
-    return (f"{final}\n\nminimized case:\n{small!r}\n\nstandalone repro "
+    text = (f"{final}\n\nminimized case:\n{small!r}\n\nstandalone repro "
             f"(python -c from the repository root):\n{repro(small, executors)}")
+    found = trace_repro(small, executors, tempfile.mkdtemp(prefix="fulmen_fuzz_"))
+    if found is not None:
+        minimized, path = found
+        text += (f"\n\nthe first call's trace, minimized ({minimized.failure}); script "
+                 f"{path}:\n{minimized.trace}")
+    return text
 
 
-@pytest.mark.parametrize("config", list(EXECUTORS))
+@pytest.mark.parametrize("config", EXECUTORS)
 def test_random_models_match_eager(config, request):
     if config == "codegen":
         request.getfixturevalue("codegen_eager")  # the generated kernels, not torch's fallback
-    executors = EXECUTORS[config]
+    executors = config
 
     # cold kernel builds cost seconds per model: the small budget builds fewer for codegen
     small = config == "codegen" and EXAMPLES < 10
@@ -65,7 +81,7 @@ def test_random_models_match_eager(config, request):
 def campaign(examples: int, config: str) -> None:
     """Run `examples` cases without stopping at failures; print a tally and one minimized
     repro per failure kind."""
-    executors = EXECUTORS[config]
+    executors = config
     if config == "codegen":
         from fulmen.executors.codegen import set_compile_policy
 

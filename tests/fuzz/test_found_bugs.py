@@ -1,0 +1,57 @@
+"""Silent wrong answers the model fuzzer found (issue 18), minimized; each xfail is an open bug
+whose pattern the generator leaves out unless FULMEN_FUZZ_KNOWN_BUGS=1.
+
+- layout truth (`Layout("strides")` blocks): strides and contiguity that Python reads from a
+  traced intermediate must be eager's, or code branching on them takes another path;
+- a plain list passed as an argument and grown by the traced code (`Context(cache="list")`, a
+  KV cache as a list of (k, v)): the store must be replayed on every call, or refused."""
+
+import pytest
+import torch
+
+import fulmen
+
+
+def _strided_times_broadcast(x, w):
+    h = x.view(2, 3, 2, 4).transpose(-1, -2) * w[:, None]  # eager keeps the transposed layout
+    if not h.is_contiguous():
+        h = h * 0.5
+    return h + h.stride(-1)
+
+
+@pytest.mark.xfail(strict=True, reason="an elementwise op with a broadcast operand reports "
+                   "contiguous strides; eager keeps the layout of its strided input (issue 18)")
+def test_strides_of_a_broadcasting_elementwise_op_are_eagers():
+    x, w = torch.randn(2, 3, 8), torch.randn(4)
+    expected = _strided_times_broadcast(x, w)
+    actual = fulmen.jit(_strided_times_broadcast, executors=["torch"])(x, w)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_strides_of_elementwise_ops_without_broadcast_are_eagers():
+    def f(x):
+        h = torch.tanh(x.view(2, 3, 2, 4).transpose(-1, -2)) * 2
+        return h + h.stride(-1) + (0 if h.is_contiguous() else 1)
+
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(x), f(x))
+
+
+def _grow(x, cache):
+    if cache:
+        cache[0] = torch.cat([cache[0], x])
+    else:
+        cache.append(x * 1)
+    return cache[0].sum(0)
+
+
+@pytest.mark.xfail(strict=True, reason="appends and item stores into a list argument are "
+                   "silently dropped: the list stays empty after compiled calls (issue 18)")
+def test_a_list_argument_grown_by_the_traced_code_keeps_its_items():
+    jfn = fulmen.jit(_grow, executors=["torch"])
+    got, want = [], []
+    for i in range(3):
+        x = torch.full((1, 2), float(i))
+        torch.testing.assert_close(jfn(x, got), _grow(x, want))
+    assert len(got) == len(want) == 1
+    torch.testing.assert_close(got[0], want[0])
