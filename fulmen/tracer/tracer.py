@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,22 +87,82 @@ def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[i
                      + [-1 for name in read if name in state_names])
 
 
+def _memory_span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """The bytes `[start, end)` on its device that `tensor`'s elements lie in (strides are never
+    negative), or None when it has no elements."""
+    if tensor.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return tensor.device, start, start + (last + 1) * tensor.element_size()
+
+
+def _describe_input(index: int, tensor: torch.Tensor) -> str:
+    return (f"input {index} ({str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}, "
+            f"strides {tensor.stride()}, storage offset {tensor.storage_offset()})")
+
+
+def _check_overlaps(inputs, indices: list[int], mutated: set[int]) -> None:
+    spans = {index: _memory_span(inputs[index]) for index in indices}
+    for a, b in itertools.combinations(sorted(indices), 2):
+        if a not in mutated and b not in mutated or spans[a] is None or spans[b] is None:
+            continue
+        (device_a, start_a, end_a), (device_b, start_b, end_b) = spans[a], spans[b]
+        if device_a == device_b and start_a < end_b and start_b < end_a:
+            changed = a if a in mutated else b
+            raise NotYetSupportedError(
+                f"trace {_describe_input(a, inputs[a])} and {_describe_input(b, inputs[b])} "
+                f"may share memory, and input {changed} is modified in place: the compiled "
+                "program treats them as independent", op="in-place update",
+                hint="pass tensors that do not overlap (clone one of them)")
+
+
+def _check_self_overlap(inputs, mutated: tuple[int, ...]) -> None:
+    for index in mutated:
+        tensor = inputs[index]
+        if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
+            raise NotYetSupportedError(
+                f"trace {_describe_input(index, tensor)} is modified in place, but more than one "
+                "element of the written-to tensor refers to a single memory location (a "
+                "stride-0 dimension, as expand makes); eager raises 'unsupported operation' "
+                "for in-place ops on it", op="in-place update",
+                hint="clone() the tensor before passing it")
+
+
 def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
-    """Raise if an input the trace mutates shares memory with another input: the trace treats
-    inputs as independent, so eager's effects through the alias would be lost.
+    """Raise if an input the trace mutates may share memory with another input, or with itself:
+    the trace treats inputs as independent, so eager's effects through the alias would be lost;
+    the check runs before the call, so a refused call changes nothing (eager may have updated
+    some inputs before failing).
+
+    Inputs share memory when the byte ranges their elements span overlap: tensors without
+    elements and disjoint views of one storage (`buf[:4]`, `buf[4:]`) are independent.
+    Views whose ranges overlap without sharing an element (`buf[0::2]`, `buf[1::2]`) are
+    refused too. Storages are compared first, so a call pays for element ranges only where
+    storages overlap.
 
     Raises:
-        NotYetSupportedError: naming the two inputs' positions.
+        NotYetSupportedError: naming the two inputs (position, shape, strides, offset), or the
+            mutated input with a stride-0 dimension.
     """
-    storages = {}
+    _check_self_overlap(inputs, mutated)
+    storages = []
     for index, tensor in enumerate(inputs):
-        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
-    for index in mutated:
-        shared = storages[inputs[index].untyped_storage().data_ptr()]
-        if len(shared) > 1:
-            raise NotYetSupportedError(
-                f"trace inputs {shared} share memory and input {index} is modified in place",
-                op="in-place update", hint="pass separate tensors (clone one of them)")
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        storages.append((start, start + storage.nbytes(), index))
+    storages.sort()
+    changed = set(mutated)
+    cluster: list[int] = []
+    end = 0
+    for start, stop, index in [*storages, (float("inf"), 0, -1)]:
+        if start < end:  # overlaps the cluster's storages
+            cluster.append(index)
+            end = max(end, stop)
+            continue
+        if len(cluster) > 1 and not changed.isdisjoint(cluster):
+            _check_overlaps(inputs, cluster, changed)
+        cluster, end = [index], stop
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,114 @@ def test_source_line_with_line_separators(separator, no_injection):
         del linecache.cache[filename]
     assert len(printed.splitlines()) == printed.count("\n")
     assert f"return x * 2 + 1  #{separator.encode('unicode_escape').decode()}  import" in printed
+
+
+# -- aliasing of inputs ---------------------------------------------------------------------
+
+def _add_one_read_other(a, b):
+    a.add_(1)
+    return b * 2 + a.sum()
+
+
+def _update_both(a, b):
+    a.add_(1)
+    b.mul_(2)
+    return a + b.sum()
+
+
+def _assert_same_as_eager(fn, make_inputs, jfn=None):
+    eager_inputs, compiled_inputs = make_inputs(), make_inputs()
+    expected = fn(*eager_inputs)
+    out = (jfn or fulmen.jit(fn))(*compiled_inputs)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(compiled_inputs, eager_inputs):
+        torch.testing.assert_close(got, want)
+    return compiled_inputs
+
+
+@pytest.mark.parametrize("fn", [_add_one_read_other, _update_both])
+def test_empty_inputs_do_not_alias(fn):
+    # distinct empty tensors may all have data_ptr 0; an empty view of a buffer has its storage
+    _assert_same_as_eager(fn, lambda: (torch.empty(0), torch.empty(0)))
+    _assert_same_as_eager(fn, lambda: (lambda buf: (buf[:0], buf))(torch.arange(6.0)))
+
+
+@pytest.mark.parametrize("fn", [_add_one_read_other, _update_both])
+def test_disjoint_views_of_one_storage(fn):
+    buffers = []
+
+    def halves():
+        buf = torch.arange(8.0)
+        buffers.append(buf)
+        return buf[:4], buf[4:]
+
+    jfn = fulmen.jit(fn)
+    _assert_same_as_eager(fn, halves, jfn)
+    torch.testing.assert_close(buffers[1], buffers[0])  # the write-backs reached the buffer
+    _assert_same_as_eager(fn, halves, jfn)  # a cache hit checks the call's own inputs
+    torch.testing.assert_close(buffers[3], buffers[2])
+    # rows of a matrix, and views in an order where the mutated one comes second
+    _assert_same_as_eager(fn, lambda: (lambda m: (m[1], m[0]))(torch.arange(6.0).view(2, 3)))
+
+
+@pytest.mark.parametrize("views", [(slice(0, 6), slice(4, 8)), (slice(0, 8, 2), slice(1, 8, 2)),
+                                   (slice(0, 8), slice(0, 8))], ids=["overlap", "interleaved",
+                                                                      "same"])
+def test_overlapping_views_are_refused_before_running(views):
+    buf = torch.arange(8.0)
+    with pytest.raises(fulmen.NotYetSupportedError, match=r"input 0 \(float32\[\d\].*input 1 "
+                       r".*may share memory, and input 0 is modified in place"):
+        fulmen.jit(_add_one_read_other)(buf[views[0]], buf[views[1]])
+    torch.testing.assert_close(buf, torch.arange(8.0))
+
+
+# -- in-place updates of tensors whose elements share memory --------------------------------
+
+def _expand_add_(x):
+    y = x.expand(4, 3)
+    y.add_(1)
+    return y * 2
+
+
+def _empty_strided_add_(x):
+    y = torch.empty_strided((4,), (0,))
+    y.zero_()
+    y.add_(x.sum())
+    return y
+
+
+def _as_strided_mul_(x):
+    y = torch.zeros(1).as_strided((4,), (0,))
+    y.mul_(x)
+    return y
+
+
+@pytest.mark.parametrize("fn", [_expand_add_, _empty_strided_add_, _as_strided_mul_])
+def test_self_overlapping_in_place_raises_as_eager(fn):
+    with pytest.raises(RuntimeError, match="single memory location"):
+        fn(torch.ones(3) if fn is _expand_add_ else torch.ones(4))
+    with pytest.raises(RuntimeError, match="single memory location|may or may not alias"):
+        fulmen.jit(fn)(torch.ones(3) if fn is _expand_add_ else torch.ones(4))
+
+
+def _update_x_then_a(a, x):
+    x.add_(1)  # eager fails here, before a changes
+    a.add_(1)
+    return a + x
+
+
+def test_expanded_input_modified_in_place_changes_nothing():
+    def inputs():
+        return torch.zeros(4), torch.zeros(1).expand(4)
+
+    a, x = inputs()
+    with pytest.raises(RuntimeError, match="single memory location"):
+        _update_x_then_a(a, x)
+    jfn = fulmen.jit(_update_x_then_a)
+    for _ in range(2):  # compiling call, then a cache hit
+        a, x = inputs()
+        with pytest.raises(RuntimeError, match="single memory location") as error:
+            jfn(a, x)
+        torch.testing.assert_close(a, torch.zeros(4))
+        assert "input 1 (float32[4], strides (0,)" in str(error.value)
+    torch.testing.assert_close(jfn(torch.zeros(4), torch.zeros(4)), torch.ones(4) * 2)
