@@ -80,19 +80,7 @@ class Kernel:
         return tuple(self.values[v].dtype for v in self.outputs)
 
     def __str__(self) -> str:
-        lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
-                 for i, acc in enumerate(self.accesses)]
-        for i, value in enumerate(self.values):
-            if isinstance(value, Load):
-                lines.append(f"v{i} = load a{value.access} : {value.dtype}")
-            elif isinstance(value, Const):
-                lines.append(f"v{i} = const {value.value!r} : {value.dtype}")
-            else:
-                args = ", ".join(f"v{a}" for a in value.args)
-                params = "".join(f", {p}" for p in value.params)
-                lines.append(f"v{i} = {value.name}({args}{params}) : {value.dtype}")
-        lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
-        return "\n".join(lines)
+        return _describe(self, [""] * len(self.accesses), [""] * len(self.values))
 
 
 # --- the normalisation (row) schedule ---------------------------------------------------------
@@ -158,27 +146,32 @@ class RowKernel:
         return tuple(isinstance(self.values[v], ColumnReduce) for v in self.outputs)
 
     def __str__(self) -> str:
-        lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
-                 + (" [row]" if row else "")
-                 for i, (acc, row) in enumerate(zip(self.accesses, self.access_rows))]
-        for i, value in enumerate(self.values):
-            where = "row " if self.rows[i] else ""
-            if isinstance(value, Load):
-                lines.append(f"{where}v{i} = load a{value.access} : {value.dtype}")
-            elif isinstance(value, Const):
-                lines.append(f"{where}v{i} = const {value.value!r} : {value.dtype}")
-            elif isinstance(value, Count):
-                lines.append(f"{where}v{i} = count : {value.dtype}")
-            elif isinstance(value, Reduce):
-                lines.append(f"{where}v{i} = reduce_{value.name}(v{value.arg}) : {value.dtype}")
-            elif isinstance(value, ColumnReduce):
-                lines.append(f"v{i} = column_{value.name}(v{value.arg}) : {value.dtype}")
-            else:
-                args = ", ".join(f"v{a}" for a in value.args)
-                params = "".join(f", {p}" for p in value.params)
-                lines.append(f"{where}v{i} = {value.name}({args}{params}) : {value.dtype}")
-        lines += [f"store o{k} <- v{v}" for k, v in enumerate(self.outputs)]
-        return "\n".join(lines)
+        return _describe(self, [" [row]" if row else "" for row in self.access_rows],
+                         ["row " if row else "" for row in self.rows])
+
+
+def _describe(kernel, access_notes: list[str], value_notes: list[str]) -> str:
+    """The text of a kernel: its accesses (each followed by its note), its values in SSA order
+    (each preceded by its note) and its stores."""
+    lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
+             + note for i, (acc, note) in enumerate(zip(kernel.accesses, access_notes))]
+    for i, (value, where) in enumerate(zip(kernel.values, value_notes)):
+        if isinstance(value, Load):
+            text = f"load a{value.access}"
+        elif isinstance(value, Const):
+            text = f"const {value.value!r}"
+        elif isinstance(value, Count):
+            text = "count"
+        elif isinstance(value, Reduce):
+            text = f"reduce_{value.name}(v{value.arg})"
+        elif isinstance(value, ColumnReduce):
+            text = f"column_{value.name}(v{value.arg})"
+        else:
+            args = ", ".join(f"v{a}" for a in value.args)
+            text = f"{value.name}({args}{''.join(f', {p}' for p in value.params)})"
+        lines.append(f"{where}v{i} = {text} : {value.dtype}")
+    lines += [f"store o{k} <- v{v}" for k, v in enumerate(kernel.outputs)]
+    return "\n".join(lines)
 
 
 def row_stages(kernel: RowKernel) -> list[int]:

@@ -20,7 +20,15 @@ import torch
 from fulmen.executors.codegen.ir import Const, Op
 from fulmen.executors.codegen.ops import MATH, OPS, POW_CONSTANT, Unsupported, dtype_class
 
-__all__ = ["Target", "constant_exponent", "header", "op_reads"]
+__all__ = ["DTYPES", "Target", "c_types", "constant_exponent", "header", "op_reads"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool)  # every dtype a kernel handles
+
+
+def c_types(*names: str) -> dict[torch.dtype, str]:
+    """`{dtype: C type name}` for the dtypes of `DTYPES`, named in that order."""
+    return dict(zip(DTYPES, names, strict=True))
 
 
 @cache

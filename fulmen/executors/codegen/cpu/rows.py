@@ -34,17 +34,8 @@ from __future__ import annotations
 import torch
 
 from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
-from fulmen.executors.codegen.ir import (
-    ColumnReduce,
-    Const,
-    Count,
-    Load,
-    Op,
-    Reduce,
-    RowKernel,
-    element_closure,
-    row_stages,
-)  # fmt: skip
+from fulmen.executors.codegen.ir import (ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel,
+                                       element_closure, row_stages)
 
 __all__ = ["BLOCK", "render_rows"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.executors.codegen.target import Target, header
+from fulmen.executors.codegen.target import Target, c_types, header
 
 __all__ = ["CPU", "CppTarget", "PRELUDE"]
 
@@ -31,12 +31,8 @@ class CppTarget(Target):
 
     name = "cpu"
     device_type = "cpu"
-    storage = {
-        torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.float32: "float",
-        torch.float64: "double", torch.int8: "int8_t", torch.int16: "int16_t",
-        torch.int32: "int32_t", torch.int64: "int64_t", torch.uint8: "uint8_t",
-        torch.bool: "uint8_t",
-    }  # fmt: skip
+    storage = c_types("_Float16", "uint16_t", "float", "double", "int8_t", "int16_t", "int32_t",
+                      "int64_t", "uint8_t", "uint8_t")
     compute = {**storage, torch.float16: "float", torch.bfloat16: "float", torch.bool: "bool"}
     loads = {torch.bfloat16: "bf16_load({})", torch.float16: "(float)({})",
              torch.bool: "({} != 0)"}  # fmt: skip

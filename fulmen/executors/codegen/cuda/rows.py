@@ -51,17 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
-from fulmen.executors.codegen.ir import (
-    ColumnReduce,
-    Const,
-    Count,
-    Load,
-    Op,
-    Reduce,
-    RowKernel,
-    element_closure,
-    row_stages,
-)  # fmt: skip
+from fulmen.executors.codegen.ir import (ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel,
+                                       element_closure, row_stages)
 from fulmen.executors.codegen.target import header, op_reads
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",

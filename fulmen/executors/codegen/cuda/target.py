@@ -13,7 +13,7 @@ import torch
 
 from fulmen.executors.codegen.cuda import nvrtc
 from fulmen.executors.codegen.ir import Op
-from fulmen.executors.codegen.target import Target, header
+from fulmen.executors.codegen.target import Target, c_types, header
 
 __all__ = ["CUDA", "CudaTarget", "needs_headers", "prelude"]
 
@@ -23,12 +23,8 @@ class CudaTarget(Target):
 
     name = "cuda"
     device_type = "cuda"
-    storage = {
-        torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float",
-        torch.float64: "double", torch.int8: "signed char", torch.int16: "short",
-        torch.int32: "int", torch.int64: "long long", torch.uint8: "unsigned char",
-        torch.bool: "bool",
-    }  # fmt: skip
+    storage = c_types("__half", "__nv_bfloat16", "float", "double", "signed char", "short", "int",
+                      "long long", "unsigned char", "bool")
     compute = {**storage, torch.float16: "float", torch.bfloat16: "float"}
     loads = {torch.float16: "__half2float({})", torch.bfloat16: "__bfloat162float({})"}
     stores = {torch.float16: "__float2half_rn({})", torch.bfloat16: "__float2bfloat16_rn({})"}
