@@ -25,8 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.executors.codegen.ir import (Access, ColumnReduce, Const, Count, Load, Op, Reduce,
-                                       RowKernel, ViewStep)
+from fulmen.executors.codegen.ir import (
+    Access,
+    ColumnReduce,
+    Const,
+    Count,
+    Load,
+    Op,
+    Reduce,
+    RowKernel,
+    ViewStep,
+)
 from fulmen.executors.codegen.lower import _freeze, cast_scalar, lower, number_dtype
 from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported
 from fulmen.transforms.fusion import region_inputs

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from fulmen.executors.codegen import ir
 from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
-from fulmen.executors.codegen.ir import (ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel,
-                                       element_closure, row_stages)
 
 __all__ = ["BLOCK", "render_rows"]
 
@@ -47,14 +46,14 @@ COSTLY = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfc
                     "sigmoid", "sin", "cos", "tan", "atan", "pow", "div"})
 
 
-def _stash(kernel: RowKernel, previous: list[int], final: list[int], outputs) -> tuple | None:
+def _stash(kernel: ir.RowKernel, previous: list[int], final: list[int], outputs) -> tuple | None:
     """(value, output pointer) to carry from the last reduction pass to the final pass, or None:
     the latest value both passes compute whose chain holds a costly op, and an element output
     whose storage type is that value's compute type."""
     shared = set(previous) & set(final)
     costly = [v for v in sorted(shared)
-              if any(isinstance(kernel.values[u], Op) and kernel.values[u].name in COSTLY
-                     for u in element_closure(kernel, [v]) if u in shared)]
+              if any(isinstance(kernel.values[u], ir.Op) and kernel.values[u].name in COSTLY
+                     for u in ir.element_closure(kernel, [v]) if u in shared)]
     if not costly:
         return None
     v = costly[-1]
@@ -65,16 +64,16 @@ def _stash(kernel: RowKernel, previous: list[int], final: list[int], outputs) ->
     return None
 
 
-def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
+def _value_line(kernel: ir.RowKernel, v: int, layout, names: list[str]) -> str:
     value = kernel.values[v]
     ctype = CPU.compute[value.dtype]
-    if isinstance(value, Load):
+    if isinstance(value, ir.Load):
         a = value.access
         ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{CPU.index(layout[a], a)}]"
         expr = CPU.load(ptr, value.dtype)
-    elif isinstance(value, Const):
+    elif isinstance(value, ir.Const):
         expr = CPU.literal(value.value, value.dtype)
-    elif isinstance(value, Count):
+    elif isinstance(value, ir.Count):
         expr = f"({ctype})count"
     elif _nonpositive_exp(kernel, value):
         expr = f"f_exp_nonpos(v{value.args[0]})"
@@ -83,19 +82,19 @@ def _value_line(kernel: RowKernel, v: int, layout, names: list[str]) -> str:
     return f"const {ctype} v{v} = {expr};"
 
 
-def _nonpositive_exp(kernel: RowKernel, value) -> bool:
+def _nonpositive_exp(kernel: ir.RowKernel, value) -> bool:
     """Whether `value` is a float32 exp of `x - amax(x)` over the row (never positive: NaN when
     x holds a NaN or the row is all inf/-inf), where `f_exp_nonpos` is exact as `f_exp`."""
-    if not (isinstance(value, Op) and value.name == "exp" and value.dtype == torch.float32):
+    if not (isinstance(value, ir.Op) and value.name == "exp" and value.dtype == torch.float32):
         return False
     arg = kernel.values[value.args[0]]
-    if not (isinstance(arg, Op) and arg.name == "sub"):
+    if not (isinstance(arg, ir.Op) and arg.name == "sub"):
         return False
     top = kernel.values[arg.args[1]]
-    return isinstance(top, Reduce) and top.name == "amax" and top.arg == arg.args[0]
+    return isinstance(top, ir.Reduce) and top.name == "amax" and top.arg == arg.args[0]
 
 
-def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
+def _reduction(kernel: ir.RowKernel, v: int) -> dict[str, list[str]]:
     """The C++ pieces of reduction value v: declarations before the row pass (acc), before a
     block (part), the OpenMP clauses, the update in the loop, the combine after a block, and
     the final row-level value."""
@@ -140,7 +139,7 @@ def _reduction(kernel: RowKernel, v: int) -> dict[str, list[str]]:
     return out
 
 
-def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
+def render_rows(kernel: ir.RowKernel, layout: tuple[int, ...]) -> str:
     """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output:
     1 contiguous, 0 broadcast, 2 any stride)."""
     nacc = len(kernel.accesses)
@@ -149,9 +148,9 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
     dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
     names = [f"v{v}" for v in range(len(kernel.values))]
-    stages = row_stages(kernel)
+    stages = ir.row_stages(kernel)
     columns = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
-               if isinstance(kernel.values[v], ColumnReduce)]
+               if isinstance(kernel.values[v], ir.ColumnReduce)]
     ncol = len(columns)
     skip = {p for p, _ in columns}  # column outputs are written after the rows
     lines = [PRELUDE, "#include <cstdlib>", "#include <omp.h>",
@@ -214,7 +213,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
 
     def row_values(stage: int) -> None:
         for v, value in enumerate(kernel.values):
-            if kernel.rows[v] and stages[v] == stage and not isinstance(value, Reduce):
+            if kernel.rows[v] and stages[v] == stage and not isinstance(value, ir.Reduce):
                 lines.append("    " + _value_line(kernel, v, layout, names))
 
     def row_pass(body: list[str], blocked: list[str] | None, prefetch: bool = False) -> None:
@@ -257,20 +256,20 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     row_values(0)
     element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
                        if not kernel.rows[v] and nacc + k not in skip]
-    final = element_closure(kernel, [v for _, v in element_outputs] + args)
+    final = ir.element_closure(kernel, [v for _, v in element_outputs] + args)
     last_stage = max((stages[v] for v, value in enumerate(kernel.values)
-                      if isinstance(value, Reduce)), default=0)
+                      if isinstance(value, ir.Reduce)), default=0)
     stash = None
     for stage in range(1, max(stages, default=0) + 1):
         reds = [v for v, value in enumerate(kernel.values)
-                if isinstance(value, Reduce) and stages[v] == stage]
+                if isinstance(value, ir.Reduce) and stages[v] == stage]
         if not reds:
             row_values(stage)
             continue
         pieces = [_reduction(kernel, v) for v in reds]
         for piece in pieces:
             lines.extend("    " + line for line in piece["acc"])
-        previous = element_closure(kernel, [kernel.values[v].arg for v in reds])
+        previous = ir.element_closure(kernel, [kernel.values[v].arg for v in reds])
         body = [_value_line(kernel, v, layout, names) for v in previous]
         if stage == last_stage and all(layout[p] == 1 for p, _ in element_outputs):
             stash = _stash(kernel, previous, final, element_outputs)
@@ -287,7 +286,7 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     if element_outputs or columns:
         leaves = {stash[0]} if stash else set()
         body = []
-        for v in element_closure(kernel, [v for _, v in element_outputs] + args, leaves):
+        for v in ir.element_closure(kernel, [v for _, v in element_outputs] + args, leaves):
             if v in leaves:
                 body.append(f"const {CPU.compute[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
             else:
@@ -326,5 +325,5 @@ def render_rows(kernel: RowKernel, layout: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-def _store(kernel: RowKernel, v: int) -> str:
+def _store(kernel: ir.RowKernel, v: int) -> str:
     return CPU.store(f"v{v}", kernel.values[v].dtype)

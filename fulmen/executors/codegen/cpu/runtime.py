@@ -47,7 +47,13 @@ from fulmen.executors.codegen.cpu.pool import empty
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import RowKernel
-from fulmen.executors.codegen.region import Fallback, RegionCallable, coalesce, region_results, resolve
+from fulmen.executors.codegen.region import (
+    Fallback,
+    RegionCallable,
+    coalesce,
+    region_results,
+    resolve,
+)
 
 __all__ = ["FusedRegion", "render_any"]
 

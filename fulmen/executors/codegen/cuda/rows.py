@@ -50,9 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fulmen.executors.codegen import ir
 from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
-from fulmen.executors.codegen.ir import (ColumnReduce, Const, Count, Load, Op, Reduce, RowKernel,
-                                       element_closure, row_stages)
 from fulmen.executors.codegen.target import header, op_reads
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",
@@ -118,32 +117,32 @@ class RowLaunch:
     column_grid: int
 
 
-def _live(kernel: RowKernel) -> set[int]:
+def _live(kernel: ir.RowKernel) -> set[int]:
     """Values the outputs depend on (so no rendered variable goes unused: NVRTC would warn)."""
     live = set(kernel.outputs)
     for v in range(len(kernel.values) - 1, -1, -1):
         value = kernel.values[v]
         if v not in live:
             continue
-        if isinstance(value, (Reduce, ColumnReduce)):
+        if isinstance(value, (ir.Reduce, ir.ColumnReduce)):
             live.add(value.arg)
-        elif isinstance(value, Op):
+        elif isinstance(value, ir.Op):
             live.update(op_reads(kernel, value))
     return live
 
 
-def _reductions(kernel: RowKernel) -> list[int]:
+def _reductions(kernel: ir.RowKernel) -> list[int]:
     """The live reductions, in SSA order (workspace slot i holds the i-th one's partial)."""
     live = _live(kernel)
-    return [v for v, value in enumerate(kernel.values) if isinstance(value, Reduce) and v in live]
+    return [v for v, value in enumerate(kernel.values) if isinstance(value, ir.Reduce) and v in live]
 
 
-def _closure(kernel: RowKernel, targets) -> list[int]:
+def _closure(kernel: ir.RowKernel, targets) -> list[int]:
     """Element-level values the targets need, in SSA order."""
-    return element_closure(kernel, targets, args_of=lambda op: op_reads(kernel, op))
+    return ir.element_closure(kernel, targets, args_of=lambda op: op_reads(kernel, op))
 
 
-def _accumulator(kernel: RowKernel, v: int) -> tuple[str, str | None, str]:
+def _accumulator(kernel: ir.RowKernel, v: int) -> tuple[str, str | None, str]:
     """(accumulator type, float32 partial type or None, workspace slot type) of reduction v."""
     red = kernel.values[v]
     dtype = kernel.values[red.arg].dtype
@@ -159,7 +158,7 @@ def _accumulator(kernel: RowKernel, v: int) -> tuple[str, str | None, str]:
 class _Renderer:
     """Builds the source of one row kernel for one spec (see `render_rows`)."""
 
-    def __init__(self, kernel: RowKernel, spec: RowSpec, name: str) -> None:
+    def __init__(self, kernel: ir.RowKernel, spec: RowSpec, name: str) -> None:
         self.kernel, self.spec, self.name = kernel, spec, name
         self.nacc = len(kernel.accesses)
         self.dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
@@ -167,11 +166,11 @@ class _Renderer:
         assert len(spec.classes) == self.nptr
         self.ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
         self.live = _live(kernel)
-        self.stages = row_stages(kernel)
+        self.stages = ir.row_stages(kernel)
         self.reductions = _reductions(kernel)
         self.slots = {v: i for i, v in enumerate(self.reductions)}
         self.columns = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs)
-                        if isinstance(kernel.values[v], ColumnReduce)]
+                        if isinstance(kernel.values[v], ir.ColumnReduce)]
         assert not (self.columns and spec.split), "column sums are never split"
         assert bool(self.columns) == (spec.kmax > 0)
         self.nw = spec.block // 32
@@ -192,11 +191,11 @@ class _Renderer:
         value = kernel.values[v]
         ctype = CUDA.compute[value.dtype]
         names = [f"v{i}" for i in range(len(kernel.values))]
-        if isinstance(value, Load):
+        if isinstance(value, ir.Load):
             expr = CUDA.load(self.where(value.access, element), value.dtype)
-        elif isinstance(value, Const):
+        elif isinstance(value, ir.Const):
             expr = CUDA.literal(value.value, value.dtype)
-        elif isinstance(value, Count):
+        elif isinstance(value, ir.Count):
             expr = f"(({ctype})count)"
         else:
             expr = CUDA.value(kernel, value, names)
@@ -206,7 +205,7 @@ class _Renderer:
         """Pointers the loads among `values` read."""
         kernel = self.kernel
         return sorted({kernel.values[v].access for v in values
-                       if isinstance(kernel.values[v], Load)})
+                       if isinstance(kernel.values[v], ir.Load)})
 
     def inner_offsets(self, depth: int, pointers: list[int]) -> None:
         """Offsets o<p> of element j for the strided pointers among `pointers`."""
@@ -227,7 +226,7 @@ class _Renderer:
         kernel = self.kernel
         for v, value in enumerate(kernel.values):
             if (kernel.rows[v] and v in self.live and self.stages[v] == stage
-                    and not isinstance(value, Reduce)):
+                    and not isinstance(value, ir.Reduce)):
                 self.emit(2, self.value_line(v, element=False))
 
     def reduction_stage(self, reds: list[int], phase: int) -> None:
@@ -322,7 +321,7 @@ class _Renderer:
         """The element outputs and column sums over [start, end), then the row outputs."""
         kernel, spec, idx = self.kernel, self.spec, self.idx
         element_outputs = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs)
-                           if not kernel.rows[v] and not isinstance(kernel.values[v], ColumnReduce)]
+                           if not kernel.rows[v] and not isinstance(kernel.values[v], ir.ColumnReduce)]
         args = [kernel.values[v].arg for _, v in self.columns]
         if element_outputs or self.columns:
             values = _closure(kernel, [v for _, v in element_outputs] + args)
@@ -352,9 +351,9 @@ class _Renderer:
 
     def used_pointers(self) -> list[int]:
         kernel = self.kernel
-        loads = {kernel.values[v].access for v in self.live if isinstance(kernel.values[v], Load)}
+        loads = {kernel.values[v].access for v in self.live if isinstance(kernel.values[v], ir.Load)}
         outputs = {self.nacc + k for k, v in enumerate(kernel.outputs)
-                   if not isinstance(kernel.values[v], ColumnReduce)}
+                   if not isinstance(kernel.values[v], ir.ColumnReduce)}
         return sorted(loads | outputs)
 
     def main(self) -> None:
@@ -436,7 +435,7 @@ class _Renderer:
         self.emit(0, "  }", "}")
 
 
-def render_rows_body(kernel: RowKernel, spec: RowSpec, name: str = "fulmen_kernel") -> str:
+def render_rows_body(kernel: ir.RowKernel, spec: RowSpec, name: str = "fulmen_kernel") -> str:
     """The argument struct and entry points of `kernel` for `spec`, without the prelude.
 
     Raises:
@@ -449,7 +448,7 @@ def render_rows_body(kernel: RowKernel, spec: RowSpec, name: str = "fulmen_kerne
     return "\n".join(renderer.lines) + "\n"
 
 
-def render_rows(kernel: RowKernel, spec: RowSpec, name: str = "fulmen_kernel") -> str:
+def render_rows(kernel: ir.RowKernel, spec: RowSpec, name: str = "fulmen_kernel") -> str:
     """Complete CUDA source of row kernel `kernel` for `spec`, entry point `name` (and
     `<name>_columns` when the kernel has column sums).
 
@@ -467,7 +466,7 @@ def _block_for(count: int, most: int) -> int:
     return block
 
 
-def plan_rows(kernel: RowKernel, sizes: list[int], nouter: int,
+def plan_rows(kernel: ir.RowKernel, sizes: list[int], nouter: int,
               rows: list[list[int]]) -> RowLaunch:
     """The launch of `kernel` for coalesced `sizes` (`nouter` outer axes, then the inner ones)
     and each pointer's element strides `rows` over them. Depends on the shape and strides only
@@ -490,7 +489,7 @@ def plan_rows(kernel: RowKernel, sizes: list[int], nouter: int,
                if column), "column outputs are contiguous"
     reach = max(sum((s - 1) * abs(st) for s, st in zip(inner, row[nouter:])) for row in rows)
     index = "int" if count + 2**16 < 2**31 and reach < 2**31 else "long long"
-    stages, reductions = row_stages(kernel), _reductions(kernel)
+    stages, reductions = ir.row_stages(kernel), _reductions(kernel)
     nphases = len({stages[v] for v in reductions}) + 1
     nred = len(reductions)
     if ncol:

@@ -26,7 +26,13 @@ from fulmen.executors.codegen.cuda import rows as cuda_rows
 from fulmen.executors.codegen.cuda.nvrtc import ENTRY, MAX_PARAM_BYTES, NvrtcError
 from fulmen.executors.codegen.cuda.render import BLOCK, Spec, render, vector_width
 from fulmen.executors.codegen.ir import Kernel, RowKernel
-from fulmen.executors.codegen.region import Fallback, RegionCallable, coalesce, region_results, resolve
+from fulmen.executors.codegen.region import (
+    Fallback,
+    RegionCallable,
+    coalesce,
+    region_results,
+    resolve,
+)
 
 __all__ = ["CudaFusedRegion", "pack", "plan", "render_any"]
 
