@@ -29,6 +29,7 @@ from fulmen.jit import (
     last_traces,
 )
 from fulmen.profile import Profile, profile
+from fulmen.tracer.shape_policy import mark_dynamic, mark_static
 from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memory
 from fulmen.verify import VerifyReport, verify
 
@@ -59,6 +60,8 @@ __all__ = [
     "last_backward_traces",
     "last_kernels",
     "last_traces",
+    "mark_dynamic",
+    "mark_static",
     "memory_estimate",
     "MemoryEstimate",
     "plot_memory",

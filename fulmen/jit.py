@@ -34,6 +34,7 @@ from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
 from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
 from fulmen.tracer.objects import ObjectInputs
+from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, state_slots
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -65,6 +66,10 @@ class CacheEntry:
     tree: bool = False  # `fn` is a TraceTree (the program has graph breaks)
     objects: ObjectInputs | None = None  # object arguments: inputs read through them, epilogue
     offset_reads: frozenset[int] = frozenset()  # arguments whose storage_offset() was read
+    # with symbolic sizes: the check of the ShapeEnv's guards on the call's arguments, and the
+    # dimensions (by argument position) left out of the cache key
+    shape_guard: Callable | None = None
+    symbolic_dims: tuple = ()
 
 
 @dataclass
@@ -99,9 +104,13 @@ class _Jitted:
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
     def _setup(self, fn, module, executors, transforms, grad_argnums=None,
-               rematerialize=True, fullgraph=False, cache_size_limit=None) -> None:
+               rematerialize=True, fullgraph=False, cache_size_limit=None,
+               dynamic=None) -> None:
         self._fn = fn
         self._fullgraph = fullgraph
+        # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
+        self._dynamic = dynamic if grad_argnums is None else False
+        self._shapes = DynamicDims(dynamic)
         if cache_size_limit is None:
             cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
         # functional autodiff returns (value, grads): no eager fallback has that structure
@@ -134,15 +143,20 @@ class _Jitted:
             stats = self._stats
             stats.calls += 1
             entry = self._cache.get(key)
+            if entry is None and self._shapes.entries:
+                entry = self._shapes.lookup(self._guard, args, kwargs, state, leaves)
             if entry is None:
                 stats.cache_misses += 1
                 reasons = self._explain_miss(args, kwargs)
-                if len(self._cache) >= self._cache_size_limit:
+                if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
-                entry = self._compile(args, kwargs)
+                entry = self._compile_call(args, kwargs, leaves)
                 if self._guard.guard_offsets(entry.offset_reads):  # key them from now on
                     key, leaves = self._guard.key(args, kwargs, state)
-                self._cache[key] = entry
+                if entry.shape_guard is not None:
+                    self._shapes.add(entry, self._guard, args, kwargs, state)
+                else:
+                    self._cache[key] = entry
             else:
                 stats.cache_hits += 1
             objects = entry.objects
@@ -211,12 +225,30 @@ class _Jitted:
             "fulmen.jit(..., cache_size_limit=N) or FULMEN_CACHE_SIZE_LIMIT, or keep that "
             "value fixed between calls"))
 
-    def _trace(self, args: tuple, kwargs: dict):
-        """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff)."""
+    def _compile_call(self, args: tuple, kwargs: dict, leaves: list) -> CacheEntry:
+        """Compile a call that missed the cache: with symbolic sizes in the dimensions the
+        policy makes dynamic (`DynamicDims`), else for its exact shapes. A symbolic trace that
+        fails anywhere is logged and replaced by a static one (never an error of its own)."""
+        dims = self._shapes.dims_for(leaves)
+        if dims:
+            rng_state = torch.random.get_rng_state()
+            try:
+                return self._compile(args, kwargs, dims)
+            except Exception as error:  # noqa: BLE001 - the static trace decides what is raised
+                torch.random.set_rng_state(rng_state)
+                self._shapes.failed(error)
+                _RECOMPILES.info("symbolic sizes failed (%s: %s); compiling for these shapes",
+                                 type(error).__name__, error)
+        return self._compile(args, kwargs)
+
+    def _trace(self, args: tuple, kwargs: dict, dynamic=None):
+        """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff);
+        `dynamic` maps argument positions to the dimensions given symbolic sizes."""
         rng_state = torch.random.get_rng_state()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
-                                    allow_breaks=not self._fullgraph and self._grad_argnums is None)
+                                    allow_breaks=not self._fullgraph and self._grad_argnums is None,
+                                    dynamic=dynamic)
         except FulmenError as error:
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
@@ -233,9 +265,12 @@ class _Jitted:
                 op="torch.manual_seed", hint="seed outside the compiled function")
         return program
 
-    def _compile(self, args: tuple, kwargs: dict) -> CacheEntry:
-        program = self._trace(args, kwargs)
+    def _compile(self, args: tuple, kwargs: dict, dynamic=None) -> CacheEntry:
+        program = self._trace(args, kwargs, dynamic)
         if program.breaks:
+            if program.symbolic is not None:
+                raise NotYetSupportedError("graph breaks in a trace with symbolic sizes",
+                                           op="dynamic shapes")
             return self._compile_tree(program, args, kwargs)
         grad_specs = wrt = None
         if self._grad_argnums is not None:
@@ -250,7 +285,8 @@ class _Jitted:
                           program.output_spec, seconds, grad_specs=grad_specs,
                           mutated_inputs=program.mutated_inputs, objects=program.objects,
                           all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
-                          offset_reads=program.offset_reads)
+                          offset_reads=program.offset_reads,
+                          **self._shapes.entry_fields(program))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
         """The pass pipeline on one trace: dce, user transforms, autodiff and
@@ -469,9 +505,9 @@ class JittedFunction(_Jitted):
 
     def __init__(self, fn: Callable, executors=None, transforms=None, grad_argnums=None,
                  rematerialize: bool = True, fullgraph: bool = False,
-                 cache_size_limit: int | None = None) -> None:
+                 cache_size_limit: int | None = None, dynamic: bool | None = None) -> None:
         self._setup(fn, None, executors, transforms, grad_argnums, rematerialize, fullgraph,
-                    cache_size_limit)
+                    cache_size_limit, dynamic)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -495,12 +531,12 @@ class JittedModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, executors=None, transforms=None,
                  rematerialize: bool = True, fullgraph: bool = False,
-                 cache_size_limit: int | None = None) -> None:
+                 cache_size_limit: int | None = None, dynamic: bool | None = None) -> None:
         super().__init__()
         self._orig_mod = module
         self._jit_options = dict(executors=executors, transforms=transforms,
                                  rematerialize=rematerialize, fullgraph=fullgraph,
-                                 cache_size_limit=cache_size_limit)
+                                 cache_size_limit=cache_size_limit, dynamic=dynamic)
         self._start_jit()
         self.register_state_dict_post_hook(strip_wrapper_prefix)
         self.register_load_state_dict_pre_hook(add_wrapper_prefix)
@@ -608,6 +644,7 @@ def jit(
     rematerialize: bool = True,
     fullgraph: bool = False,
     cache_size_limit: int | None = None,
+    dynamic: bool | None = None,
 ) -> JittedFunction | JittedModule:
     """Compile a function or `nn.Module` with fulmen.
 
@@ -626,6 +663,10 @@ def jit(
             one function keeps; a call matching none of them once the limit is reached runs
             eagerly, with one warning naming the guard that kept failing. Default
             `FULMEN_CACHE_SIZE_LIMIT` or 8 (torch.compile's default).
+        dynamic: symbolic sizes (`fulmen.tracer.shape_policy`): None compiles the first call
+            for its shapes and traces the dimensions that change in later calls symbolically
+            once; True makes every dimension symbolic from the start; False never.
+            `fulmen.mark_dynamic` / `mark_static` override it per argument dimension.
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
@@ -652,9 +693,10 @@ def jit(
             "fully_shard(fulmen.jit(block)) for each block, then fully_shard(model)")
     if isinstance(fn, torch.nn.Module):
         return JittedModule(fn, executors, transforms, rematerialize, fullgraph,
-                            cache_size_limit)
+                            cache_size_limit, dynamic)
     return JittedFunction(fn, executors, transforms, rematerialize=rematerialize,
-                          fullgraph=fullgraph, cache_size_limit=cache_size_limit)
+                          fullgraph=fullgraph, cache_size_limit=cache_size_limit,
+                          dynamic=dynamic)
 
 
 def _jitted(jfn) -> _Jitted:

@@ -91,7 +91,8 @@ class TensorProxy(torch.Tensor, Proxy):
         strides=None,
         storage_offset: int = 0,
     ):
-        shape = tuple(int(size) for size in shape)
+        # symbolic sizes (`torch.SymInt`, fulmen.tracer.symbolic) stay symbolic
+        shape = tuple(size if isinstance(size, torch.SymInt) else int(size) for size in shape)
         strides = contiguous_strides(shape) if strides is None else tuple(strides)
         proxy = torch.Tensor._make_wrapper_subclass(
             cls,

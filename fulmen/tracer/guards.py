@@ -155,20 +155,33 @@ class CacheKeyBuilder:
         self.fn_roots = function_roots(self.fn)
         return tuple([object_key(root, _leaf_key) for root in self.fn_roots])
 
-    def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = ()) -> tuple[tuple, list]:
+    def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = (),
+            symbolic: dict[int, tuple[int, ...]] | None = None) -> tuple[tuple, list]:
+        """The key of a call; with `symbolic` (argument position -> dimensions with symbolic
+        sizes), those sizes are left out (the entry's shape guard checks them) and those
+        tensors are keyed by contiguity, not strides."""
         global_key = self.global_key()
         offsets = self.offset_positions
         state_key = tuple([t.requires_grad for t in state]) if state else ()
         if offsets and -1 in offsets:
             state_key += tuple([t.storage_offset() for t in state])
-        if not kwargs and not offsets:
+        if not kwargs and not offsets and not symbolic:
             tensor_keys = [_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors
                 return (len(args), global_key, state_key, *tensor_keys), args
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        leaf_keys = tuple([_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
-                           for i, leaf in enumerate(leaves)])
-        return (spec, global_key, state_key, leaf_keys), leaves
+        leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
+                     for i, leaf in enumerate(leaves)]
+        for position, dims in (symbolic or {}).items():
+            leaf = leaves[position] if position < len(leaves) else None
+            if not isinstance(leaf, Tensor) or any(d >= leaf.dim() for d in dims):
+                return (), leaves  # a structure no symbolic entry was made for
+            shape = list(leaf.shape)
+            for dim in dims:
+                shape[dim] = None
+            leaf_keys[position] = ("symbolic", tuple(shape), leaf.dtype, leaf.device,
+                                   leaf.requires_grad, leaf.is_contiguous())
+        return (spec, global_key, state_key, tuple(leaf_keys)), leaves
 
 
 def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),

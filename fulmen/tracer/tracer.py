@@ -27,6 +27,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.mutation import WRITE_BACK
+from fulmen.tracer.symbolic import SymbolicSizes
 from fulmen.tracer.objects import (
     ObjectInputs,
     function_roots,
@@ -61,6 +62,7 @@ class TracedProgram:
             rebuilt outputs, the trace returns `(output_leaves, epilogue_values)`.
         offset_reads: positions (as `tensor_positions`) of the arguments whose
             `storage_offset()` the program read; -1 when it read a parameter's or buffer's.
+        symbolic: the symbolic sizes of the inputs traced with dynamic dimensions.
     """
 
     trace: Trace
@@ -75,6 +77,7 @@ class TracedProgram:
     requires_grad_names: frozenset[str] = frozenset()
     objects: ObjectInputs | None = None
     offset_reads: frozenset[int] = frozenset()
+    symbolic: SymbolicSizes | None = None
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -336,13 +339,16 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
-                  allow_breaks: bool = False) -> TracedProgram:
+                  allow_breaks: bool = False,
+                  dynamic: dict[int, tuple[int, ...]] | None = None) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
 
     `ctx` is a fresh recording context to use (by default one is made); after a failure its
     statements are the part of the program traced so far (`fulmen.examine` reports them).
     With `allow_breaks`, value-dependent Python is answered from the real `args` and recorded
     as graph breaks (`fulmen.tracer.breaks`) instead of raising.
+    `dynamic` maps flattened-argument positions to the dimensions that get symbolic sizes
+    (`fulmen.tracer.symbolic`); the program's `symbolic` then guards them.
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
@@ -358,11 +364,18 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     inputs: list[TensorProxy] = []
     positions: list[int] = []
     proxied_leaves = []
+    symbolic = SymbolicSizes() if dynamic else None
     for index, (path, leaf) in enumerate(leaves_with_paths):
         if isinstance(leaf, torch.Tensor):
-            proxy = TensorProxy(ctx.names.named(_path_name(path, param_names)), leaf.shape,
-                                leaf.dtype, leaf.device, requires_grad=leaf.requires_grad,
-                                strides=leaf.stride(), storage_offset=leaf.storage_offset())
+            name = ctx.names.named(_path_name(path, param_names))
+            shape, strides = leaf.shape, leaf.stride()
+            if symbolic is not None and index in dynamic:
+                shape, strides = symbolic.symbolize(leaf, name, dynamic[index])
+            proxy = TensorProxy(name, shape, leaf.dtype, leaf.device,
+                                requires_grad=leaf.requires_grad, strides=strides,
+                                storage_offset=leaf.storage_offset())
+            if symbolic is not None:
+                symbolic.add_input(proxy, index)
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)
@@ -448,4 +461,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
                          requires_grad_names=frozenset(ctx.requires_grad_names),
                          objects=objects if objects.roots or objects.epilogue else None,
-                         offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state))
+                         offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
+                         symbolic=symbolic)

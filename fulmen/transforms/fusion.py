@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import networkx as nx
+import torch
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import iter_proxies
@@ -87,11 +88,22 @@ class _Node:
         self.inputs = bsym.input_names if inputs is None else inputs
 
 
+def _has_symbolic_sizes(bsym: BoundSymbol) -> bool:
+    """Whether a statement computes with symbolic sizes (`fulmen.tracer.symbolic`): fusion
+    executors generate kernels for known sizes, so such statements stay unfused."""
+    for value in (*iter_proxies(bsym.args), *iter_proxies(bsym.kwargs),
+                  *iter_proxies(bsym.output)):
+        if any(isinstance(size, torch.SymInt) for size in getattr(value, "shape", ())):
+            return True
+    return any(isinstance(arg, torch.SymInt) for arg in bsym.args)
+
+
 def _flatten_for(trace: Trace, executor: FusionExecutor,
                  before: Sequence[OperatorExecutor]) -> list[_Node]:
     nodes: list[_Node] = []
     for origin, bsym in enumerate(trace.bsyms):
-        if bsym.sym.python_name == "del" or any(ex.claim(bsym) is not None for ex in before):
+        if bsym.sym.python_name == "del" or _has_symbolic_sizes(bsym) \
+                or any(ex.claim(bsym) is not None for ex in before):
             nodes.append(_Node(bsym, origin, False))
         elif executor.can_fuse(bsym):
             nodes.append(_Node(bsym, origin, True))

@@ -184,7 +184,7 @@ def test_cache_size_limit_runs_further_calls_eagerly_with_one_warning():
     def fn(x):
         return torch.sin(x) * 2
 
-    jfn = fulmen.jit(fn, cache_size_limit=3)
+    jfn = fulmen.jit(fn, cache_size_limit=3, dynamic=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 7):

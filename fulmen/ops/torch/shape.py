@@ -39,9 +39,12 @@ T = torch.Tensor
 
 
 def as_int(value, op: str) -> int:
-    """`value` as a Python int; tensors (value-dependent sizes) are not supported here."""
+    """`value` as a Python int (a symbolic size stays a `torch.SymInt`); tensors
+    (value-dependent sizes) are not supported here."""
     if isinstance(value, torch.Tensor) or isinstance(value, bool):
         raise NotYetSupportedError(f"{type(value).__name__} used as an integer", op=op)
+    if isinstance(value, torch.SymInt):
+        return value
     try:
         return operator.index(value)
     except TypeError:

@@ -1,0 +1,137 @@
+"""Which dimensions get symbolic sizes, and the cache of entries compiled with them.
+
+Policy, as torch.compile's (`fulmen.jit(dynamic=...)`):
+- `dynamic=None` (default): the first call is compiled for its exact shapes; when a later call
+  misses the cache with the same argument structure and ranks but other sizes, the dimensions
+  that changed become dynamic and the call is traced once with symbolic sizes there.
+- `dynamic=True`: every dimension of every tensor argument is symbolic from the first call.
+- `dynamic=False`: never symbolic, except where marked.
+`fulmen.mark_dynamic(t, dim)` / `mark_static(t, dim)` (or `torch._dynamo.mark_dynamic`) on an
+argument override the policy for that dimension.
+
+Sizes 0 and 1 are never symbolic (`fulmen.tracer.symbolic`). An entry with symbolic sizes is
+found by a key that leaves those sizes out, then checked with its shape guard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fulmen.logs import get_logger
+from fulmen.tracer.symbolic import is_symbolic
+
+_RECOMPILES = get_logger("recompiles")
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int | tuple[int, ...], *, min: int | None = None,
+                 max: int | None = None) -> None:
+    """Give dimension(s) `dim` of `tensor` a symbolic size when a jitted function is traced
+    with it as an argument, whatever the `dynamic=` policy.
+
+    `min`/`max` bound the sizes the compiled entry accepts (inclusive); a call outside them is
+    compiled again. Sizes 0 and 1 are specialised regardless (as in torch.compile).
+
+    Raises:
+        IndexError: when a dimension is out of range for `tensor`.
+    """
+    for d in (dim,) if isinstance(dim, int) else tuple(dim):
+        d = _dim(tensor, d)
+        tensor._fulmen_dynamic_dims = {**getattr(tensor, "_fulmen_dynamic_dims", {}),
+                                       d: (min, max)}
+
+
+def mark_static(tensor: torch.Tensor, dim: int | tuple[int, ...]) -> None:
+    """Keep dimension(s) `dim` of `tensor` specialised to their exact size.
+
+    Raises:
+        IndexError: when a dimension is out of range for `tensor`.
+    """
+    for d in (dim,) if isinstance(dim, int) else tuple(dim):
+        tensor._fulmen_static_dims = getattr(tensor, "_fulmen_static_dims", set()) | {
+            _dim(tensor, d)}
+
+
+def _dim(tensor: torch.Tensor, dim: int) -> int:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(f"dimension {dim} out of range for a tensor of {tensor.dim()} dims")
+    return dim % tensor.dim()
+
+
+class DynamicDims:
+    """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
+
+    `dims_for(leaves)` decides the dimensions for a call that missed the cache; `lookup`
+    finds a symbolic entry valid for a call; `add` stores one.
+    """
+
+    def __init__(self, dynamic: bool | None) -> None:
+        self.dynamic = dynamic
+        self.varying: dict[int, set[int]] = {}  # argument position -> dims seen to change
+        self.last: list[tuple[int, tuple[int, ...]]] | None = None
+        self.entries: list = []
+        self.by_key: dict[tuple, list] = {}
+        self.broken = False  # a symbolic trace failed: automatic dynamic is off
+
+    def dims_for(self, leaves: list) -> dict[int, tuple[int, ...]]:
+        """The dimensions of the call's tensor arguments to trace with symbolic sizes."""
+        shapes = [(i, tuple(leaf.shape)) for i, leaf in enumerate(leaves)
+                  if isinstance(leaf, torch.Tensor)]
+        if self.dynamic is None and not self.broken and self.last is not None \
+                and [(i, len(s)) for i, s in shapes] == [(i, len(s)) for i, s in self.last]:
+            for (i, new), (_, old) in zip(shapes, self.last):
+                changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
+                if changed - self.varying.get(i, set()):
+                    _RECOMPILES.info("argument %d: dims %s vary; tracing them symbolically", i,
+                                     sorted(changed))
+                    self.varying.setdefault(i, set()).update(changed)
+        self.last = shapes
+        dims: dict[int, set[int]] = {}
+        for i, shape in shapes:
+            leaf = leaves[i]
+            chosen = set(range(len(shape))) if self.dynamic is True else set(
+                d for d in self.varying.get(i, ()) if d < len(shape))
+            chosen |= set(getattr(leaf, "_fulmen_dynamic_dims", {}))
+            chosen |= set(getattr(leaf, "_dynamo_dynamic_indices", ()))
+            chosen -= getattr(leaf, "_fulmen_static_dims", set())
+            chosen = {d for d in chosen if shape[d] > 1}
+            if chosen:
+                dims[i] = chosen
+        return {i: tuple(sorted(d)) for i, d in dims.items()}
+
+    def failed(self, error: Exception) -> None:
+        """A symbolic trace failed: later calls are compiled for their shapes."""
+        self.broken = True
+        self.varying.clear()
+
+    @staticmethod
+    def entry_fields(program) -> dict[str, Any]:
+        """`shape_guard` and `symbolic_dims` of a compiled program's cache entry (none when
+        no size stayed symbolic)."""
+        symbolic = program.symbolic
+        if symbolic is None:
+            return {}
+        dims = {}
+        for proxy, position in zip(symbolic.proxies, symbolic.positions):
+            found = tuple(d for d, size in enumerate(proxy.shape) if is_symbolic(size))
+            if found:
+                dims[position] = found
+        if not dims:
+            return {}
+        return {"shape_guard": symbolic.guard(), "symbolic_dims": tuple(sorted(dims.items()))}
+
+    def add(self, entry, guard, args: tuple, kwargs: dict, state) -> None:
+        """Store a symbolic entry under its key (sizes in its symbolic dims left out)."""
+        key, _ = guard.key(args, kwargs, state, dict(entry.symbolic_dims))
+        self.entries.append(entry)
+        self.by_key.setdefault((entry.symbolic_dims, key), []).append(entry)
+
+    def lookup(self, guard, args: tuple, kwargs: dict, state, leaves: list):
+        """The symbolic entry whose key and shape guard match the call, or None."""
+        for dims in dict.fromkeys(entry.symbolic_dims for entry in self.entries):
+            key, _ = guard.key(args, kwargs, state, dict(dims))
+            for entry in self.by_key.get((dims, key), ()):
+                if entry.shape_guard(leaves):
+                    return entry
+        return None

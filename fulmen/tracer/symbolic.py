@@ -1,0 +1,103 @@
+"""Symbolic sizes: one trace for every size a dimension takes (dynamic shapes).
+
+A dimension marked dynamic (`fulmen.mark_dynamic`, `jit(dynamic=True)`, or one that changed
+between two calls under the default `dynamic=None`) gets a *symbolic size* from PyTorch's own
+engine, `torch.fx.experimental.symbolic_shapes`: a `ShapeEnv` creates a symbol (`s0`) with the
+call's value as its hint, and the input proxy is made with a `torch.SymInt` in that dimension.
+Decompositions and meta kernels then compute with SymInts (`view(-1)` gives `4*s0`), and each
+time Python needs a decision about a size (`if x.size(0) > 1`, `int(n)`) the ShapeEnv answers
+from the hint and records a guard. Printed traces bind the symbols from the inputs' shapes at
+the top of the function (`s0 = x.shape[0]`) and compute sizes from them.
+
+PyTorch's conventions hold: sizes 0 and 1 are never symbolic (they are specialised, as in
+torch.compile), and two dynamic dimensions of equal size share one symbol (duck sizing) until a
+call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
+on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fulmen.proxies import TensorProxy
+
+
+def is_symbolic(value) -> bool:
+    """Whether `value` is a size that is still symbolic (a `torch.SymInt` whose expression has
+    a symbol; one the trace specialised to a number is not)."""
+    return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
+
+
+def has_symbolic_shape(tensor: torch.Tensor) -> bool:
+    """Whether any size of `tensor` is symbolic."""
+    return any(isinstance(size, torch.SymInt) for size in tensor.shape)
+
+
+class SymbolicSizes:
+    """The symbolic sizes of one trace: a `ShapeEnv`, and which input dimension each symbol
+    was made for.
+
+    Example:
+        >>> sizes = SymbolicSizes()
+        >>> shape, strides = sizes.symbolize(torch.empty(8, 4), "x", dims=(0,))
+        >>> shape
+        (s0, 4)
+    """
+
+    def __init__(self) -> None:
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.env = ShapeEnv(specialize_zero_one=True, duck_shape=True)
+        self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
+        self.positions: list[int] = []  # the flattened-argument position of each
+
+    def symbolize(self, tensor: torch.Tensor, label: str, dims: Sequence[int]):
+        """`(shape, strides)` for the input proxy of `tensor` (a trace input called `label`),
+        with symbolic sizes in `dims` (sizes 0 and 1 stay ints) and contiguous strides
+        computed from them. Only contiguous tensors get symbolic sizes (anything else keeps
+        its sizes: the strides of a view are not a function of its own sizes)."""
+        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        shape = list(tensor.shape)
+        if not dims or not tensor.is_contiguous():
+            return tuple(shape), tuple(tensor.stride())
+        for dim in dims:
+            hint = int(tensor.shape[dim])
+            source = TensorPropertySource(LocalSource(label), TensorProperty.SIZE, dim)
+            expr = self.env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.append(acc)
+            acc = acc * size if not isinstance(size, int) or size > 1 else acc
+        return tuple(shape), tuple(reversed(strides))
+
+    def add_input(self, proxy: TensorProxy, position: int) -> None:
+        """Declare `proxy` (at flattened-argument `position`) an input with symbolic sizes."""
+        if has_symbolic_shape(proxy):
+            self.proxies.append(proxy)
+            self.positions.append(position)
+
+    def guard(self) -> Callable[[list], bool]:
+        """A function of the call's flattened arguments: whether this trace's specialisations
+        (every guard the ShapeEnv recorded while tracing and compiling, equalities between
+        duck-sized dimensions, the symbols' ranges) hold for their sizes."""
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        # ignore_static=False: a symbol the trace specialised (`int(n)`, a meta kernel's
+        # check) has become a number, and its input's size must be guarded as one
+        code = self.env.produce_guards_expression(self.proxies, ignore_static=False)
+        if code is None:
+            return lambda leaves: True
+        compiled = compile(code, "<fulmen shape guards>", "eval")
+        positions = self.positions
+
+        def check(leaves: list) -> bool:
+            scope = {f"t{i}": leaves[p] for i, p in enumerate(positions)}
+            return bool(eval(compiled, SYMPY_INTERP, {"L": scope}))
+
+        check.source = code
+        return check

@@ -1,0 +1,144 @@
+"""Symbolic sizes (issue 16): one compilation serves every size of a dynamic dimension, and no
+call ever hits an entry that is wrong for it."""
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import fulmen
+
+
+def _program(x, y):
+    h = torch.nn.functional.gelu(x @ y)
+    flat = h.reshape(-1, 2).sum(-1)
+    return flat.softmax(0) * x.shape[0]
+
+
+def test_automatic_dynamic_compiles_twice_for_many_sizes():
+    jfn = fulmen.jit(_program)
+    y = torch.randn(4, 6)
+    for n in (8, 5, 13, 7, 13, 21):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(jfn(x, y), _program(x, y))
+    assert fulmen.cache_misses(jfn) == 2
+    assert '"cpu f32[s' in str(fulmen.last_traces(jfn)[0])  # x's first size is a symbol
+
+
+def test_dynamic_true_is_symbolic_from_the_first_call():
+    jfn = fulmen.jit(_program, dynamic=True)
+    for n, k in ((8, 4), (5, 6), (9, 2)):
+        x, y = torch.randn(n, k), torch.randn(k, 6)
+        torch.testing.assert_close(jfn(x, y), _program(x, y))
+    assert fulmen.cache_misses(jfn) == 1
+
+
+def test_dynamic_false_compiles_every_shape():
+    jfn = fulmen.jit(_program, dynamic=False)
+    y = torch.randn(4, 6)
+    for n in (8, 5, 13):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(jfn(x, y), _program(x, y))
+    assert fulmen.cache_misses(jfn) == 3
+
+
+def test_mark_dynamic_and_mark_static():
+    jfn = fulmen.jit(lambda x: (x * 2).sum(1), dynamic=False)
+    x = torch.randn(6, 5)
+    fulmen.mark_dynamic(x, 0)
+    torch.testing.assert_close(jfn(x), (x * 2).sum(1))
+    assert '"cpu f32[s' in str(fulmen.last_traces(jfn)[0])
+
+    jfn = fulmen.jit(lambda x: (x * 2).sum(1), dynamic=True)
+    x = torch.randn(6, 5)
+    fulmen.mark_static(x, (0, 1))
+    jfn(x)
+    assert '"cpu f32[6, 5]"' in str(fulmen.last_traces(jfn)[0])
+    with pytest.raises(IndexError):
+        fulmen.mark_dynamic(x, 2)
+
+
+def test_sizes_zero_and_one_are_specialised():
+    fn = lambda x: x.sum(0) / x.shape[0]  # noqa: E731
+    jfn = fulmen.jit(fn, dynamic=True)
+    for n in (4, 1, 0, 7, 1):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(jfn(x), fn(x), equal_nan=True)
+    assert fulmen.cache_misses(jfn) == 3  # sizes >= 2, 1, 0
+
+
+def test_branch_on_a_size_is_guarded():
+    def fn(x):
+        if x.shape[0] > 6:
+            return x.cumsum(0)
+        return x * 3
+
+    jfn = fulmen.jit(fn, dynamic=True)
+    for n in (4, 9, 5, 12, 2):
+        x = torch.randn(n)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2  # one entry per side of the branch
+
+
+def test_equal_sizes_share_a_symbol_until_they_differ():
+    fn = lambda x, y: x * y + x.shape[0]  # noqa: E731
+    jfn = fulmen.jit(fn, dynamic=True)
+    for n, m in ((4, 4), (6, 6), (5, 1), (7, 7), (3, 1), (2, 5)):
+        x, y = torch.randn(n, 1), torch.randn(m)
+        torch.testing.assert_close(jfn(x, y), fn(x, y))
+    assert fulmen.cache_misses(jfn) <= 4
+
+
+def test_training_with_a_varying_batch_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 3))
+    jmodel = fulmen.jit(model)
+    for n in (8, 5, 13, 7):
+        x = torch.randn(n, 4)
+        jmodel(x).square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().sum().backward()
+        for got, want in zip(grads, [p.grad for p in model.parameters()]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        model.zero_grad()
+    assert fulmen.cache_misses(jmodel) == 2
+
+
+def _broadcasting(x, y):
+    return (x * y).amax(-1) + x.mean()
+
+
+def _views(x, y):
+    n = x.shape[0]
+    return x.view(n, -1).t().contiguous().sum(1) + y.flatten()[:1]
+
+
+def _cat(x, y):
+    return torch.cat([x, y.expand_as(x)], 0).softmax(-1)[:: 2]
+
+
+PROGRAMS = [_broadcasting, _views, _cat]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(PROGRAMS), st.sampled_from([None, True]),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()),
+                min_size=2, max_size=6))
+def test_no_wrong_cache_hit_over_random_shapes(program, dynamic, calls):
+    """Random sizes (0, 1, equal dims, broadcasting), calls alternating between them: every
+    result equals eager's."""
+    jfn = fulmen.jit(program, dynamic=dynamic, cache_size_limit=64)
+    for rows, cols, broadcast in calls:
+        x = torch.randn(rows, cols)
+        y = torch.randn(1 if broadcast else rows, cols)
+        if program is _cat and not broadcast:
+            y = torch.randn(1, cols)
+        try:
+            want = program(x, y)
+        except RuntimeError:
+            with pytest.raises(Exception):
+                jfn(x, y)
+            continue
+        torch.testing.assert_close(jfn(x, y), want, equal_nan=True)
