@@ -35,6 +35,7 @@ import torch
 
 from fulmen.executors.codegen import ir
 from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
+from fulmen.executors.codegen.renderer import RowRenderer
 
 __all__ = ["BLOCK", "render_rows"]
 
@@ -62,24 +63,6 @@ def _stash(kernel: ir.RowKernel, previous: list[int], final: list[int], outputs)
         if kernel.values[out].dtype == dtype and dtype in (torch.float32, torch.float64):
             return v, p
     return None
-
-
-def _value_line(kernel: ir.RowKernel, v: int, layout, names: list[str]) -> str:
-    value = kernel.values[v]
-    ctype = CPU.compute[value.dtype]
-    if isinstance(value, ir.Load):
-        a = value.access
-        ptr = f"p{a}[0]" if kernel.access_rows[a] else f"q{a}[{CPU.index(layout[a], a)}]"
-        expr = CPU.load(ptr, value.dtype)
-    elif isinstance(value, ir.Const):
-        expr = CPU.literal(value.value, value.dtype)
-    elif isinstance(value, ir.Count):
-        expr = f"({ctype})count"
-    elif _nonpositive_exp(kernel, value):
-        expr = f"f_exp_nonpos(v{value.args[0]})"
-    else:
-        expr = CPU.value(kernel, value, names)
-    return f"const {ctype} v{v} = {expr};"
 
 
 def _nonpositive_exp(kernel: ir.RowKernel, value) -> bool:
@@ -139,191 +122,206 @@ def _reduction(kernel: ir.RowKernel, v: int) -> dict[str, list[str]]:
     return out
 
 
-def render_rows(kernel: ir.RowKernel, layout: tuple[int, ...]) -> str:
-    """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output:
-    1 contiguous, 0 broadcast, 2 any stride)."""
-    nacc = len(kernel.accesses)
-    nptr = nacc + len(kernel.outputs)
-    assert len(layout) == nptr
-    ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
-    dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
-    names = [f"v{v}" for v in range(len(kernel.values))]
-    stages = ir.row_stages(kernel)
-    columns = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
-               if isinstance(kernel.values[v], ir.ColumnReduce)]
-    ncol = len(columns)
-    skip = {p for p, _ in columns}  # column outputs are written after the rows
-    lines = [PRELUDE, "#include <cstdlib>", "#include <omp.h>",
-             'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
-             "const int64_t* strides, char* const* ptrs, int64_t nouter, int64_t nthreads) {",
-             "  int64_t rows = 1;",
-             "  for (int64_t d = 0; d < nouter; ++d) rows *= sizes[d];",
-             "  int64_t subrows = 1;",
-             "  for (int64_t d = nouter; d + 1 < ndim; ++d) subrows *= sizes[d];",
-             "  const int64_t inner = sizes[ndim - 1];",
-             "  const int64_t count = subrows * inner;"]
-    args = [kernel.values[v].arg for _, v in columns]
-    # float column values add into float partials, flushed into the float64 sums every
-    # COLUMN_GROUP rows (a float add per element instead of a conversion and a double add)
-    grouped = COLUMN_GROUP > 1 and bool(args) and all(CPU.compute[kernel.values[a].dtype] == "float" for a in args)
-    if ncol:
-        lines.append(f"  double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);")
-        if grouped:
-            lines.append(f"  float* colpart = (float*)std::calloc(nthreads * count * {ncol} + 1, 4);")
-        lines += ["  #pragma omp parallel num_threads(nthreads) if(nthreads > 1)",
-                  "  {",
-                  f"  double* cacc = colacc + omp_get_thread_num() * count * {ncol};"]
-        if grouped:
-            lines += [f"  float* facc = colpart + omp_get_thread_num() * count * {ncol};",
-                      "  int64_t pending = 0;"]
-        lines.append("  #pragma omp for schedule(static)")
-    else:
-        lines.append("  #pragma omp parallel for num_threads(nthreads) schedule(static) "
-                     "if(nthreads > 1)")
-    lines += ["  for (int64_t row = 0; row < rows; ++row) {",
-             f"    int64_t off[{nptr}] = {{0}};",
-             "    int64_t r = row;",
-             "    for (int64_t d = nouter - 1; d >= 0; --d) {",
-             "      const int64_t i = r % sizes[d];",
-             "      r /= sizes[d];",
-             f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
-             "    }"]
-    # the next row's element inputs are prefetched during a costly last reduction pass (see the
-    # module docstring)
-    fetch = [p for p in range(nacc) if layout[p] == 1 and not ptr_rows[p]]
-    if fetch:
-        lines += [f"    int64_t ahead[{nptr}] = {{0}};",
-                  "    if (row + 1 < rows) {",
-                  "      int64_t r1 = row + 1;",
-                  "      for (int64_t d = nouter - 1; d >= 0; --d) {",
-                  "        const int64_t i = r1 % sizes[d];",
-                  "        r1 /= sizes[d];",
-                  f"        for (int p = 0; p < {nptr}; ++p) ahead[p] += i * strides[p * ndim + d];",
-                  "      }",
-                  f"      for (int p = 0; p < {nptr}; ++p) ahead[p] -= off[p];",
-                  "    }"]
-    for p, dtype in enumerate(dtypes):
-        if p in skip:
-            continue
-        const = "const " if p < nacc else ""
-        ctype = CPU.storage[dtype]
-        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
-        if layout[p] == 2 and not ptr_rows[p]:
-            lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
+class _Renderer(RowRenderer):
+    """Builds the C++ source of one row kernel for one layout (see `render_rows`)."""
 
-    def row_values(stage: int) -> None:
-        for v, value in enumerate(kernel.values):
-            if kernel.rows[v] and stages[v] == stage and not isinstance(value, ir.Reduce):
-                lines.append("    " + _value_line(kernel, v, layout, names))
+    target = CPU
 
-    def row_pass(body: list[str], blocked: list[str] | None, prefetch: bool = False) -> None:
-        """A loop over the row's elements: `body` inside the simd loop; with `blocked` (the
-        reduction pieces) the loop runs in blocks with partial accumulators."""
-        lines.extend(["    for (int64_t sub = 0; sub < subrows; ++sub) {",
-                      f"      int64_t so[{nptr}] = {{0}};",
-                      "      int64_t rs = sub;",
-                      "      for (int64_t d = ndim - 2; d >= nouter; --d) {",
-                      "        const int64_t i = rs % sizes[d];",
-                      "        rs /= sizes[d];",
-                      f"        for (int p = 0; p < {nptr}; ++p) so[p] += i * strides[p * ndim + d];",
-                      "      }"])
-        for p, dtype in enumerate(dtypes):
-            if not ptr_rows[p] and p not in skip:
-                const = "const " if p < nacc else ""
-                ctype = CPU.storage[dtype]
-                lines.append(f"      {const}{ctype}* __restrict__ q{p} = p{p} + so[{p}];")
-        if blocked is None:
-            lines.extend(["      #pragma omp simd", "      for (int64_t j = 0; j < inner; ++j) {"])
-            lines.extend("        " + line for line in body)
-            lines.append("      }")
+    def element(self, p: int, element: bool) -> str:
+        if self.kernel.access_rows[p]:
+            return f"p{p}[0]"
+        return f"q{p}[{CPU.index(self.classes[p], p)}]"
+
+    def count(self, ctype: str) -> str:
+        return f"({ctype})count"
+
+    def op_value(self, v: int) -> str:
+        value = self.kernel.values[v]
+        if _nonpositive_exp(self.kernel, value):
+            return f"f_exp_nonpos(v{value.args[0]})"
+        return super().op_value(v)
+
+    def store(self, v: int) -> str:
+        return CPU.store(f"v{v}", self.kernel.values[v].dtype)
+
+    def main(self) -> None:
+        kernel, layout, nacc, nptr = self.kernel, self.classes, self.nacc, self.nptr
+        columns, lines = self.columns, self.lines
+        ncol = len(columns)
+        self.skip = {p for p, _ in columns}  # column outputs are written after the rows
+        lines += [PRELUDE, "#include <cstdlib>", "#include <omp.h>",
+                  'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
+                  "const int64_t* strides, char* const* ptrs, int64_t nouter, int64_t nthreads) {",
+                  "  int64_t rows = 1;",
+                  "  for (int64_t d = 0; d < nouter; ++d) rows *= sizes[d];",
+                  "  int64_t subrows = 1;",
+                  "  for (int64_t d = nouter; d + 1 < ndim; ++d) subrows *= sizes[d];",
+                  "  const int64_t inner = sizes[ndim - 1];",
+                  "  const int64_t count = subrows * inner;"]
+        args = [kernel.values[v].arg for _, v in columns]
+        # float column values add into float partials, flushed into the float64 sums every
+        # COLUMN_GROUP rows (a float add per element instead of a conversion and a double add)
+        grouped = COLUMN_GROUP > 1 and bool(args) and all(
+            CPU.compute[kernel.values[a].dtype] == "float" for a in args)
+        if ncol:
+            self.emit(1, f"double* colacc = (double*)std::calloc(nthreads * count * {ncol} + 1, 8);")
+            if grouped:
+                self.emit(1, f"float* colpart = (float*)std::calloc(nthreads * count * {ncol} + 1, 4);")
+            self.emit(1, "#pragma omp parallel num_threads(nthreads) if(nthreads > 1)", "{",
+                      f"double* cacc = colacc + omp_get_thread_num() * count * {ncol};")
+            if grouped:
+                self.emit(1, f"float* facc = colpart + omp_get_thread_num() * count * {ncol};",
+                          "int64_t pending = 0;")
+            self.emit(1, "#pragma omp for schedule(static)")
         else:
-            parts, clauses, combine = blocked
-            lines.extend([f"      for (int64_t jb = 0; jb < inner; jb += {BLOCK}) {{",
-                          f"        const int64_t je = inner < jb + {BLOCK} ? inner : jb + {BLOCK};"])
-            lines.extend("        " + line for line in parts)
-            for p in fetch if prefetch else ():
-                step = 64 // torch.empty((), dtype=dtypes[p]).element_size()
-                lines.append(f"        if (ahead[{p}] != 0) for (int64_t o = jb; o < je; o += {step}) "
-                             f"__builtin_prefetch(q{p} + ahead[{p}] + o, {int(p >= nacc)}, 3);")
-            lines.extend([f"        #pragma omp simd {' '.join(clauses)}",
-                          "        for (int64_t j = jb; j < je; ++j) {"])
-            lines.extend("          " + line for line in body)
-            lines.append("        }")
-            lines.extend("        " + line for line in combine)
-            lines.append("      }")
-        lines.append("    }")
+            self.emit(1, "#pragma omp parallel for num_threads(nthreads) schedule(static) "
+                         "if(nthreads > 1)")
+        self.emit(1, "for (int64_t row = 0; row < rows; ++row) {")
+        self.emit(2, f"int64_t off[{nptr}] = {{0}};", "int64_t r = row;",
+                  "for (int64_t d = nouter - 1; d >= 0; --d) {",
+                  "  const int64_t i = r % sizes[d];", "  r /= sizes[d];",
+                  f"  for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];", "}")
+        # the next row's element inputs are prefetched during a costly last reduction pass (see
+        # the module docstring)
+        self.fetch = [p for p in range(nacc) if layout[p] == 1 and not self.ptr_rows[p]]
+        if self.fetch:
+            self.emit(2, f"int64_t ahead[{nptr}] = {{0}};", "if (row + 1 < rows) {",
+                      "  int64_t r1 = row + 1;", "  for (int64_t d = nouter - 1; d >= 0; --d) {",
+                      "    const int64_t i = r1 % sizes[d];", "    r1 /= sizes[d];",
+                      f"    for (int p = 0; p < {nptr}; ++p) ahead[p] += i * strides[p * ndim + d];",
+                      "  }", f"  for (int p = 0; p < {nptr}; ++p) ahead[p] -= off[p];", "}")
+        for p, dtype in enumerate(self.dtypes):
+            if p in self.skip:
+                continue
+            const = "const " if p < nacc else ""
+            ctype = CPU.storage[dtype]
+            self.emit(2, f"{const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
+            if layout[p] == 2 and not self.ptr_rows[p]:
+                self.emit(2, f"const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
+        element_outputs = self.stages_and_outputs(args)
+        self.output_pass(element_outputs, args, grouped)
+        for k, v in enumerate(kernel.outputs):
+            if kernel.rows[v]:
+                self.emit(2, f"p{nacc + k}[0] = {self.store(v)};")
+        flush = (f"for (int64_t i = 0; i < count * {ncol}; ++i) {{ cacc[i] += facc[i]; facc[i] = 0; }}"
+                 " pending = 0;")
+        if grouped:
+            self.emit(2, f"if (++pending == {COLUMN_GROUP}) {{ {flush} }}")
+        self.emit(1, "}")
+        if grouped:
+            self.emit(1, f"if (pending) {{ {flush} }}")
+        if ncol:
+            self.column_sums(grouped)
+        lines += ["}", ""]
 
-    row_values(0)
-    element_outputs = [(nacc + k, v) for k, v in enumerate(kernel.outputs)
-                       if not kernel.rows[v] and nacc + k not in skip]
-    final = ir.element_closure(kernel, [v for _, v in element_outputs] + args)
-    last_stage = max((stages[v] for v, value in enumerate(kernel.values)
-                      if isinstance(value, ir.Reduce)), default=0)
-    stash = None
-    for stage in range(1, max(stages, default=0) + 1):
-        reds = [v for v, value in enumerate(kernel.values)
-                if isinstance(value, ir.Reduce) and stages[v] == stage]
-        if not reds:
-            row_values(stage)
-            continue
-        pieces = [_reduction(kernel, v) for v in reds]
-        for piece in pieces:
-            lines.extend("    " + line for line in piece["acc"])
-        previous = ir.element_closure(kernel, [kernel.values[v].arg for v in reds])
-        body = [_value_line(kernel, v, layout, names) for v in previous]
-        if stage == last_stage and all(layout[p] == 1 for p, _ in element_outputs):
-            stash = _stash(kernel, previous, final, element_outputs)
-            if stash is not None:
-                body.append(f"q{stash[1]}[j] = v{stash[0]};")
-        body += [line for piece in pieces for line in piece["update"]]
-        row_pass(body, ([line for piece in pieces for line in piece["part"]],
-                        [c for piece in pieces for c in piece["clauses"]],
-                        [line for piece in pieces for line in piece["combine"]]),
-                 prefetch=stage == last_stage and stash is not None)
-        for piece in pieces:
-            lines.extend("    " + line for line in piece["final"])
-        row_values(stage)
-    if element_outputs or columns:
+    def stages_and_outputs(self, args: list[int]) -> list[tuple[int, int]]:
+        """The row values and reduction passes of every stage; the element outputs."""
+        kernel, stages = self.kernel, self.stages
+        self.row_values(0)
+        element_outputs = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs)
+                           if not kernel.rows[v] and self.nacc + k not in self.skip]
+        final = ir.element_closure(kernel, [v for _, v in element_outputs] + args)
+        last_stage = max((stages[v] for v, value in enumerate(kernel.values)
+                          if isinstance(value, ir.Reduce)), default=0)
+        self.stash = None
+        for stage in range(1, max(stages, default=0) + 1):
+            reds = [v for v, value in enumerate(kernel.values)
+                    if isinstance(value, ir.Reduce) and stages[v] == stage]
+            if not reds:
+                self.row_values(stage)
+                continue
+            pieces = [_reduction(kernel, v) for v in reds]
+            for piece in pieces:
+                self.emit(2, *piece["acc"])
+            previous = ir.element_closure(kernel, [kernel.values[v].arg for v in reds])
+            body = [self.value_line(v) for v in previous]
+            if stage == last_stage and all(self.classes[p] == 1 for p, _ in element_outputs):
+                self.stash = _stash(kernel, previous, final, element_outputs)
+                if self.stash is not None:
+                    body.append(f"q{self.stash[1]}[j] = v{self.stash[0]};")
+            body += [line for piece in pieces for line in piece["update"]]
+            self.row_pass(body, ([line for piece in pieces for line in piece["part"]],
+                                 [c for piece in pieces for c in piece["clauses"]],
+                                 [line for piece in pieces for line in piece["combine"]]),
+                          prefetch=stage == last_stage and self.stash is not None)
+            for piece in pieces:
+                self.emit(2, *piece["final"])
+            self.row_values(stage)
+        return element_outputs
+
+    def output_pass(self, element_outputs, args: list[int], grouped: bool) -> None:
+        """The pass computing and storing the element outputs and adding the column sums."""
+        kernel, stash = self.kernel, self.stash
+        if not (element_outputs or self.columns):
+            return
         leaves = {stash[0]} if stash else set()
         body = []
         for v in ir.element_closure(kernel, [v for _, v in element_outputs] + args, leaves):
             if v in leaves:
                 body.append(f"const {CPU.compute[kernel.values[v].dtype]} v{v} = q{stash[1]}[j];")
             else:
-                body.append(_value_line(kernel, v, layout, names))
-        body += [f"q{p}[{CPU.index(layout[p], p)}] = {_store(kernel, v)};" for p, v in element_outputs]
+                body.append(self.value_line(v))
+        body += [f"q{p}[{CPU.index(self.classes[p], p)}] = {self.store(v)};"
+                 for p, v in element_outputs]
         acc = "facc" if grouped else "cacc"
         body += [f"{acc}[{c} * count + sub * inner + j] += {'' if grouped else '(double)'}v{arg};"
                  for c, arg in enumerate(args)]
-        row_pass(body, None)
-    for k, v in enumerate(kernel.outputs):
-        if kernel.rows[v]:
-            lines.append(f"    p{nacc + k}[0] = {_store(kernel, v)};")
-    flush = (f"for (int64_t i = 0; i < count * {ncol}; ++i) {{ cacc[i] += facc[i]; facc[i] = 0; }}"
-             " pending = 0;")
-    if grouped:
-        lines.append(f"    if (++pending == {COLUMN_GROUP}) {{ {flush} }}")
-    lines.append("  }")
-    if grouped:
-        lines.append(f"  if (pending) {{ {flush} }}")
-    if ncol:
-        lines += ["  }", "  for (int64_t col = 0; col < count; ++col) {",
-                  "    int64_t rs = col / inner;",
-                  "    const int64_t j = col % inner;"]
-        for c, (p, v) in enumerate(columns):
-            dtype = kernel.values[v].dtype
-            lines += [f"    int64_t o{p} = j * strides[{p} * ndim + ndim - 1];",
-                      "    double t{c} = 0;".replace("{c}", str(c)),
-                      f"    for (int64_t th = 0; th < nthreads; ++th) "
-                      f"t{c} += colacc[(th * {ncol} + {c}) * count + col];"]
+        self.row_pass(body, None)
+
+    def row_pass(self, body: list[str], blocked: tuple | None, prefetch: bool = False) -> None:
+        """A loop over the row's elements: `body` inside the simd loop; with `blocked` (the
+        reduction pieces) the loop runs in blocks with partial accumulators."""
+        nptr, nacc = self.nptr, self.nacc
+        self.emit(2, "for (int64_t sub = 0; sub < subrows; ++sub) {",
+                  f"  int64_t so[{nptr}] = {{0}};", "  int64_t rs = sub;",
+                  "  for (int64_t d = ndim - 2; d >= nouter; --d) {",
+                  "    const int64_t i = rs % sizes[d];", "    rs /= sizes[d];",
+                  f"    for (int p = 0; p < {nptr}; ++p) so[p] += i * strides[p * ndim + d];",
+                  "  }")
+        for p, dtype in enumerate(self.dtypes):
+            if not self.ptr_rows[p] and p not in self.skip:
+                const = "const " if p < nacc else ""
+                self.emit(3, f"{const}{CPU.storage[dtype]}* __restrict__ q{p} = p{p} + so[{p}];")
+        if blocked is None:
+            self.emit(3, "#pragma omp simd", "for (int64_t j = 0; j < inner; ++j) {")
+            self.emit(4, *body)
+            self.emit(3, "}")
+        else:
+            parts, clauses, combine = blocked
+            self.emit(3, f"for (int64_t jb = 0; jb < inner; jb += {BLOCK}) {{")
+            self.emit(4, f"const int64_t je = inner < jb + {BLOCK} ? inner : jb + {BLOCK};", *parts)
+            for p in self.fetch if prefetch else ():
+                step = 64 // torch.empty((), dtype=self.dtypes[p]).element_size()
+                self.emit(4, f"if (ahead[{p}] != 0) for (int64_t o = jb; o < je; o += {step}) "
+                             f"__builtin_prefetch(q{p} + ahead[{p}] + o, {int(p >= nacc)}, 3);")
+            self.emit(4, f"#pragma omp simd {' '.join(clauses)}",
+                      "for (int64_t j = jb; j < je; ++j) {")
+            self.emit(5, *body)
+            self.emit(4, "}", *combine)
+            self.emit(3, "}")
+        self.emit(2, "}")
+
+    def column_sums(self, grouped: bool) -> None:
+        """After all rows: each column sum, the sum of the threads' float64 partials."""
+        ncol = len(self.columns)
+        self.emit(1, "}", "for (int64_t col = 0; col < count; ++col) {")
+        self.emit(2, "int64_t rs = col / inner;", "const int64_t j = col % inner;")
+        for c, (p, v) in enumerate(self.columns):
+            dtype = self.kernel.values[v].dtype
             value = CPU.store(f"(float)t{c}" if dtype != torch.float64 else f"t{c}", dtype)
-            lines.append(f"    {{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
-                         f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}")
-            lines.append(f"    (({CPU.storage[dtype]}*)ptrs[{p}])[o{p}] = {value};")
-        lines += ["  }", "  std::free(colacc);"] + (["  std::free(colpart);"] if grouped else [])
-    lines += ["}", ""]
-    return "\n".join(lines)
+            self.emit(2, f"int64_t o{p} = j * strides[{p} * ndim + ndim - 1];",
+                      f"double t{c} = 0;",
+                      f"for (int64_t th = 0; th < nthreads; ++th) "
+                      f"t{c} += colacc[(th * {ncol} + {c}) * count + col];",
+                      f"{{ int64_t r2 = rs; for (int64_t d = ndim - 2; d >= nouter; --d) "
+                      f"{{ o{p} += (r2 % sizes[d]) * strides[{p} * ndim + d]; r2 /= sizes[d]; }} }}",
+                      f"(({CPU.storage[dtype]}*)ptrs[{p}])[o{p}] = {value};")
+        self.emit(1, "}", "std::free(colacc);")
+        if grouped:
+            self.emit(1, "std::free(colpart);")
 
 
-def _store(kernel: ir.RowKernel, v: int) -> str:
-    return CPU.store(f"v{v}", kernel.values[v].dtype)
+def render_rows(kernel: ir.RowKernel, layout: tuple[int, ...]) -> str:
+    """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output:
+    1 contiguous, 0 broadcast, 2 any stride)."""
+    return _Renderer(kernel, layout).render()

@@ -52,6 +52,7 @@ import torch
 
 from fulmen.executors.codegen import ir
 from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
+from fulmen.executors.codegen.renderer import RowRenderer
 from fulmen.executors.codegen.target import header, op_reads
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",
@@ -155,30 +156,21 @@ def _accumulator(kernel: ir.RowKernel, v: int) -> tuple[str, str | None, str]:
     return ("int" if dtype.itemsize <= 4 else "long long"), None, "long long"
 
 
-class _Renderer:
+class _Renderer(RowRenderer):
     """Builds the source of one row kernel for one spec (see `render_rows`)."""
 
+    target = CUDA
+
     def __init__(self, kernel: ir.RowKernel, spec: RowSpec, name: str) -> None:
-        self.kernel, self.spec, self.name = kernel, spec, name
-        self.nacc = len(kernel.accesses)
-        self.dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
-        self.nptr = len(self.dtypes)
-        assert len(spec.classes) == self.nptr
-        self.ptr_rows = list(kernel.access_rows) + list(kernel.output_rows)
+        super().__init__(kernel, spec.classes)
+        self.spec, self.name = spec, name
         self.live = _live(kernel)
-        self.stages = ir.row_stages(kernel)
         self.reductions = _reductions(kernel)
         self.slots = {v: i for i, v in enumerate(self.reductions)}
-        self.columns = [(self.nacc + k, v) for k, v in enumerate(kernel.outputs)
-                        if isinstance(kernel.values[v], ir.ColumnReduce)]
         assert not (self.columns and spec.split), "column sums are never split"
         assert bool(self.columns) == (spec.kmax > 0)
         self.nw = spec.block // 32
         self.idx = spec.index
-        self.lines: list[str] = []
-
-    def emit(self, depth: int, *lines: str) -> None:
-        self.lines.extend("  " * depth + line for line in lines)
 
     def where(self, p: int, element: bool) -> str:
         """The element of pointer p read or written at inner index j (row level: the row's)."""
@@ -186,20 +178,13 @@ class _Renderer:
             return f"p{p}[0]"
         return f"p{p}[j]" if self.spec.classes[p] == 1 else f"p{p}[o{p}]"
 
-    def value_line(self, v: int, element: bool) -> str:
-        kernel = self.kernel
-        value = kernel.values[v]
-        ctype = CUDA.compute[value.dtype]
-        names = [f"v{i}" for i in range(len(kernel.values))]
-        if isinstance(value, ir.Load):
-            expr = CUDA.load(self.where(value.access, element), value.dtype)
-        elif isinstance(value, ir.Const):
-            expr = CUDA.literal(value.value, value.dtype)
-        elif isinstance(value, ir.Count):
-            expr = f"(({ctype})count)"
-        else:
-            expr = CUDA.value(kernel, value, names)
-        return f"const {ctype} v{v} = {expr};"
+    element = where
+
+    def count(self, ctype: str) -> str:
+        return f"(({ctype})count)"
+
+    def rendered(self, v: int) -> bool:
+        return v in self.live  # no rendered variable goes unused: NVRTC would warn
 
     def pointers_of(self, values: list[int]) -> list[int]:
         """Pointers the loads among `values` read."""
@@ -221,13 +206,6 @@ class _Renderer:
         self.emit(depth + 2, *[f"o{p} += c * ({idx})args.strides[{p}][{nout} + d];"
                                for p in strided])
         self.emit(depth, "  }", "}")
-
-    def row_values(self, stage: int) -> None:
-        kernel = self.kernel
-        for v, value in enumerate(kernel.values):
-            if (kernel.rows[v] and v in self.live and self.stages[v] == stage
-                    and not isinstance(value, ir.Reduce)):
-                self.emit(2, self.value_line(v, element=False))
 
     def reduction_stage(self, reds: list[int], phase: int) -> None:
         """Accumulate the stage's reductions over [start, end), reduce across the block, and
@@ -415,6 +393,8 @@ class _Renderer:
                       f"  if (j < count) ((double*)args.work)[((long long)blockIdx.x * "
                       f"{len(self.columns)} + {c}) * count + j] = c{c}[k];", "}")
         self.emit(0, "}")
+        if self.columns:
+            self.finish()
 
     def finish(self) -> None:
         """`<name>_columns`: each column's sum over the groups' partials, stored rounded."""
@@ -441,11 +421,7 @@ def render_rows_body(kernel: ir.RowKernel, spec: RowSpec, name: str = "fulmen_ke
     Raises:
         Unsupported: if an op of the kernel has no CUDA rendering.
     """
-    renderer = _Renderer(kernel, spec, name)
-    renderer.main()
-    if renderer.columns:
-        renderer.finish()
-    return "\n".join(renderer.lines) + "\n"
+    return _Renderer(kernel, spec, name).render() + "\n"
 
 
 def render_rows(kernel: ir.RowKernel, spec: RowSpec, name: str = "fulmen_kernel") -> str:
