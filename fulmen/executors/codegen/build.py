@@ -31,7 +31,7 @@ import torch
 
 @dataclass
 class CompilePolicy:
-    """When kernels compile (see `runtime.py`): `mode` "lazy" or "eager"; in lazy mode a
+    """When kernels compile (see `cpu/runtime.py`): `mode` "lazy" or "eager"; in lazy mode a
     region's kernel starts compiling at its `hot_calls`-th call."""
 
     mode: str = "lazy"

@@ -13,7 +13,7 @@ plan is made only for inputs of the dtypes and devices the kernel was built for 
 kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
 would reinterpret their bytes.
 
-When kernels are compiled is the `policy` (`policy.py`: `set_compile_policy`, or the variable
+When kernels are compiled is the `policy` (`build.py`: `set_compile_policy`, or the variable
 `FULMEN_CODEGEN_COMPILE`):
 
 - "lazy" (the default): a kernel already in the disk cache is loaded when the region is fused;
@@ -100,7 +100,7 @@ class FusedRegion(RegionCallable):
 
     def _start(self, layout: tuple) -> Future:
         """The build of the kernel for `layout`, started if it is not (or if it was unfinished
-        in the parent of a forked process: NOTE [fork] in `policy.py`)."""
+        in the parent of a forked process: NOTE [fork] in `build.py`)."""
         future = self._kernels.get(layout)
         if future is None or not future.done():
             future = self._kernels[layout] = _submit(self._source(layout))
