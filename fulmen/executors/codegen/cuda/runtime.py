@@ -26,6 +26,7 @@ from fulmen.executors.codegen.cuda import rows as cuda_rows
 from fulmen.executors.codegen.cuda.nvrtc import ENTRY, MAX_PARAM_BYTES, NvrtcError
 from fulmen.executors.codegen.cuda.render import BLOCK, Spec, render, vector_width
 from fulmen.executors.codegen.ir import Kernel, RowKernel
+from fulmen.executors.codegen.ops import Unsupported
 from fulmen.executors.codegen.region import (
     Fallback,
     RegionCallable,
@@ -107,7 +108,7 @@ class CudaFusedRegion(RegionCallable):
             return self._run(inputs)
         except Fallback:
             return self._run_fallback(inputs)
-        except NvrtcError as error:
+        except (NvrtcError, Unsupported) as error:  # Unsupported: never, by fusibility
             self.failed = True
             message = f"fulmen codegen: CUDA fusions run on the torch executor: {error}"
             if message not in _warned:
