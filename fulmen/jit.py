@@ -35,7 +35,12 @@ from fulmen.tracer.guards import describe_call, explain_change
 from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
 from fulmen.tracer.objects import ObjectInputs
 from fulmen.tracer.shape_policy import DynamicDims
-from fulmen.tracer.tracer import _positional_names, check_no_input_aliasing, state_slots
+from fulmen.tracer.tracer import (
+    _path_name,
+    _positional_names,
+    check_no_input_aliasing,
+    state_slots,
+)
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -229,7 +234,7 @@ class _Jitted:
         """Compile a call that missed the cache: with symbolic sizes in the dimensions the
         policy makes dynamic (`DynamicDims`), else for its exact shapes. A symbolic trace that
         fails anywhere is logged and replaced by a static one (never an error of its own)."""
-        dims = self._shapes.dims_for(leaves)
+        dims = self._shapes.dims_for(leaves, lambda i: self._leaf_name(args, kwargs, i))
         if dims:
             rng_state = torch.random.get_rng_state()
             try:
@@ -240,6 +245,12 @@ class _Jitted:
                 _RECOMPILES.info("symbolic sizes failed (%s: %s); compiling for these shapes",
                                  type(error).__name__, error)
         return self._compile(args, kwargs)
+
+    def _leaf_name(self, args: tuple, kwargs: dict, position: int) -> str:
+        """The name of the flattened argument at `position` (as the trace's inputs are named)."""
+        target = self._module.forward if self._module is not None else self._fn
+        path = pytree.tree_flatten_with_path((args, kwargs))[0][position][0]
+        return _path_name(path, _positional_names(target))
 
     def _trace(self, args: tuple, kwargs: dict, dynamic=None):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff);
@@ -268,10 +279,10 @@ class _Jitted:
     def _compile(self, args: tuple, kwargs: dict, dynamic=None) -> CacheEntry:
         program = self._trace(args, kwargs, dynamic)
         if program.breaks:
-            if program.symbolic is not None:
-                raise NotYetSupportedError("graph breaks in a trace with symbolic sizes",
-                                           op="dynamic shapes")
-            return self._compile_tree(program, args, kwargs)
+            entry = self._compile_tree(program, args, kwargs)
+            for name, value in self._shapes.entry_fields(program).items():
+                setattr(entry, name, value)
+            return entry
         grad_specs = wrt = None
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
@@ -403,9 +414,10 @@ class _Jitted:
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
                 with _TRACING:
-                    program = self._trace(args, kwargs)
+                    program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
+                    self._shapes.graft(entry, program)
                     # a new path that read offsets: later calls are keyed by them (this entry,
                     # keyed without, is then never hit again)
                     self._guard.guard_offsets(program.offset_reads)

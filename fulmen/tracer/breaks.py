@@ -74,6 +74,20 @@ def no_autocast() -> Iterator[None]:
         yield
 
 
+def concrete_sizes(value: Any) -> Any:
+    """`value` with each symbolic size (`fulmen.tracer.symbolic`) replaced by its value in the
+    call being traced (the ShapeEnv's hint, read without recording a guard)."""
+    if isinstance(value, torch.SymInt):
+        return value.node.hint  # the value in the traced call (no guard recorded)
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(concrete_sizes(item) for item in value)
+    if isinstance(value, dict):
+        return {key: concrete_sizes(item) for key, item in value.items()}
+    if isinstance(value, slice):
+        return slice(*concrete_sizes((value.start, value.stop, value.step)))
+    return value
+
+
 class BreakRecorder:
     """Real values of a trace being recorded, and the graph breaks taken (see module docstring).
 
@@ -111,7 +125,8 @@ class BreakRecorder:
             for bsym in bsyms[self.done:]:
                 if GRAPH_BREAK_TAG in bsym.sym.tags:
                     continue
-                args, kwargs = map_proxies(lambda p: self.env[p.name], (bsym.args, bsym.kwargs))
+                args, kwargs = concrete_sizes(
+                    map_proxies(lambda p: self.env[p.name], (bsym.args, bsym.kwargs)))
                 try:
                     value = bsym.sym.impl(*args, **kwargs)
                 except Exception as error:
@@ -124,9 +139,9 @@ class BreakRecorder:
         self.done = len(bsyms)
 
     def real(self, tree: Any) -> Any:
-        """`tree` with every proxy replaced by its real value."""
+        """`tree` with every proxy replaced by its real value (and symbolic sizes by theirs)."""
         self._catch_up()
-        return map_proxies(lambda p: self.env[p.name], tree)
+        return concrete_sizes(map_proxies(lambda p: self.env[p.name], tree))
 
     def _record_guard(self, fn, expected: Any, args: tuple, kwargs: dict) -> None:
         source = user_source_location()

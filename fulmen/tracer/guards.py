@@ -204,7 +204,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             described[f"{name}.dtype"] = leaf.dtype
             described[f"{name}.device"] = leaf.device
             described[f"{name}.requires_grad"] = leaf.requires_grad
-            described[f"{name}.stride()"] = leaf.stride()
+            described[f"{name}.stride()"] = "contiguous" if leaf.is_contiguous() else leaf.stride()
         else:
             described[name] = leaf
     return described

@@ -74,8 +74,9 @@ class DynamicDims:
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
 
-    def dims_for(self, leaves: list) -> dict[int, tuple[int, ...]]:
-        """The dimensions of the call's tensor arguments to trace with symbolic sizes."""
+    def dims_for(self, leaves: list, label=str) -> dict[int, tuple[int, ...]]:
+        """The dimensions of the call's tensor arguments to trace with symbolic sizes;
+        `label(position)` names an argument in the `recompiles` log."""
         shapes = [(i, tuple(leaf.shape)) for i, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor)]
         if self.dynamic is None and not self.broken and self.last is not None \
@@ -83,8 +84,8 @@ class DynamicDims:
             for (i, new), (_, old) in zip(shapes, self.last):
                 changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
                 if changed - self.varying.get(i, set()):
-                    _RECOMPILES.info("argument %d: dims %s vary; tracing them symbolically", i,
-                                     sorted(changed))
+                    _RECOMPILES.info("%s: size %s varies; tracing it symbolically", label(i),
+                                     ", ".join(f"{d} ({old[d]} -> {new[d]})" for d in sorted(changed)))
                     self.varying.setdefault(i, set()).update(changed)
         self.last = shapes
         dims: dict[int, set[int]] = {}
@@ -120,6 +121,20 @@ class DynamicDims:
         if not dims:
             return {}
         return {"shape_guard": symbolic.guard(), "symbolic_dims": tuple(sorted(dims.items()))}
+
+    def graft(self, entry, program) -> None:
+        """A new path of `entry`'s trace tree was traced with symbolic sizes (in a ShapeEnv of
+        its own): the entry is valid only where the guards of every path hold."""
+        if entry.shape_guard is None:
+            return
+        fields = self.entry_fields(program)
+        other = fields.get("shape_guard")
+        if other is None or fields["symbolic_dims"] != entry.symbolic_dims:
+            # the new path specialised the sizes the entry leaves out of its key
+            exact = program.symbolic.guard() if program.symbolic is not None else None
+            other = exact or (lambda leaves: False)
+        first = entry.shape_guard
+        entry.shape_guard = lambda leaves: first(leaves) and other(leaves)
 
     def add(self, entry, guard, args: tuple, kwargs: dict, state) -> None:
         """Store a symbolic entry under its key (sizes in its symbolic dims left out)."""

@@ -142,3 +142,37 @@ def test_no_wrong_cache_hit_over_random_shapes(program, dynamic, calls):
                 jfn(x, y)
             continue
         torch.testing.assert_close(jfn(x, y), want, equal_nan=True)
+
+
+def test_graph_breaks_with_symbolic_sizes():
+    def fn(x, mask):
+        h = x.reshape(x.shape[0], -1, 2).sum(-1)
+        if (mask[:, -1] == 0).all():  # a graph break, as in transformers' masking utilities
+            h = h * 2
+        keep = h[mask.bool()]  # a data-dependent shape
+        return h.softmax(-1), keep.sum()
+
+    jfn = fulmen.jit(fn)
+    for batch, seq, last in ((2, 8, 1), (2, 5, 1), (3, 11, 0), (2, 7, 1), (3, 6, 0)):
+        x = torch.randn(batch, seq * 2)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[:, -1] = last
+        for got, want in zip(jfn(x, mask), fn(x, mask)):
+            torch.testing.assert_close(got, want)
+    assert fulmen.cache_misses(jfn) <= 3
+
+
+def test_hf_llama_forward_over_sequence_lengths():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64,
+                                      vocab_size=96, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    jmodel = fulmen.jit(model)
+    with torch.no_grad():
+        for seq in (8, 5, 11, 6):
+            ids = torch.randint(0, 96, (2, seq))
+            torch.testing.assert_close(jmodel(ids, use_cache=False).logits,
+                                       model(ids, use_cache=False).logits)
+    assert fulmen.cache_misses(jmodel) == 2
