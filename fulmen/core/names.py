@@ -5,11 +5,12 @@ its serial number, so the tracer can tell proxies created by an op from those th
 before it ran.
 
 A name a printed trace could not use as a local variable is never handed out: Python keywords,
-the globals printed traces call (`torch`, `prims`, an executor's name such as `codegen`: every
-`Namespace` alias registers itself here), the builtins the printer writes (`float`, `slice`,
-`complex`), and the names of printed constants (`_c0`) and temporaries (`t0`). Names are
-NFKC-normalised first, as Python normalises identifiers, so `ﬁ` and `fi` (or `𝐱` and `x`) are one
-identifier and the second gets a suffix.
+the globals printed traces call (`torch`, `math`, `prims`, an executor's name such as `codegen`:
+every `Namespace` alias registers itself here), the builtins they call (`PRINTED_BUILTINS`:
+`float`, `slice`, `max`, ...), and the names of printed constants (`_c0`), temporaries (`t0`)
+and symbols of symbolic sizes (`s0`, bound as `s0 = x.shape[0]`). Names are NFKC-normalised
+first, as Python normalises identifiers, so `ﬁ` and `fi` (or `𝐱` and `x`) are one identifier
+and the second gets a suffix.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import keyword
 import re
 import unicodedata
 
-_GENERATED = re.compile(r"t\d+|_c\d+")  # temporaries and the printer's constants
-_GLOBALS: set[str] = {"torch", "float", "complex", "slice"}  # plus every Namespace alias
+# temporaries, the printer's constants, symbolic sizes' symbols (`s0 = x.shape[0]`)
+_GENERATED = re.compile(r"t\d+|_c\d+|[su]\d+")
+# builtins printed traces call: the printer's literals (`float('inf')`, `slice(1, None, None)`)
+# and symbolic sizes as torch's PythonPrinter writes them (`max(1, s0)`, `round(...)`)
+PRINTED_BUILTINS = frozenset({"float", "complex", "slice", "int", "abs", "min", "max", "round",
+                              "pow"})
+_GLOBALS: set[str] = {"torch", "math", *PRINTED_BUILTINS}  # and every Namespace alias
 
 
 def reserve_global(name: str) -> None:

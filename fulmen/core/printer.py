@@ -24,8 +24,9 @@ be named anything).
 The printed source is compiled, so no user text reaches it unescaped: comments (source lines,
 file names, graph-break questions, statements of decompositions, types) go through
 `printable`, strings through `repr`. Local names (inputs and outputs) must not shadow the
-globals the body uses (`torch`, `prims`, `codegen`, `_c0`, `float`): the tracer never hands
-such names out (`fulmen.core.names`), and `print_trace` raises if a trace has one anyway.
+globals the body uses (`torch`, `prims`, `codegen`, `_c0`, `float`) or the symbols of symbolic
+sizes it binds (`s0`): the tracer never hands such names out (`fulmen.core.names`), and
+`print_trace` raises if a trace has one anyway.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from typing import Any
 import torch
 
 from fulmen.core.errors import FulmenError
+from fulmen.core.names import PRINTED_BUILTINS
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import printable
 from fulmen.core.symbol import BoundSymbol, Symbol
 
 INDENT = "  "
-_PRINTED_BUILTINS = ("float", "complex", "slice")  # builtins `_Printer.value` writes
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 GRAPH_BREAK_TAG = "graph_break"  # tag of the guard statement a graph break records
 
@@ -209,8 +210,9 @@ def _is_dotted_name(text: str) -> bool:
 
 def _check_locals(trace, printer: _Printer) -> None:
     """Raise if an input or output name of `trace` is not an identifier or shadows a global
-    its body uses (the tracer's names never do: `fulmen.core.names`)."""
-    shadowed = set(printer.namespace) | set(_PRINTED_BUILTINS)
+    its body uses or a symbol of a symbolic size it binds (the tracer's names never do:
+    `fulmen.core.names`)."""
+    shadowed = {*printer.namespace, *PRINTED_BUILTINS, *map(str, printer.symbols)}
     names = [proxy.name for proxy in trace.args]
     names += [proxy.name for bsym in trace.bsyms for proxy in iter_proxies(bsym.output)]
     for name in names:

@@ -82,8 +82,8 @@ def test_names_equal_after_nfkc_normalisation():
 
 def test_names_that_normalise_to_keywords():
     # `𝐢𝐟` is the parameter `if` (a keyword, so the signature cannot be read), `𝐍𝐨𝐧𝐞` is `None`
-    fn = _compiled("def f(\U0001d422\U0001d41f, \U0001d40d\U0001d428\U0001d427\U0001d41e):\n"
-                   "    return \U0001d422\U0001d41f * 2 - \U0001d40d\U0001d428\U0001d427\U0001d41e\n")
+    if_, none = "\U0001d422\U0001d41f", "\U0001d40d\U0001d428\U0001d427\U0001d41e"
+    fn = _compiled(f"def f({if_}, {none}):\n    return {if_} * 2 - {none}\n")
     a, b = torch.randn(3), torch.randn(3)
     jfn = fulmen.jit(fn)
     torch.testing.assert_close(jfn(a, b), fn(a, b))
@@ -94,6 +94,24 @@ def test_names_that_normalise_to_keywords():
     _assert_traces_run(jhn, (a, b), hn(**kwargs))
 
 
+def test_argument_named_like_a_symbolic_size():
+    # a trace with symbolic sizes binds their symbols first thing: `s77 = x.shape[0]`
+    import re
+
+    source = "def f(x, {name}, {other}):\n    return x * x.shape[0] + {name}.sum() + {other}.sum()\n"
+    probe = fulmen.jit(_compiled(source.format(name="y", other="z")), dynamic=True)
+    args = (torch.randn(5, 3), torch.randn(2), torch.randn(2))
+    probe(*args)
+    symbol = re.search(r"(s\d+) = x\.shape\[0\]", str(fulmen.last_traces(probe)[0])).group(1)
+    fn = _compiled(source.format(name=symbol, other="math"))  # math: symbolic sizes use it
+    jfn = fulmen.jit(fn, dynamic=True)
+    for n in (5, 7):
+        args = (torch.randn(n, 3), torch.randn(2), torch.randn(2))
+        torch.testing.assert_close(jfn(*args), fn(*args))
+    assert f"{symbol} = x.shape[0]" in str(fulmen.last_traces(jfn)[0])
+    assert fulmen.cache_misses(jfn) == 1
+
+
 class _Colliding(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -102,7 +120,7 @@ class _Colliding(torch.nn.Module):
         self.register_buffer("fi", torch.randn(4))
 
     def forward(self, codegen, slice, functionalized):
-        out = self.torchex(codegen) + getattr(self, "\ufb01") - self.fi
+        out = self.torchex(codegen) + getattr(self, "\ufb01") - self.fi  # noqa: B009 (NFKC)
         functionalized = functionalized.clone()
         functionalized[0] = 2.0
         return torch.cumsum(out * slice[1:].sum(), 1) + functionalized
@@ -170,6 +188,33 @@ def test_source_line_with_line_separators(separator, no_injection):
     assert f"return x * 2 + 1  #{separator.encode('unicode_escape').decode()}  import" in printed
 
 
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_autograd_function_named_with_code(no_injection):
+    # the op's name is the class's __name__, which can be any string
+    odd = type(f"Double\n{_INJECTED}\n  x = ", (_Double,), {})
+
+    def fn(x):
+        return odd.apply(x) + 1
+
+    x = torch.randn(3, requires_grad=True)
+    jfn = fulmen.jit(fn)
+    out = jfn(x)
+    torch.testing.assert_close(out, fn(x))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    with torch.no_grad():
+        torch.testing.assert_close(fulmen.jit(fn)(x), fn(x))
+
+
 # -- aliasing of inputs ---------------------------------------------------------------------
 
 def _add_one_read_other(a, b):
@@ -227,6 +272,22 @@ def test_overlapping_views_are_refused_before_running(views):
                        r".*may share memory, and input 0 is modified in place"):
         fulmen.jit(_add_one_read_other)(buf[views[0]], buf[views[1]])
     torch.testing.assert_close(buf, torch.arange(8.0))
+
+
+def test_overlapping_memory_of_distinct_storages_is_refused():
+    # tensors over one numpy array have storages of their own: their memory is what counts
+    import numpy as np
+
+    array = np.arange(8.0, dtype=np.float32)
+    a, b = torch.from_numpy(array[:6]), torch.from_numpy(array[4:])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    with pytest.raises(fulmen.NotYetSupportedError, match="may share memory"):
+        fulmen.jit(_add_one_read_other)(a, b)
+    np.testing.assert_array_equal(array, np.arange(8.0, dtype=np.float32))
+    first, second = torch.from_numpy(array[:4]), torch.from_numpy(array[4:])
+    _assert_same_as_eager(_update_both, lambda: (torch.arange(4.0), torch.arange(4.0, 8.0)))
+    fulmen.jit(_update_both)(first, second)
+    np.testing.assert_array_equal(array, [1, 2, 3, 4, 8, 10, 12, 14])
 
 
 # -- in-place updates of tensors whose elements share memory --------------------------------
