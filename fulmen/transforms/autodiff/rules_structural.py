@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from fulmen.ops import prims
+from fulmen.ops.opaque import opaque_symbol
 from fulmen.transforms.autodiff.registry import vjp_rule
 from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents, autograd_rule
 
@@ -19,6 +22,13 @@ def _broadcast_in_dim_vjp(grad, out, a, shape, broadcast_dims):
     reduced += [d for size, d in zip(a.shape, broadcast_dims) if size == 1 and shape[d] != 1]
     summed = prims.sum(grad, tuple(sorted(reduced))) if reduced else grad
     return prims.reshape(summed, tuple(a.shape)), None, None
+
+
+@vjp_rule(opaque_symbol(torch.Tensor.contiguous))
+def _contiguous_vjp(grad, out, a, *memory_format):
+    """A copy into a new layout passes its cotangent on unchanged (the forward runs
+    `Tensor.contiguous` itself, not under torch.autograd with a kept graph)."""
+    return (grad, *(None for _ in memory_format))
 
 
 @vjp_rule(prims.reshape)
