@@ -32,7 +32,9 @@ def test_sdpa_backward_is_one_statement_with_eager_grads(index):
                     torch.autograd.grad(expected, (q, k, v), cotangent)):
         torch.testing.assert_close(a, e)
     backward = str(fulmen.last_backward_traces(jfn)[-1])
-    assert backward.count("autograd_vjp(ltorch.scaled_dot_product_attention") == 1
+    # eager's flash backward from the kept log-sum-exp (or eager's op under torch.autograd)
+    assert (backward.count("flash_attention_for_cpu_backward_default(")
+            + backward.count("autograd_vjp(ltorch.scaled_dot_product_attention")) == 1
     assert "[2, 3, 5, 7]" not in backward  # no (L, S) scores or weights in the backward
 
 
@@ -76,5 +78,7 @@ def test_sdpa_forward_runs_whole_next_to_fused_ops():
         jfn = fulmen.jit(fn)
         torch.testing.assert_close(jfn(q, k, v), fn(q, k, v))
         forward = str(fulmen.last_traces(jfn)[-1])
-        assert "torch.nn.functional.scaled_dot_product_attention(" in forward
-        assert "-float('inf')" not in forward and "[2, 3, 5, 5]" not in forward
+        # eager's op, or with grad the flash op eager's op runs (which keeps its log-sum-exp)
+        assert ("torch.nn.functional.scaled_dot_product_attention(" in forward
+                or "flash_attention_for_cpu_default(" in forward)
+        assert "[2, 3, 5, 5]" not in forward

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from fulmen.core import Symbol
 
 _RULES: dict[Symbol, Callable] = {}
+_SAVING_FORWARDS: dict[Symbol, Callable] = {}
 
 
 def vjp_rule(sym: Symbol) -> Callable[[Callable], Callable]:
@@ -42,6 +43,34 @@ def rule_for(sym: Symbol) -> Callable | None:
 
 def has_rule(sym: Symbol) -> bool:
     return sym in _RULES
+
+
+def saving_forward(sym: Symbol) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the saving forward of `sym` (NOTE [saving forwards]).
+
+    NOTE [saving forwards]: a VJP rule sees only the op's inputs and output, so an op whose
+    fused backward needs statistics of its forward (attention's log-sum-exp) would have to
+    recompute the forward. A saving forward is called by the split, inside a recording context,
+    as `saving(bsym, requires)` (`requires`: names of values that require grad); it records
+    statements computing the op's output and the statistics, and returns
+    `(new_output, backward)`: the value standing for the op's output in what it recorded
+    (renamed to the op's own output by the split), and `backward(grad, output)`, called while
+    the backward is recorded with a value equal to the op's output (NOTE [values kept under
+    another layout] in `split.py`), returning one cotangent per argument like a rule. It
+    returns None to decline the call site (the op then runs whole and its rule applies).
+    """
+
+    def register(fn: Callable) -> Callable:
+        if sym in _SAVING_FORWARDS:
+            raise ValueError(f"{sym.id} already has a saving forward")
+        _SAVING_FORWARDS[sym] = fn
+        return fn
+
+    return register
+
+
+def saving_forward_for(sym: Symbol) -> Callable | None:
+    return _SAVING_FORWARDS.get(sym)
 
 
 def bound_arguments(sym: Symbol, args: tuple, kwargs: dict) -> list:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, Trace, tracing
-from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies
+from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, tracing
+from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.dispatch import TracerCtx
-from fulmen.transforms.autodiff.registry import bound_arguments, rule_for
+from fulmen.transforms.autodiff.registry import bound_arguments, rule_for, saving_forward_for
 from fulmen.transforms.autodiff.rules import (
     accumulate,
     autograd_forward,
@@ -97,6 +97,9 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     decomposition draws random numbers (dropout) is replaced by its decomposition in the
     forward, so the backward reuses the very mask the forward drew. An opaque op runs under
     torch.autograd in the forward and keeps its graph for the backward (no recomputation).
+    An op with a saving forward (attention) is replaced by the statements it records, which
+    also keep what its fused backward needs (NOTE [saving forwards] in `registry.py`).
+    `graphs` maps the id of a statement to its kept `(graph, wrt)` or its saving backward.
     """
     if not bsym.input_names & requires or not _is_differentiable(bsym):
         out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax)
@@ -109,7 +112,11 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
     produced = {p.name for p in bsym.proxy_outputs if _differentiable_dtype(p)}
-    if _by_autograd(bsym):
+    saved = _saving_forward(bsym, requires, names)
+    if saved is not None:
+        statements, graphs[id(bsym)] = saved
+        out.extend(statements)
+    elif _by_autograd(bsym):
         graph = ObjectProxy(names.new("g"), "autograd graph")
         wrt = bsym.input_names & requires
         graphs[id(bsym)] = (graph, wrt)
@@ -121,6 +128,90 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     requires.update(produced)
 
 
+def _saving_forward(bsym: BoundSymbol, requires: set[str], names):
+    """`(statements, backward)` from the saving forward of `bsym`'s symbol (NOTE [saving
+    forwards] in `registry.py`), or None when it has none or declines this call site."""
+    saving = saving_forward_for(bsym.sym)
+    if saving is None:
+        return None
+    scratch = TraceCtx("forward")
+    scratch.names = names
+    with tracing(scratch):
+        result = saving(bsym, requires)
+    if result is None:
+        return None
+    new_output, backward = result
+    renamed = dict(zip_proxies(new_output, bsym.output))
+    rename = lambda p: renamed.get(p.name, p)  # noqa: E731
+    statements = [b.replace(args=map_proxies(rename, b.args), kwargs=map_proxies(rename, b.kwargs),
+                            output=map_proxies(rename, b.output), source=bsym.source)
+                  for b in scratch.bsyms]
+    return statements, backward
+
+
+# torch-level ops whose output holds their input's elements in the same (row-major) order
+_SAME_ORDER = frozenset({"reshape", "view", "flatten", "contiguous", "Tensor_contiguous"})
+
+
+def _relayout(bsym: BoundSymbol, proxy: Proxy) -> bool:
+    """Whether `bsym` only rearranges `proxy` (its first argument) into its single output
+    (same dtype and element count: not a `view(dtype)`)."""
+    name = bsym.sym.name.rstrip("_")
+    if not bsym.args or bsym.args[0] is not proxy or len(bsym.proxy_outputs) != 1:
+        return False
+    out = bsym.proxy_outputs[0]
+    return (isinstance(out, TensorProxy) and out.dtype == proxy.dtype
+            and out.numel() == proxy.numel()
+            and (name in _SAME_ORDER or name in ("transpose", "permute")))
+
+
+def _undo(bsym: BoundSymbol, value: TensorProxy) -> TensorProxy:
+    """A tensor with the values of `bsym`'s input, from one with the values of its output."""
+    source = bsym.args[0]
+    name = bsym.sym.name.rstrip("_")
+    if name in ("transpose", "permute"):
+        arguments = bound_arguments(bsym.sym, bsym.args, bsym.kwargs)[1:]
+        dims = [d for a in arguments for d in (a if isinstance(a, (tuple, list)) else (a,))
+                if isinstance(d, int)]
+        order = list(range(source.ndim))
+        if name == "transpose":
+            first, second = (d % max(source.ndim, 1) for d in dims[:2])
+            order[first], order[second] = order[second], order[first]
+        else:
+            for position, dim in enumerate(d % max(source.ndim, 1) for d in dims):
+                order[dim] = position
+        if order != list(range(source.ndim)):
+            value = prims.permute(value, tuple(order))
+    if tuple(value.shape) != tuple(source.shape):
+        value = prims.reshape(value, tuple(source.shape))
+    return value
+
+
+def _same_values(proxy: Proxy, readers: dict[str, list[BoundSymbol]]):
+    """NOTE [values kept under another layout]: a forward value the backward reads is saved
+    unless the backward can get it back. When the forward only rearranges it (attention's
+    output, transposed, made contiguous and reshaped for the output projection, whose
+    backward saves that copy anyway), the same values are read back from the end of that chain
+    through views, so keeping them costs no bytes. Returns `proxy` when there is no chain."""
+    chain = []
+    current = proxy
+    while isinstance(current, TensorProxy):
+        step = next((b for b in readers.get(current.name, ()) if _relayout(b, current)), None)
+        if step is None:
+            break
+        chain.append(step)
+        current = step.output
+    value = current
+    for step in reversed(chain):
+        value = _undo(step, value)
+    return value
+
+
+def zip_proxies(new, old) -> list[tuple[str, Proxy]]:
+    """`(new proxy's name, old proxy)` pairs of two values with the same structure."""
+    return [(n.name, o) for n, o in zip(iter_proxies(new), iter_proxies(old))]
+
+
 def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
     """`bsym`'s decomposition, flattened down to statements that have VJP rules."""
     if _has_rule(bsym) or not bsym.subsymbols:
@@ -130,8 +221,13 @@ def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
 
 
 def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx,
-                 graphs: dict[int, tuple]) -> None:
+                 graphs: dict[int, tuple], readers: dict[str, list[BoundSymbol]]) -> None:
     """Record the backward of one forward statement (see NOTE [whole ops in forward])."""
+    if callable(graphs.get(id(bsym))):  # a saving forward's backward
+        output = _same_values(bsym.output, readers)
+        results = graphs[id(bsym)](_output_cotangents(bsym, grads), output)
+        _accumulate_results(bsym, results, bound_arguments(bsym.sym, bsym.args, bsym.kwargs), grads)
+        return
     if id(bsym) in graphs:
         graph, wrt = graphs[id(bsym)]
         results = graph_vjp(bsym, graph, wrt, _output_cotangents(bsym, grads))
@@ -214,6 +310,10 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
         _augment(bsym, requires, forward_bsyms, differentiable, graphs, ctx.names)
 
     output_leaves, output_spec = pytree.tree_flatten(trace.output)
+    readers: dict[str, list[BoundSymbol]] = {}
+    for bsym in forward_bsyms:
+        for name in bsym.input_names:
+            readers.setdefault(name, []).append(bsym)
 
     cotangents: list[TensorProxy] = []
     grads: dict[str, TensorProxy] = {}
@@ -233,7 +333,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
             if all(g is None for g in pytree.tree_leaves(cotangent)) or cotangent is None:
                 continue
             first_new = len(ctx.bsyms)
-            _backward_of(bsym, grads, ctx, graphs)
+            _backward_of(bsym, grads, ctx, graphs, readers)
             for index in range(first_new, len(ctx.bsyms)):  # point backward lines at the source
                 ctx.bsyms[index] = ctx.bsyms[index].replace(source=bsym.source)
         input_grads = tuple(

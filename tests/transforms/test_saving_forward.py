@@ -1,0 +1,81 @@
+"""Saving forwards (NOTE [saving forwards] in autodiff/registry.py): attention keeps the flash
+kernel's log-sum-exp for eager's fused backward instead of recomputing the forward, with eager's
+values and gradients, and no more bytes saved than its inputs, the log-sum-exp and
+the output's layout twin."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+
+MASK = torch.rand(2, 1, 6, 6) > 0.3
+MASK[0, 0, 2] = False  # a fully masked query row
+
+
+def _grads(fn, inputs, cotangent=None):
+    out = fn(*inputs)
+    cotangent = torch.randn_like(out) if cotangent is None else cotangent
+    return out, cotangent, torch.autograd.grad(out, [t for t in inputs if t.requires_grad],
+                                               cotangent)
+
+
+@pytest.mark.usefixtures("codegen_eager")  # fused kernels run from the first call
+@pytest.mark.parametrize("mask", [None, "causal", MASK, MASK.float().log()],
+                         ids=["none", "causal", "bool", "float"])
+def test_attention_keeps_logsumexp_and_matches_eager_exactly(mask):
+    kwargs = {"is_causal": True} if isinstance(mask, str) else {"attn_mask": mask}
+    q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+
+    def fn(q, k, v):
+        out = F.scaled_dot_product_attention(q, k * 1.5, v, scale=0.3, **kwargs)
+        return out.transpose(1, 2).contiguous().reshape(2, 6, 32) * 2.0
+
+    jfn = fulmen.jit(fn)
+    expected, cotangent, expected_grads = _grads(fn, (q, k, v))
+    actual, _, actual_grads = _grads(jfn, (q, k, v), cotangent)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)  # eager's kernel
+    for a, e in zip(actual_grads, expected_grads):  # (the scaling is a fused kernel)
+        torch.testing.assert_close(a, e)
+    forward = str(fulmen.last_traces(jfn)[-1])
+    backward = str(fulmen.last_backward_traces(jfn)[-1])
+    assert forward.count("scaled_dot_product_flash_attention_for_cpu_default(") == 1
+    assert backward.count("scaled_dot_product_flash_attention_for_cpu_backward_default(") == 1
+    assert "autograd" not in backward  # no recomputed forward, no kept graph
+
+
+def test_attention_output_is_read_back_from_its_contiguous_copy():
+    """NOTE [values kept under another layout]: the backward reads attention's output through
+    views of the transposed copy the forward made, so the output itself is not saved."""
+    q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def fn(q, k, v, w):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).contiguous().reshape(2, 6, 32) @ w
+
+    jfn = fulmen.jit(fn)
+    expected, cotangent, expected_grads = _grads(fn, (q, k, v, w))
+    actual, _, actual_grads = _grads(jfn, (q, k, v, w), cotangent)
+    for a, e in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    residuals = fulmen.last_traces(jfn)[-1].output[1]
+    shapes = [tuple(r.shape) for r in residuals]
+    assert shapes.count((2, 4, 6, 8)) == 3  # q, k, v only; the output comes back from the copy
+    assert (2, 4, 6) in shapes  # the log-sum-exp
+
+
+def test_mask_requiring_grad_declines_and_matches_eager():
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 2, 4, 4, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias * 1.5)
+
+    jfn = fulmen.jit(fn)
+    expected, cotangent, expected_grads = _grads(fn, (q, k, v, bias))
+    actual, _, actual_grads = _grads(jfn, (q, k, v, bias), cotangent)
+    for a, e in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(a, e)
+    assert "flash_attention_for_cpu" not in str(fulmen.last_traces(jfn)[-1])
+
