@@ -42,6 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import Trace
+from fulmen.core.trace import bind_callables
 from fulmen.core.symbol import BoundSymbol
 from fulmen.executors.codegen import wait_for_kernels
 from fulmen.jit import _jitted
@@ -229,7 +230,8 @@ class _Instrumented:
         func.body = new_body + returns
         module.body = [func]
         ast.fix_missing_locations(module)
-        code = compile(module, fn.__code__.co_filename, "exec")
+        # the callables bound as in the plain run (NOTE [bound callables] in core/trace.py)
+        code = compile(bind_callables(module, fn.__globals__), fn.__code__.co_filename, "exec")
         self.timed_code = next(const for const in code.co_consts
                                if isinstance(const, types.CodeType) and const.co_name == func.name)
 

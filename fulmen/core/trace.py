@@ -10,6 +10,7 @@ bound symbols that symbol calls produce.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import itertools
@@ -77,14 +78,15 @@ class Trace:
         """Compile the printed trace and return its function.
 
         The source is registered with `linecache` under a unique file name, so tracebacks and
-        debuggers show the trace's lines.
+        debuggers show the trace's lines. The code compiled is the source with its callables
+        bound once (`bind_callables`), on the same lines.
         """
         from fulmen.core.printer import print_trace
 
         source, namespace = print_trace(self)
         filename = f"<fulmen {self.name} #{next(_callable_ids)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        code = compile(source, filename, "exec")
+        code = compile(bind_callables(ast.parse(source, filename), namespace), filename, "exec")
         exec(code, namespace)
         fn = namespace[self.name]
         fn.__fulmen_trace__ = self
@@ -97,6 +99,59 @@ class Trace:
         from fulmen.core.printer import highlight_html
 
         return highlight_html(self.source())
+
+
+_BOUND_PREFIX = "_fulmen_bound"
+
+
+def _resolve(node: ast.expr, namespace: dict) -> Any:
+    """The object a dotted name (`torch.nn.functional.linear`, `codegen.fusion3`) stands for
+    in `namespace`, or None."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, namespace)
+        return None if base is None else getattr(base, node.attr, None)
+    return None
+
+
+def _bindable(value: Any) -> Callable | None:
+    """What a statement calling `value` may call directly: an executor operator's
+    implementation (what `Symbol.__call__` runs outside tracing), or a plain callable such as a
+    torch function. Symbols without an executor (prims, torch-level ops: traces before the
+    executors claim them) keep their call, which records them when a trace is being traced."""
+    if isinstance(value, Symbol):
+        return value.impl if value.executor is not None else None
+    return value if callable(value) and not isinstance(value, type) else None
+
+
+def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
+    """NOTE [bound callables]: a printed trace calls `torchex.full(...)`,
+    `torch.nn.functional.linear(...)`, `codegen.fusion3(...)`: every call would look the dotted
+    name up again and go through `Symbol.__call__` (a context-variable read and a second call).
+    This rewrites the top-level statement calls of the trace function in `module` (in place)
+    to names bound once in `namespace` to what they resolve to, keeping every line where it
+    was, so tracebacks, `linecache` and the printed trace still agree. Arguments (a symbol
+    passed to `autograd_vjp`) are left alone. Returns `module`."""
+    bound: dict[int, str] = {id(v): k for k, v in namespace.items()
+                             if k.startswith(_BOUND_PREFIX)}
+    for function in module.body:
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for statement in function.body:
+            call = getattr(statement, "value", None)
+            if not isinstance(call, ast.Call) or isinstance(call.func, ast.Name) \
+                    and call.func.id.startswith(_BOUND_PREFIX):
+                continue
+            target = _bindable(_resolve(call.func, namespace))
+            if target is None:
+                continue
+            name = bound.get(id(target))
+            if name is None:
+                name = bound[id(target)] = f"{_BOUND_PREFIX}{len(bound)}"
+                namespace[name] = target
+            call.func = ast.copy_location(ast.Name(name, ast.Load()), call.func)
+    return module
 
 
 class TraceCtx:
