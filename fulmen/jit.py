@@ -121,6 +121,7 @@ class _Jitted:
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
         self._warned: set[str] = set()  # the eager-fallback warnings given
+        self._running_eagerly = False
         self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
         self._module = module
@@ -246,11 +247,14 @@ class _Jitted:
                                  type(error).__name__, error)
         return self._compile(args, kwargs)
 
-    def _leaf_name(self, args: tuple, kwargs: dict, position: int) -> str:
-        """The name of the flattened argument at `position` (as the trace's inputs are named)."""
+    def _leaf_name(self, args: tuple, kwargs: dict, position) -> str:
+        """The name of the flattened argument at `position` (as the trace's inputs are named),
+        or of the tensor at `(position, path)` inside an object argument."""
         target = self._module.forward if self._module is not None else self._fn
+        position, steps = position if isinstance(position, tuple) else (position, ())
         path = pytree.tree_flatten_with_path((args, kwargs))[0][position][0]
-        return _path_name(path, _positional_names(target))
+        return _path_name(path, _positional_names(target)) + "".join(
+            f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in steps)
 
     def _trace(self, args: tuple, kwargs: dict, dynamic=None):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff);
@@ -434,7 +438,11 @@ class _Jitted:
             warnings.warn(warning, stacklevel=5)
         target = self._module if self._module is not None else self._fn
         with _TRACING:
-            return target(*args, **kwargs)
+            self._running_eagerly = True  # `JittedModule.generate` calls the module's own forward
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self._running_eagerly = False
 
 
 @dataclass(frozen=True)
@@ -606,7 +614,7 @@ class JittedModule(torch.nn.Module):
         original = module.forward
 
         def forward(*call_args, **call_kwargs):
-            if get_tracectx() is not None:
+            if get_tracectx() is not None or self._jit._running_eagerly:
                 return original(*call_args, **call_kwargs)
             return self.forward(*call_args, **call_kwargs)
 

@@ -12,6 +12,7 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
-from fulmen.tracer.objects import function_roots, is_plain_object, object_key
+from fulmen.tracer.objects import function_roots, is_plain_object, object_key, walk
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -64,6 +65,17 @@ def _leaf_key(leaf: Any) -> Any:
         except TypeError:
             pass
     return (type(leaf), id(leaf))
+
+
+def _masked_key(t: Tensor, dims: tuple[int, ...]) -> tuple:
+    """The key of a tensor whose sizes in `dims` are symbolic: those sizes left out (the entry's
+    shape guard checks them), contiguity instead of strides."""
+    shape = list(t.shape)
+    if any(d >= len(shape) for d in dims):
+        return ("symbolic", "rank", len(shape))
+    for dim in dims:
+        shape[dim] = None
+    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
 
 
 def _object_leaf_key(leaf: Any) -> Any:
@@ -172,15 +184,20 @@ class CacheKeyBuilder:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
                      for i, leaf in enumerate(leaves)]
+        masks: dict[int, dict] = {}  # object arguments: tensor path -> its masked key
         for position, dims in (symbolic or {}).items():
+            if isinstance(position, tuple):  # (object argument, path) of a tensor inside it
+                root, path = position
+                if root >= len(leaves) or not is_plain_object(leaves[root]):
+                    return (), leaves
+                masks.setdefault(root, {})[path] = functools.partial(_masked_key, dims=dims)
+                continue
             leaf = leaves[position] if position < len(leaves) else None
-            if not isinstance(leaf, Tensor) or any(d >= leaf.dim() for d in dims):
+            if not isinstance(leaf, Tensor):
                 return (), leaves  # a structure no symbolic entry was made for
-            shape = list(leaf.shape)
-            for dim in dims:
-                shape[dim] = None
-            leaf_keys[position] = ("symbolic", tuple(shape), leaf.dtype, leaf.device,
-                                   leaf.requires_grad, leaf.is_contiguous())
+            leaf_keys[position] = _masked_key(leaf, dims)
+        for root, paths in masks.items():
+            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves
 
 
@@ -199,6 +216,13 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         described[name] = read()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         name = _path_name(path, param_names)
+        if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds
+            for steps, value in walk(leaf):
+                if isinstance(value, Tensor):
+                    where = "".join(f".{key}" if kind == "attr" else f"[{key!r}]"
+                                    for kind, key in steps)
+                    described[f"{name}{where}.shape"] = tuple(value.shape)
+            continue
         if isinstance(leaf, Tensor):
             described[f"{name}.shape"] = tuple(leaf.shape)
             described[f"{name}.dtype"] = leaf.dtype

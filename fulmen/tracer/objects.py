@@ -130,14 +130,16 @@ def _store(owner: Any, step: tuple, value: Any) -> None:
         owner[key] = value
 
 
-def object_key(root: Any, leaf_key) -> tuple:
+def object_key(root: Any, leaf_key, masks: dict | None = None) -> tuple:
     """The cache key of an object argument: each walked path with its value's key (`leaf_key`
-    for tensors and Python values; the type for containers, whose contents are walked)."""
+    for tensors and Python values; the type for containers, whose contents are walked).
+    `masks` maps tensor paths to `masked_key(tensor)` for tensors with symbolic sizes."""
     parts = [type(root)]
     for path, value in walk(root):
         if isinstance(value, torch.Tensor):
             grad = value.grad
-            parts.append((path, leaf_key(value), None if grad is None else leaf_key(grad)))
+            key = masks[path](value) if masks and path in masks else leaf_key(value)
+            parts.append((path, key, None if grad is None else leaf_key(grad)))
         else:
             parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
     return tuple(parts)

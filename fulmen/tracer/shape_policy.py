@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from fulmen.logs import get_logger
-from fulmen.tracer.symbolic import is_symbolic
+from fulmen.tracer.objects import is_plain_object, walk
+from fulmen.tracer.symbolic import is_symbolic, tensor_at
 
 _RECOMPILES = get_logger("recompiles")
 
@@ -59,6 +60,19 @@ def _dim(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
+def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
+    """`(position, shape)` of each tensor of a call: flattened arguments, and the tensors
+    inside object arguments (an HF `DynamicCache`) at `(index, path)` (see `tensor_at`)."""
+    shapes = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            shapes.append((i, tuple(leaf.shape)))
+        elif is_plain_object(leaf):
+            shapes.extend(((i, path), tuple(value.shape)) for path, value in walk(leaf)
+                          if isinstance(value, torch.Tensor))
+    return shapes
+
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -68,17 +82,17 @@ class DynamicDims:
 
     def __init__(self, dynamic: bool | None) -> None:
         self.dynamic = dynamic
-        self.varying: dict[int, set[int]] = {}  # argument position -> dims seen to change
-        self.last: list[tuple[int, tuple[int, ...]]] | None = None
+        # argument position (see `tensor_at`) -> dims seen to change
+        self.varying: dict[Any, set[int]] = {}
+        self.last: list[tuple[Any, tuple[int, ...]]] | None = None
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
 
-    def dims_for(self, leaves: list, label=str) -> dict[int, tuple[int, ...]]:
+    def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
         """The dimensions of the call's tensor arguments to trace with symbolic sizes;
         `label(position)` names an argument in the `recompiles` log."""
-        shapes = [(i, tuple(leaf.shape)) for i, leaf in enumerate(leaves)
-                  if isinstance(leaf, torch.Tensor)]
+        shapes = _tensor_shapes(leaves)
         if self.dynamic is None and not self.broken and self.last is not None \
                 and [(i, len(s)) for i, s in shapes] == [(i, len(s)) for i, s in self.last]:
             for (i, new), (_, old) in zip(shapes, self.last):
@@ -90,7 +104,7 @@ class DynamicDims:
         self.last = shapes
         dims: dict[int, set[int]] = {}
         for i, shape in shapes:
-            leaf = leaves[i]
+            leaf = tensor_at(leaves, i)
             chosen = set(range(len(shape))) if self.dynamic is True else set(
                 d for d in self.varying.get(i, ()) if d < len(shape))
             chosen |= set(getattr(leaf, "_fulmen_dynamic_dims", {}))
@@ -120,7 +134,8 @@ class DynamicDims:
                 dims[position] = found
         if not dims:
             return {}
-        return {"shape_guard": symbolic.guard(), "symbolic_dims": tuple(sorted(dims.items()))}
+        return {"shape_guard": symbolic.guard(),
+                "symbolic_dims": tuple(sorted(dims.items(), key=repr))}
 
     def graft(self, entry, program) -> None:
         """A new path of `entry`'s trace tree was traced with symbolic sizes (in a ShapeEnv of

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.objects import follow
 
 
 def is_symbolic(value) -> bool:
@@ -33,6 +34,15 @@ def is_symbolic(value) -> bool:
 def has_symbolic_shape(tensor: torch.Tensor) -> bool:
     """Whether any size of `tensor` is symbolic."""
     return any(isinstance(size, torch.SymInt) for size in tensor.shape)
+
+
+def tensor_at(leaves: list, position):
+    """The tensor at `position` of a call's flattened arguments: an index, or
+    `(index, path)` for a tensor inside an object argument (`fulmen.tracer.objects`)."""
+    if isinstance(position, int):
+        return leaves[position]
+    root, path = position
+    return follow(leaves[root], path)
 
 
 class SymbolicSizes:
@@ -75,8 +85,9 @@ class SymbolicSizes:
             acc = acc * size if not isinstance(size, int) or size > 1 else acc
         return tuple(shape), tuple(reversed(strides))
 
-    def add_input(self, proxy: TensorProxy, position: int) -> None:
-        """Declare `proxy` (at flattened-argument `position`) an input with symbolic sizes."""
+    def add_input(self, proxy: TensorProxy, position) -> None:
+        """Declare `proxy` (at flattened-argument `position`, see `tensor_at`) an input with
+        symbolic sizes."""
         if has_symbolic_shape(proxy):
             self.proxies.append(proxy)
             self.positions.append(position)
@@ -96,7 +107,7 @@ class SymbolicSizes:
         positions = self.positions
 
         def check(leaves: list) -> bool:
-            scope = {f"t{i}": leaves[p] for i, p in enumerate(positions)}
+            scope = {f"t{i}": tensor_at(leaves, p) for i, p in enumerate(positions)}
             return bool(eval(compiled, SYMPY_INTERP, {"L": scope}))
 
         check.source = code

@@ -361,15 +361,16 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
                   allow_breaks: bool = False,
-                  dynamic: dict[int, tuple[int, ...]] | None = None) -> TracedProgram:
+                  dynamic: dict | None = None) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
 
     `ctx` is a fresh recording context to use (by default one is made); after a failure its
     statements are the part of the program traced so far (`fulmen.examine` reports them).
     With `allow_breaks`, value-dependent Python is answered from the real `args` and recorded
     as graph breaks (`fulmen.tracer.breaks`) instead of raising.
-    `dynamic` maps flattened-argument positions to the dimensions that get symbolic sizes
-    (`fulmen.tracer.symbolic`); the program's `symbolic` then guards them.
+    `dynamic` maps flattened-argument positions (or `(position, path)` of a tensor inside an
+    object argument) to the dimensions that get symbolic sizes (`fulmen.tracer.symbolic`); the
+    program's `symbolic` then guards them.
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
@@ -417,9 +418,15 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 ("self" if root == -1 else f"object{-1 - root}")
             steps = "_".join(str(key) if isinstance(key, (str, int)) else "tensor"
                              for _, key in path)
-            proxy = TensorProxy(ctx.names.named(f"{label}_{steps}"), tensor.shape, tensor.dtype,
-                                tensor.device, requires_grad=tensor.requires_grad,
-                                strides=tensor.stride(), storage_offset=tensor.storage_offset())
+            name = ctx.names.named(f"{label}_{steps}")
+            shape, strides = tensor.shape, tensor.stride()
+            if symbolic is not None and (root, path) in dynamic:
+                shape, strides = symbolic.symbolize(tensor, name, dynamic[(root, path)])
+            proxy = TensorProxy(name, shape, tensor.dtype, tensor.device,
+                                requires_grad=tensor.requires_grad, strides=strides,
+                                storage_offset=tensor.storage_offset())
+            if symbolic is not None:
+                symbolic.add_input(proxy, (root, path))
             ctx.add_input(proxy)
             return proxy
 

@@ -176,3 +176,19 @@ def test_hf_llama_forward_over_sequence_lengths():
             torch.testing.assert_close(jmodel(ids, use_cache=False).logits,
                                        model(ids, use_cache=False).logits)
     assert fulmen.cache_misses(jmodel) == 2
+
+
+def test_generate_with_a_dynamic_cache_decodes_symbolically():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64,
+                                      vocab_size=96, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    jmodel = fulmen.jit(model)
+    ids = torch.randint(0, 96, (1, 6))
+    want = model.generate(ids, max_new_tokens=12, do_sample=False)
+    got = jmodel.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    stats = fulmen.compile_stats(jmodel)
+    assert stats.cache_misses <= 3 and stats.eager_calls == 0  # prefill, decode, symbolic decode
