@@ -6,12 +6,16 @@ Removing a spelling from `ops.OPS` (or a target's override) makes `test_every_op
 declared_unfusible_on_each_target` name the (target, op, dtype) that lost it; a spelling that
 renders to nothing the target knows makes `test_spelled_ops_render` fail."""
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
 from fulmen.executors.codegen import codegen_ex
 from fulmen.executors.codegen.cpu import CPU
 from fulmen.executors.codegen.cpu import render_any as cpu_render
+from fulmen.executors.codegen.cpu.target import PRELUDE as CPU_PRELUDE
 from fulmen.executors.codegen.cuda import CUDA, RowSpec, Spec
 from fulmen.executors.codegen.cuda import render_any as cuda_render
 from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op, Reduce, RowKernel
@@ -160,3 +164,40 @@ def test_pow_by_a_constant_is_one_decomposition_on_both_targets():
                      Op("pow", (0, 1), torch.float64)), (2,))
     for target in TARGETS.values():
         assert "(v0 * v0)" in _render(target, kernel)
+
+
+def _spelled_kernels(target: Target) -> list[Kernel]:
+    return [_op_kernel(name, dtype) for name in ELEMENTWISE for dtype in sorted(OPS[name].dtypes,
+                                                                               key=str)
+            if name != "convert_element_type" and target.spells(name, dtype)]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_cpu_spellings_compile(tmp_path):
+    """Every spelled (op, dtype) of the CPU target is valid C++ (one translation unit)."""
+    kernels = _spelled_kernels(CPU)
+    bodies = [cpu_render(k, (1,) * (len(k.accesses) + 1)).removeprefix(CPU_PRELUDE).replace("fulmen_kernel", f"k{i}")
+              for i, k in enumerate(kernels)]
+    source = tmp_path / "ops.cpp"
+    source.write_text(CPU_PRELUDE + "\n".join(bodies))
+    result = subprocess.run(["g++", "-std=c++17", "-fopenmp", "-fsyntax-only", str(source)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_cuda_spellings_compile():
+    """Every spelled (op, dtype) of the CUDA target compiles with NVRTC (no GPU needed)."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from fulmen.executors.codegen.cuda import nvrtc
+    from fulmen.executors.codegen.cuda.render import render_body
+    from fulmen.executors.codegen.cuda.target import prelude
+
+    kernels = _spelled_kernels(CUDA)
+    bodies = [render_body(k, Spec(1, (1,) * (len(k.accesses) + 1)), f"k{i}")
+              for i, k in enumerate(kernels)]
+    try:
+        nvrtc.compile_source(prelude(True, True) + "\n".join(bodies), 80)
+    except nvrtc.NvrtcError as error:
+        if "failed for" in str(error):
+            raise
+        pytest.skip(f"NVRTC unusable here: {error}")
