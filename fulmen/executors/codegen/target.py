@@ -17,10 +17,11 @@ from importlib import resources
 
 import torch
 
-from fulmen.executors.codegen.ir import Const, Op
+from fulmen.executors.codegen.ir import ColumnReduce, Const, Op, Reduce
 from fulmen.executors.codegen.ops import MATH, OPS, POW_CONSTANT, Unsupported, dtype_class
 
-__all__ = ["DTYPES", "Target", "c_types", "constant_exponent", "header", "op_reads"]
+__all__ = ["DTYPES", "Target", "c_types", "constant_exponent", "header", "live_values",
+           "op_reads"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool)  # every dtype a kernel handles
@@ -204,3 +205,19 @@ def op_reads(kernel, op: Op) -> tuple[int, ...]:
     if op.name == "pow" and len(op.args) == 2 and constant_exponent(kernel, op):
         return op.args[:1]
     return op.args
+
+
+def live_values(kernel) -> set[int]:
+    """Values the outputs of a kernel (pointwise or row) depend on, as rendered: a constant
+    exponent spelled `x * x` is not read. A target that must not declare unused variables
+    (NVRTC warns) renders only these."""
+    live = set(kernel.outputs)
+    for v in range(len(kernel.values) - 1, -1, -1):
+        value = kernel.values[v]
+        if v not in live:
+            continue
+        if isinstance(value, Op):
+            live.update(op_reads(kernel, value))
+        elif isinstance(value, (ColumnReduce, Reduce)):
+            live.add(value.arg)
+    return live

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
-from fulmen.executors.codegen.ir import Const, Kernel, Load, Op
-from fulmen.executors.codegen.target import op_reads
+from fulmen.executors.codegen.ir import Const, Kernel, Load
+from fulmen.executors.codegen.target import live_values
 
 __all__ = ["BLOCK", "Spec", "render", "render_body", "vector_width"]
 
@@ -131,7 +131,7 @@ def _element_body(kernel: Kernel, spec: Spec, dtypes: list[torch.dtype]):
             return f"in{p}.v[k]" if p < naccess else f"out{p}.v[k]"
         return f"p{p}[i]"
 
-    live = _live_values(kernel)
+    live = live_values(kernel)
 
     def body(vector: bool) -> list[str]:
         lines, names = [], []
@@ -153,16 +153,6 @@ def _element_body(kernel: Kernel, spec: Spec, dtypes: list[torch.dtype]):
         return lines
 
     return body
-
-
-def _live_values(kernel: Kernel) -> set[int]:
-    """Values an output depends on (a constant exponent rendered as `x * x` is not one)."""
-    live = set(kernel.outputs)
-    for v in range(len(kernel.values) - 1, -1, -1):
-        value = kernel.values[v]
-        if v in live and isinstance(value, Op):
-            live.update(op_reads(kernel, value))
-    return live
 
 
 def vector_width(kernel: Kernel, classes: tuple[int, ...]) -> int:

@@ -53,7 +53,7 @@ import torch
 from fulmen.executors.codegen import ir
 from fulmen.executors.codegen.cuda.target import CUDA, needs_headers, prelude
 from fulmen.executors.codegen.renderer import RowRenderer
-from fulmen.executors.codegen.target import header, op_reads
+from fulmen.executors.codegen.target import header, live_values, op_reads
 
 __all__ = ["NoPlan", "RowLaunch", "RowSpec", "pack_rows", "plan_rows", "render_rows",
            "render_rows_body"]
@@ -118,23 +118,9 @@ class RowLaunch:
     column_grid: int
 
 
-def _live(kernel: ir.RowKernel) -> set[int]:
-    """Values the outputs depend on (so no rendered variable goes unused: NVRTC would warn)."""
-    live = set(kernel.outputs)
-    for v in range(len(kernel.values) - 1, -1, -1):
-        value = kernel.values[v]
-        if v not in live:
-            continue
-        if isinstance(value, (ir.Reduce, ir.ColumnReduce)):
-            live.add(value.arg)
-        elif isinstance(value, ir.Op):
-            live.update(op_reads(kernel, value))
-    return live
-
-
 def _reductions(kernel: ir.RowKernel) -> list[int]:
     """The live reductions, in SSA order (workspace slot i holds the i-th one's partial)."""
-    live = _live(kernel)
+    live = live_values(kernel)
     return [v for v, value in enumerate(kernel.values) if isinstance(value, ir.Reduce) and v in live]
 
 
@@ -164,7 +150,7 @@ class _Renderer(RowRenderer):
     def __init__(self, kernel: ir.RowKernel, spec: RowSpec, name: str) -> None:
         super().__init__(kernel, spec.classes)
         self.spec, self.name = spec, name
-        self.live = _live(kernel)
+        self.live = live_values(kernel)
         self.reductions = _reductions(kernel)
         self.slots = {v: i for i, v in enumerate(self.reductions)}
         assert not (self.columns and spec.split), "column sums are never split"
