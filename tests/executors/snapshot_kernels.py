@@ -43,7 +43,7 @@ def _renderers():
         from fulmen.executors.codegen.ir import RowKernel
         from fulmen.executors.codegen.ops import Unsupported
         return cpu_render, cuda_render, Spec, RowSpec, RowKernel, vector_width, (Unsupported,)
-    except ImportError:
+    except ImportError:  # the layout before issue 17 (commit f2a01c3 and earlier)
         from fulmen.executors.codegen import cpp, cpp_rows, cuda, cuda_rows
         from fulmen.executors.codegen.ir import RowKernel
         from fulmen.executors.codegen.lower import Unsupported
