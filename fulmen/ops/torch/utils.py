@@ -26,7 +26,9 @@ __all__ = [
 
 
 def is_number(value) -> bool:
-    return isinstance(value, Number) and not isinstance(value, torch.Tensor)
+    """A Python number, or a symbolic size (`torch.SymInt`/`SymFloat`) standing for one."""
+    return isinstance(value, (Number, torch.SymInt, torch.SymFloat)) \
+        and not isinstance(value, torch.Tensor)
 
 
 def promote(*args, kind: Promotion = Promotion.DEFAULT) -> tuple[torch.dtype, torch.dtype]:
