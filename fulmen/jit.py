@@ -114,8 +114,10 @@ class _Jitted:
         self._fn = fn
         self._fullgraph = fullgraph
         # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
-        self._dynamic = dynamic if grad_argnums is None else False
-        self._shapes = DynamicDims(dynamic)
+        if dynamic is None:
+            dynamic = {"1": True, "0": False}.get(os.environ.get("FULMEN_DYNAMIC", ""))
+        self._dynamic = dynamic
+        self._shapes = DynamicDims(self._dynamic)
         if cache_size_limit is None:
             cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
         # functional autodiff returns (value, grads): no eager fallback has that structure
@@ -686,7 +688,8 @@ def jit(
         dynamic: symbolic sizes (`fulmen.tracer.shape_policy`): None compiles the first call
             for its shapes and traces the dimensions that change in later calls symbolically
             once; True makes every dimension symbolic from the start; False never.
-            `fulmen.mark_dynamic` / `mark_static` override it per argument dimension.
+            `fulmen.mark_dynamic` / `mark_static` override it per argument dimension. The
+            default can be set with `FULMEN_DYNAMIC=1` (True) or `0` (False).
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
