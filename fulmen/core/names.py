@@ -7,10 +7,10 @@ before it ran.
 A name a printed trace could not use as a local variable is never handed out: Python keywords,
 the globals printed traces call (`torch`, `math`, `prims`, an executor's name such as `codegen`:
 every `Namespace` alias registers itself here), the builtins they call (`PRINTED_BUILTINS`:
-`float`, `slice`, `max`, ...), and the names of printed constants (`_c0`), temporaries (`t0`)
-and symbols of symbolic sizes (`s0`, bound as `s0 = x.shape[0]`). Names are NFKC-normalised
-first, as Python normalises identifiers, so `ﬁ` and `fi` (or `𝐱` and `x`) are one identifier
-and the second gets a suffix.
+`float`, `slice`, `max`, ...), the names of printed constants (`_c0`), temporaries (`t0`) and
+symbols of symbolic sizes (`s0`, bound as `s0 = x.shape[0]`), and the profiler's timers
+(`_fulmen_t`). Names are NFKC-normalised first, as Python normalises identifiers, so `ﬁ` and
+`fi` (or `𝐱` and `x`) are one identifier and the second gets a suffix.
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ import keyword
 import re
 import unicodedata
 
-# temporaries, the printer's constants, symbolic sizes' symbols (`s0 = x.shape[0]`)
+# temporaries, the printer's constants, symbolic sizes' symbols (`s0 = x.shape[0]`); a name
+# made unique (`t1_1`) must never match
 _GENERATED = re.compile(r"t\d+|_c\d+|[su]\d+")
 # builtins printed traces call: the printer's literals (`float('inf')`, `slice(1, None, None)`)
 # and symbolic sizes as torch's PythonPrinter writes them (`max(1, s0)`, `round(...)`)
 PRINTED_BUILTINS = frozenset({"float", "complex", "slice", "int", "abs", "min", "max", "round",
                               "pow"})
-_GLOBALS: set[str] = {"torch", "math", *PRINTED_BUILTINS}  # and every Namespace alias
+# the names `fulmen.profile` adds to a compiled trace (`_fulmen_t = _fulmen_clock()`)
+_PROFILER_NAMES = frozenset({"_fulmen_t", "_fulmen_clock", "_fulmen_times"})
+_GLOBALS: set[str] = {"torch", "math", *PRINTED_BUILTINS, *_PROFILER_NAMES}  # + Namespace aliases
 
 
 def reserve_global(name: str) -> None:

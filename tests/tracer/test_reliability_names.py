@@ -112,6 +112,17 @@ def test_argument_named_like_a_symbolic_size():
     assert fulmen.cache_misses(jfn) == 1
 
 
+def test_argument_named_like_the_profilers_helpers():
+    # fulmen.profile times each statement with `_fulmen_t = _fulmen_clock()`
+    fn = _compiled("def f(_fulmen_t, _fulmen_clock):\n"
+                   "    return (_fulmen_t * 2).sin() + _fulmen_clock.cos()\n")
+    x, y = torch.randn(3), torch.randn(3)
+    jfn = fulmen.jit(fn)
+    prof = fulmen.profile(jfn, x, y, steps=2, warmup=1)
+    assert prof.rows
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+
+
 class _Colliding(torch.nn.Module):
     def __init__(self):
         super().__init__()
