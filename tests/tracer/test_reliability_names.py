@@ -80,6 +80,19 @@ def test_names_equal_after_nfkc_normalisation():
     torch.testing.assert_close(fulmen.jit(gn)(d), gn(d))
 
 
+def test_parameters_equal_after_nfkc_normalisation():
+    # source cannot spell them (Python normalises both to `fi`), a code object can
+    import types
+
+    plain = _compiled("def f(a, b):\n    return a * 2 - b\n")
+    fn = types.FunctionType(plain.__code__.replace(co_varnames=("\ufb01", "fi")), {})
+    x, y = torch.randn(3), torch.randn(3)
+    jfn = fulmen.jit(fn)
+    torch.testing.assert_close(jfn(x, y), x * 2 - y)
+    torch.testing.assert_close(jfn(**{"\ufb01": x, "fi": y}), x * 2 - y)
+    assert len(set(fulmen.last_traces(jfn)[0].arg_names)) == 2
+
+
 def test_names_that_normalise_to_keywords():
     # `𝐢𝐟` is the parameter `if` (a keyword, so the signature cannot be read), `𝐍𝐨𝐧𝐞` is `None`
     if_, none = "\U0001d422\U0001d41f", "\U0001d40d\U0001d428\U0001d427\U0001d41e"
