@@ -77,6 +77,15 @@ def _nonpositive_exp(kernel: ir.RowKernel, value) -> bool:
     return isinstance(top, ir.Reduce) and top.name == "amax" and top.arg == arg.args[0]
 
 
+_PIECES = ("acc", "part", "clauses", "update", "combine")
+
+
+def _add(out: dict[str, list[str]], *lines: str) -> None:
+    """Add one line to each piece of a reduction (in the order of `_PIECES`)."""
+    for piece, line in zip(_PIECES, lines, strict=True):
+        out[piece].append(line)
+
+
 def _reduction(kernel: ir.RowKernel, v: int) -> dict[str, list[str]]:
     """The C++ pieces of reduction value v: declarations before the row pass (acc), before a
     block (part), the OpenMP clauses, the update in the loop, the combine after a block, and
@@ -86,16 +95,13 @@ def _reduction(kernel: ir.RowKernel, v: int) -> dict[str, list[str]]:
     dtype = kernel.values[red.arg].dtype
     ctype = CPU.compute[dtype]
     is_float = dtype.is_floating_point
-    out = {"acc": [], "part": [], "clauses": [], "update": [], "combine": []}
+    out = {piece: [] for piece in _PIECES}
     if red.name in ("sum", "prod"):
         acc_t = "double" if is_float else "int64_t"
         part_t = ("double" if dtype == torch.float64 else "float") if is_float else "int64_t"
         init, op = ("0", "+") if red.name == "sum" else ("1", "*")
-        out["acc"].append(f"{acc_t} a{v} = {init};")
-        out["part"].append(f"{part_t} b{v} = {init};")
-        out["clauses"].append(f"reduction({op}:b{v})")
-        out["update"].append(f"b{v} {op}= {x};")
-        out["combine"].append(f"a{v} {op}= b{v};")
+        _add(out, f"{acc_t} a{v} = {init};", f"{part_t} b{v} = {init};",
+             f"reduction({op}:b{v})", f"b{v} {op}= {x};", f"a{v} {op}= b{v};")
         result = f"a{v}"
     else:
         is_max = red.name == "amax"
@@ -104,18 +110,13 @@ def _reduction(kernel: ir.RowKernel, v: int) -> dict[str, list[str]]:
             init = f"{'-' if is_max else ''}std::numeric_limits<{ctype}>::infinity()"
         else:
             init = f"std::numeric_limits<{ctype}>::{'lowest' if is_max else 'max'}()"
-        out["acc"].append(f"{ctype} a{v} = {init};")
-        out["part"].append(f"{ctype} b{v} = {init};")
-        out["clauses"].append(f"reduction({'max' if is_max else 'min'}:b{v})")
-        out["update"].append(f"b{v} = {x} {cmp} b{v} ? {x} : b{v};")
-        out["combine"].append(f"a{v} = b{v} {cmp} a{v} ? b{v} : a{v};")
+        _add(out, f"{ctype} a{v} = {init};", f"{ctype} b{v} = {init};",
+             f"reduction({'max' if is_max else 'min'}:b{v})",
+             f"b{v} = {x} {cmp} b{v} ? {x} : b{v};", f"a{v} = b{v} {cmp} a{v} ? b{v} : a{v};")
         result = f"a{v}"
         if is_float:
-            out["acc"].append(f"int nf{v} = 0;")
-            out["part"].append(f"int n{v} = 0;")
-            out["clauses"].append(f"reduction(|:n{v})")
-            out["update"].append(f"n{v} |= ({x} != {x});")
-            out["combine"].append(f"nf{v} |= n{v};")
+            _add(out, f"int nf{v} = 0;", f"int n{v} = 0;", f"reduction(|:n{v})",
+                 f"n{v} |= ({x} != {x});", f"nf{v} |= n{v};")
             result = f"(nf{v} ? std::numeric_limits<{ctype}>::quiet_NaN() : a{v})"
     rtype = CPU.compute[red.dtype]
     out["final"] = [f"const {rtype} v{v} = {CPU.round(CPU.cast(result, red.dtype), red.dtype)};"]
