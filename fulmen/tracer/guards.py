@@ -177,9 +177,14 @@ class CacheKeyBuilder:
         state_key = tuple([t.requires_grad for t in state]) if state else ()
         if offsets and -1 in offsets:
             state_key += tuple([t.storage_offset() for t in state])
-        if not kwargs and not offsets and not symbolic:
+        if not kwargs and not offsets:
             tensor_keys = [_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors
+                if symbolic:
+                    if not all(type(p) is int and p < len(args) for p in symbolic):
+                        return (), args
+                    for position, dims in symbolic.items():
+                        tensor_keys[position] = _masked_key(args[position], dims)
                 return (len(args), global_key, state_key, *tensor_keys), args
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
