@@ -15,15 +15,15 @@ found by a key that leaves those sizes out, then checked with its shape guard.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from fulmen.logs import get_logger
 from fulmen.tracer.objects import is_plain_object, walk
 from fulmen.tracer.symbolic import is_symbolic, tensor_at
 
-_RECOMPILES = get_logger("recompiles")
+_RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 
 
 def mark_dynamic(tensor: torch.Tensor, dim: int | tuple[int, ...], *, min: int | None = None,
