@@ -27,7 +27,6 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.mutation import WRITE_BACK
-from fulmen.tracer.symbolic import SymbolicSizes
 from fulmen.tracer.objects import (
     ObjectInputs,
     function_roots,
@@ -37,6 +36,7 @@ from fulmen.tracer.objects import (
     unchanged,
     walk,
 )
+from fulmen.tracer.symbolic import SymbolicSizes
 
 
 @dataclass
