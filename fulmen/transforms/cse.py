@@ -1,0 +1,99 @@
+"""Common subexpression elimination: a statement repeating an earlier one is dropped.
+
+Two statements are the same when they call the same symbol on the same values: the same
+proxies and equal constants (compared with their types, so `0`, `0.0` and `False` differ, and
+floats by `repr`, so `-0.0` and `nan` are compared as written). Later reads of the repeat's
+outputs read the first statement's outputs instead. Examples: the rotary `cos`/`sin` tables HF
+models build per layer, the `arange`s of a mask built twice, a backward that reshapes one
+value the same way for two matmuls.
+
+Never merged: statements with side effects or random draws (`has_side_effects`), opaque ops
+(whose state PyTorch does not describe), and repeats whose outputs the trace returns (the
+caller gets distinct tensors, as eager gives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulmen.core import BoundSymbol, Trace
+from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
+from fulmen.core.symbol import Symbol
+from fulmen.transforms.base import transform
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def _key(value: Any) -> Any:
+    """A hashable stand-in for an argument: proxies by name, constants with their type."""
+    if isinstance(value, Proxy):
+        return ("proxy", value.name)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+    if isinstance(value, (float, complex)):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, Symbol):
+        return ("symbol", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        raise _Unhashable from None
+    return (type(value).__name__, value)
+
+
+def _statement_key(bsym: BoundSymbol) -> tuple | None:
+    """What makes `bsym` the same as another statement, or None when it must stay."""
+    if bsym.has_side_effects or "opaque" in bsym.sym.tags or not bsym.proxy_outputs:
+        return None
+    try:
+        return id(bsym.sym), _key(bsym.args), _key(bsym.kwargs)
+    except _Unhashable:
+        return None
+
+
+def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
+    """`bsym` reading renamed values, its decomposition too."""
+    return bsym.replace(args=map_proxies(rename, bsym.args),
+                        kwargs=map_proxies(rename, bsym.kwargs),
+                        subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
+
+
+@transform("common subexpression elimination")
+def cse(trace: Trace) -> Trace:
+    """Drop statements that repeat an earlier one; their readers read the first one's outputs.
+
+    Example: in `t0 = ltorch.arange(8); t1 = ltorch.arange(8); t2 = ltorch.add(t0, t1)`, the
+    second `arange` goes and `t2 = ltorch.add(t0, t0)`.
+    """
+    returned = trace.output_names
+    first: dict[tuple, BoundSymbol] = {}
+    replaced: dict[str, Proxy] = {}
+
+    def rename(proxy: Proxy) -> Proxy:
+        return replaced.get(proxy.name, proxy)
+
+    kept: list[BoundSymbol] = []
+    for bsym in trace.bsyms:
+        if replaced:
+            bsym = _renamed(bsym, rename)
+        key = _statement_key(bsym)
+        earlier = first.get(key) if key is not None else None
+        if earlier is not None and not bsym.output_names & returned:
+            for mine, theirs in zip(iter_proxies(bsym.output), iter_proxies(earlier.output)):
+                replaced[mine.name] = theirs
+            continue
+        if key is not None:
+            first.setdefault(key, bsym)
+        kept.append(bsym)
+    if len(kept) == len(trace.bsyms):
+        return trace
+    return trace.replace(bsyms=tuple(kept), output=map_proxies(rename, trace.output))
+
+
+__all__ = ["cse"]
