@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulmen.core import BoundSymbol, FulmenError, Trace
+from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx
+from fulmen.core.names import NameAllocator
+from fulmen.core.proxy import iter_proxies
+from fulmen.core.trace import tracing
 from fulmen.executors.base import Executor, FusionExecutor, OperatorExecutor
+from fulmen.executors.torch import AS_LAYOUT, torch_ex
+from fulmen.proxies import TensorProxy
 from fulmen.transforms.base import transform
 
 
@@ -46,9 +51,107 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
             trace = ex.fusion_pass(trace, before)
     operator_executors = [ex for ex in executors if isinstance(ex, OperatorExecutor)]
     bsyms = []
+    eager_layout: set[str] = set()  # outputs of torch-level and opaque ops torch runs whole
+    fused: set[str] = set()
     for bsym in trace.bsyms:
         if bsym.sym.python_name == "del" or isinstance(bsym.sym.executor, FusionExecutor):
             bsyms.append(bsym)
+            fused |= bsym.output_names
         else:
-            bsyms.extend(_claim(bsym, operator_executors))
-    return trace.replace(bsyms=tuple(bsyms))
+            claimed = _claim(bsym, operator_executors)
+            if (len(claimed) == 1 and not bsym.sym.is_prim
+                    and claimed[0].sym.executor is torch_ex):
+                eager_layout |= claimed[0].output_names
+            bsyms.extend(claimed)
+    return _with_output_layouts(trace, bsyms, eager_layout, fused)
+
+
+def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: set[str],
+                         fused: set[str]) -> Trace:
+    """NOTE [output layout]: the tensors a program returns have eager's strides.
+
+    Traced proxies report eager's strides (NOTE [layout truth] in `fulmen.tracer.dispatch`),
+    and torch running an op whole produces them; a fusion (whose kernels write contiguous
+    outputs) or an op's prims run one by one may not. So each returned tensor with a dense
+    eager layout that is not computed by torch running its op whole goes through
+    `torchex.as_layout(t, strides)`: the tensor itself when its strides already match, else a
+    copy with eager's strides. Outputs of fusions are taken to be row-major, so only those whose
+    eager layout is not (channels_last, a permutation) get the step. Residuals of a forward
+    trace and the gradients of a backward trace are left alone (autograd lays gradients out
+    as their parameters).
+    """
+    if trace.name == "backward":
+        return trace.replace(bsyms=tuple(bsyms))
+    returned = trace.output[0] if trace.name == "forward" else trace.output
+    inputs = set(trace.arg_names)
+    targets = {}
+    for proxy in iter_proxies(returned):
+        if (isinstance(proxy, TensorProxy) and proxy.name not in inputs
+                and proxy.name not in eager_layout
+                and _needs_layout(proxy, row_major_ok=proxy.name in fused)):
+            targets[proxy.name] = proxy
+    if not targets:
+        return trace.replace(bsyms=tuple(bsyms))
+    names = NameAllocator()
+    for name in _all_names(trace.args, bsyms):
+        names.reserve(name)
+    relaid = {}
+    for name, proxy in targets.items():
+        with tracing(_NamingCtx(names)):
+            relaid[name] = AS_LAYOUT(proxy, tuple(proxy.stride()))
+    bsyms = list(bsyms)
+    for name, proxy in targets.items():
+        bsyms.append(BoundSymbol(AS_LAYOUT, (proxy, tuple(proxy.stride())), {}, relaid[name]))
+    output = _replace_proxies(trace.output, relaid)
+    return trace.replace(bsyms=tuple(bsyms), output=output)
+
+
+def _needs_layout(proxy: TensorProxy, row_major_ok: bool) -> bool:
+    """Whether `proxy` reports eager's strides, dense and non-overlapping (and, with
+    `row_major_ok`, not row-major)."""
+    if not getattr(proxy, "_fulmen_exact_strides", False):
+        return False
+    shape, strides = tuple(proxy.shape), tuple(proxy.stride())
+    if not all(type(n) is int for n in (*shape, *strides)):
+        return False
+    if row_major_ok and proxy.is_contiguous():
+        return False
+    expected = 1
+    for size, stride in sorted((s for s in zip(shape, strides) if s[0] > 1), key=lambda s: s[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _NamingCtx(TraceCtx):
+    """A recording context that only hands out names (for proxies made by a pass)."""
+
+    def __init__(self, names: NameAllocator) -> None:
+        super().__init__("naming")
+        self.names = names
+
+    def record(self, sym, args, kwargs):
+        return sym.fn(*args, **kwargs)
+
+
+def _all_names(args, bsyms) -> set[str]:
+    names = {proxy.name for proxy in iter_proxies(args)}
+    stack = list(bsyms)
+    while stack:
+        bsym = stack.pop()
+        names.update(p.name for p in iter_proxies((bsym.args, bsym.kwargs, bsym.output)))
+        stack.extend(bsym.subsymbols)
+    return names
+
+
+def _replace_proxies(value, mapping: dict):
+    if isinstance(value, TensorProxy):
+        return mapping.get(value.name, value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_replace_proxies(v, mapping) for v in value)
+    if isinstance(value, list):
+        return [_replace_proxies(v, mapping) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace_proxies(v, mapping) for k, v in value.items()}
+    return value

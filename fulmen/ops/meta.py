@@ -8,14 +8,18 @@ reads the result's metadata. PyTorch is the reference for shapes, so this is exa
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import contiguous_strides
 
 
 def to_meta(value: Any) -> Any:
@@ -69,48 +73,6 @@ def _call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
             return fn(*meta_args, **meta_kwargs), device
 
 
-# Ops whose meta kernel does not give eager's layout but whose `FakeTensorMode` rule does.
-_DEVICE_LAYOUT_OPS = frozenset({F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
-                                F.conv_transpose2d, F.conv_transpose3d, torch.convolution, F.pad})
-_device_fake_mode = None
-
-
-def _call_on_fake(fn, args, kwargs) -> Any:
-    """`fn` run on fake tensors of the arguments' own devices.
-
-    NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
-    contiguously, but eager's CPU kernels give a channels_last output when the input *or the
-    weight* suggests channels_last (a model converted with `.to(memory_format=...)`), as CUDA's
-    do; `FakeTensorMode` asks the same backend-selection code as eager, so its output strides
-    are eager's. Likewise `F.pad`'s reflect and replicate modes keep a channels_last input's
-    layout in eager and under `FakeTensorMode` (PyTorch's decomposition), not in the meta kernel.
-    """
-    global _device_fake_mode
-    if _device_fake_mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        _device_fake_mode = FakeTensorMode()
-
-    def convert(leaf):
-        if isinstance(leaf, torch.Tensor):
-            return torch.empty_strided(tuple(leaf.shape), tuple(leaf.stride()),
-                                       dtype=leaf.dtype, device=leaf.device)
-        return leaf
-
-    with torch._C.DisableTorchFunction(), torch.no_grad(), _device_fake_mode:
-        fake_args, fake_kwargs = pytree.tree_map(convert, (args, kwargs))
-        return fn(*fake_args, **fake_kwargs)
-    batched = tuple(input.shape) if input.dim() == 4 else (1, *input.shape)
-    moved = torch.empty(batched, dtype=input.dtype, device="meta",
-                        memory_format=torch.channels_last)
-    moved = moved if input.dim() == 4 else moved.squeeze(0)
-    if args:
-        args[0] = moved
-    else:
-        kwargs = {**kwargs, "input": moved}
-    return tuple(args), kwargs
-
-
 def _fake_mode(value: Any):
     """PyTorch's `FakeTensorMode` for the symbolic sizes inside `value` (plain meta tensors
     cannot hold them; see `fulmen.tracer.symbolic`), else a no-op context."""
@@ -136,8 +98,6 @@ def run_meta(fn, *args, **kwargs) -> Any:
     so nothing is allocated and no random number is drawn.
     """
     out, device = _call_on_meta(fn, args, kwargs)
-    if fn in _DEVICE_LAYOUT_OPS and not _has_symbolic_sizes((args, kwargs)):
-        out = _call_on_fake(fn, args, kwargs)  # NOTE [convolution layout]
     return from_meta(out, device)
 
 
@@ -189,9 +149,8 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if fn in _DEVICE_LAYOUT_OPS and not _has_symbolic_sizes((args, kwargs)):
-                out = _call_on_fake(fn, args, kwargs)
-            else:
+            fn, args, kwargs = _LAYOUT_TWINS.get(fn, _same_call)(fn, args, kwargs)
+            with _without_dynamo_import():
                 out, _ = _call_on_meta(fn, args, kwargs)
         layouts = [(leaf.shape, leaf.stride()) for leaf in pytree.tree_leaves(out)
                    if isinstance(leaf, torch.Tensor)]
@@ -204,17 +163,112 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     return layouts
 
 
-def _has_symbolic_sizes(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) and not all(type(n) is int for n in leaf.shape)
-               for leaf in pytree.tree_leaves(value))
+def _same_call(fn, args, kwargs):
+    return fn, args, kwargs
 
 
-def with_strides(proxy: TensorProxy, strides) -> TensorProxy:
+def _linear_without_bias(fn, args, kwargs):
+    """`F.linear`'s layout is that of the product alone (eager adds the bias into it), and the
+    meta kernel of the product is C++ while that of `addmm` is Python (see below)."""
+    args, kwargs = list(args), dict(kwargs)
+    if len(args) > 2:
+        args = args[:2]
+    kwargs.pop("bias", None)
+    return fn, tuple(args), kwargs
+
+
+def _mean_as_sum(fn, args, kwargs):
+    """A mean is laid out as the sum it divides (one TensorIterator reduction)."""
+    return (torch.sum if fn is torch.mean else torch.Tensor.sum), args, kwargs
+
+
+_LAYOUT_TWINS = {F.linear: _linear_without_bias, torch.mean: _mean_as_sum,
+                 torch.Tensor.mean: _mean_as_sum}
+
+
+class _DynamoImportBlocker:
+    """A `sys.meta_path` finder refusing `torch._dynamo` to the thread that installed it.
+
+    NOTE [layout queries stay cheap]: many of PyTorch's meta kernels are Python references
+    whose first call imports `torch._dynamo` (seconds). A layout query is not worth that: with
+    the import refused, such a query fails and the decomposition's strides are kept (the
+    common ops have rules that need no meta kernel: elementwise maps, linear, reductions).
+    Once something else has imported dynamo, those meta kernels answer.
+    """
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo" and threading.get_ident() == self.thread:
+            raise ImportError("fulmen layout query: not importing torch._dynamo")
+        return None
+
+
+@contextlib.contextmanager
+def _without_dynamo_import():
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    blocker = _DynamoImportBlocker()
+    sys.meta_path.insert(0, blocker)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(blocker)
+
+
+def elementwise_strides(tensors, shape) -> tuple[int, ...]:
+    """Eager's output strides for an elementwise map of `tensors` broadcast to `shape`: the
+    TensorIterator rule (operand layouts in order, broadcast dims ignored), as PyTorch's
+    `compute_elementwise_output_strides` states it. 0-dim tensors take no part, as in eager."""
+    operands = []
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            continue
+        meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
+                                   dtype=tensor.dtype, device="meta")
+        operands.append(meta.expand(shape))
+    if not operands:
+        return contiguous_strides(shape)
+    with torch._C.DisableTorchFunction():
+        return tuple(compute_elementwise_output_strides(*operands))
+
+
+def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int):
+    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere.
+
+    NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
+    contiguously, but eager picks a backend and the backend a memory format: on CPU
+    channels_last when the input *or the weight* suggests it (a model converted with
+    `.to(memory_format=...)` fed a contiguous batch). The same C++ functions eager calls
+    answer here, on uninitialised CPU tensors of the arguments' layouts (no page is touched).
+    """
+    if input.device.type != "cpu" or weight.dim() not in (4, 5):
+        return None
+    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
+    real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
+                                      dtype=weight.dtype)
+    if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
+        real_input = real_input.unsqueeze(0)
+    zeros = [0] * (weight.dim() - 2)
+    with torch._C.DisableTorchFunction():
+        backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
+                                                list(padding), list(dilation), False, zeros,
+                                                groups, None)
+        memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
+                                                                       backend)
+    batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
+    layout = torch.empty(batched, device="meta", memory_format=memory_format)
+    return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
+
+
+def with_strides(proxy: TensorProxy, strides, exact: bool = True) -> TensorProxy:
     """A proxy for the same value as `proxy` (same name and metadata) that reports `strides`,
-    marked exact (PyTorch chose them). Proxies keep their strides in C++ and cannot be
-    restrided in place beyond their storage, hence a new object."""
+    marked `exact` (eager's). Proxies keep their strides in C++ and cannot be restrided in
+    place beyond their storage, hence a new object."""
     new = TensorProxy(proxy.name, proxy.shape, proxy.dtype, proxy.device, strides=strides,
                       requires_grad=proxy.requires_grad)
     new.__dict__.update(proxy.__dict__)
-    new._fulmen_exact_strides = True
+    new._fulmen_exact_strides = exact
     return new

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import user_source_location
+from fulmen.ops.meta import eager_layouts, with_strides
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
@@ -50,6 +51,7 @@ from fulmen.tracer.autograd_function import (
     backward_refusal,
     intercept_function_apply,
 )
+from fulmen.tracer.layout import rule_layouts
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 
 T = torch.Tensor
@@ -254,10 +256,13 @@ class TracerCtx(TraceCtx):
         sym = symbol_for(func)
         out = None
         if sym is not None:
+            start = self.names.serial
             try:
                 out = sym(*args, **kwargs)
             except NotYetSupportedError:
                 sym = None  # the decomposition does not cover these arguments: run the op whole
+            else:
+                out = self._eager_layout(func, args, kwargs, out, start)
         if sym is None:
             sym = opaque_symbol(func)
             try:
@@ -277,6 +282,81 @@ class TracerCtx(TraceCtx):
         if self.requires_grad_names and func not in _DETACH:
             out = self._track_grad(func, args, kwargs, out)
         return out
+
+    def _eager_layout(self, func, args, kwargs, out, start: int):
+        """`out` (a decomposition's result) with eager's strides on the proxies it created.
+
+        NOTE [layout truth]: a decomposition gives the right shapes and values, but the strides
+        of the proxies its prims create are the prims' (mostly contiguous), while eager's output
+        of `func` may be a transposed view, keep a channels_last input's layout, or be an expand.
+        User code reads them (`x.stride()`, `is_contiguous(memory_format=...)`, `view`, which
+        fails or succeeds on eager's strides), so each new output proxy is replaced by one that
+        reports eager's strides: by a rule where one is cheap and certain (`fulmen.tracer.layout`),
+        else from PyTorch's meta kernel for `func` on the same arguments (`eager_layouts`).
+        It is marked exact (`_fulmen_exact_strides`) when every tensor argument was. When
+        neither can describe the call, the decomposition's strides are kept, unmarked.
+        """
+        leaves, spec = pytree.tree_flatten(out)
+        serial_of = self.names.serial_of
+        fresh = [leaf for leaf in leaves
+                 if isinstance(leaf, TensorProxy) and serial_of(leaf.name) >= start]
+        if not fresh:
+            return out  # nothing new (an identity such as `x.float()` on a float tensor)
+        tensors_in = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
+        if not all(type(size) is int for leaf in (*fresh, *tensors_in) for size in leaf.shape):
+            return out  # symbolic sizes: the layout questions would add guards
+        scope = self.scopes[-1]
+        bsym = scope[-1] if scope and scope[-1].output is out else None
+        layouts = rule_layouts(func, bsym, args, kwargs, leaves)
+        if layouts is None:
+            layouts = eager_layouts(func, args, kwargs)
+        if layouts is None and func in _STRIDED_VIEWS:
+            self._check_view(func, args, kwargs, bsym)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if layouts is None or len(layouts) != len(tensors):
+            return out
+        replaced: dict[str, TensorProxy] = {}
+        exact = all(p.name in self.mutation.inputs or getattr(p, "_fulmen_exact_strides", False)
+                    for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy))
+        for i, (shape, strides) in zip(tensors, layouts):
+            leaf = leaves[i]
+            if (not isinstance(leaf, TensorProxy) or serial_of(leaf.name) < start
+                    or leaf.shape != shape):
+                continue
+            if leaf.name in replaced:  # one proxy returned twice: keep the first layout
+                leaves[i] = replaced[leaf.name]
+            elif leaf.stride() != tuple(strides):
+                leaves[i] = replaced[leaf.name] = with_strides(leaf, strides, exact)
+            elif exact:
+                leaf._fulmen_exact_strides = True
+        if not replaced:
+            return out
+        new_out = pytree.tree_unflatten(leaves, spec)
+        if bsym is not None:  # the statement the decomposition recorded
+            scope[-1] = bsym.replace(output=new_out)
+        return new_out
+
+    def _check_view(self, func, args, kwargs, bsym) -> None:
+        """Raise eager's error for a `view` its input's strides cannot give (the decomposition,
+        a reshape, does not look at strides), when those strides are known to be eager's."""
+        source = args[0] if args else None
+        if not isinstance(source, TensorProxy) or not (
+                source.name in self.mutation.inputs
+                or getattr(source, "_fulmen_exact_strides", False)):
+            return
+        try:
+            meta_layout = torch.empty_strided(tuple(source.shape), source.stride(),
+                                              dtype=source.dtype, device="meta")
+            with torch._C.DisableTorchFunction():
+                func(meta_layout, *pytree.tree_map(_meta_of, args[1:]),
+                     **pytree.tree_map(_meta_of, kwargs))
+        except RuntimeError as error:
+            if "view size is not compatible" not in str(error):
+                return
+            if bsym is not None and self.scopes[-1] and self.scopes[-1][-1] is bsym:
+                self.scopes[-1].pop()
+            raise FulmenError(str(error).splitlines()[0], op=_func_name(func),
+                              where=user_source_location()) from None
 
     def call(self, sym, *args, **kwargs):
         """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
@@ -308,6 +388,16 @@ class TracerCtx(TraceCtx):
         return pytree.tree_map(
             lambda leaf: detached.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
             out)
+
+
+_STRIDED_VIEWS = frozenset({T.view, T.view_as})
+
+
+def _meta_of(leaf):
+    if isinstance(leaf, torch.Tensor):
+        return torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=leaf.dtype,
+                                   device="meta")
+    return leaf
 
 
 def _restore_identities(out, user, resolved):

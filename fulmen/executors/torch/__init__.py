@@ -7,12 +7,15 @@ their torch equivalents (`fulmen.executors.torch.prims`).
 
 from __future__ import annotations
 
+import torch
+
 from fulmen.core import Symbol
 from fulmen.core.symbol import Namespace
 from fulmen.executors.base import TORCH_NAMESPACE, Implementation, OperatorExecutor
 from fulmen.executors.registry import register_executor
 from fulmen.executors.torch.prims import prim_implementations
-from fulmen.ops.torch import torch_qualname
+from fulmen.ops.torch import symbol_for, torch_qualname
+from fulmen.proxies import TensorProxy
 from fulmen.transforms.autodiff import (
     AUTOGRAD_BACKWARD,
     AUTOGRAD_FORWARD,
@@ -54,7 +57,47 @@ class TorchExecutor(OperatorExecutor):
         return impl
 
 
+def _as_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """`tensor`, or a copy of it laid out with `strides` (dense, non-overlapping) when its own
+    strides differ on a dimension of size > 1 (see NOTE [output layout] in
+    `fulmen.executors.claim`)."""
+    own = tensor.stride()
+    if all(own[d] == stride for d, (size, stride) in enumerate(zip(tensor.shape, strides))
+           if size > 1):
+        return tensor
+    out = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device)
+    return out.copy_(tensor)
+
+
+def _as_layout_meta(tensor: TensorProxy, strides: tuple[int, ...]) -> TensorProxy:
+    out = TensorProxy(None, tensor.shape, tensor.dtype, tensor.device, strides=strides)
+    out._fulmen_exact_strides = getattr(tensor, "_fulmen_exact_strides", False)
+    return out
+
+
+def _view(self: torch.Tensor, *shape, size=None) -> torch.Tensor:
+    """`Tensor.view`, run as `reshape`.
+
+    NOTE [views at run time]: tracing raised eager's error for a view that eager's strides
+    cannot give, but an intermediate may be laid out differently when the program runs (a
+    fusion writes contiguous outputs where eager kept channels_last), and `view` would then
+    fail although eager's did not (HF Swin). Traces are functional, so `reshape`, a view
+    where the strides allow one and a copy otherwise, gives the same values.
+    """
+    if size is None:
+        size = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    return self.reshape(size)
+
+
+def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`Tensor.view_as`, run as `reshape` (NOTE [views at run time])."""
+    return self.reshape(other.shape)
+
+
 torch_ex = TorchExecutor()
+AS_LAYOUT = torch_ex.register_operator("as_layout", fn=_as_layout, meta=_as_layout_meta)
+torch_ex.register_implementation(symbol_for(torch.Tensor.view), fn=_view)
+torch_ex.register_implementation(symbol_for(torch.Tensor.view_as), fn=_view_as)
 for _prim, _fn in prim_implementations().items():
     _prim.impl = _fn
     torch_ex.register_implementation(_prim, torch_ex._operator_for(_prim, _fn))
@@ -63,4 +106,4 @@ torch_ex.register_implementation(AUTOGRAD_FORWARD, fn=autograd_forward_impl)
 torch_ex.register_implementation(AUTOGRAD_BACKWARD, fn=autograd_backward_impl)
 register_executor(torch_ex)
 
-__all__ = ["TorchExecutor", "torch_ex"]
+__all__ = ["AS_LAYOUT", "TorchExecutor", "torch_ex"]

@@ -1,0 +1,127 @@
+"""Eager's output layouts of torch-level ops by rule, without a meta kernel.
+
+NOTE [layout queries stay cheap]: the tracer gives each output proxy of a decomposed op eager's
+strides (NOTE [layout truth] in `fulmen.tracer.dispatch`). Asking PyTorch's meta kernel costs a
+Python call per op, and many meta kernels are Python references whose first call imports
+`torch._dynamo` (seconds); the common ops need neither: `rule_layouts` answers for elementwise
+maps, ops on contiguous tensors, lone permutes, layer norm and convolutions, and the tracer asks
+the meta kernel only for the rest (`fulmen.ops.meta.eager_layouts`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.core.proxy import iter_proxies
+from fulmen.ops.meta import convolution_strides, elementwise_strides
+from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import contiguous_strides
+
+T = torch.Tensor
+
+_MAPS = frozenset({"elementwise", "reduction"})
+
+
+def _producer(bsym, name: str):
+    """The prim inside `bsym`'s decomposition that computed `name` (None if not found)."""
+    for sub in reversed(bsym.subsymbols):
+        if name in sub.output_names:
+            return sub if sub.sym.is_prim else _producer(sub, name)
+    return None
+
+
+def _is_map(bsym) -> bool:
+    """Whether a decomposition is an elementwise map: elementwise prims and broadcasts of
+    trailing dimensions (numpy's rule, as TensorIterator broadcasts) only."""
+    for sub in bsym.subsymbols:
+        if sub.sym.is_prim:
+            if sub.sym.name == "broadcast_in_dim":
+                rank, dims = len(sub.args[1]), tuple(sub.args[2])
+                if dims != tuple(range(rank - len(dims), rank)):
+                    return False
+            elif "elementwise" not in sub.sym.tags:
+                return False
+        elif not _is_map(sub):
+            return False
+    return bool(bsym.subsymbols)
+
+
+_CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill})
+
+
+def _conv_layouts(func, args, kwargs, shape):
+    """Eager's output layout of `F.conv{1,2,3}d` (NOTE [convolution layout]), or None."""
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    bound = dict(zip(names, args)) | kwargs
+    spatial = _CONVOLUTIONS[func]
+
+    def expand(value, default):
+        value = default if value is None else value
+        return [value] * spatial if isinstance(value, int) else list(value)
+
+    if isinstance(bound.get("padding"), str):
+        return None
+    strides = convolution_strides(bound["input"], bound["weight"], shape,
+                                  expand(bound.get("stride"), 1), expand(bound.get("padding"), 0),
+                                  expand(bound.get("dilation"), 1), bound.get("groups") or 1)
+    return None if strides is None else [(shape, strides)]
+
+
+def rule_layouts(func, bsym, args, kwargs, leaves):
+    """Eager's (shape, strides) for each tensor output when a rule gives them without a meta
+    kernel (NOTE [layout queries stay cheap]), else None:
+
+    - an elementwise map (its decomposition is elementwise prims and broadcasts, as eager's
+      kernel is one TensorIterator): the TensorIterator rule over the tensor arguments;
+    - a lone permute (transpose, `.T`, `movedim`, ...): the input's strides permuted, which
+      the prim reports already;
+    - every tensor argument contiguous and every output computed by an elementwise or
+      reduction prim, or a reshape or cat of the arguments: row-major (TensorIterator over
+      contiguous operands; reductions and cat of contiguous tensors allocate contiguous
+      results; a view of a contiguous tensor is contiguous);
+    - `F.layer_norm`, `masked_fill`: row-major (eager normalises a contiguous copy into a
+      contiguous result; masked_fill fills a copy made with `resize_as_`);
+    - 1-3-d convolutions on CPU: the memory format eager's backend picks.
+    """
+    outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
+        return None
+    inputs = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
+    if func in _CONVOLUTIONS and len(outputs) == 1:
+        return _conv_layouts(func, args, kwargs, tuple(outputs[0].shape))
+    if func in _ROW_MAJOR_RESULTS:
+        return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
+    producers = [_producer(bsym, leaf.name) for leaf in outputs]
+    if any(p is None for p in producers):
+        return None
+    if len(outputs) == 1 and "elementwise" in producers[0].sym.tags and _is_map(bsym):
+        shape = tuple(outputs[0].shape)
+        return [(outputs[0].shape, elementwise_strides(inputs, shape))]
+    if len(bsym.subsymbols) == 1 and producers[0].sym.name == "permute":
+        return [(leaf.shape, leaf.stride()) for leaf in outputs]  # the input's, permuted
+    with torch._C.DisableTorchFunctionSubclass():
+        if not all(p.is_contiguous() for p in inputs):
+            return None
+    names = {p.name for p in inputs}
+    if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names) for p in producers):
+        return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
+    return None
+
+
+def _reshapes_or_cats_inputs(bsym, producer, names: set[str]) -> bool:
+    """Whether `producer` is a reshape/squeeze of one of the op's (contiguous) inputs `names`,
+    or a cat of those inputs or of such reshapes (`torch.stack`)."""
+    if producer.sym.name in ("reshape", "squeeze"):
+        source = producer.args[0]
+        return isinstance(source, TensorProxy) and source.name in names
+    if producer.sym.name != "cat":
+        return False
+    for part in iter_proxies(producer.args[0]):
+        if part.name in names:
+            continue
+        made = _producer(bsym, part.name)
+        if made is None or not _reshapes_or_cats_inputs(bsym, made, names) or made.sym.name == "cat":
+            return False
+    return True

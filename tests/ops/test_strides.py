@@ -1,0 +1,112 @@
+"""Layout truth: every traced op's output proxy reports eager's strides (issue 18).
+
+For each OpInfo sample of every op fulmen decomposes, the sample is traced (no compilation)
+with its tensors laid out three ways: as given, permuted (dense, dims in reverse memory order)
+and channels_last (4-D tensors); the strides the trace's output proxies report must equal those
+of eager's outputs wherever a dimension has more than one element (size-1 dims have no layout).
+
+`make test` takes up to 2 samples per OpInfo; `make conformance` (`--opinfo-samples=all`)
+every sample. Ops whose proxies may not match are listed in `KNOWN` with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen import FulmenError
+from fulmen.tracer.tracer import trace_program
+from tests.ops.opinfo_harness import matched_opinfos, samples
+
+# (OpInfo id, layout) -> why its traced strides may differ from eager's there.
+KNOWN: dict[tuple[str, str], str] = {
+    ("nn.functional.pad.replicate_negative", "channels_last"):
+        "PyTorch's meta kernel of 2-d replication padding lays the output out contiguously; "
+        "eager's CPU kernel keeps channels_last",
+}
+
+LAYOUTS = ("given", "permuted", "channels_last")
+
+
+def relayout(value, layout: str):
+    """`value` with each tensor's values kept and its memory order changed to `layout`."""
+
+    def convert(leaf):
+        if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+            return leaf
+        if layout == "permuted" and leaf.dim() >= 2:
+            order = tuple(reversed(range(leaf.dim())))
+            moved = leaf.detach().permute(order).contiguous().permute(order)
+            return moved.requires_grad_(leaf.requires_grad)
+        if layout == "channels_last" and leaf.dim() == 4:
+            return leaf.detach().contiguous(memory_format=torch.channels_last)
+        return leaf
+
+    return pytree.tree_map(convert, value)
+
+
+def stride_mismatches(expected, traced) -> list[str]:
+    """Where the traced outputs' strides differ from eager's (dims of size > 1 only)."""
+    exp = [leaf for leaf in pytree.tree_leaves(expected) if isinstance(leaf, torch.Tensor)]
+    got = [leaf for leaf in pytree.tree_leaves(traced) if isinstance(leaf, torch.Tensor)]
+    if len(exp) != len(got):
+        return [f"{len(got)} tensor outputs, eager has {len(exp)}"]
+    problems = []
+    for index, (e, g) in enumerate(zip(exp, got)):
+        if e.shape != g.shape or e.numel() == 0 or e.layout != torch.strided:
+            continue
+        dims = [d for d in range(e.dim()) if e.shape[d] > 1]
+        if [e.stride(d) for d in dims] != [g.stride(d) for d in dims]:
+            problems.append(f"output {index} {tuple(e.shape)}: traced strides {g.stride()}, "
+                            f"eager {e.stride()}")
+    return problems
+
+
+def traced_output(info, input, args, kwargs):
+    """The output of tracing `info.op` on a sample: proxies carrying the traced strides."""
+
+    def fn(input, *args):
+        return info.op(input, *args, **kwargs)
+
+    program = trace_program(fn, (input, *args), {})
+    return program.trace.output
+
+
+def _ids(info):
+    return f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
+
+
+def _limit(request) -> int | None:
+    option = request.config.getoption("--opinfo-samples")
+    return None if option == "all" else min(int(option), 2)
+
+
+@pytest.mark.parametrize("info", matched_opinfos(), ids=_ids)
+def test_traced_strides_match_eager(info, request):
+    checked, problems = 0, []
+    for sample in samples(info, _limit(request)):
+        for layout in LAYOUTS:
+            if (_ids(info), layout) in KNOWN:
+                continue
+            given = (sample.input, sample.args, sample.kwargs)
+            moved = relayout(given, layout)
+            if layout != "given" and all(
+                    a is b for a, b in zip(pytree.tree_leaves(moved), pytree.tree_leaves(given))):
+                continue  # nothing to lay out differently
+            input, args, kwargs = moved
+            try:
+                with torch.no_grad():
+                    expected = info.op(input, *args, **kwargs)
+            except Exception:
+                continue  # eager rejects the sample (or this layout of it)
+            try:
+                with torch.no_grad():
+                    traced = traced_output(info, input, args, kwargs)
+            except FulmenError:
+                continue  # refused or a graph break: test_opinfo covers those
+            checked += 1
+            problems += [f"{layout}: {p}" for p in stride_mismatches(expected, traced)]
+    assert not problems, f"{info.name}: " + "; ".join(problems[:4])
+    if checked == 0:
+        pytest.skip("no sample traced")

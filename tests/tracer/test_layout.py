@@ -1,0 +1,120 @@
+"""Layouts as eager has them: strides read while tracing (issue 18) and the strides of the
+tensors a compiled program returns (issue 20), with fusion on and off."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fulmen
+
+EXECUTORS = {"codegen": ["codegen", "torch"], "torch": ["torch"]}
+
+
+def channels_last(*shape):
+    return torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+
+
+def _same_layout(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return all(actual.stride(d) == expected.stride(d)
+               for d in range(expected.dim()) if expected.shape[d] > 1)
+
+
+@pytest.mark.parametrize("executors", list(EXECUTORS))
+def test_elementwise_chain_keeps_channels_last(executors, codegen_eager):
+    fn = lambda x: torch.relu(x * 2 + 1)  # noqa: E731
+    x = channels_last(2, 3, 4, 5)
+    jfn = fulmen.jit(fn, executors=EXECUTORS[executors])
+    for _ in range(3):  # codegen's kernel and the torch fallback alike
+        out = jfn(x)
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert _same_layout(out, fn(x))
+        torch.testing.assert_close(out, fn(x))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("executors", list(EXECUTORS))
+@pytest.mark.parametrize("converted", ["input", "model"])
+def test_conv_bn_relu_keeps_channels_last(executors, converted, codegen_eager):
+    model = ConvBlock().eval()
+    x = torch.randn(2, 3, 8, 8)
+    if converted == "input":
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:  # CPU's convolution follows the weight's layout too
+        model = model.to(memory_format=torch.channels_last)
+    expected = model(x)
+    assert expected.is_contiguous(memory_format=torch.channels_last)
+    jmodel = fulmen.jit(model, executors=EXECUTORS[executors])
+    for _ in range(3):
+        with torch.no_grad():
+            out = jmodel(x)
+        assert _same_layout(out, expected)
+        torch.testing.assert_close(out, expected)
+
+
+def test_training_output_keeps_channels_last(codegen_eager):
+    model = ConvBlock()
+    x = channels_last(2, 3, 8, 8)
+    out = fulmen.jit(model)(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    out.sum().backward()
+    assert model.conv.weight.grad is not None
+
+
+def test_strides_read_while_tracing_are_eagers():
+    def fn(x):
+        y = x.permute(0, 2, 1, 3) * 3
+        z = x[:, :1].expand(2, 3, 4, 5)
+        return (y.sum(), y.stride(0), y.stride(), z.stride(), y.is_contiguous(),
+                (x + 1).is_contiguous(memory_format=torch.channels_last),
+                torch.zeros_like(x.transpose(1, 2)).stride(), x[:, :, ::2].stride())
+
+    for x in (torch.randn(2, 3, 4, 5), channels_last(2, 3, 4, 5)):
+        expected = fn(x)
+        actual = fulmen.jit(fn)(x)
+        assert actual[1:] == expected[1:]
+
+
+def test_view_follows_eager_strides(codegen_eager):
+    """`view` on an intermediate succeeds or fails as in eager (HF Swin failed with "view size
+    is not compatible with input tensor's size and stride": a fusion had written contiguous
+    what eager keeps channels_last, and the view after a permute ran on that)."""
+
+    def merge(x, bias, weight):  # channels_last + contiguous bias is channels_last in eager
+        y = (x + bias).permute(0, 2, 3, 1)
+        b, h, w, c = y.shape
+        return y.view(b, h, w * c) @ weight
+
+    x, bias, weight = channels_last(2, 3, 4, 4), torch.randn(1, 3, 1, 1), torch.randn(12, 2)
+    jfn = fulmen.jit(merge)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x, bias, weight), merge(x, bias, weight))
+
+    def bad_view(x):  # an expand is no contiguous tensor
+        return x[:, :1].expand(2, 3, 4).view(-1)
+
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(RuntimeError):
+        bad_view(x)
+    with pytest.raises(Exception, match="view|stride"):
+        fulmen.jit(bad_view)(x)
+
+
+def test_dense_non_contiguous_operands():
+    def fn(x):
+        return ((x.transpose(-1, -2) @ x).stride(), torch.where(x > 0, x, 0.0).stride(),
+                x.clamp(0, 1).stride(), torch.lerp(x, x, 0.5).stride(),
+                x.chunk(2, -1)[1].stride(), x.narrow(-1, 1, 2).stride(),
+                x.transpose(1, 2).contiguous().stride())
+
+    x = torch.randn(4, 3, 2).permute(2, 1, 0)  # dense, dims in reverse memory order
+    assert fulmen.jit(fn)(x) == fn(x)
