@@ -28,8 +28,10 @@ conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run_conformance --samples 3
 	$(BIN)/python -m pytest -q tests/ops/test_opinfo.py -m "slow or not slow" --opinfo-samples=all
 
+# >= 100,000 programs across the generators (op-level x3 executor lists, graph breaks, models
+# x3); writes tests/fuzz/SUMMARY.md. FULMEN_FUZZ_PROGRAMS / FULMEN_FUZZ_SEED change the budget.
 fuzz: $(STAMP)
-	FULMEN_FUZZ_EXAMPLES=$${FULMEN_FUZZ_EXAMPLES:-3000} $(BIN)/python -m pytest -q tests/fuzz
+	$(BIN)/python -m tests.fuzz.run_fuzz $${FULMEN_FUZZ_PROGRAMS:-100000} --seed $${FULMEN_FUZZ_SEED:-0}
 
 clean:
 	rm -rf $(VENV) build *.egg-info

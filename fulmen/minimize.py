@@ -194,11 +194,12 @@ def program_of(jfn, *args, **kwargs) -> tuple[Trace, list] | None:
 
 
 def _still_fails(trace, inputs, kind, options) -> Failure | None:
+    """The failure of `trace` on `inputs`, if it has kind `kind` (any kind when None)."""
     try:
         failure = failure_of(trace.python_callable(), inputs, **options)
     except Exception:  # noqa: BLE001 - a candidate that cannot even run is no reduction
         return None
-    return failure if failure is not None and failure.kind == kind else None
+    return failure if failure is not None and kind in (None, failure.kind) else None
 
 
 def _pruned(trace: Trace, inputs: list) -> tuple[Trace, list]:
@@ -268,17 +269,10 @@ def minimize_program(fn, *args, executors=None, transforms=None, against=None,
     if program is None:
         return None
     trace, inputs = program
-    failure = _still_fails_any(trace, inputs, options)
+    failure = _still_fails(trace, inputs, None, options)
     if failure is None:
         return None
     return shrink(trace, inputs, failure, options, max_runs)
-
-
-def _still_fails_any(trace, inputs, options) -> Failure | None:
-    try:
-        return failure_of(trace.python_callable(), inputs, **options)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def _tensor_source(t: torch.Tensor) -> str:

@@ -41,6 +41,9 @@ UNARY = {
     "transpose": lambda a: a.transpose(0, -1) if a.ndim > 1 else a,
     "flip_reshape": lambda a: a.reshape(-1).flip(0).reshape(a.shape),
     "slice": lambda a: a[..., ::2] if a.ndim and a.shape[-1] > 1 else a,
+    "slice_tail": lambda a: a[..., 1:] * 2 if a.ndim and a.shape[-1] > 1 else a,
+    "slice_odd": lambda a: a[1::2] + 1 if a.ndim and a.shape[0] > 1 else a,
+    "chunk_last": lambda a: a.chunk(2, -1)[-1] * 3 if a.ndim else a,
     "layer_norm": lambda a: F.layer_norm(a, a.shape[-1:]),
     "scale": lambda a: a * 0.5 + 1.0,
     "to_double_back": lambda a: a.double().sin().to(a.dtype),
@@ -54,6 +57,9 @@ UNARY = {
     "int8_cast": lambda a: (a * 50).to(torch.int8).to(a.dtype) + a,
     "uint8_cast": lambda a: (a * 3).to(torch.uint8).to(a.dtype) * a,
     "fake_quant": lambda a: (a / 0.1).round().to(torch.int8).to(a.dtype) * 0.1,
+    "bool_cast": lambda a: a.to(torch.bool).to(a.dtype) + a,  # negatives are True too
+    "bf16_round": lambda a: a.to(torch.bfloat16).to(a.dtype) * 2,  # rounding to nearest even
+    "fp16_round": lambda a: a.to(torch.float16).to(a.dtype) - a,
 }
 
 BINARY = {

@@ -65,11 +65,13 @@ def _run(fn, x, w):
     return out.detach(), x.grad
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(steps=st.lists(_steps, min_size=1, max_size=6), seeds=st.lists(st.integers(0, 99),
-                                                                        min_size=3, max_size=3))
-def test_programs_with_breaks_match_eager(steps, seeds):
+STEPS = st.lists(_steps, min_size=1, max_size=6)
+SEEDS = st.lists(st.integers(0, 99), min_size=3, max_size=3)
+
+
+def check_break_program(steps, seeds) -> None:
+    """Run the program of `steps` jitted and eagerly on inputs from `seeds` (each call may
+    take other branches); raise AssertionError where values or gradients differ."""
     breaks = sum(step[0] != "unary" for step in steps)
     if breaks > 3:
         steps = [s for s in steps if s[0] == "unary"] + [s for s in steps if s[0] != "unary"][:3]
@@ -82,3 +84,10 @@ def test_programs_with_breaks_match_eager(steps, seeds):
         ref, ref_grad = _run(fn, x, w)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(steps=STEPS, seeds=SEEDS)
+def test_programs_with_breaks_match_eager(steps, seeds):
+    check_break_program(steps, seeds)
