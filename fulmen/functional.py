@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 
 import torch.utils._pytree as pytree
 
-from fulmen.core.ambient import without_autocast
 from fulmen.executors import resolve_executors
-from fulmen.executors.claim import claim_executors
 from fulmen.jit import JittedFunction
+from fulmen.pipeline import lower
 from fulmen.tracer import trace_program
-from fulmen.transforms import dce, delete_last_used
+from fulmen.transforms import dce
 from fulmen.transforms.autodiff import split_forward_backward
 
 
@@ -69,10 +68,8 @@ def vjp(fn: Callable, *primals, executors=None):
            if inputs[positions[i]].dtype.is_floating_point}
     split = split_forward_backward(trace, wrt, zeros_for_unused=True)
     chosen = resolve_executors(executors)
-    forward = without_autocast(
-        delete_last_used(claim_executors(split.forward, chosen)).python_callable())
-    backward = without_autocast(
-        delete_last_used(claim_executors(dce(split.backward), chosen)).python_callable())
+    forward = lower(split.forward, chosen)
+    backward = lower(dce(split.backward), chosen)
 
     tensor_inputs = [inputs[p] for p in positions]
     output_leaves, residuals = forward(*tensor_inputs, *program.captured)

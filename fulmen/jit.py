@@ -14,7 +14,6 @@ import functools
 import os
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,12 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
-from fulmen.core.ambient import without_autocast
 from fulmen.examine import examine_quietly
 from fulmen.executors import Executor, get_executor, resolve_executors
-from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
-from fulmen.runtime import CompiledPair, run_with_autograd
+from fulmen.pipeline import compile_trace
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
 from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
@@ -41,17 +38,12 @@ from fulmen.tracer.tracer import (
     check_no_input_aliasing,
     state_slots,
 )
-from fulmen.transforms import dce, delete_last_used
-from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.transforms.autodiff.joint import value_and_grad_trace
-from fulmen.transforms.remat import rematerialize
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
-_PASSES = get_logger("passes")
 _BREAKS = get_logger("breaks")
 
 
@@ -306,58 +298,9 @@ class _Jitted:
                           **self._shapes.entry_fields(program))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
-        """The pass pipeline on one trace: dce, user transforms, autodiff and
-        rematerialization when it is differentiated, claiming by the executors, deletion."""
-        seconds: dict[str, float] = {}
-        traces = [trace]
-        backward_traces: list[Trace] = []
-
-        def run(stages: list[Trace], stage, *extra) -> None:
-            result = stage(stages[-1], *extra)
-            if result is not stages[-1]:
-                label = f"{result.provenance.removeprefix('after ')}"
-                _PASSES.info("%s: %.2f ms", label, result.seconds * 1e3)
-                seconds[label if stages is traces else f"{label} (backward)"] = result.seconds
-                stages.append(result)
-
-        run(traces, dce)
-        for user_transform in self._transforms:
-            run(traces, user_transform)
-        if wrt is not None:
-            run(traces, value_and_grad_trace, wrt)
-        needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
-                      and any(p.requires_grad for p in traces[-1].args))
-        if needs_grad:
-            start = time.perf_counter()
-            split = split_forward_backward(traces[-1])
-            seconds["autodiff"] = time.perf_counter() - start
-            traces.append(split.forward.replace(provenance="after autodiff (forward)",
-                                                seconds=seconds["autodiff"]))
-            backward_traces.append(split.backward)
-            if self._rematerialize:
-                start = time.perf_counter()
-                split = rematerialize(split)
-                if split.forward is not traces[-1]:
-                    traces.append(split.forward)
-                    backward_traces.append(split.backward)
-                seconds["rematerialization"] = time.perf_counter() - start
-            run(backward_traces, dce)
-            run(backward_traces, claim_executors, self._executors)
-            run(backward_traces, delete_last_used)
-        run(traces, claim_executors, self._executors)
-        run(traces, delete_last_used)
-
-        start = time.perf_counter()
-        # the traces hold autocast's casts explicitly: never cast again under the caller's
-        fn = without_autocast(traces[-1].python_callable())
-        if needs_grad:
-            residuals = traces[-1].output[1]
-            pair = CompiledPair(fn, without_autocast(backward_traces[-1].python_callable()),
-                                split.differentiable_outputs,
-                                any(not isinstance(r, torch.Tensor) for r in residuals))
-            fn = functools.partial(_call_with_autograd, pair, split.output_spec)
-        seconds["python compilation"] = time.perf_counter() - start
-        return CompiledSegment(fn, traces, backward_traces), seconds
+        """The pass pipeline (`fulmen.pipeline`) on one trace with this callable's options."""
+        return compile_trace(trace, self._executors, transforms=self._transforms, wrt=wrt,
+                             rematerialize=self._rematerialize)
 
     def _compile_tree(self, program, args: tuple, kwargs: dict,
                       entry: CacheEntry | None = None) -> CacheEntry:
@@ -513,13 +456,6 @@ def _restructure_grads(out, specs: list, argnums):
         grads.append(pytree.tree_unflatten(list(flat[start:start + count]), spec))
         start += count
     return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
-
-
-def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
-    outputs = run_with_autograd(pair, inputs)
-    if output_spec.is_leaf():
-        return outputs[0]
-    return pytree.tree_unflatten(list(outputs), output_spec)
 
 
 class JittedFunction(_Jitted):

@@ -1,0 +1,113 @@
+"""The pass pipeline: the one order in which passes run, for `jit` and the functional API.
+
+    dce -> user transforms -> [value_and_grad (functional grad)]
+        -> [autodiff split -> rematerialization]   (when an input requires grad)
+        -> claiming by the executors (fusion regions, then operators) -> `del` insertion
+        -> Python compilation of the printed trace
+
+`compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
+breaks) and returns the callable with every stage's trace; `lower` is its tail (claiming,
+deletion, compilation) for traces another transform produced (`fulmen.vjp`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import Trace
+from fulmen.core.ambient import without_autocast
+from fulmen.executors import Executor
+from fulmen.executors.claim import claim_executors
+from fulmen.logs import get_logger
+from fulmen.runtime import CompiledPair, run_with_autograd
+from fulmen.transforms import dce, delete_last_used
+from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.autodiff.joint import value_and_grad_trace
+from fulmen.transforms.remat import rematerialize as rematerialize_split
+from fulmen.tree import CompiledSegment
+
+_PASSES = get_logger("passes")
+
+
+def lower(trace: Trace, executors: Sequence[Executor]) -> Callable:
+    """Claim `trace`'s statements by `executors`, insert `del`s, compile it to Python; the
+    callable never re-applies the caller's autocast (traces hold autocast's casts)."""
+    return without_autocast(delete_last_used(claim_executors(trace, executors)).python_callable())
+
+
+def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(), wrt=None,
+                  rematerialize: bool = True) -> tuple[CompiledSegment, dict[str, float]]:
+    """Run the pipeline on `trace`; return the compiled segment and seconds per stage.
+
+    Args:
+        trace: a traced program (or segment).
+        executors: the executors that claim statements, in priority order.
+        transforms: user passes `Trace -> Trace`, run after dce.
+        wrt: names of inputs to differentiate in-trace (`fulmen.grad`), or None.
+        rematerialize: choose the saved-for-backward values by a min cut (`transforms.remat`).
+
+    When grad mode is on and an input requires grad, the callable runs the forward and
+    backward traces inside one `torch.autograd.Function` (`fulmen.runtime`).
+    """
+    seconds: dict[str, float] = {}
+    traces = [trace]
+    backward_traces: list[Trace] = []
+
+    def run(stages: list[Trace], stage, *extra) -> None:
+        result = stage(stages[-1], *extra)
+        if result is not stages[-1]:
+            label = f"{result.provenance.removeprefix('after ')}"
+            _PASSES.info("%s: %.2f ms", label, result.seconds * 1e3)
+            seconds[label if stages is traces else f"{label} (backward)"] = result.seconds
+            stages.append(result)
+
+    run(traces, dce)
+    for user_transform in transforms:
+        run(traces, user_transform)
+    if wrt is not None:
+        run(traces, value_and_grad_trace, wrt)
+    needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
+                  and any(p.requires_grad for p in traces[-1].args))
+    if needs_grad:
+        start = time.perf_counter()
+        split = split_forward_backward(traces[-1])
+        seconds["autodiff"] = time.perf_counter() - start
+        traces.append(split.forward.replace(provenance="after autodiff (forward)",
+                                            seconds=seconds["autodiff"]))
+        backward_traces.append(split.backward)
+        if rematerialize:
+            start = time.perf_counter()
+            split = rematerialize_split(split)
+            if split.forward is not traces[-1]:
+                traces.append(split.forward)
+                backward_traces.append(split.backward)
+            seconds["rematerialization"] = time.perf_counter() - start
+        run(backward_traces, dce)
+        run(backward_traces, claim_executors, executors)
+        run(backward_traces, delete_last_used)
+    run(traces, claim_executors, executors)
+    run(traces, delete_last_used)
+
+    start = time.perf_counter()
+    # the traces hold autocast's casts explicitly: never cast again under the caller's
+    fn = without_autocast(traces[-1].python_callable())
+    if needs_grad:
+        residuals = traces[-1].output[1]
+        pair = CompiledPair(fn, without_autocast(backward_traces[-1].python_callable()),
+                            split.differentiable_outputs,
+                            any(not isinstance(r, torch.Tensor) for r in residuals))
+        fn = functools.partial(_call_with_autograd, pair, split.output_spec)
+    seconds["python compilation"] = time.perf_counter() - start
+    return CompiledSegment(fn, traces, backward_traces), seconds
+
+
+def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
+    outputs = run_with_autograd(pair, inputs)
+    if output_spec.is_leaf():
+        return outputs[0]
+    return pytree.tree_unflatten(list(outputs), output_spec)
