@@ -107,7 +107,8 @@ class _Jitted:
         self._fullgraph = fullgraph
         # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
         if dynamic is None:
-            dynamic = {"1": True, "0": False}.get(os.environ.get("FULMEN_DYNAMIC", ""))
+            dynamic = {"1": True, "strict": True, "0": False}.get(
+                os.environ.get("FULMEN_DYNAMIC", ""))
         self._dynamic = dynamic
         self._shapes = DynamicDims(self._dynamic)
         if cache_size_limit is None:
@@ -235,6 +236,8 @@ class _Jitted:
             try:
                 return self._compile(args, kwargs, dims)
             except Exception as error:  # noqa: BLE001 - the static trace decides what is raised
+                if os.environ.get("FULMEN_DYNAMIC") == "strict":  # conformance runs: no fallback
+                    raise
                 torch.random.set_rng_state(rng_state)
                 self._shapes.failed(error)
                 _RECOMPILES.info("symbolic sizes failed (%s: %s); compiling for these shapes",
@@ -625,7 +628,9 @@ def jit(
             for its shapes and traces the dimensions that change in later calls symbolically
             once; True makes every dimension symbolic from the start; False never.
             `fulmen.mark_dynamic` / `mark_static` override it per argument dimension. The
-            default can be set with `FULMEN_DYNAMIC=1` (True) or `0` (False).
+            default can be set with `FULMEN_DYNAMIC=1` (True) or `0` (False);
+            `FULMEN_DYNAMIC=strict` is True and raises where a symbolic trace fails instead of
+            compiling for the call's shapes (for conformance runs).
 
     Returns:
         A callable with the same signature; for modules, an `nn.Module` sharing its parameters.
