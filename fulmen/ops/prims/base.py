@@ -43,8 +43,8 @@ def tensors_of(args) -> list[torch.Tensor]:
 
 
 def check_elementwise(op: str, args) -> torch.Tensor:
-    """Tensor operands share shape, dtype and device; others are Python numbers. Returns the
-    first tensor operand."""
+    """Tensor operands share shape, dtype and device; others are Python numbers (or symbolic
+    sizes standing for one). Returns the first tensor operand."""
     tensors = tensors_of(args)
     check(bool(tensors), op, "needs at least one tensor operand")
     first = tensors[0]
@@ -53,7 +53,8 @@ def check_elementwise(op: str, args) -> torch.Tensor:
         check(tensor.dtype == first.dtype, op, f"dtypes differ: {first.dtype} vs {tensor.dtype}")
         check(tensor.device == first.device, op, f"devices differ: {first.device} vs {tensor.device}")
     for arg in args:
-        check(isinstance(arg, (torch.Tensor, Number)), op, f"operand {arg!r} is not a tensor or number")
+        check(isinstance(arg, (torch.Tensor, Number, torch.SymInt, torch.SymFloat)), op,
+              f"operand {arg!r} is not a tensor or number")
     return first
 
 

@@ -571,7 +571,7 @@ def tensor_split(input, indices_or_sections, dim=0):
     if sections <= 0:
         raise FulmenError(f"number of sections must be larger than 0, got {sections}",
                           op="tensor_split")
-    small, extra = divmod(length, sections)
+    small, extra = length // sections, length % sections  # (divmod refuses symbolic sizes)
     return split_sizes(input, dim, [small + 1 if i < extra else small for i in range(sections)])
 
 
