@@ -14,7 +14,9 @@ and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
 Every callable is warmed up until its codegen regions are hot and their kernels built (and
 torch.compile has compiled); then rounds take `--number` steps of each callable in turn and the
 median over rounds is reported, so load changes on a shared machine hit every callable alike.
-Times are ms per step; ratios below 1 mean fulmen is faster.
+Times are ms per step; ratios below 1 mean fulmen is faster. The table also gives the ratios in
+process CPU time (`time.process_time`), which other load on a shared machine disturbs far less
+than wall time.
 
 Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]`
 """
@@ -185,32 +187,45 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
                           f"{str(error)[:200]}", flush=True)
                     del running[label]
             times: dict[str, list[float]] = {label: [] for label in running}
+            cpu: dict[str, list[float]] = {label: [] for label in running}
             for _ in range(repeat):
                 for label, fn in running.items():
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     for _ in range(number):
                         step(fn)
                     times[label].append((time.perf_counter() - start) / number)
+                    cpu[label].append((time.process_time() - start_cpu) / number)
             row = {"model": case.name, "mode": mode, "threads": threads}
             row.update({label: statistics.median(values) * 1e3 for label, values in times.items()})
+            row.update({f"{label} cpu": statistics.median(values) * 1e3
+                        for label, values in cpu.items()})
             rows.append(row)
             print(row, flush=True)
     model.eval()
     return rows
 
 
+def _ratio(row: dict, label: str, suffix: str = "") -> str:
+    value, base = row.get(f"fulmen{suffix}"), row.get(f"{label}{suffix}")
+    return f"{value / base:.2f}" if value and base else "-"
+
+
 def print_table(rows: list[dict]) -> None:
+    """Wall-clock ms per step and ratios; then the same ratios in process CPU time, which a
+    loaded shared machine disturbs far less (with 1 thread, CPU time is the work done; with
+    more threads it sums them)."""
     print("| model | mode | threads | eager ms | fulmen ms | torch.compile ms | fulmen / eager "
-          "| fulmen / torch.compile |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| fulmen / torch.compile | CPU time: fulmen / eager | CPU time: fulmen / "
+          "torch.compile |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         compiled = row.get("torch.compile")
         fulmen_ms = row.get("fulmen", float("nan"))
         compiled_ms = f"{compiled:.3f}" if compiled else "-"
-        vs_compiled = f"{fulmen_ms / compiled:.2f}" if compiled else "-"
         print(f"| {row['model']} | {row['mode']} | {row['threads']} | {row['eager']:.3f} "
-              f"| {fulmen_ms:.3f} | {compiled_ms} | {fulmen_ms / row['eager']:.2f} "
-              f"| {vs_compiled} |")
+              f"| {fulmen_ms:.3f} | {compiled_ms} | {_ratio(row, 'eager')} "
+              f"| {_ratio(row, 'torch.compile')} | {_ratio(row, 'eager', ' cpu')} "
+              f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
 MODELS = ("llama", "gpt2", "bert", "pythia-14m", "linear-relu")
