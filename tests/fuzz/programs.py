@@ -19,6 +19,16 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+
+def _stride_read(a):
+    """`a` scaled by numbers Python reads from a permuted view of a contiguous copy: its
+    strides and contiguity must be eager's (a contiguous copy's layout is unambiguous)."""
+    if a.ndim < 2:
+        return a
+    view = a.contiguous().transpose(0, -1)
+    return a * (1.0 + 0.01 * view.stride(0)) + (0.0 if view.is_contiguous() else 1.0)
+
+
 UNARY = {
     "exp": lambda a: torch.exp(a.clamp(max=8)),
     "tanh": torch.tanh,
@@ -57,6 +67,7 @@ UNARY = {
     "int8_cast": lambda a: (a * 50).to(torch.int8).to(a.dtype) + a,
     "uint8_cast": lambda a: (a * 3).to(torch.uint8).to(a.dtype) * a,
     "fake_quant": lambda a: (a / 0.1).round().to(torch.int8).to(a.dtype) * 0.1,
+    "stride_read": _stride_read,  # Python reads the layout of a permuted view
     "bool_cast": lambda a: a.to(torch.bool).to(a.dtype) + a,  # negatives are True too
     "bf16_round": lambda a: a.to(torch.bfloat16).to(a.dtype) * 2,  # rounding to nearest even
     "fp16_round": lambda a: a.to(torch.float16).to(a.dtype) - a,
