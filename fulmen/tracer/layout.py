@@ -81,6 +81,8 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
       reduction prim, or a reshape or cat of the arguments: row-major (TensorIterator over
       contiguous operands; reductions and cat of contiguous tensors allocate contiguous
       results; a view of a contiguous tensor is contiguous);
+    - `F.linear` of a contiguous input: row-major (eager multiplies the input flattened to
+      2-d into a new matrix);
     - `F.layer_norm`, `masked_fill`: row-major (eager normalises a contiguous copy into a
       contiguous result; masked_fill fills a copy made with `resize_as_`);
     - 1-3-d convolutions on CPU: the memory format eager's backend picks.
@@ -93,6 +95,11 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         return _conv_layouts(func, args, kwargs, tuple(outputs[0].shape))
     if func in _ROW_MAJOR_RESULTS:
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
+    if func is F.linear and len(outputs) == 1:
+        input = args[0] if args else kwargs.get("input")
+        with torch._C.DisableTorchFunctionSubclass():
+            if isinstance(input, TensorProxy) and input.is_contiguous():  # an mm of it, flat
+                return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]
     producers = [_producer(bsym, leaf.name) for leaf in outputs]
     if any(p is None for p in producers):
         return None
