@@ -94,7 +94,7 @@ class Layout:
     op (eager keeps its input's strides), then `.view` back, which is legal only with eager's
     strides; `strides`: Python also reads `is_contiguous()` and `stride()` of the intermediate."""
 
-    kind: str = "view"  # view | strides
+    kind: str = "view"  # view | view_broadcast | strides
 
 
 @dataclass(frozen=True)
@@ -469,13 +469,16 @@ class LayoutBlock(nn.Module):
     def forward(self, x, mask=None):
         shape, half = x.shape, x.shape[-1] // 2
         h = x.view(*shape[:-1], 2, half).transpose(-1, -2)  # [..., half, 2], strided
-        h = torch.tanh(h * self.weight[:, None])  # eager: the output keeps h's strides
+        if self.spec.kind == "view":
+            h = torch.tanh(h) * 1.5  # eager: the output keeps h's strides
+        else:  # with a broadcast operand (eager: still h's strides)
+            h = torch.tanh(h * self.weight[:, None])
         if self.spec.kind == "strides":
             if not h.is_contiguous():  # eager: not contiguous
                 h = h * 0.5
             h = h + 0.01 * h.stride(-1)  # eager: half
         h = h.transpose(-1, -2).view(shape)  # fails unless h has eager's strides
-        return x + h
+        return x + h * self.weight.repeat(2)
 
 
 class MemoryBlock(nn.Module):

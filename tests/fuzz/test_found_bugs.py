@@ -28,6 +28,22 @@ def test_strides_of_a_broadcasting_elementwise_op_are_eagers():
     torch.testing.assert_close(actual, expected)
 
 
+def _window_view(x, w):
+    h = torch.tanh(x.view(1, 2, 2, 6).transpose(-1, -2) * w[:, None])  # eager: transposed
+    return h.transpose(-1, -2).view(1, 2, 12)  # legal with eager's strides only
+
+
+@pytest.mark.xfail(strict=True, reason="under autocast, `.view` of a broadcasting elementwise "
+                   "op's transposed result fails: the proxy reports contiguous strides where "
+                   "eager's are transposed (HF Swin's failure; issue 18)")
+def test_view_of_a_broadcasting_op_under_autocast_works_as_in_eager():
+    x, w = torch.randn(1, 2, 12), torch.randn(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _window_view(x, w)
+        actual = fulmen.jit(_window_view, executors=["torch"])(x, w)
+    torch.testing.assert_close(actual, expected)
+
+
 def test_strides_of_elementwise_ops_without_broadcast_are_eagers():
     def f(x):
         h = torch.tanh(x.view(2, 3, 2, 4).transpose(-1, -2)) * 2
