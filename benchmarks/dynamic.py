@@ -1,0 +1,144 @@
+"""Dynamic shapes (issue 16): a sweep of sequence lengths x batch sizes, and KV-cache decoding,
+eager vs fulmen vs torch.compile in the same run.
+
+Sweep: HF Llama, GPT-2 and Qwen2 (tiny configs of the installed transformers, random weights)
+called with 12 sequence lengths x 3 batch sizes, forward under `no_grad` and a training step
+(forward with `labels=`, backward). For each callable the first pass over the 36 shapes (which
+includes every compilation) and a second, steady-state pass are timed; compilations are
+counted (fulmen: cache misses; torch.compile: frames compiled, from `torch._dynamo.utils`).
+
+Decode: `generate(max_new_tokens=N, do_sample=False)` with the default DynamicCache; tokens are
+compared with eager; the compilations of the jitted forward are counted, and a second generate
+(everything compiled) gives the per-token time.
+
+Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2] [--tokens 64] [--no-compile]`
+Times are seconds (sweep) and ms per token (decode); ratios are fulmen or torch.compile / eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import fulmen
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LENGTHS = (5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38)
+BATCHES = (1, 2, 4)
+VOCAB = 96
+
+
+def _model(name: str) -> torch.nn.Module:
+    import transformers as T
+
+    common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                  max_position_embeddings=256)
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**common))
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB,
+                                              n_positions=256))
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _sweep(call, train: bool) -> float:
+    """Seconds for one pass over every (batch, length) shape."""
+    start = time.perf_counter()
+    for batch in BATCHES:
+        for length in LENGTHS:
+            ids = torch.randint(0, VOCAB, (batch, length))
+            if train:
+                call(ids, labels=ids).loss.backward()
+            else:
+                with torch.no_grad():
+                    call(ids)
+    return time.perf_counter() - start
+
+
+def _compiles(callable_, kind: str) -> int:
+    if kind == "fulmen":
+        return fulmen.cache_misses(callable_)
+    if kind == "torch.compile":
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    return 0
+
+
+def sweep(name: str, use_compile: bool) -> None:
+    for train in (False, True):
+        torch.manual_seed(0)
+        model = _model(name).train(train)
+        kinds = {"eager": model, "fulmen": fulmen.jit(model)}
+        if use_compile:
+            torch._dynamo.reset()
+            kinds["torch.compile"] = torch.compile(model)
+        row = {}
+        for kind, call in kinds.items():
+            first = _sweep(call, train)
+            steady = _sweep(call, train)
+            row[kind] = (first, steady, _compiles(call, kind))
+        eager_first, eager_steady, _ = row["eager"]
+        label = f"{name} {'train' if train else 'forward'}"
+        for kind, (first, steady, compiles) in row.items():
+            print(f"{label:16s} {kind:14s} first pass {first:7.2f} s ({first / eager_first:5.2f}x)"
+                  f"  steady {steady:6.2f} s ({steady / eager_steady:5.2f}x)  "
+                  f"compiles {compiles}")
+
+
+def decode(name: str, tokens: int, use_compile: bool) -> None:
+    torch.manual_seed(0)
+    model = _model(name).eval()
+    ids = torch.randint(0, VOCAB, (1, 6))
+    original = model.forward
+    kinds = {"eager": model, "fulmen": fulmen.jit(model)}
+    if use_compile:
+        torch._dynamo.reset()
+        kinds["torch.compile"] = torch.compile(original)
+    want = None
+    times = {}
+    for kind, call in kinds.items():
+        if kind == "torch.compile":  # generate() calls the module, which calls this forward
+            model.forward = call
+        try:
+            generate = model.generate if kind != "fulmen" else call.generate
+            first = time.perf_counter()
+            out = generate(ids, max_new_tokens=tokens, do_sample=False)
+            first = time.perf_counter() - first
+            again = time.perf_counter()
+            generate(ids, max_new_tokens=tokens, do_sample=False)
+            again = time.perf_counter() - again
+        finally:
+            model.forward = original
+        want = out if want is None else want
+        times[kind] = again / tokens * 1e3
+        same = torch.equal(out, want)
+        print(f"{name:6s} decode {kind:14s} first generate {first:6.2f} s  per token "
+              f"{times[kind]:6.2f} ms ({times[kind] / times['eager']:4.2f}x)  "
+              f"tokens equal {same}  compiles {_compiles(call, kind)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama,gpt2,qwen2")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread")
+    for name in args.models.split(","):
+        if not args.skip_sweep:
+            sweep(name, not args.no_compile)
+        decode(name, args.tokens, not args.no_compile)
+
+
+if __name__ == "__main__":
+    main()
