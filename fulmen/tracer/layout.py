@@ -48,7 +48,8 @@ def _is_map(bsym) -> bool:
 
 
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
-_ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill})
+_ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill, F.one_hot,
+                                F.nll_loss, F.cross_entropy})
 
 
 def _conv_layouts(func, args, kwargs, shape):
@@ -83,8 +84,9 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
       results; a view of a contiguous tensor is contiguous);
     - `F.linear` of a contiguous input: row-major (eager multiplies the input flattened to
       2-d into a new matrix);
-    - `F.layer_norm`, `masked_fill`: row-major (eager normalises a contiguous copy into a
-      contiguous result; masked_fill fills a copy made with `resize_as_`);
+    - `F.layer_norm`, `masked_fill`, `F.one_hot`, `F.nll_loss`, `F.cross_entropy`: row-major
+      (eager normalises a contiguous copy into a contiguous result; masked_fill fills a copy
+      made with `resize_as_`; one_hot scatters into new zeros; the losses allocate theirs);
     - 1-3-d convolutions on CPU: the memory format eager's backend picks.
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]

@@ -20,10 +20,12 @@ from fulmen.tracer.tracer import trace_program
 from tests.ops.opinfo_harness import matched_opinfos, samples
 
 # (OpInfo id, layout) -> why its traced strides may differ from eager's there.
+_PAD_LAYOUT = ("PyTorch's meta kernel of 2-d reflection/replication padding lays the output out "
+               "contiguously; eager's CPU kernel keeps channels_last")
 KNOWN: dict[tuple[str, str], str] = {
-    ("nn.functional.pad.replicate_negative", "channels_last"):
-        "PyTorch's meta kernel of 2-d replication padding lays the output out contiguously; "
-        "eager's CPU kernel keeps channels_last",
+    ("nn.functional.pad.replicate_negative", "channels_last"): _PAD_LAYOUT,
+    ("nn.functional.pad.replicate", "channels_last"): _PAD_LAYOUT,
+    ("nn.functional.pad.reflect", "channels_last"): _PAD_LAYOUT,
 }
 
 LAYOUTS = ("given", "permuted", "channels_last")
