@@ -1,8 +1,9 @@
 """Silent wrong answers the model fuzzer found (issue 18), minimized; each xfail is an open bug
 whose pattern the generator leaves out unless FULMEN_FUZZ_KNOWN_BUGS=1.
 
-- layout truth (`Layout("strides")` blocks): strides and contiguity that Python reads from a
-  traced intermediate must be eager's, or code branching on them takes another path;
+- layout truth (`Layout("strides")` blocks, the op fuzzer's `stride_read`): strides and
+  contiguity that Python reads from a traced intermediate must be eager's, or code branching
+  on them takes another path;
 - a plain list passed as an argument and grown by the traced code (`Context(cache="list")`, a
   KV cache as a list of (k, v)): the store must be replayed on every call, or refused."""
 
@@ -42,6 +43,19 @@ def test_view_of_a_broadcasting_op_under_autocast_works_as_in_eager():
         expected = _window_view(x, w)
         actual = fulmen.jit(_window_view, executors=["torch"])(x, w)
     torch.testing.assert_close(actual, expected)
+
+
+def _size_one_stride(x):
+    h = x * 2  # eager: contiguous strides (1, 1); x's are (1, 4)
+    return h + h.stride(1)
+
+
+@pytest.mark.xfail(strict=True, reason="an elementwise op on an input with a size-1 dim keeps "
+                   "the input's stride there; eager's output is contiguous (issue 18)")
+def test_strides_of_an_elementwise_op_with_a_size_one_dim_are_eagers():
+    x = torch.randn(1, 4).transpose(0, 1)
+    expected = _size_one_stride(x)
+    torch.testing.assert_close(fulmen.jit(_size_one_stride, executors=["torch"])(x), expected)
 
 
 def test_strides_of_elementwise_ops_without_broadcast_are_eagers():
