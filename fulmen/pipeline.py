@@ -1,7 +1,7 @@
 """The pass pipeline: the one order in which passes run, for `jit` and the functional API.
 
-    dce -> user transforms -> [value_and_grad (functional grad)]
-        -> [autodiff split -> rematerialization]   (when an input requires grad)
+    dce -> cse -> user transforms -> [value_and_grad (functional grad)]
+        -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> Python compilation of the printed trace
 
@@ -28,6 +28,7 @@ from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
+from fulmen.transforms.cse import cse
 from fulmen.transforms.remat import rematerialize as rematerialize_split
 from fulmen.tree import CompiledSegment
 
@@ -67,6 +68,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
             stages.append(result)
 
     run(traces, dce)
+    run(traces, cse)
     for user_transform in transforms:
         run(traces, user_transform)
     if wrt is not None:
@@ -88,6 +90,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
                 backward_traces.append(split.backward)
             seconds["rematerialization"] = time.perf_counter() - start
         run(backward_traces, dce)
+        run(backward_traces, cse)
         run(backward_traces, claim_executors, executors)
         run(backward_traces, delete_last_used)
     run(traces, claim_executors, executors)

@@ -178,26 +178,61 @@ class _Printer:
 
 
 def _symbol_bindings(trace, symbols: set) -> list[str]:
-    """`s0 = x.shape[0]` for each symbol of a symbolic size the body uses, read from the
-    first input that has it as a size.
+    """`s0 = x.shape[0]` for each symbol of a symbolic size the body uses, read from an input
+    whose size (or stride) is the symbol, or else a linear expression of it and of symbols
+    already bound (a backward trace may see only `s0 - 1`: `s0 = t3.shape[0] + 1`).
 
     Raises:
-        FulmenError: when no input has the symbol as one of its sizes.
+        FulmenError: when no input's sizes determine a symbol.
     """
     if not symbols:
         return []
-    lines, bound = [""], set()
+    from torch.utils._sympy.printers import PythonPrinter
+
+    sources = []  # (expression, Python text of the value)
     for proxy in trace.args:
-        for dim, size in enumerate(getattr(proxy, "shape", ())):
-            if isinstance(size, torch.SymInt):
-                expr = size.node.expr
-                if expr in symbols and expr not in bound:
-                    bound.add(expr)
-                    lines.append(f"{INDENT}{expr} = {proxy.name}.shape[{dim}]")
+        if isinstance(getattr(proxy, "shape", None), torch.Size):
+            for kind, values in (("shape", proxy.shape), ("stride()", proxy.stride())):
+                for dim, size in enumerate(values):
+                    if isinstance(size, torch.SymInt) and size.node.expr.free_symbols:
+                        sources.append((size.node.expr, f"{proxy.name}.{kind}[{dim}]"))
+    lines, bound = [""], set()
+    for expr, text in sources:  # the symbols themselves first
+        if expr in symbols and expr not in bound:
+            bound.add(expr)
+            lines.append(f"{INDENT}{expr} = {text}")
+    progress = True
+    while symbols - bound and progress:
+        progress = False
+        for expr, text in sources:
+            unknown = expr.free_symbols - bound
+            if len(unknown) != 1 or not unknown <= symbols:
+                continue
+            solved = _solve_linear(expr, unknown.pop(), text, PythonPrinter())
+            if solved is not None:
+                bound.add(solved[0])
+                lines.append(f"{INDENT}{solved[0]} = {solved[1]}")
+                progress = True
     if symbols - bound:
         raise FulmenError(f"the symbolic sizes {sorted(map(str, symbols - bound))} are not a "
                           "size of any input", op=f"print {trace.name}")
     return lines
+
+
+def _solve_linear(expr, symbol, text: str, printer) -> tuple[Any, str] | None:
+    """`(symbol, python)` solving `expr == value_of(text)` for `symbol` when `expr` is
+    `a * symbol + rest` with an integer `a` (`rest` of bound symbols), else None."""
+    import sympy
+
+    coefficient = expr.diff(symbol)
+    if not coefficient.is_Integer or coefficient == 0 or expr.has(sympy.Function):
+        return None
+    value = sympy.Symbol("_fulmen_value", integer=True)
+    rest = sympy.expand(expr - coefficient * symbol)
+    if rest.has(symbol):
+        return None
+    numerator = printer.doprint(value - rest).replace("_fulmen_value", f"({text})")
+    return symbol, f"({numerator}) // {int(coefficient)}"
 
 
 def _is_dotted_name(text: str) -> bool:

@@ -59,7 +59,11 @@ class SymbolicSizes:
     def __init__(self) -> None:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        self.env = ShapeEnv(specialize_zero_one=True, duck_shape=True)
+        # ops whose output shape or a Python value depends on data (`nonzero`, `x[mask]`,
+        # `.item()`) must fail in the meta kernel, as without symbolic sizes, so they become
+        # graph breaks (`fulmen.tracer.breaks`), not unbacked symbols
+        self.env = ShapeEnv(specialize_zero_one=True, duck_shape=True,
+                            allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False)
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
         self.positions: list[int] = []  # the flattened-argument position of each
 
