@@ -7,13 +7,13 @@ the run goes on), then a summary table in `tests/fuzz/SUMMARY.md`.
 
 TOTAL (default 100,000 programs, or FULMEN_FUZZ_PROGRAMS) is split by `SHARE`: most of it to
 the op-level programs (`programs.py`, each checked also with in-place updates of its inputs)
-under `["torch"]` and decomposed to prims, 3% under codegen (each new kernel is a C++ build,
-~2.5 s a program on a loaded machine), a tenth to programs with graph breaks
-(`test_break_programs.py`), 2% to whole models in calling contexts (`models.py`, ~1-2 s
-each). Measured on a 2-core machine shared by six (load ~10): ~170 ms per op program (torch),
-~110 ms (decomposed), ~2.5 s (codegen), ~370 ms per break program, ~1-2 s per model case:
-100,000 programs take ~7 h there in one process; `--jobs 7` runs the generators side by side.
-`make test` runs the same generators with small budgets (`test_fuzz.py`,
+under `["torch"]` and decomposed to prims, 3% under codegen (each new kernel is a C++
+build), a tenth to programs with graph breaks (`test_break_programs.py`), 2% to whole models
+in calling contexts (`models.py`). Measured (2,000-program run, `--jobs 2` on a 2-core machine shared with other
+work, load ~5): ~47 ms per op program (torch), ~49 ms (decomposed), ~1.6 s (codegen, cold
+kernel cache), ~370 ms per break program, ~3-4 s per model case (~11 s under codegen, cold).
+So 100,000 programs take ~6.5 h in one process there; `--jobs 7` with 7 free cores takes
+about the longest generator, ~1.6 h (models under codegen). See SUMMARY.md. `make test` runs the same generators with small budgets (`test_fuzz.py`,
 `test_break_programs.py`, `test_models.py`).
 
 For each failure kind, the first failing program is reduced: op-level programs and first calls
