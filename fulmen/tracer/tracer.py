@@ -271,6 +271,22 @@ def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
                 "self.mem[...] = ...), or return the value and keep it outside the module")
 
 
+def _argument_containers(value, path: str = "arguments") -> list[tuple[str, Any, Any]]:
+    """`(where, container, snapshot)` for every list and dict inside the call's arguments
+    (the containers pytree flattens: their items become separate leaves, so a store into them
+    would not be seen again)."""
+    found: list[tuple[str, Any, Any]] = []
+    if isinstance(value, (list, dict)):
+        found.append((path, value, snapshot(value)))
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found.extend(_argument_containers(item, f"{path}[{index}]"))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found.extend(_argument_containers(item, f"{path}[{key!r}]"))
+    return found
+
+
 def _path_name(path, param_names: list[str]) -> str:
     """`(SequenceKey(0), SequenceKey(1), MappingKey('a'))` -> `w_a` for parameter `w`."""
     top, rest = path[0], path[1:]
@@ -451,6 +467,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             real[state[id(slot.get())].name] = slot.get()
         ctx.breaks = BreakRecorder(ctx, real)
 
+    # the traced code sees copies of the argument lists and dicts (rebuilt around the proxies):
+    # a store into one would be lost
+    containers = _argument_containers((proxy_args, proxy_kwargs))
     try:
         with tracing(ctx), FactoryMode(ctx):
             if module is not None:
@@ -469,6 +488,16 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()
+        changed = [path for path, container, items in containers
+                   if not unchanged(container, items)]
+        for _, container, items in containers:
+            restore(container, items)
+    if changed:
+        raise NotYetSupportedError(
+            f"the function changes the list or dict passed as {changed[0]} (append, item store, "
+            "pop); a compiled call would not repeat that", op="list/dict argument",
+            hint="return the new value instead, or keep it in an object attribute "
+            "(cache.layers = ...), whose stores fulmen replays")
 
     if objects.epilogue:
         output, output_spec = (tuple(out_leaves), tuple(extras)), out_spec
