@@ -42,8 +42,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import Trace
-from fulmen.core.trace import bind_callables
 from fulmen.core.symbol import BoundSymbol
+from fulmen.core.trace import bind_callables
 from fulmen.executors.codegen import wait_for_kernels
 from fulmen.jit import _jitted
 
