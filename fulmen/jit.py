@@ -30,7 +30,7 @@ from fulmen.pipeline import compile_trace
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
 from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
-from fulmen.tracer.objects import ObjectInputs
+from fulmen.tracer.objects import ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
     _path_name,
@@ -106,11 +106,11 @@ class _Jitted:
         self._fn = fn
         self._fullgraph = fullgraph
         # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
+        setting = os.environ.get("FULMEN_DYNAMIC", "")
         if dynamic is None:
-            dynamic = {"1": True, "strict": True, "0": False}.get(
-                os.environ.get("FULMEN_DYNAMIC", ""))
-        self._dynamic = dynamic
-        self._shapes = DynamicDims(self._dynamic)
+            dynamic = {"1": True, "strict": True, "0": False}.get(setting)
+        self._shapes = DynamicDims(dynamic)
+        self._strict_dynamic = setting == "strict"  # conformance runs: symbolic, no fallback
         if cache_size_limit is None:
             cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
         # functional autodiff returns (value, grads): no eager fallback has that structure
@@ -236,10 +236,10 @@ class _Jitted:
             try:
                 return self._compile(args, kwargs, dims)
             except Exception as error:  # noqa: BLE001 - the static trace decides what is raised
-                if os.environ.get("FULMEN_DYNAMIC") == "strict":  # conformance runs: no fallback
+                if self._strict_dynamic:
                     raise
                 torch.random.set_rng_state(rng_state)
-                self._shapes.failed(error)
+                self._shapes.failed()
                 _RECOMPILES.info("symbolic sizes failed (%s: %s); compiling for these shapes",
                                  type(error).__name__, error)
         return self._compile(args, kwargs)
@@ -250,8 +250,7 @@ class _Jitted:
         target = self._module.forward if self._module is not None else self._fn
         position, steps = position if isinstance(position, tuple) else (position, ())
         path = pytree.tree_flatten_with_path((args, kwargs))[0][position][0]
-        return _path_name(path, _positional_names(target)) + "".join(
-            f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in steps)
+        return _path_name(path, _positional_names(target)) + path_text(steps)
 
     def _trace(self, args: tuple, kwargs: dict, dynamic=None):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff);

@@ -21,7 +21,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
-from fulmen.tracer.objects import function_roots, is_plain_object, object_key, walk
+from fulmen.tracer.objects import (
+    function_roots,
+    is_plain_object,
+    object_key,
+    path_text,
+    walk,
+)
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -224,9 +230,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds
             for steps, value in walk(leaf):
                 if isinstance(value, Tensor):
-                    where = "".join(f".{key}" if kind == "attr" else f"[{key!r}]"
-                                    for kind, key in steps)
-                    described[f"{name}{where}.shape"] = tuple(value.shape)
+                    described[f"{name}{path_text(steps)}.shape"] = tuple(value.shape)
             continue
         if isinstance(leaf, Tensor):
             described[f"{name}.shape"] = tuple(leaf.shape)

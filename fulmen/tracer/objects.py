@@ -115,6 +115,11 @@ def walk(root: Any) -> list[tuple[tuple, Any]]:
     return found
 
 
+def path_text(path: tuple) -> str:
+    """`(("attr", "layers"), ("item", 0), ("attr", "keys"))` -> `.layers[0].keys`."""
+    return "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path)
+
+
 def follow(root: Any, path: tuple) -> Any:
     """The value at `path` inside `root`."""
     for kind, key in path:

@@ -115,7 +115,7 @@ class DynamicDims:
                 dims[i] = chosen
         return {i: tuple(sorted(d)) for i, d in dims.items()}
 
-    def failed(self, error: Exception) -> None:
+    def failed(self) -> None:
         """A symbolic trace failed: later calls are compiled for their shapes."""
         self.broken = True
         self.varying.clear()

@@ -78,16 +78,33 @@ class SymbolicSizes:
         shape = list(tensor.shape)
         if not dims or not tensor.is_contiguous():
             return tuple(shape), tuple(tensor.stride())
+        bounds = getattr(tensor, "_fulmen_dynamic_dims", {})  # fulmen.mark_dynamic(min=, max=)
         for dim in dims:
             hint = int(tensor.shape[dim])
+            low, high = bounds.get(dim, (None, None))
+            if (low is not None and hint < low) or (high is not None and hint > high):
+                continue  # outside the declared range: this size stays a number
             source = TensorPropertySource(LocalSource(label), TensorProperty.SIZE, dim)
             expr = self.env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            if expr.is_Symbol and (low is not None or high is not None):
+                self._constrain(expr, low, high)
             shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)
         strides, acc = [], 1
         for size in reversed(shape):
             strides.append(acc)
             acc = acc * size if not isinstance(size, int) or size > 1 else acc
         return tuple(shape), tuple(reversed(strides))
+
+    def _constrain(self, symbol, low: int | None, high: int | None) -> None:
+        """Narrow `symbol`'s range to `[low, high]` (within the ShapeEnv's own; sizes 0 and 1
+        are specialised anyway); the entry's guard then checks it."""
+        from torch.utils._sympy.numbers import int_oo
+
+        known = self.env.var_to_range[symbol]
+        lower = known.lower if low is None else max(low, known.lower)
+        upper = known.upper if high is None else min(high, known.upper)
+        self.env.constrain_symbol_range(symbol, compiler_min=lower,
+                                        compiler_max=int_oo if upper == int_oo else upper)
 
     def add_input(self, proxy: TensorProxy, position) -> None:
         """Declare `proxy` (at flattened-argument `position`, see `tensor_at`) an input with

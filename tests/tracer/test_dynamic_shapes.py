@@ -58,6 +58,16 @@ def test_mark_dynamic_and_mark_static():
         fulmen.mark_dynamic(x, 2)
 
 
+def test_mark_dynamic_bounds_are_guarded():
+    fn = lambda x: x.sum(0) * x.shape[0]  # noqa: E731
+    jfn = fulmen.jit(fn, dynamic=False)
+    for n in (4, 6, 9, 5, 12):
+        x = torch.randn(n, 3)
+        fulmen.mark_dynamic(x, 0, min=3, max=8)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 3  # one symbolic entry for 3..8, then 9 and 12
+
+
 def test_sizes_zero_and_one_are_specialised():
     fn = lambda x: x.sum(0) / x.shape[0]  # noqa: E731
     jfn = fulmen.jit(fn, dynamic=True)
@@ -162,13 +172,18 @@ def test_graph_breaks_with_symbolic_sizes():
     assert fulmen.cache_misses(jfn) <= 3
 
 
-def test_hf_llama_forward_over_sequence_lengths():
+def _tiny_llama(max_positions: int):
+    """A one-layer HF Llama with random weights (the installed transformers), in eval mode."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64,
-                                      vocab_size=96, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
+                                      vocab_size=96, max_position_embeddings=max_positions)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_hf_llama_forward_over_sequence_lengths():
+    model = _tiny_llama(max_positions=64)
     jmodel = fulmen.jit(model)
     with torch.no_grad():
         for seq in (8, 5, 11, 6):
@@ -179,12 +194,7 @@ def test_hf_llama_forward_over_sequence_lengths():
 
 
 def test_generate_with_a_dynamic_cache_decodes_symbolically():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64,
-                                      vocab_size=96, max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(max_positions=128)
     jmodel = fulmen.jit(model)
     ids = torch.randint(0, 96, (1, 6))
     want = model.generate(ids, max_new_tokens=12, do_sample=False)
