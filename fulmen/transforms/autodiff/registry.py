@@ -25,16 +25,23 @@ _RULES: dict[Symbol, Callable] = {}
 _SAVING_FORWARDS: dict[Symbol, Callable] = {}
 
 
+def _registrar(table: dict, sym: Symbol, what: str) -> Callable[[Callable], Callable]:
+    """A decorator putting the decorated function in `table` under `sym` (once: a second
+    registration raises `ValueError` naming `what`)."""
+
+    def register(fn: Callable) -> Callable:
+        if sym in table:
+            raise ValueError(f"{sym.id} already has {what}")
+        table[sym] = fn
+        return fn
+
+    return register
+
+
 def vjp_rule(sym: Symbol) -> Callable[[Callable], Callable]:
     """Register the decorated function as the VJP rule of `sym`."""
 
-    def register(rule: Callable) -> Callable:
-        if sym in _RULES:
-            raise ValueError(f"{sym.id} already has a VJP rule")
-        _RULES[sym] = rule
-        return rule
-
-    return register
+    return _registrar(_RULES, sym, "a VJP rule")
 
 
 def rule_for(sym: Symbol) -> Callable | None:
@@ -60,13 +67,7 @@ def saving_forward(sym: Symbol) -> Callable[[Callable], Callable]:
     returns None to decline the call site (the op then runs whole and its rule applies).
     """
 
-    def register(fn: Callable) -> Callable:
-        if sym in _SAVING_FORWARDS:
-            raise ValueError(f"{sym.id} already has a saving forward")
-        _SAVING_FORWARDS[sym] = fn
-        return fn
-
-    return register
+    return _registrar(_SAVING_FORWARDS, sym, "a saving forward")
 
 
 def saving_forward_for(sym: Symbol) -> Callable | None:
