@@ -249,7 +249,7 @@ def shrink(trace: Trace, inputs: list, failure: Failure, options: dict,
     # 2. delete statements one at a time, the last first (its inputs then may go too)
     index = len(trace.bsyms) - 1
     while index >= 0 and runs < max_runs:
-        if len(trace.bsyms) > 1 and trace.bsyms[index].sym.python_name != "del":
+        if len(trace.bsyms) > 1 and not trace.bsyms[index].is_del:
             candidate = _as_inputs(trace, inputs, index)
             if candidate is not None:
                 runs += 1

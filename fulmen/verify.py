@@ -191,7 +191,7 @@ def _narrow(good: Trace, bad: Trace, inputs_for, rtol, atol) -> BoundSymbol | No
     _, good_env = interpret(good, *inputs_for(good))
     _, bad_env = interpret(bad, *inputs_for(bad))
     for bsym in bad.bsyms:
-        if bsym.sym.python_name == "del":
+        if bsym.is_del:
             continue
         outputs = list(iter_proxies(bsym.output))
         known = [p for p in outputs if p.name in good_env]

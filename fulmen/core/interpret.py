@@ -30,7 +30,7 @@ def interpret(trace, *args) -> tuple[Any, dict[str, Any]]:
     """
     env: dict[str, Any] = dict(zip(trace.arg_names, args))
     for bsym in trace.bsyms:
-        if bsym.sym.python_name == "del":
+        if bsym.is_del:
             continue
         call_args, call_kwargs = map_proxies(lambda p: env[p.name], (bsym.args, bsym.kwargs))
         try:

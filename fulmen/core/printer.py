@@ -147,7 +147,7 @@ class _Printer:
 
     def statement(self, bsym: BoundSymbol) -> str:
         """One line of Python for `bsym`, without its comments."""
-        if bsym.sym.python_name == "del":
+        if bsym.is_del:
             return "del " + ", ".join(proxy.name for proxy in iter_proxies(bsym.args))
         call = self.call(bsym)
         if not list(iter_proxies(bsym.output)):

@@ -124,6 +124,11 @@ class BoundSymbol:
         return dataclasses.replace(self, **changes)
 
     @property
+    def is_del(self) -> bool:
+        """Whether this is a `del a, b` statement (frees names; `DEL` below)."""
+        return self.sym is DEL
+
+    @property
     def proxy_inputs(self) -> list[Proxy]:
         """Proxies read by this statement, in argument order, without repeats."""
         seen: dict[str, Proxy] = {}
@@ -156,3 +161,21 @@ _EFFECT_TAGS = frozenset({"side_effect", "random"})
 
 # The trace being recorded in this thread/context, or None. Set by `fulmen.core.trace.tracing`.
 _TRACECTX: contextvars.ContextVar = contextvars.ContextVar("fulmen_tracectx", default=None)
+
+
+CORE_NAMESPACE = Namespace("fulmen_core", None, "")
+
+# `del a, b`: frees the named tensors. Inserted by the delete-last-used pass; prints specially.
+DEL = Symbol("del", None, namespace=CORE_NAMESPACE, python_name="del", tags={"side_effect"})
+
+
+def flatten(bsym: BoundSymbol, stop: Callable[[BoundSymbol], bool] | None = None,
+            ) -> list[BoundSymbol]:
+    """`bsym` as the statements of its decomposition, recursively, in order: a statement
+    without subsymbols (a prim, an opaque or executor op) or one for which `stop(statement)`
+    holds stays whole. Every part carries the source line of `bsym`; `[bsym]` itself (the same
+    object) when nothing is expanded."""
+    if not bsym.subsymbols or (stop is not None and stop(bsym)):
+        return [bsym]
+    return [part for sub in bsym.subsymbols
+            for part in flatten(sub.replace(source=bsym.source), stop)]

@@ -23,12 +23,7 @@ from fulmen.core.errors import FulmenError
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import user_source_location
-from fulmen.core.symbol import _TRACECTX, BoundSymbol, Namespace, Symbol
-
-CORE_NAMESPACE = Namespace("fulmen_core", None, "")
-
-# `del a, b`: frees the named tensors. Inserted by the delete-last-used pass; prints specially.
-DEL = Symbol("del", None, namespace=CORE_NAMESPACE, python_name="del", tags={"side_effect"})
+from fulmen.core.symbol import _TRACECTX, BoundSymbol, Symbol
 
 _callable_ids = itertools.count()
 

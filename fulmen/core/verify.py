@@ -69,7 +69,7 @@ def check_trace(trace, compile_source: bool = True) -> None:
     for bsym in trace.bsyms:
         for proxy in iter_proxies((bsym.args, bsym.kwargs)):
             use(proxy, bsym)
-        if bsym.sym.python_name == "del":
+        if bsym.is_del:
             live.difference_update(proxy.name for proxy in iter_proxies(bsym.args))
             continue
         for proxy in iter_proxies(bsym.output):

@@ -54,7 +54,7 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
     eager_layout: set[str] = set()  # outputs of torch-level and opaque ops torch runs whole
     fused: set[str] = set()
     for bsym in trace.bsyms:
-        if bsym.sym.python_name == "del" or isinstance(bsym.sym.executor, FusionExecutor):
+        if bsym.is_del or isinstance(bsym.sym.executor, FusionExecutor):
             bsyms.append(bsym)
             fused |= bsym.output_names
         else:

@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import Trace, flatten
 from fulmen.transforms.base import transform
-
-
-def _flatten(bsym: BoundSymbol) -> list[BoundSymbol]:
-    if bsym.sym.is_prim or not bsym.subsymbols:
-        return [bsym]
-    out = []
-    for sub in bsym.subsymbols:
-        out.extend(_flatten(sub.replace(source=bsym.source)))
-    return out
 
 
 @transform("decomposition into prims")
@@ -21,7 +12,7 @@ def decompose_to_prims(trace: Trace) -> Trace:
 
     Useful to check decompositions (the result runs prims only) and as input to fusion.
     """
-    bsyms = [flat for bsym in trace.bsyms for flat in _flatten(bsym)]
+    bsyms = [flat for bsym in trace.bsyms for flat in flatten(bsym)]
     if len(bsyms) == len(trace.bsyms) and all(a is b for a, b in zip(bsyms, trace.bsyms)):
         return trace
     return trace.replace(bsyms=tuple(bsyms))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fulmen.core import BoundSymbol, Trace
-from fulmen.core.trace import DEL
+from fulmen.core.symbol import DEL
 from fulmen.transforms.base import transform
 
 

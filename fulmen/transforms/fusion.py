@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import networkx as nx
 import torch
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, Trace, flatten
 from fulmen.core.proxy import iter_proxies
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
@@ -50,15 +50,6 @@ class FusionExecutor(Protocol):
 OperatorExecutor = Any  # anything with `claim(bsym) -> BoundSymbol | None`
 
 MAX_REGION_SIZE = 256
-
-
-def _flatten(bsym: BoundSymbol) -> list[BoundSymbol]:
-    if bsym.sym.is_prim or not bsym.subsymbols:
-        return [bsym]
-    out = []
-    for sub in bsym.subsymbols:
-        out.extend(_flatten(sub.replace(source=bsym.source)))
-    return out
 
 
 def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
@@ -102,13 +93,13 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
                  before: Sequence[OperatorExecutor]) -> list[_Node]:
     nodes: list[_Node] = []
     for origin, bsym in enumerate(trace.bsyms):
-        if bsym.sym.python_name == "del" or _has_symbolic_sizes(bsym) \
+        if bsym.is_del or _has_symbolic_sizes(bsym) \
                 or any(ex.claim(bsym) is not None for ex in before):
             nodes.append(_Node(bsym, origin, False))
         elif executor.can_fuse(bsym):
             nodes.append(_Node(bsym, origin, True))
         else:
-            flat = _flatten(bsym)
+            flat = flatten(bsym)
             fusible = [executor.can_fuse(sub) for sub in flat]
             if flat[0] is not bsym and (all(fusible) or _worth_splitting(flat, fusible)):
                 nodes.extend(_Node(sub, origin, ok) for sub, ok in zip(flat, fusible))

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 
 import networkx as nx
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, Trace, flatten
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.proxies import TensorProxy
 from fulmen.transforms.autodiff.split import ForwardBackward
@@ -168,12 +168,6 @@ def _all_names(bsym: BoundSymbol) -> set[str]:
     return names
 
 
-def _parts(bsym: BoundSymbol) -> list[BoundSymbol]:
-    if not bsym.subsymbols:
-        return [bsym]
-    return [part for sub in bsym.subsymbols for part in _parts(sub.replace(source=bsym.source))]
-
-
 def _just_in_time(recomputed: list[BoundSymbol], rest: list[BoundSymbol]) -> list[BoundSymbol]:
     """`rest` in order, each statement of `recomputed` placed just before the first statement
     that reads one of its outputs (its own recomputed inputs before it)."""
@@ -219,7 +213,7 @@ def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved
     defined = set().union(*(_all_names(b) for b in backward.bsyms)) if backward.bsyms else set()
     recomputed = []
     for bsym in recompute:
-        recomputed.extend(_parts(bsym) if (_all_names(bsym) - bsym.output_names) & defined
+        recomputed.extend(flatten(bsym) if (_all_names(bsym) - bsym.output_names) & defined
                           else [bsym])
     early = {name for b in recomputed for name in _all_names(b)}
     rest = [b for b in backward.bsyms if not (b.output_names and b.output_names <= early)]

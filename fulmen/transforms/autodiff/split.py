@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, tracing
+from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, flatten, tracing
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
@@ -212,14 +212,6 @@ def zip_proxies(new, old) -> list[tuple[str, Proxy]]:
     return [(n.name, o) for n, o in zip(iter_proxies(new), iter_proxies(old))]
 
 
-def _rule_level(bsym: BoundSymbol) -> list[BoundSymbol]:
-    """`bsym`'s decomposition, flattened down to statements that have VJP rules."""
-    if _has_rule(bsym) or not bsym.subsymbols:
-        return [bsym]
-    return [flat for sub in bsym.subsymbols
-            for flat in _rule_level(sub.replace(source=bsym.source))]
-
-
 def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCtx,
                  graphs: dict[int, tuple], readers: dict[str, list[BoundSymbol]]) -> None:
     """Record the backward of one forward statement (see NOTE [whole ops in forward])."""
@@ -236,7 +228,7 @@ def _backward_of(bsym: BoundSymbol, grads: dict[str, TensorProxy], ctx: TracerCt
     if _has_rule(bsym):
         _run_rule(bsym, _output_cotangents(bsym, grads), grads)
         return
-    parts = _rule_level(bsym)
+    parts = flatten(bsym, stop=_has_rule)
     computed = bsym.output_names
     for part in parts:  # recompute the intermediates the forward never materialised
         if not part.output_names & computed:
