@@ -65,6 +65,36 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def known_same_shape(a, b) -> bool:
+    """Whether shapes `a` and `b` are equal for every value their symbolic sizes
+    (`fulmen.tracer.symbolic`) may take, decided without recording a guard: False when they
+    differ and when the answer depends on the sizes (`(s0*s1, 32)` against `(32, 32)`).
+
+    For fast paths that skip an op which would be a no-op on equal shapes (the general path
+    must be right for equal shapes too). Comparing the tuples directly would record a guard
+    such as `s0*s1 != 32`, and Python compares tuples element by element even when their
+    lengths differ.
+    """
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        equal = x == y
+        if isinstance(equal, bool):
+            if not equal:
+                return False
+        elif not _statically_known_true(equal):
+            return False
+    return True
+
+
+def _statically_known_true(condition: torch.SymBool) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
+
+
 class TensorProxy(torch.Tensor, Proxy):
     """A tensor's metadata (shape, dtype, device, strides, requires_grad) and an SSA name.
 

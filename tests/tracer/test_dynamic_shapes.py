@@ -202,3 +202,19 @@ def test_generate_with_a_dynamic_cache_decodes_symbolically():
     assert torch.equal(got, want)
     stats = fulmen.compile_stats(jmodel)
     assert stats.cache_misses <= 3 and stats.eager_calls == 0  # prefill, decode, symbolic decode
+
+
+def test_flattened_token_count_equal_to_a_weight_dim_needs_no_recompile():
+    """GPT-2's Conv1D: `addmm(bias, x.view(-1, d), w)`. The bias broadcast compared the token
+    count `s0*s1` with the weight dims (guards `s0*s1 != 96`), so a batch x length product equal
+    to a weight dim compiled again."""
+    w, bias = torch.randn(32, 96), torch.randn(96)
+
+    def conv1d(x):
+        return torch.addmm(bias, x.view(-1, x.size(-1)), w).view(*x.shape[:-1], 96)
+
+    jfn = fulmen.jit(conv1d)
+    for batch, seq in ((2, 5), (3, 7), (4, 8), (3, 32), (2, 48), (4, 24), (6, 5)):
+        x = torch.randn(batch, seq, 32)
+        torch.testing.assert_close(jfn(x), conv1d(x))
+    assert fulmen.cache_misses(jfn) == 2

@@ -16,6 +16,7 @@ from torch._prims_common import elementwise_dtypes
 
 from fulmen.core import FulmenError
 from fulmen.ops import prims
+from fulmen.proxies.tensor import known_same_shape
 
 __all__ = [
     "Promotion", "broadcast_shapes", "broadcast_to", "canonical_dim", "canonical_dims",
@@ -102,8 +103,8 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 
 def broadcast_to(a, shape: Sequence[int]):
     """Broadcast tensor `a` to `shape` with numpy rules (numbers pass through)."""
-    if not isinstance(a, torch.Tensor) or tuple(a.shape) == tuple(shape):
-        return a
+    if not isinstance(a, torch.Tensor) or known_same_shape(a.shape, shape):
+        return a  # unknown (symbolic sizes): broadcasting to an equal shape is right too
     offset = len(shape) - a.ndim
     if offset < 0:
         raise FulmenError(f"cannot broadcast {tuple(a.shape)} to {tuple(shape)}", op="broadcast")
