@@ -11,6 +11,7 @@ callable, a miss traces and compiles anew.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -478,6 +479,32 @@ class JittedFunction(_Jitted):
         return self if instance is None else functools.partial(self.__call__, instance)
 
 
+class _BoundForward:
+    """`jitted.forward` as an instance sees it: the compiled call, showing the wrapped module's
+    forward signature, so code that inspects `model.forward` (HF `generate` choosing what to
+    pass, e.g. GPT-2's `position_ids` from a padded mask; Trainer's column filter) sees the
+    same parameters as on the module."""
+
+    __slots__ = ("__self__",)
+
+    def __init__(self, jitted: JittedModule) -> None:
+        self.__self__ = jitted
+
+    def __call__(self, *args, **kwargs):
+        return self.__self__._compiled_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.__self__._orig_mod.forward)
+
+
+class _ForwardDescriptor:
+    """Class attribute `JittedModule.forward`: instances get a `_BoundForward`."""
+
+    def __get__(self, instance, owner=None):
+        return owner._compiled_forward if instance is None else _BoundForward(instance)
+
+
 class JittedModule(torch.nn.Module):
     """An `nn.Module` compiled by `fulmen.jit`.
 
@@ -506,7 +533,10 @@ class JittedModule(torch.nn.Module):
         self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
         self._hooks = HookWatch(self._orig_mod)
 
-    def forward(self, *args, **kwargs):
+    forward = _ForwardDescriptor()
+
+    def _compiled_forward(self, *args, **kwargs):
+        """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
         hooks = self._hooks
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
             self._jit._cache.clear()
@@ -558,6 +588,9 @@ class JittedModule(torch.nn.Module):
                 return original(*call_args, **call_kwargs)
             return self.forward(*call_args, **call_kwargs)
 
+        # `generate` reads the forward's signature to choose what to pass (GPT-2 gets
+        # `position_ids` from a padded mask only if its forward takes them)
+        functools.update_wrapper(forward, original)
         module.forward = forward
         try:
             return method(*args, **kwargs)

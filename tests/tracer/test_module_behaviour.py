@@ -216,3 +216,21 @@ def test_backward_hooks_inside_are_refused_and_on_the_jitted_module_work():
     jmodel.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("outer"))
     jmodel(x).sum().backward()
     assert seen == ["outer"]
+
+
+def test_forward_shows_the_wrapped_modules_signature():
+    """Code that inspects `model.forward` to choose its arguments (HF `generate` passes
+    `position_ids` only to a forward that takes them) sees the module's own parameters."""
+    import inspect
+
+    class Takes(torch.nn.Module):
+        def forward(self, x, position_ids=None, *, scale=1.0):
+            return x * scale
+
+    jmodel = fulmen.jit(Takes())
+    assert inspect.signature(jmodel.forward) == inspect.signature(Takes().forward)
+    assert "position_ids" in inspect.signature(copy.deepcopy(jmodel).forward).parameters
+    x = torch.randn(3)
+    torch.testing.assert_close(jmodel.forward(x, scale=2.0), x * 2)
+    forward = fulmen.jit(Takes()).forward  # keeps its module alive, like a bound method
+    torch.testing.assert_close(forward(x), x)
