@@ -6,7 +6,7 @@
 from fulmen.core.errors import FulmenError, NotYetSupportedError
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import BoundSymbol, Symbol, flatten
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, flatten
 from fulmen.core.trace import Trace, TraceCtx, get_tracectx, tracing
 from fulmen.core.verify import check_trace
 
@@ -17,6 +17,7 @@ __all__ = [
     "Proxy",
     "SourceLocation",
     "Symbol",
+    "Tag",
     "Trace",
     "TraceCtx",
     "check_trace",

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import enum
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,43 @@ class Namespace:
         return self.value
 
 
+class Tag(enum.StrEnum):
+    """What a symbol is, declared with it (`@prim(..., tags=...)`, `@torch_op(..., tags=...)`)
+    and read by every pass. A member equals its string (`"opaque" in sym.tags` holds), and a
+    symbol refuses a tag that is not a member, so a misspelt tag fails where it is declared.
+
+    `VIEW`: when torch runs the statement, its outputs share the storage of its (first) tensor
+    input: the view prims (`broadcast_in_dim`, `permute`, `slice`, `squeeze`) and the
+    torch-level ops whose decomposition is made of view prims and `prims.reshape` only and that
+    PyTorch documents as views (`view`, `transpose`, `split`, basic indexing, ...). Not
+    `reshape`/`flatten`/`contiguous`, which copy a tensor they cannot view, nor
+    `functionalized.view_scatter`, which writes into a copy of its base. Remat, the memory
+    estimate and fusion read it (`BoundSymbol.is_view`).
+    """
+
+    ELEMENTWISE = "elementwise"
+    UNARY = "unary"
+    BINARY = "binary"
+    TERNARY = "ternary"
+    REDUCTION = "reduction"
+    INDEX = "index"  # returns indices (argmax)
+    SHAPE = "shape"  # moves elements without computing (reshape, cat, pad, flip)
+    VIEW = "view"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    MATMUL = "matmul"
+    CREATION = "creation"  # a prim making a tensor from numbers
+    FACTORY = "factory"  # a torch factory (torch.zeros, torch.rand, ...)
+    RANDOM = "random"  # draws from the global generator
+    OPAQUE = "opaque"  # runs a torch callable fulmen does not decompose
+    SIDE_EFFECT = "side_effect"  # dead code elimination keeps it
+    WRITE_BACK = "write_back"  # the copy of a mutated input back into it
+    FUNCTIONALIZED = "functionalized"  # an in-place call's functional form
+    FUSION = "fusion"  # a fusion executor's region
+    AUTOGRAD_FUNCTION = "autograd_function"  # a user torch.autograd.Function
+    GRAPH_BREAK = "graph_break"  # the guard statement a graph break records
+
+
 class Symbol:
     """An operation that can appear in a trace.
 
@@ -57,7 +95,7 @@ class Symbol:
         python_name: the dotted expression a printed trace calls, e.g. `"torch.add"`.
         is_prim: prims have no decomposition; their `fn` must not call other symbols.
         impl: what runs on real tensors when the symbol is called outside tracing.
-        tags: free-form labels (`"elementwise"`, `"reduction"`, `"opaque"`, ...).
+        tags: `Tag` members (strings naming them are accepted; others raise ValueError).
         torch_fn: for torch-level ops, the torch callable the symbol stands for.
     """
 
@@ -73,7 +111,7 @@ class Symbol:
         python_name: str | None = None,
         is_prim: bool = False,
         impl: Callable | None = None,
-        tags: frozenset[str] | set[str] = frozenset(),
+        tags: Iterable[Tag | str] = frozenset(),
         torch_fn: Callable | None = None,
         executor: Any = None,
     ):
@@ -83,7 +121,7 @@ class Symbol:
         self.python_name = python_name or f"{namespace.alias}.{name}"
         self.is_prim = is_prim
         self.impl = impl
-        self.tags = frozenset(tags)
+        self.tags = frozenset(map(Tag, tags))
         self.torch_fn = torch_fn
         self.executor = executor
 
@@ -122,6 +160,12 @@ class BoundSymbol:
 
     def replace(self, **changes) -> BoundSymbol:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def is_view(self) -> bool:
+        """Whether torch returns the outputs as views of an input (`Tag.VIEW`): saving one
+        keeps its base's storage alive, and it allocates nothing."""
+        return Tag.VIEW in self.sym.tags
 
     @property
     def is_del(self) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fulmen.core import BoundSymbol, Symbol, Trace, TraceCtx, get_tracectx, tracing
+from fulmen.core import BoundSymbol, Symbol, Tag, Trace, TraceCtx, get_tracectx, tracing
 from fulmen.core.symbol import Namespace
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
@@ -131,7 +131,8 @@ class OperatorExecutor(Executor):
         if op is None:
             if fn is None:
                 raise ValueError("register_implementation needs `op` or `fn`")
-            op = self.register_operator(sym.name, fn=fn, meta=sym.fn)
+            # an implementation of a view is a view (`Tag.VIEW`: the memory estimate reads it)
+            op = self.register_operator(sym.name, fn=fn, meta=sym.fn, tags=sym.tags & {Tag.VIEW})
         impl = Implementation(op, checker)
         self.implementations[sym] = impl
         return impl

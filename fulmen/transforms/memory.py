@@ -3,8 +3,10 @@
 A value is live from the statement that produces it until a `del` statement frees it (traces
 after `delete_last_used` free each tensor right after its last use; earlier stages keep
 everything until they return). Inputs count from the start. Outputs of view operations
-(reshape, permute, slicing, expand, ...) share their input's storage and count 0 bytes; this is
-an estimate for the torch executor, where such ops return views.
+(`BoundSymbol.is_view`, `Tag.VIEW`: `view`, `permute`, slicing, `expand`, ...) share their
+input's storage and count 0 bytes; every other output counts its own bytes (`reshape`, which
+may copy, and `functionalized.view_scatter`, which writes into a copy of its base, included).
+This is an estimate for the torch executor, where such ops return views.
 """
 
 from __future__ import annotations
@@ -14,16 +16,6 @@ from dataclasses import dataclass
 from fulmen.core import Trace
 from fulmen.core.proxy import iter_proxies
 from fulmen.proxies import TensorProxy
-
-_VIEW_NAMES = (
-    "view", "reshape", "permute", "transpose", "expand", "__getitem__", "unsqueeze", "squeeze",
-    "narrow", "select", "split", "chunk", "unbind", "broadcast_in_dim", "slice", "movedim", ".t",
-    "unflatten", "flatten", "view_as", "expand_as", "swapaxes", "swapdims", "tensor_split",
-)  # fmt: skip
-
-
-def _is_view(python_name: str) -> bool:
-    return any(python_name.endswith(name) or f".{name}" in python_name for name in _VIEW_NAMES)
 
 
 def _bytes(proxy) -> int:
@@ -56,15 +48,13 @@ def memory_estimate(trace: Trace) -> MemoryEstimate:
     live: dict[str, int] = {p.name: _bytes(p) for p in trace.args}
     statements, timeline = ["(inputs)"], [sum(live.values())]
     for bsym in trace.bsyms:
-        name = bsym.sym.python_name
-        if name == "del":
+        if bsym.is_del:
             for proxy in iter_proxies(bsym.args):
                 live.pop(proxy.name, None)
         else:
-            view = _is_view(name)
             for proxy in bsym.proxy_outputs:
-                live[proxy.name] = 0 if view else _bytes(proxy)
-        statements.append(name)
+                live[proxy.name] = 0 if bsym.is_view else _bytes(proxy)
+        statements.append(bsym.sym.python_name)
         timeline.append(sum(live.values()))
     return MemoryEstimate(tuple(statements), tuple(timeline), max(timeline))
 

@@ -56,10 +56,6 @@ _CHEAP_TAGS = {"elementwise", "shape"}
 CHECKPOINT_WEIGHT = 10**6
 # a reduction is recomputed only when each output element reads at most this many elements
 MAX_RECOMPUTED_REDUCTION = 4096
-# prims whose result is a view of their input when torch runs them (`reshape` may copy)
-_VIEW_PRIMS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze"})
-# torch-level ops made of view prims that copy when their input's layout requires it
-_MAY_COPY = frozenset({"reshape", "flatten", "reshape_as", "contiguous"})
 
 
 def _reduced_per_output(bsym: BoundSymbol) -> int:
@@ -86,24 +82,12 @@ def is_recomputable(bsym: BoundSymbol) -> bool:
     return bool(bsym.subsymbols) and all(is_recomputable(sub) for sub in bsym.subsymbols)
 
 
-def _only_view_prims(bsym: BoundSymbol) -> bool:
-    if not bsym.subsymbols:
-        return bsym.sym.is_prim and (bsym.sym.name in _VIEW_PRIMS or bsym.sym.name == "reshape")
-    return all(_only_view_prims(sub) for sub in bsym.subsymbols)
-
-
 def is_view(bsym: BoundSymbol) -> bool:
     """Whether the outputs of `bsym` share their input's storage when the torch executor runs
-    it: the view prims (`broadcast_in_dim`, `permute`, `slice`, `squeeze`) and torch-level ops
-    made only of them and `prims.reshape` (`view`, `transpose`, `split`, `unsqueeze`, basic
-    indexing...), except `reshape`/`flatten`, which copy a tensor they cannot view."""
-    if "opaque" in bsym.sym.tags or not any(isinstance(p, TensorProxy)
-                                            for p in bsym.proxy_inputs):
-        return False
-    if bsym.sym.is_prim:
-        return bsym.sym.name in _VIEW_PRIMS
-    return (bsym.sym.name not in _MAY_COPY and bool(bsym.subsymbols)
-            and _only_view_prims(bsym))
+    it (`BoundSymbol.is_view`: `Tag.VIEW`, declared with the op: the view prims, `view`,
+    `transpose`, `split`, basic indexing...; not `reshape`/`flatten`, which copy a tensor they
+    cannot view)."""
+    return bsym.is_view
 
 
 def nbytes(proxy: Proxy) -> int:

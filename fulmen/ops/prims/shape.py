@@ -12,6 +12,7 @@ from numbers import Number
 
 import torch
 
+from fulmen.core.symbol import Tag
 from fulmen.ops.meta import run_meta
 from fulmen.ops.prims.base import canonical_dims, check, prim
 from fulmen.proxies import TensorProxy
@@ -22,7 +23,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-@prim("broadcast_in_dim", tags=["shape"])
+@prim("broadcast_in_dim", tags=[Tag.SHAPE, Tag.VIEW])
 def broadcast_in_dim(a: TensorProxy, shape: Sequence[int], broadcast_dims: Sequence[int]) -> TensorProxy:
     """Broadcast `a` to `shape`; input dim i becomes output dim `broadcast_dims[i]` and must have
     size 1 or the output's size there."""
@@ -44,7 +45,7 @@ def reshape(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     return TensorProxy.like(a, shape=shape)
 
 
-@prim("squeeze", tags=["shape"])
+@prim("squeeze", tags=[Tag.SHAPE, Tag.VIEW])
 def squeeze(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
     """Remove the given size-1 dimensions."""
     dims = canonical_dims("squeeze", dims, a.ndim)
@@ -52,7 +53,7 @@ def squeeze(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
     return TensorProxy.like(a, shape=[s for d, s in enumerate(a.shape) if d not in dims])
 
 
-@prim("permute", tags=["shape"])
+@prim("permute", tags=[Tag.SHAPE, Tag.VIEW])
 def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
     """Reorder dimensions: output dim i is input dim `dims[i]`.
 
@@ -64,7 +65,7 @@ def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
                        strides=[a.stride()[d] for d in dims])
 
 
-@prim("slice", tags=["shape"])
+@prim("slice", tags=[Tag.SHAPE, Tag.VIEW])
 def slice_prim(a: TensorProxy, starts: Sequence[int], ends: Sequence[int], steps: Sequence[int]) -> TensorProxy:
     """Per-dimension `a[start:end:step]` with 0 <= start <= end <= size and step >= 1."""
     check(len(starts) == len(ends) == len(steps) == a.ndim, "slice", "one start/end/step per dim")

@@ -26,11 +26,13 @@ from collections.abc import Sequence
 import torch
 
 from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.core.symbol import Tag
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.utils import Promotion, promote, to_dtype
 
 T = torch.Tensor
+VIEW = (Tag.VIEW,)  # ops whose outputs torch returns as views of the input (`Tag.VIEW`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def cat_tensors(tensors, dim, op: str = "cat") -> T:
 # ---------------------------------------------------------------------------------------------
 
 
-@torch_op(T.view)
+@torch_op(T.view, tags=VIEW)
 def view(self, *shape, **kwargs):
     if "dtype" in kwargs or any(isinstance(s, torch.dtype) for s in shape):
         raise NotYetSupportedError("view(dtype) reinterprets bits", op="view")
@@ -260,7 +262,7 @@ def reshape(self, *shape, **kwargs):
     return reshape_to(self, _varargs(shape, kwargs, "shape", "reshape"))
 
 
-@torch_op(T.view_as)
+@torch_op(T.view_as, tags=VIEW)
 def view_as(self, other):
     return reshape_to(self, tuple(other.shape), "view_as")
 
@@ -286,7 +288,7 @@ def flatten(input, start_dim=0, end_dim=-1):
     return prims.reshape(input, new_shape)
 
 
-@torch_op(torch.unflatten, methods=("unflatten",))
+@torch_op(torch.unflatten, methods=("unflatten",), tags=VIEW)
 def unflatten(input, dim, sizes):
     dim = wrap_dim(dim, input.ndim, "unflatten")
     check_not_scalar(input, "unflatten")
@@ -297,7 +299,7 @@ def unflatten(input, dim, sizes):
     return prims.reshape(input, (*input.shape[:dim], *sizes, *input.shape[dim + 1:]))
 
 
-@torch_op(torch.squeeze, methods=("squeeze",))
+@torch_op(torch.squeeze, methods=("squeeze",), tags=VIEW)
 def squeeze(input, dim=None):
     if dim is None:
         dims = tuple(d for d, size in enumerate(input.shape) if size == 1)
@@ -307,22 +309,22 @@ def squeeze(input, dim=None):
     return prims.squeeze(input, dims)
 
 
-@torch_op(torch.unsqueeze, methods=("unsqueeze",))
+@torch_op(torch.unsqueeze, methods=("unsqueeze",), tags=VIEW)
 def unsqueeze(input, dim):
     return unsqueeze_at(input, wrap_dim(dim, input.ndim + 1, "unsqueeze"))
 
 
-@torch_op(T.expand)
+@torch_op(T.expand, tags=VIEW)
 def expand(self, *sizes, implicit=False, **kwargs):
     return expand_to(self, _varargs(sizes, kwargs, "size", "expand"))
 
 
-@torch_op(T.expand_as)
+@torch_op(T.expand_as, tags=VIEW)
 def expand_as(self, other):
     return expand_to(self, tuple(other.shape), "expand_as")
 
 
-@torch_op(T.broadcast_to, torch.broadcast_to)
+@torch_op(T.broadcast_to, torch.broadcast_to, tags=VIEW)
 def broadcast_to(self, *size, **kwargs):
     return expand_to(self, _varargs(size, kwargs, "size", "broadcast_to"), "broadcast_to")
 
@@ -339,7 +341,7 @@ def contiguous(self, memory_format=torch.contiguous_format):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch_op(T.permute, torch.permute)
+@torch_op(T.permute, torch.permute, tags=VIEW)
 def permute(self, *dims, **kwargs):
     dims = _varargs(dims, kwargs, "dims", "permute")
     if len(dims) != self.ndim:
@@ -348,22 +350,22 @@ def permute(self, *dims, **kwargs):
     return permute_to(self, wrap_dims(dims, self.ndim, "permute"))
 
 
-@torch_op(torch.transpose, methods=("transpose",))
+@torch_op(torch.transpose, methods=("transpose",), tags=VIEW)
 def transpose(input, dim0, dim1):
     return transpose_dims(input, dim0, dim1)
 
 
-@torch_op(torch.swapaxes, methods=("swapaxes",))
+@torch_op(torch.swapaxes, methods=("swapaxes",), tags=VIEW)
 def swapaxes(input, axis0, axis1):
     return transpose_dims(input, axis0, axis1, "swapaxes")
 
 
-@torch_op(torch.swapdims, methods=("swapdims",))
+@torch_op(torch.swapdims, methods=("swapdims",), tags=VIEW)
 def swapdims(input, dim0, dim1):
     return transpose_dims(input, dim0, dim1, "swapdims")
 
 
-@torch_op(torch.t, methods=("t",))
+@torch_op(torch.t, methods=("t",), tags=VIEW)
 def t(input):
     if input.ndim > 2:
         raise FulmenError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim}D",
@@ -371,7 +373,7 @@ def t(input):
     return permute_to(input, tuple(reversed(range(input.ndim))))
 
 
-@torch_op(T.T.__get__, name="T")
+@torch_op(T.T.__get__, name="T", tags=VIEW)
 def numpy_T(self):
     return permute_to(self, tuple(reversed(range(self.ndim))))
 
@@ -383,12 +385,12 @@ def _matrix_transpose(a: T, op: str) -> T:
     return transpose_dims(a, -2, -1, op)
 
 
-@torch_op(T.mT.__get__, name="mT")
+@torch_op(T.mT.__get__, name="mT", tags=VIEW)
 def matrix_T(self):
     return _matrix_transpose(self, "mT")
 
 
-@torch_op(T.mH.__get__, name="mH")
+@torch_op(T.mH.__get__, name="mH", tags=VIEW)
 def matrix_H(self):
     if self.dtype.is_complex:
         raise NotYetSupportedError("conjugate transpose of a complex tensor", op="mH")
@@ -414,12 +416,12 @@ def _movedim(input, source, destination, op: str) -> T:
     return permute_to(input, [d if d != -1 else next(rest) for d in order])
 
 
-@torch_op(torch.movedim, methods=("movedim",))
+@torch_op(torch.movedim, methods=("movedim",), tags=VIEW)
 def movedim(input, source, destination):
     return _movedim(input, source, destination, "movedim")
 
 
-@torch_op(torch.moveaxis, methods=("moveaxis",))
+@torch_op(torch.moveaxis, methods=("moveaxis",), tags=VIEW)
 def moveaxis(input, source, destination):
     return _movedim(input, source, destination, "moveaxis")
 
@@ -507,7 +509,7 @@ def stack(tensors, dim=0):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch_op(torch.split, T.split)
+@torch_op(torch.split, T.split, tags=VIEW)
 def split(tensor, split_size_or_sections, dim=0):
     check_not_scalar(tensor, "split")
     dim = wrap_dim(dim, tensor.ndim, "split")
@@ -533,14 +535,14 @@ def split_with_sizes_of(a: T, sizes, dim: int, op: str) -> tuple[T, ...]:
     return split_sizes(a, dim, sizes)
 
 
-@torch_op(torch.split_with_sizes, methods=("split_with_sizes",))
+@torch_op(torch.split_with_sizes, methods=("split_with_sizes",), tags=VIEW)
 def split_with_sizes(input, split_sizes, dim=0):
     check_not_scalar(input, "split_with_sizes")
     dim = wrap_dim(dim, input.ndim, "split_with_sizes")
     return split_with_sizes_of(input, split_sizes, dim, "split_with_sizes")
 
 
-@torch_op(torch.chunk, methods=("chunk",))
+@torch_op(torch.chunk, methods=("chunk",), tags=VIEW)
 def chunk(input, chunks, dim=0):
     check_not_scalar(input, "chunk")
     chunks = as_int(chunks, "chunk")
@@ -555,7 +557,7 @@ def chunk(input, chunks, dim=0):
     return split_sizes(input, dim, [min(size, length - i * size) for i in range(count)])
 
 
-@torch_op(torch.tensor_split, methods=("tensor_split",))
+@torch_op(torch.tensor_split, methods=("tensor_split",), tags=VIEW)
 def tensor_split(input, indices_or_sections, dim=0):
     check_not_scalar(input, "tensor_split")
     dim = wrap_dim(dim, input.ndim, "tensor_split")
@@ -575,7 +577,7 @@ def tensor_split(input, indices_or_sections, dim=0):
     return split_sizes(input, dim, [small + 1 if i < extra else small for i in range(sections)])
 
 
-@torch_op(torch.unbind, methods=("unbind",))
+@torch_op(torch.unbind, methods=("unbind",), tags=VIEW)
 def unbind(input, dim=0):
     if input.ndim == 0:
         raise IndexError("Dimension specified as 0 but tensor has no dimensions")
@@ -583,7 +585,7 @@ def unbind(input, dim=0):
     return tuple(select_index(input, dim, i, "unbind") for i in range(input.shape[dim]))
 
 
-@torch_op(torch.narrow, methods=("narrow",))
+@torch_op(torch.narrow, methods=("narrow",), tags=VIEW)
 def narrow(input, dim, start, length):
     check_not_scalar(input, "narrow")
     dim = wrap_dim(dim, input.ndim, "narrow")
@@ -599,7 +601,7 @@ def narrow(input, dim, start, length):
     return slice_dim(input, dim, start, start + length)
 
 
-@torch_op(torch.select, methods=("select",))
+@torch_op(torch.select, methods=("select",), tags=VIEW)
 def select(input, dim, index):
     if input.ndim == 0:
         raise IndexError("select() cannot be applied to a 0-dim tensor.")
@@ -629,7 +631,7 @@ def _index_items(index) -> tuple:
     return tuple(out)
 
 
-@torch_op(T.__getitem__, name="getitem")
+@torch_op(T.__getitem__, name="getitem", tags=VIEW)
 def getitem(self, index):
     """`self[index]` for ints, slices, None and Ellipsis; other indices run as the torch op."""
     items = _index_items(index)
