@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 import threading
 import warnings
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen import config
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
 from fulmen.examine import examine_quietly
 from fulmen.executors import Executor, get_executor, resolve_executors
@@ -107,13 +107,13 @@ class _Jitted:
         self._fn = fn
         self._fullgraph = fullgraph
         # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
-        setting = os.environ.get("FULMEN_DYNAMIC", "")
+        setting = config.get("FULMEN_DYNAMIC")
         if dynamic is None:
             dynamic = {"1": True, "strict": True, "0": False}.get(setting)
         self._shapes = DynamicDims(dynamic)
         self._strict_dynamic = setting == "strict"  # conformance runs: symbolic, no fallback
         if cache_size_limit is None:
-            cache_size_limit = int(os.environ.get("FULMEN_CACHE_SIZE_LIMIT", "8"))
+            cache_size_limit = config.get("FULMEN_CACHE_SIZE_LIMIT")
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
         self._warned: set[str] = set()  # the eager-fallback warnings given

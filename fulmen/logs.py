@@ -9,7 +9,8 @@ or with `logging.getLogger("fulmen.recompiles").setLevel(logging.INFO)` and a ha
 from __future__ import annotations
 
 import logging
-import os
+
+from fulmen import config
 
 TOPICS = ("recompiles", "passes", "fusion", "breaks")
 
@@ -21,7 +22,7 @@ def get_logger(topic: str) -> logging.Logger:
 
 def configure_from_environment(value: str | None = None) -> list[str]:
     """Turn on the topics named in `FULMEN_LOGS` (INFO level, to stderr); return them."""
-    value = os.environ.get("FULMEN_LOGS", "") if value is None else value
+    value = config.get("FULMEN_LOGS") if value is None else value
     chosen = TOPICS if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
     for topic in chosen:
         logger = get_logger(topic)

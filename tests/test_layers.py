@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fulmen"
-LAYERS = ["core", "proxies", "ops", "tracer", "transforms", "executors"]
+# `config` (fulmen/config.py, the FULMEN_* environment variables) imports nothing of fulmen
+LAYERS = ["config", "core", "proxies", "ops", "tracer", "transforms", "executors"]
 TOP = len(LAYERS)  # jit.py, extend.py, __init__.py
 
 
@@ -20,8 +21,8 @@ def _layer_of_module(dotted: str) -> int | None:
 
 
 def _layer_of_file(path: pathlib.Path, package: pathlib.Path) -> int:
-    relative = path.relative_to(package).parts
-    return LAYERS.index(relative[0]) if relative[0] in LAYERS else TOP
+    top = path.relative_to(package).parts[0].removesuffix(".py")
+    return LAYERS.index(top) if top in LAYERS else TOP
 
 
 def _imports(path: pathlib.Path):
@@ -30,6 +31,9 @@ def _imports(path: pathlib.Path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module == "fulmen" and node.level == 0:
+            for alias in node.names:  # `from fulmen import config`: the module it names
+                yield node.lineno, f"fulmen.{alias.name}"
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.lineno, node.module
 

@@ -10,14 +10,14 @@ returns its input unchanged produces no new stage.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 
+from fulmen import config
 from fulmen.core import Trace, check_trace
 
-CHECK_TRACES = os.environ.get("FULMEN_CHECK", "structural") != "0"
-CHECK_SOURCE = os.environ.get("FULMEN_CHECK") == "1"  # print and compile every stage too
+CHECK_TRACES = config.get("FULMEN_CHECK") != "0"
+CHECK_SOURCE = config.get("FULMEN_CHECK") == "1"  # print and compile every stage too
 
 
 def transform(name: str) -> Callable[[Callable[..., Trace]], Callable[..., Trace]]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fulmen import config
+
 
 @dataclass
 class CompilePolicy:
@@ -38,8 +40,8 @@ class CompilePolicy:
     hot_calls: int = 3
 
 
-policy = CompilePolicy(os.environ.get("FULMEN_CODEGEN_COMPILE", "lazy"),
-                       int(os.environ.get("FULMEN_CODEGEN_HOT_CALLS", "3")))
+policy = CompilePolicy(config.get("FULMEN_CODEGEN_COMPILE"),
+                       config.get("FULMEN_CODEGEN_HOT_CALLS"))
 
 
 def set_compile_policy(mode: str | None = None, hot_calls: int | None = None) -> CompilePolicy:

@@ -41,6 +41,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from fulmen import config
+
 KEY_BYTES = 32
 STALE_SECONDS = 3600  # a workspace this old is abandoned (a compile times out after 300 s)
 _WORKSPACE = ".tmp-"
@@ -64,7 +66,7 @@ def requested_root() -> Path:
         >>> requested_root()
         PosixPath('/home/me/.cache/fulmen')
     """
-    configured = os.environ.get("FULMEN_CACHE_DIR")
+    configured = config.get("FULMEN_CACHE_DIR")
     if configured:
         return Path(configured)
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -34,6 +34,7 @@ import threading
 import torch
 from torch.utils.dlpack import from_dlpack
 
+from fulmen import config
 from fulmen.executors.codegen import cache
 from fulmen.executors.codegen.build import policy, submit
 from fulmen.executors.codegen.cpu import compiler
@@ -53,9 +54,9 @@ _DLPACK_TYPES = {
 
 
 def _default_limit() -> int:
-    env = os.environ.get("FULMEN_CODEGEN_POOL_BYTES")
-    if env is not None:
-        return max(0, int(env))
+    configured = config.get("FULMEN_CODEGEN_POOL_BYTES")
+    if configured is not None:
+        return max(0, configured)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
