@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core import FulmenError
+from fulmen.ops.functionalized import is_functionalized
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.tracer.dispatch import TracerCtx
-from fulmen.tracer.mutation import is_functionalized
 from fulmen.tracer.tracer import trace_program
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.segments import split_at_breaks

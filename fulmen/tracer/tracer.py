@@ -23,10 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError, Trace, tracing
+from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
-from fulmen.tracer.mutation import WRITE_BACK
 from fulmen.tracer.objects import (
     ObjectInputs,
     function_roots,

@@ -162,3 +162,24 @@ class TestUserTextInPrintedTraces(expecttest.TestCase):
 def _strip_timing(source: str) -> str:
     first, rest = source.split("\n", 1)
     return first.split(" (")[0] + "\n" + rest
+
+
+def test_printed_traces_import_ops_not_the_tracer_or_transforms():
+    """The symbols printed traces call live in `fulmen.ops` (a mutation's functional forms and
+    the ops autodiff runs under torch.autograd included): running a printed trace needs neither
+    the tracer nor a transform."""
+
+    def f(x, w):
+        y = x * 2
+        y[0].add_(1)  # functionalized.view_scatter
+        return torch.cdist(y, w).sum()  # opaque: autodiff.autograd_forward / autograd_backward
+
+    jfn = fulmen.jit(f)
+    jfn(torch.randn(4, 3), torch.randn(5, 3, requires_grad=True)).backward()
+    traces = fulmen.last_traces(jfn) + fulmen.last_backward_traces(jfn)
+    printed = "\n".join(str(trace) for trace in traces)
+    assert "functionalized.view_scatter(" in printed and "autodiff.autograd_forward(" in printed
+    imports = {line for line in printed.splitlines() if line.startswith(("import ", "from "))}
+    assert all(line == "import torch" or line.startswith(("from fulmen.ops import ",
+                                                          "from fulmen.extend import "))
+               for line in imports), imports

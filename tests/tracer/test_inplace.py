@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen import FulmenError, NotYetSupportedError
-from fulmen.tracer.mutation import WRITE_BACK
+from fulmen.ops.functionalized import WRITE_BACK
 
 
 def _clone_tree(args):

@@ -15,8 +15,7 @@ from fulmen.executors.base import TORCH_NAMESPACE, Implementation, OperatorExecu
 from fulmen.executors.registry import register_executor
 from fulmen.executors.torch.prims import prim_implementations
 from fulmen.ops.torch import symbol_for, torch_qualname
-from fulmen.proxies import TensorProxy
-from fulmen.transforms.autodiff import (
+from fulmen.ops.torch_autograd import (
     AUTOGRAD_BACKWARD,
     AUTOGRAD_FORWARD,
     AUTOGRAD_VJP,
@@ -24,6 +23,7 @@ from fulmen.transforms.autodiff import (
     autograd_forward_impl,
     autograd_vjp_impl,
 )
+from fulmen.proxies import TensorProxy
 
 
 class TorchExecutor(OperatorExecutor):

@@ -28,8 +28,8 @@ import torch
 
 from fulmen.ops import ltorch, prims
 from fulmen.ops.opaque import opaque_symbol
+from fulmen.ops.torch_autograd import AUTOGRAD_VJP, _per_argument, _primal_leaves
 from fulmen.transforms.autodiff.registry import bound_arguments, saving_forward, vjp_rule
-from fulmen.transforms.autodiff.rules import AUTOGRAD_VJP, _per_argument, _primal_leaves
 
 FLASH_FORWARD = opaque_symbol(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 FLASH_BACKWARD = opaque_symbol(
