@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.executors.codegen import wait_for_kernels
 from fulmen.jit import JittedModule
-from fulmen.profile import execution_traces
+from fulmen.tools.profile import execution_traces
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,7 +8,6 @@
 
 from fulmen import executors as _executors  # noqa: F401
 from fulmen.core import FulmenError, NotYetSupportedError, Trace
-from fulmen.examine import ExamineReport, examine
 from fulmen.executors import (
     get_default_executors,
     get_executor,
@@ -28,10 +27,11 @@ from fulmen.jit import (
     last_backward_traces,
     last_traces,
 )
-from fulmen.profile import Profile, profile
+from fulmen.tools.examine import ExamineReport, examine
+from fulmen.tools.memory import MemoryEstimate, memory_estimate, plot_memory
+from fulmen.tools.profile import Profile, profile
+from fulmen.tools.verify import VerifyReport, verify
 from fulmen.tracer.shape_policy import mark_dynamic, mark_static
-from fulmen.transforms.memory import MemoryEstimate, memory_estimate, plot_memory
-from fulmen.verify import VerifyReport, verify
 
 set_default_executors([_codegen_ex, torch_ex])
 

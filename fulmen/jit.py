@@ -24,10 +24,10 @@ import torch.utils._pytree as pytree
 
 from fulmen import config
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
-from fulmen.examine import examine_quietly
 from fulmen.executors import Executor, get_executor, resolve_executors
 from fulmen.logs import get_logger
 from fulmen.pipeline import compile_trace
+from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
 from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix

@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.autograd_bridge import CompiledPair, run_with_autograd
 from fulmen.core import Trace
 from fulmen.core.ambient import without_autocast
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
 from fulmen.logs import get_logger
-from fulmen.runtime import CompiledPair, run_with_autograd
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -53,7 +53,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         rematerialize: choose the saved-for-backward values by a min cut (`transforms.remat`).
 
     When grad mode is on and an input requires grad, the callable runs the forward and
-    backward traces inside one `torch.autograd.Function` (`fulmen.runtime`).
+    backward traces inside one `torch.autograd.Function` (`fulmen.autograd_bridge`).
     """
     seconds: dict[str, float] = {}
     traces = [trace]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fulmen.accuracy import assert_accurate, check_accuracy
+from fulmen.tools.accuracy import assert_accurate, check_accuracy
 
 
 def _with_error(reference, error, dtype=torch.float32):

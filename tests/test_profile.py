@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
-from fulmen.profile import CATEGORIES, _compiled_functions
+from fulmen.tools.profile import CATEGORIES, _compiled_functions
 
 
 class Net(torch.nn.Module):

@@ -151,7 +151,7 @@ def _planted_tanh(name):
 def test_minimizer_shrinks_to_the_wrong_statement_and_keeps_the_failure(tmp_path):
     import runpy
 
-    from fulmen.minimize import failure_of, minimize_program, write_script
+    from fulmen.tools.minimize import failure_of, minimize_program, write_script
 
     _planted_tanh("planted_minimize")
     x, w = torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True)
@@ -188,7 +188,7 @@ def test_verify_minimize_writes_a_script_and_names_the_pass(tmp_path):
 
 
 def test_cross_executor_check_compares_two_compiled_runs():
-    from fulmen.minimize import failure_of
+    from fulmen.tools.minimize import failure_of
 
     _planted_tanh("planted_cross")
     x, w = torch.randn(4, 5), torch.randn(5, 5)

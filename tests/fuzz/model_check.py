@@ -1,12 +1,12 @@
 """Checking a model case against eager: `check_case` runs it eagerly, through `fulmen.jit`
 and (when values differ beyond a tight tolerance) in float64, and raises `Mismatch` unless
-fulmen's error vs float64 is within the float64 rule (`fulmen.accuracy.check_accuracy`, with
+fulmen's error vs float64 is within the float64 rule (`fulmen.tools.accuracy.check_accuracy`, with
 eager's mean error over the record's group as the noise level); `minimize` reduces a failing
 case and `repro` writes it as a standalone script."""
 
 import torch
 
-from fulmen.accuracy import check_accuracy, rms, tight
+from fulmen.tools.accuracy import check_accuracy, rms, tight
 from tests.fuzz.model_cases import run_sequence, smaller
 from tests.fuzz.models import Case, Memory, build
 
@@ -208,8 +208,8 @@ def trace_repro(case: Case, executors, directory: str):
     import contextlib
 
     import fulmen
-    from fulmen.minimize import failure_of as program_failure
-    from fulmen.minimize import program_of, shrink, write_script
+    from fulmen.tools.minimize import failure_of as program_failure
+    from fulmen.tools.minimize import program_of, shrink, write_script
     from tests.fuzz.model_cases import make_inputs
 
     options = _config(executors)

@@ -79,7 +79,7 @@ def _campaign(strategy, examples: int, body, seed_value: int):
 def _op_programs(tally: Tally, config: str, examples: int, seed_value: int) -> None:
     import torch
 
-    from fulmen.minimize import minimize_program, write_script
+    from fulmen.tools.minimize import minimize_program, write_script
     from tests.fuzz.programs import programs
     from tests.fuzz.test_fuzz import CONFIGS, EDGE_VALUES, check_program
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 
 import fulmen
-from fulmen.accuracy import check_accuracy
+from fulmen.tools.accuracy import check_accuracy
 from fulmen.transforms import decompose_to_prims
 from tests.fuzz.programs import BINARY, UNARY, Program, Step, programs
 

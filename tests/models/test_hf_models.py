@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.accuracy import assert_accurate, to_float64
+from fulmen.tools.accuracy import assert_accurate, to_float64
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

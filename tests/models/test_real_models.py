@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
-from fulmen.accuracy import assert_accurate
+from fulmen.tools.accuracy import assert_accurate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

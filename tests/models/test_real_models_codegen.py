@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.accuracy import assert_accurate
+from fulmen.tools.accuracy import assert_accurate
 from tests.models.test_real_models import (
     MODELS,
     VOCAB,

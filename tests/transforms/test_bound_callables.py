@@ -8,7 +8,7 @@ import torch
 import fulmen
 from fulmen.core.trace import bind_callables  # noqa: F401  (the documented helper)
 from fulmen.jit import _jitted
-from fulmen.profile import _compiled_functions
+from fulmen.tools.profile import _compiled_functions
 
 
 def _compiled(jfn):

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.accuracy import check_accuracy, tight, to_float64
 from fulmen.core import Trace
 from fulmen.core.interpret import interpret
 from fulmen.core.printer import print_trace
 from fulmen.core.proxy import iter_proxies
 from fulmen.jit import _jitted, jit
+from fulmen.tools.accuracy import check_accuracy, tight, to_float64
 from fulmen.transforms.dce import live_bsyms
 
 
@@ -295,7 +295,7 @@ def _names(items) -> str | None:
 def write_script(minimized: Minimized, path: str) -> str:
     """Write `minimized` as a standalone script at `path` (exits 1 while the failure of the
     same kind reproduces); return the path."""
-    from fulmen.verify import portable_trace
+    from fulmen.tools.verify import portable_trace
 
     source = print_trace(portable_trace(minimized.trace))[0]
     options = minimized.options
@@ -308,7 +308,7 @@ def write_script(minimized: Minimized, path: str) -> str:
     if transforms:
         names = ", ".join(t.__name__ for t in transforms)
         lines.append(f"from fulmen.transforms import {names}")
-    lines += ["from fulmen.minimize import failure_of", "",
+    lines += ["from fulmen.tools.minimize import failure_of", "",
               f"KIND = {minimized.failure.kind!r}  # {minimized.failure.detail[:200]!r}",
               "INPUTS = ["] + [f"    {_tensor_source(t)}," for t in minimized.inputs] + ["]"]
     transform_list = f"[{', '.join(t.__name__ for t in transforms)}]" if transforms else None

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.accuracy import check_accuracy
 from fulmen.core import BoundSymbol, FulmenError, Symbol, Trace
 from fulmen.core.interpret import interpret
 from fulmen.core.printer import print_trace, statement_source
@@ -42,6 +41,7 @@ from fulmen.executors.registry import get_executor
 from fulmen.jit import _jitted, jit
 from fulmen.ops.torch import torch_qualname
 from fulmen.proxies import TensorProxy
+from fulmen.tools.accuracy import check_accuracy
 
 _TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
     torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
@@ -259,7 +259,7 @@ def _fusion_preamble(bsym: BoundSymbol) -> tuple[str, BoundSymbol]:
     if executor == "codegen":  # compile the kernel now, not after the region gets hot
         lines.append("from fulmen.executors.codegen import set_compile_policy\n"
                      "set_compile_policy('eager')")
-    lines.append(f"from fulmen.verify import rebuild_fusion\n"
+    lines.append(f"from fulmen.tools.verify import rebuild_fusion\n"
                  f"{name} = rebuild_fusion({executor!r}, {name}_region, [{specs}])")
     local = Symbol(name, None, namespace=Namespace(name, None, ""), python_name=name,
                    impl=bsym.sym.impl, tags=bsym.sym.tags)
@@ -336,7 +336,7 @@ def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory:
 if __name__ == "__main__":
     import sys
 
-    from fulmen.verify import check_repro
+    from fulmen.tools.verify import check_repro
 
     torch.manual_seed(0)
     values = {{{by_name}}}
@@ -443,7 +443,7 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
 
 def _minimize(report, fn, args, executors, against, repro_dir) -> None:
     """Shrink a failing program and verify the small one (see `verify`)."""
-    from fulmen.minimize import minimize_program, write_script
+    from fulmen.tools.minimize import minimize_program, write_script
 
     small = minimize_program(fn, *_clone(args), executors=executors, against=against)
     if small is None:

@@ -1,4 +1,4 @@
-"""Running a forward/backward trace pair inside `torch.autograd`.
+"""The autograd bridge: running a forward/backward trace pair inside `torch.autograd`.
 
 The compiled forward and backward traces sit inside one `torch.autograd.Function`, so
 `loss.backward()`, `torch.autograd.grad`, gradient accumulation into `.grad`, parameter hooks,

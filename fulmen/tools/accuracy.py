@@ -26,7 +26,7 @@ program run in float64 (model and inputs cast to float64, same seed), the refere
 Besides values, the rule demands what no rounding explains: the same shape and dtype, the
 same finite/non-finite positions, and exact equality for integer and bool results.
 
-    >>> from fulmen.accuracy import check_accuracy
+    >>> from fulmen.tools.accuracy import check_accuracy
     >>> result = check_accuracy(compiled_out, eager_out, float64_out)
     >>> assert result.ok, result.detail
 
