@@ -21,6 +21,7 @@ from typing import Any
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.names import NameAllocator
+from fulmen.core.printer import highlight_html, print_trace
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import _TRACECTX, BoundSymbol, Symbol
@@ -59,8 +60,6 @@ class Trace:
 
     def source(self) -> str:
         """The trace as a Python module."""
-        from fulmen.core.printer import print_trace
-
         return print_trace(self)[0]
 
     def __str__(self) -> str:
@@ -76,8 +75,6 @@ class Trace:
         debuggers show the trace's lines. The code compiled is the source with its callables
         bound once (`bind_callables`), on the same lines.
         """
-        from fulmen.core.printer import print_trace
-
         source, namespace = print_trace(self)
         filename = f"<fulmen {self.name} #{next(_callable_ids)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -91,8 +88,6 @@ class Trace:
         printer.text(self.source())
 
     def _repr_html_(self) -> str:
-        from fulmen.core.printer import highlight_html
-
         return highlight_html(self.source())
 
 

@@ -40,6 +40,7 @@ from fulmen.core.printer import print_trace
 from fulmen.core.proxy import iter_proxies
 from fulmen.jit import _jitted, jit
 from fulmen.tools.accuracy import check_accuracy, tight, to_float64
+from fulmen.tools.repro import portable_trace
 from fulmen.transforms.dce import live_bsyms
 
 
@@ -295,8 +296,6 @@ def _names(items) -> str | None:
 def write_script(minimized: Minimized, path: str) -> str:
     """Write `minimized` as a standalone script at `path` (exits 1 while the failure of the
     same kind reproduces); return the path."""
-    from fulmen.tools.verify import portable_trace
-
     source = print_trace(portable_trace(minimized.trace))[0]
     options = minimized.options
     executors, against = _names(options.get("executors")), _names(options.get("against"))

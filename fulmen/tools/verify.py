@@ -30,18 +30,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, Symbol, Trace
+from fulmen.core import BoundSymbol, Trace
 from fulmen.core.interpret import interpret
 from fulmen.core.printer import print_trace, statement_source
 from fulmen.core.proxy import iter_proxies
-from fulmen.core.symbol import Namespace
-from fulmen.core.trace import TraceCtx, tracing
-from fulmen.executors import Executor
-from fulmen.executors.registry import get_executor
 from fulmen.jit import _jitted, jit
-from fulmen.ops.torch import torch_qualname
-from fulmen.proxies import TensorProxy
 from fulmen.tools.accuracy import check_accuracy
+from fulmen.tools.minimize import minimize_program, write_script
+from fulmen.tools.repro import fusion_preamble, portable_statement
 
 _TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
     torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
@@ -218,93 +214,17 @@ def _is_fusion(bsym: BoundSymbol) -> bool:
     return "fusion" in bsym.sym.tags and bsym.sym.executor is not None and bool(bsym.subsymbols)
 
 
-def rebuild_fusion(executor: str, body, inputs: list[tuple]):
-    """Fuse a region again, in this process, with the executor called `executor`; return a
-    callable taking the region's inputs in order. How repro scripts run a fusion: its symbol
-    exists only in the process that fused it.
-
-    `body` is the region as a Python function of prims (a printed trace); `inputs` gives each
-    input's `(name, shape, dtype, device, strides)`.
-
-    Raises:
-        FulmenError: when the executor no longer fuses the region.
-    """
-    fuser = get_executor(executor)
-    ctx = TraceCtx("region")
-    proxies = [TensorProxy(name, shape, dtype, device, strides=strides)
-               for name, shape, dtype, device, strides in inputs]
-    with tracing(ctx):
-        outputs = list(iter_proxies(body(*proxies)))
-    fused = fuser.fuse(list(ctx.bsyms), outputs)
-    if fused is None:
-        raise FulmenError("the executor does not fuse the region again", op=f"{executor}.fuse")
-    names = [p.name for p in proxies]
-
-    def run(*values):
-        by_name = dict(zip(names, values))
-        return fused.sym.impl(*[by_name[p.name] for p in fused.args])
-
-    return run
-
-
-def _fusion_preamble(bsym: BoundSymbol) -> tuple[str, BoundSymbol]:
-    """Source that rebuilds fusion `bsym` in a fresh process (its region as a function, fused
-    again by its executor), and `bsym` calling the rebuilt fusion by a plain name."""
-    name = bsym.sym.name
-    body = Trace(f"{name}_region", tuple(bsym.proxy_inputs), bsym.subsymbols, bsym.output)
-    specs = ", ".join(f"({p.name!r}, {tuple(p.shape)}, {p.dtype}, {str(p.device)!r}, "
-                      f"{tuple(p.stride())})" for p in bsym.proxy_inputs)
-    executor = bsym.sym.executor.name
-    lines = [print_trace(body)[0]]
-    if executor == "codegen":  # compile the kernel now, not after the region gets hot
-        lines.append("from fulmen.executors.codegen import set_compile_policy\n"
-                     "set_compile_policy('eager')")
-    lines.append(f"from fulmen.tools.verify import rebuild_fusion\n"
-                 f"{name} = rebuild_fusion({executor!r}, {name}_region, [{specs}])")
-    local = Symbol(name, None, namespace=Namespace(name, None, ""), python_name=name,
-                   impl=bsym.sym.impl, tags=bsym.sym.tags)
-    return "\n".join(lines), bsym.replace(sym=local, args=tuple(bsym.proxy_inputs), kwargs={})
-
-
-_TORCH = Namespace("torch", "torch", "import torch")
-
-
-def _portable_symbol(sym):
-    """`sym`, or a stand-in printed as the torch callable it runs, when its own name resolves
-    only in this process (opaque ops, operators of executors: `torchex.op_gelu_default`)."""
-    if not isinstance(sym, Symbol) or not (sym.namespace.alias == "opaque"
-                                           or isinstance(sym.namespace.value, Executor)):
-        return sym
-    fn = sym.impl
-    path = f"torch.ops.{fn}" if isinstance(fn, torch._ops.OpOverload) else torch_qualname(fn)
-    if path is None:
-        return sym
-    return Symbol(sym.name, None, namespace=_TORCH, python_name=path, impl=fn, tags=sym.tags)
-
-
-def _portable(bsym: BoundSymbol) -> BoundSymbol:
-    """`bsym` with its symbol, and symbols among its arguments, made portable."""
-    args, kwargs = pytree.tree_map(_portable_symbol, (bsym.args, bsym.kwargs))
-    return bsym.replace(sym=_portable_symbol(bsym.sym), args=args, kwargs=kwargs)
-
-
-def portable_trace(trace: Trace) -> Trace:
-    """`trace` with every statement `_portable`: it prints as Python that runs in a fresh
-    process (opaque ops and executors' operators as the torch callables they run)."""
-    return trace.replace(bsyms=tuple(_portable(bsym) for bsym in trace.bsyms))
-
-
 def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
     """A script that runs the culprit and its reference on random inputs of the same metadata
     and exits 1 when they disagree; it needs no state of this process (fusions are rebuilt).
     A fusion's reference is its own region, run by torch."""
     inputs = culprit.proxy_inputs
     parts = []
-    statement = _portable(culprit)
-    reference = _portable(reference) if reference is not None else None
+    statement = portable_statement(culprit)
+    reference = portable_statement(reference) if reference is not None else None
     reference_call = None
     if _is_fusion(culprit):
-        preamble, statement = _fusion_preamble(culprit)
+        preamble, statement = fusion_preamble(culprit)
         parts.append(preamble)
         reference_call = f"{culprit.sym.name}_region"
         reference_inputs = inputs
@@ -312,7 +232,7 @@ def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory:
     parts.insert(0, print_trace(region)[0])
     if reference_call is None and reference is not None:
         if _is_fusion(reference):
-            preamble, reference = _fusion_preamble(reference)
+            preamble, reference = fusion_preamble(reference)
             parts.append(preamble)
         ref_trace = Trace("reference", tuple(reference.proxy_inputs), (reference,),
                           reference.output)
@@ -443,8 +363,6 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
 
 def _minimize(report, fn, args, executors, against, repro_dir) -> None:
     """Shrink a failing program and verify the small one (see `verify`)."""
-    from fulmen.tools.minimize import minimize_program, write_script
-
     small = minimize_program(fn, *_clone(args), executors=executors, against=against)
     if small is None:
         return
@@ -539,4 +457,4 @@ def _float64_grads(wide, cotangents, grad_inputs) -> list | None:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wide_inputs)]
 
 
-__all__ = ["StageCheck", "VerifyReport", "check_repro", "rebuild_fusion", "verify"]
+__all__ = ["StageCheck", "VerifyReport", "check_repro", "verify"]
