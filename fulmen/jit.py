@@ -30,7 +30,12 @@ from fulmen.pipeline import compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
-from fulmen.tracer.module_hooks import HookWatch, add_wrapper_prefix, strip_wrapper_prefix
+from fulmen.tracer.module_hooks import (
+    HookWatch,
+    StructureWatch,
+    add_wrapper_prefix,
+    strip_wrapper_prefix,
+)
 from fulmen.tracer.objects import ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
@@ -532,11 +537,16 @@ class JittedModule(torch.nn.Module):
         self._jit = _Jitted()
         self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
         self._hooks = HookWatch(self._orig_mod)
+        self._structure = StructureWatch(self._orig_mod)
 
     forward = _ForwardDescriptor()
 
     def _compiled_forward(self, *args, **kwargs):
         """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
+        if self._structure.changed():  # a submodule or parameter replaced: everything anew
+            _RECOMPILES.info("%s: the module's submodules, parameters or buffers changed; compiling "
+                      "anew", type(self._orig_mod).__name__)
+            self._start_jit()
         hooks = self._hooks
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
             self._jit._cache.clear()
@@ -553,7 +563,7 @@ class JittedModule(torch.nn.Module):
         """The module and the options, without the compiled cache (its traces hold proxies and
         compiled code); registered executors are kept by name."""
         state = self.__dict__.copy()
-        del state["_jit"], state["_hooks"]
+        del state["_jit"], state["_hooks"], state["_structure"]
         executors = self._jit_options["executors"]
         if executors is not None:
             executors = [_registered_name(executor) for executor in executors]

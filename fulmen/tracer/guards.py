@@ -131,7 +131,8 @@ class CacheKeyBuilder:
 
     `key(args, kwargs, state)` returns `(key, flat_leaves)`; `flat_leaves` is the flattened
     `(args, kwargs)` the runtime takes tensor inputs from; `state` are the module's current
-    parameters and buffers (their requires_grad flags are guarded).
+    parameters and buffers (their shapes, dtypes, devices, strides and requires_grad flags are
+    guarded).
     """
 
     def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
@@ -180,7 +181,9 @@ class CacheKeyBuilder:
         tensors are keyed by contiguity, not strides."""
         global_key = self.global_key()
         offsets = self.offset_positions
-        state_key = tuple([t.requires_grad for t in state]) if state else ()
+        # parameters and buffers by their metadata: `model.half()` or a parameter assigned
+        # in place of another changes dtypes/shapes behind the same slots
+        state_key = tuple([_tensor_key(t) for t in state]) if state else ()
         if offsets and -1 in offsets:
             state_key += tuple([t.storage_offset() for t in state])
         if not kwargs and not offsets:

@@ -7,12 +7,17 @@
   one of the dicts that held hooks at the last check (only those are looked at).
   Hooks that run in the backward (`register_full_backward_hook`) cannot be traced; the
   modules holding them are listed in `backward_hooked` so the caller can refuse.
+- `StructureWatch`: the submodules, parameters and buffers a module holds. A submodule
+  replaced (`resize_token_embeddings`, a new head), a parameter assigned or registered after
+  jitting changes what the compiled program must read; `changed()` says so.
 - `strip_wrapper_prefix` / `add_wrapper_prefix`: state-dict hooks that make a wrapper's state
   dict read like the wrapped module's (`linear.weight`, not `_orig_mod.linear.weight`), so
   checkpoints move freely between a module and its jitted wrapper; both spellings load.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -63,6 +68,54 @@ class HookWatch:
         changed = keys != self.keys
         self._snapshot(keys)
         return changed
+
+
+_registrations = [0]  # submodules, parameters and buffers assigned anywhere, counted
+
+
+def _count_registration(module, name, value) -> None:
+    _registrations[0] += 1
+
+
+def _count_registrations() -> None:
+    """Install (once) global hooks counting every submodule/parameter/buffer assignment."""
+    if _count_registration not in _modules_module._global_module_registration_hooks.values():
+        _modules_module.register_module_module_registration_hook(_count_registration)
+        _modules_module.register_module_parameter_registration_hook(_count_registration)
+        _modules_module.register_module_buffer_registration_hook(_count_registration)
+
+
+class StructureWatch:
+    """Watches which submodules, parameters and buffers `module` and its submodules hold.
+
+    `changed()` is O(1) while no assignment happened anywhere (global registration hooks count
+    them); otherwise, and when a holder shrank (`del module.x`), it compares each holder dict
+    with its snapshot by identity (C-level, no tensor comparison).
+    """
+
+    _HOLDERS = ("_modules", "_parameters", "_buffers")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        _count_registrations()
+        holders = [getattr(sub, kind) for sub in module.modules() for kind in self._HOLDERS]
+        self._held = [(holder, tuple(holder.values())) for holder in holders if holder]
+        self._empty = [holder for holder in holders if not holder]
+        self._sizes = [(holder, len(values)) for holder, values in self._held]
+        self._seen = _registrations[0]
+
+    def changed(self) -> bool:
+        """Whether anything was added, removed or replaced since the watch was made."""
+        if self._seen == _registrations[0] and all([len(holder) == size
+                                                    for holder, size in self._sizes]):
+            return False
+        self._seen = _registrations[0]
+        if any(map(len, self._empty)):
+            return True
+        is_ = operator.is_
+        for holder, values in self._held:
+            if len(holder) != len(values) or not all(map(is_, holder.values(), values)):
+                return True
+        return False
 
 
 WRAPPED = "_orig_mod."

@@ -234,3 +234,34 @@ def test_forward_shows_the_wrapped_modules_signature():
     torch.testing.assert_close(jmodel.forward(x, scale=2.0), x * 2)
     forward = fulmen.jit(Takes()).forward  # keeps its module alive, like a bound method
     torch.testing.assert_close(forward(x), x)
+
+
+def test_a_replaced_submodule_or_parameter_recompiles():
+    """`resize_token_embeddings`, a new head, a parameter assigned after jitting: the compiled
+    program read the old ones; the next call compiles anew and answers as eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 4)
+    jmodel(x)
+    model[2] = torch.nn.Linear(3, 5)
+    torch.testing.assert_close(jmodel(x), model(x))
+    model[0].weight = torch.nn.Parameter(torch.randn(3, 4))
+    torch.testing.assert_close(jmodel(x), model(x))
+    del model[2]
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
+def test_parameters_converted_in_place_recompile():
+    """`model.to(dtype)` swaps each parameter's data under the same Parameter object (and the
+    integer input keeps its key): the parameters' dtypes are part of the key."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3), torch.nn.GELU(),
+                                torch.nn.LayerNorm(3))
+    jmodel = fulmen.jit(model, executors=["codegen", "torch"])
+    ids = torch.tensor([[1, 2, 3]])
+    jmodel(ids)
+    model.to(torch.float64)
+    got, want = jmodel(ids), model(ids)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
