@@ -46,11 +46,11 @@ from collections.abc import Iterable
 import networkx as nx
 
 from fulmen.core import BoundSymbol, Trace, flatten
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import Proxy
 from fulmen.proxies import TensorProxy
 from fulmen.transforms.autodiff.split import ForwardBackward
 from fulmen.transforms.base import transform
-from fulmen.transforms.dce import live_bsyms
+from fulmen.transforms.dce import free_values, live_bsyms
 
 _CHEAP_TAGS = {"elementwise", "shape"}
 CHECKPOINT_WEIGHT = 10**6
@@ -202,16 +202,8 @@ def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved
     early = {name for b in recomputed for name in _all_names(b)}
     rest = [b for b in backward.bsyms if not (b.output_names and b.output_names <= early)]
     bsyms = live_bsyms(_just_in_time(recomputed, rest), backward.output)
-    defined = {name for b in bsyms for name in b.output_names} | {c.name for c in cotangents}
-    residuals: dict[str, Proxy] = {}
-    for bsym in bsyms:
-        for proxy in bsym.proxy_inputs:
-            if proxy.name not in defined:
-                residuals.setdefault(proxy.name, proxy)
-    for proxy in iter_proxies(backward.output):
-        if proxy.name not in defined:
-            residuals.setdefault(proxy.name, proxy)
-    return backward.replace(args=(*residuals.values(), *cotangents), bsyms=bsyms)
+    residuals = free_values(bsyms, backward.output, cotangents)
+    return backward.replace(args=(*residuals, *cotangents), bsyms=bsyms)
 
 
 def rematerialize(split: ForwardBackward) -> ForwardBackward:

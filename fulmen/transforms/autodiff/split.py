@@ -35,7 +35,7 @@ from fulmen.transforms.autodiff.rules import (
     graph_vjp,
     opaque_vjp,
 )
-from fulmen.transforms.dce import live_bsyms
+from fulmen.transforms.dce import free_values, live_bsyms
 
 
 @dataclass(frozen=True)
@@ -337,16 +337,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     # rules also compute cotangents of values that do not require grad: dropping those first
     # keeps their operands out of the residuals
     backward_bsyms = live_bsyms(ctx.bsyms, input_grads)
-    defined = {name for b in backward_bsyms for name in b.output_names} | {c.name for c in cotangents}
-    residual_names: dict[str, Proxy] = {}
-    for b in backward_bsyms:
-        for proxy in b.proxy_inputs:
-            if proxy.name not in defined:
-                residual_names.setdefault(proxy.name, proxy)
-    for proxy in iter_proxies(input_grads):
-        if proxy.name not in defined:
-            residual_names.setdefault(proxy.name, proxy)
-    residuals = tuple(residual_names.values())
+    residuals = free_values(backward_bsyms, input_grads, cotangents)
 
     forward = trace.replace(name="forward", bsyms=tuple(forward_bsyms),
                             output=(tuple(output_leaves), residuals))
