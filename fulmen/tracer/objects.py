@@ -177,8 +177,11 @@ def restore(container: Any, saved: Any) -> None:
     if isinstance(container, list):
         container[:] = saved
     elif isinstance(container, dict):
-        container.clear()
-        container.update(saved)
+        if unchanged(container, saved):
+            return
+        # dict's own methods: subclasses may refuse theirs (HF ModelOutput raises on `update`)
+        dict.clear(container)
+        dict.update(container, saved)
     elif saved is not None:
         state = vars(container)
         state.clear()

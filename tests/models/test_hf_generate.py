@@ -45,3 +45,17 @@ def test_generate_with_left_padding_matches_eager(name, sample):
     assert stats.calls == 10  # prefill + 9 decode steps, all through the jitted forward
     if name != "gemma2":  # sliding-window layers: decode still recompiles per length (issue 16)
         assert stats.eager_calls == 0
+
+
+@pytest.mark.parametrize("name,beams", [("t5", 1), ("bart", 2)])
+def test_encoder_decoder_generate_matches_eager(name, beams):
+    """`generate` passes the encoder's output (a ModelOutput, which refuses `update`) into every
+    decoder call; tracing must leave it as it was."""
+    torch.manual_seed(0)
+    model = MODELS[name][1]().eval()
+    ids, mask = _padded_prompt()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=beams,
+                  do_sample=False)
+    want = model.generate(**kwargs)
+    got = fulmen.jit(model).generate(**kwargs)
+    assert torch.equal(got, want), f"{name}: fulmen {got.tolist()} eager {want.tolist()}"
