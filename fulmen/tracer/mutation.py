@@ -374,6 +374,14 @@ class Functionalizer:
         body = self.ctx.scopes[0]
         body[:] = [*snapshots, *(rename(bsym) for bsym in body)]
 
+    def _requires_grad_unchanged(self, args: tuple, kwargs: dict) -> bool:
+        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`."""
+        target = args[0]
+        flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+        if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
+            return False
+        return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)
+
     # -- routing of one in-place call -----------------------------------------------------------
 
     def functionalize(self, func, args: tuple, kwargs: dict):
@@ -387,6 +395,8 @@ class Functionalizer:
             return self._out_variant(func, args, kwargs, label, start)
         if func in (F.batch_norm, torch.batch_norm):
             return self._batch_norm(func, args, kwargs, start)
+        if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
+            return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
         if name in _METADATA_INPLACE or func is F.embedding:
             raise NotYetSupportedError("in-place changes of tensor metadata (and F.embedding's "
                                        "max_norm renormalisation) are not supported yet",

@@ -1,0 +1,63 @@
+"""HF models trained the ways users train them: gradient checkpointing, an embedding resized
+between steps. Losses and gradients are compared with eager by the float64 rule."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.tools.accuracy import assert_accurate, to_float64
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+T = pytest.importorskip("transformers")
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=96, max_position_embeddings=64, pad_token_id=0))
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 96, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def _loss_and_grads(model, batch, call=None) -> tuple[torch.Tensor, dict]:
+    loss = (call or model)(**batch).loss
+    loss.backward()
+    return loss, {n: torch.zeros_like(p) if p.grad is None else p.grad
+                  for n, p in model.named_parameters()}
+
+
+def test_gradient_checkpointing_matches_eager():
+    """`gradient_checkpointing_enable()` registers a forward hook that calls
+    `output.requires_grad_(True)` on the embeddings' output (already requiring grad)."""
+    model = _tiny_llama().train()
+    twin, wide = copy.deepcopy(model), copy.deepcopy(model).double()
+    for m in (model, twin, wide):
+        m.gradient_checkpointing_enable()
+    batch = _batch()
+    want_loss, want = _loss_and_grads(model, batch)
+    got_loss, got = _loss_and_grads(twin, batch, fulmen.jit(twin))
+    ref_loss, ref = _loss_and_grads(wide, to_float64(batch))
+    assert_accurate(got_loss, want_loss, ref_loss, what="loss")
+    for name in want:
+        assert_accurate(got[name], want[name], ref[name], what=f"grad of {name}")
+
+
+def test_resized_embeddings_are_used_by_the_next_call():
+    model = _tiny_llama().eval()
+    jmodel = fulmen.jit(model)
+    ids = _batch()["input_ids"]
+    jmodel(input_ids=ids)
+    model.resize_token_embeddings(100)
+    got, want = jmodel(input_ids=ids).logits, model(input_ids=ids).logits
+    assert got.shape == want.shape == (2, 8, 100)
+    torch.testing.assert_close(got, want)
