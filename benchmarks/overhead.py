@@ -2,12 +2,19 @@
 
 Measures eager, fulmen.jit (torch executor) and torch.compile in one run and prints a markdown
 table with microseconds per call and the difference to eager. Run: `make bench`.
+
+`--regions` instead measures what a codegen region call costs against the torch ops it
+replaces: chains of k elementwise ops on n elements, jitted with the torch executor alone and
+with codegen (`FULMEN_FUSE_TINY=1`, so every region is fused), in thread CPU time per call (a
+shared machine's other load barely moves it). This chose `fulmen.transforms.fusion.TINY_REGION`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import time
 import timeit
 
 import torch
@@ -25,6 +32,53 @@ def ten_ops(x, y):
     g = f / (y + 3.0)
     h = torch.tanh(g)
     return h + a
+
+
+CHAIN = (lambda a, y: a + y, lambda a, y: a * y, lambda a, y: a - y,
+         lambda a, y: torch.sin(a), lambda a, y: a * 2.0, lambda a, y: torch.exp(a),
+         lambda a, y: a / (y + 3.0), lambda a, y: torch.tanh(a), lambda a, y: torch.relu(a),
+         lambda a, y: a + 1.0)
+
+
+def chain(k: int):
+    """The first k ops of `CHAIN` (those of `ten_ops`, one statement each) as a function."""
+
+    def fn(x, y):
+        for op in CHAIN[:k]:
+            x = op(x, y)
+        return x
+
+    return fn
+
+
+def thread_us(fn, args, number: int, repeat: int = 7) -> float:
+    """Best thread CPU time per call in µs, after warming up."""
+    warm_up(fn, args)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.thread_time()
+        for _ in range(number):
+            fn(*args)
+        best = min(best, time.thread_time() - start)
+    return best / number * 1e6
+
+
+def region_rows(ops: list[int], sizes: list[int]) -> None:
+    """Print the region-call table (`--regions`, see the module docstring)."""
+    os.environ["FULMEN_FUSE_TINY"] = "1"
+    torch.set_num_threads(1)
+    print("| k ops | elements | torch executor µs | codegen µs | codegen - torch |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    with torch.no_grad():
+        for n in sizes:
+            for k in ops:
+                args = (torch.randn(n), torch.randn(n))
+                number = max(100, min(3000, 2_000_000 // (n * k)))
+                on_torch = thread_us(fulmen.jit(chain(k), executors=["torch"]), args, number)
+                fused = thread_us(fulmen.jit(chain(k), executors=["codegen", "torch"]), args,
+                                  number)
+                print(f"| {k} | {n} | {on_torch:.2f} | {fused:.2f} | {fused - on_torch:+.2f} |",
+                      flush=True)
 
 
 def warm_up(fn, args, calls: int = 5) -> None:
@@ -79,7 +133,15 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--regions", action="store_true",
+                        help="region call vs torch ops table (see the module docstring)")
+    parser.add_argument("--ops", default="1,2,3,4,6,10", help="--regions: chain lengths")
+    parser.add_argument("--sizes", default="64,1024,16384,65536", help="--regions: elements")
     opts = parser.parse_args()
+    if opts.regions:
+        region_rows([int(k) for k in opts.ops.split(",")],
+                    [int(n) for n in opts.sizes.split(",")])
+        return
     results = measure(opts.number, opts.repeat, not opts.no_compile)
 
     eager = results["eager"]

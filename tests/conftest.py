@@ -5,6 +5,9 @@ import pytest
 import torch
 
 os.environ.setdefault("FULMEN_CHECK", "1")
+# Tests check kernels on small tensors: fuse every region, even those the tiny-region policy
+# (`fulmen.transforms.fusion.TINY_REGION`) leaves on torch; its own tests unset this.
+os.environ.setdefault("FULMEN_FUSE_TINY", "1")
 
 
 def pytest_addoption(parser):

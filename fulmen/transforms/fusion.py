@@ -15,7 +15,9 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    `executor.can_fuse_region` accepts the union.
 3. Emit: regions in a topological order of the region graph (ties by first statement);
    `executor.fuse(region, outputs)` returns the fused bound symbol, or None to keep the
-   statements. Flattened ops none of whose prims ended in a fused region are restored whole.
+   statements. A tiny CPU region is not offered (`is_tiny_region`): one region call costs
+   more than the few torch ops it would replace. Flattened ops none of whose prims ended in a
+   fused region are restored whole.
 
 NOTE [fusion never crosses unfusible ops]: a region is connected through fusible statements
 only, and the cycle check forbids merging two regions when a path between them runs through
@@ -25,6 +27,8 @@ anything else (a matmul, an opaque op, a random op), so such an op is never move
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -50,6 +54,33 @@ class FusionExecutor(Protocol):
 OperatorExecutor = Any  # anything with `claim(bsym) -> BoundSymbol | None`
 
 MAX_REGION_SIZE = 256
+
+TINY_REGION = (4, 16384)
+"""(torch ops, elements): a CPU region that would run as at most this many torch statements,
+none of whose tensors has more than this many elements, stays on torch (`is_tiny_region`).
+Chosen from `benchmarks/overhead.py --regions` (CPU time per call, 1 thread, chains of k
+elementwise ops on n elements, codegen minus torch executor): a region call costs about 6.3 µs
+more than one torch op (1.5 µs each), so up to 4 ops (+1.2 to +3.7 µs) are cheaper on torch
+below 16384 elements, 6 ops win (-5 µs at 64 elements); at 65536 elements 2 ops already win
+(-3.3 µs: the kernel saves memory traffic and allocations). `FULMEN_FUSE_TINY=1` fuses every
+region (the codegen tests use it to check kernels on small tensors)."""
+
+
+def is_tiny_region(region: Sequence[BoundSymbol], torch_ops: int) -> bool:
+    """Whether a fusion region is too small to beat torch's dispatch of its `torch_ops`
+    statements (see `TINY_REGION`): only CPU regions, since a CUDA kernel launch costs as much
+    as a torch op's."""
+    max_ops, max_numel = TINY_REGION
+    if torch_ops > max_ops or os.environ.get("FULMEN_FUSE_TINY") == "1":
+        return False
+    for bsym in region:
+        for proxy in iter_proxies((bsym.args, bsym.output)):
+            device = getattr(proxy, "device", None)
+            if device is None:
+                continue
+            if device.type != "cpu" or math.prod(proxy.shape) > max_numel:
+                return False
+    return True
 
 
 def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
@@ -236,8 +267,9 @@ def partition_for_fusion(
     for region in part.order():
         members = part.members[region]
         fused = None
-        if part.fusible(region):
-            region_bsyms = [nodes[i].bsym for i in members]
+        region_bsyms = [nodes[i].bsym for i in members]
+        if part.fusible(region) and not is_tiny_region(
+                region_bsyms, len({nodes[i].origin for i in members})):
             fused = executor.fuse(region_bsyms, part.outputs(region, trace_outputs))
         if fused is not None:
             emitted.append((-1, [fused]))

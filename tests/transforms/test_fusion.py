@@ -182,3 +182,35 @@ def test_fast_pointwise_check_agrees_with_lowering():
             assert fits_pointwise(region) == expected, [b.sym.name for b in region]
             outcomes.append(expected)
     assert outcomes.count(True) > 10 and outcomes.count(False) > 10
+
+
+def _fused_regions(jfn) -> list[list[str]]:
+    trace = fulmen.last_traces(jfn)[-1]
+    return [[s.sym.name for s in b.subsymbols] for b in trace.bsyms if "fusion" in b.sym.tags]
+
+
+def test_tiny_cpu_regions_stay_on_torch(monkeypatch):
+    # TINY_REGION: up to 4 torch ops on at most 16384 elements run faster as torch ops
+    # than as one region call; larger tensors or longer chains are fused
+    from fulmen.transforms.fusion import TINY_REGION
+
+    monkeypatch.delenv("FULMEN_FUSE_TINY")
+    max_ops, max_numel = TINY_REGION
+
+    def short(x, y):
+        return torch.relu(x * y + 1.0)  # 3 torch ops
+
+    def long(x, y):
+        for _ in range(max_ops):
+            x = (x + y).relu()
+        return x  # 2 * max_ops torch ops
+
+    small, big = torch.randn(4, 16), torch.randn(max_numel + 1)
+    for fn, x, fused in ((short, small, False), (short, big, True), (long, small, True)):
+        jfn = fulmen.jit(fn, executors=EXECUTORS)
+        torch.testing.assert_close(jfn(x, x), fn(x, x))
+        assert bool(_fused_regions(jfn)) == fused, (fn.__name__, x.shape)
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "1")
+    jfn = fulmen.jit(short, executors=EXECUTORS)
+    jfn(small, small)
+    assert len(_fused_regions(jfn)) == 1  # FULMEN_FUSE_TINY=1 fuses it anyway
