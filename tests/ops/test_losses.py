@@ -47,3 +47,55 @@ def test_mse_loss(reduction):
     torch.testing.assert_close(actual, expected)
     torch.testing.assert_close(torch.autograd.grad(actual.sum(), x)[0],
                                torch.autograd.grad(expected.sum(), x)[0])
+
+
+SHAPES = {"unbatched": (5,), "rows": (6, 5), "rows and positions": (4, 5, 3)}
+
+
+def _targets(shape, all_ignored: bool) -> torch.Tensor:
+    target = torch.randint(0, 5, (shape[0],) + tuple(shape[2:]) if len(shape) > 1 else ())
+    target[(0,) * target.ndim] = -100  # an ignored row (the only one when unbatched)
+    if len(shape) > 1:
+        target.view(-1)[-1] = 4  # the last class
+    return torch.full_like(target, -100) if all_ignored else target
+
+
+@pytest.mark.parametrize("executors", [["torch"], None], ids=["torch", "codegen"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+def test_class_loss_vjp_rules_match_eager(loss, index, shape, executors):
+    # the composite rules (rules_losses.py): one row expression instead of the scatter of
+    # take_along_dim's transpose; gradients of ignored rows are 0, and an all-ignored mean
+    # (NaN loss) has zero gradients, as in eager
+    kwargs = CASES[index]
+    if loss == "nll_loss" and "label_smoothing" in kwargs:
+        pytest.skip("nll_loss has no label smoothing")
+    fn = getattr(F, loss)
+    for all_ignored in (False, True):
+        target = _targets(SHAPES[shape], all_ignored)
+        x = torch.randn(SHAPES[shape], dtype=torch.float64, requires_grad=True)
+        jfn = fulmen.jit(lambda x: fn(x, target, **_f64(kwargs)), executors=executors)
+        expected, actual = fn(x, target, **_f64(kwargs)), jfn(x)
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+        cotangent = torch.randn_like(expected)
+        (want,) = torch.autograd.grad(expected, x, cotangent)
+        (got,) = torch.autograd.grad(actual, x, cotangent)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        backward = str(fulmen.last_backward_traces(jfn)[-1])
+        assert "scatter" not in backward and "take_along_dim" not in backward
+
+
+def _f64(kwargs: dict) -> dict:
+    weight = kwargs.get("weight")
+    return kwargs if weight is None else {**kwargs, "weight": weight.double()}
+
+
+def test_cross_entropy_rule_in_half_precision():
+    target = torch.tensor([1, -100, 4, 0])
+    x = torch.randn(4, 5, dtype=torch.bfloat16, requires_grad=True)
+    jfn = fulmen.jit(lambda x: F.cross_entropy(x, target, label_smoothing=0.1))
+    expected, actual = F.cross_entropy(x, target, label_smoothing=0.1), jfn(x)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, x)[0],
+                               torch.autograd.grad(expected, x)[0])

@@ -5,6 +5,7 @@ from fulmen.transforms.autodiff import (  # noqa: F401  (importing registers the
     rules_attention,
     rules_composite,
     rules_edges,
+    rules_losses,
     rules_nn,
     rules_structural,
 )
