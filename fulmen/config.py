@@ -56,6 +56,10 @@ VARIABLES: dict[str, Variable] = {variable.name: variable for variable in (
              "(`executors/codegen/build.py`)"),
     Variable("FULMEN_CODEGEN_HOT_CALLS", int, 3,
              "the call of a region at which its lazy compile starts"),
+    Variable("FULMEN_FUSE_TINY", int, 0,
+             "`1`: fuse every CPU region, also those the tiny-region policy leaves on torch "
+             "(`transforms/fusion.py` `TINY_REGION`; the test suite sets it); read at each "
+             "fusion pass"),
     Variable("FULMEN_CODEGEN_POOL_BYTES", int, None,
              "bytes of free blocks the CPU output pool keeps (0 turns it off); unset: "
              "min(1 GiB, RAM / 16) (`executors/codegen/cpu/pool.py`)"),

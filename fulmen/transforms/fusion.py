@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import networkx as nx
 import torch
 
+from fulmen import config
 from fulmen.core import BoundSymbol, Trace, flatten
 from fulmen.core.proxy import iter_proxies
 
@@ -71,7 +71,7 @@ def is_tiny_region(region: Sequence[BoundSymbol], torch_ops: int) -> bool:
     statements (see `TINY_REGION`): only CPU regions, since a CUDA kernel launch costs as much
     as a torch op's."""
     max_ops, max_numel = TINY_REGION
-    if torch_ops > max_ops or os.environ.get("FULMEN_FUSE_TINY") == "1":
+    if torch_ops > max_ops or config.get("FULMEN_FUSE_TINY") == 1:
         return False
     for bsym in region:
         for proxy in iter_proxies((bsym.args, bsym.output)):

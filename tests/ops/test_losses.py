@@ -75,7 +75,7 @@ def test_class_loss_vjp_rules_match_eager(loss, index, shape, executors):
     for all_ignored in (False, True):
         target = _targets(SHAPES[shape], all_ignored)
         x = torch.randn(SHAPES[shape], dtype=torch.float64, requires_grad=True)
-        jfn = fulmen.jit(lambda x: fn(x, target, **_f64(kwargs)), executors=executors)
+        jfn = fulmen.jit(lambda x, t=target: fn(x, t, **_f64(kwargs)), executors=executors)
         expected, actual = fn(x, target, **_f64(kwargs)), jfn(x)
         torch.testing.assert_close(actual, expected, equal_nan=True)
         cotangent = torch.randn_like(expected)
