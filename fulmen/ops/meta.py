@@ -56,9 +56,10 @@ def first_device(*values: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
-    """`fn` run on meta versions of the arguments, and the device its outputs stand for (see
-    `run_meta`)."""
+def call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
+    """`fn` run on meta versions of the arguments (fake tensors of the trace's ShapeEnv where a
+    size or stride is symbolic), and the device its outputs stand for (see `run_meta`).
+    Raises what the meta kernel raises."""
     has_tensor = any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs)))
     device = first_device(args, kwargs)
     if kwargs.get("device") is not None:
@@ -74,10 +75,10 @@ def _call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
 
 
 def _fake_mode(value: Any):
-    """PyTorch's `FakeTensorMode` for the symbolic sizes inside `value` (plain meta tensors
-    cannot hold them; see `fulmen.tracer.symbolic`), else a no-op context."""
+    """PyTorch's `FakeTensorMode` for the symbolic sizes or strides inside `value` (plain meta
+    tensors cannot hold them; see `fulmen.tracer.symbolic`), else a no-op context."""
     for leaf in pytree.tree_leaves(value):
-        sizes = leaf.shape if isinstance(leaf, torch.Tensor) else (leaf,)
+        sizes = (*leaf.shape, *leaf.stride()) if isinstance(leaf, torch.Tensor) else (leaf,)
         for size in sizes:
             if isinstance(size, torch.SymInt):
                 env = size.node.shape_env
@@ -97,7 +98,7 @@ def run_meta(fn, *args, **kwargs) -> Any:
     (for a factory called with neither) the default device. Factories run with `device="meta"`,
     so nothing is allocated and no random number is drawn.
     """
-    out, device = _call_on_meta(fn, args, kwargs)
+    out, device = call_on_meta(fn, args, kwargs)
     return from_meta(out, device)
 
 
@@ -151,7 +152,7 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
             warnings.simplefilter("ignore")
             fn, args, kwargs = _LAYOUT_TWINS.get(fn, _same_call)(fn, args, kwargs)
             with _without_dynamo_import():
-                out, _ = _call_on_meta(fn, args, kwargs)
+                out, _ = call_on_meta(fn, args, kwargs)
         layouts = [(leaf.shape, leaf.stride()) for leaf in pytree.tree_leaves(out)
                    if isinstance(leaf, torch.Tensor)]
     except Exception:  # no meta kernel, a value-dependent op, a device transfer, ...
@@ -223,15 +224,15 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
     TensorIterator rule (operand layouts in order, broadcast dims ignored), as PyTorch's
     `compute_elementwise_output_strides` states it. 0-dim tensors take no part, as in eager."""
     operands = []
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            continue
-        meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
-                                   dtype=tensor.dtype, device="meta")
-        operands.append(meta.expand(shape))
-    if not operands:
-        return contiguous_strides(shape)
-    with torch._C.DisableTorchFunction():
+    with _fake_mode((tensors, shape)), torch._C.DisableTorchFunction():
+        for tensor in tensors:
+            if tensor.dim() == 0:
+                continue
+            meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
+                                       dtype=tensor.dtype, device="meta")
+            operands.append(meta.expand(shape))
+        if not operands:
+            return contiguous_strides(shape)
         return tuple(compute_elementwise_output_strides(*operands))
 
 

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import user_source_location
-from fulmen.ops.meta import eager_layouts, with_strides
+from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
@@ -295,6 +295,11 @@ class TracerCtx(TraceCtx):
         else from PyTorch's meta kernel for `func` on the same arguments (`eager_layouts`).
         It is marked exact (`_fulmen_exact_strides`) when every tensor argument was. When
         neither can describe the call, the decomposition's strides are kept, unmarked.
+
+        With symbolic sizes the same rules and meta kernels run on fake tensors of the trace's
+        ShapeEnv (`fulmen.ops.meta`), so strides are SymInt expressions (`12*s0`), and each
+        decision PyTorch's layout code takes about sizes (a stride order, a size-1 dim) is
+        recorded as a shape guard: the entry serves only sizes that eager lays out alike.
         """
         leaves, spec = pytree.tree_flatten(out)
         serial_of = self.names.serial_of
@@ -302,9 +307,6 @@ class TracerCtx(TraceCtx):
                  if isinstance(leaf, TensorProxy) and serial_of(leaf.name) >= start]
         if not fresh:
             return out  # nothing new (an identity such as `x.float()` on a float tensor)
-        tensors_in = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
-        if not all(type(size) is int for leaf in (*fresh, *tensors_in) for size in leaf.shape):
-            return out  # symbolic sizes: the layout questions would add guards
         scope = self.scopes[-1]
         bsym = scope[-1] if scope and scope[-1].output is out else None
         layouts = rule_layouts(func, bsym, args, kwargs, leaves)
@@ -325,7 +327,7 @@ class TracerCtx(TraceCtx):
                 continue
             if leaf.name in replaced:  # one proxy returned twice: keep the first layout
                 leaves[i] = replaced[leaf.name]
-            elif leaf.stride() != tuple(strides):
+            elif not _same_strides(leaf.stride(), strides):
                 leaves[i] = replaced[leaf.name] = with_strides(leaf, strides, exact)
             elif exact:
                 leaf._fulmen_exact_strides = True
@@ -345,18 +347,18 @@ class TracerCtx(TraceCtx):
                 or getattr(source, "_fulmen_exact_strides", False)):
             return
         try:
-            meta_layout = torch.empty_strided(tuple(source.shape), source.stride(),
-                                              dtype=source.dtype, device="meta")
-            with torch._C.DisableTorchFunction():
-                func(meta_layout, *pytree.tree_map(_meta_of, args[1:]),
-                     **pytree.tree_map(_meta_of, kwargs))
-        except RuntimeError as error:
-            if "view size is not compatible" not in str(error):
+            call_on_meta(func, args, kwargs)  # symbolic sizes: guards what eager decides
+        except (RuntimeError, ValueError) as error:
+            # eager's C++ check, or the same check in PyTorch's fake kernel (symbolic sizes)
+            if not any(text in str(error) for text in _VIEW_ERRORS):
                 return
             if bsym is not None and self.scopes[-1] and self.scopes[-1][-1] is bsym:
                 self.scopes[-1].pop()
-            raise FulmenError(str(error).splitlines()[0], op=_func_name(func),
-                              where=user_source_location()) from None
+            message = str(error).splitlines()[0]
+            if _VIEW_ERRORS[0] not in message:  # eager's wording for the fake kernel's
+                message = ("view size is not compatible with input tensor's size and stride "
+                           f"({message})")
+            raise FulmenError(message, op=_func_name(func), where=user_source_location()) from None
 
     def call(self, sym, *args, **kwargs):
         """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
@@ -391,13 +393,19 @@ class TracerCtx(TraceCtx):
 
 
 _STRIDED_VIEWS = frozenset({T.view, T.view_as})
+_VIEW_ERRORS = ("view size is not compatible", "Cannot view a tensor with shape")
 
 
-def _meta_of(leaf):
-    if isinstance(leaf, torch.Tensor):
-        return torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=leaf.dtype,
-                                   device="meta")
-    return leaf
+def _same_strides(ours, eagers) -> bool:
+    """Whether two stride tuples are equal for every size, decided without a guard (strides
+    that may differ are replaced by eager's, which is right either way)."""
+    if len(ours) != len(eagers):
+        return False
+    if all(type(s) is int for s in (*ours, *eagers)):
+        return tuple(ours) == tuple(eagers)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # loaded: SymInts
+
+    return all(statically_known_true(a == b) for a, b in zip(ours, eagers))
 
 
 def _restore_identities(out, user, resolved):

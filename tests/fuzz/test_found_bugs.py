@@ -84,9 +84,6 @@ def test_a_list_argument_grown_by_the_traced_code_keeps_its_items():
     torch.testing.assert_close(got[0], want[0])
 
 
-@pytest.mark.xfail(strict=True, reason="after a call with new sizes (symbolic retrace), "
-                   "is_contiguous()/stride() of a strided intermediate differ from eager's "
-                   "(issue 18)")
 def test_strides_read_after_a_call_with_new_sizes_are_eagers():
     jfn = fulmen.jit(_strided_times_broadcast_sized, executors=["torch"])
     w = torch.randn(6)
