@@ -44,7 +44,7 @@ from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import METADATA_FUNCTIONS
+from fulmen.proxies.tensor import METADATA_FUNCTIONS, known_same_shape
 from fulmen.tracer.autocast import autocast_arguments
 from fulmen.tracer.autograd_function import (
     BACKWARD_CALLS,
@@ -323,11 +323,11 @@ class TracerCtx(TraceCtx):
         for i, (shape, strides) in zip(tensors, layouts):
             leaf = leaves[i]
             if (not isinstance(leaf, TensorProxy) or serial_of(leaf.name) < start
-                    or leaf.shape != shape):
+                    or not known_same_shape(leaf.shape, shape)):
                 continue
             if leaf.name in replaced:  # one proxy returned twice: keep the first layout
                 leaves[i] = replaced[leaf.name]
-            elif not _same_strides(leaf.stride(), strides):
+            elif not known_same_shape(leaf.stride(), strides):  # no guard: see its docstring
                 leaves[i] = replaced[leaf.name] = with_strides(leaf, strides, exact)
             elif exact:
                 leaf._fulmen_exact_strides = True
@@ -394,18 +394,6 @@ class TracerCtx(TraceCtx):
 
 _STRIDED_VIEWS = frozenset({T.view, T.view_as})
 _VIEW_ERRORS = ("view size is not compatible", "Cannot view a tensor with shape")
-
-
-def _same_strides(ours, eagers) -> bool:
-    """Whether two stride tuples are equal for every size, decided without a guard (strides
-    that may differ are replaced by eager's, which is right either way)."""
-    if len(ours) != len(eagers):
-        return False
-    if all(type(s) is int for s in (*ours, *eagers)):
-        return tuple(ours) == tuple(eagers)
-    from torch.fx.experimental.symbolic_shapes import statically_known_true  # loaded: SymInts
-
-    return all(statically_known_true(a == b) for a, b in zip(ours, eagers))
 
 
 def _restore_identities(out, user, resolved):
