@@ -112,3 +112,57 @@ def test_traced_strides_match_eager(info, request):
     assert not problems, f"{info.name}: " + "; ".join(problems[:4])
     if checked == 0:
         pytest.skip("no sample traced")
+
+
+def _hint(value):
+    """A symbolic size or stride evaluated at the sizes of the call it was traced for."""
+    return value.node.hint if isinstance(value, torch.SymInt) else value
+
+
+def _symbolic_dims(args) -> dict[int, tuple[int, ...]]:
+    """Every dimension of more than one element of each contiguous tensor argument."""
+    leaves = pytree.tree_leaves(args)
+    dims = {i: tuple(d for d in range(leaf.dim()) if leaf.shape[d] > 1)
+            for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and leaf.is_contiguous()}
+    return {i: d for i, d in dims.items() if d}
+
+
+def _at_hints(leaf):
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    return torch.empty_strided([_hint(s) for s in leaf.shape], [_hint(s) for s in leaf.stride()],
+                               dtype=leaf.dtype, device="meta")
+
+
+@pytest.mark.parametrize("info", matched_opinfos(), ids=_ids)
+def test_traced_strides_match_eager_with_symbolic_sizes(info):
+    """The same property for a trace with symbolic sizes (`fulmen.tracer.symbolic`): the
+    traced strides are expressions of the sizes, and at the traced call's sizes they must be
+    eager's (one sample per op, inputs as given, every dimension of more than one element of
+    a contiguous tensor argument symbolic)."""
+    checked, problems = 0, []
+    for sample in samples(info, 1):
+        input, args, kwargs = sample.input, sample.args, sample.kwargs
+        try:
+            with torch.no_grad():
+                expected = info.op(input, *args, **kwargs)
+        except Exception:
+            continue  # eager rejects the sample
+
+        def fn(input, *args):
+            return info.op(input, *args, **kwargs)
+
+        dims = _symbolic_dims((input, *args))
+        if not dims:
+            continue  # nothing can be symbolic
+        try:
+            with torch.no_grad():
+                program = trace_program(fn, (input, *args), {}, dynamic=dims)
+        except Exception:
+            continue  # refused or no symbolic meta kernel: test_opinfo covers those
+        checked += 1
+        problems += stride_mismatches(expected, pytree.tree_map(_at_hints, program.trace.output))
+    assert not problems, f"{info.name}: " + "; ".join(problems[:4])
+    if checked == 0:
+        pytest.skip("no sample traced symbolically")
