@@ -323,7 +323,7 @@ class TracerCtx(TraceCtx):
         for i, (shape, strides) in zip(tensors, layouts):
             leaf = leaves[i]
             if (not isinstance(leaf, TensorProxy) or serial_of(leaf.name) < start
-                    or not known_same_shape(leaf.shape, shape)):
+                    or not _same_shape(leaf.shape, shape)):
                 continue
             if leaf.name in replaced:  # one proxy returned twice: keep the first layout
                 leaves[i] = replaced[leaf.name]
@@ -394,6 +394,22 @@ class TracerCtx(TraceCtx):
 
 _STRIDED_VIEWS = frozenset({T.view, T.view_as})
 _VIEW_ERRORS = ("view size is not compatible", "Cannot view a tensor with shape")
+
+
+def _same_shape(ours, eagers) -> bool:
+    """Whether the decomposition's shape is eager's: decided without a guard where the sizes
+    settle it (`known_same_shape`); two symbolic spellings of one size that PyTorch's engine
+    cannot prove equal (`-(-s0 // 5)` and `(s0 + 4) // 5`) but that agree at this call's sizes
+    are compared with a guard, so the entry is used only where they agree."""
+    if known_same_shape(ours, eagers):
+        return True
+    if len(ours) != len(eagers) or [_hint(a) for a in ours] != [_hint(b) for b in eagers]:
+        return False
+    return all(bool(a == b) for a, b in zip(ours, eagers))
+
+
+def _hint(size):
+    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def _restore_identities(out, user, resolved):
