@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.executors.codegen import kernel_sources
 from fulmen.executors.codegen.cpu.compiler import CXX_FLAGS, compiler
+from fulmen.tools.accuracy import assert_accurate
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
 pytestmark = pytest.mark.usefixtures("codegen_eager")
@@ -140,6 +141,41 @@ def test_layer_norm_is_one_kernel_per_direction():
     assert _trace(jfn).count("codegen.fusion") == 1
     backward = str(fulmen.last_backward_traces(jfn)[-1])
     assert backward.count("codegen.fusion") == 1 and "torchex.sum" not in backward
+
+
+def _rms_norm_keepdim(x, w):
+    # as HF Llama writes it: float32 statistics kept as (..., 1), the weight in the input dtype
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return w * (x32 * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_keepdim_is_one_kernel_per_direction(dtype):
+    # rsqrt(mean + eps) on the (..., 1) statistic is a row-level statement in keepdim form;
+    # the backward of the keepdim view reshapes instead of summing over a size-1 axis
+    w = torch.rand(64, dtype=dtype, requires_grad=True)
+    x = torch.randn(2, 16, 64, dtype=dtype, requires_grad=True)
+    cotangent = torch.randn(2, 16, 64, dtype=dtype)
+    jfn = fulmen.jit(_rms_norm_keepdim, executors=EXECUTORS)
+    actual, expected = jfn(x, w), _rms_norm_keepdim(x, w)
+    torch.testing.assert_close(actual, expected)
+
+    def reference():
+        x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+        return torch.autograd.grad(_rms_norm_keepdim(x64, w64), (x64, w64), cotangent.double())
+
+    assert_accurate(torch.autograd.grad(actual, (x, w), cotangent),
+                    torch.autograd.grad(expected, (x, w), cotangent), reference)
+    # in bfloat16 the weight's (64,) float32 conversion is a region of its own (a value of
+    # the row's shape is not in the row schedule), and in the backward so is its gradient's
+    regions = 1 if dtype == torch.float32 else 2
+    assert _trace(jfn).count("codegen.fusion") == regions
+    assert str(fulmen.last_backward_traces(jfn)[-1]).count("codegen.fusion") == regions + (
+        dtype != torch.float32)
+    # the statistic escaping the region is returned as a view of the row output
+    stats = lambda a: (a.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()  # noqa: E731
+    _check(lambda a: (stats(a), a * stats(a)), torch.randn(3, 5, 7))
 
 
 def test_column_sums():

@@ -117,6 +117,10 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
         if axes(bsym) not in (reduced, kept):
             raise Unsupported("reductions over different axes")
     kept_shape = tuple(shape[d] for d in kept)
+    # the kept shape with the reduced axes as size 1 (keepdim): a row-level value in S's rank
+    keep_shape = tuple(1 if d in reduced else shape[d] for d in range(len(shape)))
+    keep_map = tuple(None if d in reduced else d for d in range(len(shape)))
+    keep_view = ViewStep("broadcast_in_dim", (keep_shape, kept))
     inputs = region_inputs(region)
     input_index = {proxy.name: i for i, proxy in enumerate(inputs)}
     env: dict[str, tuple] = {}
@@ -143,6 +147,21 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
 
     def fits_row(map_: tuple) -> bool:
         return all(m == d or (m is None and shape[d] == 1) for m, d in zip(map_, kept))
+
+    def fits_keep(map_: tuple) -> bool:
+        return len(map_) == len(shape) and all(
+            m is None if d in reduced else m == d or (m is None and shape[d] == 1)
+            for d, m in enumerate(map_))
+
+    def keep_operand(arg, dtype) -> int:
+        """An operand of a row-level statement in keepdim form: a constant or a row value
+        seen in keepdim form (loads of keepdim-shaped inputs are not row accesses)."""
+        if not isinstance(arg, torch.Tensor):
+            return add(Const(cast_scalar(arg, dtype), dtype), True)
+        kind = view_of(arg)
+        if kind[0] != "row" or not fits_keep(kind[2]):
+            raise Unsupported("a keepdim-shaped statement reading other than a row value")
+        return kind[1]
 
     def operand(arg, dtype, row: bool) -> int:
         if not isinstance(arg, torch.Tensor):
@@ -205,6 +224,21 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             row = False
         elif out_shape == kept_shape:
             row = True
+        elif out_shape == keep_shape:  # a row-level statement in keepdim form (RMSNorm's
+            # rsqrt(mean + eps) on `mean(-1, keepdim=True)`): computed per row, seen as a view
+            if name == "where":
+                dtypes = (torch.bool, out.dtype, out.dtype)
+            elif name == "convert_element_type":
+                dtypes = (bsym.args[0].dtype,)
+            else:
+                dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
+                dtypes = tuple(number_dtype(name, i, dtype) for i in range(len(bsym.args)))
+            count = 1 if name == "convert_element_type" else len(dtypes)
+            args = tuple(keep_operand(arg, dtype)
+                         for arg, dtype in zip(bsym.args[:count], dtypes))
+            index = add(Op(name, args, out.dtype), True)
+            env[out.name] = ("row", index, keep_map, (keep_view,))
+            continue
         else:
             raise Unsupported(f"{name} on shape {out_shape} in a {shape} row kernel")
         if name == "convert_element_type":

@@ -16,9 +16,11 @@ from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents, a
 
 @vjp_rule(prims.broadcast_in_dim)
 def _broadcast_in_dim_vjp(grad, out, a, shape, broadcast_dims):
-    """Sum over the new dims and over the dims that were expanded from size 1."""
+    """Sum over the new dims and over the dims that were expanded from size 1; a new dim of
+    size 1 is only dropped by the reshape (a keepdim view: no sum over one element, which a
+    row kernel would have to take as a reduction of another shape)."""
     kept = set(broadcast_dims)
-    reduced = [d for d in range(len(shape)) if d not in kept]
+    reduced = [d for d in range(len(shape)) if d not in kept and shape[d] != 1]
     reduced += [d for size, d in zip(a.shape, broadcast_dims) if size == 1 and shape[d] != 1]
     summed = prims.sum(grad, tuple(sorted(reduced))) if reduced else grad
     return prims.reshape(summed, tuple(a.shape)), None, None
