@@ -15,6 +15,7 @@ import inspect
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -474,14 +475,36 @@ class JittedFunction(_Jitted):
                  cache_size_limit: int | None = None, dynamic: bool | None = None) -> None:
         self._setup(fn, None, executors, transforms, grad_argnums, rematerialize, fullgraph,
                     cache_size_limit, dynamic)
+        self._grad_free = _is_optimizer_step(fn)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if self._grad_free and torch.is_grad_enabled():
+            with torch.no_grad():  # what the step does first thing itself
+                return self._call(args, kwargs)
         return self._call(args, kwargs)
 
     def __get__(self, instance, owner=None):
         """Jitted functions defined in a class body become bound methods."""
         return self if instance is None else functools.partial(self.__call__, instance)
+
+
+def _is_optimizer_step(fn) -> bool:
+    """Whether `fn` is `optimizer.step` of a torch optimizer that runs its body without grad
+    (`differentiable=False`, the default): calling it under `torch.no_grad()` changes nothing,
+    and the trace then updates the parameters (leaves requiring grad) in place as eager does."""
+    if getattr(fn, "__name__", "") != "step":
+        return False
+    owner = getattr(fn, "__self__", None)
+    # an LR scheduler replaces `optimizer.step` by a wrapper holding the optimizer weakly
+    cells = (getattr(fn, "__closure__", None) or ()) if owner is None else ()
+    for cell in cells:
+        value = cell.cell_contents
+        value = value() if isinstance(value, weakref.ref) else value
+        if isinstance(value, torch.optim.Optimizer):
+            owner = value
+    return isinstance(owner, torch.optim.Optimizer) and not owner.defaults.get(
+        "differentiable", False)
 
 
 class _BoundForward:

@@ -78,6 +78,8 @@ _VALUE_DEPENDENT = {
 # Questions about a tensor's storage rather than its values: no graph break can answer them.
 _IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
 
+_GRAD_GET = torch.Tensor.grad.__get__
+
 
 def _func_name(func) -> str:
     return torch_qualname(func) or getattr(func, "__qualname__", None) or repr(func)
@@ -445,6 +447,13 @@ class FactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA_FUNCTIONS:
+            if func == _GRAD_GET and getattr(args[0], "unseen_grad", False):
+                raise NotYetSupportedError(
+                    f"reading the .grad of the tensor argument {args[0].name}: the gradients "
+                    "of tensors passed directly are not inputs of the trace", op="Tensor.grad",
+                    where=user_source_location(),
+                    hint="pass the module or the optimizer instead (fulmen reads p.grad of "
+                    "the parameters inside them), or call this part eagerly")
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from fulmen.core.ambient import autocast_key
 from fulmen.tracer.objects import (
     function_roots,
+    has_argument_grad,
     is_plain_object,
     object_key,
     path_text,
@@ -42,6 +43,11 @@ def _tensor_key(t: Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
 
 
+def _argument_tensor_key(t: Tensor) -> tuple:
+    key = _tensor_key(t)
+    return (*key, _tensor_key(t.grad)) if has_argument_grad(t) else key
+
+
 def _object_tensor_key(t: Tensor) -> tuple:
     return (*_tensor_key(t), t.storage_offset())
 
@@ -58,7 +64,7 @@ def _float_key(value: float) -> Any:
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, Tensor):
-        return _tensor_key(leaf)
+        return _argument_tensor_key(leaf)
     if isinstance(leaf, float):
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, complex):
@@ -187,7 +193,7 @@ class CacheKeyBuilder:
         if offsets and -1 in offsets:
             state_key += tuple([t.storage_offset() for t in state])
         if not kwargs and not offsets:
-            tensor_keys = [_tensor_key(a) for a in args if type(a) is Tensor]
+            tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors
                 if symbolic:
                     if not all(type(p) is int and p < len(args) for p in symbolic):

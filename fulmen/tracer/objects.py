@@ -45,6 +45,12 @@ _MAX_DEPTH = 6
 _MAX_SLOTS = 4096
 
 
+def has_argument_grad(t: torch.Tensor) -> bool:
+    """Whether `t` is a leaf with a `.grad` (read without the non-leaf warning): a program that
+    reads the grad of such an argument depends on it (`clip_grad_norm_(params)`)."""
+    return t.requires_grad and t.is_leaf and t.grad is not None
+
+
 def is_plain_object(value: Any) -> bool:
     """Whether fulmen looks inside `value`: an instance of a Python class with a `__dict__`
     (not a tensor, module, function, class or atom such as a number or dtype)."""

@@ -30,6 +30,7 @@ from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.objects import (
     ObjectInputs,
     function_roots,
+    has_argument_grad,
     is_plain_object,
     restore,
     snapshot,
@@ -414,6 +415,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                                 storage_offset=leaf.storage_offset())
             if symbolic is not None:
                 symbolic.add_input(proxy, index)
+            if has_argument_grad(leaf):
+                proxy.unseen_grad = True  # reading it raises (dispatch): not an input
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)

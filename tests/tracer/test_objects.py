@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fulmen
+from fulmen.core import NotYetSupportedError
 
 
 class Holder:
@@ -100,6 +101,45 @@ def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
     for got, ref in zip(train(True), train(False)):
         torch.testing.assert_close(got, ref)
 
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    lambda params: torch.optim.Adam(params, lr=0.1),
+    lambda params: torch.optim.AdamW(params, lr=0.1, foreach=False),
+], ids=["sgd-nesterov", "adam", "adamw-for-loop"])
+def test_jitted_optimizer_step_called_as_users_call_it(make):
+    """`fulmen.jit(opt.step)()` with grad mode on (the step turns grad off itself), after an LR
+    scheduler wrapped `opt.step`: the parameters and the optimizer state equal eager's."""
+    def train(jit):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        opt = make(model.parameters())
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 4)
+        step = fulmen.jit(opt.step) if jit else opt.step
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(2, 4)).square().sum().backward()
+            step()
+            sched.step()
+        state = [t for per_param in opt.state.values() for t in per_param.values()
+                 if isinstance(t, torch.Tensor)]
+        return [p.detach() for p in model.parameters()] + state
+
+    got, ref = train(True), train(False)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_reading_the_grad_of_a_tensor_argument_is_refused_not_zero():
+    """`clip_grad_norm_(list_of_params)`: the grads of tensors passed directly are not inputs;
+    reading one raises instead of seeing None (the norm was 0 and nothing was clipped)."""
+    w = torch.nn.Parameter(torch.randn(3))
+    w.grad = torch.ones(3)
+    clip = fulmen.jit(lambda params: torch.nn.utils.clip_grad_norm_(params, 0.1))
+    with pytest.raises(NotYetSupportedError, match="grad of the tensor argument"):
+        clip([w])
+    torch.testing.assert_close(w.grad, torch.ones(3))
 
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
