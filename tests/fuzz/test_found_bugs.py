@@ -7,7 +7,8 @@ regression tests.
   contiguity that Python reads from a traced intermediate must be eager's, or code branching
   on them takes another path, and `.view` under autocast fails as in HF Swin;
 - strides read after a call with new sizes (`Layout("strides")` with changing shapes): the
-  symbolic retrace answers `is_contiguous()`/`stride()` of a strided intermediate unlike eager;
+  symbolic retrace answered `is_contiguous()`/`stride()` of a strided intermediate unlike
+  eager (fixed: the layout rules run on the symbolic sizes, tracer/dispatch.py);
 - a plain list passed as an argument and grown by the traced code (`Context(cache="list")`, a
   KV cache as a list of (k, v)): the store must be replayed on every call, or refused."""
 

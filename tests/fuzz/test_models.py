@@ -18,6 +18,8 @@ run by every executor list: `["torch"]`, decomposed to prims, `["codegen", "torc
     KV cache between calls          cases(): Context(cache="dynamic"): transformers.
                                       DynamicCache grown by every attention, prefill + decode
     view on an intermediate         _layout: Layout("view") (strided intermediate, `.view`)
+    strides read by Python          _layout: Layout("strides") (`is_contiguous()`/`stride()` of
+                                      a strided intermediate, also after new sizes)
     gradient accumulation           cases(): Context(accumulate)
     torch.utils.checkpoint          _attn/_mlp/_moe/_stage: checkpoint=True
     buffer in-place updates         _stat: Stat() (running mean, step counter); batch norm;
