@@ -37,7 +37,7 @@ from fulmen.tracer.module_hooks import (
     add_wrapper_prefix,
     strip_wrapper_prefix,
 )
-from fulmen.tracer.objects import ObjectInputs, path_text
+from fulmen.tracer.objects import ARGUMENTS, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
     _path_name,
@@ -197,7 +197,7 @@ class _Jitted:
         if objects is not None and objects.epilogue:
             out_leaves, extras = out
             out = list(out_leaves)
-            objects.epilogue.run(out, extras, roots)
+            objects.epilogue.run(out, extras, {**roots, ARGUMENTS: (args, kwargs)})
         return self._finish(entry, out)
 
     def _finish(self, entry: CacheEntry, out):
@@ -266,7 +266,7 @@ class _Jitted:
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
                                     allow_breaks=not self._fullgraph and self._grad_argnums is None,
-                                    dynamic=dynamic)
+                                    dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError
 from fulmen.proxies import TensorProxy
@@ -42,6 +43,7 @@ _ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
 _MAX_DEPTH = 6
+ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
 _MAX_SLOTS = 4096
 
 
@@ -200,28 +202,36 @@ class Epilogue:
 
     `stores`: `(root, path_to_owner, step, template)`; `outputs`: `(leaf_index, template)`;
     `names`: the proxies the templates hold, which the trace returns after the user's output;
-    `existing`: id of each object that existed before the traced call -> `(root, path)`.
+    `existing`: id of each object that existed before the traced call -> `(root, path)`;
+    `arguments`: id of each argument tensor and container (as traced) -> its path in the
+    call's `(args, kwargs)` (`ArgumentContainers`), and `keep` the objects these ids belong to,
+    so the ids stay theirs.
     """
 
     stores: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     existing: dict = field(default_factory=dict)
+    arguments: dict = field(default_factory=dict)
+    keep: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.outputs)
 
-    def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any]) -> Any:
+    def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any],
+                     current: dict[int, Any]) -> Any:
         memo: dict[int, Any] = {}
 
         def prepare(value, depth=0):
             if id(value) in memo or depth > _MAX_DEPTH + 2:
                 return
-            if isinstance(value, TensorProxy):
-                memo[id(value)] = real[value.name]
-            elif id(value) in self.existing:
+            if id(value) in current:  # an argument's tensor or container, found before any store
+                memo[id(value)] = current[id(value)]
+            elif id(value) in self.existing:  # the current call's object
                 root, path = self.existing[id(value)]
                 memo[id(value)] = follow(roots[root], path) if path else roots[root]
+            elif isinstance(value, TensorProxy):
+                memo[id(value)] = real[value.name]
             elif isinstance(value, _OPAQUE) or not _walkable(value):
                 memo[id(value)] = value  # shared, never copied
             else:
@@ -235,17 +245,22 @@ class Epilogue:
         """Replay the stores into the call's objects and rebuild the objects among the output
         leaves (in place in `out_leaves`)."""
         real = dict(zip(self.names, extras))
+        current = {key: follow(roots[ARGUMENTS], steps) for key, steps in self.arguments.items()}
         for root, path, step, template in self.stores:
             owner = follow(roots[root], path)
-            if step is None:  # a list changed in place
-                owner[:] = self._materialize(template, real, roots)
+            if step is None and isinstance(owner, dict):  # an argument dict changed in place
+                new = self._materialize(template, real, roots, current)
+                dict.clear(owner)
+                dict.update(owner, new)
+            elif step is None:  # a list changed in place
+                owner[:] = self._materialize(template, real, roots, current)
             else:
                 kind, key = step
                 if isinstance(key, TensorProxy):  # a new entry keyed by an input tensor
                     key = real[key.name]
-                _store(owner, (kind, key), self._materialize(template, real, roots))
+                _store(owner, (kind, key), self._materialize(template, real, roots, current))
         for index, template in self.outputs:
-            out_leaves[index] = self._materialize(template, real, roots)
+            out_leaves[index] = self._materialize(template, real, roots, current)
 
 
 class ObjectInputs:
@@ -341,3 +356,105 @@ class ObjectInputs:
     def read_tensors(self, roots: dict[int, Any]) -> list[torch.Tensor]:
         """The tensors inside the call's objects, in input order."""
         return [follow(roots[root], path) for root, path in self.tensor_paths]
+
+
+def _steps(key_path) -> tuple | None:
+    """A pytree key path as `follow` steps, or None when it goes through a node that is not a
+    tuple, list or dict (a namedtuple's or dataclass's field)."""
+    steps = []
+    for key in key_path:
+        if isinstance(key, pytree.SequenceKey):
+            steps.append(("item", key.idx))
+        elif isinstance(key, pytree.MappingKey):
+            steps.append(("key", key.key))
+        else:
+            return None
+    return tuple(steps)
+
+
+class ArgumentContainers:
+    """The lists and dicts inside a call's arguments, and the stores the traced code makes into
+    them (`cache.append(kv)`, `state["h"] = h`, `cache.pop()`).
+
+    NOTE [argument container stores]: pytree flattens lists and dicts, so the traced code sees
+    copies rebuilt around the proxies, and a store into one would be lost. Each changed seen
+    is recorded as an epilogue store replacing the real container's contents (found at the same
+    path in the call's arguments, `ARGUMENTS`) after every compiled call. In the templates, the
+    argument containers and the argument tensors stand for the current call's (`arguments`), so
+    unchanged items keep their identity; new tensors are the trace's results. The cache key
+    holds the arguments' tree structure (each list's length, each dict's keys), so a container
+    that changed shape compiles anew. Refused (NotYetSupportedError), where the copies cannot
+    behave as eager's one object: a changed container passed twice or also reachable from an
+    object argument (a store through one would show in the other), one the function also
+    returns (eager returns the very object), and a store of a traced Python number (a symbolic
+    size).
+    """
+
+    def __init__(self, copies: Any, real: Any) -> None:
+        self.found: list[tuple[tuple, Any, Any]] = []  # (steps, seen, snapshot)
+        self._visit(copies, ())
+        counts: dict[int, int] = {}
+        for steps, _, _ in self.found:
+            counts[id(follow(real, steps))] = counts.get(id(follow(real, steps)), 0) + 1
+        self._real_ids = {steps: id(follow(real, steps)) for steps, _, _ in self.found}
+        self._counts = counts
+
+    def _visit(self, value: Any, steps: tuple) -> None:
+        if isinstance(value, (list, dict)):
+            self.found.append((steps, value, snapshot(value)))
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                self._visit(item, (*steps, ("item", index)))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self._visit(item, (*steps, ("key", key)))
+
+    def changed(self) -> list[tuple[tuple, Any]]:
+        """`(steps, seen)` of each container the traced code changed."""
+        return [(steps, seen) for steps, seen, saved in self.found if not unchanged(seen, saved)]
+
+    def record(self, epilogue: Epilogue, output: Any, input_paths: list) -> None:
+        """Add a store to `epilogue` for each changed container (see the note); `input_paths`
+        holds `(proxy, pytree key path)` of the call's tensor leaves.
+
+        Raises:
+            NotYetSupportedError: in the refused cases of the note.
+        """
+        changed = self.changed()
+        if not changed:
+            return
+        returned = {id(value) for _, value in walk(output)} | {id(output)}
+        for steps, seen in changed:
+            where = "arguments" + path_text(steps)
+            real_id = self._real_ids[steps]
+            if self._counts[real_id] > 1 or real_id in epilogue.existing:
+                raise NotYetSupportedError(
+                    f"the function changes the list or dict passed as {where}, which is also "
+                    "passed elsewhere in the arguments", op="list/dict argument",
+                    hint="pass it once, or return the new value instead")
+            if id(seen) in returned:
+                raise NotYetSupportedError(
+                    f"the function changes the list or dict passed as {where} and returns it",
+                    op="list/dict argument", hint="return a new list, or only change it")
+            template = list(seen) if isinstance(seen, list) else dict(seen)
+            if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                   for _, v in walk(template)):
+                raise NotYetSupportedError(
+                    f"the function stores a traced size into the list or dict passed as {where}",
+                    op="list/dict argument", hint="store int(size), or return it")
+            epilogue.stores.append((ARGUMENTS, steps, None, template))
+        for steps, seen, _ in self.found:
+            epilogue.arguments[id(seen)] = steps
+            epilogue.keep.append(seen)
+        for proxy, key_path in input_paths:
+            steps = _steps(key_path)
+            if steps is not None:
+                epilogue.arguments.setdefault(id(proxy), steps)
+                epilogue.keep.append(proxy)
+
+    def restore(self) -> list[str]:
+        """Put the copies back as they were; return where each changed one was passed."""
+        changed = ["arguments" + path_text(steps) for steps, _ in self.changed()]
+        for _, seen, saved in self.found:
+            restore(seen, saved)
+        return changed

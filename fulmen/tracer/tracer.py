@@ -28,6 +28,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.objects import (
+    ArgumentContainers,
     ObjectInputs,
     function_roots,
     has_argument_grad,
@@ -272,22 +273,6 @@ def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
                 "self.mem[...] = ...), or return the value and keep it outside the module")
 
 
-def _argument_containers(value, path: str = "arguments") -> list[tuple[str, Any, Any]]:
-    """`(where, container, snapshot)` for every list and dict inside the call's arguments
-    (the containers pytree flattens: their items become separate leaves, so a store into them
-    would not be seen again)."""
-    found: list[tuple[str, Any, Any]] = []
-    if isinstance(value, (list, dict)):
-        found.append((path, value, snapshot(value)))
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            found.extend(_argument_containers(item, f"{path}[{index}]"))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found.extend(_argument_containers(item, f"{path}[{key!r}]"))
-    return found
-
-
 def _path_name(path, param_names: list[str]) -> str:
     """`(SequenceKey(0), SequenceKey(1), MappingKey('a'))` -> `w_a` for parameter `w`."""
     top, rest = path[0], path[1:]
@@ -366,10 +351,11 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
                   if store[2] is not None and isinstance(store[2][1], TensorProxy)]
     templates += [template for _, template in objects.epilogue.outputs]
     found: dict[str, TensorProxy] = {}
+    arguments = objects.epilogue.arguments  # the call's own tensors: not returned
     for template in templates:
         values = [template] if isinstance(template, TensorProxy) else [v for _, v in walk(template)]
         for value in values:
-            if isinstance(value, TensorProxy):
+            if isinstance(value, TensorProxy) and id(value) not in arguments:
                 found.setdefault(value.name, value)
     objects.epilogue.names = list(found)
     return list(found.values())
@@ -377,8 +363,8 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
-                  allow_breaks: bool = False,
-                  dynamic: dict | None = None) -> TracedProgram:
+                  allow_breaks: bool = False, dynamic: dict | None = None,
+                  replay_stores: bool = False) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
 
     `ctx` is a fresh recording context to use (by default one is made); after a failure its
@@ -388,6 +374,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     `dynamic` maps flattened-argument positions (or `(position, path)` of a tensor inside an
     object argument) to the dimensions that get symbolic sizes (`fulmen.tracer.symbolic`); the
     program's `symbolic` then guards them.
+    With `replay_stores`, stores into the lists and dicts among the arguments become epilogue
+    stores (NOTE [argument container stores] in `fulmen.tracer.objects`) for a caller that
+    runs the epilogue (`fulmen.jit`); without, they are refused.
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
@@ -471,8 +460,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         ctx.breaks = BreakRecorder(ctx, real)
 
     # the traced code sees copies of the argument lists and dicts (rebuilt around the proxies):
-    # a store into one would be lost
-    containers = _argument_containers((proxy_args, proxy_kwargs))
+    # a store into one is replayed or refused (NOTE [argument container stores])
+    containers = ArgumentContainers((proxy_args, proxy_kwargs), (args, kwargs))
     try:
         with tracing(ctx), FactoryMode(ctx):
             if module is not None:
@@ -486,19 +475,20 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             out_leaves, out_spec = _flatten_output(out)
             out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                           and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
+            if replay_stores:
+                input_paths = [(proxy, leaves_with_paths[index][0])
+                               for proxy, index in zip(inputs, positions)]
+                containers.record(objects.epilogue, out, input_paths)
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()
-        changed = [path for path, container, items in containers
-                   if not unchanged(container, items)]
-        for _, container, items in containers:
-            restore(container, items)
-    if changed:
+        changed = containers.restore()
+    if changed and not replay_stores:
         raise NotYetSupportedError(
             f"the function changes the list or dict passed as {changed[0]} (append, item store, "
-            "pop); a compiled call would not repeat that", op="list/dict argument",
+            "pop); this caller would not repeat that (fulmen.jit does)", op="list/dict argument",
             hint="return the new value instead, or keep it in an object attribute "
             "(cache.layers = ...), whose stores fulmen replays")
 

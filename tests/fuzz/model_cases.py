@@ -5,7 +5,6 @@ one explicit case per pattern of issue 18."""
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 from hypothesis import strategies as st
@@ -183,13 +182,9 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False,
 # ---------------------------------------------------------------------------------------------
 # strategies
 
-# FULMEN_FUZZ_KNOWN_BUGS=1 also generates the patterns excluded for open bugs:
-# - `Context(cache="list")`: a list argument grown by the traced code loses its items
-#   (tests/fuzz/test_found_bugs.py, xfail); `cache="dynamic"` (transformers.DynamicCache) works
 # (`Memory`, a tensor stored on the module, is refused as documented and checked to be;
-# `Layout("view_broadcast")` and `Layout("strides")`, once open layout bugs, are generated
-# always)
-KNOWN_BUGS = os.environ.get("FULMEN_FUZZ_KNOWN_BUGS") == "1"
+# `Layout("view_broadcast")`, `Layout("strides")` and `Context(cache="list")`, once open bugs
+# (tests/fuzz/test_found_bugs.py), are generated always)
 _norms = st.sampled_from(["layer", "rms"])
 _often = st.sampled_from([True, True, False])
 _sometimes = st.sampled_from([False, False, True])
@@ -257,7 +252,7 @@ def cases(draw):
                              input_grad=st.booleans(), fp16=_sometimes,
                              optimizer=st.sampled_from(["none", "none", "none", "sgd", "adamw"]),
                              ddp=_rarely, cache=st.sampled_from(
-                                 ["none", "none", "none", "dynamic"] + ["list"] * KNOWN_BUGS
+                                 ["none", "none", "none", "dynamic", "list"]
                                  if seq else ["none"])))
     if context.bf16_weights and context.autocast:
         context = dataclasses.replace(context, autocast=False)
@@ -392,7 +387,7 @@ PATTERNS = (
     Case(SeqModel(vocab=12, dim=8, blocks=(
         Attn(heads=2, causal=True, rotary=True, kv_heads=1), Mlp(act="swiglu")),
         head="lm", loss="ce", shared=True),
-        Context(training=False, grad=False, cache="list" if KNOWN_BUGS else "dynamic"),
+        Context(training=False, grad=False, cache="list"),
         (Call(2, 4), Call(2, 1), Call(2, 2), Call(2, 1, change="temperature")), seed=8),
     Case(SeqModel(vocab=12, dim=8, blocks=(Attn(heads=2, causal=True, sdpa=False),
                                            Attn(heads=1, rotary=True))),

@@ -1,6 +1,5 @@
-"""Wrong answers the fuzzers found (issue 18), minimized. An xfail is an open bug whose pattern
-the generator leaves out unless FULMEN_FUZZ_KNOWN_BUGS=1; the rest were fixed and stay as
-regression tests.
+"""Wrong answers the fuzzers found (issue 18), minimized. An xfail would be an open bug whose
+pattern the generator leaves out; the ones below were fixed and stay as regression tests.
 
 - layout truth (fixed by the layout rules of tracer/layout.py; found by `Layout("strides")`
   and `Layout("view_broadcast")` blocks and the op fuzzer's `stride_read`): strides and
@@ -10,9 +9,9 @@ regression tests.
   symbolic retrace answered `is_contiguous()`/`stride()` of a strided intermediate unlike
   eager (fixed: the layout rules run on the symbolic sizes, tracer/dispatch.py);
 - a plain list passed as an argument and grown by the traced code (`Context(cache="list")`, a
-  KV cache as a list of (k, v)): the store must be replayed on every call, or refused."""
+  KV cache as a list of (k, v)): the items were lost (fixed: stores into argument lists and
+  dicts are replayed after every call, tracer/objects.py `ArgumentContainers`)."""
 
-import pytest
 import torch
 
 import fulmen
@@ -73,8 +72,6 @@ def _grow(x, cache):
     return cache[0].sum(0)
 
 
-@pytest.mark.xfail(strict=True, reason="appends and item stores into a list argument are "
-                   "silently dropped: the list stays empty after compiled calls (issue 18)")
 def test_a_list_argument_grown_by_the_traced_code_keeps_its_items():
     jfn = fulmen.jit(_grow, executors=["torch"])
     got, want = [], []
