@@ -178,29 +178,47 @@ class _Printer:
 
 
 def _symbol_bindings(trace, symbols: set) -> list[str]:
-    """`s0 = x.shape[0]` for each symbol of a symbolic size the body uses, read from an input
-    whose size (or stride) is the symbol, or else a linear expression of it and of symbols
-    already bound (a backward trace may see only `s0 - 1`: `s0 = t3.shape[0] + 1`).
+    """The lines binding `symbols` at the top of `trace`'s function (`symbol_bindings`)."""
+    if not symbols:
+        return []
+    return [""] + [INDENT + line for line in symbol_bindings(trace.args, symbols, trace.name)]
+
+
+def symbol_bindings(proxies, symbols: set, name: str = "trace",
+                    strides: bool = True) -> list[str]:
+    """Python statements `s0 = x.shape[0]` binding each of `symbols` (sympy symbols of
+    symbolic sizes) from the sizes of `proxies` (the arguments of a function, by their names):
+    read from a proxy whose size (or stride) is the symbol, or else solved from a linear
+    expression of it and of symbols already bound (a backward trace may see only `s0 - 1`:
+    `s0 = t3.shape[0] + 1`). `name` names the function in the error; with `strides=False`
+    only sizes are read.
 
     Raises:
-        FulmenError: when no input's sizes determine a symbol.
+        FulmenError: when no proxy's sizes determine a symbol.
+
+    Example:
+        >>> symbol_bindings([x], {s0})  # x: f32[s0, 4]
+        ['s0 = x.shape[0]']
     """
     if not symbols:
         return []
     from torch.utils._sympy.printers import PythonPrinter
 
     sources = []  # (expression, Python text of the value)
-    for proxy in trace.args:
+    for proxy in proxies:
         if isinstance(getattr(proxy, "shape", None), torch.Size):
-            for kind, values in (("shape", proxy.shape), ("stride()", proxy.stride())):
+            kinds = [("shape", proxy.shape)]
+            if strides:
+                kinds.append(("stride()", proxy.stride()))
+            for kind, values in kinds:
                 for dim, size in enumerate(values):
                     if isinstance(size, torch.SymInt) and size.node.expr.free_symbols:
                         sources.append((size.node.expr, f"{proxy.name}.{kind}[{dim}]"))
-    lines, bound = [""], set()
+    lines, bound = [], set()
     for expr, text in sources:  # the symbols themselves first
         if expr in symbols and expr not in bound:
             bound.add(expr)
-            lines.append(f"{INDENT}{expr} = {text}")
+            lines.append(f"{expr} = {text}")
     progress = True
     while symbols - bound and progress:
         progress = False
@@ -211,11 +229,11 @@ def _symbol_bindings(trace, symbols: set) -> list[str]:
             solved = _solve_linear(expr, unknown.pop(), text, PythonPrinter())
             if solved is not None:
                 bound.add(solved[0])
-                lines.append(f"{INDENT}{solved[0]} = {solved[1]}")
+                lines.append(f"{solved[0]} = {solved[1]}")
                 progress = True
     if symbols - bound:
         raise FulmenError(f"the symbolic sizes {sorted(map(str, symbols - bound))} are not a "
-                          "size of any input", op=f"print {trace.name}")
+                          "size of any input", op=f"print {name}")
     return lines
 
 

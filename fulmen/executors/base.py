@@ -180,6 +180,8 @@ class FusionExecutor(Executor):
         return self.fusion_statement(name, MyRegion(name, ...), region, inputs, outputs)
     """
 
+    symbolic_sizes = False  # whether regions with symbolic sizes (`torch.SymInt`) are offered
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.fusions: dict[str, Symbol] = {}

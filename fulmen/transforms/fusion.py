@@ -44,6 +44,8 @@ _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
 class FusionExecutor(Protocol):
     """What the partitioner needs of a fusion executor (`fulmen.executors.FusionExecutor`)."""
 
+    symbolic_sizes: bool  # whether it fuses statements with symbolic sizes
+
     def can_fuse(self, bsym: BoundSymbol) -> bool: ...
 
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool: ...
@@ -78,9 +80,20 @@ def is_tiny_region(region: Sequence[BoundSymbol], torch_ops: int) -> bool:
             device = getattr(proxy, "device", None)
             if device is None:
                 continue
-            if device.type != "cpu" or math.prod(proxy.shape) > max_numel:
+            if device.type != "cpu" or not _known_at_most(math.prod(proxy.shape), max_numel):
                 return False
     return True
+
+
+def _known_at_most(numel, limit: int) -> bool:
+    """`numel <= limit`; for a symbolic `numel` only when the ShapeEnv knows it without adding
+    a guard (a comparison would specialise the trace on the size: a region of symbolic sizes
+    is not tiny unless their ranges bound it)."""
+    if isinstance(numel, int):
+        return numel <= limit
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(numel <= limit)
 
 
 def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
@@ -111,8 +124,8 @@ class _Node:
 
 
 def _has_symbolic_sizes(bsym: BoundSymbol) -> bool:
-    """Whether a statement computes with symbolic sizes (`fulmen.tracer.symbolic`): fusion
-    executors generate kernels for known sizes, so such statements stay unfused."""
+    """Whether a statement computes with symbolic sizes (`fulmen.tracer.symbolic`): such
+    statements stay unfused unless the executor says it handles them (`symbolic_sizes`)."""
     for value in (*iter_proxies(bsym.args), *iter_proxies(bsym.kwargs),
                   *iter_proxies(bsym.output)):
         if any(isinstance(size, torch.SymInt) for size in getattr(value, "shape", ())):
@@ -123,8 +136,9 @@ def _has_symbolic_sizes(bsym: BoundSymbol) -> bool:
 def _flatten_for(trace: Trace, executor: FusionExecutor,
                  before: Sequence[OperatorExecutor]) -> list[_Node]:
     nodes: list[_Node] = []
+    symbolic_unfused = not getattr(executor, "symbolic_sizes", False)
     for origin, bsym in enumerate(trace.bsyms):
-        if bsym.is_del or _has_symbolic_sizes(bsym) \
+        if bsym.is_del or (symbolic_unfused and _has_symbolic_sizes(bsym)) \
                 or any(ex.claim(bsym) is not None for ex in before):
             nodes.append(_Node(bsym, origin, False))
         elif executor.can_fuse(bsym):

@@ -9,7 +9,8 @@ CUDA C++ for CUDA tensors).
 The package reads as the pipeline (each module imports only those above it):
 
     ops.py      the kernel op table (arity, dtypes, common C spellings) and fusibility
-    ir.py       the kernel IR;  lower.py / rows.py: a region -> a pointwise / row kernel
+    ir.py       the kernel IR;  sizes.py: symbolic sizes (what lowering may decide, each call's)
+    lower.py / rows.py: a region -> a pointwise / row kernel
     target.py   `Target`: how one dialect spells IR values (types, literals, loads, ops)
     build.py    when kernels compile, the compile threads, build keys;  cache.py: the disk cache
     region.py   what every fused-region callable shares (strides, outputs, the fallback)
@@ -66,7 +67,10 @@ def _on_torch(body: Trace):
 
 class CodegenExecutor(FusionExecutor):
     """Fuses elementwise prims, the views feeding them and row reductions into one kernel per
-    region, rendered for the region's device by its target."""
+    region, rendered for the region's device by its target. Regions with symbolic sizes are
+    fused too (`sizes.py`): one kernel serves every size."""
+
+    symbolic_sizes = True
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         return fusible(bsym, target_of(bsym))
@@ -95,7 +99,10 @@ class CodegenExecutor(FusionExecutor):
                      provenance=f"fusion region of {self.name}")
         on_cuda = any(p.device.type == "cuda" for p in lowered.inputs)
         runtime = TARGETS["cuda" if on_cuda else "cpu"][1]
-        impl = runtime(name, lowered, functools.partial(_on_torch, body))
+        try:
+            impl = runtime(name, lowered, functools.partial(_on_torch, body))
+        except Unsupported:  # symbolic sizes its inputs' shapes do not determine
+            return None
         return self.fusion_statement(name, impl, region, lowered.inputs, outputs)
 
 

@@ -3,7 +3,9 @@
 Which prims may join a region is `ops.fusible` (the op table and the region's target).
 `lower(region, outputs)` builds the kernel; it raises `Unsupported` when the
 region breaks a rule of the pointwise schedule: every elementwise statement has the same shape
-(the iteration space), and view prims only read region inputs or other views of them.
+(the iteration space), and view prims only read region inputs or other views of them. Sizes
+are compared as `sizes.same` does: a comparison of symbolic sizes that depends on the call
+raises `Unsupported` (the region stays unfused).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from fulmen.core import BoundSymbol
 from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op, ViewStep
 from fulmen.executors.codegen.ops import INTS, VIEWS, Unsupported
+from fulmen.executors.codegen.sizes import freeze, same_shape
 from fulmen.transforms.fusion import region_inputs
 
 __all__ = ["LoweredRegion", "Unsupported", "cast_scalar", "fits_pointwise", "lower",
@@ -46,7 +49,9 @@ def number_dtype(name: str, position: int, dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class LoweredRegion:
     """A kernel plus how to call it: the iteration shape, and for each region output either
-    `("kernel", k)` (the kernel's k-th output) or `("view", access)` (a view of an input)."""
+    `("kernel", k)` (the kernel's k-th output) or `("view", access)` (a view of an input).
+    Symbolic sizes in the shape and the accesses are `sizes.SymSize`s (`sizes.concrete`
+    gives the region of one call)."""
 
     kernel: Kernel
     shape: tuple[int, ...]
@@ -68,8 +73,12 @@ def fits_pointwise(region: list[BoundSymbol]) -> bool:
         out = bsym.output
         if shape is None:
             shape = out.shape
-        elif out.shape != shape:
-            return False
+        else:
+            try:
+                if not same_shape(out.shape, shape):
+                    return False
+            except Unsupported:
+                return False
         computed.add(out.name)
     return True
 
@@ -117,14 +126,14 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             kind = view_of(bsym.args[0])
             if kind[0] != "view":
                 raise Unsupported(f"{name} of a computed value")
-            step = ViewStep(name, tuple(_freeze(a) for a in bsym.args[1:]))
+            step = ViewStep(name, freeze(bsym.args[1:]))
             access = Access(kind[1].input, kind[1].steps + (step,))
             env[bsym.output.name] = ("view", access, bsym.output.dtype)
             continue
         out = bsym.output
         if shape is None:
             shape = tuple(out.shape)
-        elif tuple(out.shape) != shape:
+        elif not same_shape(tuple(out.shape), shape):
             raise Unsupported(f"{name} on shape {tuple(out.shape)} in a {shape} kernel")
         if name == "convert_element_type":
             args = (operand(bsym.args[0], bsym.args[0].dtype),)
@@ -154,10 +163,4 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         else:
             plan.append(("view", kind[1]))
     kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs))
-    return LoweredRegion(kernel, shape, tuple(inputs), tuple(plan))
-
-
-def _freeze(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
+    return LoweredRegion(kernel, freeze(shape), tuple(inputs), tuple(plan))

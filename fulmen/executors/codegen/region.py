@@ -11,6 +11,11 @@ returns a callable running the region's own trace some other way (the torch exec
 reads raw memory, so inputs of other dtypes or devices than the kernel was built for
 (`accepts`), a layout the runtime cannot pass (`Fallback`), or a kernel that cannot be built run
 the fallback: never a crash, never a wrong result.
+
+A region with symbolic sizes (`sizes.py`) is made concrete for each call (`bind`): the values of
+its sizes are read from its inputs' shapes, and the region with those values (kept for the last
+`MAX_BOUND` distinct sizes) is what the call resolves and runs. Its kernels do not depend on
+sizes, so one compiled kernel serves every size.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from collections.abc import Callable
 import torch
 
 from fulmen.executors.codegen.ir import Access
+from fulmen.executors.codegen.sizes import Binder, concrete, has_sym_sizes
 
-__all__ = ["Fallback", "RegionCallable", "coalesce", "region_results", "resolve",
+__all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "region_results", "resolve",
            "view_output"]
+
+MAX_BOUND = 256  # concrete regions (and call plans) kept per region; then they start afresh
 
 
 class Fallback(Exception):
@@ -155,12 +163,19 @@ def coalesce(shape, rows):
 class RegionCallable:
     """What the callables behind fusion symbols share: the region (a `LoweredRegion` or
     `LoweredRows`), and `fallback()`, which makes the callable that runs the region when its
-    kernel cannot (see the module docstring)."""
+    kernel cannot (see the module docstring).
+
+    Raises:
+        Unsupported: the region has symbolic sizes that its inputs' shapes do not determine.
+    """
 
     def __init__(self, name: str, lowered, fallback: Callable[[], Callable]) -> None:
         self.name = name
         self.lowered = lowered
         self.kernel = lowered.kernel
+        parts = (lowered.shape, lowered.kernel.accesses, lowered.outputs)
+        self.binder = Binder(lowered) if has_sym_sizes(parts) else None
+        self._bound: dict[tuple, object] = {}
         self.fallback = fallback
         self.input_types = tuple(_input_type(proxy) for proxy in lowered.inputs)
         self._fallback = None
@@ -177,6 +192,19 @@ class RegionCallable:
                                          or (tensor.dtype, tensor.device) != expected):
                 return False
         return True
+
+    def bind(self, inputs):
+        """The region with the sizes of this call (`self.lowered` when it has no symbolic
+        sizes)."""
+        if self.binder is None:
+            return self.lowered
+        values = self.binder(inputs)
+        found = self._bound.get(values)
+        if found is None:
+            if len(self._bound) >= MAX_BOUND:
+                self._bound.clear()
+            found = self._bound[values] = concrete(self.lowered, self.binder, values)
+        return found
 
     def _run_fallback(self, inputs):
         if self._fallback is None:

@@ -36,8 +36,9 @@ from fulmen.executors.codegen.ir import (
     RowKernel,
     ViewStep,
 )
-from fulmen.executors.codegen.lower import _freeze, cast_scalar, lower, number_dtype
+from fulmen.executors.codegen.lower import cast_scalar, lower, number_dtype
 from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported
+from fulmen.executors.codegen.sizes import freeze, same, same_shape
 from fulmen.transforms.fusion import region_inputs
 
 __all__ = ["LoweredRows", "lower_any", "lower_rows"]
@@ -67,28 +68,28 @@ def lower_any(region: list[BoundSymbol], outputs: list, check_only: bool = False
     return lower(region, outputs, check_only)
 
 
-def _row_view(map_: tuple, in_shape: tuple, step: ViewStep) -> tuple:
-    """Where each axis of a view of a row-level value comes from: an axis of S or None (an axis
-    along which the value does not vary). Raises Unsupported for views that move data."""
-    params = step.params
-    if step.name == "broadcast_in_dim":
-        shape, dims = params
+def _row_view(map_: tuple, in_shape: tuple, name: str, params: tuple) -> tuple:
+    """Where each axis of a view (prim `name`, its arguments `params`) of a row-level value
+    comes from: an axis of S or None (an axis along which the value does not vary). Raises
+    Unsupported for views that move data."""
+    if name == "broadcast_in_dim":
+        shape, dims = params[:2]
         new = [None] * len(shape)
         for i, d in enumerate(dims):
-            new[d] = map_[i] if in_shape[i] == shape[d] else None
+            new[d] = map_[i] if same(in_shape[i], shape[d]) else None
         return tuple(new)
-    if step.name == "permute":
+    if name == "permute":
         return tuple(map_[p] for p in params[0])
-    if step.name == "squeeze":
+    if name == "squeeze":
         return tuple(m for d, m in enumerate(map_) if d not in params[0])
-    if step.name == "reshape":
-        big = [(size, m) for size, m in zip(in_shape, map_) if size != 1]
+    if name == "reshape":
+        big = [(size, m) for size, m in zip(in_shape, map_) if not same(size, 1)]
         shape = params[0]
-        if [size for size, _ in big] != [size for size in shape if size != 1]:
+        if not same_shape([size for size, _ in big], [s for s in shape if not same(s, 1)]):
             raise Unsupported("reshape of a row value that moves data")
         it = iter(big)
-        return tuple(next(it)[1] if size != 1 else None for size in shape)
-    raise Unsupported(f"{step.name} of a row value")
+        return tuple(next(it)[1] if not same(size, 1) else None for size in shape)
+    raise Unsupported(f"{name} of a row value")
 
 
 def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = False) -> LoweredRows:
@@ -112,7 +113,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     if not reduced:
         raise Unsupported("a reduction over every axis but no row")
     for bsym in reductions:
-        if tuple(bsym.args[0].shape) != shape:
+        if not same_shape(tuple(bsym.args[0].shape), shape):
             raise Unsupported("reductions of different shapes")
         if axes(bsym) not in (reduced, kept):
             raise Unsupported("reductions over different axes")
@@ -142,11 +143,11 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
         return ("view", Access(input_index[proxy.name], ()))
 
     def fits_element(map_: tuple) -> bool:
-        return all(m == d or (m is None and (d in reduced or shape[d] == 1))
+        return all(m == d or (m is None and (d in reduced or same(shape[d], 1)))
                    for d, m in enumerate(map_))
 
     def fits_row(map_: tuple) -> bool:
-        return all(m == d or (m is None and shape[d] == 1) for m, d in zip(map_, kept))
+        return all(m == d or (m is None and same(shape[d], 1)) for m, d in zip(map_, kept))
 
     def fits_keep(map_: tuple) -> bool:
         return len(map_) == len(shape) and all(
@@ -194,14 +195,14 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             kind = view_of(bsym.args[0])
             if kind[0] == "column":
                 raise Unsupported("a view of a column sum")
-            step = ViewStep(name, tuple(_freeze(a) for a in bsym.args[1:]))
+            step = ViewStep(name, freeze(bsym.args[1:]))
             if kind[0] == "view":
                 env[out.name] = ("view", Access(kind[1].input, kind[1].steps + (step,)))
             elif kind[0] == "row":
-                map_ = _row_view(kind[2], tuple(bsym.args[0].shape), step)
+                map_ = _row_view(kind[2], tuple(bsym.args[0].shape), name, bsym.args[1:])
                 env[out.name] = ("row", kind[1], map_, kind[3] + (step,))
             elif rows[kind[1]]:
-                map_ = _row_view(kept, tuple(bsym.args[0].shape), step)
+                map_ = _row_view(kept, tuple(bsym.args[0].shape), name, bsym.args[1:])
                 env[out.name] = ("row", kind[1], map_, (step,))
             else:
                 raise Unsupported(f"{name} of a computed element value")
@@ -220,9 +221,9 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             env[out.name] = ("value", index)
             continue
         out_shape = tuple(out.shape)
-        if out_shape == shape:
+        if same_shape(out_shape, shape):
             row = False
-        elif out_shape == kept_shape:
+        elif same_shape(out_shape, kept_shape):
             row = True
         elif out_shape == keep_shape:  # a row-level statement in keepdim form (RMSNorm's
             # rsqrt(mean + eps) on `mean(-1, keepdim=True)`): computed per row, seen as a view
@@ -269,7 +270,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             plan.append(("view", kind[1]))
     kernel = RowKernel(tuple(accesses), tuple(access_dtypes), tuple(access_rows), tuple(values),
                        tuple(rows), tuple(kernel_outputs))
-    return LoweredRows(kernel, shape, reduced, tuple(inputs), tuple(plan))
+    return LoweredRows(kernel, freeze(shape), reduced, tuple(inputs), tuple(plan))
 
 
 def _lower_var(add, x: int, dtype: torch.dtype, correction, out_dtype: torch.dtype) -> int:

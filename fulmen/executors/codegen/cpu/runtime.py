@@ -49,6 +49,7 @@ from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import RowKernel
 from fulmen.executors.codegen.region import (
     Fallback,
+    MAX_BOUND,
     RegionCallable,
     coalesce,
     region_results,
@@ -140,7 +141,8 @@ class FusedRegion(RegionCallable):
             return self._run_fallback(inputs)
 
     def _run(self, inputs):
-        lowered, kernel = self.lowered, self.kernel
+        lowered = self.bind(inputs)
+        kernel = lowered.kernel
         rows = isinstance(kernel, RowKernel)
         shape = lowered.shape
         points = [shape[d] for d in range(len(shape)) if d not in lowered.reduced] if rows else shape
@@ -148,7 +150,7 @@ class FusedRegion(RegionCallable):
             if not self.accepts(inputs):
                 raise Fallback
             outs = [torch.empty(s, dtype=dtype)
-                    for s, dtype in zip(self._out_shapes(), kernel.output_dtypes)]
+                    for s, dtype in zip(self._out_shapes(lowered), kernel.output_dtypes)]
             for out, column in zip(outs, kernel.output_columns if rows else ()):
                 if column:
                     out.zero_()  # a sum over no rows
@@ -159,8 +161,10 @@ class FusedRegion(RegionCallable):
         if plan is None:
             if not self.accepts(inputs):
                 raise Fallback
-            plan = self._plan_rows(inputs) if rows else self._plan(inputs)
+            plan = self._plan_rows(inputs, lowered) if rows else self._plan(inputs, lowered)
             if plan[-1]:  # no access copied its input: valid for every call with this key
+                if len(self._plans) >= MAX_BOUND:
+                    self._plans.clear()
                 self._plans[key] = plan
         fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, _ = plan
         outs = [empty(shape, dtype) for shape, dtype in out_specs]
@@ -171,10 +175,11 @@ class FusedRegion(RegionCallable):
            ctypes.addressof(c_ptrs), arg, nthreads)
         return region_results(lowered, inputs, outs)
 
-    def _out_shapes(self) -> list[tuple]:
-        """The shape of each kernel output: the iteration space (pointwise); for a row kernel
-        the full, kept (row outputs) or reduced (column sums) shape."""
-        lowered, kernel = self.lowered, self.kernel
+    def _out_shapes(self, lowered) -> list[tuple]:
+        """The shape of each kernel output of the region `lowered` (`bind`): the iteration
+        space (pointwise); for a row kernel the full, kept (row outputs) or reduced (column
+        sums) shape."""
+        kernel = lowered.kernel
         if not isinstance(kernel, RowKernel):
             return [lowered.shape] * len(kernel.outputs)
         shape, reduced = lowered.shape, lowered.reduced
@@ -183,11 +188,11 @@ class FusedRegion(RegionCallable):
         return [column_shape if column else kept_shape if row else shape
                 for row, column in zip(kernel.output_rows, kernel.output_columns)]
 
-    def _pointers(self, inputs, expected) -> tuple[list, list, bool]:
+    def _pointers(self, inputs, expected, accesses) -> tuple[list, list, bool]:
         """Per access: (input index or base tensor, byte offset), its strides, and whether
         every access reads its input in place (no copy)."""
         pointers, rows, in_place = [], [], True
-        for access, shape in zip(self.kernel.accesses, expected):
+        for access, shape in zip(accesses, expected):
             base, offset, sizes, strides = resolve(inputs[access.input], access)
             if tuple(sizes) != shape:
                 raise Fallback
@@ -197,11 +202,12 @@ class FusedRegion(RegionCallable):
             rows.append(strides)
         return pointers, rows, in_place
 
-    def _plan(self, inputs) -> tuple:
+    def _plan(self, inputs, lowered) -> tuple:
         """How to call a pointwise kernel for inputs of these shapes and strides: (kernel,
         ndim, sizes, strides, pointers, block, threads, output (shape, dtype)s, reusable)."""
-        kernel, shape = self.kernel, self.lowered.shape
-        pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses))
+        kernel, shape = lowered.kernel, lowered.shape
+        pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses),
+                                                  kernel.accesses)
         rows += [_contiguous(shape) for _ in kernel.outputs]
         sizes, rows = coalesce(shape, rows)
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
@@ -217,16 +223,16 @@ class FusedRegion(RegionCallable):
         flat = [s for row in rows for s in row]
         return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
                 (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads,
-                list(zip(self._out_shapes(), kernel.output_dtypes)), in_place)
+                list(zip(self._out_shapes(lowered), kernel.output_dtypes)), in_place)
 
-    def _plan_rows(self, inputs) -> tuple:
+    def _plan_rows(self, inputs, lowered) -> tuple:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
         block): strides over (kept axes, reduced axes), each part coalesced."""
-        lowered, kernel = self.lowered, self.kernel
+        kernel = lowered.kernel
         shape, reduced = lowered.shape, lowered.reduced
         kept = [d for d in range(len(shape)) if d not in reduced]
         kept_shape = tuple(shape[d] for d in kept)
-        out_shapes = self._out_shapes()
+        out_shapes = self._out_shapes(lowered)
         nrows = math.prod(kept_shape)
         numel = nrows * math.prod(shape[d] for d in reduced)
         nthreads = torch.get_num_threads() if numel >= GRAIN else 1
@@ -243,7 +249,7 @@ class FusedRegion(RegionCallable):
             return [0 if d in reduced else next(it) for d in range(len(shape))]
 
         expected = [kept_shape if row else shape for row in kernel.access_rows]
-        pointers, strides, in_place = self._pointers(inputs, expected)
+        pointers, strides, in_place = self._pointers(inputs, expected, kernel.accesses)
         rows = [full(s, row) for s, row in zip(strides, kernel.access_rows)]
         rows += [full(_contiguous(out_shape), row, column) for out_shape, row, column
                  in zip(out_shapes, kernel.output_rows, kernel.output_columns)]

@@ -119,7 +119,8 @@ class CudaFusedRegion(RegionCallable):
     def _run(self, inputs):
         if isinstance(self.kernel, RowKernel):
             return self._run_rows(inputs)
-        lowered, kernel = self.lowered, self.kernel
+        lowered = self.bind(inputs)
+        kernel = lowered.kernel
         shape = lowered.shape
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         outs = [torch.empty(shape, dtype=dtype, device=device) for dtype in kernel.output_dtypes]
@@ -150,7 +151,8 @@ class CudaFusedRegion(RegionCallable):
     def _run_rows(self, inputs):
         """Call a `RowKernel`: strides over (kept axes, reduced axes), each part coalesced (as
         the CPU runtime), then the launches of `cuda_rows.plan_rows`."""
-        lowered, kernel = self.lowered, self.kernel
+        lowered = self.bind(inputs)
+        kernel = lowered.kernel
         shape, reduced = lowered.shape, lowered.reduced
         kept = [d for d in range(len(shape)) if d not in reduced]
         kept_shape = tuple(shape[d] for d in kept)

@@ -1,0 +1,171 @@
+"""Symbolic sizes in kernels: what lowering may decide about a size, and the sizes of one call.
+
+A region traced with symbolic sizes (`fulmen.tracer.symbolic`) holds `torch.SymInt`s in its
+shapes and in the parameters of its view prims. Lowering compares sizes (is this statement on
+the iteration shape? does this broadcast add an axis of size 1?); with SymInts each comparison
+is asked of the ShapeEnv without adding a guard (`statically_known_true`): a symbol's range
+starts at 2 (sizes 0 and 1 are specialised), so `s0 == 1` is known false and `s0 == s0` known
+true, while `s0 == s1` is unknown. An unknown comparison raises `Unsupported`: the region is not
+fused (the torch executor runs it), never lowered on a guess.
+
+What lowering keeps of a symbolic size is a `SymSize` (its sympy expression: hashable, compared
+structurally, no guards); ints stay ints, so a region of static shapes lowers exactly as before.
+At run time `Binder` computes the value of every `SymSize` of a region from the sizes of its
+input tensors (a generated function, `s0 = t0.shape[0]`, as printed traces bind symbols), and
+`concrete` makes the region with those values, which the runtimes then call like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import torch
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.printer import symbol_bindings
+from fulmen.executors.codegen.ir import Access, ViewStep
+from fulmen.executors.codegen.ops import Unsupported
+
+__all__ = ["Binder", "SymSize", "concrete", "freeze", "has_sym_sizes", "same", "same_shape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SymSize:
+    """A symbolic size as lowering keeps it: the sympy expression of a `torch.SymInt`."""
+
+    expr: object
+
+    def __repr__(self) -> str:
+        return str(self.expr)
+
+
+def _symbolic(value) -> bool:
+    return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
+
+
+def freeze(value):
+    """`value` (a view prim's parameter: a size, a tuple of them, a number) with every
+    symbolic size as a `SymSize` and every specialised one as an int; tuples for lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return SymSize(value.node.expr) if _symbolic(value) else int(value)
+    return value
+
+
+def same(a, b) -> bool:
+    """Whether sizes `a` and `b` (ints or `torch.SymInt`s) are equal, as the ShapeEnv knows
+    without adding a guard.
+
+    Raises:
+        Unsupported: when it does not know (their equality depends on the call).
+    """
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(a == b):
+        return True
+    if statically_known_true(a != b):
+        return False
+    raise Unsupported(f"whether sizes {a} and {b} are equal depends on the call")
+
+
+def same_shape(a, b) -> bool:
+    """Whether shapes `a` and `b` are equal (`same` for each size; raises like it)."""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def has_sym_sizes(value) -> bool:
+    """Whether `value` (a nested tuple or an IR object) holds a `SymSize`."""
+    if isinstance(value, SymSize):
+        return True
+    if isinstance(value, tuple):
+        return any(has_sym_sizes(v) for v in value)
+    if isinstance(value, (Access, ViewStep)):
+        return has_sym_sizes(value.steps if isinstance(value, Access) else value.params)
+    return False
+
+
+def _exprs(value, found: dict) -> None:
+    if isinstance(value, SymSize):
+        found.setdefault(value.expr, len(found))
+    elif isinstance(value, tuple):
+        for v in value:
+            _exprs(v, found)
+    elif isinstance(value, Access):
+        _exprs(value.steps, found)
+    elif isinstance(value, ViewStep):
+        _exprs(value.params, found)
+
+
+def _substitute(value, values: dict):
+    if isinstance(value, SymSize):
+        return values[value.expr]
+    if isinstance(value, tuple):
+        return tuple(_substitute(v, values) for v in value)
+    if isinstance(value, Access):
+        return Access(value.input, _substitute(value.steps, values))
+    if isinstance(value, ViewStep):
+        return ViewStep(value.name, _substitute(value.params, values))
+    return value
+
+
+def _parts(lowered) -> tuple:
+    """What of a lowered region may hold sizes: its shape, its accesses, its output plan."""
+    return lowered.shape, lowered.kernel.accesses, lowered.outputs
+
+
+class Binder:
+    """The sizes of one call of a symbolic region: `Binder(lowered)(inputs)` is the tuple of
+    the values of the region's `SymSize`s, read from its input tensors; `concrete(lowered,
+    binder, values)` the region with them.
+
+    Raises (constructor):
+        Unsupported: when the sizes of the region's inputs do not determine a symbol.
+    """
+
+    def __init__(self, lowered) -> None:
+        from torch.utils._sympy.printers import PythonPrinter
+
+        found: dict = {}
+        _exprs(_parts(lowered), found)
+        self.exprs = tuple(found)
+        symbols = set().union(*(expr.free_symbols for expr in self.exprs)) if found else set()
+        names = [f"_i{i}" for i in range(len(lowered.inputs))]
+        proxies = [_Named(name, getattr(proxy, "shape", None))
+                   for name, proxy in zip(names, lowered.inputs)]
+        try:
+            lines = symbol_bindings(proxies, symbols, "a codegen region", strides=False)
+        except FulmenError as error:
+            raise Unsupported(str(error)) from None
+        printer = PythonPrinter()
+        values = "".join(f"int({printer.doprint(expr)}), " for expr in self.exprs)
+        source = "\n  ".join([f"def _sizes({', '.join(names)}):", *lines,
+                              f"return ({values})"])
+        scope: dict = {"math": math}
+        exec(compile(source, "<fulmen codegen sizes>", "exec"), scope)
+        self.source = source
+        self._sizes = scope["_sizes"]
+
+    def __call__(self, inputs) -> tuple[int, ...]:
+        return self._sizes(*inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Named:
+    """The shape of a region input under the binder's parameter name."""
+
+    name: str
+    shape: object
+
+
+def concrete(lowered, binder: Binder, values: Iterable[int]):
+    """`lowered` (a `LoweredRegion` or `LoweredRows`) with the sizes `values` (from `binder`)
+    in place of its `SymSize`s."""
+    table = dict(zip(binder.exprs, values))
+    shape, accesses, outputs = _substitute(_parts(lowered), table)
+    kernel = dataclasses.replace(lowered.kernel, accesses=accesses)
+    return dataclasses.replace(lowered, kernel=kernel, shape=shape, outputs=outputs)
