@@ -141,38 +141,48 @@ class FusedRegion(RegionCallable):
             return self._run_fallback(inputs)
 
     def _run(self, inputs):
-        lowered = self.bind(inputs)
-        kernel = lowered.kernel
-        rows = isinstance(kernel, RowKernel)
-        shape = lowered.shape
-        points = [shape[d] for d in range(len(shape)) if d not in lowered.reduced] if rows else shape
-        if not math.prod(points):  # nothing to compute (no rows, or an empty iteration space)
-            if not self.accepts(inputs):
-                raise Fallback
-            outs = [torch.empty(s, dtype=dtype)
-                    for s, dtype in zip(self._out_shapes(lowered), kernel.output_dtypes)]
-            for out, column in zip(outs, kernel.output_columns if rows else ()):
-                if column:
-                    out.zero_()  # a sum over no rows
-            return region_results(lowered, inputs, outs)
         key = (torch.get_num_threads(),
                *[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])
         plan = self._plans.get(key)
         if plan is None:
+            lowered = self.bind(inputs)
             if not self.accepts(inputs):
                 raise Fallback
+            if self._empty(lowered):  # nothing to compute (no rows, or no points)
+                return self._run_empty(lowered, inputs)
+            rows = isinstance(lowered.kernel, RowKernel)
             plan = self._plan_rows(inputs, lowered) if rows else self._plan(inputs, lowered)
             if plan[-1]:  # no access copied its input: valid for every call with this key
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
                 self._plans[key] = plan
-        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, _ = plan
+        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, lowered, direct = \
+            plan[:10]
         outs = [empty(shape, dtype) for shape, dtype in out_specs]
         c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
             *[(inputs[i] if isinstance(i, int) else i).data_ptr() + o for i, o in pointers],
             *[out.data_ptr() for out in outs])
-        fn(ndim, ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-           ctypes.addressof(c_ptrs), arg, nthreads)
+        fn(ndim, c_sizes, c_strides, ctypes.addressof(c_ptrs), arg, nthreads)
+        if direct:  # the kernel's outputs are the region's, in order
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        return region_results(lowered, inputs, outs)
+
+    @staticmethod
+    def _empty(lowered) -> bool:
+        """Whether the region has nothing to compute (an empty iteration space, or no rows)."""
+        shape = lowered.shape
+        if isinstance(lowered.kernel, RowKernel):
+            return not math.prod(shape[d] for d in range(len(shape)) if d not in lowered.reduced)
+        return not math.prod(shape)
+
+    def _run_empty(self, lowered, inputs):
+        kernel = lowered.kernel
+        outs = [torch.empty(s, dtype=dtype)
+                for s, dtype in zip(self._out_shapes(lowered), kernel.output_dtypes)]
+        if isinstance(kernel, RowKernel):
+            for out, column in zip(outs, kernel.output_columns):
+                if column:
+                    out.zero_()  # a sum over no rows
         return region_results(lowered, inputs, outs)
 
     def _out_shapes(self, lowered) -> list[tuple]:
@@ -204,7 +214,9 @@ class FusedRegion(RegionCallable):
 
     def _plan(self, inputs, lowered) -> tuple:
         """How to call a pointwise kernel for inputs of these shapes and strides: (kernel,
-        ndim, sizes, strides, pointers, block, threads, output (shape, dtype)s, reusable)."""
+        ndim, address of the sizes, of the strides, pointers, block, threads, output (shape,
+        dtype)s, the region with these sizes, whether its results are the kernel's outputs,
+        the C arrays, reusable)."""
         kernel, shape = lowered.kernel, lowered.shape
         pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses),
                                                   kernel.accesses)
@@ -220,10 +232,7 @@ class FusedRegion(RegionCallable):
         if nthreads > 1 and nrows < 4 * nthreads:
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-        flat = [s for row in rows for s in row]
-        return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
-                (ctypes.c_int64 * len(flat))(*flat), pointers, block, nthreads,
-                list(zip(self._out_shapes(lowered), kernel.output_dtypes)), in_place)
+        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, in_place)
 
     def _plan_rows(self, inputs, lowered) -> tuple:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
@@ -258,11 +267,23 @@ class FusedRegion(RegionCallable):
                                      [[r[d] for d in reduced] for r in rows])
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
         fn = self._kernel_for(layout)
-        sizes = outer + inner
-        flat = [s for o, i in zip(outer_rows, inner_rows) for s in o + i]
-        return (fn, len(sizes), (ctypes.c_int64 * len(sizes))(*sizes),
-                (ctypes.c_int64 * len(flat))(*flat), pointers, len(outer), nthreads,
-                list(zip(out_shapes, kernel.output_dtypes)), in_place)
+        rows = [o + i for o, i in zip(outer_rows, inner_rows)]
+        return self._call_plan(fn, outer + inner, rows, pointers, len(outer), nthreads, lowered,
+                               in_place)
+
+    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, in_place) -> tuple:
+        """A plan (see `_plan`): the coalesced sizes and stride rows as C arrays, passed by
+        address (the plan keeps them alive), the output specs, and whether the kernel's outputs
+        are the region's results as they are."""
+        flat = [s for row in rows for s in row]
+        c_sizes = (ctypes.c_int64 * len(sizes))(*sizes)
+        c_strides = (ctypes.c_int64 * len(flat))(*flat)
+        out_specs = list(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
+        direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
+            [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
+        return (fn, len(sizes), ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
+                pointers, arg, nthreads, out_specs, lowered, direct, (c_sizes, c_strides),
+                in_place)
 
 
 def _contiguous(shape) -> list[int]:
