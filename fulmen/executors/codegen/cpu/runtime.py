@@ -221,7 +221,7 @@ class FusedRegion(RegionCallable):
         pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses),
                                                   kernel.accesses)
         rows += [_contiguous(shape) for _ in kernel.outputs]
-        sizes, rows = coalesce(shape, rows)
+        sizes, rows = _long_inner(*coalesce(shape, rows))
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
         fn = self._kernel_for(layout)
         numel = math.prod(shape)
@@ -284,6 +284,25 @@ class FusedRegion(RegionCallable):
         return (fn, len(sizes), ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
                 pointers, arg, nthreads, out_specs, lowered, direct, (c_sizes, c_strides),
                 in_place)
+
+
+SHORT_INNER = 16  # a pointwise loop this short costs more in row offsets than in elements
+
+
+def _long_inner(sizes: list, rows: list) -> tuple[list, list]:
+    """The iteration space of a pointwise kernel with its longest axis innermost, when the
+    inner one (after coalescing) is shorter than `SHORT_INNER` and the longest is at least 4
+    times as long: the kernel computes each row's offsets with a division per axis, which would
+    cost more than the elements of a short row (a transposed (8, 4, 128, 4) input: 4096 rows of
+    4 contiguous elements, or 128 rows of 128 strided ones). Every point is computed
+    independently, so any order of the axes gives the same result."""
+    if len(sizes) < 2 or sizes[-1] >= SHORT_INNER:
+        return sizes, rows
+    longest = max(range(len(sizes) - 1), key=lambda d: sizes[d])
+    if sizes[longest] < 4 * sizes[-1]:
+        return sizes, rows
+    order = [d for d in range(len(sizes)) if d != longest] + [longest]
+    return [sizes[d] for d in order], [[row[d] for d in order] for row in rows]
 
 
 def _contiguous(shape) -> list[int]:
