@@ -48,8 +48,8 @@ from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import RowKernel
 from fulmen.executors.codegen.region import (
-    Fallback,
     MAX_BOUND,
+    Fallback,
     RegionCallable,
     coalesce,
     region_results,
