@@ -134,3 +134,16 @@ def test_lowering_asks_the_shape_env_without_guards():
     frozen = codegen_sizes.freeze((a, [4, c]))
     assert frozen == codegen_sizes.freeze((a, (4, c))) and hash(frozen)
     assert codegen_sizes.has_sym_sizes(frozen) and not codegen_sizes.has_sym_sizes((4, (2,)))
+
+
+def test_a_short_inner_axis_iterates_the_longest_axis_innermost():
+    from fulmen.executors.codegen.cpu.runtime import _long_inner
+
+    sizes, rows = _long_inner([8, 4, 128, 4], [[2048, 4, 16, 1], [2048, 512, 4, 1]])
+    assert sizes == [8, 4, 4, 128] and rows == [[2048, 4, 1, 16], [2048, 512, 1, 4]]
+    assert _long_inner([8, 16], [[16, 1]]) == ([8, 16], [[16, 1]])  # long enough already
+    fn = lambda x, y: -x.transpose(1, 2) * y + 1  # noqa: E731
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    for shape in ((8, 128, 4, 4), (3, 64, 2, 5), (2, 9, 1, 3)):
+        x, y = torch.randn(shape), torch.randn(shape[0], shape[2], shape[1], shape[3])
+        torch.testing.assert_close(jfn(x, y), fn(x, y))
