@@ -386,7 +386,8 @@ class ArgumentContainers:
     that changed shape compiles anew. Refused (NotYetSupportedError), where the copies cannot
     behave as eager's one object: a changed container passed twice or also reachable from an
     object argument (a store through one would show in the other), one the function also
-    returns (eager returns the very object), and a store of a traced Python number (a symbolic
+    returns (eager returns the very object), a subclass of list or dict (HF's `ModelOutput`
+    keeps attributes beside its items), and a store of a traced Python number (a symbolic
     size).
     """
 
@@ -432,6 +433,10 @@ class ArgumentContainers:
                     f"the function changes the list or dict passed as {where}, which is also "
                     "passed elsewhere in the arguments", op="list/dict argument",
                     hint="pass it once, or return the new value instead")
+            if type(seen) not in (list, dict):  # a subclass may keep more than its items
+                raise NotYetSupportedError(
+                    f"the function changes the {type(seen).__qualname__} passed as {where}",
+                    op="list/dict argument", hint="return the new value instead")
             if id(seen) in returned:
                 raise NotYetSupportedError(
                     f"the function changes the list or dict passed as {where} and returns it",

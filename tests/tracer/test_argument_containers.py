@@ -119,6 +119,19 @@ def test_a_changed_list_that_is_returned_is_refused():
     assert cache == []
 
 
+def test_a_changed_dict_subclass_is_refused():
+    import collections
+
+    def fn(x, state):
+        state["h"] = x + 1
+        return x
+
+    state = collections.OrderedDict(h=torch.zeros(2))
+    with pytest.raises(fulmen.NotYetSupportedError, match="OrderedDict"):
+        fulmen.jit(fn)(torch.ones(2), state)
+    torch.testing.assert_close(state["h"], torch.zeros(2))
+
+
 def test_vjp_refuses_a_store_it_would_not_repeat():
     cache = []
     with pytest.raises(fulmen.NotYetSupportedError, match="list or dict passed as"):
