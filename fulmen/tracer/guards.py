@@ -105,28 +105,71 @@ def _code_names(code) -> set[str]:
     return names
 
 
+_CONTAINERS = (list, tuple, dict)
+_EXACT_SCALARS = frozenset([bool, int, str, type(None)])
+_MAX_ITEMS = 64  # containers longer than this are keyed by their length only
+
+
+def _is_source(value: Any) -> bool:
+    """Values a traced program may read as constants (scalars, small containers of them) or
+    capture by reference (tensors)."""
+    return isinstance(value, (*_SCALARS, Tensor)) or type(value) in _CONTAINERS
+
+
+def source_key(value: Any) -> Any:
+    """The key of a value read from a global, a closure cell or a module attribute: scalars by
+    value; tensors by identity (the program captured that tensor object: its in-place updates
+    are seen, a new tensor bound to the name is not; the entry keeps the old one alive, so the
+    id cannot be reused while it matters); lists, tuples and dicts by their items, one level
+    deep (`CONFIG["scale"]`, `self.sizes[0]`)."""
+    kind = type(value)
+    if kind in _EXACT_SCALARS:  # the common case, without `_leaf_key`'s isinstance chain
+        return (kind, value)
+    if kind is float:
+        return (float, _float_key(value))
+    if isinstance(value, Tensor):
+        return ("tensor", id(value))
+    if kind in _CONTAINERS:
+        if len(value) > _MAX_ITEMS:
+            return (kind, len(value))
+        items = value.items() if kind is dict else enumerate(value)
+        return (kind, tuple([(k, _item_key(v)) for k, v in items]))
+    return _leaf_key(value)
+
+
+def _item_key(value: Any) -> Any:
+    kind = type(value)
+    if kind in _EXACT_SCALARS:
+        return (kind, value)
+    if isinstance(value, Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, _SCALARS):
+        return _leaf_key(value)
+    return (type(value), id(value))
+
+
 def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
-    """(name, reader) for each Python scalar a traced program may bake in as a constant without
-    it being an argument: the function's closure cells and the globals its code names, and the
-    scalar attributes of every module (`dropout.p`, `attn.scale`). Their current values are part
-    of the cache key, so changing one retraces instead of reusing a stale constant."""
+    """(name, reader) for each value a traced program may bake in as a constant or capture
+    without it being an argument: the function's closure cells and the globals its code names,
+    and the plain attributes of every module (`dropout.p`, `attn.scale`, `self.table`):
+    scalars, tensors and small containers (`source_key`). Their current keys are part of the
+    cache key, so changing one retraces instead of reusing a stale constant or tensor."""
     sources: list[tuple[str, object]] = []
     code = getattr(fn, "__code__", None)
     if code is not None:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                if isinstance(cell.cell_contents, _SCALARS):
+                if _is_source(cell.cell_contents):
                     sources.append((cell_name, lambda cell=cell: cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
         namespace = fn.__globals__
         for name in sorted(_code_names(code)):  # co_names also holds attribute names
-            if name in namespace and isinstance(namespace[name], _SCALARS) \
-                    and not name.startswith("__"):
+            if name in namespace and _is_source(namespace[name]) and not name.startswith("__"):
                 sources.append((name, lambda name=name: namespace.get(name)))
     for module in modules:
         for attr, value in vars(module).items():
-            if isinstance(value, _SCALARS) and attr != "training" and not attr.startswith("_"):
+            if _is_source(value) and attr != "training" and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, lambda module=module, attr=attr: getattr(module, attr)))
     return sources
@@ -170,7 +213,7 @@ class CacheKeyBuilder:
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             tuple([module.training for module in self.modules]) if self.modules else (),
-            tuple([_leaf_key(read()) for _, read in self.scalar_sources]),
+            tuple([source_key(read()) for _, read in self.scalar_sources]),
             self._fn_roots_key(),
         )
 
@@ -233,7 +276,12 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     for name, module in zip(module_names, modules):
         described[f"{name or 'model'}.training"] = module.training
     for name, read in sources:
-        described[name] = read()
+        value = read()
+        if isinstance(value, Tensor):  # compared by identity, as keyed
+            value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
+        elif type(value) in _CONTAINERS:
+            value = source_key(value)
+        described[name] = value
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         name = _path_name(path, param_names)
         if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds

@@ -60,3 +60,62 @@ def test_keys_of_equal_and_distinct_floats():
 
 def test_recompile_reason_names_the_sign_of_zero():
     assert explain_change({"s": 0.0}, {"s": -0.0}) == ["s changed from 0.0 to -0.0"]
+
+
+SHIFT = torch.ones(3)
+SETTINGS = {"scale": 2.0}
+
+
+def _reads_globals(x):
+    return x * SHIFT * SETTINGS["scale"]
+
+
+def test_a_global_tensor_rebound_or_a_global_dict_changed_retraces():
+    """The program captured the tensor object `SHIFT` named and baked in `SETTINGS["scale"]`:
+    a new tensor bound to the name, or a new value in the dict, must not reuse it."""
+    global SHIFT
+    jfn = fulmen.jit(_reads_globals)
+    x = torch.randn(3)
+    try:
+        torch.testing.assert_close(jfn(x), _reads_globals(x))
+        SHIFT = torch.full((3,), 3.0)
+        torch.testing.assert_close(jfn(x), _reads_globals(x))
+        SHIFT.mul_(2)  # in place: the captured tensor is read by reference
+        torch.testing.assert_close(jfn(x), _reads_globals(x))
+        SETTINGS["scale"] = 5.0
+        torch.testing.assert_close(jfn(x), _reads_globals(x))
+    finally:
+        SHIFT, SETTINGS["scale"] = torch.ones(3), 2.0
+
+
+def test_closure_lists_and_module_attributes_are_guarded():
+    weights = [1.0, 2.0]
+
+    def fn(x):
+        return x * weights[0] + weights[-1]
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(3)
+    torch.testing.assert_close(jfn(x), fn(x))
+    weights[0] = 10.0
+    torch.testing.assert_close(jfn(x), fn(x))
+    weights.append(7.0)
+    torch.testing.assert_close(jfn(x), fn(x))
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.factor = torch.tensor(2.0)  # a plain attribute, not a buffer
+            self.table = {"k": 1.0}
+
+        def forward(self, x):
+            return self.lin(x) * self.factor * self.table["k"]
+
+    model = Scaled()
+    jmodel = fulmen.jit(model)
+    torch.testing.assert_close(jmodel(x), model(x))
+    model.factor = torch.tensor(5.0)
+    torch.testing.assert_close(jmodel(x), model(x))
+    model.table["k"] = 4.0
+    torch.testing.assert_close(jmodel(x), model(x))
