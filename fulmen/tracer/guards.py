@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Hashable
 from typing import Any
 
@@ -148,12 +149,41 @@ def _item_key(value: Any) -> Any:
     return (type(value), id(value))
 
 
+_SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
+_MAX_SOURCES = 512  # a bound on the per-call cost of the key
+
+
+def _own_functions(fn, modules) -> list:
+    """The traced function and the functions whose globals its program may read: the
+    forward and other methods of each module's own class, and (up to `_SCAN_DEPTH` levels)
+    the module-level functions they name. PyTorch's and fulmen's own are left out."""
+    found: dict[int, object] = {}
+    frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
+                       if isinstance(value, types.FunctionType)]
+    for _ in range(_SCAN_DEPTH + 1):
+        next_frontier = []
+        for candidate in frontier:
+            candidate = getattr(candidate, "__func__", candidate)
+            code = getattr(candidate, "__code__", None)
+            module_name = getattr(candidate, "__module__", None) or ""
+            if code is None or id(candidate) in found or module_name.split(".")[0] in (
+                    "torch", "fulmen"):
+                continue
+            found[id(candidate)] = candidate
+            namespace = getattr(candidate, "__globals__", {})
+            next_frontier += [namespace[name] for name in _code_names(code)
+                              if isinstance(namespace.get(name), types.FunctionType)]
+        frontier = next_frontier
+    return list(found.values())
+
+
 def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
     """(name, reader) for each value a traced program may bake in as a constant or capture
-    without it being an argument: the function's closure cells and the globals its code names,
-    and the plain attributes of every module (`dropout.p`, `attn.scale`, `self.table`):
-    scalars, tensors and small containers (`source_key`). Their current keys are part of the
-    cache key, so changing one retraces instead of reusing a stale constant or tensor."""
+    without it being an argument: the function's closure cells, the globals named by it and
+    by the functions it may call (`_own_functions`), and the plain attributes of every module
+    (`dropout.p`, `attn.scale`, `self.table`): scalars, tensors and small containers
+    (`source_key`). Their current keys are part of the cache key, so changing one retraces
+    instead of reusing a stale constant or tensor."""
     sources: list[tuple[str, object]] = []
     code = getattr(fn, "__code__", None)
     if code is not None:
@@ -163,16 +193,22 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
                     sources.append((cell_name, lambda cell=cell: cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
-        namespace = fn.__globals__
-        for name in sorted(_code_names(code)):  # co_names also holds attribute names
-            if name in namespace and _is_source(namespace[name]) and not name.startswith("__"):
-                sources.append((name, lambda name=name: namespace.get(name)))
+    seen: set[tuple[int, str]] = set()
+    for function in _own_functions(fn, modules):
+        namespace = function.__globals__
+        for name in sorted(_code_names(function.__code__)):  # co_names holds attributes too
+            if (id(namespace), name) in seen or name.startswith("__"):
+                continue
+            seen.add((id(namespace), name))
+            if name in namespace and _is_source(namespace[name]):
+                sources.append((name, lambda name=name, namespace=namespace:
+                                namespace.get(name)))
     for module in modules:
         for attr, value in vars(module).items():
             if _is_source(value) and attr != "training" and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, lambda module=module, attr=attr: getattr(module, attr)))
-    return sources
+    return sources[:_MAX_SOURCES]
 
 
 class CacheKeyBuilder:

@@ -119,3 +119,31 @@ def test_closure_lists_and_module_attributes_are_guarded():
     torch.testing.assert_close(jmodel(x), model(x))
     model.table["k"] = 4.0
     torch.testing.assert_close(jmodel(x), model(x))
+
+
+FACTOR = 2.0
+
+
+def _helper(x):
+    return x * FACTOR
+
+
+class _UsesHelper(torch.nn.Module):
+    def forward(self, x):
+        return _helper(x) + 1
+
+
+def test_globals_read_by_called_functions_and_submodules_are_guarded():
+    """`FACTOR` is read by a helper the jitted code calls, not by the jitted code itself."""
+    global FACTOR
+    jfn = fulmen.jit(lambda x: _helper(x) - 1)
+    outer = torch.nn.Sequential(_UsesHelper())
+    jmodel = fulmen.jit(outer)
+    x = torch.ones(2)
+    try:
+        jfn(x), jmodel(x)
+        FACTOR = 5.0
+        torch.testing.assert_close(jfn(x), _helper(x) - 1)
+        torch.testing.assert_close(jmodel(x), outer(x))
+    finally:
+        FACTOR = 2.0
