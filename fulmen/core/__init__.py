@@ -3,12 +3,12 @@
 `core` imports nothing else from fulmen; every other part builds on it.
 """
 
+from fulmen.core.check import check_trace
 from fulmen.core.errors import FulmenError, NotYetSupportedError
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, flatten
 from fulmen.core.trace import Trace, TraceCtx, get_tracectx, tracing
-from fulmen.core.verify import check_trace
 
 __all__ = [
     "BoundSymbol",
