@@ -178,6 +178,27 @@ def test_rms_norm_with_keepdim_is_one_kernel_per_direction(dtype):
     _check(lambda a: (stats(a), a * stats(a)), torch.randn(3, 5, 7))
 
 
+def test_ops_on_a_broadcast_row_value_run_once_per_row():
+    # log_softmax's log of the broadcast row sum, and an op reading a row value only through
+    # one view, are row-level values (computed once per row, not once per element), unless
+    # they leave the region: outputs are contiguous element-level tensors, as eager's
+    fns = {"log_softmax": (lambda a: F.log_softmax(a, -1), "log", True),
+           "inner": (lambda a: a.sum(-1, keepdim=True).expand(3, 7).exp() * a, "exp", True),
+           "escaping": (lambda a: (a.sum(-1, keepdim=True).expand(3, 7).exp(), a * 3), "exp",
+                        False)}
+    for name, (fn, op, per_row) in fns.items():
+        x = torch.randn(3, 7)
+        jfn = _check(fn, x)
+        (fused,) = [b for b in fulmen.last_traces(jfn)[-1].bsyms if "fusion" in b.sym.tags]
+        kernel = fused.sym.impl.kernel
+        ops = {value.name: row for value, row in zip(kernel.values, kernel.rows)
+               if type(value).__name__ == "Op"}
+        assert ops[op] == per_row, (name, ops)
+        for actual, expected in zip(*(r if isinstance(r, tuple) else (r,)
+                                      for r in (jfn(x), fn(x)))):
+            assert actual.stride() == expected.stride(), name
+
+
 def test_column_sums():
     # sums over leading axes: per-thread float32 partials over 16 rows (5000 rows: a partial
     # group at each thread's end) added into float64 partials; float64 values straight in

@@ -121,8 +121,9 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     # the kept shape with the reduced axes as size 1 (keepdim): a row-level value in S's rank
     keep_shape = tuple(1 if d in reduced else shape[d] for d in range(len(shape)))
     keep_map = tuple(None if d in reduced else d for d in range(len(shape)))
-    keep_view = ViewStep("broadcast_in_dim", (keep_shape, kept))
+    keep_view = ViewStep("broadcast_in_dim", freeze((keep_shape, kept)))
     inputs = region_inputs(region)
+    escaping = {proxy.name for proxy in outputs}
     input_index = {proxy.name: i for i, proxy in enumerate(inputs)}
     env: dict[str, tuple] = {}
     accesses: list[Access] = []
@@ -151,7 +152,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
 
     def fits_keep(map_: tuple) -> bool:
         return len(map_) == len(shape) and all(
-            m is None if d in reduced else m == d or (m is None and shape[d] == 1)
+            m is None if d in reduced else m == d or (m is None and same(shape[d], 1))
             for d, m in enumerate(map_))
 
     def keep_operand(arg, dtype) -> int:
@@ -221,22 +222,24 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             env[out.name] = ("value", index)
             continue
         out_shape = tuple(out.shape)
+        if same_shape(out_shape, shape) and out.name not in escaping \
+                and (seen := _one_row_view(bsym, view_of)) is not None and fits_element(seen[2]):
+            # every operand is one row value seen through the same view (log_softmax's log of
+            # the broadcast row sum): computed once per row, seen through that view (a region
+            # output stays an element-level value: a contiguous tensor, as eager's)
+            args = tuple(add(Const(cast_scalar(arg, dtype), dtype), True)
+                         if not isinstance(arg, torch.Tensor) else view_of(arg)[1]
+                         for arg, dtype in zip(bsym.args, _operand_dtypes(bsym)))
+            env[out.name] = ("row", add(Op(name, args, out.dtype), True), seen[2], seen[3])
+            continue
         if same_shape(out_shape, shape):
             row = False
         elif same_shape(out_shape, kept_shape):
             row = True
-        elif out_shape == keep_shape:  # a row-level statement in keepdim form (RMSNorm's
-            # rsqrt(mean + eps) on `mean(-1, keepdim=True)`): computed per row, seen as a view
-            if name == "where":
-                dtypes = (torch.bool, out.dtype, out.dtype)
-            elif name == "convert_element_type":
-                dtypes = (bsym.args[0].dtype,)
-            else:
-                dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
-                dtypes = tuple(number_dtype(name, i, dtype) for i in range(len(bsym.args)))
-            count = 1 if name == "convert_element_type" else len(dtypes)
+        elif same_shape(out_shape, keep_shape):  # a row-level statement in keepdim form
+            # (RMSNorm's rsqrt(mean + eps) on `mean(-1, keepdim=True)`): once per row, a view
             args = tuple(keep_operand(arg, dtype)
-                         for arg, dtype in zip(bsym.args[:count], dtypes))
+                         for arg, dtype in zip(bsym.args, _operand_dtypes(bsym)))
             index = add(Op(name, args, out.dtype), True)
             env[out.name] = ("row", index, keep_map, (keep_view,))
             continue
@@ -271,6 +274,32 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     kernel = RowKernel(tuple(accesses), tuple(access_dtypes), tuple(access_rows), tuple(values),
                        tuple(rows), tuple(kernel_outputs))
     return LoweredRows(kernel, freeze(shape), reduced, tuple(inputs), tuple(plan))
+
+
+def _operand_dtypes(bsym: BoundSymbol) -> tuple:
+    """The dtype each operand of an elementwise statement takes in the kernel (numbers cast
+    to it); `convert_element_type` has one operand (its second argument is the dtype)."""
+    name, out = bsym.sym.name, bsym.output
+    if name == "where":
+        return (torch.bool, out.dtype, out.dtype)
+    if name == "convert_element_type":
+        return (bsym.args[0].dtype,)
+    dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
+    return tuple(number_dtype(name, i, dtype) for i in range(len(bsym.args)))
+
+
+def _one_row_view(bsym: BoundSymbol, view_of) -> tuple | None:
+    """The ("row", value, map, steps) view all tensor operands of `bsym` share (each a row
+    value seen through views with one map), or None."""
+    seen = None
+    for arg in bsym.args[:len(_operand_dtypes(bsym))]:
+        if not isinstance(arg, torch.Tensor):
+            continue
+        kind = view_of(arg)
+        if kind[0] != "row" or (seen is not None and kind[2] != seen[2]):
+            return None
+        seen = seen or kind
+    return seen
 
 
 def _lower_var(add, x: int, dtype: torch.dtype, correction, out_dtype: torch.dtype) -> int:
