@@ -138,6 +138,18 @@ def source_key(value: Any) -> Any:
     return _leaf_key(value)
 
 
+_MAX_ATTRIBUTES = 512
+
+
+def object_source_key(value: Any) -> Any:
+    """The key of a plain object a module holds (`self.config`): its type and its attributes
+    one level deep, as `source_key` keys a dict's items."""
+    state = vars(value)
+    if len(state) > _MAX_ATTRIBUTES:
+        return (type(value), id(value), len(state))
+    return (type(value), tuple([(k, _item_key(v)) for k, v in state.items()]))
+
+
 def _item_key(value: Any) -> Any:
     kind = type(value)
     if kind in _EXACT_SCALARS:
@@ -204,8 +216,9 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
                 sources.append((name, lambda name=name, namespace=namespace:
                                 namespace.get(name)))
     for module in modules:
-        for attr, value in vars(module).items():
-            if _is_source(value) and attr != "training" and not attr.startswith("_"):
+        for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
+            if (_is_source(value) or is_plain_object(value)) and attr != "training" \
+                    and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, lambda module=module, attr=attr: getattr(module, attr)))
     return sources[:_MAX_SOURCES]
@@ -223,6 +236,9 @@ class CacheKeyBuilder:
     def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
         self.modules = modules
         self.scalar_sources = scalar_sources(fn, modules)
+        # per source, the type of the plain object it held (keyed by its attributes), or None
+        self._object_types = [type(value) if is_plain_object(value) else None
+                              for value in (read() for _, read in self.scalar_sources)]
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -249,9 +265,27 @@ class CacheKeyBuilder:
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             tuple([module.training for module in self.modules]) if self.modules else (),
-            tuple([source_key(read()) for _, read in self.scalar_sources]),
+            self._sources_key(),
             self._fn_roots_key(),
         )
+
+    def _sources_key(self) -> tuple:
+        keys, objects = [], {}  # a config object many modules hold is keyed once
+        for (_, read), object_type in zip(self.scalar_sources, self._object_types):
+            value = read()
+            kind = type(value)
+            if kind in _EXACT_SCALARS:
+                keys.append((kind, value))
+            elif kind is object_type:  # (isinstance on an HF config is slow: type is exact)
+                key = objects.get(id(value))
+                if key is None:
+                    key = objects[id(value)] = object_source_key(value)
+                keys.append(key)
+            elif object_type is not None:  # an object attribute rebound to something else
+                keys.append((kind, id(value)))
+            else:
+                keys.append(source_key(value))
+        return tuple(keys)
 
     def _fn_roots_key(self) -> tuple:
         if self.fn is None:
@@ -317,6 +351,8 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
         elif type(value) in _CONTAINERS:
             value = source_key(value)
+        elif is_plain_object(value):
+            value = object_source_key(value)
         described[name] = value
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         name = _path_name(path, param_names)

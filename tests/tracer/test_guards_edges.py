@@ -147,3 +147,26 @@ def test_globals_read_by_called_functions_and_submodules_are_guarded():
         torch.testing.assert_close(jmodel(x), outer(x))
     finally:
         FACTOR = 2.0
+
+
+def test_a_config_object_held_by_a_module_is_guarded():
+    """`self.config.scale` / `self.config.flag` read in forward: changing the config after a
+    call retraces (HF modules read their `PretrainedConfig` the same way)."""
+    import types
+
+    class Configured(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x) * self.config.scale + (1.0 if self.config.flag else 0.0)
+
+    config = types.SimpleNamespace(scale=2.0, flag=True)
+    model = Configured(config)
+    jmodel = fulmen.jit(model)
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(jmodel(x), model(x))
+    config.scale, config.flag = 5.0, False
+    torch.testing.assert_close(jmodel(x), model(x))
