@@ -7,11 +7,13 @@ called with 12 sequence lengths x 3 batch sizes, forward under `no_grad` and a t
 includes every compilation) and a second, steady-state pass are timed; compilations are
 counted (fulmen: cache misses; torch.compile: frames compiled, from `torch._dynamo.utils`).
 
-Decode: `generate(max_new_tokens=N, do_sample=False)` with the default DynamicCache; tokens are
+Decode: `generate(max_new_tokens=N, do_sample=False)` with the default DynamicCache and with the
+static cache (`cache_implementation="static"`); tokens are
 compared with eager; the compilations of the jitted forward are counted, and a second generate
 (everything compiled) gives the per-token time.
 
-Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2] [--tokens 64] [--no-compile]`
+Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2] [--tokens 64] [--no-compile]
+[--skip-sweep] [--skip-decode] [--caches dynamic,static]`
 Times are seconds (sweep) and ms per token (decode); ratios are fulmen or torch.compile / eager.
 """
 
@@ -78,7 +80,7 @@ def sweep(name: str, use_compile: bool) -> None:
         model = _model(name).train(train)
         kinds = {"eager": model, "fulmen": fulmen.jit(model)}
         if use_compile:
-            torch._dynamo.reset()
+            _reset_torch_compile()
             kinds["torch.compile"] = torch.compile(model)
         row = {}
         for kind, call in kinds.items():
@@ -93,15 +95,25 @@ def sweep(name: str, use_compile: bool) -> None:
                   f"compiles {compiles}")
 
 
-def decode(name: str, tokens: int, use_compile: bool) -> None:
+def _reset_torch_compile() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # the frame counts are per callable, not summed over the run
+
+
+def decode(name: str, tokens: int, use_compile: bool, cache: str) -> None:
     torch.manual_seed(0)
     model = _model(name).eval()
     ids = torch.randint(0, VOCAB, (1, 6))
     original = model.forward
     kinds = {"eager": model, "fulmen": fulmen.jit(model)}
     if use_compile:
-        torch._dynamo.reset()
+        _reset_torch_compile()
         kinds["torch.compile"] = torch.compile(original)
+    options = dict(max_new_tokens=tokens, do_sample=False)
+    if cache == "static":
+        options["cache_implementation"] = "static"
     want = None
     times = {}
     for kind, call in kinds.items():
@@ -110,17 +122,17 @@ def decode(name: str, tokens: int, use_compile: bool) -> None:
         try:
             generate = model.generate if kind != "fulmen" else call.generate
             first = time.perf_counter()
-            out = generate(ids, max_new_tokens=tokens, do_sample=False)
+            out = generate(ids, **options)
             first = time.perf_counter() - first
             again = time.perf_counter()
-            generate(ids, max_new_tokens=tokens, do_sample=False)
+            generate(ids, **options)
             again = time.perf_counter() - again
         finally:
             model.forward = original
         want = out if want is None else want
         times[kind] = again / tokens * 1e3
         same = torch.equal(out, want)
-        print(f"{name:6s} decode {kind:14s} first generate {first:6.2f} s  per token "
+        print(f"{name:6s} {cache:7s} decode {kind:14s} first generate {first:6.2f} s  per token "
               f"{times[kind]:6.2f} ms ({times[kind] / times['eager']:4.2f}x)  "
               f"tokens equal {same}  compiles {_compiles(call, kind)}")
 
@@ -131,13 +143,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--caches", default="dynamic,static",
+                        help="KV caches to decode with: dynamic (DynamicCache), static")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
     for name in args.models.split(","):
         if not args.skip_sweep:
             sweep(name, not args.no_compile)
-        decode(name, args.tokens, not args.no_compile)
+        if not args.skip_decode:
+            for cache in args.caches.split(","):
+                decode(name, args.tokens, not args.no_compile, cache)
 
 
 if __name__ == "__main__":

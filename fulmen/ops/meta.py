@@ -87,8 +87,24 @@ def _fake_mode(value: Any):
                     from torch._subclasses.fake_tensor import FakeTensorMode
 
                     mode = env._fulmen_fake_mode = FakeTensorMode(shape_env=env)
+                if getattr(env, "_fulmen_generalised_ones", False):
+                    return _size_oblivious(mode)
                 return mode
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _size_oblivious(mode):
+    """`mode`, with PyTorch's size-oblivious reasoning for the kernels run in it: a trace holds
+    a size 1 generalised to a symbol (`fulmen.tracer.symbolic`), and PyTorch's meta kernels
+    ask `guard_or_false(s0 == 1)` where either answer gives the same result (broadcasting,
+    contiguity); answered without a guard, they take the general path. A decision that does
+    depend on the size is still a guard (`torch._check` on a backed size evaluates it at 1,
+    and fails the trace when the general path does not hold there)."""
+    from torch.fx.experimental import _config
+
+    with mode, _config.patch(backed_size_oblivious=True):
+        yield
 
 
 def run_meta(fn, *args, **kwargs) -> Any:

@@ -49,6 +49,7 @@ METADATA_FUNCTIONS = frozenset(
 
 
 _STORAGE_OFFSET = _T.storage_offset
+_IS_CONTIGUOUS = _T.is_contiguous
 
 
 def dtype_short_name(dtype: torch.dtype) -> str:
@@ -87,6 +88,13 @@ def known_same_shape(a, b) -> bool:
         elif not _statically_known_true(equal):
             return False
     return True
+
+
+def size_hints(sizes) -> tuple[int, ...]:
+    """`sizes` (or strides) with each symbolic size replaced by its value in the traced call,
+    without recording a guard: for questions whose answer must not depend on the sizes (which
+    outputs need grad, which attention kernel eager picks)."""
+    return tuple(size.node.hint if isinstance(size, torch.SymInt) else size for size in sizes)
 
 
 def _statically_known_true(condition: torch.SymBool) -> bool:
@@ -193,6 +201,22 @@ class TensorProxy(torch.Tensor, Proxy):
         if reads is not None:
             reads.add(self.name)
         return _STORAGE_OFFSET(self)
+
+    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
+        """Whether the tensor is laid out row-major (or in `memory_format`). With symbolic sizes,
+        strides that equal the row-major strides of the shape for every size (`(32*s1, 32, 1)`
+        for `[s0, s1, 32]`) answer True without a guard; PyTorch's own check would ask whether
+        `s0 == 1` (its stride may be anything then) and specialise a batch of 1."""
+        if memory_format is torch.contiguous_format and any(
+                isinstance(size, torch.SymInt) for size in self.shape):
+            strides, acc = [], 1
+            for size in reversed(self.shape):
+                strides.append(acc)
+                acc = acc * size if isinstance(size, torch.SymInt) else acc * max(size, 1)
+            if known_same_shape(self.stride(), tuple(reversed(strides))):
+                return True
+        with torch._C.DisableTorchFunctionSubclass():
+            return _IS_CONTIGUOUS(self, memory_format=memory_format)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -9,7 +9,13 @@ Policy, as torch.compile's (`fulmen.jit(dynamic=...)`):
 `fulmen.mark_dynamic(t, dim)` / `mark_static(t, dim)` (or `torch._dynamo.mark_dynamic`) on an
 argument override the policy for that dimension.
 
-Sizes 0 and 1 are never symbolic (`fulmen.tracer.symbolic`). An entry with symbolic sizes is
+Sizes 0 and 1 are specialised (`fulmen.tracer.symbolic`), with one exception under
+`dynamic=None`: when a size of a tensor argument starts to vary, its sizes that are 1 and did
+not change (the batch of 1 of `(1, seq)` token ids whose length varies) are traced with
+symbols too, not specialised to 1. Every decision the trace makes about such a size is a guard
+evaluated at 1, so the entry serves a batch of 4 only when no branch depended on the 1; then a
+sweep over lengths and batches compiles twice (torch.compile's automatic dynamic, which
+specialises the 1, compiles three times). An entry with symbolic sizes is
 found by a key that leaves those sizes out, then checked with its shape guard.
 """
 
@@ -84,6 +90,8 @@ class DynamicDims:
         self.dynamic = dynamic
         # argument position (see `tensor_at`) -> dims seen to change
         self.varying: dict[Any, set[int]] = {}
+        # argument position -> dims of size 1 generalised (not specialised to 1) when traced
+        self.ones: dict[Any, set[int]] = {}
         self.last: list[tuple[Any, tuple[int, ...]]] | None = None
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
@@ -101,6 +109,11 @@ class DynamicDims:
                     _RECOMPILES.info("%s: size %s varies; tracing it symbolically", label(i),
                                      ", ".join(f"{d} ({old[d]} -> {new[d]})" for d in sorted(changed)))
                     self.varying.setdefault(i, set()).update(changed)
+                    # a size 1 beside a size that varies (the batch of 1 of a length sweep)
+                    # is generalised too, unless it is what changed (1 token when decoding)
+                    ones = {d for d, size in enumerate(new) if size == 1 and d not in changed}
+                    self.ones.setdefault(i, set()).update(ones)
+                    self.varying[i] |= ones
         self.last = shapes
         dims: dict[int, set[int]] = {}
         for i, shape in shapes:
@@ -110,7 +123,8 @@ class DynamicDims:
             chosen |= set(getattr(leaf, "_fulmen_dynamic_dims", {}))
             chosen |= set(getattr(leaf, "_dynamo_dynamic_indices", ()))
             chosen -= getattr(leaf, "_fulmen_static_dims", set())
-            chosen = {d for d in chosen if shape[d] > 1}
+            ones = self.ones.get(i, set())
+            chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
             if chosen:
                 dims[i] = chosen
         return {i: tuple(sorted(d)) for i, d in dims.items()}
@@ -119,6 +133,7 @@ class DynamicDims:
         """A symbolic trace failed: later calls are compiled for their shapes."""
         self.broken = True
         self.varying.clear()
+        self.ones.clear()
 
     @staticmethod
     def entry_fields(program) -> dict[str, Any]:

@@ -9,8 +9,11 @@ time Python needs a decision about a size (`if x.size(0) > 1`, `int(n)`) the Sha
 from the hint and records a guard. Printed traces bind the symbols from the inputs' shapes at
 the top of the function (`s0 = x.shape[0]`) and compute sizes from them.
 
-PyTorch's conventions hold: sizes 0 and 1 are never symbolic (they are specialised, as in
-torch.compile), and two dynamic dimensions of equal size share one symbol (duck sizing) until a
+PyTorch's conventions hold: sizes 0 and 1 are specialised (as in torch.compile), except a size
+1 the policy asks to generalise (a batch of 1 beside a length that varies, see
+`fulmen.tracer.shape_policy`): its symbol's range starts at 1 and every decision about it is
+a guard evaluated at 1, so the entry serves larger sizes only where no branch depended on it
+being 1. Two dynamic dimensions of equal size share one symbol (duck sizing) until a
 call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
 on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
 """
@@ -69,7 +72,8 @@ class SymbolicSizes:
 
     def symbolize(self, tensor: torch.Tensor, label: str, dims: Sequence[int]):
         """`(shape, strides)` for the input proxy of `tensor` (a trace input called `label`),
-        with symbolic sizes in `dims` (sizes 0 and 1 stay ints) and contiguous strides
+        with symbolic sizes in `dims` (a size 0 stays an int, and so does a 1 unless `dims` names
+        it) and contiguous strides
         computed from them. Only contiguous tensors get symbolic sizes (anything else keeps
         its sizes: the strides of a view are not a function of its own sizes)."""
         from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
@@ -85,7 +89,14 @@ class SymbolicSizes:
             if (low is not None and hint < low) or (high is not None and hint > high):
                 continue  # outside the declared range: this size stays a number
             source = TensorPropertySource(LocalSource(label), TensorProperty.SIZE, dim)
-            expr = self.env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            # a size 1 reaches here only when the policy asks for it (`DynamicDims`): its
+            # symbol is not specialised, and every decision the trace makes about it is a
+            # guard evaluated at 1, so the entry serves other sizes only where those hold
+            expr = self.env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC,
+                                          do_not_specialize_zero_one=hint == 1)
+            if expr.is_Symbol and hint == 1:
+                low = 1 if low is None else max(low, 1)  # sympy assumes it positive: never 0
+                self.env._fulmen_generalised_ones = True  # meta kernels: `fulmen.ops.meta`
             if expr.is_Symbol and (low is not None or high is not None):
                 self._constrain(expr, low, high)
             shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)

@@ -129,10 +129,18 @@ def _cat(x, y):
     return torch.cat([x, y.expand_as(x)], 0).softmax(-1)[:: 2]
 
 
-PROGRAMS = [_broadcasting, _views, _cat]
+def _squeeze(x, y):  # removes dim 0 only when it is 1: a generalised 1 must be guarded
+    return x.squeeze(0).sum(-1) + y.sum(0).unsqueeze(0).expand(x.shape[0], -1).sum()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def _outer(x, y):  # (rows, 1, cols) + (1, y rows, cols): broadcasting on both sides
+    return (x.unsqueeze(1) + y.unsqueeze(0)).logsumexp(1)
+
+
+PROGRAMS = [_broadcasting, _views, _cat, _squeeze, _outer]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.sampled_from(PROGRAMS), st.sampled_from([None, True]),
        st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()),
                 min_size=2, max_size=6))
@@ -218,3 +226,36 @@ def test_flattened_token_count_equal_to_a_weight_dim_needs_no_recompile():
         x = torch.randn(batch, seq, 32)
         torch.testing.assert_close(jfn(x), conv1d(x))
     assert fulmen.cache_misses(jfn) == 2
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_batch_of_one_is_generalised_beside_a_varying_length(backward):
+    """(1, s) token ids whose length varies: the batch of 1 is traced as a symbol too, so the
+    batches that follow reuse the entry (two compilations, not three)."""
+    torch.manual_seed(0)
+    table, w = torch.randn(16, 8, requires_grad=backward), torch.randn(8, 8)
+
+    def fn(ids):
+        h = table[ids] + table[:1]  # (b, s, 8) + (1, 8)
+        return (h @ w).softmax(-1).mean(1).square().sum()
+
+    jfn = fulmen.jit(fn)
+    for batch, seq in ((1, 5), (1, 8), (2, 5), (4, 11), (1, 3), (3, 2)):
+        ids = torch.randint(0, 16, (batch, seq))
+        got, want = jfn(ids), fn(ids)
+        torch.testing.assert_close(got, want)
+        if backward:
+            (grad,) = torch.autograd.grad(got, table)
+            torch.testing.assert_close(grad, torch.autograd.grad(want, table)[0])
+    assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_generalised_one_that_a_branch_depends_on_is_guarded():
+    def fn(x):
+        h = x.squeeze(0)  # drops the batch only when it is 1
+        return h.cumsum(-1) if h.ndim == 1 else h.sum(0)
+
+    jfn = fulmen.jit(fn)
+    for shape in ((1, 5), (1, 7), (3, 7), (1, 9), (2, 4)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(jfn(x), fn(x))

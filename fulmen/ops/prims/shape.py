@@ -16,6 +16,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops.meta import run_meta
 from fulmen.ops.prims.base import canonical_dims, check, prim
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import known_same_shape
 
 __all__ = [
     "broadcast_in_dim", "reshape", "permute", "slice_prim", "pad", "cat", "flip",
@@ -32,7 +33,10 @@ def broadcast_in_dim(a: TensorProxy, shape: Sequence[int], broadcast_dims: Seque
     check(list(dims) == sorted(dims), "broadcast_in_dim", f"broadcast_dims {dims} must increase")
     for size, dim in zip(a.shape, dims):
         check(0 <= dim < len(shape), "broadcast_in_dim", f"dim {dim} out of range")
-        check(size in (1, shape[dim]), "broadcast_in_dim", f"cannot broadcast {tuple(a.shape)} to {shape}")
+        # known-equal sizes first: `size in (1, n)` asks `s0 == 1` (a guard) about a size
+        # that is the output's own
+        check(known_same_shape((size,), (shape[dim],)) or size == 1 or size == shape[dim],
+              "broadcast_in_dim", f"cannot broadcast {tuple(a.shape)} to {shape}")
     return TensorProxy.like(a, shape=shape)
 
 

@@ -18,6 +18,7 @@ from fulmen.core import NotYetSupportedError
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.nn import log_softmax
+from fulmen.proxies.tensor import known_same_shape
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -65,7 +66,7 @@ def _class_layout(op: str, input, target):
         raise _unsupported(op, "needs a floating input of rank >= 1")
     class_dim = 0 if input.ndim == 1 else 1
     expected = tuple(s for d, s in enumerate(input.shape) if d != class_dim)
-    if tuple(target.shape) != expected:
+    if not known_same_shape(target.shape, expected) and tuple(target.shape) != expected:
         raise _unsupported(op, f"target shape {tuple(target.shape)} for input "
                            f"{tuple(input.shape)} (eager raises)")
     if input.shape[class_dim] == 0:

@@ -95,6 +95,33 @@ def to_dtype(a, dtype: torch.dtype):
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The broadcast of `shapes` (numpy rules).
+
+    With symbolic sizes, a dimension whose sizes are a literal 1 and sizes known equal without
+    a guard (`s0` beside `1`, `s0` beside `s0`) is that size whatever it turns out to be, so no
+    guard is recorded (`torch.broadcast_shapes` would ask `s0 == 1` and specialise a batch of 1);
+    other dimensions are left to torch, which guards what it decides.
+
+    Raises:
+        FulmenError: when the shapes do not broadcast.
+    """
+    if all(isinstance(size, int) for shape in shapes for size in shape):
+        return _torch_broadcast_shapes(shapes)
+    rank = max(len(shape) for shape in shapes)
+    result = []
+    for dim in range(-rank, 0):
+        sizes = [shape[dim] for shape in shapes if len(shape) >= -dim]
+        other = [size for size in sizes if not (isinstance(size, int) and size == 1)]
+        if not other:
+            result.append(1)
+        elif all(known_same_shape((other[0],), (size,)) for size in other[1:]):
+            result.append(other[0])
+        else:
+            result.append(_torch_broadcast_shapes([(size,) for size in sizes])[0])
+    return tuple(result)
+
+
+def _torch_broadcast_shapes(shapes) -> tuple[int, ...]:
     try:
         return tuple(torch.broadcast_shapes(*shapes))
     except RuntimeError as error:

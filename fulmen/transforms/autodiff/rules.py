@@ -24,6 +24,7 @@ from fulmen.ops.torch_autograd import (
     _primal_leaves,
 )
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import size_hints
 from fulmen.transforms.autodiff.registry import vjp_rule
 
 
@@ -239,8 +240,9 @@ def differentiable_outputs(bsym: BoundSymbol, requires: set[str]) -> set[str]:
 
     def meta(leaf):
         if isinstance(leaf, torch.Tensor):
-            tensor = torch.empty_strided(tuple(leaf.shape), tuple(leaf.stride()), dtype=leaf.dtype,
-                                         device="meta")
+            # symbolic sizes: their values (whether an output needs grad never depends on them)
+            tensor = torch.empty_strided(size_hints(leaf.shape), size_hints(leaf.stride()),
+                                         dtype=leaf.dtype, device="meta")
             return tensor.requires_grad_(id(leaf) in wanted)
         return leaf
 

@@ -29,6 +29,7 @@ import torch
 from fulmen.ops import ltorch, prims
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch_autograd import AUTOGRAD_VJP, _per_argument, _primal_leaves
+from fulmen.proxies.tensor import size_hints
 from fulmen.transforms.autodiff.registry import bound_arguments, saving_forward, vjp_rule
 
 FLASH_FORWARD = opaque_symbol(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -46,8 +47,11 @@ def _scaled_dot_product_attention_vjp(grad, out, query, key, value, attn_mask, d
 
 
 def _stand_in(proxy, requires: set[str]) -> torch.Tensor:
-    """An uninitialised CPU tensor with `proxy`'s metadata (backend choice reads no values)."""
-    tensor = torch.empty_strided(tuple(proxy.shape), tuple(proxy.stride()), dtype=proxy.dtype)
+    """An uninitialised CPU tensor with `proxy`'s metadata (backend choice reads no values);
+    symbolic sizes take the traced call's values (a choice made without a guard: either
+    backend computes the same attention)."""
+    tensor = torch.empty_strided(size_hints(proxy.shape), size_hints(proxy.stride()),
+                                 dtype=proxy.dtype)
     return tensor.requires_grad_(proxy.name in requires and proxy.dtype.is_floating_point)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from fulmen.ops import prims
 from fulmen.ops.opaque import opaque_symbol
+from fulmen.proxies.tensor import known_same_shape
 from fulmen.transforms.autodiff.registry import vjp_rule
 from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents, autograd_rule
 
@@ -20,10 +21,27 @@ def _broadcast_in_dim_vjp(grad, out, a, shape, broadcast_dims):
     size 1 is only dropped by the reshape (a keepdim view: no sum over one element, which a
     row kernel would have to take as a reduction of another shape)."""
     kept = set(broadcast_dims)
-    reduced = [d for d in range(len(shape)) if d not in kept and shape[d] != 1]
-    reduced += [d for size, d in zip(a.shape, broadcast_dims) if size == 1 and shape[d] != 1]
+    reduced = [d for d in range(len(shape)) if d not in kept and not _is_one(shape[d])]
+    reduced += [d for size, d in zip(a.shape, broadcast_dims) if _expanded(size, shape[d])]
     summed = prims.sum(grad, tuple(sorted(reduced))) if reduced else grad
     return prims.reshape(summed, tuple(a.shape)), None, None
+
+
+def _is_one(size) -> bool:
+    """Whether `size` is 1 for every value of its symbols (no guard: a symbolic new dim is
+    summed over, which is right for a size 1 too)."""
+    return known_same_shape((size,), (1,))
+
+
+def _expanded(size, target) -> bool:
+    """Whether a dim of size `size` was expanded to `target`, asked with as few guards as
+    symbolic sizes allow: a size known equal to the target was not, and a literal 1 is summed
+    over whatever the target (a sum over a dim of size 1 changes nothing)."""
+    if known_same_shape((size,), (target,)):
+        return False
+    if isinstance(size, int):
+        return size == 1 and not (isinstance(target, int) and target == 1)
+    return size == 1 and target != 1
 
 
 @vjp_rule(opaque_symbol(torch.Tensor.contiguous))
