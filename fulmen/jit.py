@@ -246,6 +246,11 @@ class _Jitted:
                 if self._strict_dynamic:
                     raise
                 torch.random.set_rng_state(rng_state)
+                if self._shapes.drop_ones():  # the sizes of 1 it generalised: specialise them
+                    _RECOMPILES.info("symbolic sizes with generalised 1s failed (%s: %s); "
+                                     "tracing again with the 1s specialised",
+                                     type(error).__name__, error)
+                    return self._compile_call(args, kwargs, leaves)
                 self._shapes.failed()
                 _RECOMPILES.info("symbolic sizes failed (%s: %s); compiling for these shapes",
                                  type(error).__name__, error)

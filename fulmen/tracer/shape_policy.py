@@ -92,6 +92,7 @@ class DynamicDims:
         self.varying: dict[Any, set[int]] = {}
         # argument position -> dims of size 1 generalised (not specialised to 1) when traced
         self.ones: dict[Any, set[int]] = {}
+        self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
         self.last: list[tuple[Any, tuple[int, ...]]] | None = None
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
@@ -111,9 +112,10 @@ class DynamicDims:
                     self.varying.setdefault(i, set()).update(changed)
                     # a size 1 beside a size that varies (the batch of 1 of a length sweep)
                     # is generalised too, unless it is what changed (1 token when decoding)
-                    ones = {d for d, size in enumerate(new) if size == 1 and d not in changed}
-                    self.ones.setdefault(i, set()).update(ones)
-                    self.varying[i] |= ones
+                    if self.generalise_ones:
+                        ones = {d for d, size in enumerate(new) if size == 1 and d not in changed}
+                        self.ones.setdefault(i, set()).update(ones)
+                        self.varying[i] |= ones
         self.last = shapes
         dims: dict[int, set[int]] = {}
         for i, shape in shapes:
@@ -128,6 +130,17 @@ class DynamicDims:
             if chosen:
                 dims[i] = chosen
         return {i: tuple(sorted(d)) for i, d in dims.items()}
+
+    def drop_ones(self) -> bool:
+        """A symbolic trace with generalised sizes of 1 failed: specialise them from now on
+        (they stay out of `varying` until they change); whether there were any."""
+        if not self.ones:
+            return False
+        for i, dims in self.ones.items():
+            self.varying[i] -= dims
+        self.ones.clear()
+        self.generalise_ones = False
+        return True
 
     def failed(self) -> None:
         """A symbolic trace failed: later calls are compiled for their shapes."""

@@ -259,3 +259,16 @@ def test_a_generalised_one_that_a_branch_depends_on_is_guarded():
     for shape in ((1, 5), (1, 7), (3, 7), (1, 9), (2, 4)):
         x = torch.randn(shape)
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_a_generalised_one_that_broadcasts_is_specialised_again():
+    """`(1, s, 4) @ (3, 4, 5)`: the batch of 1 broadcasts against 3, which PyTorch's kernels
+    (size-oblivious about the generalised 1) cannot trace; the call is traced again with the 1
+    specialised, and the length stays symbolic."""
+    y = torch.randn(3, 4, 5)
+    fn = lambda x: (x @ y).softmax(-1)  # noqa: E731
+    jfn = fulmen.jit(fn)
+    for seq in (5, 8, 11, 6):
+        x = torch.randn(1, seq, 4)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2
