@@ -199,8 +199,36 @@ def _mean_as_sum(fn, args, kwargs):
     return (torch.sum if fn is torch.mean else torch.Tensor.sum), args, kwargs
 
 
+def _constant_pad_as_allocation(fn, args, kwargs):
+    """With symbolic sizes, a constant pad is described by the allocation eager's kernel makes
+    (the output's shape, in the input's suggested memory format): PyTorch's C++ pad reads the
+    sizes as ints, which would specialise every symbolic size of the input (a padded `labels`
+    of a causal LM loss pinned the sequence length)."""
+    bound = _bind_pad(*args, **kwargs)
+    if bound is None:
+        return fn, args, kwargs
+    a, pad = bound
+    if not any(isinstance(size, torch.SymInt) for size in (*a.shape, *a.stride(), *pad)):
+        return fn, args, kwargs
+    shape = list(a.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] = shape[-1 - i] + pad[2 * i] + pad[2 * i + 1]
+    fmt = torch.contiguous_format
+    if a.ndim in (4, 5) and not a.is_contiguous():
+        last = torch.channels_last if a.ndim == 4 else torch.channels_last_3d
+        fmt = last if a.is_contiguous(memory_format=last) else fmt
+    return torch.empty, (shape,), {"dtype": a.dtype, "device": a.device, "memory_format": fmt}
+
+
+def _bind_pad(input, pad, mode="constant", value=None):
+    """`(input, pad)` of an `F.pad` call in constant mode, else None."""
+    if mode != "constant" or not isinstance(input, torch.Tensor):
+        return None
+    return input, tuple(pad)
+
+
 _LAYOUT_TWINS = {F.linear: _linear_without_bias, torch.mean: _mean_as_sum,
-                 torch.Tensor.mean: _mean_as_sum}
+                 torch.Tensor.mean: _mean_as_sum, F.pad: _constant_pad_as_allocation}
 
 
 class _DynamoImportBlocker:

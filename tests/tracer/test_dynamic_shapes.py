@@ -272,3 +272,14 @@ def test_a_generalised_one_that_broadcasts_is_specialised_again():
         x = torch.randn(1, seq, 4)
         torch.testing.assert_close(jfn(x), fn(x))
     assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_constant_pad_keeps_its_sizes_symbolic():
+    """A causal LM loss pads `labels` (`F.pad(labels, (0, 1), value=-100)`): describing the
+    pad's layout must not specialise the length (PyTorch's C++ pad reads int sizes)."""
+    fn = lambda x: torch.nn.functional.pad(x, (0, 1), value=-100)[..., 1:] * 2  # noqa: E731
+    jfn = fulmen.jit(fn)
+    for seq in (5, 8, 11, 6):
+        x = torch.randint(0, 9, (2, seq))
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2
