@@ -81,6 +81,21 @@ _IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
 _GRAD_GET = torch.Tensor.grad.__get__
 
 
+def _name_the_call(error: Exception, func) -> None:
+    """Say in `error` which op of the user's program raised it and on which line: a fulmen
+    error without a location gets it; PyTorch's own errors (a meta kernel's shape check) keep
+    their type and get a note."""
+    where = user_source_location()
+    if where is None:
+        return
+    if isinstance(error, FulmenError):
+        if error.where is None and error.args:
+            error.where = where
+            error.args = (f"{error.args[0]}\n  at {where}", *error.args[1:])
+    elif not any("fulmen: in " in note for note in getattr(error, "__notes__", ())):
+        error.add_note(f"fulmen: in {_func_name(func)} at {where}")
+
+
 def _func_name(func) -> str:
     return torch_qualname(func) or getattr(func, "__qualname__", None) or repr(func)
 
@@ -242,10 +257,14 @@ class TracerCtx(TraceCtx):
                 out = _restore_identities(out, (user_args, user_kwargs), (args, kwargs))
             return out
         r_args, r_kwargs = self.mutation.resolve_tree((args, kwargs))
-        with self.internal():
-            if torch._C._is_any_autocast_enabled():
-                r_args, r_kwargs = autocast_arguments(func, r_args, r_kwargs)
-            out = self._dispatch(func, r_args, r_kwargs)
+        try:
+            with self.internal():
+                if torch._C._is_any_autocast_enabled():
+                    r_args, r_kwargs = autocast_arguments(func, r_args, r_kwargs)
+                out = self._dispatch(func, r_args, r_kwargs)
+        except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
+            _name_the_call(error, func)
+            raise
         if r_args is not args or r_kwargs is not kwargs:
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
         if func in VIEW_FUNCTIONS:

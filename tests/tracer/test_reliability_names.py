@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fulmen
+from fulmen.core import FulmenError
 
 INF = float("inf")
 
@@ -364,3 +365,21 @@ def test_expanded_input_modified_in_place_changes_nothing():
         torch.testing.assert_close(a, torch.zeros(4))
         assert "input 1 (float32[4], strides (0,)" in str(error.value)
     torch.testing.assert_close(jfn(torch.zeros(4), torch.zeros(4)), torch.ones(4) * 2)
+
+
+def _bad_matmul(x, w):
+    return (x @ w).relu()
+
+
+def _bad_view(x):
+    return x.view(4, 4)
+
+
+def test_shape_errors_name_the_op_and_the_users_line():
+    """A meta kernel's shape check keeps PyTorch's error type and gets a note naming the op and
+    the line; a decomposition's own check says where it was called."""
+    with pytest.raises(RuntimeError) as info:
+        fulmen.jit(_bad_matmul)(torch.randn(2, 3), torch.randn(4, 5))
+    assert any("matmul" in note and "x @ w" in note for note in info.value.__notes__)
+    with pytest.raises(FulmenError, match=r"(?s)invalid for input of size 15.*x\.view\(4, 4\)"):
+        fulmen.jit(_bad_view)(torch.randn(3, 5))
