@@ -80,20 +80,23 @@ def is_tiny_region(region: Sequence[BoundSymbol], torch_ops: int) -> bool:
             device = getattr(proxy, "device", None)
             if device is None:
                 continue
-            if device.type != "cpu" or not _known_at_most(math.prod(proxy.shape), max_numel):
+            if device.type != "cpu" or not _at_most(math.prod(proxy.shape), max_numel):
                 return False
     return True
 
 
-def _known_at_most(numel, limit: int) -> bool:
-    """`numel <= limit`; for a symbolic `numel` only when the ShapeEnv knows it without adding
-    a guard (a comparison would specialise the trace on the size: a region of symbolic sizes
-    is not tiny unless their ranges bound it)."""
+def _at_most(numel, limit: int) -> bool:
+    """`numel <= limit`. A symbolic `numel` is compared at the traced sizes
+    (`optimization_hint`: no guard, so the trace stays valid for every size; only whether the
+    region is fused follows the sizes it was traced with), unless the ShapeEnv knows the answer
+    for every size."""
     if isinstance(numel, int):
         return numel <= limit
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
-    return statically_known_true(numel <= limit)
+    if statically_known_true(numel <= limit):
+        return True
+    return not statically_known_true(numel > limit) and optimization_hint(numel) <= limit
 
 
 def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
