@@ -214,3 +214,19 @@ def test_tiny_cpu_regions_stay_on_torch(monkeypatch):
     jfn = fulmen.jit(short, executors=EXECUTORS)
     jfn(small, small)
     assert len(_fused_regions(jfn)) == 1  # FULMEN_FUSE_TINY=1 fuses it anyway
+
+
+def test_tiny_policy_with_symbolic_sizes_adds_no_guard(monkeypatch):
+    # a region of symbolic sizes is tiny when it is at the traced sizes; deciding so adds no
+    # guard, so one compilation serves small and large calls alike (results equal eager)
+    from fulmen.transforms.fusion import TINY_REGION
+
+    monkeypatch.delenv("FULMEN_FUSE_TINY")
+    fn = lambda x, y: torch.relu(x * y + 1.0)  # noqa: E731
+    for first, fused in ((4, False), (TINY_REGION[1] + 5, True)):
+        jfn = fulmen.jit(fn, executors=EXECUTORS, dynamic=True)
+        for n in (first, 7, TINY_REGION[1] * 3, 2):
+            x = torch.randn(n)
+            torch.testing.assert_close(jfn(x, x), fn(x, x))
+        assert bool(_fused_regions(jfn)) == fused
+        assert fulmen.cache_misses(jfn) == 1
