@@ -74,7 +74,10 @@ _registrations = [0]  # submodules, parameters and buffers assigned anywhere, co
 
 
 def _count_registration(module, name, value) -> None:
-    _registrations[0] += 1
+    # not while torch.compile traces: Dynamo would guard on the count, and code that assigns a
+    # submodule in its forward (HF's output capturing) would recompile at every call
+    if not torch.compiler.is_compiling():
+        _registrations[0] += 1
 
 
 def _count_registrations() -> None:

@@ -265,3 +265,28 @@ def test_parameters_converted_in_place_recompile():
     got, want = jmodel(ids), model(ids)
     assert got.dtype == want.dtype == torch.float64
     torch.testing.assert_close(got, want)
+
+
+def test_torch_compile_does_not_recompile_on_fulmens_registration_count():
+    """fulmen counts submodule/parameter assignments with global hooks; a forward that assigns
+    a submodule (as HF's output capturing does) compiled by torch.compile must not guard on
+    that count (it recompiled at every call)."""
+    from torch._dynamo.testing import CompileCounter
+
+    fulmen.jit(torch.nn.Linear(2, 2))(torch.randn(1, 2))  # installs the counting hooks
+
+    class Assigns(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.inner = self.inner  # a module registration inside forward
+            return self.inner(x)
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(Assigns(), backend=counter)
+    for _ in range(3):
+        compiled(torch.randn(1, 2))
+    assert counter.frame_count == 1
