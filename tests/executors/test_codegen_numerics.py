@@ -216,3 +216,26 @@ def test_layer_norm_of_huge_rows_matches_eager(rows):
     first, second, expected = _run_twice(fn, x)
     torch.testing.assert_close(first, expected, equal_nan=True)
     torch.testing.assert_close(second, expected, equal_nan=True)
+
+
+# --- tanh: the prelude's vectorisable f_tanh ----------------------------------------------------
+
+def test_tanh_is_within_two_ulp_of_float64_everywhere():
+    """f_tanh (a polynomial below 0.55, 1 - 2/(exp(2|x|)+1) above) against float64 tanh on a
+    dense float32 grid spanning subnormals to overflow, both signs, and the special values."""
+    grid = torch.logspace(-44, 38.5, 1 << 19, dtype=torch.float64).float()
+    dense = torch.linspace(-12, 12, 1 << 19)
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 0.55, -0.55,
+                             0.5499999, 9.0, 1e-45, -1e-45])
+    x = torch.cat([grid, -grid, dense, specials])
+    jfn = fulmen.jit(lambda t: torch.tanh(t), executors=["codegen", "torch"])
+    got = jfn(x)
+    assert "f_tanh(" in "".join(fulmen.last_kernels(jfn).values())
+    want = torch.tanh(x.double())
+    ulp = torch.nextafter(want.float().abs(), torch.tensor(math.inf)).double() - want.float().abs()
+    finite = want.isfinite() & (want != 0)
+    error = ((got.double() - want).abs() / ulp)[finite]
+    assert error.max() <= 2.0, f"{error.max().item():.2f} ulp at {x[finite][error.argmax()]}"
+    assert torch.equal(got[~finite].isnan(), want[~finite].isnan())
+    zeros = want == 0
+    assert torch.equal(got[zeros].signbit(), x[zeros].signbit())  # tanh(-0.0) is -0.0

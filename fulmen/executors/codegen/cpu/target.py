@@ -60,7 +60,7 @@ class CppTarget(Target):
         return f"({self.compute[dtype]})({expr})"
 
     def math(self, name: str, dtype: torch.dtype) -> str:
-        if name in ("exp", "erf") and self.compute[dtype] == "float":
+        if name in ("exp", "erf", "tanh") and self.compute[dtype] == "float":
             return f"f_{name}"  # the prelude's vectorisable polynomials
         return f"std::{self.math_names.get(name, name)}"
 

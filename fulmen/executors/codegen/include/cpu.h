@@ -140,3 +140,22 @@ static inline float f_erf(float x) {
   std::memcpy(&signed_big, &bits, 4);
   return ax >= 1.25f ? signed_big : x * p;
 }
+// float tanh the compiler can vectorise (libm's tanhf is a scalar call; 21x slower at 65536
+// elements): |x| + |x|^3 Q(x^2) for |x| < 0.55 (Q of degree 5, a least-squares fit on Chebyshev
+// nodes) and 1 - 2 / (exp(2|x|) + 1) beyond, with the vectorisable f_exp (its clamp makes large
+// |x| give exactly 1); the sign of x is put back last, so -0.0 stays -0.0, and NaN takes the
+// second form and stays NaN. Within 1.52 ulp of tanh over every 7th float, with and without FMA
+// (checked against float64 tanh).
+static inline float f_tanh(float x) {
+  const float ax = std::fabs(x);
+  const float t = ax * ax;
+  float q = 0x1.4b67e40000000p-9f;
+  q = f_madd(q, t, -0x1.1770f80000000p-7f);
+  q = f_madd(q, t, 0x1.657aea0000000p-6f);
+  q = f_madd(q, t, -0x1.ba14460000000p-5f);
+  q = f_madd(q, t, 0x1.1111060000000p-3f);
+  q = f_madd(q, t, -0x1.5555560000000p-2f);
+  const float small = f_madd(ax * t, q, ax);
+  const float big = 1.0f - 2.0f / (f_exp(2.0f * ax) + 1.0f);
+  return std::copysign(ax < 0.55f ? small : big, x);
+}
