@@ -82,13 +82,15 @@ def _leaf_key(leaf: Any) -> Any:
 
 def _masked_key(t: Tensor, dims: tuple[int, ...]) -> tuple:
     """The key of a tensor whose sizes in `dims` are symbolic: those sizes left out (the entry's
-    shape guard checks them), contiguity instead of strides."""
+    shape guard checks them), contiguity instead of strides; whether it has a `.grad`, as
+    `_argument_tensor_key` says."""
     shape = list(t.shape)
     if any(d >= len(shape) for d in dims):
         return ("symbolic", "rank", len(shape))
     for dim in dims:
         shape[dim] = None
-    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
+    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(),
+            has_argument_grad(t))
 
 
 def _object_leaf_key(leaf: Any) -> Any:

@@ -141,6 +141,21 @@ def test_reading_the_grad_of_a_tensor_argument_is_refused_not_zero():
         clip([w])
     torch.testing.assert_close(w.grad, torch.ones(3))
 
+
+def test_a_grad_appearing_on_an_argument_is_keyed_with_symbolic_sizes_too():
+    """A trace that read `w.grad` as None must not serve a call whose `w` has a grad, also
+    when `w`'s sizes are symbolic (the key leaves sizes out, not the grad)."""
+    def norm_of_grad(w):
+        return w * 0 if w.grad is None else w.grad.norm()
+
+    jfn = fulmen.jit(norm_of_grad, dynamic=True)
+    w = torch.nn.Parameter(torch.randn(3))
+    torch.testing.assert_close(jfn(w), norm_of_grad(w))
+    w = torch.nn.Parameter(torch.randn(5))
+    w.grad = torch.ones(5)
+    with pytest.raises(NotYetSupportedError, match="grad of the tensor argument"):
+        jfn(w)
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
