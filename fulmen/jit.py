@@ -572,8 +572,8 @@ class JittedModule(torch.nn.Module):
     def _compiled_forward(self, *args, **kwargs):
         """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
         if self._structure.changed():  # a submodule or parameter replaced: everything anew
-            _RECOMPILES.info("%s: the module's submodules, parameters or buffers changed; compiling "
-                      "anew", type(self._orig_mod).__name__)
+            _RECOMPILES.info("%s: the module's submodules, parameters or buffers changed; "
+                             "compiling anew", type(self._orig_mod).__name__)
             self._start_jit()
         hooks = self._hooks
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces

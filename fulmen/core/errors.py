@@ -24,21 +24,32 @@ class FulmenError(RuntimeError):
         where: object | None = None,
         hint: str | None = None,
     ):
+        self.message = message
         self.op = op
         self.argument = argument
         self.where = where
         self.hint = hint
+        super().__init__(self._text())
+
+    def _text(self) -> str:
         parts = []
-        if op is not None:
-            parts.append(f"{op}: ")
-        parts.append(message)
-        if argument is not None:
-            parts.append(f" (argument {argument})")
-        if where is not None:
-            parts.append(f"\n  at {where}")
-        if hint is not None:
-            parts.append(f"\n  hint: {hint}")
-        super().__init__("".join(parts))
+        if self.op is not None:
+            parts.append(f"{self.op}: ")
+        parts.append(self.message)
+        if self.argument is not None:
+            parts.append(f" (argument {self.argument})")
+        if self.where is not None:
+            parts.append(f"\n  at {self.where}")
+        if self.hint is not None:
+            parts.append(f"\n  hint: {self.hint}")
+        return "".join(parts)
+
+    def locate(self, where: object) -> None:
+        """Give the error the user's source location `where` if it has none yet (raised below
+        the user's call, by a decomposition or a meta check that cannot know it)."""
+        if self.where is None and where is not None:
+            self.where = where
+            self.args = (self._text(), *self.args[1:])
 
 
 class NotYetSupportedError(FulmenError):

@@ -89,9 +89,7 @@ def _name_the_call(error: Exception, func) -> None:
     if where is None:
         return
     if isinstance(error, FulmenError):
-        if error.where is None and error.args:
-            error.where = where
-            error.args = (f"{error.args[0]}\n  at {where}", *error.args[1:])
+        error.locate(where)
     elif not any("fulmen: in " in note for note in getattr(error, "__notes__", ())):
         error.add_note(f"fulmen: in {_func_name(func)} at {where}")
 

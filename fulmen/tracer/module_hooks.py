@@ -103,13 +103,12 @@ class StructureWatch:
         holders = [getattr(sub, kind) for sub in module.modules() for kind in self._HOLDERS]
         self._held = [(holder, tuple(holder.values())) for holder in holders if holder]
         self._empty = [holder for holder in holders if not holder]
-        self._sizes = [(holder, len(values)) for holder, values in self._held]
         self._seen = _registrations[0]
 
     def changed(self) -> bool:
         """Whether anything was added, removed or replaced since the watch was made."""
-        if self._seen == _registrations[0] and all([len(holder) == size
-                                                    for holder, size in self._sizes]):
+        if self._seen == _registrations[0] and all([len(holder) == len(values)
+                                                    for holder, values in self._held]):
             return False
         self._seen = _registrations[0]
         if any(map(len, self._empty)):
