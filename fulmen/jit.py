@@ -639,6 +639,41 @@ class JittedModule(torch.nn.Module):
                 module.forward = own
 
 
+class JittedDDP(JittedModule):
+    """`DistributedDataParallel(model)` compiled by `fulmen.jit`: the model inside is compiled
+    (a `JittedModule` sharing its parameters) and DDP's own forward runs eagerly around it at
+    every call, so buffers are broadcast, the reducer is prepared for the backward and
+    `no_sync()` holds exactly as in eager; the gradient hooks fire as the compiled backward
+    accumulates into the parameters. The same as `DDP(fulmen.jit(model))`; torch.compile too
+    keeps DDP's hooks outside its graphs. Attributes (`module`, `no_sync`) are DDP's and
+    `state_dict()` has DDP's keys (`module.`-prefixed)."""
+
+    def _start_jit(self) -> None:
+        ddp = self._orig_mod
+        # not registered as a submodule: the parameters are listed once, under DDP
+        object.__setattr__(self, "_compiled", JittedModule(ddp.module, **self._jit_options))
+
+    @property
+    def _jit(self) -> _Jitted:
+        return self._compiled._jit
+
+    def _compiled_forward(self, *args, **kwargs):
+        ddp = self._orig_mod
+        modules = ddp._modules
+        model = modules["module"]
+        if model is not self._compiled._orig_mod:  # `ddp.module` was replaced
+            self._start_jit()
+        modules["module"] = self._compiled  # what DDP's forward calls (`self.module(...)`)
+        try:
+            return ddp(*args, **kwargs)
+        finally:
+            modules["module"] = model
+
+    def __getstate__(self):
+        raise TypeError("a jitted DistributedDataParallel cannot be pickled or deep-copied "
+                        "(DDP holds a process group); copy the model and wrap the copy")
+
+
 def _fsdp_sharded(module: torch.nn.Module) -> bool:
     """Whether `fully_shard` (FSDP2) was applied to `module` or one of its submodules (its
     jitted blocks excepted: sharding a compiled block is the supported spelling)."""
@@ -714,11 +749,8 @@ def jit(
         >>> jfn(torch.randn(4))
     """
     if isinstance(fn, torch.nn.parallel.DistributedDataParallel):
-        raise NotYetSupportedError(
-            "fulmen.jit(DistributedDataParallel(model)): DDP's forward (gradient sync, buffer "
-            "broadcast, no_sync()) would run only while tracing, not on cached calls",
-            op="fulmen.jit", argument="fn", hint="compile the model and wrap that: "
-            "DDP(fulmen.jit(model)) - gradients are all-reduced as in eager")
+        return JittedDDP(fn, executors, transforms, rematerialize, fullgraph, cache_size_limit,
+                         dynamic)
     if isinstance(fn, torch.nn.Module) and _fsdp_sharded(fn):
         raise NotYetSupportedError(
             "fulmen.jit of a module sharded with FSDP2 (fully_shard): its hooks gather and free "

@@ -1,8 +1,9 @@
-"""`DDP(fulmen.jit(model))` trains exactly like single-process eager: two CPU processes, gloo.
+"""`DDP(fulmen.jit(model))` and `fulmen.jit(DDP(model))` train exactly like single-process
+eager: two CPU processes, gloo.
 
-DDP's own forward runs eagerly around the compiled module, and its gradient hooks fire as the
-compiled backward accumulates into the parameters, so gradients are all-reduced on every step
-(also after `no_sync()` accumulation). `fulmen.jit(DDP(model))` is refused (test_module_behaviour).
+DDP's own forward runs eagerly around the compiled module (in both spellings), and its gradient
+hooks fire as the compiled backward accumulates into the parameters, so gradients are
+all-reduced on every step (also after `no_sync()` accumulation).
 """
 
 import os
@@ -46,13 +47,19 @@ def _train(model, step_fn) -> list[float]:
     return losses
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, spelling: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         model = _model()
-        ddp = torch.nn.parallel.DistributedDataParallel(fulmen.jit(model))
+        if spelling == "ddp_of_jit":
+            ddp = torch.nn.parallel.DistributedDataParallel(fulmen.jit(model))
+            compiled = ddp.module
+        else:
+            ddp = compiled = fulmen.jit(torch.nn.parallel.DistributedDataParallel(model))
+            assert ddp.module is model
+            assert list(ddp.state_dict()) == [f"module.{key}" for key in model.state_dict()]
 
         def step_fn(step: int) -> float:
             total = 0.0
@@ -69,7 +76,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
         losses = _train(ddp, step_fn)
         torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses,
-                    "cache_hits": fulmen.cache_hits(ddp.module)},
+                    "cache_hits": fulmen.cache_hits(compiled),
+                    "misses": fulmen.cache_misses(compiled)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -81,8 +89,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_ddp_of_a_jitted_module_equals_single_process_eager(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("spelling", ["ddp_of_jit", "jit_of_ddp"])
+def test_ddp_and_jit_equal_single_process_eager(tmp_path, spelling):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), spelling), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
 
     model = _model()
@@ -100,6 +109,7 @@ def test_ddp_of_a_jitted_module_equals_single_process_eager(tmp_path):
     losses = _train(model, step_fn)
     for rank in ranks:
         assert rank["cache_hits"] >= STEPS - 1  # compiled once, then served from the cache
+        assert rank["misses"] == 1
         for actual, expected in zip(rank["params"], model.parameters()):
             torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
     # each rank's loss is over its half batch: their mean is the full-batch loss

@@ -190,16 +190,6 @@ def test_backward_inside_a_compiled_function_says_what_to_do(spelling):
     assert model.weight.grad is None
 
 
-def test_jit_of_ddp_names_the_better_spelling():
-    module = torch.nn.Linear(4, 4)
-    ddp = torch.nn.parallel.DistributedDataParallel.__new__(
-        torch.nn.parallel.DistributedDataParallel)  # no process group needed to be refused
-    torch.nn.Module.__init__(ddp)
-    ddp.module = module
-    with pytest.raises(NotYetSupportedError, match=r"DDP\(fulmen.jit\(model\)\)"):
-        fulmen.jit(ddp)
-
-
 def test_backward_hooks_inside_are_refused_and_on_the_jitted_module_work():
     model = _net().eval()
     jmodel = fulmen.jit(model)
