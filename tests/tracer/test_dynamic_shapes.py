@@ -283,3 +283,21 @@ def test_a_constant_pad_keeps_its_sizes_symbolic():
         x = torch.randint(0, 9, (2, seq))
         torch.testing.assert_close(jfn(x), fn(x))
     assert fulmen.cache_misses(jfn) == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: torch.ones(x.shape[0], x.shape[1]),
+    lambda x: torch.zeros(x.shape),
+    lambda x: torch.full((x.shape[0], x.shape[1]), 3.0),
+    lambda x: torch.empty(x.shape[0], x.shape[1]).fill_(2.0),
+], ids=["ones", "zeros", "full", "empty"])
+def test_a_factory_sized_by_a_symbolic_size_keeps_it_symbolic(make):
+    """`torch.ones(batch, length)` with sizes read from an argument (HF T5 builds its decoder
+    mask so): the factory's sizes stay symbols, so a decoder without a cache compiles twice
+    for every length, not once per length."""
+    fn = lambda x: x * make(x) + 1  # noqa: E731
+    jfn = fulmen.jit(fn)
+    for seq in (1, 2, 5, 8, 11):
+        x = torch.randn(2, seq)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2

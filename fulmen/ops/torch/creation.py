@@ -23,7 +23,6 @@ torch call itself, drawing from torch's global generator exactly as eager does.
 from __future__ import annotations
 
 import math
-import operator
 from numbers import Number
 
 import torch
@@ -97,10 +96,7 @@ def size_arg(size: tuple, kwargs: dict, op: str) -> tuple[int, ...]:
     for value in size:
         if isinstance(value, (torch.Tensor, bool)):
             raise NotYetSupportedError("a size given as a tensor or bool", op=op)
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise NotYetSupportedError(f"size {value!r} is not an integer", op=op) from None
+        value = as_int(value, op)  # a symbolic size stays symbolic (`operator.index` specialises)
         if value < 0:
             raise FulmenError(f"trying to create tensor with negative dimension {value}: "
                               f"{list(size)}", op=op)
