@@ -56,7 +56,8 @@ class SourceLocation:
         return f"{self.short}  {printable(self.text)}" if self.text else self.short
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
+    """Whether `filename` is fulmen's own code (its tests excepted) or torch's."""
     if filename.startswith(_SKIP_PREFIXES):
         return True
     if filename.startswith(_FULMEN_DIR + os.sep) and os.sep + "tests" + os.sep not in filename:
@@ -69,7 +70,7 @@ def user_source_location(skip: int = 1) -> SourceLocation | None:
     frame = sys._getframe(skip)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _is_internal(filename):
+        if not is_internal(filename):
             text = linecache.getline(filename, frame.f_lineno).strip()
             return SourceLocation(filename, frame.f_lineno, text)
         frame = frame.f_back

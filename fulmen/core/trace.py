@@ -157,6 +157,9 @@ class TraceCtx:
         self.names = NameAllocator()
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.torch_function: Callable | None = None
+        # proxies whose strides and storage offset eager decides only at run time, and those
+        # computed from them (NOTE [contiguous of a batch of 1] in `fulmen.ops.opaque`)
+        self.undecided_layouts: set[str] = set()
 
     @property
     def bsyms(self) -> list[BoundSymbol]:
@@ -186,6 +189,11 @@ class TraceCtx:
         tags = self.call_site_tags() if len(self.scopes) == 1 else frozenset()
         self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, tuple(scope), source, tags))
         return output
+
+    def check_layout_read(self, proxy, what: str, caller) -> None:
+        """Called when code reads the strides or storage offset (`what`) of `proxy` while
+        `undecided_layouts` is not empty, from the Python frame `caller`; the tracer raises
+        where that layout is not eager's."""
 
     def call_site_tags(self) -> frozenset[str]:
         """Tags for a top-level statement being recorded now (the tracer adds some)."""

@@ -19,6 +19,7 @@ from fulmen.core.symbol import Namespace
 from fulmen.ops.meta import run_meta
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import row_major
 
 OPAQUE_NAMESPACE = Namespace("opaque", "fulmen.ops.opaque", "from fulmen.ops import opaque")
 _OPAQUE: dict[Callable, Symbol] = {}
@@ -74,8 +75,33 @@ def _grouped_mm_meta(fn, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return TensorProxy(None, shape, out_dtype or mat_a.dtype, mat_a.device)
 
 
+def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
+    """NOTE [contiguous of a batch of 1]: with a batch of 1 traced as a symbol `s0`
+    (`fulmen.tracer.symbolic`), `labels[..., 1:]` of a `(s0, s1 + 1)` tensor is contiguous
+    exactly when `s0 == 1`, and eager's `.contiguous()` returns it itself then, a copy
+    otherwise. PyTorch's meta kernel would guard `s0 == 1` and the entry would serve no other
+    batch. Instead the op runs eager's `Tensor.contiguous` (which decides at run time) and
+    the trace sees the copy: a contiguous result (values are the same either way). The
+    result is marked (`_fulmen_layout_undecided`); the tracer keeps the alias from being
+    hidden (mutating either tensor raises, as does reading the result's strides or offset
+    from user code: the strides of its size-1 dimensions and its offset differ), and the
+    symbolic trace is then retraced with the 1 specialised."""
+    if memory_format is torch.contiguous_format and isinstance(self, TensorProxy) \
+            and row_major(self) is None:
+        strides, acc = [], 1
+        for size in reversed(self.shape):
+            strides.append(acc)
+            acc = acc * size
+        result = TensorProxy(None, self.shape, self.dtype, self.device,
+                             strides=tuple(reversed(strides)))
+        result._fulmen_layout_undecided = True
+        return result
+    return run_meta(fn, self, memory_format=memory_format)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
-_META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta}
+_META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
+                                             torch.Tensor.contiguous: _contiguous_meta}
 
 
 def opaque_symbol(fn: Callable) -> Symbol:

@@ -10,6 +10,8 @@ past `__torch_function__` into the dispatcher, `__torch_dispatch__` raises.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from fulmen.core.errors import FulmenError
@@ -88,6 +90,36 @@ def known_same_shape(a, b) -> bool:
         elif not _statically_known_true(equal):
             return False
     return True
+
+
+def row_major(tensor: torch.Tensor) -> bool | None:
+    """Whether `tensor` is contiguous (row-major), decided without recording a guard where
+    the sizes decide it; None when it is row-major exactly if its sizes that may be 1 are 1
+    (a batch of 1 traced with a symbol, see `fulmen.tracer.symbolic`: `labels[..., 1:]` of
+    a `(s0, s1 + 1)` tensor). Other questions (are two symbols equal?) are left to PyTorch's
+    own check, which records its guard.
+
+    PyTorch's rule: every dimension of size other than 1 has the stride of the row-major
+    layout (the product of the sizes after it)."""
+    undecided = False
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride())):
+        if isinstance(size, int) and isinstance(stride, int) and isinstance(expected, int):
+            if size != 1 and stride != expected:
+                return False
+        elif not (_known(size == 1) or _known(stride == expected)):
+            if not _known(stride != expected):
+                with torch._C.DisableTorchFunctionSubclass():
+                    return _IS_CONTIGUOUS(tensor)  # a question about the sizes: guarded
+            if _known(size != 1):
+                return False
+            undecided = True  # row-major only where this size is 1
+        expected = expected * size
+    return None if undecided else True
+
+
+def _known(condition) -> bool:
+    return condition if isinstance(condition, bool) else _statically_known_true(condition)
 
 
 def size_hints(sizes) -> tuple[int, ...]:
@@ -197,9 +229,12 @@ class TensorProxy(torch.Tensor, Proxy):
         """The offset of the tensor's first element in its storage (elements). An input's offset
         is guarded only when the program reads it (the tracer's `offset_reads`): slices of one
         buffer at different offsets otherwise share a compilation."""
-        reads = getattr(get_tracectx(), "offset_reads", None)
+        ctx = get_tracectx()
+        reads = getattr(ctx, "offset_reads", None)
         if reads is not None:
             reads.add(self.name)
+        if ctx is not None and ctx.undecided_layouts:
+            ctx.check_layout_read(self, "storage_offset()", sys._getframe(1))
         return _STORAGE_OFFSET(self)
 
     def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
-from fulmen.core.source import user_source_location
+from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.ops.opaque import opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
@@ -267,6 +267,13 @@ class TracerCtx(TraceCtx):
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
         if func in VIEW_FUNCTIONS:
             self.mutation.record_view(func, args, kwargs, out)
+        if getattr(out, "_fulmen_layout_undecided", False) and isinstance(args[0], TensorProxy):
+            # NOTE [contiguous of a batch of 1]: eager may return `args[0]` itself
+            self.mutation.record_maybe_alias(args[0], out, "Tensor.contiguous")
+            self.undecided_layouts.add(out.name)
+        elif self.undecided_layouts and any(
+                p.name in self.undecided_layouts for p in iter_proxies((args, kwargs))):
+            self.undecided_layouts.update(p.name for p in iter_proxies(out))
         if self.state_proxies:  # `buffer.to(same dtype)` returns the module's own tensor
             out = _restore_identities(out, (user_args, user_kwargs), (args, kwargs))
         return out
@@ -379,6 +386,19 @@ class TracerCtx(TraceCtx):
                            f"({message})")
             raise FulmenError(message, op=_func_name(func), where=user_source_location()) from None
 
+    def check_layout_read(self, proxy, what: str, caller) -> None:
+        """Raise when user code (`caller` is a frame outside fulmen and torch) reads the strides
+        or storage offset of a proxy computed from a `contiguous()` whose aliasing eager
+        decides at run time: the strides of its size-1 dimensions and its offset are those of
+        the copy (NOTE [contiguous of a batch of 1] in `fulmen.ops.opaque`). The symbolic
+        trace then fails and is retraced with the size of 1 specialised."""
+        if proxy.name not in self.undecided_layouts or is_internal(caller.f_code.co_filename):
+            return
+        raise NotYetSupportedError(
+            f"{what} of a tensor made by contiguous() of a tensor that is contiguous only for a "
+            "batch of 1: eager's answer depends on that size", op=f"Tensor.{what}",
+            where=user_source_location())
+
     def call(self, sym, *args, **kwargs):
         """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
         out = sym(*args, **kwargs)
@@ -471,6 +491,9 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the module or the optimizer instead (fulmen reads p.grad of "
                     "the parameters inside them), or call this part eagerly")
+            if func is T.stride and self.ctx.undecided_layouts and isinstance(
+                    args[0], TensorProxy):
+                self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):

@@ -256,6 +256,18 @@ class Functionalizer:
             self.views[leaf.name] = _View(root_name, (*steps, this), root.version, leaf,
                                           exact and this is not None, blame)
 
+    def record_maybe_alias(self, source: TensorProxy, out: TensorProxy, op: str) -> None:
+        """Register `out` as a tensor that may share `source`'s memory (which one eager
+        returns is decided at run time): mutating it, or reading it after `source` changed,
+        raises (see NOTE [aliasing the tracer cannot decide])."""
+        parent = self.views.get(source.name)
+        root_name = parent.root if parent is not None else self._root(source).proxy.name
+        steps = parent.steps if parent is not None else ()
+        blame = parent.blame if parent is not None and not parent.exact else (
+            op, user_source_location())
+        self.views[out.name] = _View(root_name, (*steps, None), self.roots[root_name].version,
+                                     out, False, blame)
+
     def _reshape_is_view(self, source: TensorProxy, out) -> bool | None:
         """Whether eager's reshape/flatten of `source` returns a view (True), a copy (False),
         or None when the tracer cannot tell (see NOTE [aliasing the tracer cannot decide]).

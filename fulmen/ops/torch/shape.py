@@ -30,6 +30,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.utils import Promotion, promote, to_dtype
+from fulmen.proxies.tensor import row_major
 
 T = torch.Tensor
 VIEW = (Tag.VIEW,)  # ops whose outputs torch returns as views of the input (`Tag.VIEW`)
@@ -331,7 +332,10 @@ def broadcast_to(self, *size, **kwargs):
 
 @torch_op(T.contiguous)
 def contiguous(self, memory_format=torch.contiguous_format):
-    if memory_format is not torch.contiguous_format or not self.is_contiguous():
+    """Eager returns the input itself when it is contiguous, else a row-major copy; the copy
+    (and a layout known only at run time: NOTE [contiguous of a batch of 1]) is the opaque
+    op, which runs eager's `Tensor.contiguous`."""
+    if memory_format is not torch.contiguous_format or row_major(self) is not True:
         raise NotYetSupportedError("a copy into a new layout", op="contiguous")
     return self  # eager returns the input itself
 
