@@ -1,7 +1,9 @@
-"""Per-call overhead: a 10-op elementwise function on 8x8 tensors.
+"""Per-call overhead: a 10-op elementwise function on 8x8 tensors, and a small module,
+8 x (Linear(16, 16) + ReLU) on a (4, 16) input (issue 21: both should beat eager's many
+dispatches), without grad.
 
-Measures eager, fulmen.jit (torch executor) and torch.compile in one run and prints a markdown
-table with microseconds per call and the difference to eager. Run: `make bench`.
+Measures eager, fulmen.jit and torch.compile in one run and prints a markdown table with
+microseconds per call and the difference to eager. Run: `make bench`.
 
 `--regions` instead measures what a codegen region call costs against the torch ops it
 replaces: chains of k elementwise ops on n elements, jitted with the torch executor alone and
@@ -101,17 +103,29 @@ def per_call_us(fn, args, number: int, repeat: int) -> float:
     return min(times) / number * 1e6
 
 
-def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True) -> dict[str, float]:
-    """µs per call of eager, fulmen.jit and (optionally) torch.compile, on one thread."""
+def linear_relu() -> torch.nn.Module:
+    """The small module: 8 x (Linear(16, 16) + ReLU)."""
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True,
+            module: bool = False) -> dict[str, float]:
+    """µs per call of eager, fulmen.jit and (optionally) torch.compile, on one thread, of
+    `ten_ops` on 8x8 tensors or (`module=True`) of `linear_relu()` on a (4, 16) input."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = (torch.randn(8, 8), torch.randn(8, 8))
-        candidates = {"eager": ten_ops, "fulmen.jit": fulmen.jit(ten_ops)}
+        torch.manual_seed(0)
+        fn = linear_relu() if module else ten_ops
+        args = (torch.randn(4, 16),) if module else (torch.randn(8, 8), torch.randn(8, 8))
+        candidates = {"eager": fn, "fulmen.jit": fulmen.jit(fn)}
         if compile_too:
-            candidates["torch.compile"] = torch.compile(ten_ops)
+            candidates["torch.compile"] = torch.compile(fn)
         with torch.no_grad():
-            expected = ten_ops(*args)
+            expected = fn(*args)
             for fn in candidates.values():
                 torch.testing.assert_close(fn(*args), expected)
             return {name: per_call_us(fn, args, number, repeat)
@@ -122,10 +136,14 @@ def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True) -> di
 
 def rows(compile_too: bool = True) -> list[dict]:
     """The summary rows `benchmarks/run_all.py` prints."""
-    results = measure(compile_too=compile_too)
-    return [{"benchmark": "per-call time, 10 elementwise ops, 8x8 (no grad)", "unit": "µs",
-             "eager": results["eager"], "fulmen": results["fulmen.jit"],
-             "torch.compile": results.get("torch.compile")}]
+    rows = []
+    for module, label in ((False, "10 elementwise ops, 8x8"),
+                          (True, "8 x (Linear(16, 16) + ReLU), 4x16")):
+        results = measure(compile_too=compile_too, module=module)
+        rows.append({"benchmark": f"per-call time, {label} (no grad)", "unit": "µs",
+                     "eager": results["eager"], "fulmen": results["fulmen.jit"],
+                     "torch.compile": results.get("torch.compile")})
+    return rows
 
 
 def main() -> None:
@@ -142,15 +160,18 @@ def main() -> None:
         region_rows([int(k) for k in opts.ops.split(",")],
                     [int(n) for n in opts.sizes.split(",")])
         return
-    results = measure(opts.number, opts.repeat, not opts.no_compile)
-
-    eager = results["eager"]
-    print(f"Per-call time, 10 elementwise ops on 8x8 float32 ({platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, 1 thread)\n")
-    print("| callable | µs per call | over eager (µs) | ratio to eager |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, us in results.items():
-        print(f"| {name} | {us:.1f} | {us - eager:+.1f} | {us / eager:.2f} |")
+    machine = platform.processor() or platform.machine()
+    for module, label in ((False, "10 elementwise ops on 8x8 float32"),
+                          (True, "8 x (Linear(16, 16) + ReLU) on a (4, 16) input")):
+        results = measure(opts.number, opts.repeat, not opts.no_compile, module=module)
+        eager = results["eager"]
+        print(f"Per-call time, {label} ({machine}, torch {torch.__version__}, 1 thread, "
+              "no grad)\n")
+        print("| callable | µs per call | over eager (µs) | ratio to eager |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, us in results.items():
+            print(f"| {name} | {us:.1f} | {us - eager:+.1f} | {us / eager:.2f} |")
+        print()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import types
 from collections.abc import Hashable
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
+from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot, typed_snapshot
 from fulmen.tracer.objects import (
     function_roots,
     has_argument_grad,
@@ -36,6 +38,7 @@ Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
 _any_autocast = torch._C._is_any_autocast_enabled
+_training = operator.attrgetter("training")
 
 
 def _tensor_key(t: Tensor) -> tuple:
@@ -98,6 +101,8 @@ def _object_leaf_key(leaf: Any) -> Any:
 
 
 _SCALARS = (bool, int, float, str, type(None))
+# argument types pytree treats as leaves, exactly (subclasses may be registered as nodes)
+_FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
 
 
 def _code_names(code) -> set[str]:
@@ -204,7 +209,7 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 if _is_source(cell.cell_contents):
-                    sources.append((cell_name, lambda cell=cell: cell.cell_contents))
+                    sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
             except ValueError:  # an empty cell
                 continue
     seen: set[tuple[int, str]] = set()
@@ -215,14 +220,13 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
                 continue
             seen.add((id(namespace), name))
             if name in namespace and _is_source(namespace[name]):
-                sources.append((name, lambda name=name, namespace=namespace:
-                                namespace.get(name)))
+                sources.append((name, functools.partial(namespace.get, name)))
     for module in modules:
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             if (_is_source(value) or is_plain_object(value)) and attr != "training" \
                     and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
-                sources.append((label, lambda module=module, attr=attr: getattr(module, attr)))
+                sources.append((label, functools.partial(getattr, module, attr)))
     return sources[:_MAX_SOURCES]
 
 
@@ -241,6 +245,7 @@ class CacheKeyBuilder:
         # per source, the type of the plain object it held (keyed by its attributes), or None
         self._object_types = [type(value) if is_plain_object(value) else None
                               for value in (read() for _, read in self.scalar_sources)]
+        self._sources_memo = KeyMemo()
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -266,15 +271,19 @@ class CacheKeyBuilder:
             _is_grad_enabled(),
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
-            tuple([module.training for module in self.modules]) if self.modules else (),
+            tuple(map(_training, self.modules)) if self.modules else (),
             self._sources_key(),
             self._fn_roots_key(),
         )
 
-    def _sources_key(self) -> tuple:
+    def _sources_key(self) -> HashedKey:
+        values = [read() for _, read in self.scalar_sources]
+        memo = self._sources_memo.lookup(values)  # nothing they hold changed: the same key
+        if memo is not None:
+            return memo
         keys, objects = [], {}  # a config object many modules hold is keyed once
-        for (_, read), object_type in zip(self.scalar_sources, self._object_types):
-            value = read()
+        snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
+        for value, object_type in zip(values, self._object_types):
             kind = type(value)
             if kind in _EXACT_SCALARS:
                 keys.append((kind, value))
@@ -282,12 +291,23 @@ class CacheKeyBuilder:
                 key = objects.get(id(value))
                 if key is None:
                     key = objects[id(value)] = object_source_key(value)
+                    if snapshots is not None:
+                        snapshots.append(holder_snapshot(value))
                 keys.append(key)
             elif object_type is not None:  # an object attribute rebound to something else
                 keys.append((kind, id(value)))
+                if snapshots is not None:
+                    snapshots.append(typed_snapshot(value))
             else:
                 keys.append(source_key(value))
-        return tuple(keys)
+                if kind in _CONTAINERS:
+                    if snapshots is not None:
+                        snapshots.append(holder_snapshot(value))
+                elif kind is not float and not isinstance(value, Tensor):
+                    snapshots = None  # keyed by `_leaf_key`, which may look deeper
+        key = HashedKey(tuple(keys))
+        self._sources_memo.store(values, key, snapshots)
+        return key
 
     def _fn_roots_key(self) -> tuple:
         if self.fn is None:
@@ -316,7 +336,12 @@ class CacheKeyBuilder:
                     for position, dims in symbolic.items():
                         tensor_keys[position] = _masked_key(args[position], dims)
                 return (len(args), global_key, state_key, *tensor_keys), args
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if all([type(value) in _FLAT_LEAVES for value in (*args, *kwargs.values())]):
+            # no containers among the arguments: the leaves are the arguments, in pytree's
+            # order (positional, then keywords in call order), without flattening
+            leaves, spec = [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
                      for i, leaf in enumerate(leaves)]
         masks: dict[int, dict] = {}  # object arguments: tensor path -> its masked key

@@ -1,0 +1,134 @@
+"""The memo of the sources key (`fulmen.tracer.key_memo`) and the flat-argument key path: cheaper
+cache keys that still catch every change the full key catches."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import fulmen
+from fulmen.tracer import guards
+from fulmen.tracer.guards import CacheKeyBuilder
+from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot
+
+
+class _Configured(torch.nn.Module):
+    """Reads a config object, a list and a dict it holds, as HF modules read theirs."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.sizes = [1.0, 2.0]
+        self.table = {"k": 3.0}
+
+    def forward(self, x):
+        y = x * self.config.scale * self.sizes[0] + self.table["k"]
+        return y + (1.0 if self.config.flag is True else 0.0)
+
+
+class _Config:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class _Other:
+    pass
+
+
+def _model():
+    return _Configured(_Config(scale=2.0, flag=True, extra=None))
+
+
+CHANGES = {
+    "config attribute": lambda m: setattr(m.config, "scale", 5.0),
+    "config attribute to an equal value of another type": lambda m: setattr(m.config, "flag", 1),
+    "config attribute deleted and added back": lambda m: (delattr(m.config, "flag"),
+                                                         setattr(m.config, "flag", False)),
+    "config __dict__ replaced": lambda m: setattr(m.config, "__dict__",
+                                                  {"scale": 7.0, "flag": True, "extra": None}),
+    "config class reassigned": lambda m: setattr(m.config, "__class__", _Other),
+    "list item in place": lambda m: m.sizes.__setitem__(0, 4.0),
+    "dict item in place": lambda m: m.table.__setitem__("k", 9.0),
+    "attribute rebound": lambda m: setattr(m, "sizes", [6.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_cache_hits_retraces(change):
+    """After several hits (the memo holds the key), each kind of change the full key sees
+    misses the cache and the result follows eager."""
+    model = _model()
+    jmodel = fulmen.jit(model)
+    x = torch.ones(2)
+    for _ in range(3):
+        torch.testing.assert_close(jmodel(x), model(x))
+    misses = fulmen.compile_stats(jmodel).cache_misses
+    CHANGES[change](model)
+    torch.testing.assert_close(jmodel(x), model(x))
+    assert fulmen.compile_stats(jmodel).cache_misses == misses + 1
+    torch.testing.assert_close(jmodel(x), model(x))  # and the new entry is hit
+    assert fulmen.compile_stats(jmodel).cache_misses == misses + 1
+
+
+def test_the_memo_skips_walking_the_config_on_hits(monkeypatch):
+    """The point of the memo: an unchanged config is not walked again."""
+    model = _model()
+    jmodel = fulmen.jit(model)
+    x = torch.ones(2)
+    jmodel(x)
+    walks = []
+    original = guards.object_source_key
+    monkeypatch.setattr(guards, "object_source_key",
+                        lambda value: walks.append(value) or original(value))
+    for _ in range(3):
+        jmodel(x)
+    assert walks == []
+    model.config.scale = 3.0
+    jmodel(x)
+    assert walks and all(walked is model.config for walked in walks)
+
+
+def test_memo_lookup_compares_identity_not_equality():
+    memo = KeyMemo()
+    one, other_one = 1000, int("1000")
+    assert one == other_one and one is not other_one
+    items = [one]
+    memo.store([items], HashedKey(("k",)), [holder_snapshot(items)])
+    assert memo.lookup([items]) == HashedKey(("k",))
+    items[0] = other_one  # equal, but another object: recompute
+    assert memo.lookup([items]) is None
+    memo.store([items], HashedKey(("k",)), None)  # a key the snapshots do not cover
+    assert memo.lookup([items]) is None
+
+
+def test_hashed_key_equality_follows_the_key():
+    assert HashedKey((1, "a")) == HashedKey((1, "a"))
+    assert HashedKey((1, "a")) != HashedKey((2, "a"))
+    assert hash(HashedKey((1, "a"))) == hash((1, "a"))
+    assert HashedKey((1,)) != (1,)
+
+
+def test_flat_keyword_arguments_key_like_pytree():
+    """Plain keyword arguments skip pytree flattening: the leaves are pytree's, in its order,
+    and a change of a keyword's value, type or order still misses the cache."""
+
+    def fn(x, *, scale, bias, flag=None):
+        return x * scale + bias if flag is None else x - bias
+
+    builder = CacheKeyBuilder(fn=fn)
+    x, bias = torch.ones(2), torch.zeros(2)
+    kwargs = {"scale": 2.0, "bias": bias, "flag": None}
+    _, leaves = builder.key((x,), kwargs)
+    assert leaves == pytree.tree_flatten(((x,), kwargs))[0]
+    key = builder.key((x,), kwargs)[0]
+    assert builder.key((x,), dict(kwargs))[0] == key
+    assert builder.key((x,), {**kwargs, "scale": 3.0})[0] != key
+    assert builder.key((x,), {**kwargs, "scale": 2})[0] != key
+    assert builder.key((x,), {"bias": bias, "scale": 2.0, "flag": None})[0] != key
+    assert builder.key((x,), {**kwargs, "bias": torch.zeros(3)})[0] != key
+    assert builder.key((x,), {**kwargs, "flag": [1]})[0] != key  # a container: pytree path
+
+    jfn = fulmen.jit(fn)
+    for scale, flag in ((2.0, None), (2, None), (2.0, True), (2.0, None)):
+        torch.testing.assert_close(jfn(x, scale=scale, bias=bias, flag=flag),
+                                   fn(x, scale=scale, bias=bias, flag=flag))
+    assert fulmen.compile_stats(jfn).cache_misses == 3
