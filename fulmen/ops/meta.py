@@ -78,7 +78,12 @@ def _fake_mode(value: Any):
     """PyTorch's `FakeTensorMode` for the symbolic sizes or strides inside `value` (plain meta
     tensors cannot hold them; see `fulmen.tracer.symbolic`), else a no-op context."""
     for leaf in pytree.tree_leaves(value):
-        sizes = (*leaf.shape, *leaf.stride()) if isinstance(leaf, torch.Tensor) else (leaf,)
+        if isinstance(leaf, torch.Tensor):
+            sizes = (*leaf.shape, *leaf.stride())
+        elif isinstance(leaf, slice):  # `buffer[:, :seq]` with a symbolic `seq`
+            sizes = (leaf.start, leaf.stop, leaf.step)
+        else:
+            sizes = (leaf,)
         for size in sizes:
             if isinstance(size, torch.SymInt):
                 env = size.node.shape_env
@@ -86,7 +91,9 @@ def _fake_mode(value: Any):
                 if mode is None:
                     from torch._subclasses.fake_tensor import FakeTensorMode
 
-                    mode = env._fulmen_fake_mode = FakeTensorMode(shape_env=env)
+                    # (an index list becomes a plain meta tensor inside `Tensor.__getitem__`)
+                    mode = env._fulmen_fake_mode = FakeTensorMode(shape_env=env,
+                                                                  allow_non_fake_inputs=True)
                 if getattr(env, "_fulmen_generalised_ones", False):
                     return _size_oblivious(mode)
                 return mode

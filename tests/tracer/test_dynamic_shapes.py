@@ -306,3 +306,20 @@ def test_a_factory_sized_by_a_symbolic_size_keeps_it_symbolic(make):
         x = torch.randn(2, seq)
         torch.testing.assert_close(jfn(x), fn(x))
     assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_constant_sliced_by_a_symbolic_size_and_a_list_index_stay_symbolic():
+    """BERT slices its `position_ids` buffer by the sequence length; Falcon picks heads with a
+    list index (`qkv[..., [-2]]`). Both used to specialise the length (a plain meta tensor
+    cannot take a symbolic slice; the list became a tensor the fake mode refused)."""
+    positions = torch.arange(64).unsqueeze(0)
+
+    def fn(x):
+        picked = x.unflatten(-1, (2, 3))[..., [-2], :].flatten(-2)
+        return picked * positions[:, : x.shape[1], None]
+
+    jfn = fulmen.jit(fn)
+    for seq in (5, 9, 13, 7):
+        x = torch.randn(2, seq, 6)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2
