@@ -8,6 +8,7 @@ reads the result's metadata. PyTorch is the reference for shapes, so this is exa
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import warnings
@@ -68,10 +69,25 @@ def call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
     elif not has_tensor:
         device = torch.get_default_device()
         kwargs = {**kwargs, "device": "meta"}
-    with _fake_mode((args, kwargs)):
+    with _fake_mode((args, kwargs)), _fake_tensor_log_off():
         meta_args, meta_kwargs = to_meta((args, kwargs))
         with torch._C.DisableTorchFunction(), torch.no_grad():
             return fn(*meta_args, **meta_kwargs), device
+
+
+# PyTorch's fake tensor mode logs a meta kernel's failure at ERROR (with a traceback) before
+# raising it; here a failure is an answer (no layout, or a graph break), not the user's error
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_off():
+    was = _FAKE_TENSOR_LOG.disabled
+    _FAKE_TENSOR_LOG.disabled = True
+    try:
+        yield
+    finally:
+        _FAKE_TENSOR_LOG.disabled = was
 
 
 def _fake_mode(value: Any):

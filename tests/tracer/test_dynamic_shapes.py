@@ -323,3 +323,24 @@ def test_a_constant_sliced_by_a_symbolic_size_and_a_list_index_stay_symbolic():
         x = torch.randn(2, seq, 6)
         torch.testing.assert_close(jfn(x), fn(x))
     assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_meta_kernel_failing_on_symbolic_sizes_logs_nothing(caplog):
+    """BLOOM's alibi `baddbmm`: PyTorch's meta kernel cannot describe it with symbolic sizes
+    (fulmen keeps its own layout) and its fake mode logs that at ERROR with a traceback; the
+    user sees nothing of it."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).eval()
+    jmodel = fulmen.jit(model)
+    with caplog.at_level("WARNING"), torch.no_grad():
+        for seq in (5, 9, 7):
+            ids = torch.randint(1, 64, (2, seq))
+            mask = torch.ones_like(ids)
+            mask[1, :2] = 0
+            torch.testing.assert_close(jmodel(ids, attention_mask=mask).logits,
+                                       model(ids, attention_mask=mask).logits)
+    assert fulmen.cache_misses(jmodel) == 2
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
