@@ -35,7 +35,7 @@ import networkx as nx
 import torch
 
 from fulmen import config
-from fulmen.core import BoundSymbol, Trace, flatten
+from fulmen.core import BoundSymbol, Tag, Trace, flatten
 from fulmen.core.proxy import iter_proxies
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
@@ -100,12 +100,16 @@ def _at_most(numel, limit: int) -> bool:
 
 
 def _worth_splitting(flat: list[BoundSymbol], fusible: list[bool]) -> bool:
-    """Whether to flatten an op only part of whose prims are fusible: when a fusible reduction
-    is among them (cross_entropy = log_softmax + a gather), and everything else is a prim
-    (which every operator executor runs). Other mixed ops stay whole, and so does one whose
-    prims include a matmul: attention's fused kernel (flash attention) never materialises the
-    `(L, S)` scores, mask fill and weights that its split form does (about 1.6x faster
-    forward+backward at L=512 on CPU)."""
+    """Whether to flatten an op only part of whose prims are fusible (asked only when a fusible
+    statement computes one of its inputs): when a fusible reduction is among them
+    (cross_entropy = log_softmax + a gather: the log_softmax then fuses with the producer of
+    the logits, a cast or a scaling, saving a pass over them), and everything else is a prim
+    (which every operator executor runs). Without such a producer the op runs whole: its
+    unfusible rest would run as many small torch statements (cross_entropy's 16 on the
+    logits of a language model cost more than eager's whole op). Other mixed ops stay whole,
+    and so does one whose prims include a matmul: attention's fused kernel (flash attention)
+    never materialises the `(L, S)` scores, mask fill and weights that its split form does
+    (about 1.6x faster forward+backward at L=512 on CPU)."""
     if any(sub.sym.is_prim and sub.sym.name == "matmul" for sub in flat):
         return False
     return any(ok and "reduction" in sub.sym.tags for sub, ok in zip(flat, fusible)) and all(
@@ -140,22 +144,38 @@ def _flatten_for(trace: Trace, executor: FusionExecutor,
                  before: Sequence[OperatorExecutor]) -> list[_Node]:
     nodes: list[_Node] = []
     symbolic_unfused = not getattr(executor, "symbolic_sizes", False)
+    computed: set[str] = set()  # outputs of fusible statements that compute (and their views)
+
+    def note(bsym: BoundSymbol) -> None:
+        if not _moves_only(bsym) or bsym.input_names & computed:
+            computed.update(bsym.output_names)
+
     for origin, bsym in enumerate(trace.bsyms):
         if bsym.is_del or (symbolic_unfused and _has_symbolic_sizes(bsym)) \
                 or any(ex.claim(bsym) is not None for ex in before):
             nodes.append(_Node(bsym, origin, False))
         elif executor.can_fuse(bsym):
             nodes.append(_Node(bsym, origin, True))
+            note(bsym)
         else:
             flat = flatten(bsym)
             fusible = [executor.can_fuse(sub) for sub in flat]
-            if flat[0] is not bsym and (all(fusible) or _worth_splitting(flat, fusible)):
+            if flat[0] is not bsym and (all(fusible) or (
+                    bsym.input_names & computed and _worth_splitting(flat, fusible))):
                 nodes.extend(_Node(sub, origin, ok) for sub, ok in zip(flat, fusible))
                 last = nodes[-1]
                 last.inputs = last.inputs | bsym.input_names
+                for sub, ok in zip(flat, fusible):
+                    if ok:
+                        note(sub)
             else:
                 nodes.append(_Node(bsym, origin, False))
     return nodes
+
+
+def _moves_only(bsym: BoundSymbol) -> bool:
+    """Whether a statement only moves or views elements (reshape, permute, a view)."""
+    return Tag.SHAPE in bsym.sym.tags or Tag.VIEW in bsym.sym.tags
 
 
 class _Partition:

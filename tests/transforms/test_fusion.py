@@ -58,6 +58,28 @@ def test_op_restored_whole_keeps_its_shape_only_input():
     check_trace(fulmen.last_traces(jfn)[-1])
 
 
+@pytest.mark.parametrize("producer", ["matmul", "scale"])
+def test_cross_entropy_splits_only_to_fuse_with_its_producer(producer):
+    """cross_entropy = log_softmax (a fusible reduction) + a gather: flattened, the log_softmax
+    fuses with an elementwise producer of the logits; after a matmul it would only leave its
+    rest as small torch statements, so it runs whole."""
+    target = torch.randint(0, 300, (64,))
+    target[5] = -100
+
+    def fn(x, w):
+        logits = x @ w
+        if producer == "scale":
+            logits = logits * 0.5
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    x, w = torch.randn(64, 8), torch.randn(8, 300)  # not a tiny region
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, w), fn(x, w))
+    calls = [bsym.sym.python_name for bsym in fulmen.last_traces(jfn)[-1].bsyms]
+    assert ("torch.nn.functional.cross_entropy" in calls) == (producer == "matmul")
+    assert any(call.startswith("codegen.fusion") for call in calls) == (producer == "scale")
+
+
 def test_partitioner_is_pure_and_merges_siblings():
     def fn(x, y):
         return x.exp() * 2, (x + y).cos()  # independent siblings sharing x
