@@ -5,8 +5,9 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
 
 1. Flatten: a torch-level op the executor cannot fuse whole, but whose decomposition consists
    only of fusible prims, is replaced by those prims (flattened recursively); so is one whose
-   prims include a fusible reduction (the rest of its prims run on their own), unless they
-   include a matmul (attention runs whole, as eager's fused kernel). Ops claimed by a
+   prims include a fusible reduction (the rest of its prims run on their own) when a fusible
+   statement computes one of its inputs, unless they include a matmul (attention runs whole,
+   as eager's fused kernel). Ops claimed by a
    higher-priority operator executor stay whole and unfused.
 2. Merge: on the dataflow graph (one node per region), each fusible statement is
    merged with the regions of its fusible producers, then regions reading a common input are
