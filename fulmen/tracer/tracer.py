@@ -27,6 +27,7 @@ from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.objects import (
     ArgumentContainers,
     ObjectInputs,
@@ -468,7 +469,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
                 ctx.state_proxies = state
-                with refused_module_stores(module):
+                with refused_module_stores(module), eager_fast_paths(module):
                     out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
