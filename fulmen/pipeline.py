@@ -93,6 +93,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         run(backward_traces, cse)
         run(backward_traces, claim_executors, executors)
         run(backward_traces, delete_last_used)
+        run(traces, cse)  # statements the split added twice (attention's float masks)
     run(traces, claim_executors, executors)
     run(traces, delete_last_used)
 

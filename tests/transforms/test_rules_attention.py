@@ -82,3 +82,23 @@ def test_sdpa_forward_runs_whole_next_to_fused_ops():
         assert ("torch.nn.functional.scaled_dot_product_attention(" in forward
                 or "flash_attention_for_cpu_default(" in forward)
         assert "[2, 3, 5, 5]" not in forward
+
+
+def test_two_layers_sharing_a_bool_mask_convert_it_once():
+    """Each attention call of the split forward converts its bool mask to eager's float mask;
+    two layers with one mask share that conversion (the forward's common subexpressions)."""
+    q = torch.randn(2, 3, 5, 8, requires_grad=True)
+    k, v = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+
+    def fn(q):
+        first = F.scaled_dot_product_attention(q, k, v, attn_mask=MASK)
+        return F.scaled_dot_product_attention(first, k, v, attn_mask=MASK)
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    expected, actual = fn(q), jfn(q)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(torch.autograd.grad(actual.sum(), q)[0],
+                               torch.autograd.grad(expected.sum(), q)[0])
+    names = [b.sym.name for b in fulmen.last_traces(jfn)[-1].bsyms]
+    assert names.count("scaled_dot_product_flash_attention_for_cpu_default") == 2
+    assert names.count("where") == 1
