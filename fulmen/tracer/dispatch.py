@@ -129,7 +129,7 @@ def _is_inplace(func, args, kwargs) -> bool:
         return True
     if name in _INPLACE_DUNDERS:
         return True
-    if name.endswith("_") and not name.startswith("_"):
+    if name.endswith("_") and not name.startswith("__"):  # also `torch._foreach_add_`
         return True
     if _bound_flag(func, args, kwargs, "inplace") is True:
         return True

@@ -53,6 +53,7 @@ from fulmen.ops.functionalized import (
     view_scatter,
 )
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
 
 T = torch.Tensor
 
@@ -420,6 +421,8 @@ class Functionalizer:
                 new = ctx.call(setitem, r_target, r_index, r_value)
             self.mutate(target, new, label, start)
             return None
+        if name.startswith("_") and not name.startswith("__") and name.endswith("_"):
+            return self._aten_inplace(name, args, kwargs, label, start)
         if not name.endswith("_") and name not in _INPLACE_DUNDER_TO_OUT:
             return self._inplace_flag(func, args, kwargs, label, start)
         target = args[0]
@@ -431,6 +434,32 @@ class Functionalizer:
             value = self._out_of_place(name, r_args, r_kwargs, label)
         self.mutate(target, value, label, start)
         return target
+
+    def _aten_inplace(self, name: str, args: tuple, kwargs: dict, label: str, start: int):
+        """`torch._foreach_mul_(xs, 0.9)`, `torch._fused_adamw_(params, grads, ...)`: the
+        functional ATen op, then every tensor it writes takes its new value (`aten_inplace`)."""
+        written = written_arguments(name)
+        functional = functional_variant(name)
+        if not written or functional is None:
+            raise NotYetSupportedError(f"in-place op {name} has no functional form to record",
+                                       op=label, where=user_source_location())
+        targets = [args[position] if position < len(args) else kwargs.get(argument)
+                   for position, argument in written]
+        r_args, r_kwargs = self.resolve_tree((args, kwargs))
+        with self.ctx.internal():
+            values = functional(*r_args, **r_kwargs)
+        if len(written) == 1:
+            values = (values,)
+        for target, value in zip(targets, values, strict=True):
+            many = isinstance(target, (list, tuple))
+            for each, new in zip(target, value, strict=True) if many else [(target, value)]:
+                if not isinstance(each, TensorProxy):
+                    raise NotYetSupportedError("in-place call on a non-tensor", op=label,
+                                               where=user_source_location())
+                self.mutate(each, self._fit(new, each, label), label, start)
+        if returns_nothing(name):
+            return None
+        return targets[0] if len(targets) == 1 else tuple(targets)
 
     def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str) -> TensorProxy:
         self_value, rest = args[0], args[1:]

@@ -106,7 +106,13 @@ def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
     lambda params: torch.optim.Adam(params, lr=0.1),
     lambda params: torch.optim.AdamW(params, lr=0.1, foreach=False),
-], ids=["sgd-nesterov", "adam", "adamw-for-loop"])
+    lambda params: torch.optim.AdamW(params, lr=0.1, foreach=True, weight_decay=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
+    lambda params: torch.optim.Adagrad(params, lr=0.1, fused=True),
+], ids=["sgd-nesterov", "adam", "adamw-for-loop", "adamw-foreach", "adam-fused", "sgd-fused",
+        "sgd-foreach", "adagrad-fused"])
 def test_jitted_optimizer_step_called_as_users_call_it(make):
     """`fulmen.jit(opt.step)()` with grad mode on (the step turns grad off itself), after an LR
     scheduler wrapped `opt.step`: the parameters and the optimizer state equal eager's."""
@@ -215,3 +221,28 @@ def test_generate_of_a_jitted_hf_model_runs_the_compiled_forward():
     assert torch.equal(got, ref)
     assert fulmen.compile_stats(jmodel).calls == 4  # prefill and three decode steps, compiled
     assert "forward" not in vars(model)  # the module is left as it was
+
+
+def test_foreach_and_fused_inplace_ops_write_every_tensor():
+    """`torch._foreach_*_` and `torch._fused_*_` (the optimizers' multi-tensor and fused paths)
+    mutate tensor lists; a private name once hid them from the in-place check, so the trace
+    recorded a functional op whose result nothing used and every write was dropped."""
+    def update(params, grads, bufs):
+        torch._foreach_mul_(bufs, 0.9)
+        torch._foreach_add_(bufs, grads)
+        torch._foreach_add_(params, bufs, alpha=-0.1)
+        torch._foreach_zero_(grads)
+        return params[0] * 1
+
+    def tensors():
+        torch.manual_seed(0)
+        return ([torch.randn(3), torch.randn(2, 2)], [torch.randn(3), torch.randn(2, 2)],
+                [torch.ones(3), torch.ones(2, 2)])
+
+    expected, actual = tensors(), tensors()
+    for _ in range(2):
+        out_expected = update(*expected)
+        out_actual = fulmen.jit(update)(*actual)
+        torch.testing.assert_close(out_actual, out_expected)
+        for got, want in zip(sum(actual, []), sum(expected, [])):
+            torch.testing.assert_close(got, want)

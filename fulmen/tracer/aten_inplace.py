@@ -1,0 +1,45 @@
+"""In-place ATen ops that write tensor lists or several tensors: which arguments they write,
+and the functional op that computes the new values.
+
+The optimizers' multi-tensor and fused paths (`torch._foreach_add_(steps, 1)`,
+`torch._foreach_lerp_(exp_avgs, grads, 0.1)`, `torch._fused_adamw_(params, grads, ...)`) and
+GradScaler's `torch._amp_update_scale_` mutate every tensor of one or more list arguments and
+return nothing (or the first of them). Their schemas mark the written arguments (`Tensor(a!)[]`),
+and PyTorch's functionalization gives each a functional variant, the name without the trailing
+underscore (`aten::_fused_adamw`), returning the new values of the written arguments in their
+order. The tracer records that functional op and makes each new value the value of the tensor
+the user holds (`fulmen.tracer.mutation`), so no write is lost.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def written_arguments(name: str) -> tuple[tuple[int, str], ...] | None:
+    """(position, name) of each argument the in-place ATen op `name` (e.g. `_fused_adam_`)
+    writes, from its first overload's schema; None when ATen has no such op."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    overloads = packet.overloads()
+    if not overloads:
+        return None
+    schema = getattr(packet, overloads[0])._schema
+    return tuple((position, argument.name) for position, argument in enumerate(schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
+
+
+def functional_variant(name: str):
+    """The functional ATen op of in-place op `name` (`aten._foreach_add` for `_foreach_add_`),
+    or None."""
+    return getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+
+
+def returns_nothing(name: str) -> bool:
+    """Whether the in-place op `name` returns None in Python (its schema returns nothing)."""
+    packet = getattr(torch.ops.aten, name)
+    return not getattr(packet, packet.overloads()[0])._schema.returns
