@@ -23,7 +23,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
-from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot, typed_snapshot
+from fulmen.tracer.key_memo import (
+    HashedKey,
+    KeyMemo,
+    TensorKeyMemo,
+    holder_snapshot,
+    typed_snapshot,
+)
 from fulmen.tracer.objects import (
     function_roots,
     has_argument_grad,
@@ -246,6 +252,7 @@ class CacheKeyBuilder:
         self._object_types = [type(value) if is_plain_object(value) else None
                               for value in (read() for _, read in self.scalar_sources)]
         self._sources_memo = KeyMemo()
+        self._state_memo = TensorKeyMemo(_tensor_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -324,9 +331,9 @@ class CacheKeyBuilder:
         offsets = self.offset_positions
         # parameters and buffers by their metadata: `model.half()` or a parameter assigned
         # in place of another changes dtypes/shapes behind the same slots
-        state_key = tuple([_tensor_key(t) for t in state]) if state else ()
+        state_key = self._state_memo.key(state) if state else ()
         if offsets and -1 in offsets:
-            state_key += tuple([t.storage_offset() for t in state])
+            state_key = (state_key, tuple([t.storage_offset() for t in state]))
         if not kwargs and not offsets:
             tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors

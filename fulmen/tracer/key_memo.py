@@ -13,12 +13,18 @@ the computation would return, and it is returned instead. Anything else recomput
 The memo holds the last values alive until the next computation replaces them, so an identity
 it compares cannot be reused by a new object meanwhile. The key comes wrapped in a `HashedKey`,
 whose hash is computed once: a cache lookup of the same key object then costs no deep hashing.
+
+`TensorKeyMemo` does the same for the metadata of a module's parameters and buffers: their key
+is reused while PyTorch's C++ tensor check (`TensorGuards`) says each still has the sizes,
+strides, dtype, device and requires_grad it had.
 """
 
 from __future__ import annotations
 
 import operator
 from typing import Any
+
+import torch
 
 _is = operator.is_
 
@@ -110,3 +116,49 @@ class KeyMemo:
             self.values, self.key, self.snapshots = None, None, []
         else:
             self.values, self.key, self.snapshots = values, key, snapshots
+
+
+try:  # PyTorch's C++ check of tensor metadata (what Dynamo's tensor guards were built on)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a build without Dynamo: keys are computed every call
+    _TensorGuards = None
+
+_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensor_check(tensors: list) -> Any:
+    """A C++ check that tensors still have the dispatch keys (device type and more), dtype,
+    device index, requires_grad, sizes and strides of `tensors`, or None for tensors it is not
+    made for (subclasses, non-strided layouts)."""
+    if _TensorGuards is None or not all(
+            type(t) in _DENSE_TYPES and t.layout == torch.strided for t in tensors):
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except Exception:  # noqa: BLE001 - no check: the key is computed every call
+        return None
+
+
+class TensorKeyMemo:
+    """The key of a list of tensors' metadata (`key_of` per tensor: its shape, dtype, device,
+    requires_grad and strides), reused while PyTorch's C++ tensor check says each tensor still
+    has all of these (it compares them, and more, at C speed: a module's 16 parameters in about
+    1.5 µs instead of 12). A tensor replaced by another of the same metadata keeps the key, as
+    the key itself would."""
+
+    __slots__ = ("key_of", "_check", "_key", "_count")
+
+    def __init__(self, key_of) -> None:
+        self.key_of = key_of
+        self._check = None
+        self._key: HashedKey | None = None
+        self._count = -1
+
+    def key(self, tensors: list) -> HashedKey:
+        check = self._check
+        if check is not None and len(tensors) == self._count and check.check(*tensors):
+            return self._key
+        key = HashedKey(tuple([self.key_of(t) for t in tensors]))
+        self._check, self._key, self._count = _tensor_check(tensors), key, len(tensors)
+        return key

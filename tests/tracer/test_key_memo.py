@@ -132,3 +132,58 @@ def test_flat_keyword_arguments_key_like_pytree():
         torch.testing.assert_close(jfn(x, scale=scale, bias=bias, flag=flag),
                                    fn(x, scale=scale, bias=bias, flag=flag))
     assert fulmen.compile_stats(jfn).cache_misses == 3
+
+
+def _transposed_layout(p):
+    p.data = p.data.t().contiguous().t()  # same shape and values, column-major strides
+
+
+PARAMETER_CHANGES = {
+    "dtype": lambda m: m.double(),
+    "shape": lambda m: (setattr(m[0].weight, "data", torch.randn(5, 3)),
+                        setattr(m[0].bias, "data", torch.randn(5))),
+    "requires_grad": lambda m: m[0].bias.requires_grad_(False),
+    "strides": lambda m: _transposed_layout(m[0].weight),
+}
+
+
+@pytest.mark.parametrize("change", list(PARAMETER_CHANGES))
+def test_a_parameter_changed_in_place_after_cache_hits_retraces(change):
+    """The parameters' key is reused while PyTorch's tensor check passes: a parameter whose
+    metadata changes behind the same slot (dtype, shape, requires_grad, strides) still
+    misses the cache."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        jmodel(x)
+    misses = fulmen.compile_stats(jmodel).cache_misses
+    PARAMETER_CHANGES[change](model)
+    if change == "dtype":
+        x = x.double()
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(jmodel(x), model(x))
+    assert fulmen.compile_stats(jmodel).cache_misses == misses + 1
+    torch.testing.assert_close(jmodel(x).detach(), expected)
+
+
+def test_tensor_key_memo_checks_every_field():
+    from fulmen.tracer.guards import _tensor_key
+    from fulmen.tracer.key_memo import TensorKeyMemo
+
+    memo = TensorKeyMemo(_tensor_key)
+    base = [torch.randn(4, 4), torch.randn(3, requires_grad=True)]
+    key = memo.key(base)
+    assert memo.key([torch.randn(4, 4), torch.randn(3, requires_grad=True)]) is key
+    others = {
+        "device": [torch.empty(4, 4, device="meta"), base[1]],
+        "dtype": [base[0].double(), base[1]],
+        "shape": [torch.randn(4, 5), base[1]],
+        "strides": [base[0].t(), base[1]],
+        "requires_grad": [base[0], base[1].detach()],
+        "count": [base[0]],
+    }
+    for name, tensors in others.items():
+        memo.key(base)
+        assert memo.key(tensors) != key, name
