@@ -569,6 +569,16 @@ class JittedModule(torch.nn.Module):
 
     forward = _ForwardDescriptor()
 
+    def __call__(self, *args, **kwargs):
+        """`nn.Module.__call__`, which without hooks, `torch.jit` tracing, `Module.compile` or
+        a replaced `forward` only calls the forward: then the compiled forward, directly."""
+        if (self._compiled_call_impl is None and not (
+                self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
+                or self._backward_hooks or _module_hooks_registered())
+                and "forward" not in self.__dict__ and not _jit_tracing()):
+            return self._compiled_forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def _compiled_forward(self, *args, **kwargs):
         """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
         if self._structure.changed():  # a submodule or parameter replaced: everything anew
@@ -672,6 +682,16 @@ class JittedDDP(JittedModule):
     def __getstate__(self):
         raise TypeError("a jitted DistributedDataParallel cannot be pickled or deep-copied "
                         "(DDP holds a process group); copy the model and wrap the copy")
+
+
+_nn_module = torch.nn.modules.module
+_jit_tracing = torch._C._get_tracing_state
+
+
+def _module_hooks_registered() -> bool:
+    """Whether a global module hook is registered (`nn.Module.__call__` then runs them)."""
+    return bool(_nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)
 
 
 def _fsdp_sharded(module: torch.nn.Module) -> bool:

@@ -169,6 +169,24 @@ def test_hooks_on_the_jitted_module_run_eagerly():
     assert calls == [1, 1] and fulmen.cache_hits(jmodel) == 1
 
 
+def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
+    """`JittedModule.__call__` skips `nn.Module.__call__` only when that would just call the
+    forward: a global module hook still sees the wrapper, an instance `forward` still wins."""
+    jmodel = fulmen.jit(_net().eval())
+    x = torch.randn(5, 6)
+    jmodel(x)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: seen.append(module))
+    try:
+        jmodel(x)
+    finally:
+        handle.remove()
+    assert jmodel in seen
+    jmodel.forward = lambda x: x * 3
+    torch.testing.assert_close(jmodel(x), x * 3)
+
+
 @pytest.mark.parametrize("spelling", ["method", "autograd.backward", "autograd.grad"])
 def test_backward_inside_a_compiled_function_says_what_to_do(spelling):
     model = torch.nn.Linear(4, 1)
