@@ -122,6 +122,10 @@ def _is_inplace(func, args, kwargs) -> bool:
     `out=`, `inplace=True`, or `F.embedding(..., max_norm=...)` (renormalises the weight)."""
     if kwargs.get("out") is not None:
         return True
+    schema = getattr(func, "_schema", None)  # an OpOverload: `torch.ops.aten.add_.Tensor`
+    if schema is not None:
+        return any(argument.alias_info is not None and argument.alias_info.is_write
+                   for argument in schema.arguments)
     name = getattr(func, "__name__", "")
     if name == "__get__":
         return False

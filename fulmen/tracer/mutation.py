@@ -404,6 +404,13 @@ class Functionalizer:
         start = ctx.names.serial
         name = getattr(func, "__name__", "")
         label = f"Tensor.{name}" if getattr(T, name, None) is func else name
+        if isinstance(func, torch._ops.OpOverload):  # `torch.ops.aten.add_.Tensor(x, y)`
+            name, label = func.overloadpacket.__name__, str(func)
+            if not name.endswith("_") or kwargs.get("out") is not None:
+                raise NotYetSupportedError(
+                    "an ATen op that writes its arguments (out= or a mutable argument), called "
+                    "through torch.ops", op=label, where=user_source_location(),
+                    hint="call the in-place method (x.add_(y)) or the op without out=")
         if kwargs.get("out") is not None:
             return self._out_variant(func, args, kwargs, label, start)
         if func in (F.batch_norm, torch.batch_norm):

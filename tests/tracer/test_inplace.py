@@ -396,3 +396,25 @@ def test_reshape_of_a_non_contiguous_input_is_a_copy():
     x, x_eager = base.t(), base.clone().t()
     torch.testing.assert_close(fulmen.jit(fn)(x), fn(x_eager))
     torch.testing.assert_close(x, x_eager)  # the input is not modified, as in eager
+
+
+def test_inplace_aten_ops_called_through_torch_ops_write_their_arguments():
+    """`torch.ops.aten.add_.Tensor(x, y)`: an OpOverload's name (`add_.Tensor`) does not end in
+    `_`, so the in-place check read its schema too late and the write was dropped."""
+    def fn(x, xs):
+        torch.ops.aten.add_.Tensor(x, torch.ones_like(x))
+        torch.ops.aten.mul_(x, 3)
+        torch.ops.aten._foreach_mul_.Scalar(xs, 2.0)
+        return x * 2
+
+    got, want = (torch.zeros(3), [torch.ones(2)]), (torch.zeros(3), [torch.ones(2)])
+    torch.testing.assert_close(fulmen.jit(fn)(*got), fn(*want))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1][0], want[1][0])
+
+    def through_out(x):
+        torch.ops.aten.add.out(x, 1, out=x)
+        return x
+
+    with pytest.raises(NotYetSupportedError, match="through torch.ops"):
+        fulmen.jit(through_out)(torch.zeros(2))
