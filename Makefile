@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench conformance fuzz clean
+.PHONY: test demo lint bench conformance fuzz mutants clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ conformance: $(STAMP)
 # x3); writes tests/fuzz/SUMMARY.md. FULMEN_FUZZ_PROGRAMS / FULMEN_FUZZ_SEED change the budget.
 fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz.run_fuzz $${FULMEN_FUZZ_PROGRAMS:-100000} --seed $${FULMEN_FUZZ_SEED:-0}
+
+# Planted miscompiles (tests/fuzz/mutant_table.py), each run against its pytest subset in a
+# temporary copy of fulmen; writes tests/fuzz/MUTANTS.md. MUTANTS_ARGS="--only NAME" for some.
+mutants: $(STAMP)
+	nice -n 10 $(BIN)/python -m tests.fuzz.mutants --baseline --write tests/fuzz/MUTANTS.md $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,6 +13,7 @@ pass (else a kill means nothing).
 
     python -m tests.fuzz.mutants                      # every mutant, table on stdout
     python -m tests.fuzz.mutants --only vjp_mul_swap  # some of them (names or areas)
+    python -m tests.fuzz.mutants --only vjp_mul_swapped --tests tests/x.py::test_y
     python -m tests.fuzz.mutants --write tests/fuzz/MUTANTS.md --baseline
     make mutants                                      # the last line, at nice 10
 
@@ -92,7 +93,7 @@ def _first_failure(output: str) -> str:
     """The first failing test id pytest -q reports ("FAILED tests/x.py::test - ...")."""
     for line in output.splitlines():
         if line.startswith(("FAILED ", "ERROR ")):
-            return line.split(" ", 2)[1]
+            return line.split(" ", 1)[1].split(" - ", 1)[0]
     return ""
 
 
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="first run each distinct subset unmutated (must pass)")
     parser.add_argument("--write", type=Path, help="write the markdown table here")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--tests", nargs="+", help="run this pytest subset instead of each "
+                        "mutant's own (to check that a new test kills a mutant)")
     args = parser.parse_args(argv)
     check_table(MUTANTS)
     mutants = _selected(MUTANTS, args.only)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline: list[Result] = []
     with ThreadPoolExecutor(args.jobs) as pool:
         if args.baseline:
-            subsets = sorted({m.tests for m in mutants})
+            subsets = [tuple(args.tests)] if args.tests else sorted({m.tests for m in mutants})
             baseline = list(pool.map(
                 lambda t: run_mutant(None, t, args.timeout, name=" ".join(t)), subsets))
             for r in baseline:
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
 
         def one(m: Mutant) -> Result:
-            r = run_mutant(m, m.tests, args.timeout)
+            r = run_mutant(m, tuple(args.tests or m.tests), args.timeout)
             print(f"{r.status:9} {r.seconds:6.1f}s  {m.name:32} {r.killed_by or r.detail}",
                   flush=True)
             return r
