@@ -27,6 +27,7 @@ OBJECTS = ("tests/tracer/test_objects.py",)
 FUSION = ("tests/transforms/test_fusion.py",)
 REMAT = ("tests/transforms/test_remat.py",)
 CSE = ("tests/transforms/test_cse.py",)
+CREATION = ("tests/ops/test_creation.py",)
 MODULES = ("tests/tracer/test_modules.py", "tests/tracer/test_module_behaviour.py")
 
 MUTANTS: list[Mutant] = [
@@ -228,4 +229,23 @@ MUTANTS: list[Mutant] = [
     Mutant("cse_key_without_kwargs", "passes", "transforms/cse.py",
            "return id(bsym.sym), _key(bsym.args), _key(bsym.kwargs)",
            "return id(bsym.sym), _key(bsym.args)", CSE),
+    # --- second round: prim implementations, gradient accumulation, no_grad, plan cache ------
+    Mutant("autodiff_accumulate_dropped", "vjp", "transforms/autodiff/rules.py",
+           "return grad if existing is None else prims.add(existing, grad)", "return grad",
+           AUTODIFF),
+    Mutant("relu_grad_tie_passes", "vjp", "transforms/autodiff/rules_edges.py",
+           "return prims.where(prims.le(out, 0), 0.0, grad)",
+           "return prims.where(prims.lt(out, 0), 0.0, grad)", GRAD_EDGES),
+    Mutant("no_grad_not_detached", "bridge", "tracer/dispatch.py",
+           "detached = {p.name: T.detach(p) for p in floating}", "detached = {}", MODULES),
+    Mutant("prim_pad_sides_swapped", "decomposition", "executors/torch/prims.py",
+           "flat += [low, high]", "flat += [high, low]", AUTODIFF),
+    Mutant("prim_iota_formula", "decomposition", "executors/torch/prims.py",
+           "(torch.arange(length, dtype=wide, device=device) * step + start)",
+           "((torch.arange(length, dtype=wide, device=device) + start) * step)", CREATION),
+    Mutant("prim_convert_aliases", "mutation", "executors/torch/prims.py",
+           "return a.to(dtype, copy=True)", "return a.to(dtype)", INPLACE),
+    Mutant("codegen_plan_key_no_strides", "guards", "executors/codegen/cpu/runtime.py",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs]",
+           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs]", CODEGEN),
 ]

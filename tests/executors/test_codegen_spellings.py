@@ -1,0 +1,50 @@
+"""Kernel spellings where random samples rarely look: comparisons at ties (`>=` spelled `>`
+differs only where the operands are equal) and the constant exponents codegen renders without
+pow (`x ** -2` as `1 / (x * x)`: a missing parenthesis is `1 / x * x`). Each test is one fused
+region (one C++ compile) computing every case at once, compared with eager exactly.
+"""
+
+import pytest
+import torch
+
+import fulmen
+
+pytestmark = pytest.mark.usefixtures("codegen_eager")
+
+EXECUTORS = ["codegen", "torch"]
+
+
+def _fused(jfn) -> bool:
+    return "codegen.fusion" in str(fulmen.last_traces(jfn)[-1])
+
+
+def _compare_all(a, b):
+    return (a == b, a != b, a < b, a <= b, a > b, a >= b, torch.maximum(a, b),
+            torch.minimum(a, b), torch.where(a >= b, a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.float16], ids=str)
+def test_comparisons_at_ties_match_eager(dtype):
+    a = torch.tensor([[-2, -1, 0, 1, 2, 3, 3, 0]] * 4).to(dtype)
+    b = torch.tensor([[-2, 0, 0, 2, 1, 3, 2, -1]] * 4).to(dtype)  # half the pairs tie
+    jfn = fulmen.jit(_compare_all, executors=EXECUTORS)
+    for actual, expected in zip(jfn(a, b), _compare_all(a, b), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert _fused(jfn)
+
+
+# the constants codegen spells without pow (codegen/ops.py POW_CONSTANT), and two it does not
+EXPONENTS = (-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0, -3.0, 1.7)
+
+
+def _powers(x):
+    return tuple(x ** exponent for exponent in EXPONENTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_constant_exponents_match_eager(dtype):
+    x = torch.tensor([[0.25, 0.5, 1.5, 2.0, 3.0, 7.5]] * 3, dtype=dtype)
+    jfn = fulmen.jit(_powers, executors=EXECUTORS)
+    for exponent, actual, expected in zip(EXPONENTS, jfn(x), _powers(x), strict=True):
+        torch.testing.assert_close(actual, expected, msg=f"x ** {exponent}")
+    assert _fused(jfn)
