@@ -33,7 +33,7 @@ def _cases():
             yield pytest.param(name, shape, id=f"{name}-{'x'.join(map(str, shape))}", marks=marks)
 
 
-@pytest.mark.parametrize("name, shape", _cases())
+@pytest.mark.parametrize("name, shape", list(_cases()))
 def test_strides_of_degenerate_shapes_are_eagers(name, shape):
     op = OPS[name]
 
