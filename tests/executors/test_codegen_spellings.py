@@ -48,3 +48,22 @@ def test_constant_exponents_match_eager(dtype):
     for exponent, actual, expected in zip(EXPONENTS, jfn(x), _powers(x), strict=True):
         torch.testing.assert_close(actual, expected, msg=f"x ** {exponent}")
     assert _fused(jfn)
+
+
+def _mixed(a, b, c):
+    return a * b - c, (a - c).exp()
+
+
+@pytest.mark.parametrize("strided", ["a", "b", "c", "bc"])
+def test_inner_strides_of_every_operand_position(strided):
+    """An operand with an inner stride other than 0 or 1 (a step slice) at each pointer position
+    of the kernel, beside contiguous ones: its index is `j * stride` wherever it sits."""
+    def operand(name, seed):
+        full = torch.randn(40, 66, generator=torch.Generator().manual_seed(seed))
+        return full[:, ::2] if name in strided else full[:, :33].contiguous()
+
+    args = [operand(name, seed) for seed, name in enumerate("abc")]
+    jfn = fulmen.jit(_mixed, executors=EXECUTORS)
+    for actual, expected in zip(jfn(*args), _mixed(*args), strict=True):
+        torch.testing.assert_close(actual, expected)
+    assert _fused(jfn)

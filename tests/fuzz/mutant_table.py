@@ -22,6 +22,7 @@ GUARDS = ("tests/tracer/test_cache.py", "tests/tracer/test_guards_edges.py")
 AUTOCAST = ("tests/tracer/test_autocast_ambient.py",)
 LAYOUT = ("tests/tracer/test_layout.py", "tests/ops/test_strides.py")
 CODEGEN = ("tests/executors/test_codegen.py", "tests/executors/test_codegen_numerics.py")
+CODEGEN_MORE = ("tests/executors/test_codegen_spellings.py", *CODEGEN)
 CODEGEN_ROWS = ("tests/executors/test_codegen_rows.py",)
 OBJECTS = ("tests/tracer/test_objects.py",)
 FUSION = ("tests/transforms/test_fusion.py",)
@@ -64,7 +65,7 @@ MUTANTS: list[Mutant] = [
            "rstd = prims.rsqrt(prims.add(var, eps))", "rstd = prims.rsqrt(var)", NN),
     Mutant("ops_softmax_no_upcast", "dtype", "ops/torch/nn.py",
            "    x = to_dtype(a, compute_dtype(a.dtype))\n    top =",
-           "    x = a\n    top =", NN),
+           "    x = a\n    top =", ("tests/ops/test_half_precision.py", *NN)),
     Mutant("ops_softmax_log_sign", "decomposition", "ops/torch/nn.py",
            "out = prims.sub(shifted, prims.log(total))",
            "out = prims.add(shifted, prims.log(total))", NN),
@@ -107,7 +108,7 @@ MUTANTS: list[Mutant] = [
            "    if False:\n        row = padding_idx", AUTODIFF),
     Mutant("vjp_convert_no_cast_back", "dtype", "transforms/autodiff/rules.py",
            "return prims.convert_element_type(grad, a.dtype), None", "return grad, None",
-           AUTODIFF),
+           ("tests/transforms/test_grad_dtypes.py", *AUTODIFF)),
     Mutant("vjp_max_ties_not_shared", "vjp", "transforms/autodiff/rules_structural.py",
            "return prims.mul(_unreduce(prims.div(grad, count), a, dims), hit), None",
            "return prims.mul(_unreduce(grad, a, dims), hit), None", AUTODIFF),
@@ -116,7 +117,8 @@ MUTANTS: list[Mutant] = [
            "casts = {name: dtype for name, dtype in with_autocast.items() if without.get(name) "
            "!= dtype}",
            "casts = {name: dtype for name, dtype in with_autocast.items() if without.get(name) "
-           "!= dtype and dtype != torch.float32}", AUTOCAST),
+           "!= dtype and dtype != torch.float32}",
+           ("tests/tracer/test_autocast_casts.py", *AUTOCAST)),
     # --- layout (strides) ------------------------------------------------------------------
     Mutant("layout_permute_as_contiguous", "layout", "tracer/layout.py",
            "return [(leaf.shape, leaf.stride()) for leaf in outputs]  # the input's, permuted",
@@ -125,7 +127,8 @@ MUTANTS: list[Mutant] = [
            "return [(outputs[0].shape, elementwise_strides(inputs, shape))]",
            "return [(outputs[0].shape, contiguous_strides(shape))]", LAYOUT),
     Mutant("layout_size0_stride", "layout", "proxies/tensor.py",
-           "        acc *= max(size, 1)", "        acc *= size", LAYOUT),
+           "        acc *= max(size, 1)", "        acc *= size",
+           ("tests/tracer/test_layout_degenerate.py", *LAYOUT)),
     # --- in-place updates / mutation -------------------------------------------------------
     Mutant("mutation_writeback_dropped", "mutation", "tracer/mutation.py",
            "            self.ctx.bsyms.append(BoundSymbol(WRITE_BACK, (root.proxy, root.value)",
@@ -150,9 +153,9 @@ MUTANTS: list[Mutant] = [
            '_op("sub", 2, NUMERIC, "({a} - {b})", "({a} - {b})")',
            '_op("sub", 2, NUMERIC, "({a} + {b})", "({a} - {b})")', CODEGEN),
     Mutant("codegen_ge_spelled_gt", "codegen", "executors/codegen/ops.py",
-           '"gt": ">", "ge": ">="}', '"gt": ">", "ge": ">"}', CODEGEN),
+           '"gt": ">", "ge": ">="}', '"gt": ">", "ge": ">"}', CODEGEN_MORE),
     Mutant("codegen_pow_m2_precedence", "codegen", "executors/codegen/ops.py",
-           '-2.0: "({one} / ({a} * {a}))"', '-2.0: "({one} / {a} * {a})"', CODEGEN),
+           '-2.0: "({one} / ({a} * {a}))"', '-2.0: "({one} / {a} * {a})"', CODEGEN_MORE),
     Mutant("codegen_sum_init_one", "codegen", "executors/codegen/cpu/rows.py",
            'init, op = ("0", "+") if red.name == "sum" else ("1", "*")',
            'init, op = ("1", "+") if red.name == "sum" else ("1", "*")', CODEGEN_ROWS),
@@ -166,9 +169,9 @@ MUTANTS: list[Mutant] = [
     Mutant("codegen_half_not_rounded", "dtype", "executors/codegen/cpu/target.py",
            'rounds = {torch.bfloat16: "bf16_round({})", torch.float16: "f16_round({})"}',
            "rounds = {}", CODEGEN),
-    Mutant("codegen_broadcast_index", "codegen", "executors/codegen/target.py",
+    Mutant("codegen_strided_index_odd_pointer", "codegen", "executors/codegen/target.py",
            'return {0: "0", 1: "j"}.get(kind, f"j * s{p}")',
-           'return {0: "0", 1: "j"}.get(kind, f"j * s{p} + {p} % 2")', CODEGEN),
+           'return {0: "0", 1: "j"}.get(kind, f"j * s{p} + {p} % 2")', CODEGEN_MORE),
     Mutant("codegen_slice_offset_unscaled", "codegen", "executors/codegen/region.py",
            "offset += start * strides[d]", "offset += start", CODEGEN),
     Mutant("codegen_flip_offset", "codegen", "executors/codegen/region.py",
