@@ -22,7 +22,7 @@ GUARDS = ("tests/tracer/test_cache.py", "tests/tracer/test_guards_edges.py")
 AUTOCAST = ("tests/tracer/test_autocast_ambient.py",)
 LAYOUT = ("tests/tracer/test_layout.py", "tests/ops/test_strides.py")
 CODEGEN = ("tests/executors/test_codegen.py", "tests/executors/test_codegen_numerics.py")
-CODEGEN_MORE = ("tests/executors/test_codegen_spellings.py", *CODEGEN)
+CODEGEN_MORE = ("tests/executors/test_codegen_edges.py", *CODEGEN)
 CODEGEN_ROWS = ("tests/executors/test_codegen_rows.py",)
 OBJECTS = ("tests/tracer/test_objects.py",)
 FUSION = ("tests/transforms/test_fusion.py",)
@@ -173,7 +173,7 @@ MUTANTS: list[Mutant] = [
            'return {0: "0", 1: "j"}.get(kind, f"j * s{p}")',
            'return {0: "0", 1: "j"}.get(kind, f"j * s{p} + {p} % 2")', CODEGEN_MORE),
     Mutant("codegen_slice_offset_unscaled", "codegen", "executors/codegen/region.py",
-           "offset += start * strides[d]", "offset += start", CODEGEN),
+           "offset += start * strides[d]", "offset += start", CODEGEN_MORE),
     Mutant("codegen_flip_offset", "codegen", "executors/codegen/region.py",
            "offset += (sizes[d] - 1) * strides[d]", "offset += sizes[d] * strides[d] - 1",
            CODEGEN),

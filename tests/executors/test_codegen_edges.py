@@ -1,7 +1,12 @@
-"""Kernel spellings where random samples rarely look: comparisons at ties (`>=` spelled `>`
-differs only where the operands are equal) and the constant exponents codegen renders without
-pow (`x ** -2` as `1 / (x * x)`: a missing parenthesis is `1 / x * x`). Each test is one fused
-region (one C++ compile) computing every case at once, compared with eager exactly.
+"""Codegen kernels where random samples rarely look, each test one fused region (a C++ compile
+or a few) computing every case at once, compared with eager:
+
+- spellings: comparisons at ties (`>=` spelled `>` differs only where the operands are equal),
+  the constant exponents rendered without pow (`x ** -2` as `1 / (x * x)`: a missing
+  parenthesis is `1 / x * x`);
+- addressing: an inner stride other than 0/1 at every operand position, views taken inside the
+  region with offsets along outer dims (slices starting past 0, flips: the offset is counted in
+  elements times the dim's stride), size-1 dims broadcast (stride 0).
 """
 
 import pytest
@@ -65,5 +70,22 @@ def test_inner_strides_of_every_operand_position(strided):
     args = [operand(name, seed) for seed, name in enumerate("abc")]
     jfn = fulmen.jit(_mixed, executors=EXECUTORS)
     for actual, expected in zip(jfn(*args), _mixed(*args), strict=True):
+        torch.testing.assert_close(actual, expected)
+    assert _fused(jfn)
+
+
+def _views(a, b):
+    return (a[1:, :-1] - a[:-1, 1:],  # finite differences: slices starting past 0 on both dims
+            a[3:40:2, 5:].sin(),
+            a.flip(0) * b,  # negative stride along the outer dim
+            a.flip(0, 1) + a,
+            a[:, 2:] + b[:, :1],  # a size-1 column broadcast along the rows
+            b[:1, :] * a)  # a size-1 row broadcast down the columns
+
+
+def test_views_inside_a_region_match_eager():
+    a, b = torch.randn(48, 40), torch.randn(48, 40)
+    jfn = fulmen.jit(_views, executors=EXECUTORS)
+    for actual, expected in zip(jfn(a, b), _views(a, b), strict=True):
         torch.testing.assert_close(actual, expected)
     assert _fused(jfn)
