@@ -176,7 +176,7 @@ MUTANTS: list[Mutant] = [
            "offset += start * strides[d]", "offset += start", CODEGEN_MORE),
     Mutant("codegen_flip_offset", "codegen", "executors/codegen/region.py",
            "offset += (sizes[d] - 1) * strides[d]", "offset += sizes[d] * strides[d] - 1",
-           CODEGEN),
+           CODEGEN_MORE),
     Mutant("codegen_size1_broadcast_stride", "codegen", "executors/codegen/region.py",
            "new[d] = strides[i] if sizes[i] != 1 else 0", "new[d] = strides[i]", CODEGEN),
     Mutant("codegen_inner_stride_off_by_one", "codegen", "executors/codegen/cpu/render.py",
