@@ -190,7 +190,8 @@ MUTANTS: list[Mutant] = [
            "return (t.shape, t.device, t.requires_grad, t.stride())", GUARDS),
     Mutant("guard_strides", "guards", "tracer/guards.py",
            "return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())",
-           "return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())", GUARDS),
+           "return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())",
+           ("tests/tracer/test_guard_behaviour.py", *GUARDS)),
     Mutant("guard_grad_mode", "guards", "tracer/guards.py",
            "            _is_grad_enabled(),\n", "", GUARDS),
     Mutant("guard_training_flag", "guards", "tracer/guards.py",
@@ -201,7 +202,7 @@ MUTANTS: list[Mutant] = [
     Mutant("guard_symbolic_requires_grad", "guards", "tracer/guards.py",
            'return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
            'return ("symbolic", tuple(shape), t.dtype, t.device, None,',
-           ("tests/tracer/test_dynamic_shapes.py",)),
+           ("tests/tracer/test_guard_behaviour.py", "tests/tracer/test_dynamic_shapes.py")),
     # --- autograd bridge -----------------------------------------------------------------------
     Mutant("bridge_first_grad_dropped", "bridge", "autograd_bridge.py",
            "return (None, *input_grads)",

@@ -1,0 +1,49 @@
+"""A call that differs from a cached one in one guarded property only gets eager's answer.
+
+`test_cache.py` checks that a change of each property retraces from a contiguous first call;
+these tests change a property between two calls that agree on everything coarser (two
+non-contiguous layouts of one shape), where code that reads the property answers differently.
+"""
+
+import torch
+
+import fulmen
+
+
+def _reads_strides(x):
+    y = x * 2
+    return y + x.stride(1), torch.tensor(y.stride())
+
+
+def test_two_non_contiguous_layouts_of_one_shape_are_two_entries():
+    base = torch.randn(6, 12)
+    step2 = base[:, ::2]  # shape (6, 6), strides (12, 2)
+    step3 = torch.randn(6, 18)[:, ::3]  # shape (6, 6), strides (18, 3)
+    transposed = torch.randn(6, 6).t()  # strides (1, 6)
+    jfn = fulmen.jit(_reads_strides)
+    for x in (step2, step3, transposed, step2):
+        expected, expected_strides = _reads_strides(x)
+        actual, strides = jfn(x)
+        torch.testing.assert_close(actual, expected)
+        assert strides.tolist() == expected_strides.tolist(), x.stride()
+        assert actual.stride() == expected.stride(), x.stride()
+
+
+def _scaled_sum(x, w):
+    return (x * w).sum(0)
+
+
+def test_requires_grad_is_keyed_in_a_symbolic_entry(codegen_eager):
+    """Two sizes make the entry symbolic in x; a third call whose x, of a new size, requires
+    grad must not reuse the no-grad trace (nor the reverse): eager's outputs and gradients.
+    (With compiled kernels: torch ops alone would build an autograd graph of their own.)"""
+    jfn = fulmen.jit(_scaled_sum)
+    for n, grad in ((4, False), (6, False), (8, True), (10, False), (12, True)):
+        x, w = torch.randn(n, 3, requires_grad=grad), torch.randn(3)
+        expected, actual = _scaled_sum(x, w), jfn(x, w)
+        torch.testing.assert_close(actual, expected)
+        assert actual.requires_grad == expected.requires_grad, n
+        if grad:
+            (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+            (actual_grad,) = torch.autograd.grad(actual.sum(), x)
+            torch.testing.assert_close(actual_grad, expected_grad)
