@@ -27,7 +27,7 @@ CODEGEN_ROWS = ("tests/executors/test_codegen_rows.py",)
 OBJECTS = ("tests/tracer/test_objects.py",)
 FUSION = ("tests/transforms/test_fusion.py",)
 REMAT = ("tests/transforms/test_remat.py",)
-CSE = ("tests/transforms/test_cse.py",)
+CSE = ("tests/transforms/test_pass_semantics.py", "tests/transforms/test_cse.py")
 CREATION = ("tests/ops/test_creation.py",)
 MODULES = ("tests/tracer/test_modules.py", "tests/tracer/test_module_behaviour.py")
 
@@ -224,9 +224,9 @@ MUTANTS: list[Mutant] = [
            ("tests/transforms/test_memory.py", "tests/core/test_trace.py")),
     Mutant("remat_recomputes_random", "passes", "transforms/remat.py",
            'if bsym.has_side_effects or "opaque" in bsym.sym.tags:',
-           'if "opaque" in bsym.sym.tags or bsym.sym.name == "copy_":', REMAT),
+           'if "opaque" in bsym.sym.tags or bsym.sym.name == "copy_":', ("tests/transforms/test_pass_semantics.py", *REMAT)),
     Mutant("fusion_order_reversed", "passes", "transforms/fusion.py",
-           "key=lambda r: r))", "key=lambda r: -r))", FUSION),
+           "key=lambda r: r))", "key=lambda r: -r))", ("tests/transforms/test_pass_semantics.py", *FUSION)),
     Mutant("cse_merges_random", "passes", "transforms/cse.py",
            'if bsym.has_side_effects or "opaque" in bsym.sym.tags or not bsym.proxy_outputs:',
            'if "opaque" in bsym.sym.tags or not bsym.proxy_outputs:', CSE),
