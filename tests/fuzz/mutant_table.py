@@ -254,4 +254,15 @@ MUTANTS: list[Mutant] = [
     Mutant("codegen_plan_key_no_strides", "guards", "executors/codegen/cpu/runtime.py",
            "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs]",
            "*[(t.shape, t.dtype, t.is_cpu) for t in inputs]", CODEGEN),
+    # --- third round: the CPU prelude's helpers (C++) --------------------------------------
+    Mutant("codegen_bf16_ties_round_up", "dtype", "executors/codegen/include/cpu.h",
+           "u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;", CODEGEN_MORE),
+    Mutant("codegen_sign_of_zero", "codegen", "executors/codegen/include/cpu.h",
+           "return (T)((T(0) < a) - (a < T(0)));", "return (T)((T(0) < a) - (a <= T(0)));",
+           CODEGEN_MORE),
+    Mutant("codegen_max_drops_nan", "codegen", "executors/codegen/include/cpu.h",
+           "return (a >= b || a != a) ? a : b;", "return (a >= b) ? a : b;", CODEGEN_MORE),
+    Mutant("codegen_remainder_sign", "codegen", "executors/codegen/include/cpu.h",
+           "if (m != 0 && ((b < 0) != (m < 0))) m += b;",
+           "if (m != 0 && (b < 0)) m += b;", CODEGEN_MORE),
 ]
