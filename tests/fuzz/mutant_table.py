@@ -249,8 +249,6 @@ MUTANTS: list[Mutant] = [
     Mutant("prim_iota_formula", "decomposition", "executors/torch/prims.py",
            "(torch.arange(length, dtype=wide, device=device) * step + start)",
            "((torch.arange(length, dtype=wide, device=device) + start) * step)", CREATION),
-    Mutant("prim_convert_aliases", "mutation", "executors/torch/prims.py",
-           "return a.to(dtype, copy=True)", "return a.to(dtype)", INPLACE),
     Mutant("codegen_plan_key_no_strides", "guards", "executors/codegen/cpu/runtime.py",
            "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs]",
            "*[(t.shape, t.dtype, t.is_cpu) for t in inputs]", CODEGEN),
