@@ -249,9 +249,6 @@ MUTANTS: list[Mutant] = [
     Mutant("prim_iota_formula", "decomposition", "executors/torch/prims.py",
            "(torch.arange(length, dtype=wide, device=device) * step + start)",
            "((torch.arange(length, dtype=wide, device=device) + start) * step)", CREATION),
-    Mutant("codegen_plan_key_no_strides", "guards", "executors/codegen/cpu/runtime.py",
-           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs]",
-           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs]", CODEGEN),
     # --- third round: the CPU prelude's helpers (C++) --------------------------------------
     Mutant("codegen_bf16_ties_round_up", "dtype", "executors/codegen/include/cpu.h",
            "u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;", CODEGEN_MORE),
