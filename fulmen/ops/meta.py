@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import threading
 import warnings
@@ -20,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import contiguous_strides
+from fulmen.proxies.tensor import contiguous_strides, known_same_shape, size_hints
 
 
 def to_meta(value: Any) -> Any:
@@ -149,18 +150,27 @@ _ATOMS = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtyp
           torch.memory_format, torch.layout)
 
 
-def _layout_key(value: Any) -> Any:
-    """A hashable description of an argument, as far as a meta kernel can see it."""
+def _layout_key(value: Any, envs: list) -> Any:
+    """A hashable description of an argument, as far as a meta kernel can see it; the
+    `ShapeEnv` of each symbolic size met is appended to `envs`."""
     if isinstance(value, torch.Tensor):
+        sizes = (*value.shape, *value.stride())
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return (torch.Tensor, tuple(_layout_key(v, envs) for v in sizes), value.ndim,
+                    value.dtype, value.device)
         return (value.shape, value.stride(), value.dtype, value.device)
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_layout_key(v) for v in value))
+        return (type(value), tuple(_layout_key(v, envs) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple((k, _layout_key(v)) for k, v in value.items()))
+        return (dict, tuple((k, _layout_key(v, envs)) for k, v in value.items()))
     if isinstance(value, slice):
-        return (slice, _layout_key(value.start), _layout_key(value.stop), _layout_key(value.step))
+        return (slice, _layout_key(value.start, envs), _layout_key(value.stop, envs),
+                _layout_key(value.step, envs))
     if type(value) in _ATOMS:
         return (type(value), value)
+    if isinstance(value, torch.SymInt):
+        envs.append(value.node.shape_env)
+        return (torch.SymInt, value.node.expr)  # an expression of that env's symbols
     raise _Uncacheable
 
 
@@ -178,14 +188,24 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     metadata and values (meta kernels see nothing else). Warnings are silenced: the op is
     described here, not run.
     """
+    envs: list = []
     try:
         with torch._C.DisableTorchFunctionSubclass():
-            key = (fn, _layout_key(args), _layout_key(kwargs))
+            key = (fn, _layout_key(args, envs), _layout_key(kwargs, envs))
         hash(key)
     except (_Uncacheable, TypeError):
         key = None
-    if key is not None and key in _LAYOUTS:
-        return _LAYOUTS[key]
+    # with symbolic sizes, answers are kept by the ShapeEnv (keyed by the sizes' expressions,
+    # which name its symbols): the layers of a model ask the same questions, and the guards
+    # the first answer recorded hold for the rest
+    cache = _LAYOUTS
+    if envs:
+        if any(env is not envs[0] for env in envs):
+            key = None
+        else:
+            cache = envs[0].__dict__.setdefault("_fulmen_layouts", {})
+    if key is not None and key in cache:
+        return cache[key]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -197,9 +217,9 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     except Exception:  # no meta kernel, a value-dependent op, a device transfer, ...
         layouts = None
     if key is not None:
-        if len(_LAYOUTS) >= _LAYOUTS_LIMIT:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = layouts
+        if len(cache) >= _LAYOUTS_LIMIT:
+            cache.clear()
+        cache[key] = layouts
     return layouts
 
 
@@ -290,6 +310,16 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
     """Eager's output strides for an elementwise map of `tensors` broadcast to `shape`: the
     TensorIterator rule (operand layouts in order, broadcast dims ignored), as PyTorch's
     `compute_elementwise_output_strides` states it. 0-dim tensors take no part, as in eager."""
+    shape = tuple(shape)
+    canonical = _row_major_strides(shape)
+    if all(known_same_shape(tuple(t.shape), shape) and known_same_shape(t.stride(), canonical)
+           for t in tensors if t.dim() != 0):
+        # TensorIterator's fast setup: operands of the output's shape, all contiguous, give a
+        # contiguous output (decided here without the fake tensors symbolic sizes need)
+        return canonical
+    symbolic = _symbolic_strides(tensors, shape)
+    if symbolic is not None:
+        return symbolic
     operands = []
     with _fake_mode((tensors, shape)), torch._C.DisableTorchFunction():
         for tensor in tensors:
@@ -301,6 +331,103 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
         if not operands:
             return contiguous_strides(shape)
         return tuple(compute_elementwise_output_strides(*operands))
+
+
+class _Broadcast:
+    """A tensor's layout broadcast to an elementwise op's shape: the metadata PyTorch's
+    `compute_elementwise_output_logical_to_physical_perm` reads, without a fake tensor."""
+
+    __slots__ = ("shape", "strides", "ndim")
+    is_sparse = False
+
+    def __init__(self, shape: tuple, strides: tuple) -> None:
+        self.shape, self.strides, self.ndim = shape, strides, len(shape)
+
+    def stride(self) -> tuple:
+        return self.strides
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self):
+        return math.prod(self.shape)
+
+
+def _broadcast(tensor, shape: tuple) -> _Broadcast | None:
+    """`tensor.expand(shape)`'s layout where it is known without a guard (each size equals the
+    output's, or is 1 against a size known not to be 1: stride 0), else None."""
+    strides = [0] * (len(shape) - tensor.dim())
+    for size, stride, target in zip(tensor.shape, tensor.stride(), shape[len(strides):]):
+        if size is target or known_same_shape((size,), (target,)):
+            strides.append(stride)
+        elif isinstance(size, int) and size == 1 and _known_not_one(target):
+            strides.append(0)
+        else:
+            return None
+    return _Broadcast(shape, tuple(strides))
+
+
+def _known_not_one(size) -> bool:
+    if isinstance(size, int):
+        return size != 1
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(size != 1)
+
+
+def _symbolic_strides(tensors, shape: tuple):
+    """`elementwise_strides` with symbolic sizes, by PyTorch's own rule on the broadcast
+    layouts (`_Broadcast`) instead of fake tensors (a fake tensor with symbolic sizes costs
+    milliseconds to make); None where a broadcast is not known without a guard or the rule
+    would allocate (`empty_like` of one overlapping operand), and for static sizes (plain
+    meta tensors are cheap)."""
+    env = None
+    for size in (*shape, *(v for t in tensors for v in (*t.shape, *t.stride()))):
+        if isinstance(size, torch.SymInt):
+            env = size.node.shape_env
+            break
+    if env is None:
+        return None
+    operands = []
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            continue
+        operand = _broadcast(tensor, shape)
+        if operand is None:
+            return None
+        operands.append(operand)
+    if not operands or len(shape) == 1:
+        return None
+    from torch._prims_common import (
+        compute_elementwise_output_logical_to_physical_perm,
+        is_non_overlapping_and_dense_or_false,
+        make_contiguous_strides_for,
+    )
+    from torch.fx.experimental import _config
+
+    oblivious = getattr(env, "_fulmen_generalised_ones", False)  # as `_size_oblivious`
+    with _config.patch(backed_size_oblivious=True) if oblivious else contextlib.nullcontext():
+        if len(operands) == 1:
+            if not is_non_overlapping_and_dense_or_false(operands[0]):
+                return None
+            return operands[0].strides
+        perm, _ = compute_elementwise_output_logical_to_physical_perm(*operands,
+                                                                      _skip_checks=True)
+    physical = make_contiguous_strides_for([shape[d] for d in perm])
+    strides = [0] * len(shape)
+    for position, dim in enumerate(perm):
+        strides[dim] = physical[position]
+    return tuple(strides)
+
+
+def _row_major_strides(shape) -> tuple:
+    """Row-major strides of `shape`, symbolic sizes included (no comparison, so no guard; a
+    size 0 or 1 multiplies the strides before it as PyTorch's do: `max(size, 1)`)."""
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc = acc * (size if isinstance(size, torch.SymInt) else max(size, 1))
+    return tuple(reversed(strides))
 
 
 def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int):
@@ -340,3 +467,71 @@ def with_strides(proxy: TensorProxy, strides, exact: bool = True) -> TensorProxy
     new.__dict__.update(proxy.__dict__)
     new._fulmen_exact_strides = exact
     return new
+
+
+_ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                        "enable_gqa")
+
+
+def attention_strides(args, kwargs, out) -> tuple | None:
+    """Eager's strides for the output `out` of `F.scaled_dot_product_attention(*args,
+    **kwargs)` where it runs the CPU flash kernel: the output is allocated like the query (`empty_like`: the query's strides when it is
+    non-overlapping and dense; checked against eager for every order of the batch, head and
+    sequence dims, sizes of 1 and grouped-query attention). PyTorch's meta kernel describes
+    the math backend instead (a contiguous result: wrong for a transposed query), and with
+    symbolic sizes runs that backend op by op. Elsewhere None (the meta kernel's answer stands).
+
+    The backend is PyTorch's own choice on stand-ins of the traced call's sizes, made with and
+    without grad: it reads the ranks, head counts, head sizes, last strides and mask of the
+    call and whether the batch sizes agree, never the sequence sizes (sizes 0 are
+    specialised); symbolic head counts are specialised, and symbolic batch and head sizes are
+    guarded equal (the flash kernel needs them equal)."""
+    bound = dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
+    query, key, value, mask = (bound.get(name) for name in ("query", "key", "value",
+                                                              "attn_mask"))
+    tensors = [t for t in (query, key, value, mask) if t is not None]
+    if (not all(isinstance(t, TensorProxy) and t.device.type == "cpu" for t in tensors)
+            or query.ndim != 4 or key.ndim != 4 or value.ndim != 4
+            or not all(isinstance(t.stride(-1), int) for t in tensors)):
+        return None
+    for t in (query, key, value):
+        int(t.shape[-3])  # a symbolic head count is specialised (guarded): the choice reads it
+    if not (query.shape[0] == key.shape[0] == value.shape[0]
+            and query.shape[-1] == key.shape[-1] == value.shape[-1]):  # guarded when symbolic
+        return None
+    if not known_same_shape(out.shape, query.shape) or not _dense(query):
+        return None
+    options = {"dropout_p": bound.get("dropout_p", 0.0), "is_causal": bound.get("is_causal",
+                                                                                   False),
+               "scale": bound.get("scale"), "enable_gqa": bound.get("enable_gqa", False)}
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    for grad in (False, True):
+        stand_ins = [_stand_in(t, grad) for t in (query, key, value)]
+        stand_mask = _stand_in(mask, grad) if mask is not None else None
+        with torch._C.DisableTorchFunction():
+            if torch._fused_sdp_choice(*stand_ins, stand_mask, **options) != flash:
+                return None
+    return tuple(query.stride())
+
+
+def _stand_in(proxy: TensorProxy, grad: bool) -> torch.Tensor:
+    """An uninitialised CPU tensor with `proxy`'s metadata at the traced call's sizes (no page
+    is touched: the backend choice reads metadata only)."""
+    tensor = torch.empty_strided(size_hints(proxy.shape), size_hints(proxy.stride()),
+                                 dtype=proxy.dtype)
+    return tensor.requires_grad_(grad and proxy.dtype.is_floating_point)
+
+
+def _dense(tensor: TensorProxy) -> bool:
+    """Whether `tensor` is non-overlapping and dense, decided without a guard (False when
+    unknown): its dims of size other than 1, ordered by stride, have the strides of a row-major
+    layout in that order."""
+    dims = [d for d, size in enumerate(tensor.shape) if not (isinstance(size, int) and size == 1)]
+    strides = tensor.stride()
+    dims.sort(key=lambda d: size_hints((strides[d],))[0])
+    expected = 1
+    for d in dims:
+        if not known_same_shape((strides[d],), (expected,)):
+            return False
+        expected = expected * tensor.shape[d]
+    return True

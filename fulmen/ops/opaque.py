@@ -16,7 +16,7 @@ import torch
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
-from fulmen.ops.meta import run_meta
+from fulmen.ops.meta import attention_strides, run_meta, with_strides
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import row_major
@@ -99,9 +99,20 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
     return run_meta(fn, self, memory_format=memory_format)
 
 
+def _attention_meta(fn, *args, **kwargs):
+    """`F.scaled_dot_product_attention` run whole (dropout, symbolic head counts): PyTorch's
+    meta kernel describes the math backend; where eager runs the CPU flash kernel, its output
+    is laid out like the query (`attention_strides`)."""
+    out = run_meta(fn, *args, **kwargs)
+    strides = attention_strides(args, kwargs, out) if isinstance(out, TensorProxy) else None
+    return out if strides is None else with_strides(out, strides)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
-                                             torch.Tensor.contiguous: _contiguous_meta}
+                                             torch.Tensor.contiguous: _contiguous_meta,
+                                             torch.nn.functional.scaled_dot_product_attention:
+                                                 _attention_meta}
 
 
 def opaque_symbol(fn: Callable) -> Symbol:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.proxy import iter_proxies
-from fulmen.ops.meta import convolution_strides, elementwise_strides
+from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_strides
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import contiguous_strides
 
@@ -95,6 +95,8 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     inputs = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
     if func in _CONVOLUTIONS and len(outputs) == 1:
         return _conv_layouts(func, args, kwargs, tuple(outputs[0].shape))
+    if func is F.scaled_dot_product_attention and len(outputs) == 1:
+        return _attention_layouts(args, kwargs, outputs[0])
     if func in _ROW_MAJOR_RESULTS:
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     if func is F.linear and len(outputs) == 1:
@@ -134,3 +136,10 @@ def _reshapes_or_cats_inputs(bsym, producer, names: set[str]) -> bool:
         if made is None or not _reshapes_or_cats_inputs(bsym, made, names) or made.sym.name == "cat":
             return False
     return True
+
+
+
+def _attention_layouts(args, kwargs, out):
+    """Eager's layout of `F.scaled_dot_product_attention` (`attention_strides`), or None."""
+    strides = attention_strides(args, kwargs, out)
+    return None if strides is None else [(out.shape, strides)]

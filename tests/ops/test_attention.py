@@ -40,3 +40,40 @@ def test_sdpa_with_dropout_runs_whole():
     expected = fn(q)
     torch.manual_seed(0)
     torch.testing.assert_close(jfn(q), expected)
+
+
+@pytest.mark.parametrize("mode", [[], [decompose_to_prims]])
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(attn_mask=MASK)])
+def test_grouped_query_attention_is_decomposed(kwargs, mode):
+    """`enable_gqa=True` (HF Llama/Qwen2 with fewer key/value heads): each key/value head
+    serves consecutive query heads, as eager's `repeat_interleave`."""
+    q = torch.randn(2, 4, 3, 4, requires_grad=True)
+    k = torch.randn(2, 2, 5, 4, requires_grad=True)
+    v = torch.randn(2, 2, 5, 4, requires_grad=True)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True,  # noqa: E731
+                                                        **kwargs)
+    jfn = fulmen.jit(fn, transforms=mode)
+    expected, actual = fn(q, k, v), jfn(q, k, v)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    for a, e in zip(torch.autograd.grad(actual, (q, k, v), cotangent),
+                    torch.autograd.grad(expected, (q, k, v), cotangent)):
+        torch.testing.assert_close(a, e)
+    assert "opaque" not in str(fulmen.last_traces(jfn)[0])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3), (1, 2, 0, 3)])
+def test_output_strides_are_eagers(order, dynamic):
+    """On CPU eager's flash kernel allocates the output like the query: a query laid out as
+    (batch, seq, heads, dim) (HF's `view(...).transpose(1, 2)`) gives a transposed output."""
+    def fn(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+        return out * out.stride(1) + out.stride(2)
+
+    jfn = fulmen.jit(fn, dynamic=dynamic)
+    for seq in (5, 7):
+        shape = (2, 4, seq, 8)
+        q = torch.randn([shape[d] for d in order]).permute(*[order.index(d) for d in range(4)])
+        k, v = torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
+        torch.testing.assert_close(jfn(q, k, v), fn(q, k, v))

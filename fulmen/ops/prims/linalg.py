@@ -15,6 +15,7 @@ import torch
 from fulmen.ops.meta import run_meta
 from fulmen.ops.prims.base import check, prim
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import known_same_shape
 
 __all__ = [
     "matmul", "linear", "convolution", "embedding", "full", "iota", "uniform", "bernoulli",
@@ -25,6 +26,17 @@ __all__ = [
 def matmul(a: TensorProxy, b: TensorProxy) -> TensorProxy:
     """`torch.matmul` semantics: vector/matrix products with broadcast batch dims."""
     check(a.dtype == b.dtype, "matmul", f"dtypes differ: {a.dtype} vs {b.dtype}")
+    if (a.ndim >= 2 and (b.ndim == 2 or a.ndim == b.ndim) and a.device == b.device
+            and known_same_shape(a.shape[:-2], b.shape[:-2] if b.ndim > 2 else a.shape[:-2])
+            and a.shape[-1] == b.shape[-2]):
+        # batches of matrices times a matrix, or batches of the same shape: a contiguous
+        # (..., n, m) whatever the operands' layouts (PyTorch's meta kernel and CPU kernel
+        # alike, checked for every order of their dims), described directly:
+        # with symbolic sizes the meta kernel runs on fake tensors (~0.1 s a call); sizes that
+        # do not fit get the meta kernel's error
+        out = TensorProxy.like(a, shape=(*a.shape[:-1], b.shape[-1]))
+        out._fulmen_exact_strides = True
+        return out
     return run_meta(torch.matmul, a, b)
 
 

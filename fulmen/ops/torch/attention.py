@@ -41,8 +41,10 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise _unsupported("query, key and value must be tensors of rank >= 2")
     if len({t.dtype for t in tensors}) != 1 or query.dtype not in (torch.float32, torch.float64):
         raise _unsupported("query, key and value must share a float32/float64 dtype")
-    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):
-        raise _unsupported("batch dims differ (broadcast or grouped-query attention)")
+    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]) and not _grouped(
+            query, key, value, enable_gqa):
+        raise _unsupported("batch dims differ (broadcast, or grouped-query attention without "
+                           "enable_gqa or with key and value head counts that differ)")
     if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
         raise _unsupported("embedding or sequence sizes differ (eager raises)")
     if dropout_p != 0.0:
@@ -53,6 +55,38 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise _unsupported(f"scale={scale!r}")
     if not isinstance(enable_gqa, bool) or 0 in query.shape or 0 in key.shape:
         raise _unsupported("enable_gqa must be a bool; empty inputs run whole")
+
+
+def _grouped(query, key, value, enable_gqa) -> bool:
+    """Grouped-query attention as eager takes it (`enable_gqa=True`): key and value have
+    `H // k` heads of the query's `H` (dim -3), each shared by `k` query heads."""
+    if enable_gqa is not True or min(query.ndim, key.ndim, value.ndim) < 3:
+        return False
+    heads, groups = _constant(query.shape[-3]), _constant(key.shape[-3])
+    return (heads is not None and groups is not None and groups > 0 and heads % groups == 0
+            and _constant(value.shape[-3]) == groups
+            and query.shape[:-3] == key.shape[:-3] == value.shape[:-3])
+
+
+def _constant(size) -> int | None:
+    """`size` as an int when it is one (a symbolic size whose expression is a number, such
+    as the heads of `view(b, s, -1, 8)`, included), else None."""
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return size
+
+
+def _repeat_heads(t, heads: int):
+    """`t.repeat_interleave(heads // t.shape[-3], dim=-3)`, as eager's grouped-query attention
+    shares each key/value head among consecutive query heads."""
+    *batch, groups, rows, cols = t.shape
+    groups = _constant(groups)
+    if groups == heads:
+        return t
+    lead = len(batch)
+    wide = prims.broadcast_in_dim(t, (*batch, groups, heads // groups, rows, cols),
+                                  (*range(lead + 1), lead + 2, lead + 3))
+    return prims.reshape(wide, (*batch, heads, rows, cols))
 
 
 def _mask_scores(scores, attn_mask, is_causal: bool):
@@ -101,6 +135,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     value (..., S, Ev) -> (..., L, Ev); `scale` defaults to `1 / sqrt(E)`."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    heads = _constant(query.shape[-3]) if query.ndim >= 3 else None
+    if heads is not None and _constant(key.shape[-3]) != heads:  # grouped-query (`_grouped`)
+        key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
     scores = prims.mul(prims.matmul(query, _transpose_last(key)), scale)
     weights = _safe_softmax(_mask_scores(scores, attn_mask, is_causal))
     return prims.matmul(weights, value)
