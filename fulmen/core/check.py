@@ -43,24 +43,26 @@ def check_trace(trace, compile_source: bool = True) -> None:
     """Raise `FulmenError` describing the first broken invariant of `trace`: SSA (each name
     assigned once, also inside decompositions), def-before-use, use-after-del, metadata agreeing
     between definition and uses, and (with `compile_source`) that the printed trace compiles."""
-    types: dict[str, str] = {}
+    defined: dict[str, object] = {}  # name -> the proxy object that defined it
     live: set[str] = set()
 
     def define(proxy, bsym=None):
-        if proxy.name in types:
+        if proxy.name in defined:
             raise _fail(trace, f"{proxy.name} is assigned twice", bsym)
-        types[proxy.name] = proxy.type_string()
+        defined[proxy.name] = proxy
         live.add(proxy.name)
 
     def use(proxy, bsym=None):
         if proxy.name not in live:
-            state = "deleted" if proxy.name in types else "undefined"
+            state = "deleted" if proxy.name in defined else "undefined"
             raise _fail(trace, f"{proxy.name} is used but {state}", bsym)
-        if types[proxy.name] != proxy.type_string():
+        first = defined[proxy.name]
+        # the very object agrees with itself (formatting symbolic sizes costs)
+        if first is not proxy and first.type_string() != proxy.type_string():
             raise _fail(
                 trace,
-                f"{proxy.name} is {proxy.type_string()} here but {types[proxy.name]} where defined",
-                bsym,
+                f"{proxy.name} is {proxy.type_string()} here but {first.type_string()} where "
+                "defined", bsym,
             )
 
     for proxy in trace.args:

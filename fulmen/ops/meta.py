@@ -317,6 +317,21 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
         # TensorIterator's fast setup: operands of the output's shape, all contiguous, give a
         # contiguous output (decided here without the fake tensors symbolic sizes need)
         return canonical
+    envs: list = []
+    try:
+        key = ("elementwise", _layout_key(tuple(t for t in tensors if t.dim() != 0), envs),
+               _layout_key(shape, envs))
+    except _Uncacheable:
+        envs = []
+    if not envs or any(env is not envs[0] for env in envs):
+        return _elementwise_strides(tensors, shape)
+    cache = envs[0].__dict__.setdefault("_fulmen_layouts", {})  # as in `eager_layouts`
+    if key not in cache:
+        cache[key] = _elementwise_strides(tensors, shape)
+    return cache[key]
+
+
+def _elementwise_strides(tensors, shape: tuple) -> tuple:
     symbolic = _symbolic_strides(tensors, shape)
     if symbolic is not None:
         return symbolic

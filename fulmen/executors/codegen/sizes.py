@@ -64,13 +64,29 @@ def same(a, b) -> bool:
     """
     if isinstance(a, int) and isinstance(b, int):
         return a == b
+    if a is b:
+        return True
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    if statically_known_true(a == b):
-        return True
-    if statically_known_true(a != b):
-        return False
-    raise Unsupported(f"whether sizes {a} and {b} are equal depends on the call")
+    # lowering asks the same questions many times (every operand of every candidate region):
+    # the answers are kept by the ShapeEnv (a known answer stays known: guards only add facts)
+    env = (a if isinstance(a, torch.SymInt) else b).node.shape_env
+    known = env.__dict__.setdefault("_fulmen_same_sizes", {}) if env is not None else {}
+    key = (_key(a), _key(b))
+    answer = known.get(key)
+    if answer is None:
+        if statically_known_true(a == b):
+            answer = True
+        elif statically_known_true(a != b):
+            answer = False
+        else:
+            raise Unsupported(f"whether sizes {a} and {b} are equal depends on the call")
+        known[key] = answer
+    return answer
+
+
+def _key(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def same_shape(a, b) -> bool:
