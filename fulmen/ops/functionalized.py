@@ -39,8 +39,11 @@ def replay(view: T, steps) -> T:
     for kind, name, args, kwargs, index in steps:
         if kind == "attr":
             view = getattr(view, name)
+        elif name == "view" and args and isinstance(args[0], torch.dtype):
+            view = T.view(view, *args)  # a reinterpretation, not a reshape
         else:
-            view = getattr(T, _REPLAY_AS.get(name, name))(view, *args, **kwargs)
+            name = _REPLAY_AS.get(name, name)  # `torch.view_as_real` has no method
+            view = (getattr(T, name, None) or getattr(torch, name))(view, *args, **kwargs)
         if index is not None:
             view = view[index]
     return view

@@ -76,6 +76,8 @@ _VIEW_METHODS = (
     "unsqueeze", "expand", "expand_as", "unflatten", "movedim", "moveaxis", "swapaxes",
     "swapdims", "diagonal", "unfold", "unbind", "split", "split_with_sizes", "chunk",
     "tensor_split", "hsplit", "vsplit", "dsplit", "detach", "broadcast_to", "adjoint", "alias",
+    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "atleast_1d",
+    "atleast_2d", "atleast_3d",
 )  # fmt: skip
 _MAYBE_VIEW_METHODS = ("reshape", "reshape_as", "flatten", "ravel")
 _VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")

@@ -418,3 +418,27 @@ def test_inplace_aten_ops_called_through_torch_ops_write_their_arguments():
 
     with pytest.raises(NotYetSupportedError, match="through torch.ops"):
         fulmen.jit(through_out)(torch.zeros(2))
+
+
+@pytest.mark.parametrize("write, make", [
+    (lambda x: torch.view_as_real(x).mul_(2), lambda: torch.ones(2, dtype=torch.complex64)),
+    (lambda x: torch.view_as_complex(x).mul_(2j), lambda: torch.ones(2, 2)),
+    (lambda x: x.conj().add_(1), lambda: torch.ones(3)),
+    (lambda x: x.conj().add_(1j), lambda: torch.ones(3, dtype=torch.complex64)),
+    (lambda x: x.resolve_conj().add_(1), lambda: torch.ones(3)),
+    (lambda x: torch.atleast_2d(x).add_(1), lambda: torch.ones(3)),
+    (lambda x: torch.atleast_3d(x)[0].add_(1), lambda: torch.ones(2, 2)),
+    (lambda x: x.cpu().mul_(2), lambda: torch.ones(3)),
+    (lambda x: x.view(torch.int32).add_(1), lambda: torch.ones(3)),
+], ids=["view_as_real", "view_as_complex", "conj-real", "conj-complex", "resolve_conj",
+        "atleast_2d", "atleast_3d", "cpu", "view-dtype"])
+def test_writes_through_every_kind_of_view_reach_the_input(write, make):
+    """Each of these returns a view of (or the very) input in eager; a write through it once
+    left the input unchanged (the view was not known as one), or failed in view_scatter."""
+    def fn(x):
+        write(x)
+        return x * 1
+
+    got, want = make(), make()
+    torch.testing.assert_close(fulmen.jit(fn)(got), fn(want))
+    torch.testing.assert_close(got, want)

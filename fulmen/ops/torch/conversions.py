@@ -107,6 +107,14 @@ cfloat = _conversion_method("cfloat", torch.complex64)
 cdouble = _conversion_method("cdouble", torch.complex128)
 
 
+@torch_op(T.cpu)
+def cpu(self: torch.Tensor, memory_format=torch.preserve_format) -> torch.Tensor:
+    """`self` itself on the CPU (as eager returns the same tensor); a move is opaque."""
+    if self.device.type != "cpu":
+        raise _unsupported("cpu", "moves between devices")
+    return _convert("cpu", self, self.dtype, memory_format)
+
+
 @torch_op(T.type_as)
 def type_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """`self` as `other`'s dtype (`self` itself if it already is); a device move is opaque."""
