@@ -89,3 +89,22 @@ def test_views_inside_a_region_match_eager():
     for actual, expected in zip(jfn(a, b), _views(a, b), strict=True):
         torch.testing.assert_close(actual, expected)
     assert _fused(jfn)
+
+
+def _special(a, b):
+    return (torch.maximum(a, b), torch.minimum(a, b), torch.sign(a), torch.sign(b),
+            torch.remainder(a, b), torch.fmod(a, b), torch.floor_divide(a, b), a.abs() * b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_special_values_on_either_side_match_eager(dtype):
+    """NaN as the first and as the second operand of maximum/minimum, signs of zeros, and
+    remainders of every sign combination (the prelude's helpers)."""
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([nan, 1.0, -0.0, 0.0, -2.5, 3.0, inf, -inf, 7.0, -7.0, 7.0, -7.0, 0.0])
+    b = torch.tensor([2.0, nan, 0.0, -0.0, 1.5, -4.0, 1.0, nan, 3.0, 3.0, -3.0, -3.0, 5.0])
+    a, b = a.repeat(3).to(dtype), b.repeat(3).to(dtype)
+    jfn = fulmen.jit(_special, executors=EXECUTORS)
+    for actual, expected in zip(jfn(a, b), _special(a, b), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    assert _fused(jfn)

@@ -195,7 +195,7 @@ MUTANTS: list[Mutant] = [
     Mutant("guard_grad_mode", "guards", "tracer/guards.py",
            "            _is_grad_enabled(),\n", "", GUARDS),
     Mutant("guard_training_flag", "guards", "tracer/guards.py",
-           "tuple([module.training for module in self.modules]) if self.modules else (),",
+           "tuple(map(_training, self.modules)) if self.modules else (),",
            "(),", MODULES),
     Mutant("guard_autocast_dtype", "guards", "tracer/guards.py",
            "_any_autocast() and autocast_key(),", "_any_autocast(),", AUTOCAST),
