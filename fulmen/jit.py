@@ -37,6 +37,7 @@ from fulmen.tracer.module_hooks import (
     add_wrapper_prefix,
     strip_wrapper_prefix,
 )
+from fulmen.tracer.module_stores import replay_module_stores
 from fulmen.tracer.objects import ARGUMENTS, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
@@ -74,6 +75,8 @@ class CacheEntry:
     # dimensions (by argument position) left out of the cache key
     shape_guard: Callable | None = None
     symbolic_dims: tuple = ()
+    # stores of Python constants the forward makes on its modules, replayed after each call
+    module_stores: tuple = ()
 
 
 @dataclass
@@ -201,6 +204,8 @@ class _Jitted:
         return self._finish(entry, out)
 
     def _finish(self, entry: CacheEntry, out):
+        if entry.module_stores:
+            replay_module_stores(entry.module_stores)
         if entry.output_spec is not None:
             out = pytree.tree_unflatten(list(out), entry.output_spec)
         if entry.grad_specs is not None:
@@ -286,6 +291,11 @@ class _Jitted:
                 "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
                 "while it runs; a compiled function would not repeat that on later calls",
                 op="torch.manual_seed", hint="seed outside the compiled function")
+        if program.module_stores and program.breaks:
+            raise NotYetSupportedError(
+                f"the forward stores {program.module_stores[0].key!r} on a module and has graph "
+                f"breaks ({program.breaks[0]}); the store may differ per path",
+                op="setattr", hint="keep the value outside the module, or avoid the break")
         return program
 
     def _compile(self, args: tuple, kwargs: dict, dynamic=None) -> CacheEntry:
@@ -309,6 +319,7 @@ class _Jitted:
                           mutated_inputs=program.mutated_inputs, objects=program.objects,
                           all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
                           offset_reads=program.offset_reads,
+                          module_stores=program.module_stores,
                           **self._shapes.entry_fields(program))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:

@@ -10,12 +10,11 @@ the trace; the cache key guards their values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +27,13 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
+from fulmen.tracer.module_stores import ModuleStore, module_stores
 from fulmen.tracer.objects import (
     ArgumentContainers,
     ObjectInputs,
     function_roots,
     has_argument_grad,
     is_plain_object,
-    restore,
-    snapshot,
-    unchanged,
     walk,
 )
 from fulmen.tracer.symbolic import SymbolicSizes
@@ -66,6 +63,8 @@ class TracedProgram:
         offset_reads: positions (as `tensor_positions`) of the arguments whose
             `storage_offset()` the program read; -1 when it read a parameter's or buffer's.
         symbolic: the symbolic sizes of the inputs traced with dynamic dimensions.
+        module_stores: the stores of Python constants the forward made on its modules, to
+            replay after each call (`fulmen.tracer.module_stores`).
     """
 
     trace: Trace
@@ -81,6 +80,7 @@ class TracedProgram:
     objects: ObjectInputs | None = None
     offset_reads: frozenset[int] = frozenset()
     symbolic: SymbolicSizes | None = None
+    module_stores: tuple[ModuleStore, ...] = ()
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -219,59 +219,6 @@ def state_slots(module: torch.nn.Module) -> list[StateSlot]:
                 seen.add(id(tensor))
                 slots.append(StateSlot(owner, key, f"{prefix}.{key}" if prefix else key))
     return slots
-
-
-def _holds_proxy(value: Any) -> bool:
-    if isinstance(value, TensorProxy):
-        return True
-    if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
-        return any(isinstance(item, TensorProxy) for _, item in walk(value))
-    return False
-
-
-@contextlib.contextmanager
-def refused_module_stores(module: torch.nn.Module) -> Iterator[None]:
-    """Refuse a traced forward that stores a traced tensor on a module (`self.mem = t`, a
-    buffer replaced, `self.cache["h"] = t`): a compiled call would not repeat the store. The
-    modules are put back as they were either way.
-
-    Raises:
-        NotYetSupportedError: naming the module attribute.
-    """
-    saved = []
-    for name, sub in module.named_modules():
-        attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
-        contents = {k: snapshot(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
-        saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        stored = None
-        for name, sub, attrs, contents, params, buffers in saved:
-            now = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
-            for key, value in [*now.items(), *sub._buffers.items(), *sub._parameters.items()]:
-                before = attrs.get(key, buffers.get(key, params.get(key)))
-                changed = value is not before or (
-                    key in contents and not unchanged(value, contents[key]))
-                if changed and stored is None and _holds_proxy(value):
-                    stored = f"{name + '.' if name else ''}{key}"
-            for key in set(now) - set(attrs):
-                delattr(sub, key)
-            vars(sub).update(attrs)
-            for key, value in contents.items():
-                restore(attrs[key], value)
-            sub._parameters.clear()
-            sub._parameters.update(params)
-            sub._buffers.clear()
-            sub._buffers.update(buffers)
-        if stored is not None and not failed:
-            raise NotYetSupportedError(
-                f"the forward stores a traced tensor in the module attribute {stored!r}; a "
-                "compiled call would not repeat that store", op="setattr",
-                hint="update a registered buffer in place (self.mem.copy_(...), "
-                "self.mem[...] = ...), or return the value and keep it outside the module")
 
 
 def _path_name(path, param_names: list[str]) -> str:
@@ -463,13 +410,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     # the traced code sees copies of the argument lists and dicts (rebuilt around the proxies):
     # a store into one is replayed or refused (NOTE [argument container stores])
     containers = ArgumentContainers((proxy_args, proxy_kwargs), (args, kwargs))
+    stores: list[ModuleStore] = []
     try:
         with tracing(ctx), FactoryMode(ctx):
             if module is not None:
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
                 ctx.state_proxies = state
-                with refused_module_stores(module), eager_fast_paths(module):
+                with module_stores(module) as stores, eager_fast_paths(module):
                     out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
@@ -513,4 +461,4 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          requires_grad_names=frozenset(ctx.requires_grad_names),
                          objects=objects if objects.roots or objects.epilogue else None,
                          offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
-                         symbolic=symbolic)
+                         symbolic=symbolic, module_stores=tuple(stores))

@@ -1,0 +1,154 @@
+"""Stores a traced forward makes on its modules (`self.calls += 1`, `self.mode = "b"`,
+`self.history.append(n)`).
+
+A compiled call runs no Python, so a store made by the forward would happen only while tracing.
+While tracing, every module is put back as it was afterwards, and each change is sorted:
+
+- a traced tensor stored (`self.mem = t`, a buffer replaced, `self.cache["h"] = t`) is refused:
+  its value differs per call;
+- a plain constant stored (numbers, strings, None, dtypes, tuples of them), or a module's plain
+  list or dict changed in place to hold only such constants, is replayed after every call of
+  the compiled program. The module attributes the forward reads are part of the cache key
+  (`fulmen.tracer.guards`), so a call served by the program starts from the same values and ends
+  at the same ones: a counter incremented per call compiles anew for each value, as
+  `self.training` does, and never gives a stale one;
+- anything else (another object stored, an attribute deleted, a symbolic size stored) is
+  refused, naming the attribute.
+
+The stores of a program with graph breaks differ per path; they are refused there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fulmen.core import NotYetSupportedError
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_MAX_DEPTH = 4
+
+
+def _constant(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is an immutable Python constant a program may store again as it is."""
+    if type(value) in _CONSTANT_TYPES:
+        return True
+    if type(value) in (tuple, frozenset, torch.Size) and depth < _MAX_DEPTH:
+        return all(_constant(item, depth + 1) for item in value)
+    return False
+
+
+def _constant_contents(value: Any, depth: int = 0) -> bool:
+    """Whether the list or dict `value` holds only constants (nested lists/dicts allowed)."""
+    if depth >= _MAX_DEPTH:
+        return False
+    if isinstance(value, dict) and type(value) is dict:
+        items = [*value.keys(), *value.values()]
+    elif type(value) is list:
+        items = value
+    else:
+        return _constant(value, depth)
+    return all(_constant(item, depth + 1) or _constant_contents(item, depth + 1)
+               for item in items)
+
+
+def _holds_proxy(value) -> bool:
+    if isinstance(value, TensorProxy):
+        return True
+    if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
+        return any(isinstance(item, TensorProxy) for _, item in walk(value))
+    return False
+
+
+@dataclass(frozen=True)
+class ModuleStore:
+    """One store to replay: `module.<key> = value`, or (`contents`) the list or dict held in
+    `module.<key>` given the contents `value` (a `fulmen.tracer.objects.snapshot`)."""
+
+    module: torch.nn.Module
+    key: str
+    value: Any
+    contents: bool = False
+
+    def replay(self) -> None:
+        attrs = vars(self.module)
+        if self.contents:
+            restore(attrs[self.key], self.value)
+        else:
+            attrs[self.key] = self.value
+
+
+def replay_module_stores(stores: tuple[ModuleStore, ...]) -> None:
+    """Apply a compiled program's module stores, in the order the forward made them."""
+    for store in stores:
+        store.replay()
+
+
+def _refuse(name: str, what: str) -> NotYetSupportedError:
+    return NotYetSupportedError(
+        f"the forward stores {what} in the module attribute {name!r}; a compiled call would not "
+        "repeat that store", op="setattr",
+        hint="update a registered buffer in place (self.mem.copy_(...), self.mem[...] = ...), "
+        "keep Python numbers, strings or tuples of them in module attributes, or return the "
+        "value and keep it outside the module")
+
+
+@contextlib.contextmanager
+def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
+    """Around a traced forward: put every module of `module` back as it was, and collect the
+    stores to replay after each compiled call (in the yielded list, filled on exit).
+
+    Raises:
+        NotYetSupportedError: a store that cannot be replayed, naming the module attribute.
+    """
+    saved = []
+    for name, sub in module.named_modules():
+        attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+        contents = {k: snapshot(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
+        saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
+    found: list[ModuleStore] = []
+    failed = True
+    try:
+        yield found
+        failed = False
+    finally:
+        refusal = None
+        for name, sub, attrs, contents, params, buffers in saved:
+            now = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+            for key, value in [*now.items(), *sub._buffers.items(), *sub._parameters.items()]:
+                before = attrs.get(key, buffers.get(key, params.get(key)))
+                in_place = key in contents and value is before and not unchanged(value,
+                                                                               contents[key])
+                if value is before and not in_place:
+                    continue
+                where = f"{name + '.' if name else ''}{key}"
+                if _holds_proxy(value):
+                    refusal = refusal or _refuse(where, "a traced tensor")
+                elif key in sub._buffers or key in sub._parameters:
+                    continue  # a real tensor (re)registered: as before, not replayed
+                elif in_place and _constant_contents(value):
+                    found.append(ModuleStore(sub, key, snapshot(value), contents=True))
+                elif not in_place and _constant(value):
+                    found.append(ModuleStore(sub, key, value))
+                else:
+                    refusal = refusal or _refuse(where, f"a {type(value).__name__}")
+            for key in set(attrs) - set(now):
+                where = f"{name + '.' if name else ''}{key}"
+                refusal = refusal or _refuse(where, "a deletion")
+            for key in set(now) - set(attrs):
+                delattr(sub, key)
+            vars(sub).update(attrs)
+            for key, value in contents.items():
+                restore(attrs[key], value)
+            sub._parameters.clear()
+            sub._parameters.update(params)
+            sub._buffers.clear()
+            sub._buffers.update(buffers)
+        if refusal is not None and not failed:
+            raise refusal

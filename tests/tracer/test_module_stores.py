@@ -1,0 +1,77 @@
+"""Stores a jitted forward makes on its modules (`fulmen.tracer.module_stores`): constants are
+replayed after every compiled call, as eager's forward makes them; the rest is refused."""
+
+import copy
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.core import NotYetSupportedError
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.calls = 0
+        self.history = []
+        self.mode = "first"
+
+    def forward(self, x):
+        self.calls += 1
+        self.history.append(self.calls)
+        self.last_shape = tuple(x.shape)
+        y = self.linear(x) * self.calls
+        if self.mode == "later":
+            y = y + 1
+        self.mode = "later"
+        return y
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Counting()
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_constants_stored_by_the_forward_are_stored_by_every_compiled_call():
+    """A call counter, a history list and a mode flag on a submodule: once silently reverted
+    after tracing, so every compiled call saw the first call's values."""
+    model = _Outer()
+    jmodel = fulmen.jit(copy.deepcopy(model))
+    for step in range(4):
+        x = torch.randn(2 + step % 2, 3)
+        torch.testing.assert_close(jmodel(x), model(x))
+        compiled, eager = jmodel._orig_mod.inner, model.inner
+        assert (compiled.calls, compiled.history, compiled.mode, compiled.last_shape) == \
+            (eager.calls, eager.history, eager.mode, eager.last_shape)
+
+
+class _StoresObject(torch.nn.Module):
+    def forward(self, x):
+        self.seen = object()
+        return x * 2
+
+
+class _StoresWithBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positive = None
+
+    def forward(self, x):
+        self.positive = bool(x.sum() > 0)
+        return x * 2
+
+
+@pytest.mark.parametrize("model, match", [
+    (_StoresObject(), "'seen'"),
+    (_StoresWithBreak(), "graph breaks"),
+])
+def test_stores_that_cannot_be_replayed_are_refused(model, match):
+    with pytest.raises(NotYetSupportedError, match=match):
+        fulmen.jit(model)(torch.randn(3))
+    assert not hasattr(model, "seen")  # tracing left the module as it was
