@@ -207,14 +207,15 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
     without it being an argument: the function's closure cells, the globals named by it and
     by the functions it may call (`_own_functions`), and the plain attributes of every module
     (`dropout.p`, `attn.scale`, `self.table`): scalars, tensors and small containers
-    (`source_key`). Their current keys are part of the cache key, so changing one retraces
+    (`source_key`), and plain objects by their attributes (`args.temperature` of a global
+    argparse namespace, a config dataclass: `object_source_key`). Their current keys are part of the cache key, so changing one retraces
     instead of reusing a stale constant or tensor."""
     sources: list[tuple[str, object]] = []
     code = getattr(fn, "__code__", None)
     if code is not None:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                if _is_source(cell.cell_contents):
+                if _is_source(cell.cell_contents) or is_plain_object(cell.cell_contents):
                     sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
             except ValueError:  # an empty cell
                 continue
@@ -225,7 +226,8 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             if (id(namespace), name) in seen or name.startswith("__"):
                 continue
             seen.add((id(namespace), name))
-            if name in namespace and _is_source(namespace[name]):
+            if name in namespace and (_is_source(namespace[name])
+                                      or is_plain_object(namespace[name])):
                 sources.append((name, functools.partial(namespace.get, name)))
     for module in modules:
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)

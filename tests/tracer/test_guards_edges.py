@@ -170,3 +170,39 @@ def test_a_config_object_held_by_a_module_is_guarded():
     torch.testing.assert_close(jmodel(x), model(x))
     config.scale, config.flag = 5.0, False
     torch.testing.assert_close(jmodel(x), model(x))
+
+
+ARGS = None  # a script's argparse namespace, set by the test
+
+
+def _scaled_by_global_config(x):
+    return x / ARGS.temperature * (2.0 if ARGS.double else 1.0)
+
+
+def test_a_config_object_read_from_a_global_or_a_closure_is_guarded():
+    """`args.temperature` of a global argparse namespace, a dataclass config in a closure:
+    changing an attribute after a call retraces (they were not keyed: stale results)."""
+    import argparse
+    import dataclasses
+
+    global ARGS
+    ARGS = argparse.Namespace(temperature=1.0, double=False)
+    jfn = fulmen.jit(_scaled_by_global_config)
+    x = torch.ones(2)
+    for temperature, double in ((1.0, False), (2.0, False), (2.0, True), (1.0, False)):
+        ARGS.temperature, ARGS.double = temperature, double
+        torch.testing.assert_close(jfn(x), _scaled_by_global_config(x))
+
+    @dataclasses.dataclass
+    class Config:
+        scale: float = 1.0
+
+    config = Config()
+
+    def closure(x):
+        return x * config.scale
+
+    jclosure = fulmen.jit(closure)
+    for scale in (1.0, 3.0, 1.0):
+        config.scale = scale
+        torch.testing.assert_close(jclosure(x), closure(x))
