@@ -6,8 +6,10 @@ While tracing, every module is put back as it was afterwards, and each change is
 
 - a traced tensor stored (`self.mem = t`, a buffer replaced, `self.cache["h"] = t`) is refused:
   its value differs per call;
-- a plain constant stored (numbers, strings, None, dtypes, tuples of them), or a module's plain
-  list or dict changed in place to hold only such constants, is replayed after every call of
+- a plain constant stored (numbers, strings, None, dtypes, tuples of them) on a module or on a
+  plain object a module holds (`self.config.count += 1`; such objects keep the stores made
+  while tracing), or a module's plain list or dict changed in place to hold only such
+  constants, is replayed after every call of
   the compiled program. The module attributes the forward reads are part of the cache key
   (`fulmen.tracer.guards`), so a call served by the program starts from the same values and ends
   at the same ones: a counter incremented per call compiles anew for each value, as
@@ -31,6 +33,7 @@ from fulmen.core import NotYetSupportedError
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
 
+_MISSING = object()
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _MAX_DEPTH = 4
 
@@ -68,8 +71,9 @@ def _holds_proxy(value) -> bool:
 
 @dataclass(frozen=True)
 class ModuleStore:
-    """One store to replay: `module.<key> = value`, or (`contents`) the list or dict held in
-    `module.<key>` given the contents `value` (a `fulmen.tracer.objects.snapshot`)."""
+    """One store to replay: `module.<key> = value` (`module` may also be a plain object a
+    module holds, such as its config), or (`contents`) the list or dict held in `module.<key>`
+    given the contents `value` (a `fulmen.tracer.objects.snapshot`)."""
 
     module: torch.nn.Module
     key: str
@@ -112,6 +116,11 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
         attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
         contents = {k: snapshot(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
         saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
+    held = {}  # plain objects the modules hold (a config): id -> (object, attributes, name)
+    for name, _, attrs, *_ in saved:
+        for key, value in attrs.items():
+            if is_plain_object(value) and id(value) not in held:
+                held[id(value)] = (value, dict(vars(value)), f"{name + '.' if name else ''}{key}")
     found: list[ModuleStore] = []
     failed = True
     try:
@@ -150,5 +159,13 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
             sub._parameters.update(params)
             sub._buffers.clear()
             sub._buffers.update(buffers)
+        for owner, before, where in held.values():  # `self.config.count += 1`
+            for key, value in vars(owner).items():
+                if value is before.get(key, _MISSING):
+                    continue
+                if _holds_proxy(value):
+                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor")
+                elif _constant(value):
+                    found.append(ModuleStore(owner, key, value))
         if refusal is not None and not failed:
             raise refusal

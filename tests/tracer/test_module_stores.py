@@ -2,6 +2,7 @@
 replayed after every compiled call, as eager's forward makes them; the rest is refused."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -75,3 +76,27 @@ def test_stores_that_cannot_be_replayed_are_refused(model, match):
     with pytest.raises(NotYetSupportedError, match=match):
         fulmen.jit(model)(torch.randn(3))
     assert not hasattr(model, "seen")  # tracing left the module as it was
+
+
+class _Toggling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(mode="a")
+        self.linear = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        y = self.linear(x) * (2.0 if self.config.mode == "a" else 3.0)
+        self.config.mode = "b" if self.config.mode == "a" else "a"
+        return y
+
+
+def test_a_store_into_a_config_object_is_repeated_on_cache_hits():
+    """The mode alternates: from the third call on, every call hits a compiled program; the
+    store into the module's config object must happen on those calls too."""
+    model = _Toggling()
+    jmodel = fulmen.jit(copy.deepcopy(model))
+    x = torch.ones(1, 2)
+    for _ in range(5):
+        torch.testing.assert_close(jmodel(x), model(x))
+        assert jmodel._orig_mod.config.mode == model.config.mode
+    assert fulmen.cache_misses(jmodel) == 2
