@@ -599,6 +599,7 @@ class JittedModule(torch.nn.Module):
         hooks = self._hooks
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
             self._jit._cache.clear()
+            self._jit._shapes.clear()  # the entries with symbolic sizes too
         if hooks.backward_hooked and torch.is_grad_enabled():
             raise NotYetSupportedError(
                 f"backward hooks (register_full_backward_hook) on {hooks.backward_hooked[0]!r} "

@@ -179,6 +179,11 @@ class DynamicDims:
         first = entry.shape_guard
         entry.shape_guard = lambda leaves: first(leaves) and other(leaves)
 
+    def clear(self) -> None:
+        """Drop every symbolic entry (hooks changed: each must be traced anew)."""
+        self.entries.clear()
+        self.by_key.clear()
+
     def add(self, entry, guard, args: tuple, kwargs: dict, state) -> None:
         """Store a symbolic entry under its key (sizes in its symbolic dims left out)."""
         key, _ = guard.key(args, kwargs, state, dict(entry.symbolic_dims))

@@ -159,7 +159,7 @@ class Context:
     fp16: bool = False  # float16 instead of bfloat16 for autocast and low-precision weights
     optimizer: str = "none"  # sgd | adamw: a jitted `optimizer.step` after each backward,
     #                          then an LR scheduler's step (StepLR halving the rate)
-    ddp: bool = False  # fulmen.jit(DDP(model)) must be refused; DDP(fulmen.jit(model)) runs
+    ddp: bool = False  # fulmen.jit(DDP(model)) (odd seeds) or DDP(fulmen.jit(model)) runs
     #                    (a single-process gloo group, find_unused_parameters)
     cache: str = "none"  # list | dynamic: a KV cache (plain list, or transformers.DynamicCache)
     #                      passed to every call and grown by the attention blocks

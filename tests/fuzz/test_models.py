@@ -11,8 +11,8 @@ run by every executor list: `["torch"]`, decomposed to prims, `["codegen", "torc
     autocast inside / fp32 island   _attn: Attn(autocast_inside); _mlp: Mlp(fp32_island)
     bf16/fp16 weights               cases(): Context(bf16_weights, fp16)
     custom autograd.Function        _custom: Custom("scale" | "ste" | "linear")
-    jit(DDP(model)) refused,        cases(): Context(ddp) - one-rank gloo group; the refusal
-      DDP(jit(model)) trains          and its hint checked, then DDP(fulmen.jit(model)) run
+    jit(DDP(model)) and             cases(): Context(ddp) - one-rank gloo group;
+      DDP(jit(model)) train           fulmen.jit(DDP(model)) for odd seeds, else DDP(jit)
     jitted optimizer step + LR      cases(): Context(optimizer="sgd" | "adamw"): fulmen.jit(
       scheduler                       optimizer.step), StepLR stepped after it
     KV cache between calls          cases(): Context(cache="dynamic"): transformers.

@@ -344,3 +344,22 @@ def test_a_meta_kernel_failing_on_symbolic_sizes_logs_nothing(caplog):
                                        model(ids, attention_mask=mask).logits)
     assert fulmen.cache_misses(jmodel) == 2
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
+
+
+def test_a_hook_added_after_a_symbolic_compile_retraces():
+    """A forward hook registered on a submodule after the module was compiled with symbolic
+    sizes: the hook check cleared the static entries only, so the symbolic one kept serving
+    calls without the hook (found by the model fuzzer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    jmodel = fulmen.jit(model)
+    for length in (3, 5):
+        x = torch.randn(length, 4)
+        torch.testing.assert_close(jmodel(x), model(x))
+    handle = model[0].register_forward_hook(lambda module, args, out: out * 0.5)
+    for length in (6, 7):
+        x = torch.randn(length, 4)
+        torch.testing.assert_close(jmodel(x), model(x))
+    handle.remove()
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(jmodel(x), model(x))
