@@ -144,6 +144,7 @@ def _is_inplace(func, args, kwargs) -> bool:
 
 
 _DETACH = (T.detach, torch.detach)
+_TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook})
 
 
 def _inside_reentrant_checkpoint() -> bool:
@@ -236,6 +237,13 @@ class TracerCtx(TraceCtx):
             )
         if func in BACKWARD_CALLS:
             raise backward_refusal(func)
+        if func in _TENSOR_HOOKS:
+            raise NotYetSupportedError(
+                "a tensor hook registered inside a compiled function: the traced tensors are "
+                "not the ones autograd sees at run time, so it would never fire",
+                op=_func_name(func), where=user_source_location(),
+                hint="register it outside the compiled function, on an input or parameter "
+                "(p.register_hook(...)) or on the compiled function's output")
         if func in _VALUE_DEPENDENT:
             if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
                 args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))

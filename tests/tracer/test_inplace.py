@@ -457,3 +457,14 @@ def test_a_write_through_a_view_traced_with_symbolic_sizes_warns_nothing(recwarn
         torch.testing.assert_close(jfn(got), fn(want))
         torch.testing.assert_close(got, want)
     assert not [w for w in recwarn if "data pointer" in str(w.message)], recwarn.list
+
+
+def test_a_tensor_hook_inside_is_refused_clearly():
+    def fn(x):
+        y = x * 2
+        y.register_hook(lambda grad: grad * 10)
+        return (y * y).sum()
+
+    with pytest.raises(NotYetSupportedError, match="never fire") as info:
+        fulmen.jit(fn)(torch.randn(3, requires_grad=True))
+    assert "register_hook" in str(info.value)
