@@ -19,16 +19,19 @@ import torch
 
 
 @functools.cache
+def _schema(name: str):
+    """The schema of the first overload of ATen op `name`, or None when ATen has no such op."""
+    packet = getattr(torch.ops.aten, name, None)
+    overloads = packet.overloads() if packet is not None else ()
+    return getattr(packet, overloads[0])._schema if overloads else None
+
+
 def written_arguments(name: str) -> tuple[tuple[int, str], ...] | None:
     """(position, name) of each argument the in-place ATen op `name` (e.g. `_fused_adam_`)
     writes, from its first overload's schema; None when ATen has no such op."""
-    packet = getattr(torch.ops.aten, name, None)
-    if packet is None:
+    schema = _schema(name)
+    if schema is None:
         return None
-    overloads = packet.overloads()
-    if not overloads:
-        return None
-    schema = getattr(packet, overloads[0])._schema
     return tuple((position, argument.name) for position, argument in enumerate(schema.arguments)
                  if argument.alias_info is not None and argument.alias_info.is_write)
 
@@ -40,6 +43,6 @@ def functional_variant(name: str):
 
 
 def returns_nothing(name: str) -> bool:
-    """Whether the in-place op `name` returns None in Python (its schema returns nothing)."""
-    packet = getattr(torch.ops.aten, name)
-    return not getattr(packet, packet.overloads()[0])._schema.returns
+    """Whether the in-place ATen op `name` returns None in Python (its schema returns
+    nothing)."""
+    return not _schema(name).returns

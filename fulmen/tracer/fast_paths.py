@@ -27,15 +27,16 @@ def _argument(args: tuple, kwargs: dict, position: int, name: str):
     return args[position] if len(args) > position else kwargs.get(name)
 
 
-def _takes_nested_path(encoder: torch.nn.TransformerEncoder, src, mask, padding) -> bool:
-    """Whether eager's `encoder.forward(src, mask, src_key_padding_mask=padding)` converts
-    `src` to a nested tensor (PyTorch 2.x's conditions, in its order; the left-alignment check
-    reads the mask's values, a graph break with a guard when traced)."""
+def _takes_nested_path(encoder: torch.nn.TransformerEncoder, src, mask, padded) -> bool:
+    """Whether eager's `encoder.forward(src, mask, src_key_padding_mask=...)` converts `src` to
+    a nested tensor, `padded` being the positions that mask pads (PyTorch 2.x's conditions, in
+    its order; the left-alignment check reads the mask's values, a graph break with a guard
+    when traced)."""
     first = encoder.layers[0]
     if not (torch.backends.mha.get_fastpath_enabled() and getattr(encoder, "use_nested_tensor",
                                                                   False)):
         return False
-    if first.training or src.dim() != 3 or padding is None or mask is not None:
+    if first.training or src.dim() != 3 or padded is None or mask is not None:
         return False
     if torch.is_autocast_enabled() or src.device.type not in _DEVICES:
         return False
@@ -48,8 +49,7 @@ def _takes_nested_path(encoder: torch.nn.TransformerEncoder, src, mask, padding)
                                        for t in (src, *weights)):
         return False
     if getattr(encoder, "mask_check", True):
-        return bool(torch._nested_tensor_from_mask_left_aligned(src, _padded(padding)
-                                                                 .logical_not()))
+        return bool(torch._nested_tensor_from_mask_left_aligned(src, padded.logical_not()))
     return True
 
 
@@ -62,13 +62,14 @@ def _zero_padded_positions(encoder, args, kwargs, output):
     src = _argument(args, kwargs, 0, "src")
     mask = _argument(args, kwargs, 1, "mask")
     padding = _argument(args, kwargs, 2, "src_key_padding_mask")
+    padded = _padded(padding) if padding is not None else None
     if not isinstance(output, torch.Tensor) or not _takes_nested_path(encoder, src, mask,
-                                                                       padding):
+                                                                       padded):
         return None
     filler = output.new_zeros(output.shape[-1])
     if encoder.norm is not None:
         filler = encoder.norm(filler)
-    return torch.where(_padded(padding).unsqueeze(-1), filler, output)
+    return torch.where(padded.unsqueeze(-1), filler, output)
 
 
 @contextlib.contextmanager

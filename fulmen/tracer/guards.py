@@ -130,6 +130,12 @@ def _is_source(value: Any) -> bool:
     return isinstance(value, (*_SCALARS, Tensor)) or type(value) in _CONTAINERS
 
 
+def _is_keyed(value: Any) -> bool:
+    """Whether a value read from a closure cell, a global or a module attribute is part of the
+    cache key: a source (`source_key`) or a plain object (`object_source_key`)."""
+    return _is_source(value) or is_plain_object(value)
+
+
 def source_key(value: Any) -> Any:
     """The key of a value read from a global, a closure cell or a module attribute: scalars by
     value; tensors by identity (the program captured that tensor object: its in-place updates
@@ -208,14 +214,15 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
     by the functions it may call (`_own_functions`), and the plain attributes of every module
     (`dropout.p`, `attn.scale`, `self.table`): scalars, tensors and small containers
     (`source_key`), and plain objects by their attributes (`args.temperature` of a global
-    argparse namespace, a config dataclass: `object_source_key`). Their current keys are part of the cache key, so changing one retraces
-    instead of reusing a stale constant or tensor."""
+    argparse namespace, a config dataclass: `object_source_key`). Their current keys are part
+    of the cache key, so changing one retraces instead of reusing a stale constant or
+    tensor."""
     sources: list[tuple[str, object]] = []
     code = getattr(fn, "__code__", None)
     if code is not None:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                if _is_source(cell.cell_contents) or is_plain_object(cell.cell_contents):
+                if _is_keyed(cell.cell_contents):
                     sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
             except ValueError:  # an empty cell
                 continue
@@ -226,12 +233,11 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             if (id(namespace), name) in seen or name.startswith("__"):
                 continue
             seen.add((id(namespace), name))
-            if name in namespace and (_is_source(namespace[name])
-                                      or is_plain_object(namespace[name])):
+            if name in namespace and _is_keyed(namespace[name]):
                 sources.append((name, functools.partial(namespace.get, name)))
     for module in modules:
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
-            if (_is_source(value) or is_plain_object(value)) and attr != "training" \
+            if _is_keyed(value) and attr != "training" \
                     and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))

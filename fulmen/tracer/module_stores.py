@@ -94,6 +94,11 @@ def replay_module_stores(stores: tuple[ModuleStore, ...]) -> None:
         store.replay()
 
 
+def _qualified(module_name: str, key: str) -> str:
+    """`inner.calls`: the attribute `key` of the submodule named `module_name`."""
+    return f"{module_name}.{key}" if module_name else key
+
+
 def _refuse(name: str, what: str) -> NotYetSupportedError:
     return NotYetSupportedError(
         f"the forward stores {what} in the module attribute {name!r}; a compiled call would not "
@@ -120,7 +125,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
     for name, _, attrs, *_ in saved:
         for key, value in attrs.items():
             if is_plain_object(value) and id(value) not in held:
-                held[id(value)] = (value, dict(vars(value)), f"{name + '.' if name else ''}{key}")
+                held[id(value)] = (value, snapshot(value), _qualified(name, key))
     found: list[ModuleStore] = []
     failed = True
     try:
@@ -136,7 +141,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                                                                                contents[key])
                 if value is before and not in_place:
                     continue
-                where = f"{name + '.' if name else ''}{key}"
+                where = _qualified(name, key)
                 if _holds_proxy(value):
                     refusal = refusal or _refuse(where, "a traced tensor")
                 elif key in sub._buffers or key in sub._parameters:
@@ -148,8 +153,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                 else:
                     refusal = refusal or _refuse(where, f"a {type(value).__name__}")
             for key in set(attrs) - set(now):
-                where = f"{name + '.' if name else ''}{key}"
-                refusal = refusal or _refuse(where, "a deletion")
+                refusal = refusal or _refuse(_qualified(name, key), "a deletion")
             for key in set(now) - set(attrs):
                 delattr(sub, key)
             vars(sub).update(attrs)
