@@ -38,7 +38,7 @@ from fulmen.tracer.module_hooks import (
     strip_wrapper_prefix,
 )
 from fulmen.tracer.module_stores import replay_module_stores
-from fulmen.tracer.objects import ARGUMENTS, ObjectInputs, path_text
+from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
     _path_name,
@@ -127,6 +127,7 @@ class _Jitted:
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
         self._warned: set[str] = set()  # the eager-fallback warnings given
         self._running_eagerly = False
+        self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize
         self._grad_argnums = grad_argnums
         self._module = module
@@ -162,7 +163,8 @@ class _Jitted:
                 if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
                 entry = self._compile_call(args, kwargs, leaves)
-                if self._guard.guard_offsets(entry.offset_reads):  # key them from now on
+                # offsets the program read, attributes it wrote: keyed from now on
+                if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
                 if entry.shape_guard is not None:
                     self._shapes.add(entry, self._guard, args, kwargs, state)
@@ -200,7 +202,10 @@ class _Jitted:
         if objects is not None and objects.epilogue:
             out_leaves, extras = out
             out = list(out_leaves)
-            objects.epilogue.run(out, extras, {**roots, ARGUMENTS: (args, kwargs)})
+            objects.epilogue.run(out, extras, {**roots, ARGUMENTS: (args, kwargs),
+                                                MODULE: self._module})
+            if objects.epilogue.replaces_buffers and self.after_buffer_stores is not None:
+                self.after_buffer_stores()
         return self._finish(entry, out)
 
     def _finish(self, entry: CacheEntry, out):
@@ -296,6 +301,7 @@ class _Jitted:
                 f"the forward stores {program.module_stores[0].key!r} on a module and has graph "
                 f"breaks ({program.breaks[0]}); the store may differ per path",
                 op="setattr", hint="keep the value outside the module, or avoid the break")
+        self._guard.note_module_writes(program.module_writes, program.captured)
         return program
 
     def _compile(self, args: tuple, kwargs: dict, dynamic=None) -> CacheEntry:
@@ -577,6 +583,15 @@ class JittedModule(torch.nn.Module):
         self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
         self._hooks = HookWatch(self._orig_mod)
         self._structure = StructureWatch(self._orig_mod)
+        self._jit.after_buffer_stores = self._accept_buffer_stores
+
+    def _accept_buffer_stores(self) -> None:
+        """A compiled call replaced buffers (`self.mem = torch.cat(...)` in the forward): not a
+        change of the module's structure, unless a replaced buffer was tied to another one
+        (then the next call compiles anew)."""
+        layout = [(id(slot.owner), slot.key) for slot in state_slots(self._orig_mod)]
+        if layout == [(id(slot.owner), slot.key) for slot in self._jit._state_slots]:
+            self._structure = StructureWatch(self._orig_mod)
 
     forward = _ForwardDescriptor()
 

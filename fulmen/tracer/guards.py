@@ -157,6 +157,29 @@ def source_key(value: Any) -> Any:
     return _leaf_key(value)
 
 
+def _written_key(value: Any) -> Any:
+    """The key of a module attribute that compiled programs store traced tensors into and never
+    read as a tensor (`self.aux_loss = loss`): tensors by metadata, not identity (each call
+    stores a new one), so Python that reads `self.aux_loss is None` or its shape is still
+    guarded; containers one level deep."""
+    if isinstance(value, Tensor):
+        return ("tensor", _tensor_key(value))
+    if type(value) in _CONTAINERS and len(value) <= _MAX_ITEMS:
+        items = value.items() if type(value) is dict else enumerate(value)
+        return (type(value), tuple([(k, ("tensor", _tensor_key(v)) if isinstance(v, Tensor)
+                                     else _item_key(v)) for k, v in items]))
+    return source_key(value)
+
+
+def _tensors_in(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if type(value) in _CONTAINERS:
+        return [v for v in (value.values() if type(value) is dict else value)
+                if isinstance(v, Tensor)]
+    return []
+
+
 _MAX_ATTRIBUTES = 512
 
 
@@ -260,6 +283,15 @@ class CacheKeyBuilder:
         self._object_types = [type(value) if is_plain_object(value) else None
                               for value in (read() for _, read in self.scalar_sources)]
         self._sources_memo = KeyMemo()
+        # module attributes among the sources: (id(module), name) -> source index; those that
+        # programs store traced tensors into and never read as tensors are `written`
+        # (`_written_key`), those a program read are never written again
+        self._attributes = {(id(read.args[0]), read.args[1]): index for index, (_, read)
+                            in enumerate(self.scalar_sources)
+                            if isinstance(getattr(read, "args", (None,))[0], torch.nn.Module)}
+        self.written: frozenset[int] = frozenset()
+        self._read: set[int] = set()
+        self._stale = False  # `written` changed since `take_stale`
         self._state_memo = TensorKeyMemo(_tensor_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
@@ -278,6 +310,28 @@ class CacheKeyBuilder:
             return False
         self.offset_positions |= positions
         return True
+
+    def note_module_writes(self, writes: frozenset, captured: tuple) -> None:
+        """After a trace: `writes` are the `(id(module), attribute)` it stored traced tensors
+        into, `captured` the real tensors it read. When that changes the keying (the written
+        attributes), keys computed before are stale (`take_stale`)."""
+        if not self._attributes:
+            return
+        ids = {id(t) for t in captured}
+        for index, (_, read) in enumerate(self.scalar_sources):
+            if ids and any(id(t) in ids for t in _tensors_in(read())):
+                self._read.add(index)
+        written = frozenset({*self.written, *[self._attributes[w] for w in writes
+                                              if w in self._attributes]} - self._read)
+        if written != self.written:
+            self.written = written
+            self._sources_memo = KeyMemo()
+            self._stale = True
+
+    def take_stale(self) -> bool:
+        """Whether keys computed before the last trace are stale (`note_module_writes`)."""
+        stale, self._stale = self._stale, False
+        return stale
 
     def global_key(self) -> tuple:
         """Grad mode, default dtype, autocast state, module training flags, and the Python
@@ -298,9 +352,14 @@ class CacheKeyBuilder:
             return memo
         keys, objects = [], {}  # a config object many modules hold is keyed once
         snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
-        for value, object_type in zip(values, self._object_types):
+        written = self.written
+        for index, (value, object_type) in enumerate(zip(values, self._object_types)):
             kind = type(value)
-            if kind in _EXACT_SCALARS:
+            if written and index in written:
+                keys.append(_written_key(value))
+                if kind in _CONTAINERS and snapshots is not None:
+                    snapshots.append(holder_snapshot(value))
+            elif kind in _EXACT_SCALARS:
                 keys.append((kind, value))
             elif kind is object_type:  # (isinstance on an HF config is slow: type is exact)
                 key = objects.get(id(value))

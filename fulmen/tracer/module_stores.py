@@ -4,8 +4,12 @@
 A compiled call runs no Python, so a store made by the forward would happen only while tracing.
 While tracing, every module is put back as it was afterwards, and each change is sorted:
 
-- a traced tensor stored (`self.mem = t`, a buffer replaced, `self.cache["h"] = t`) is refused:
-  its value differs per call;
+- a traced tensor stored on a module (`self.aux_loss = loss`, a buffer replaced:
+  `self.mem = torch.cat([self.mem, h])`), or a new tuple or list of traced tensors and
+  constants (`self.kv = (k, v)`, a dict too), is `traced`: the trace returns the tensors and the compiled
+  program stores the call's real ones (an epilogue store, `fulmen.tracer.objects`), so autograd
+  reaches them as in eager. A traced tensor put into a module's list or dict in place
+  (`self.cache["h"] = t`, `self.maps.append(t)`) is refused;
 - a plain constant stored (numbers, strings, None, dtypes, tuples of them) on a module or on a
   plain object a module holds (`self.config.count += 1`; such objects keep the stores made
   while tracing), or a module's plain list or dict changed in place to hold only such
@@ -61,6 +65,17 @@ def _constant_contents(value: Any, depth: int = 0) -> bool:
                for item in items)
 
 
+def _traced_value(value: Any) -> bool:
+    """Whether `value` is a traced tensor, or a new tuple, list or dict of traced tensors and
+    constants, that a store can take from the trace's outputs."""
+    if isinstance(value, TensorProxy):
+        return True
+    if type(value) is dict:
+        value = [*value.keys(), *value.values()]
+    return type(value) in (tuple, list) and all(
+        isinstance(item, TensorProxy) or _constant(item) for item in value)
+
+
 def _holds_proxy(value) -> bool:
     if isinstance(value, TensorProxy):
         return True
@@ -79,6 +94,8 @@ class ModuleStore:
     key: str
     value: Any
     contents: bool = False
+    traced: bool = False  # `value` holds proxies: stored by the epilogue, not by `replay`
+    path: tuple = ()  # `fulmen.tracer.objects.follow` steps from the jitted module to `module`
 
     def replay(self) -> None:
         attrs = vars(self.module)
@@ -103,9 +120,9 @@ def _refuse(name: str, what: str) -> NotYetSupportedError:
     return NotYetSupportedError(
         f"the forward stores {what} in the module attribute {name!r}; a compiled call would not "
         "repeat that store", op="setattr",
-        hint="update a registered buffer in place (self.mem.copy_(...), self.mem[...] = ...), "
-        "keep Python numbers, strings or tuples of them in module attributes, or return the "
-        "value and keep it outside the module")
+        hint="assign a new value instead (self.mem = t, self.kv = (k, v)), keep Python numbers, "
+        "strings or tuples of them in module attributes, or return the value and keep it "
+        "outside the module")
 
 
 @contextlib.contextmanager
@@ -142,8 +159,11 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                 if value is before and not in_place:
                     continue
                 where = _qualified(name, key)
-                if _holds_proxy(value):
-                    refusal = refusal or _refuse(where, "a traced tensor")
+                if _holds_proxy(value) and not in_place and _traced_value(value):
+                    steps = tuple(("attr", part) for part in name.split(".")) if name else ()
+                    found.append(ModuleStore(sub, key, value, traced=True, path=steps))
+                elif _holds_proxy(value):
+                    refusal = refusal or _refuse(where, "a traced tensor inside a list or dict")
                 elif key in sub._buffers or key in sub._parameters:
                     continue  # a real tensor (re)registered: as before, not replayed
                 elif in_place and _constant_contents(value):

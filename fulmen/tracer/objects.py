@@ -44,6 +44,7 @@ _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.Method
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
 _MAX_DEPTH = 6
 ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
+MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
 _MAX_SLOTS = 4096
 
 
@@ -205,7 +206,8 @@ class Epilogue:
     `existing`: id of each object that existed before the traced call -> `(root, path)`;
     `arguments`: id of each argument tensor and container (as traced) -> its path in the
     call's `(args, kwargs)` (`ArgumentContainers`), and `keep` the objects these ids belong to,
-    so the ids stay theirs.
+    so the ids stay theirs. `replaces_buffers`: a store replaces a buffer of the jitted module
+    (`fulmen.tracer.module_stores`).
     """
 
     stores: list = field(default_factory=list)
@@ -214,6 +216,7 @@ class Epilogue:
     existing: dict = field(default_factory=dict)
     arguments: dict = field(default_factory=dict)
     keep: list = field(default_factory=list)
+    replaces_buffers: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.outputs)

@@ -29,6 +29,7 @@ from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.module_stores import ModuleStore, module_stores
 from fulmen.tracer.objects import (
+    MODULE,
     ArgumentContainers,
     ObjectInputs,
     function_roots,
@@ -65,6 +66,8 @@ class TracedProgram:
         symbolic: the symbolic sizes of the inputs traced with dynamic dimensions.
         module_stores: the stores of Python constants the forward made on its modules, to
             replay after each call (`fulmen.tracer.module_stores`).
+        module_writes: `(id(module), attribute)` of each traced tensor the forward stored on a
+            module (an epilogue store of `objects`).
     """
 
     trace: Trace
@@ -81,6 +84,7 @@ class TracedProgram:
     offset_reads: frozenset[int] = frozenset()
     symbolic: SymbolicSizes | None = None
     module_stores: tuple[ModuleStore, ...] = ()
+    module_writes: frozenset[tuple[int, str]] = frozenset()
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -309,6 +313,27 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     return list(found.values())
 
 
+def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs,
+                   ctx: TracerCtx) -> list[ModuleStore]:
+    """Make the module stores of traced tensors epilogue stores of `objects` (the trace returns
+    their tensors); return the other stores.
+
+    Raises:
+        NotYetSupportedError: a traced store in a program with graph breaks (it may differ per
+            path).
+    """
+    traced = [store for store in stores if store.traced]
+    if traced and ctx.breaks is not None and ctx.breaks.breaks:
+        raise NotYetSupportedError(
+            f"the forward stores a traced tensor in the module attribute {traced[0].key!r} and "
+            f"has graph breaks ({ctx.breaks.breaks[0]}); the store may differ per path",
+            op="setattr", hint="return the value instead, or avoid the break")
+    for store in traced:
+        objects.epilogue.stores.append((MODULE, store.path, ("attr", store.key), store.value))
+        objects.epilogue.replaces_buffers |= store.key in store.module._buffers
+    return [store for store in stores if not store.traced]
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
                   allow_breaks: bool = False, dynamic: dict | None = None,
@@ -411,6 +436,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     # a store into one is replayed or refused (NOTE [argument container stores])
     containers = ArgumentContainers((proxy_args, proxy_kwargs), (args, kwargs))
     stores: list[ModuleStore] = []
+    writes: set[tuple[int, str]] = set()
     try:
         with tracing(ctx), FactoryMode(ctx):
             if module is not None:
@@ -421,6 +447,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                     out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
+            writes = {(id(store.module), store.key) for store in stores if store.traced}
+            stores = _traced_stores(stores, objects, ctx)
             out_leaves, out_spec = _flatten_output(out)
             out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                           and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
@@ -461,4 +489,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          requires_grad_names=frozenset(ctx.requires_grad_names),
                          objects=objects if objects.roots or objects.epilogue else None,
                          offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
-                         symbolic=symbolic, module_stores=tuple(stores))
+                         symbolic=symbolic, module_stores=tuple(stores),
+                         module_writes=frozenset(writes))

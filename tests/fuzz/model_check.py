@@ -77,10 +77,11 @@ def run_eager(case: Case) -> list:
 
 
 def _refusals(case: Case) -> str | None:
-    """The documented refusal the case must meet (a message fragment), if any."""
+    """The documented refusal the case may meet (a message fragment), if any: a buffer
+    replaced by the forward (`Memory`) is replayed, but not in a program with graph breaks."""
     blocks = getattr(case.model, "blocks", ()) + getattr(case.model, "extra", ())
     if any(isinstance(b, Memory) for b in blocks):
-        return "stores a traced tensor in the module attribute"
+        return "and has graph breaks"
     return None
 
 
@@ -107,8 +108,8 @@ def run_reference(case: Case) -> list:
 def check_case(case: Case, executors="torch") -> None:
     """Run `case` eagerly and through fulmen.jit (`executors`: a name of `CONFIGS` or an
     executor list); raise `Mismatch` where outputs, buffers, KV caches, gradients or optimizer
-    updates disagree beyond the tight tolerance and the float64 rule, or where fulmen does not
-    refuse what it documents refusing."""
+    updates disagree beyond the tight tolerance and the float64 rule, or where fulmen raises
+    anything but a refusal it documents."""
     try:
         expected = run_eager(case)
     except Exception as error:  # noqa: BLE001
@@ -122,8 +123,6 @@ def check_case(case: Case, executors="torch") -> None:
         if refusal is not None and refusal in str(error):
             return
         raise Mismatch(f"error: {type(error).__name__}", str(error)[:2000]) from error
-    if refusal is not None:
-        raise Mismatch("refusal", f"expected fulmen to refuse: {refusal}")
     if [w for w, _ in actual] != [w for w, _ in expected]:
         raise Mismatch("structure", f"{[w for w, _ in actual]} vs {[w for w, _ in expected]}")
     reference = None

@@ -29,7 +29,7 @@ run by every executor list: `["torch"]`, decomposed to prims, `["codegen", "torc
                                       hook/grad_hook)
     masks, branches, early exits    _attn: mask_if (value-dependent `if`), SeqModel(early_exit),
                                       Mlp(unpad) and Moe (data-dependent shapes)
-    stores refused as documented    seq_models(): Memory() (a tensor stored on the module)
+    traced stores on a module       seq_models(): Memory() (a buffer replaced each call)
 
 A failure is shrunk by hypothesis, then by `minimize` (drops calls, blocks, contexts and flags
 while the failure keeps its kind), then its first call's trace by statement deletion

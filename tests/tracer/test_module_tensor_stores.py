@@ -1,0 +1,141 @@
+"""Traced tensors a forward stores on its modules (`self.aux_loss = loss`, a buffer replaced,
+`self.kv = (k, v)`): every compiled call stores its own values, and gradients reach them
+(`fulmen.tracer.module_stores`)."""
+
+import copy
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.core import NotYetSupportedError
+
+
+class _Expert(torch.nn.Module):
+    """A switch-style MoE layer that leaves its load-balancing loss on itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(4, 2)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.aux_loss = None
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum() * 2
+        return sum(p.unsqueeze(-1) * e(x) for p, e in zip(probs.unbind(-1), self.experts))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Expert() for _ in range(2))
+        self.register_buffer("memory", torch.zeros(0, 4))
+        self.kv = None
+        self.last = None
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        summary = x.detach().mean(0, keepdim=True)
+        self.memory = torch.cat([self.memory, summary])[-3:]  # a buffer replaced, growing
+        self.kv = (x[:1], x.shape[0], "kv")
+        self.last = {"out": x.detach()}
+        return x + self.memory.mean(0)
+
+
+def _step(model, x):
+    out = model(x)
+    aux = sum(layer.aux_loss for layer in model.layers)
+    loss = out.square().mean() + aux
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return out.detach(), aux.detach(), model.memory.clone(), model.kv[0].detach(), model.kv[1:], \
+        model.last["out"], grads
+
+
+def test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients():
+    torch.manual_seed(0)
+    eager = _Net()
+    compiled_model = copy.deepcopy(eager)
+    jitted = fulmen.jit(compiled_model)
+    for step in range(5):
+        x = torch.randn(3 + step % 2, 4)
+        want = _step(eager, x)
+        got = _step(jitted, x)
+        assert got[4] == want[4] == (x.shape[0], "kv")
+        torch.testing.assert_close(got[:4] + got[5:], want[:4] + want[5:])
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+    # the stored tensors are keyed by their metadata, not identity: once the buffer stops
+    # growing, calls hit the cache
+    for call in range(6):
+        if call == 2:  # (the int stored in `kv` is the previous call's batch: keyed)
+            compiles = fulmen.compile_stats(jitted).cache_misses
+        torch.testing.assert_close(_step(jitted, x)[0], _step(eager, x)[0])
+    assert fulmen.compile_stats(jitted).cache_misses == compiles
+
+
+class _ReadsLater(torch.nn.Module):
+    """Stores a tensor every call; reads it back only once `self.read` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = False
+        self.saved = None
+
+    def forward(self, x):
+        out = x + self.saved if self.read else x * 2
+        self.saved = x * 3
+        return out
+
+
+def test_an_attribute_read_after_calls_that_only_wrote_it_is_the_stored_one():
+    eager, model = _ReadsLater(), _ReadsLater()
+    jitted = fulmen.jit(model)
+    for step in range(6):
+        eager.read = model.read = step >= 2
+        x = torch.full((2,), float(step))
+        torch.testing.assert_close(jitted(x), eager(x))
+        torch.testing.assert_close(model.saved, eager.saved)
+
+
+class _Recurrent(torch.nn.Module):
+    """Reads the state it stored on the previous call."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Linear(4, 4)
+        self.h = torch.zeros(4)
+
+    def forward(self, x):
+        self.h = torch.tanh(self.cell(x) + self.h)
+        return self.h * 2
+
+
+def test_a_state_read_back_on_the_next_call_is_the_stored_one():
+    torch.manual_seed(0)
+    eager = _Recurrent()
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4)
+            torch.testing.assert_close(jitted(x), eager(x))
+            torch.testing.assert_close(jitted.h, eager.h)
+
+
+class _StoresInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.maps = []
+
+    def forward(self, x):
+        self.maps.append(x * 2)
+        return x + 1
+
+
+def test_a_traced_tensor_put_into_a_module_list_is_refused():
+    model = _StoresInPlace()
+    with pytest.raises(NotYetSupportedError, match="inside a list or dict in the module attribute 'maps'"):
+        fulmen.jit(model)(torch.ones(2))
+    assert model.maps == []
