@@ -37,7 +37,7 @@ from fulmen.tracer.module_hooks import (
     add_wrapper_prefix,
     strip_wrapper_prefix,
 )
-from fulmen.tracer.module_stores import replay_module_stores
+from fulmen.tracer.module_stores import make_module_stores, replay_module_stores
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.tracer import (
@@ -162,7 +162,11 @@ class _Jitted:
                 reasons = self._explain_miss(args, kwargs)
                 if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
-                entry = self._compile_call(args, kwargs, leaves)
+                try:
+                    entry = self._compile_call(args, kwargs, leaves)
+                except StoresDifferPerPath as error:
+                    return self._run_eagerly(args, kwargs, "stores", (
+                        f"fulmen: {error}; calls that compile anew run eagerly"))
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -274,9 +278,21 @@ class _Jitted:
         path = pytree.tree_flatten_with_path((args, kwargs))[0][position][0]
         return _path_name(path, _positional_names(target)) + path_text(steps)
 
-    def _trace(self, args: tuple, kwargs: dict, dynamic=None):
+    def _trace(self, args: tuple, kwargs: dict, dynamic=None, settle: bool = False):
         """Trace one call (graph breaks allowed unless `fullgraph` or functional autodiff);
-        `dynamic` maps argument positions to the dimensions given symbolic sizes."""
+        `dynamic` maps argument positions to the dimensions given symbolic sizes.
+
+        A program with graph breaks that stores constants on its modules may store different
+        ones per path. With `settle` (a call that compiles a new cache entry), the stores are
+        made and the call traced again: a lazy initialisation (HF's
+        `_output_capturing_hooks_installed`) then stores nothing, the stores count as this
+        call's, and the stored attributes are keyed from then on, so the entry serves only
+        calls that start from these values; a path that stores is never grafted onto it.
+
+        Raises:
+            StoresDifferPerPath: the program (after settling) stores on its modules and has
+                graph breaks.
+        """
         rng_state = torch.random.get_rng_state()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
@@ -296,16 +312,27 @@ class _Jitted:
                 "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
                 "while it runs; a compiled function would not repeat that on later calls",
                 op="torch.manual_seed", hint="seed outside the compiled function")
+        self._guard.note_module_writes(program.module_writes, program.captured)
+        if program.module_stores and program.breaks and settle:
+            undo = make_module_stores(program.module_stores)
+            torch.random.set_rng_state(rng_state)
+            try:
+                settled = self._trace(args, kwargs, dynamic)
+            except BaseException:
+                undo()
+                raise
+            self._guard.watch_attributes([(store.module, store.key)
+                                          for store in program.module_stores])
+            return settled
         if program.module_stores and program.breaks:
-            raise NotYetSupportedError(
+            raise StoresDifferPerPath(
                 f"the forward stores {program.module_stores[0].key!r} on a module and has graph "
                 f"breaks ({program.breaks[0]}); the store may differ per path",
                 op="setattr", hint="keep the value outside the module, or avoid the break")
-        self._guard.note_module_writes(program.module_writes, program.captured)
         return program
 
     def _compile(self, args: tuple, kwargs: dict, dynamic=None) -> CacheEntry:
-        program = self._trace(args, kwargs, dynamic)
+        program = self._trace(args, kwargs, dynamic, settle=True)
         if program.breaks:
             entry = self._compile_tree(program, args, kwargs)
             for name, value in self._shapes.entry_fields(program).items():
@@ -394,7 +421,14 @@ class _Jitted:
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
                 with _TRACING:
-                    program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
+                    try:
+                        program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
+                    except StoresDifferPerPath:  # the stores this path makes run eagerly
+                        torch.random.set_rng_state(rng_state)
+                        return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (
+                            f"fulmen: the graph break {miss.node.reason} answered "
+                            f"{miss.answer!r} on a path that stores on the module; such "
+                            "calls run eagerly")))
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
                     self._shapes.graft(entry, program)
@@ -419,6 +453,10 @@ class _Jitted:
                 return target(*args, **kwargs)
             finally:
                 self._running_eagerly = False
+
+
+class StoresDifferPerPath(NotYetSupportedError):
+    """A program with graph breaks stores on its modules: each path may store differently."""
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ def _is_inplace(func, args, kwargs) -> bool:
 
 
 _DETACH = (T.detach, torch.detach)
+_REQUIRES_GRAD_ = T.requires_grad_
 _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook})
 
 
@@ -434,6 +435,10 @@ class TracerCtx(TraceCtx):
                     where=user_source_location(),
                     hint="call the compiled function with grad enabled")
             self.requires_grad_names.update(p.name for p in floating)
+            with torch._C.DisableTorchFunctionSubclass():  # `y.requires_grad` answers as eager
+                for p in floating:
+                    if not p.requires_grad:
+                        _REQUIRES_GRAD_(p)
             return out
         if not self.differentiable or not floating:
             return out

@@ -328,6 +328,18 @@ class CacheKeyBuilder:
             self._sources_memo = KeyMemo()
             self._stale = True
 
+    def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
+        """Key the module attributes `(module, name)` from now on (ones a call stored, which
+        may not have existed when the key was set up); keys computed before are stale."""
+        for module, name in pairs:
+            if (id(module), name) not in self._attributes:
+                self._attributes[(id(module), name)] = len(self.scalar_sources)
+                self.scalar_sources.append((f"{type(module).__name__}.{name}",
+                                            functools.partial(getattr, module, name, None)))
+                self._object_types.append(None)
+        self._sources_memo = KeyMemo()
+        self._stale = True
+
     def take_stale(self) -> bool:
         """Whether keys computed before the last trace are stale (`note_module_writes`)."""
         stale, self._stale = self._stale, False

@@ -18,6 +18,8 @@ While tracing, every module is put back as it was afterwards, and each change is
   (`fulmen.tracer.guards`), so a call served by the program starts from the same values and ends
   at the same ones: a counter incremented per call compiles anew for each value, as
   `self.training` does, and never gives a stale one;
+- hooks registered on a module are kept, as in eager (HF registers its output-capturing
+  hooks in the first forward that asks for hidden states; the jitted module then retraces);
 - anything else (another object stored, an attribute deleted, a symbolic size stored) is
   refused, naming the attribute.
 
@@ -27,7 +29,7 @@ The stores of a program with graph breaks differ per path; they are refused ther
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,11 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
 
 _MISSING = object()
+# hooks a forward registers on its modules (HF installs its output-capturing hooks lazily, in the
+# first forward asked for hidden states) stay, as in eager: the jitted module's hook check
+# (`fulmen.tracer.module_hooks.HookWatch`) then retraces with them
+_HOOK_ATTRIBUTES = frozenset(name for name in vars(torch.nn.Module()) if "hook" in name)
+_NOT_STORES = frozenset(["_parameters", "_buffers", *_HOOK_ATTRIBUTES])
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _MAX_DEPTH = 4
 
@@ -111,6 +118,27 @@ def replay_module_stores(stores: tuple[ModuleStore, ...]) -> None:
         store.replay()
 
 
+def make_module_stores(stores: tuple[ModuleStore, ...]) -> Callable[[], None]:
+    """Make `stores` (as `replay_module_stores`); return a function that undoes them."""
+    before = []
+    for store in stores:
+        attrs = vars(store.module)
+        old = attrs.get(store.key, _MISSING)
+        before.append((attrs, store.key, old, snapshot(old) if store.contents else None))
+    replay_module_stores(stores)
+
+    def undo() -> None:
+        for attrs, key, old, contents in reversed(before):
+            if old is _MISSING:
+                attrs.pop(key, None)
+            else:
+                attrs[key] = old
+                if contents is not None:
+                    restore(old, contents)
+
+    return undo
+
+
 def _qualified(module_name: str, key: str) -> str:
     """`inner.calls`: the attribute `key` of the submodule named `module_name`."""
     return f"{module_name}.{key}" if module_name else key
@@ -135,7 +163,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
     """
     saved = []
     for name, sub in module.named_modules():
-        attrs = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+        attrs = {k: v for k, v in vars(sub).items() if k not in _NOT_STORES}
         contents = {k: snapshot(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
         saved.append((name, sub, attrs, contents, dict(sub._parameters), dict(sub._buffers)))
     held = {}  # plain objects the modules hold (a config): id -> (object, attributes, name)
@@ -151,7 +179,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
     finally:
         refusal = None
         for name, sub, attrs, contents, params, buffers in saved:
-            now = {k: v for k, v in vars(sub).items() if k not in ("_parameters", "_buffers")}
+            now = {k: v for k, v in vars(sub).items() if k not in _NOT_STORES}
             for key, value in [*now.items(), *sub._buffers.items(), *sub._parameters.items()]:
                 before = attrs.get(key, buffers.get(key, params.get(key)))
                 in_place = key in contents and value is before and not unchanged(value,

@@ -80,3 +80,20 @@ def test_seeding_inside_the_function_is_refused():
     with pytest.raises(fulmen.NotYetSupportedError, match="manual_seed"):
         fulmen.jit(fn)(torch.zeros(2))
     assert torch.equal(state, torch.random.get_rng_state())  # the caller's stream is untouched
+
+
+def _grad_flags(x, w):
+    y = x * 2
+    with torch.no_grad():
+        z = y + 1
+    # code branches on these (`if hidden.requires_grad and self.training: checkpoint(...)`)
+    return torch.tensor([y.requires_grad, (y @ w).requires_grad, z.requires_grad,
+                         y.detach().requires_grad, x.long().requires_grad])
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_requires_grad_of_intermediates_answers_as_eager(grad):
+    # answered False for every intermediate (the proxies' own flag)
+    x, w = torch.randn(2, 2, requires_grad=True), torch.randn(2, 2)
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(fulmen.jit(_grad_flags)(x, w), _grad_flags(x, w))
