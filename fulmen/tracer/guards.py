@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import types
 from collections.abc import Hashable
 from typing import Any
 
@@ -38,6 +37,7 @@ from fulmen.tracer.objects import (
     path_text,
     walk,
 )
+from fulmen.tracer.sources import CONTAINERS, FUNCTIONS, SCALARS, scalar_sources
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -106,34 +106,12 @@ def _object_leaf_key(leaf: Any) -> Any:
     return _object_tensor_key(leaf) if isinstance(leaf, Tensor) else _leaf_key(leaf)
 
 
-_SCALARS = (bool, int, float, str, type(None))
 # argument types pytree treats as leaves, exactly (subclasses may be registered as nodes)
 _FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
 
 
-def _code_names(code) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _code_names(const)
-    return names
-
-
-_CONTAINERS = (list, tuple, dict)
 _EXACT_SCALARS = frozenset([bool, int, str, type(None)])
 _MAX_ITEMS = 64  # containers longer than this are keyed by their length only
-
-
-def _is_source(value: Any) -> bool:
-    """Values a traced program may read as constants (scalars, small containers of them) or
-    capture by reference (tensors)."""
-    return isinstance(value, (*_SCALARS, Tensor)) or type(value) in _CONTAINERS
-
-
-def _is_keyed(value: Any) -> bool:
-    """Whether a value read from a closure cell, a global or a module attribute is part of the
-    cache key: a source (`source_key`) or a plain object (`object_source_key`)."""
-    return _is_source(value) or is_plain_object(value)
 
 
 def source_key(value: Any) -> Any:
@@ -149,7 +127,12 @@ def source_key(value: Any) -> Any:
         return (float, _float_key(value))
     if isinstance(value, Tensor):
         return ("tensor", id(value))
-    if kind in _CONTAINERS:
+    if isinstance(value, FUNCTIONS):  # held in the key: its id cannot be reused meanwhile
+        try:
+            return ("function", value, hash(value))
+        except TypeError:  # a method of an unhashable object
+            return ("function", id(value.__self__), value.__func__)
+    if kind in CONTAINERS:
         if len(value) > _MAX_ITEMS:
             return (kind, len(value))
         items = value.items() if kind is dict else enumerate(value)
@@ -164,7 +147,7 @@ def _written_key(value: Any) -> Any:
     guarded; containers one level deep."""
     if isinstance(value, Tensor):
         return ("tensor", _tensor_key(value))
-    if type(value) in _CONTAINERS and len(value) <= _MAX_ITEMS:
+    if type(value) in CONTAINERS and len(value) <= _MAX_ITEMS:
         items = value.items() if type(value) is dict else enumerate(value)
         return (type(value), tuple([(k, ("tensor", _tensor_key(v)) if isinstance(v, Tensor)
                                      else _item_key(v)) for k, v in items]))
@@ -174,7 +157,7 @@ def _written_key(value: Any) -> Any:
 def _tensors_in(value: Any) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
-    if type(value) in _CONTAINERS:
+    if type(value) in CONTAINERS:
         return [v for v in (value.values() if type(value) is dict else value)
                 if isinstance(v, Tensor)]
     return []
@@ -198,73 +181,9 @@ def _item_key(value: Any) -> Any:
         return (kind, value)
     if isinstance(value, Tensor):
         return ("tensor", id(value))
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALARS):
         return _leaf_key(value)
     return (type(value), id(value))
-
-
-_SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
-_MAX_SOURCES = 512  # a bound on the per-call cost of the key
-
-
-def _own_functions(fn, modules) -> list:
-    """The traced function and the functions whose globals its program may read: the
-    forward and other methods of each module's own class, and (up to `_SCAN_DEPTH` levels)
-    the module-level functions they name. PyTorch's and fulmen's own are left out."""
-    found: dict[int, object] = {}
-    frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
-                       if isinstance(value, types.FunctionType)]
-    for _ in range(_SCAN_DEPTH + 1):
-        next_frontier = []
-        for candidate in frontier:
-            candidate = getattr(candidate, "__func__", candidate)
-            code = getattr(candidate, "__code__", None)
-            module_name = getattr(candidate, "__module__", None) or ""
-            if code is None or id(candidate) in found or module_name.split(".")[0] in (
-                    "torch", "fulmen"):
-                continue
-            found[id(candidate)] = candidate
-            namespace = getattr(candidate, "__globals__", {})
-            next_frontier += [namespace[name] for name in _code_names(code)
-                              if isinstance(namespace.get(name), types.FunctionType)]
-        frontier = next_frontier
-    return list(found.values())
-
-
-def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
-    """(name, reader) for each value a traced program may bake in as a constant or capture
-    without it being an argument: the function's closure cells, the globals named by it and
-    by the functions it may call (`_own_functions`), and the plain attributes of every module
-    (`dropout.p`, `attn.scale`, `self.table`): scalars, tensors and small containers
-    (`source_key`), and plain objects by their attributes (`args.temperature` of a global
-    argparse namespace, a config dataclass: `object_source_key`). Their current keys are part
-    of the cache key, so changing one retraces instead of reusing a stale constant or
-    tensor."""
-    sources: list[tuple[str, object]] = []
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-            try:
-                if _is_keyed(cell.cell_contents):
-                    sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
-            except ValueError:  # an empty cell
-                continue
-    seen: set[tuple[int, str]] = set()
-    for function in _own_functions(fn, modules):
-        namespace = function.__globals__
-        for name in sorted(_code_names(function.__code__)):  # co_names holds attributes too
-            if (id(namespace), name) in seen or name.startswith("__"):
-                continue
-            seen.add((id(namespace), name))
-            if name in namespace and _is_keyed(namespace[name]):
-                sources.append((name, functools.partial(namespace.get, name)))
-    for module in modules:
-        for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
-            if _is_keyed(value) and attr != "training" \
-                    and not attr.startswith("_"):
-                label = f"{type(module).__name__}.{attr}"
-                sources.append((label, functools.partial(getattr, module, attr)))
-    return sources[:_MAX_SOURCES]
 
 
 class CacheKeyBuilder:
@@ -278,20 +197,16 @@ class CacheKeyBuilder:
 
     def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
         self.modules = modules
-        self.scalar_sources = scalar_sources(fn, modules)
-        # per source, the type of the plain object it held (keyed by its attributes), or None
-        self._object_types = [type(value) if is_plain_object(value) else None
-                              for value in (read() for _, read in self.scalar_sources)]
-        self._sources_memo = KeyMemo()
-        # module attributes among the sources: (id(module), name) -> source index; those that
-        # programs store traced tensors into and never read as tensors are `written`
-        # (`_written_key`), those a program read are never written again
-        self._attributes = {(id(read.args[0]), read.args[1]): index for index, (_, read)
-                            in enumerate(self.scalar_sources)
-                            if isinstance(getattr(read, "args", (None,))[0], torch.nn.Module)}
-        self.written: frozenset[int] = frozenset()
-        self._read: set[int] = set()
-        self._stale = False  # `written` changed since `take_stale`
+        self._source_fn = fn
+        self._module_dicts = [vars(module) for module in modules]
+        # module attributes `(module, name)` stored by a call (`watch_attributes`); those
+        # (`(id(module), name)`) that programs store traced tensors into and never read as
+        # tensors are written (`_written_key`), those a program read are never written again
+        self._watched: list[tuple[torch.nn.Module, str]] = []
+        self._written: set[tuple[int, str]] = set()
+        self._read: set[tuple[int, str]] = set()
+        self._stale = False  # the keying changed since `take_stale`
+        self._set_sources()
         self._state_memo = TensorKeyMemo(_tensor_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
@@ -311,6 +226,25 @@ class CacheKeyBuilder:
         self.offset_positions |= positions
         return True
 
+    def _set_sources(self) -> None:
+        """(Re)collect the values read besides the arguments (`scalar_sources`); the modules'
+        attribute counts tell when one was added (`global_key`)."""
+        self.scalar_sources = scalar_sources(self._source_fn, self.modules)
+        for module, name in self._watched:
+            self.scalar_sources.append((f"{type(module).__name__}.{name}",
+                                        functools.partial(getattr, module, name, None)))
+        # per source, the type of the plain object it held (keyed by its attributes), or None
+        self._object_types = [type(value) if is_plain_object(value) else None
+                              for value in (read() for _, read in self.scalar_sources)]
+        self._sources_memo = KeyMemo()
+        # module attributes among the sources: (id(module), name) -> source index
+        self._attributes = {(id(read.args[0]), read.args[1]): index for index, (_, read)
+                            in enumerate(self.scalar_sources)
+                            if isinstance(getattr(read, "args", (None,))[0], torch.nn.Module)}
+        self.written = frozenset(index for attribute, index in self._attributes.items()
+                                 if attribute in self._written)
+        self._attribute_counts = tuple(map(len, self._module_dicts))
+
     def note_module_writes(self, writes: frozenset, captured: tuple) -> None:
         """After a trace: `writes` are the `(id(module), attribute)` it stored traced tensors
         into, `captured` the real tensors it read. When that changes the keying (the written
@@ -318,26 +252,21 @@ class CacheKeyBuilder:
         if not self._attributes:
             return
         ids = {id(t) for t in captured}
-        for index, (_, read) in enumerate(self.scalar_sources):
-            if ids and any(id(t) in ids for t in _tensors_in(read())):
-                self._read.add(index)
-        written = frozenset({*self.written, *[self._attributes[w] for w in writes
-                                              if w in self._attributes]} - self._read)
-        if written != self.written:
-            self.written = written
-            self._sources_memo = KeyMemo()
+        for attribute, index in self._attributes.items():
+            if ids and any(id(t) in ids for t in _tensors_in(self.scalar_sources[index][1]())):
+                self._read.add(attribute)
+        written = (self._written | writes) - self._read
+        if written != self._written:
+            self._written = written
+            self._set_sources()
             self._stale = True
 
     def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
         """Key the module attributes `(module, name)` from now on (ones a call stored, which
         may not have existed when the key was set up); keys computed before are stale."""
-        for module, name in pairs:
-            if (id(module), name) not in self._attributes:
-                self._attributes[(id(module), name)] = len(self.scalar_sources)
-                self.scalar_sources.append((f"{type(module).__name__}.{name}",
-                                            functools.partial(getattr, module, name, None)))
-                self._object_types.append(None)
-        self._sources_memo = KeyMemo()
+        self._watched += [(module, name) for module, name in pairs
+                          if (id(module), name) not in self._attributes]
+        self._set_sources()
         self._stale = True
 
     def take_stale(self) -> bool:
@@ -353,9 +282,16 @@ class CacheKeyBuilder:
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             tuple(map(_training, self.modules)) if self.modules else (),
-            self._sources_key(),
+            self._sources_key() if tuple(map(len, self._module_dicts)) == self._attribute_counts
+            else self._added_attributes(),
             self._fn_roots_key(),
         )
+
+    def _added_attributes(self) -> HashedKey:
+        """A module gained or lost attributes (`model.temperature = 0.5` after jitting, read by
+        `getattr(self, "temperature", 1.0)`): collect the sources again, then key them."""
+        self._set_sources()
+        return self._sources_key()
 
     def _sources_key(self) -> HashedKey:
         values = [read() for _, read in self.scalar_sources]
@@ -369,7 +305,7 @@ class CacheKeyBuilder:
             kind = type(value)
             if written and index in written:
                 keys.append(_written_key(value))
-                if kind in _CONTAINERS and snapshots is not None:
+                if kind in CONTAINERS and snapshots is not None:
                     snapshots.append(holder_snapshot(value))
             elif kind in _EXACT_SCALARS:
                 keys.append((kind, value))
@@ -386,10 +322,10 @@ class CacheKeyBuilder:
                     snapshots.append(typed_snapshot(value))
             else:
                 keys.append(source_key(value))
-                if kind in _CONTAINERS:
+                if kind in CONTAINERS:
                     if snapshots is not None:
                         snapshots.append(holder_snapshot(value))
-                elif kind is not float and not isinstance(value, Tensor):
+                elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS)):
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
         key = HashedKey(tuple(keys))
         self._sources_memo.store(values, key, snapshots)
@@ -462,7 +398,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         value = read()
         if isinstance(value, Tensor):  # compared by identity, as keyed
             value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
-        elif type(value) in _CONTAINERS:
+        elif type(value) in CONTAINERS:
             value = source_key(value)
         elif is_plain_object(value):
             value = object_source_key(value)

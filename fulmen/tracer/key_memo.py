@@ -1,5 +1,5 @@
 """A memo for the part of a cache key that rarely changes: the values a program may read
-besides its arguments (closure cells, globals, module attributes: `guards.scalar_sources`).
+besides its arguments (closure cells, globals, module attributes: `sources.scalar_sources`).
 
 Their key (`guards.CacheKeyBuilder._sources_key`) is a function of each value's identity and
 type and, for the holders it looks into one level deep (lists, tuples, dicts, and plain objects

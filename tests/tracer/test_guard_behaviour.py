@@ -47,3 +47,27 @@ def test_requires_grad_is_keyed_in_a_symbolic_entry(codegen_eager):
             (expected_grad,) = torch.autograd.grad(expected.sum(), x)
             (actual_grad,) = torch.autograd.grad(actual.sum(), x)
             torch.testing.assert_close(actual_grad, expected_grad)
+
+
+class _ReadsLateAttributes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.act = torch.nn.functional.relu
+
+    def forward(self, x):
+        return self.act(self.linear(x)) * getattr(self, "temperature", 1.0)
+
+
+def test_an_attribute_added_after_jitting_and_a_replaced_function_retrace():
+    # both were baked in silently: the attributes were collected once, functions not keyed
+    model = _ReadsLateAttributes()
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(jitted(x), model(x))
+    for change in (lambda: setattr(model, "temperature", 0.5),
+                   lambda: setattr(model, "temperature", 0.25),
+                   lambda: setattr(model, "act", torch.tanh),
+                   lambda: setattr(model, "act", lambda t: t * 3)):
+        change()
+        torch.testing.assert_close(jitted(x), model(x))

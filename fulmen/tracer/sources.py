@@ -1,0 +1,105 @@
+"""The values a traced program may read besides its arguments: closure cells, globals, module
+attributes (`scalar_sources`). Their keys are part of a call's cache key
+(`fulmen.tracer.guards.CacheKeyBuilder`), so changing one retraces instead of reusing a stale
+constant or tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+
+from fulmen.tracer.objects import is_plain_object
+
+Tensor = torch.Tensor
+SCALARS = (bool, int, float, str, type(None))
+CONTAINERS = (list, tuple, dict)
+# functions held in module attributes (`self.act = F.relu`): keyed by identity
+FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def _is_source(value: Any) -> bool:
+    """Values a traced program may read as constants (scalars, small containers of them) or
+    capture by reference (tensors)."""
+    return isinstance(value, (*SCALARS, Tensor)) or type(value) in CONTAINERS
+
+
+def _is_keyed(value: Any) -> bool:
+    """Whether a value read from a closure cell, a global or a module attribute is part of the
+    cache key: a source (`source_key`) or a plain object (`object_source_key`)."""
+    return _is_source(value) or is_plain_object(value)
+
+
+_SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
+_MAX_SOURCES = 512  # a bound on the per-call cost of the key
+
+
+def _own_functions(fn, modules) -> list:
+    """The traced function and the functions whose globals its program may read: the
+    forward and other methods of each module's own class, and (up to `_SCAN_DEPTH` levels)
+    the module-level functions they name. PyTorch's and fulmen's own are left out."""
+    found: dict[int, object] = {}
+    frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
+                       if isinstance(value, types.FunctionType)]
+    for _ in range(_SCAN_DEPTH + 1):
+        next_frontier = []
+        for candidate in frontier:
+            candidate = getattr(candidate, "__func__", candidate)
+            code = getattr(candidate, "__code__", None)
+            module_name = getattr(candidate, "__module__", None) or ""
+            if code is None or id(candidate) in found or module_name.split(".")[0] in (
+                    "torch", "fulmen"):
+                continue
+            found[id(candidate)] = candidate
+            namespace = getattr(candidate, "__globals__", {})
+            next_frontier += [namespace[name] for name in _code_names(code)
+                              if isinstance(namespace.get(name), types.FunctionType)]
+        frontier = next_frontier
+    return list(found.values())
+
+
+def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
+    """(name, reader) for each value a traced program may bake in as a constant or capture
+    without it being an argument: the function's closure cells, the globals named by it and
+    by the functions it may call (`_own_functions`), and the plain attributes of every module
+    (`dropout.p`, `attn.scale`, `self.table`, `self.act = F.relu`): scalars, tensors, functions
+    and small containers (`source_key`), and plain objects by their attributes (`args.temperature` of a global
+    argparse namespace, a config dataclass: `object_source_key`). Their current keys are part
+    of the cache key, so changing one retraces instead of reusing a stale constant or
+    tensor."""
+    sources: list[tuple[str, object]] = []
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                if _is_keyed(cell.cell_contents):
+                    sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
+            except ValueError:  # an empty cell
+                continue
+    seen: set[tuple[int, str]] = set()
+    for function in _own_functions(fn, modules):
+        namespace = function.__globals__
+        for name in sorted(_code_names(function.__code__)):  # co_names holds attributes too
+            if (id(namespace), name) in seen or name.startswith("__"):
+                continue
+            seen.add((id(namespace), name))
+            if name in namespace and _is_keyed(namespace[name]):
+                sources.append((name, functools.partial(namespace.get, name)))
+    for module in modules:
+        for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
+            if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr != "training" \
+                    and not attr.startswith("_"):
+                label = f"{type(module).__name__}.{attr}"
+                sources.append((label, functools.partial(getattr, module, attr)))
+    return sources[:_MAX_SOURCES]
