@@ -31,6 +31,7 @@ from fulmen.pipeline import compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import describe_call, explain_change
+from fulmen.tracer.host_random import HostRandomness, HostRandomState
 from fulmen.tracer.module_hooks import (
     HookWatch,
     StructureWatch,
@@ -126,6 +127,7 @@ class _Jitted:
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
         self._warned: set[str] = set()  # the eager-fallback warnings given
+        self._eager_keys: set = set()  # keys whose calls draw from Python's random generator
         self._running_eagerly = False
         self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize
@@ -162,11 +164,18 @@ class _Jitted:
                 reasons = self._explain_miss(args, kwargs)
                 if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
+                if key in self._eager_keys:
+                    return self._run_eagerly(args, kwargs, HostRandomness.__name__, (
+                        "fulmen: calls that draw from Python's random generator run eagerly"))
                 try:
                     entry = self._compile_call(args, kwargs, leaves)
-                except StoresDifferPerPath as error:
-                    return self._run_eagerly(args, kwargs, "stores", (
-                        f"fulmen: {error}; calls that compile anew run eagerly"))
+                except (StoresDifferPerPath, HostRandomness) as error:
+                    if self._fullgraph or self._grad_argnums is not None:
+                        raise
+                    if isinstance(error, HostRandomness):  # such calls never compile
+                        self._eager_keys.add(key)
+                    return self._run_eagerly(args, kwargs, type(error).__name__, (
+                        f"fulmen: {error}; such calls run eagerly"))
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -294,12 +303,14 @@ class _Jitted:
                 graph breaks.
         """
         rng_state = torch.random.get_rng_state()
+        host_random = HostRandomState()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
                                     allow_breaks=not self._fullgraph and self._grad_argnums is None,
                                     dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
+        host_random.refuse_draws()
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
             reseeded = not torch.equal(rng_state, torch.random.get_rng_state())
         # seeding through torch's Python functions raises where it happens
@@ -423,12 +434,12 @@ class _Jitted:
                 with _TRACING:
                     try:
                         program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
-                    except StoresDifferPerPath:  # the stores this path makes run eagerly
+                    except (StoresDifferPerPath, HostRandomness):  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (
                             f"fulmen: the graph break {miss.node.reason} answered "
-                            f"{miss.answer!r} on a path that stores on the module; such "
-                            "calls run eagerly")))
+                            f"{miss.answer!r} on a path that stores on the module or draws "
+                            "from Python's random generator; such calls run eagerly")))
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
                     self._shapes.graft(entry, program)

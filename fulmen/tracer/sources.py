@@ -41,6 +41,7 @@ def _is_keyed(value: Any) -> bool:
     return _is_source(value) or is_plain_object(value)
 
 
+_NOT_KEYED = frozenset(["training", "forward"])  # module attributes keyed elsewhere
 _SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
 _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
@@ -98,7 +99,8 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
                 sources.append((name, functools.partial(namespace.get, name)))
     for module in modules:
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
-            if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr != "training" \
+            # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
+            if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr not in _NOT_KEYED \
                     and not attr.startswith("_"):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))

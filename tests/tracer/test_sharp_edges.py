@@ -1,7 +1,9 @@
 """Sharp edges: layouts, zero-size and 0-d inputs, devices, recursion, threads."""
 
+import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,3 +99,37 @@ def test_requires_grad_of_intermediates_answers_as_eager(grad):
     x, w = torch.randn(2, 2, requires_grad=True), torch.randn(2, 2)
     with torch.set_grad_enabled(grad):
         assert torch.equal(fulmen.jit(_grad_flags)(x, w), _grad_flags(x, w))
+
+
+class _LayerDrop(torch.nn.Module):
+    """Skips its layer at random in training, drawing as HF wav2vec2 does (`np.random`) or with
+    Python's `random`."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.draw = draw
+
+    def forward(self, x):
+        if self.training and self.draw() < 0.5:
+            return x
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("seed, draw", [(random.seed, random.random),
+                                        (np.random.seed, np.random.random)])
+def test_draws_from_python_and_numpy_generators_are_not_baked_in(seed, draw):
+    # every call repeated the decision drawn while tracing
+    model = _LayerDrop(draw)
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    seed(0)
+    want = [torch.equal(model(x), x) for _ in range(12)]
+    seed(0)
+    with pytest.warns(UserWarning, match="random generator"):
+        got = [torch.equal(jitted(x), x) for _ in range(12)]
+    assert got == want and 0 < sum(want) < 12
+    model.eval()  # no draws: compiled
+    torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.compile_stats(jitted).cache_misses >= 1
+    assert fulmen.compile_stats(jitted).eager_calls == 12
