@@ -219,6 +219,8 @@ class _Jitted:
                                                 MODULE: self._module})
             if objects.epilogue.replaces_buffers and self.after_buffer_stores is not None:
                 self.after_buffer_stores()
+            if entry.tree:  # (a path with layers skipped returns a cache holding fewer)
+                out = pytree.tree_unflatten(out, leaf.epilogue_spec)
         return self._finish(entry, out)
 
     def _finish(self, entry: CacheEntry, out):
@@ -392,8 +394,9 @@ class _Jitted:
         epilogue = program.objects is not None and bool(program.objects.epilogue)
         path = tree.graft(segments, program.trace.output,
                           None if epilogue else program.output_spec, constants, compile_segment)
-        if path is not None:
+        if path is not None:  # each path has its own epilogue (one may rebuild a cache object)
             path[-1].objects = program.objects
+            path[-1].epilogue_spec = program.output_spec if epilogue else None
         _log_breaks(program.breaks)
         stats = self._stats
         stats.graph_breaks = [str(info) for info in program.breaks]
@@ -404,14 +407,8 @@ class _Jitted:
         mutated = tuple(i for i in program.mutated_inputs if i < len(arg_proxies))
         if entry is not None:
             entry.mutated_inputs = tuple(sorted({*entry.mutated_inputs, *mutated}))
-            if epilogue and program.output_spec != entry.output_spec \
-                    or (program.objects is None) != (entry.objects is None):
-                raise NotYetSupportedError(
-                    "the program returns a different kind of object after a graph break took "
-                    "a new branch", op="return", hint="return the same structure on every path")
             return entry
-        return CacheEntry(tree, [program.trace], program.tensor_positions, (),
-                          program.output_spec if epilogue else None, seconds,
+        return CacheEntry(tree, [program.trace], program.tensor_positions, (), None, seconds,
                           mutated_inputs=mutated, tree=True, objects=program.objects,
                           all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
                           offset_reads=program.offset_reads)

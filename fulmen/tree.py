@@ -71,6 +71,7 @@ class SegmentNode:
     reason: str = ""
     op: BoundSymbol | None = None
     objects: Any = None  # at a leaf: the path's `ObjectInputs` (its epilogue)
+    epilogue_spec: Any = None  # at a leaf whose epilogue rebuilds outputs: their treespec
 
 
 class PathMiss(Exception):

@@ -66,3 +66,24 @@ def test_inputs_embeds_grad_logits_to_keep_and_tuples_match_eager(name):
             got = jitted(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
             assert type(got) is type(want)
             torch.testing.assert_close(_flat(got), _flat(want))
+
+
+def test_layerdrop_in_training_matches_eager_under_the_same_seed():
+    # each path (layers skipped at random by `torch.rand([]) < layerdrop`) returns a cache with
+    # its own layers: was refused ("a different kind of object after a graph break")
+    config = transformers.OPTConfig(vocab_size=96, hidden_size=16, num_hidden_layers=3,
+                                    ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16,
+                                    max_position_embeddings=64, layerdrop=0.5, dropout=0.1)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).train()
+    jitted = fulmen.jit(copy.deepcopy(model))
+    ids, mask = _batch()
+    for seed in range(6):
+        results = []
+        for target in (model, jitted):
+            torch.manual_seed(seed)
+            out = target(input_ids=ids, attention_mask=mask, labels=ids)
+            grads = torch.autograd.grad(out.loss, list(target.parameters()), allow_unused=True)
+            results.append((out.logits, [g for g in grads if g is not None]))
+        torch.testing.assert_close(results[1], results[0])
+    assert fulmen.compile_stats(jitted).eager_calls == 0
