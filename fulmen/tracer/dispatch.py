@@ -143,7 +143,7 @@ def _is_inplace(func, args, kwargs) -> bool:
     return func is F.embedding and _bound_flag(func, args, kwargs, "max_norm") is not None
 
 
-_DETACH = (T.detach, torch.detach)
+_DETACH = (T.detach, torch.detach, T.data.__get__)  # (`x.data`: detached, as in eager)
 _REQUIRES_GRAD_ = T.requires_grad_
 _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook})
 

@@ -313,21 +313,11 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     return list(found.values())
 
 
-def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs,
-                   ctx: TracerCtx) -> list[ModuleStore]:
+def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs) -> list[ModuleStore]:
     """Make the module stores of traced tensors epilogue stores of `objects` (the trace returns
-    their tensors); return the other stores.
-
-    Raises:
-        NotYetSupportedError: a traced store in a program with graph breaks (it may differ per
-            path).
-    """
+    their tensors; with graph breaks, each path has its own epilogue); return the other
+    stores."""
     traced = [store for store in stores if store.traced]
-    if traced and ctx.breaks is not None and ctx.breaks.breaks:
-        raise NotYetSupportedError(
-            f"the forward stores a traced tensor in the module attribute {traced[0].key!r} and "
-            f"has graph breaks ({ctx.breaks.breaks[0]}); the store may differ per path",
-            op="setattr", hint="return the value instead, or avoid the break")
     for store in traced:
         objects.epilogue.stores.append((MODULE, store.path, ("attr", store.key), store.value))
         objects.epilogue.replaces_buffers |= store.key in store.module._buffers
@@ -448,7 +438,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             else:
                 out = fn(*proxy_args, **proxy_kwargs)
             writes = {(id(store.module), store.key) for store in stores if store.traced}
-            stores = _traced_stores(stores, objects, ctx)
+            stores = _traced_stores(stores, objects)
             out_leaves, out_spec = _flatten_output(out)
             out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                           and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]

@@ -216,6 +216,27 @@ def test_dropout_training_matches_eager_under_the_same_seed(mode):
     )
 
 
+@pytest.mark.parametrize("layout", ["permuted", "channels_last", "sliced"])
+def test_dropout_of_a_strided_input_in_training_matches_eager(layout):
+    # eager draws its mask in the input's memory order (`empty_like`); the mask was drawn
+    # contiguous whenever the input required grad (HF Whisper's permuted conv output)
+    base = torch.randn(2, 3, 4, 5)
+    x = {"permuted": base.permute(0, 2, 3, 1), "sliced": base[..., ::2],
+         "channels_last": base.contiguous(memory_format=torch.channels_last)}[layout]
+    x = x.detach().requires_grad_()
+
+    def fn(x):
+        return F.dropout(x + 1, 0.4)
+
+    jfn = fulmen.jit(fn)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = fn(x)
+        torch.manual_seed(seed)
+        actual = jfn(x)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "fn",
     [

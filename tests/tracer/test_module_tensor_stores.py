@@ -139,3 +139,38 @@ def test_a_traced_tensor_put_into_a_module_list_is_refused():
     with pytest.raises(NotYetSupportedError, match="inside a list or dict in the module attribute 'maps'"):
         fulmen.jit(model)(torch.ones(2))
     assert model.maps == []
+
+
+class _RunningRange(torch.nn.Module):
+    """HF I-BERT's QuantAct in training: a running range from `x.data`, replaced each call, with
+    a value-dependent check (a graph break) before the store."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("x_min", torch.zeros(1))
+
+    def forward(self, x):
+        y = self.linear(x)
+        low = y.data.min()
+        assert low.isnan().sum() == 0, "NaN"
+        self.x_min = torch.min(self.x_min, low)
+        return y * 2
+
+
+def test_a_buffer_replaced_after_a_graph_break_from_detached_data_trains_as_eager():
+    # was refused (a traced store with graph breaks); `y.data` carried grad into the store, so
+    # the next backward went through the previous call's graph
+    torch.manual_seed(0)
+    eager = _RunningRange()
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        results = []
+        for model in (eager, jitted):
+            out = model(x)
+            out.sum().backward()
+            results.append((out, model.x_min.clone(), model.x_min.requires_grad,
+                            model.linear.weight.grad.clone()))
+            model.zero_grad()
+        torch.testing.assert_close(results[1], results[0])

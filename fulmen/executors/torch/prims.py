@@ -146,8 +146,11 @@ def uniform(shape, low, high, dtype, device):
     return torch.empty(tuple(shape), dtype=dtype, device=device).uniform_(low, high)
 
 
-def bernoulli(shape, p, dtype, device):
-    return torch.empty(tuple(shape), dtype=dtype, device=device).bernoulli_(p)
+def bernoulli(shape, p, dtype, device, strides=None):
+    if strides is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device).bernoulli_(p)
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype,
+                               device=device).bernoulli_(p)
 
 
 def prim_implementations() -> dict:

@@ -96,8 +96,11 @@ def uniform(shape: Sequence[int], low: Number, high: Number, dtype: torch.dtype,
 
 
 @prim("bernoulli", tags=["creation", "random"])
-def bernoulli(shape: Sequence[int], p: float, dtype: torch.dtype, device: torch.device) -> TensorProxy:
+def bernoulli(shape: Sequence[int], p: float, dtype: torch.dtype, device: torch.device,
+              strides: Sequence[int] | None = None) -> TensorProxy:
     """Samples of 1 (probability `p`) and 0, drawn from torch's global generator exactly as
-    `torch.empty(shape).bernoulli_(p)` draws them (so dropout matches eager under a seed)."""
+    `torch.empty_strided(shape, strides).bernoulli_(p)` draws them, in memory order (so dropout
+    matches eager under a seed: eager draws its mask into `empty_like(input)`, which keeps a
+    permuted input's strides); `strides` None: contiguous."""
     check(0.0 <= p <= 1.0, "bernoulli", f"probability {p} outside [0, 1]")
-    return TensorProxy(None, tuple(shape), dtype, device)
+    return TensorProxy(None, tuple(shape), dtype, device, strides=strides)

@@ -353,8 +353,19 @@ def _dropout(op: str, a, p, training: bool):
     # As eager's CPU kernel: a mask from `bernoulli_(1 - p)`, scaled by 1 / (1 - p), times the
     # input, in the input's dtype. The mask is an ordinary value, so backward reuses it.
     keep = 1.0 - float(p)
-    noise = prims.div(prims.bernoulli(tuple(a.shape), keep, a.dtype, a.device), keep)
-    return prims.mul(a, noise)
+    mask = prims.bernoulli(tuple(a.shape), keep, a.dtype, a.device, _like_strides(a))
+    return prims.mul(a, prims.div(mask, keep))
+
+
+def _like_strides(a) -> tuple[int, ...] | None:
+    """The strides of eager's `torch.empty_like(a)` (a permuted dense input keeps its own), or
+    None where that is contiguous (or the sizes are symbolic)."""
+    with torch._C.DisableTorchFunctionSubclass():  # fulmen's own read, not the user's
+        shape, strides = tuple(a.shape), tuple(a.stride())
+    if not all(type(n) is int for n in (*shape, *strides)):
+        return None
+    like = torch.empty_like(torch.empty_strided(shape, strides, dtype=a.dtype, device="meta"))
+    return None if like.is_contiguous() else tuple(like.stride())
 
 
 @torch_op(F.dropout)
