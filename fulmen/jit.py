@@ -30,7 +30,12 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
-from fulmen.tracer.guards import describe_call, explain_change
+from fulmen.tracer.guards import (
+    changed_classes,
+    describe_call,
+    explain_change,
+    restore_classes,
+)
 from fulmen.tracer.host_random import HostRandomness, HostRandomState
 from fulmen.tracer.module_hooks import (
     HookWatch,
@@ -306,13 +311,21 @@ class _Jitted:
         """
         rng_state = torch.random.get_rng_state()
         host_random = HostRandomState()
+        classes = self._guard.class_snapshots()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
                                     allow_breaks=not self._fullgraph and self._grad_argnums is None,
                                     dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
+            restore_classes(classes)
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         host_random.refuse_draws()
+        changed = changed_classes(classes)
+        if changed:  # `CFG.calls += 1`: a compiled call would not repeat it
+            restore_classes(classes)
+            raise StoresDifferPerPath(
+                f"the function stores attributes of the class {changed[0].__qualname__}",
+                op="setattr", hint="keep changing state in module attributes or arguments")
         with torch._C.DisableTorchFunction():  # also when compiling inside another trace
             reseeded = not torch.equal(rng_state, torch.random.get_rng_state())
         # seeding through torch's Python functions raises where it happens

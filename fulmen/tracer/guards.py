@@ -37,7 +37,13 @@ from fulmen.tracer.objects import (
     path_text,
     walk,
 )
-from fulmen.tracer.sources import CONTAINERS, FUNCTIONS, SCALARS, scalar_sources
+from fulmen.tracer.sources import (
+    CONTAINERS,
+    FUNCTIONS,
+    SCALARS,
+    is_user_class,
+    scalar_sources,
+)
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -166,6 +172,35 @@ def _tensors_in(value: Any) -> list[Tensor]:
 _MAX_ATTRIBUTES = 512
 
 
+def class_source_key(cls: type) -> Any:
+    """The key of a user class the code reads (`CFG.lr`, `self.scale` from the module's class):
+    the class and its data attributes (numbers, strings, tensors, containers), as
+    `object_source_key` keys a plain object's."""
+    return (cls, tuple([(k, _item_key(v)) for k, v in vars(cls).items()
+                        if not k.startswith("__") and _is_data(v)]))
+
+
+def _is_data(value: Any) -> bool:
+    return isinstance(value, (*SCALARS, Tensor)) or type(value) in CONTAINERS
+
+
+def changed_classes(before: list[tuple[type, dict]]) -> list[type]:
+    """The classes among `(class, dict(vars(class)))` snapshots whose attributes were stored
+    or deleted since (compared by identity)."""
+    return [cls for cls, saved in before if len(vars(cls)) != len(saved) or any(
+        vars(cls).get(k, before) is not v for k, v in saved.items())]
+
+
+def restore_classes(before: list[tuple[type, dict]]) -> None:
+    """Put the classes of `changed_classes` snapshots back as they were."""
+    for cls, saved in before:
+        for k in [k for k in vars(cls) if k not in saved]:
+            delattr(cls, k)
+        for k, v in saved.items():
+            if vars(cls).get(k, before) is not v:
+                setattr(cls, k, v)
+
+
 def object_source_key(value: Any) -> Any:
     """The key of a plain object a module holds (`self.config`): its type and its attributes
     one level deep, as `source_key` keys a dict's items."""
@@ -243,6 +278,9 @@ class CacheKeyBuilder:
                             if isinstance(getattr(read, "args", (None,))[0], torch.nn.Module)}
         self.written = frozenset(index for attribute, index in self._attributes.items()
                                  if attribute in self._written)
+        self._class_sources = frozenset(index for index, (_, read) in
+                                        enumerate(self.scalar_sources)
+                                        if is_user_class(read()))
         self._attribute_counts = tuple(map(len, self._module_dicts))
 
     def note_module_writes(self, writes: frozenset, captured: tuple) -> None:
@@ -268,6 +306,13 @@ class CacheKeyBuilder:
                           if (id(module), name) not in self._attributes]
         self._set_sources()
         self._stale = True
+
+    def class_snapshots(self) -> list[tuple[type, dict]]:
+        """The user classes the code may read, with their attributes (`changed_classes`)."""
+        classes = {id(value): value for value in (self.scalar_sources[index][1]()
+                                                  for index in self._class_sources)
+                   if isinstance(value, type)}
+        return [(cls, dict(vars(cls))) for cls in classes.values()]
 
     def take_stale(self) -> bool:
         """Whether keys computed before the last trace are stale (`note_module_writes`)."""
@@ -303,7 +348,11 @@ class CacheKeyBuilder:
         written = self.written
         for index, (value, object_type) in enumerate(zip(values, self._object_types)):
             kind = type(value)
-            if written and index in written:
+            if index in self._class_sources and isinstance(value, type):
+                keys.append(class_source_key(value))
+                if snapshots is not None:
+                    snapshots.append(holder_snapshot(value))
+            elif written and index in written:
                 keys.append(_written_key(value))
                 if kind in CONTAINERS and snapshots is not None:
                     snapshots.append(holder_snapshot(value))

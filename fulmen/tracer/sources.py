@@ -6,7 +6,11 @@ constant or tensor.
 
 from __future__ import annotations
 
+import enum
 import functools
+import os
+import sys
+import sysconfig
 import types
 from typing import Any
 
@@ -37,8 +41,35 @@ def _is_source(value: Any) -> bool:
 
 def _is_keyed(value: Any) -> bool:
     """Whether a value read from a closure cell, a global or a module attribute is part of the
-    cache key: a source (`source_key`) or a plain object (`object_source_key`)."""
-    return _is_source(value) or is_plain_object(value)
+    cache key: a source (`source_key`), a plain object (`object_source_key`) or a user class
+    (`class_source_key`)."""
+    return _is_source(value) or is_plain_object(value) or is_user_class(value)
+
+
+_LIBRARY_DIRS = tuple({path for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (path := sysconfig.get_paths().get(key))})
+
+
+def is_user_class(value: Any) -> bool:
+    """Whether `value` is a class of the user's own code (a `class CFG: lr = 1e-3` used as a
+    namespace, a module class with class attributes), not of Python, PyTorch or another
+    installed library: its attributes may be changed between calls, so they are keyed."""
+    try:
+        return isinstance(value, type) and _user_class(value)
+    except TypeError:  # a metaclass making its classes unhashable
+        return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_class(cls: type) -> bool:
+    if issubclass(cls, enum.Enum):
+        return False
+    if cls.__module__ == "__main__":
+        return True
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    if not path or cls.__module__.split(".")[0] in ("torch", "fulmen"):
+        return False
+    return not os.path.abspath(path).startswith(_LIBRARY_DIRS)
 
 
 _NOT_KEYED = frozenset(["training", "forward"])  # module attributes keyed elsewhere
@@ -97,7 +128,12 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             seen.add((id(namespace), name))
             if name in namespace and _is_keyed(namespace[name]):
                 sources.append((name, functools.partial(namespace.get, name)))
+    classes: set[type] = set()
     for module in modules:
+        if is_user_class(type(module)) and type(module) not in classes:
+            classes.add(type(module))  # `self.scale` read from `class Block: scale = 2.0`
+            sources.append((f"{type(module).__name__} (class)",
+                            functools.partial(getattr, module, "__class__")))
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
             if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr not in _NOT_KEYED \

@@ -5,6 +5,7 @@ these tests change a property between two calls that agree on everything coarser
 non-contiguous layouts of one shape), where code that reads the property answers differently.
 """
 
+import pytest
 import torch
 
 import fulmen
@@ -71,3 +72,50 @@ def test_an_attribute_added_after_jitting_and_a_replaced_function_retrace():
                    lambda: setattr(model, "act", lambda t: t * 3)):
         change()
         torch.testing.assert_close(jitted(x), model(x))
+
+
+class _CFG:
+    scale = 2.0
+    use_relu = True
+
+
+def _reads_a_config_class(x):
+    y = x * _CFG.scale
+    return y.relu() if _CFG.use_relu else y
+
+
+class _ScaledByClass(torch.nn.Module):
+    factor = 2.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _Counter:
+    calls = 0
+
+
+def _counts_in_a_class(x):
+    _Counter.calls += 1
+    return x + 1
+
+
+def test_class_attributes_read_or_stored_by_the_code_are_not_baked_in():
+    # a `class CFG:` namespace, a module's class attribute: changed between calls, they were
+    # baked in; a class attribute the code stores was stored only while tracing
+    x = torch.randn(8)
+    jitted = fulmen.jit(_reads_a_config_class)
+    for scale, relu in [(2.0, True), (3.0, True), (3.0, False), (2.0, True)]:
+        _CFG.scale, _CFG.use_relu = scale, relu
+        torch.testing.assert_close(jitted(x), _reads_a_config_class(x))
+    model = _ScaledByClass()
+    jmodel = fulmen.jit(model)
+    for factor in (2.0, 5.0):
+        _ScaledByClass.factor = factor
+        torch.testing.assert_close(jmodel(x), x * factor)
+    _ScaledByClass.factor = 2.0
+    counting = fulmen.jit(_counts_in_a_class)
+    with pytest.warns(UserWarning, match="stores attributes of the class _Counter"):
+        for _ in range(3):
+            counting(x)
+    assert _Counter.calls == 3
