@@ -241,6 +241,7 @@ class CacheKeyBuilder:
         self._written: set[tuple[int, str]] = set()
         self._read: set[tuple[int, str]] = set()
         self._stale = False  # the keying changed since `take_stale`
+        self._last_parts: tuple = ((), ())  # the last call's global and state keys
         self._set_sources()
         self._state_memo = TensorKeyMemo(_tensor_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
@@ -387,17 +388,23 @@ class CacheKeyBuilder:
         return tuple([object_key(root, _leaf_key) for root in self.fn_roots])
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = (),
-            symbolic: dict[int, tuple[int, ...]] | None = None) -> tuple[tuple, list]:
+            symbolic: dict[int, tuple[int, ...]] | None = None,
+            same_call: bool = False) -> tuple[tuple, list]:
         """The key of a call; with `symbolic` (argument position -> dimensions with symbolic
         sizes), those sizes are left out (the entry's shape guard checks them) and those
-        tensors are keyed by contiguity, not strides."""
-        global_key = self.global_key()
+        tensors are keyed by contiguity, not strides. `same_call`: the previous `key` was of
+        this very call, so its global and state parts are reused."""
         offsets = self.offset_positions
-        # parameters and buffers by their metadata: `model.half()` or a parameter assigned
-        # in place of another changes dtypes/shapes behind the same slots
-        state_key = self._state_memo.key(state) if state else ()
-        if offsets and -1 in offsets:
-            state_key = (state_key, tuple([t.storage_offset() for t in state]))
+        if same_call:
+            global_key, state_key = self._last_parts
+        else:
+            global_key = self.global_key()
+            # parameters and buffers by their metadata: `model.half()` or a parameter assigned
+            # in place of another changes dtypes/shapes behind the same slots
+            state_key = self._state_memo.key(state) if state else ()
+            if offsets and -1 in offsets:
+                state_key = (state_key, tuple([t.storage_offset() for t in state]))
+            self._last_parts = (global_key, state_key)
         if not kwargs and not offsets:
             tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors

@@ -191,9 +191,10 @@ class DynamicDims:
         self.by_key.setdefault((entry.symbolic_dims, key), []).append(entry)
 
     def lookup(self, guard, args: tuple, kwargs: dict, state, leaves: list):
-        """The symbolic entry whose key and shape guard match the call, or None."""
+        """The symbolic entry whose key and shape guard match the call (whose static key
+        `guard` has just computed), or None."""
         for dims in dict.fromkeys(entry.symbolic_dims for entry in self.entries):
-            key, _ = guard.key(args, kwargs, state, dict(dims))
+            key, _ = guard.key(args, kwargs, state, dict(dims), same_call=True)
             for entry in self.by_key.get((dims, key), ()):
                 if entry.shape_guard(leaves):
                     return entry
