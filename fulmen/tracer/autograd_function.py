@@ -9,7 +9,9 @@ user's `backward`. While a trace is recorded, `intercept_function_apply(ctx)` ro
   runs `cls.apply` itself at run time; when the op is differentiated, the autodiff transform
   keeps its torch.autograd graph, so the backward is the user's;
 - inside a `torch.no_grad()` region of a function called with grad enabled, `apply` runs as in
-  eager, on the proxies: `forward`'s ops are traced inline (eager records no backward there).
+  eager, on the proxies: `forward`'s ops are traced inline (eager records no backward there);
+- `torch.utils.checkpoint(..., use_reentrant=True)`'s Function is traced as the non-reentrant
+  checkpoint, which computes the same values and gradients (`_reentrant_checkpoint`).
 
 NOTE [Function.apply interception]: the patch is installed while at least one trace is being
 recorded (a depth count, so nested and concurrent traces share it) and removed afterwards. A
@@ -24,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import CheckpointFunction
+from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 from fulmen.core import FulmenError
 from fulmen.core.source import user_source_location
@@ -52,9 +54,24 @@ def _apply(cls, *args, **kwargs):
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     args, kwargs = ctx._proxify((args, kwargs))
     args, kwargs = ctx.mutation.resolve_tree((args, kwargs))
-    if not _traced_whole(ctx) or cls is CheckpointFunction:  # the tracer refuses it clearly
+    if cls is CheckpointFunction:
+        return _reentrant_checkpoint(*args)
+    if not _traced_whole(ctx):
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     return ctx.call(function_symbol(cls, autocast_state()), *args, **kwargs)
+
+
+def _reentrant_checkpoint(function, preserve_rng_state: bool, *args):
+    """`checkpoint(function, *args, use_reentrant=True)`: its values and gradients are those of
+    the non-reentrant checkpoint (traced, the region recomputed in the backward), except that
+    when no tensor argument requires grad, nothing inside gets a gradient (eager's reentrant
+    checkpoint records no graph then; PyTorch warns)."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in args):
+        return checkpoint(function, *args, use_reentrant=False,
+                          preserve_rng_state=preserve_rng_state)
+    with torch.no_grad():
+        return function(*args)
 
 
 _PATCHED_APPLY = classmethod(_apply)

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import CheckpointFunction
 
 from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
@@ -148,17 +147,6 @@ _REQUIRES_GRAD_ = T.requires_grad_
 _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook})
 
 
-def _inside_reentrant_checkpoint() -> bool:
-    """Whether the call comes from the function of a `checkpoint(..., use_reentrant=True)`."""
-    target = CheckpointFunction.forward.__code__
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
-
-
 class TracerCtx(TraceCtx):
     """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
 
@@ -227,15 +215,6 @@ class TracerCtx(TraceCtx):
 
     def handle(self, func, types, args, kwargs):
         """Record one torch call on proxies (see the module docstring for the route)."""
-        if _inside_reentrant_checkpoint():
-            raise NotYetSupportedError(
-                "torch.utils.checkpoint with use_reentrant=True runs its function under no_grad "
-                "inside a custom autograd.Function, which fulmen cannot trace exactly",
-                op="torch.utils.checkpoint.checkpoint", argument="use_reentrant",
-                where=user_source_location(),
-                hint="pass use_reentrant=False (PyTorch's recommended mode); fulmen then "
-                "recomputes the region in the backward",
-            )
         if func in BACKWARD_CALLS:
             raise backward_refusal(func)
         if func in _TENSOR_HOOKS:

@@ -187,12 +187,28 @@ def test_checkpoint_regions_are_recomputed():
     assert "torch.matmul" in str(fulmen.last_backward_traces(jfn)[-1])  # recomputed
 
 
-def test_reentrant_checkpoint_is_refused_clearly():
+@pytest.mark.parametrize("inputs_require_grad", [True, False])
+def test_reentrant_checkpoint_gives_eager_values_and_gradients(inputs_require_grad):
+    # was refused; checkpoint() without use_reentrant defaults to it (with a warning)
     from torch.utils.checkpoint import checkpoint
 
-    def fn(x, w):
-        return checkpoint(torch.matmul, x, w, use_reentrant=True).sum() + (x * w).sum()
+    layer = torch.nn.Linear(4, 4)
 
-    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    with pytest.raises(fulmen.NotYetSupportedError, match="use_reentrant"):
-        fulmen.jit(fn)(x, w)
+    def fn(x):
+        h = checkpoint(lambda t: torch.nn.functional.dropout(layer(t).relu(), 0.3), x,
+                       use_reentrant=True)
+        return (h * x).sum()
+
+    results = []
+    for f in (fn, fulmen.jit(fn)):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1),
+                        requires_grad=inputs_require_grad)
+        torch.manual_seed(0)
+        out = f(x)
+        if out.requires_grad:  # with no input requiring grad, nothing inside gets one
+            out.backward()  # (eager's reentrant checkpoint refuses torch.autograd.grad)
+        grads = [None if t.grad is None else t.grad.clone() for t in (layer.weight, x)]
+        layer.zero_grad(set_to_none=True)
+        results.append((out, out.requires_grad, grads))
+    torch.testing.assert_close(results[1], results[0])
+    assert results[0][1] == inputs_require_grad
