@@ -424,6 +424,11 @@ class ArgumentContainers:
         Raises:
             NotYetSupportedError: in the refused cases of the note.
         """
+        for proxy, key_path in input_paths:  # stored as themselves (`self.last = x`)
+            steps = _steps(key_path)
+            if steps is not None:
+                epilogue.arguments.setdefault(id(proxy), steps)
+                epilogue.keep.append(proxy)
         changed = self.changed()
         if not changed:
             return
@@ -454,11 +459,6 @@ class ArgumentContainers:
         for steps, seen, _ in self.found:
             epilogue.arguments[id(seen)] = steps
             epilogue.keep.append(seen)
-        for proxy, key_path in input_paths:
-            steps = _steps(key_path)
-            if steps is not None:
-                epilogue.arguments.setdefault(id(proxy), steps)
-                epilogue.keep.append(proxy)
 
     def restore(self) -> list[str]:
         """Put the copies back as they were; return where each changed one was passed."""

@@ -174,3 +174,25 @@ def test_a_buffer_replaced_after_a_graph_break_from_detached_data_trains_as_eage
                             model.linear.weight.grad.clone()))
             model.zero_grad()
         torch.testing.assert_close(results[1], results[0])
+
+
+class _KeepsItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.last_input = None
+
+    def forward(self, x):
+        self.last_input = x
+        return self.linear(x)
+
+
+def test_an_argument_stored_on_the_module_is_the_argument_itself():
+    # was an alias made by the compiled program: `is` failed, and for an input requiring grad
+    # it was a non-leaf, so `model.last_input.grad` stayed None after backward
+    model = _KeepsItsInput()
+    jitted = fulmen.jit(model)
+    for _ in range(2):
+        x = torch.randn(2, 3, requires_grad=True)
+        jitted(x).sum().backward()
+        assert model.last_input is x and model.last_input.grad is not None
