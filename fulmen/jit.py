@@ -178,6 +178,8 @@ class _Jitted:
                     if self._fullgraph or self._grad_argnums is not None:
                         raise
                     if isinstance(error, HostRandomness):  # such calls never compile
+                        if len(self._eager_keys) >= 4 * self._cache_size_limit:
+                            self._eager_keys.clear()
                         self._eager_keys.add(key)
                     return self._run_eagerly(args, kwargs, type(error).__name__, (
                         f"fulmen: {error}; such calls run eagerly"))
@@ -272,6 +274,8 @@ class _Jitted:
             rng_state = torch.random.get_rng_state()
             try:
                 return self._compile(args, kwargs, dims)
+            except (StoresDifferPerPath, HostRandomness):  # the call runs eagerly (`_call`)
+                raise
             except Exception as error:  # noqa: BLE001 - the static trace decides what is raised
                 if self._strict_dynamic:
                     raise
