@@ -461,10 +461,12 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         described[name] = value
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         name = _path_name(path, param_names)
-        if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds
-            for steps, value in walk(leaf):
+        if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds, and
+            for steps, value in walk(leaf):  # the numbers it keys by value (`cumulative_length`)
                 if isinstance(value, Tensor):
                     described[f"{name}{path_text(steps)}.shape"] = tuple(value.shape)
+                elif type(value) in (int, float, bool):
+                    described[f"{name}{path_text(steps)}"] = value
             continue
         if isinstance(leaf, Tensor):
             described[f"{name}.shape"] = tuple(leaf.shape)

@@ -129,6 +129,26 @@ def test_recompile_reasons_are_explained_and_logged(caplog):
     assert "x.shape changed from (4, 4) to (8, 4)" in caplog.text
 
 
+
+class _Window:
+    """A cache-like object: a tensor and a Python count the code reads (as HF's sliding
+    window layer keeps `cumulative_length`)."""
+
+    def __init__(self, seen: int) -> None:
+        self.keys = torch.ones(2)
+        self.seen = seen
+
+
+def test_a_number_inside_an_object_argument_is_a_named_reason():
+    def fn(x, window):
+        return x * window.seen + window.keys
+
+    jfn = fulmen.jit(fn)
+    x = torch.ones(2)
+    for seen in (3, 4):
+        torch.testing.assert_close(jfn(x, _Window(seen)), fn(x, _Window(seen)))
+    assert "window.seen changed from 3 to 4" in fulmen.compile_stats(jfn).recompile_reasons[0]
+
 def test_module_training_flag_change_is_a_reason():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     jmodel = fulmen.jit(model)
