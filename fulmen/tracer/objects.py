@@ -266,6 +266,25 @@ class Epilogue:
             out_leaves[index] = self._materialize(template, real, roots, current)
 
 
+
+_TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def refuse_traced_numbers(value: Any, where: str) -> None:
+    """Refuse a traced Python number (a symbolic size, `fulmen.tracer.symbolic`) stored into
+    an object that outlives the call (`layer.cumulative_length += key.shape[-2]`): the epilogue
+    replays stores by value, so the object would keep the symbol, not the call's number.
+
+    Raises:
+        NotYetSupportedError: when `value` is, or holds (`walk`), a `torch.SymInt`,
+            `SymFloat` or `SymBool`; a symbolic trace then falls back to exact sizes.
+    """
+    if isinstance(value, _TRACED_NUMBERS) or (_walkable(value) and any(
+            isinstance(v, _TRACED_NUMBERS) for _, v in walk(value))):
+        raise NotYetSupportedError(
+            f"the compiled function stores a traced size into {where}", op="store",
+            hint="store int(size)")
+
 class ObjectInputs:
     """The object arguments of one traced call (see the module docstring).
 
@@ -332,6 +351,7 @@ class ObjectInputs:
                 continue
             root, path = self.epilogue.existing[id(obj)]
             if isinstance(obj, list):
+                refuse_traced_numbers(obj, "a list")
                 self.epilogue.stores.append((root, path, None, list(obj)))
                 continue
             now = dict(obj) if isinstance(obj, dict) else dict(vars(obj))
@@ -343,6 +363,7 @@ class ObjectInputs:
                     hint="delete outside the compiled function")
             for key, value in now.items():
                 if key not in saved or saved[key] is not value:
+                    refuse_traced_numbers(value, f"{type(obj).__qualname__}.{key}")
                     self.epilogue.stores.append((root, path, (kind, key), value))
 
     def finish_restore(self) -> None:

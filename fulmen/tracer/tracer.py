@@ -35,6 +35,7 @@ from fulmen.tracer.objects import (
     function_roots,
     has_argument_grad,
     is_plain_object,
+    refuse_traced_numbers,
     walk,
 )
 from fulmen.tracer.symbolic import SymbolicSizes
@@ -296,6 +297,7 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     objects.record_stores()
     for index, leaf in enumerate(out_leaves):
         if is_plain_object(leaf) and any(isinstance(v, TensorProxy) for _, v in walk(leaf)):
+            refuse_traced_numbers(leaf, f"the {type(leaf).__qualname__} it returns")
             objects.epilogue.outputs.append((index, leaf))
             out_leaves[index] = None
     templates = [store[3] for store in objects.epilogue.stores]

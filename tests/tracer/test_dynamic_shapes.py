@@ -363,3 +363,26 @@ def test_a_hook_added_after_a_symbolic_compile_retraces():
     handle.remove()
     x = torch.randn(8, 4)
     torch.testing.assert_close(jmodel(x), model(x))
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.keys = torch.ones(2)
+        self.seen = 0
+
+
+def _count_tokens(x, counter):
+    counter.seen = counter.seen + x.shape[0]  # a size stored into an object that outlives the call
+    return x * 2
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_symbolic_size_stored_into_an_object_is_the_calls_number(dynamic):
+    """The object keeps the call's int, as eager's (the store is replayed by value, so a
+    symbolic trace of it would leave a `torch.SymInt` behind): here the size is specialised."""
+    jfn = fulmen.jit(_count_tokens, dynamic=dynamic)
+    counter, expected = _Counter(), 0
+    for n in (3, 5, 7, 5):
+        jfn(torch.ones(n), counter)
+        expected += n
+        assert type(counter.seen) is int and counter.seen == expected
