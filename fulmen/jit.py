@@ -83,6 +83,17 @@ class CacheEntry:
     symbolic_dims: tuple = ()
     # stores of Python constants the forward makes on its modules, replayed after each call
     module_stores: tuple = ()
+    # `(index, module, attribute)`: captured tensors read afresh from the module on each call
+    captured_attributes: tuple = ()
+
+    def captured_now(self) -> tuple:
+        """The captured tensors for this call (module tensor attributes as they are now)."""
+        if not self.captured_attributes:
+            return self.captured
+        values = list(self.captured)
+        for index, owner, name in self.captured_attributes:
+            values[index] = vars(owner)[name]
+        return tuple(values)
 
 
 @dataclass
@@ -200,15 +211,15 @@ class _Jitted:
                 object_tensors = objects.read_tensors(roots)
         if objects is None and not entry.mutated_inputs and not entry.tree:  # the common case
             if entry.all_leaves_are_inputs:
-                out = entry.fn(*leaves, *state, *entry.captured)
+                out = entry.fn(*leaves, *state, *entry.captured_now())
             else:
                 out = entry.fn(*[leaves[i] for i in entry.tensor_positions], *state,
-                               *entry.captured)
+                               *entry.captured_now())
             return self._finish(entry, out)
         inputs = [leaves[i] for i in entry.tensor_positions]
         if objects is not None:
             inputs += object_tensors
-        inputs += [*state, *entry.captured]
+        inputs += [*state, *entry.captured_now()]
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
             check_no_input_aliasing(inputs, entry.mutated_inputs)
         if entry.tree:
@@ -342,7 +353,8 @@ class _Jitted:
                 "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
                 "while it runs; a compiled function would not repeat that on later calls",
                 op="torch.manual_seed", hint="seed outside the compiled function")
-        self._guard.note_module_writes(program.module_writes, program.captured)
+        self._guard.note_module_writes(program.module_writes, program.captured,
+                                       fresh=not program.breaks)
         if program.module_stores and program.breaks and settle:
             undo = make_module_stores(program.module_stores)
             torch.random.set_rng_state(rng_state)
@@ -383,6 +395,7 @@ class _Jitted:
                           all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
                           offset_reads=program.offset_reads,
                           module_stores=program.module_stores,
+                          captured_attributes=program.captured_attributes,
                           **self._shapes.entry_fields(program))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
@@ -621,7 +634,8 @@ class _ForwardDescriptor:
 class JittedModule(torch.nn.Module):
     """An `nn.Module` compiled by `fulmen.jit`.
 
-    It holds the original module as `_orig_mod` and shares its parameters and buffers, so
+    It holds the original module as `_orig_mod` and shares its parameters and buffers (and
+    attributes set on it, `jmodel.temperature = 0.5`, land on the module), so
     `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors. It behaves
     like the module: `state_dict()` has the module's own keys (`load_state_dict` takes those or
     `_orig_mod.`-prefixed ones); `copy.deepcopy`, pickle and `torch.save` copy the module and
@@ -713,6 +727,24 @@ class JittedModule(torch.nn.Module):
                 # compiled forward, as it would on the module itself
                 return functools.partial(self._with_jitted_forward, value)
             return value
+
+    def __setattr__(self, name: str, value) -> None:
+        """`jmodel.temperature = 0.5` sets the module's attribute (the compiled forward reads
+        the module's); the wrapper's own state and private names stay on the wrapper."""
+        if self._wrapper_attribute(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._modules["_orig_mod"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._wrapper_attribute(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._modules["_orig_mod"], name)
+
+    def _wrapper_attribute(self, name: str) -> bool:
+        return (name.startswith("_") or name in self.__dict__ or hasattr(type(self), name)
+                or "_orig_mod" not in self.__dict__.get("_modules", {}))
 
     def _with_jitted_forward(self, method, *args, **kwargs):
         """Run `method` of the wrapped module with its `forward` compiled: calls made while

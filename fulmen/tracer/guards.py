@@ -240,6 +240,7 @@ class CacheKeyBuilder:
         self._watched: list[tuple[torch.nn.Module, str]] = []
         self._written: set[tuple[int, str]] = set()
         self._read: set[tuple[int, str]] = set()
+        self._fresh: set[tuple[int, str]] = set()  # tensor attributes programs read afresh
         self._stale = False  # the keying changed since `take_stale`
         self._last_parts: tuple = ((), ())  # the last call's global and state keys
         self._set_sources()
@@ -284,17 +285,23 @@ class CacheKeyBuilder:
                                         if is_user_class(read()))
         self._attribute_counts = tuple(map(len, self._module_dicts))
 
-    def note_module_writes(self, writes: frozenset, captured: tuple) -> None:
+    def note_module_writes(self, writes: frozenset, captured: tuple, fresh: bool) -> None:
         """After a trace: `writes` are the `(id(module), attribute)` it stored traced tensors
-        into, `captured` the real tensors it read. When that changes the keying (the written
-        attributes), keys computed before are stale (`take_stale`)."""
+        into, `captured` the real tensors it read; `fresh`: its program reads a module's tensor
+        attribute afresh on each call (`captured_attributes`), else it keeps the tensor it
+        captured. Attributes only written or read afresh are keyed by metadata; one whose
+        tensor a program keeps, by identity from then on. When that changes the keying, keys
+        computed before are stale (`take_stale`)."""
         if not self._attributes:
             return
         ids = {id(t) for t in captured}
         for attribute, index in self._attributes.items():
-            if ids and any(id(t) in ids for t in _tensors_in(self.scalar_sources[index][1]())):
+            value = self.scalar_sources[index][1]()
+            if ids and type(value) is Tensor and fresh and id(value) in ids:
+                self._fresh.add(attribute)
+            elif ids and any(id(t) in ids for t in _tensors_in(value)):
                 self._read.add(attribute)
-        written = (self._written | writes) - self._read
+        written = (self._written | self._fresh | writes) - self._read
         if written != self._written:
             self._written = written
             self._set_sources()

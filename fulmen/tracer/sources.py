@@ -136,8 +136,9 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
                             functools.partial(getattr, module, "__class__")))
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
+            # (private ones too when they hold a tensor: `self._h`, read afresh by programs)
             if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr not in _NOT_KEYED \
-                    and not attr.startswith("_"):
+                    and (not attr.startswith("_") or type(value) is Tensor):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))
     return sources[:_MAX_SOURCES]

@@ -69,6 +69,9 @@ class TracedProgram:
             replay after each call (`fulmen.tracer.module_stores`).
         module_writes: `(id(module), attribute)` of each traced tensor the forward stored on a
             module (an epilogue store of `objects`).
+        captured_attributes: `(index, module, attribute)` of each captured tensor that is a
+            plain tensor attribute of a module (`self.h`): the runtime reads it afresh from
+            the module on every call (`fulmen.jit`), keyed by its metadata.
     """
 
     trace: Trace
@@ -86,6 +89,7 @@ class TracedProgram:
     symbolic: SymbolicSizes | None = None
     module_stores: tuple[ModuleStore, ...] = ()
     module_writes: frozenset[tuple[int, str]] = frozenset()
+    captured_attributes: tuple[tuple[int, torch.nn.Module, str], ...] = ()
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -315,6 +319,17 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     return list(found.values())
 
 
+def _attribute_owners(module: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
+    """id of each plain tensor attribute of `module`'s modules (not a parameter or buffer:
+    `self.h = torch.zeros(4)`) -> `(owner, attribute)`."""
+    owners: dict[int, tuple[torch.nn.Module, str]] = {}
+    for sub in module.modules():
+        for key, value in vars(sub).items():
+            if type(value) is torch.Tensor:
+                owners.setdefault(id(value), (sub, key))
+    return owners
+
+
 def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs) -> list[ModuleStore]:
     """Make the module stores of traced tensors epilogue stores of `objects` (the trace returns
     their tensors; with graph breaks, each path has its own epilogue); return the other
@@ -470,6 +485,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
     captured = [tensor for tensor, _ in ctx.captured.values()]
     captured_proxies = [proxy for _, proxy in ctx.captured.values()]
+    owners = _attribute_owners(module) if module is not None and captured else {}
+    captured_attributes = tuple((index, *owners[id(tensor)]) for index, tensor
+                                in enumerate(captured) if id(tensor) in owners)
     seconds = time.perf_counter() - start
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
@@ -482,4 +500,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          objects=objects if objects.roots or objects.epilogue else None,
                          offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
                          symbolic=symbolic, module_stores=tuple(stores),
-                         module_writes=frozenset(writes))
+                         module_writes=frozenset(writes),
+                         captured_attributes=captured_attributes)

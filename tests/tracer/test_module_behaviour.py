@@ -298,3 +298,28 @@ def test_torch_compile_does_not_recompile_on_fulmens_registration_count():
     for _ in range(3):
         compiled(torch.randn(1, 2))
     assert counter.frame_count == 1
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.linear(x) / self.temperature
+
+
+def test_attributes_set_on_the_jitted_module_reach_the_module():
+    # `jmodel.temperature = 2.0` was set on the wrapper only: the forward kept reading 1.0
+    model = _Tempered()
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    jitted(x)
+    jitted.temperature = 2.0
+    assert model.temperature == 2.0 and jitted.temperature == 2.0
+    torch.testing.assert_close(jitted(x), model(x))
+    jitted.extra = torch.ones(1)  # a new attribute lands on the module too
+    assert torch.equal(model.extra, torch.ones(1))
+    del jitted.extra
+    assert not hasattr(model, "extra")

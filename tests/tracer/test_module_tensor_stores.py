@@ -122,6 +122,13 @@ def test_a_state_read_back_on_the_next_call_is_the_stored_one():
             x = torch.randn(4)
             torch.testing.assert_close(jitted(x), eager(x))
             torch.testing.assert_close(jitted.h, eager.h)
+    # `self.h` is read afresh on every call and keyed by its metadata: one compilation (it was
+    # keyed by identity: a compilation per call, eager past the cache size limit)
+    assert fulmen.compile_stats(jitted).cache_misses == 1
+    jitted.h = torch.ones(4)  # replaced from outside: read as it is now
+    eager.h = torch.ones(4)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), eager(x))
 
 
 class _StoresInPlace(torch.nn.Module):
@@ -196,3 +203,22 @@ def test_an_argument_stored_on_the_module_is_the_argument_itself():
         x = torch.randn(2, 3, requires_grad=True)
         jitted(x).sum().backward()
         assert model.last_input is x and model.last_input.grad is not None
+
+
+class _PrivateScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._scale = torch.tensor(2.0)
+
+    def forward(self, x):
+        return x * self._scale
+
+
+def test_a_private_tensor_attribute_replaced_between_calls_is_read_as_it_is_now():
+    # private attributes were not keyed: the tensor captured by the first trace was reused
+    model = _PrivateScale()
+    jitted = fulmen.jit(model)
+    x = torch.ones(2)
+    for scale in (torch.tensor(2.0), torch.tensor([3.0, 4.0]), torch.tensor(5.0)):
+        model._scale = scale
+        torch.testing.assert_close(jitted(x), x * scale)
