@@ -1,7 +1,9 @@
 """The output pool of the CPU kernels: large outputs reuse memory torch has freed, never memory
 anything can still read, and behave as `torch.empty` tensors."""
 
+import ctypes
 import gc
+import mmap
 import os
 import re
 import threading
@@ -153,7 +155,27 @@ def test_without_a_compiler_outputs_come_from_torch(tmp_path, monkeypatch):
 def test_large_outputs_get_huge_pages(ready):
     out = pool.empty((4096, 4096), torch.float32)
     out.fill_(2.0)
-    assert _anon_huge_bytes(out.data_ptr() + out.nbytes // 2) >= 4 << 20
+    huge = _anon_huge_bytes(out.data_ptr() + out.nbytes // 2)
+    if huge < 4 << 20 and not _kernel_gives_huge_pages():
+        pytest.skip("the kernel has no free huge pages now (memory fragmented)")
+    assert huge >= 4 << 20
+
+
+def _kernel_gives_huge_pages() -> bool:
+    """Whether a plain 16 MiB anonymous mapping advised MADV_HUGEPAGE gets huge pages now: a
+    control, so the test above fails for the pool's own mistakes only."""
+    size = 16 << 20
+    block = mmap.mmap(-1, size)
+    try:
+        block.madvise(mmap.MADV_HUGEPAGE)
+        block.write(b"\1" * size)
+        view = memoryview(block)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        found = _anon_huge_bytes(address + size // 2) > 0
+        view.release()
+        return found
+    finally:
+        block.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
