@@ -54,6 +54,12 @@ def has_argument_grad(t: torch.Tensor) -> bool:
     return t.requires_grad and t.is_leaf and t.grad is not None
 
 
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """`t.grad` where autograd fills it (a leaf, or a tensor that retains its grad), else None:
+    reading a non-leaf's `.grad` warns (a KV cache built under grad mode holds non-leaves)."""
+    return t.grad if t.is_leaf or t.retains_grad else None
+
+
 def is_plain_object(value: Any) -> bool:
     """Whether fulmen looks inside `value`: an instance of a Python class with a `__dict__`
     (not a tensor, module, function, class or atom such as a number or dtype)."""
@@ -151,7 +157,7 @@ def object_key(root: Any, leaf_key, masks: dict | None = None) -> tuple:
     parts = [type(root)]
     for path, value in walk(root):
         if isinstance(value, torch.Tensor):
-            grad = value.grad
+            grad = _grad_of(value)
             key = masks[path](value) if masks and path in masks else leaf_key(value)
             parts.append((path, key, None if grad is None else leaf_key(grad)))
         else:
@@ -322,13 +328,14 @@ class ObjectInputs:
                     _store(owner, path[-1], proxy)
                     self.tensor_paths.append((root_index, path))
                     pairs.append((proxy, value))
-                    if value.grad is not None:  # an optimizer reads `p.grad`: an input too
+                    grad_tensor = _grad_of(value)
+                    if grad_tensor is not None:  # an optimizer reads `p.grad`: an input too
                         grad_path = (*path, ("attr", "grad"))
-                        grad = make_proxy(root_index, grad_path, value.grad)
+                        grad = make_proxy(root_index, grad_path, grad_tensor)
                         with torch._C.DisableTorchFunctionSubclass():
                             proxy.grad = grad
                         self.tensor_paths.append((root_index, grad_path))
-                        pairs.append((grad, value.grad))
+                        pairs.append((grad, grad_tensor))
         self._rekey([proxy for proxy, _ in pairs], [tensor for _, tensor in pairs])
         self._snapshots = {cid: (obj, snapshot(obj)) for cid, obj in self._objects.items()}
         return pairs

@@ -3,6 +3,7 @@ between steps. Losses and gradients are compared with eager by the float64 rule.
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -14,10 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T = pytest.importorskip("transformers")
 
 
-def _tiny_llama():
+def _tiny_llama(layers=2):
     torch.manual_seed(0)
     return T.LlamaForCausalLM(T.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=96, max_position_embeddings=64, pad_token_id=0))
 
 
@@ -36,13 +37,27 @@ def _loss_and_grads(model, batch, call=None) -> tuple[torch.Tensor, dict]:
                   for n, p in model.named_parameters()}
 
 
-def test_gradient_checkpointing_matches_eager():
-    """`gradient_checkpointing_enable()` registers a forward hook that calls
+def _enable_checkpointing(model, spelling):
+    if spelling == "gradient" or not hasattr(model, "activation_checkpointing_enable"):
+        with warnings.catch_warnings():  # deprecated since transformers 5.24
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable()
+    elif spelling == "every_2":
+        model.activation_checkpointing_enable(every_n_layers=2)
+    else:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": True})
+
+
+@pytest.mark.parametrize("spelling", ["gradient", "every_2", "reentrant"])
+def test_gradient_checkpointing_matches_eager(spelling):
+    """`gradient_checkpointing_enable()` (transformers >= 5.24: `activation_checkpointing_enable`,
+    which may checkpoint every n-th layer only) registers a forward hook that calls
     `output.requires_grad_(True)` on the embeddings' output (already requiring grad)."""
-    model = _tiny_llama().train()
+    model = _tiny_llama(layers=3).train()
     twin, wide = copy.deepcopy(model), copy.deepcopy(model).double()
     for m in (model, twin, wide):
-        m.gradient_checkpointing_enable()
+        _enable_checkpointing(m, spelling)
     batch = _batch()
     want_loss, want = _loss_and_grads(model, batch)
     got_loss, got = _loss_and_grads(twin, batch, fulmen.jit(twin))
