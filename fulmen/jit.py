@@ -36,7 +36,11 @@ from fulmen.tracer.guards import (
     explain_change,
     restore_classes,
 )
-from fulmen.tracer.host_random import HostRandomness, HostRandomState
+from fulmen.tracer.host_random import (
+    HostRandomness,
+    HostRandomState,
+    refuse_private_generators,
+)
 from fulmen.tracer.module_hooks import (
     HookWatch,
     StructureWatch,
@@ -335,6 +339,7 @@ class _Jitted:
             restore_classes(classes)
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         host_random.refuse_draws()
+        refuse_private_generators(program.trace, (args, kwargs))
         changed = changed_classes(classes)
         if changed:  # `CFG.calls += 1`: a compiled call would not repeat it
             restore_classes(classes)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import random
 import sys
 
+import torch
+from torch.utils import _pytree as pytree
+
 from fulmen.core import NotYetSupportedError
 
 
@@ -58,3 +61,37 @@ class HostRandomState:
                 "np.random...); a compiled call would repeat the numbers drawn while tracing",
                 op="random", hint="draw with torch (torch.rand, torch.randint), whose random ops "
                 "fulmen compiles")
+
+
+def _is_global(generator: torch.Generator) -> bool:
+    """Whether `generator` is torch's global generator of its device (what eager draws from
+    when no generator is given)."""
+    cuda = torch.cuda.default_generators if torch.cuda.is_initialized() else ()
+    return generator is torch.default_generator or any(generator is g for g in cuda)
+
+
+def refuse_private_generators(trace, arguments) -> None:
+    """Raise `HostRandomness` if a random op of `trace` draws from a `torch.Generator` that is
+    neither torch's global one nor among `arguments` (the call's `(args, kwargs)`).
+
+    Such a generator was created inside the function (`torch.Generator().manual_seed(0)`, a
+    fresh, seeded generator on every eager call) or read from a global or an attribute: the
+    compiled program would hold the one object seen while tracing and keep drawing from it, so
+    the call runs eagerly instead. A generator passed as an argument is keyed by identity and
+    drawn from at run time.
+
+    Raises:
+        HostRandomness: naming the op and the user's line.
+    """
+    passed = {id(leaf) for leaf in pytree.tree_leaves(arguments)
+              if isinstance(leaf, torch.Generator)}
+    for bsym in trace.bsyms:
+        generator = bsym.kwargs.get("generator") if bsym.kwargs else None
+        if (isinstance(generator, torch.Generator) and id(generator) not in passed
+                and not _is_global(generator)):
+            raise HostRandomness(
+                "the function draws from a torch.Generator that is not one of its arguments "
+                "(made inside it, or read from a global or an attribute); a compiled call would "
+                "keep drawing from the generator seen while tracing",
+                op=bsym.sym.name, where=bsym.source,
+                hint="pass the generator as an argument (then the call is compiled)")

@@ -133,3 +133,49 @@ def test_draws_from_python_and_numpy_generators_are_not_baked_in(seed, draw):
     torch.testing.assert_close(jitted(x), model(x))
     assert fulmen.compile_stats(jitted).cache_misses >= 1
     assert fulmen.compile_stats(jitted).eager_calls == 12
+
+
+def _fresh_generator_noise(x):
+    generator = torch.Generator().manual_seed(0)  # the same noise on every eager call
+    return x + torch.randn(x.shape, generator=generator)
+
+
+def _noise_from(x, generator):
+    return x + torch.rand(x.shape, generator=generator)
+
+
+_MODULE_GENERATOR = torch.Generator()
+
+
+def _module_generator_noise(x):
+    return x * torch.rand(x.shape, generator=_MODULE_GENERATOR)
+
+
+def test_generators_made_inside_or_read_from_globals_are_not_baked_in():
+    # the compiled program kept drawing from the generator made while tracing: each call
+    # gave new noise where eager gives the same
+    x = torch.zeros(3)
+    jitted = fulmen.jit(_fresh_generator_noise)
+    with pytest.warns(UserWarning, match="torch.Generator that is not one of its arguments"):
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x), _fresh_generator_noise(x))
+    assert fulmen.compile_stats(jitted).eager_calls == 3
+    jitted = fulmen.jit(_module_generator_noise)
+    _MODULE_GENERATOR.manual_seed(1)
+    with pytest.warns(UserWarning, match="torch.Generator"):
+        got = [jitted(x + 1) for _ in range(3)]
+    _MODULE_GENERATOR.manual_seed(1)
+    torch.testing.assert_close(got, [_module_generator_noise(x + 1) for _ in range(3)])
+
+
+def test_generator_arguments_are_compiled_and_drawn_at_run_time():
+    x = torch.zeros(3)
+    jitted = fulmen.jit(_noise_from)
+    for seed in (1, 2, 1):
+        got = [jitted(x, torch.Generator().manual_seed(seed)) for _ in range(2)]
+        want = [_noise_from(x, torch.Generator().manual_seed(seed)) for _ in range(2)]
+        torch.testing.assert_close(got, want)
+    shared, twin = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    torch.testing.assert_close([jitted(x, shared) for _ in range(3)],
+                               [_noise_from(x, twin) for _ in range(3)])
+    assert fulmen.compile_stats(jitted).eager_calls == 0
