@@ -18,6 +18,7 @@ from tests.fuzz.models import (
     ConvModel,
     ConvStage,
     Custom,
+    Ema,
     Layout,
     Memory,
     Mlp,
@@ -185,7 +186,8 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False,
 # (`Memory`, a buffer the forward replaces, is replayed, and refused with graph breaks;
 # `Layout("view_broadcast")`, `Layout("strides")` and `Context(cache="list")`, once open bugs
 # (tests/fuzz/test_found_bugs.py), are generated always)
-_norms = st.sampled_from(["layer", "rms"])
+_norms = st.sampled_from(["layer", "rms", "layer", "rms", "layer_plain", "layer_nobias",
+                          "rms_torch", "rms_plain"])
 _often = st.sampled_from([True, True, False])
 _sometimes = st.sampled_from([False, False, True])
 _rarely = st.sampled_from([False, False, False, True])
@@ -197,7 +199,8 @@ def _attn(draw, dim):
     kv_heads = draw(st.sampled_from([0] + [k for k in (1, 2) if k < heads and heads % k == 0]))
     return draw(st.builds(Attn, heads=st.just(heads), kv_heads=st.just(kv_heads), causal=st.booleans(), rotary=st.booleans(),
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
-                     checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes))
+                     checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes,
+                     mask=st.sampled_from(["bool", "bool", "float", "bert"])))
 
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
@@ -205,9 +208,10 @@ _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
                  fp32_island=_sometimes, inplace=st.booleans(), dropout=_sometimes,
                  unpad=_sometimes)
 _moe = st.builds(Moe, experts=st.integers(2, 4), top_k=st.integers(1, 2), norm=_norms,
-                 checkpoint=_sometimes)
+                 checkpoint=_sometimes, combine=st.sampled_from(
+                     ["index_add", "scatter_add", "gather", "scatter"]))
 _custom = st.builds(Custom, kind=st.sampled_from(["scale", "ste", "linear"]))
-_stat = st.just(Stat())
+_stat = st.sampled_from([Stat(), Ema()])
 _layout = st.builds(Layout, kind=st.sampled_from(
     ["view", "view_broadcast", "strides"]))
 
@@ -225,13 +229,16 @@ def seq_models(draw):
     return SeqModel(vocab=draw(st.integers(5, 20)), dim=dim, blocks=blocks,
                     learned_pos=draw(st.booleans()),
                     final_norm=draw(st.sampled_from(["layer", "rms", "none"])), head=head,
-                    loss=draw(st.sampled_from(["ce", "ce_tokens", "mse", "none"])),
+                    loss=draw(st.sampled_from(["ce", "ce_tokens", "ce_smooth", "nll", "mse",
+                                               "none"])),
                     early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
                     inplace_labels=draw(st.booleans()), shared=draw(_sometimes))
 
 
 _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sampled_from([1, 3]),
-                   norm=st.sampled_from(["batch", "group", "none"]),
+                   norm=st.sampled_from(["batch", "batch", "batch_plain", "batch_cumulative",
+                                         "batch_nostats", "group", "group_plain", "instance",
+                                         "none"]),
                    act=st.sampled_from(["relu", "silu", "gelu"]),
                    pool=st.sampled_from(["max", "avg", "none"]), residual=st.booleans(),
                    checkpoint=st.booleans())
@@ -239,7 +246,7 @@ conv_models = st.builds(
     ConvModel, in_channels=st.integers(1, 3), stages=st.lists(_stage, min_size=1, max_size=3)
     .map(tuple), classes=st.integers(2, 6),
     extra=st.lists(st.one_of(_custom, _stat, _layout), max_size=2).map(tuple),
-    loss=st.sampled_from(["ce", "mse", "none"]), channels_last=_sometimes)
+    loss=st.sampled_from(["ce", "ce_smooth", "nll", "mse", "none"]), channels_last=_sometimes)
 
 
 @st.composite

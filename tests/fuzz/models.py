@@ -43,6 +43,7 @@ class Attn:
     autocast_inside: bool = False  # the attention core under autocast(bf16) inside the model
     dropout: bool = False  # on the attention probabilities (p=0.1, training only)
     kv_heads: int = 0  # grouped-query attention: fewer key/value heads, repeated (HF repeat_kv)
+    mask: str = "bool"  # bool | float (additive: 0 or finfo.min) | bert ((1 - m) * -1e4 + causal)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Moe:
     top_k: int = 2
     norm: str = "rms"
     checkpoint: bool = False  # the routing (with its graph breaks) inside checkpoint
+    combine: str = "index_add"  # index_add | scatter_add (both per expert, graph breaks) |
+    #                             gather (every expert on every token, top-k gathered) |
+    #                             scatter (top-k weights scattered into a dense [N, E] matrix)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,12 @@ class Custom:
 class Stat:
     """In-place buffer updates in training: a running mean (read by the forward) and a step
     counter."""
+
+
+@dataclass(frozen=True)
+class Ema:
+    """An EMA copy of a weight kept as a buffer: updated in place (`lerp_`) in every training
+    call, used instead of the weight in eval mode; a float step counter."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class SeqModel:
     learned_pos: bool = False
     final_norm: str = "layer"  # layer | rms | none
     head: str = "lm"  # lm | tied | cls
-    loss: str = "ce"  # ce | ce_tokens (sum / tokens counted by .item()) | mse | none
+    loss: str = "ce"  # ce | ce_tokens (sum / tokens counted by .item()) | ce_smooth
+    #                   (label_smoothing, class weights) | nll (log_softmax + nll_loss) | mse | none
     early_exit: bool = False  # eval mode skips the head's last block (a module flag)
     dict_output: bool = False  # HF-style output: {"logits", "loss", "hidden_states": [...]}
     inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
@@ -116,7 +127,9 @@ class SeqModel:
 class ConvStage:
     channels: int = 4
     kernel: int = 3
-    norm: str = "batch"  # batch | group | none
+    norm: str = "batch"  # batch | batch_plain (no affine) | batch_cumulative (momentum=None)
+    #                      | batch_nostats (track_running_stats=False) | group | group_plain
+    #                      | instance | none
     act: str = "relu"  # relu | silu | gelu
     pool: str = "none"  # max | avg | none
     residual: bool = False
@@ -130,7 +143,7 @@ class ConvModel:
     classes: int = 5
     extra: tuple = ()  # Custom / Stat blocks applied to the pooled features
     channels_last: bool = False  # weights and images in channels-last layout
-    loss: str = "ce"  # ce | mse | none
+    loss: str = "ce"  # ce | ce_smooth | nll | mse | none
 
 
 @dataclass(frozen=True)
@@ -195,10 +208,20 @@ class RMSNorm(nn.Module):
 
 
 def _norm(kind, dim):
+    """layer | layer_plain (no affine) | layer_nobias | rms (hand-written) | rms_torch
+    (nn.RMSNorm) | rms_plain (nn.RMSNorm, no affine) | none"""
     if kind == "rms":
         return RMSNorm(dim)
+    if kind == "rms_torch":
+        return nn.RMSNorm(dim, eps=1e-6)
+    if kind == "rms_plain":
+        return nn.RMSNorm(dim, elementwise_affine=False)
     if kind == "layer":
         return nn.LayerNorm(dim)
+    if kind == "layer_plain":
+        return nn.LayerNorm(dim, elementwise_affine=False)
+    if kind == "layer_nobias":
+        return nn.LayerNorm(dim, bias=False)
     return nn.Identity()
 
 
@@ -247,6 +270,14 @@ class Attention(nn.Module):
         if mask is not None and (not spec.mask_if or not mask.all()):
             padding = mask[:, None, None, :]
             keep = padding if keep is None else keep & padding
+        if spec.mask == "bert" and mask is not None:  # HF BERT's extended attention mask
+            additive = (1.0 - mask[:, None, None, :].to(q.dtype)) * -10000.0
+            if spec.causal:
+                additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)
+            keep = additive
+        elif spec.mask != "bool" and keep is not None:  # additive float mask
+            keep = torch.zeros(keep.shape, dtype=q.dtype, device=x.device).masked_fill(
+                ~keep, torch.finfo(q.dtype).min)
         scale = 1.0 / (math.sqrt(q.shape[-1]) * self.temperature)
         dropout = 0.1 if spec.dropout and self.training else 0.0
         if spec.sdpa:
@@ -254,8 +285,10 @@ class Attention(nn.Module):
                                                  scale=scale)
         else:
             scores = q @ k.transpose(-1, -2) * scale
-            if keep is not None:
+            if keep is not None and keep.dtype == torch.bool:
                 scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+            elif keep is not None:
+                scores = scores + keep
             out = F.dropout(scores.softmax(-1), dropout, self.training) @ v
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
@@ -374,13 +407,26 @@ class MoE(nn.Module):
         probs = self.router(h).softmax(-1, dtype=torch.float)
         weights, chosen = probs.topk(self.spec.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        combine = self.spec.combine
+        if combine == "gather":  # every expert on every token, the top-k gathered
+            every = torch.stack([expert(h) for expert in self.experts], dim=1)  # [N, E, d]
+            picked = every.gather(1, chosen[..., None].expand(-1, -1, d))  # [N, k, d]
+            return x + (picked * weights[..., None]).sum(1).view(b, t, d)
+        if combine == "scatter":  # dense [N, E] combine weights, zero off the top-k
+            dense = torch.zeros(b * t, len(self.experts), dtype=h.dtype, device=h.device)
+            dense = dense.scatter(1, chosen, weights)
+            out = sum(dense[:, e, None] * expert(h) for e, expert in enumerate(self.experts))
+            return x + out.view(b, t, d)
         out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             tokens, slot = torch.where(chosen == e)
             if tokens.numel() == 0:
                 continue
-            y = expert(h[tokens]) * weights[tokens, slot, None]
-            out = out.index_add(0, tokens, y.to(out.dtype))
+            y = (expert(h[tokens]) * weights[tokens, slot, None]).to(out.dtype)
+            if combine == "scatter_add":
+                out.scatter_add_(0, tokens[:, None].expand(-1, d), y)
+            else:
+                out = out.index_add(0, tokens, y)
         return x + out.view(b, t, d)
 
 
@@ -460,6 +506,22 @@ class Stats(nn.Module):
         return x - 0.1 * self.running.to(x.dtype)
 
 
+class EmaBlock(nn.Module):
+    def __init__(self, spec: Ema, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.register_buffer("shadow", self.weight.detach().clone())
+        self.register_buffer("updates", torch.zeros(()))
+
+    def forward(self, x, mask=None):
+        if self.training:
+            with torch.no_grad():
+                self.updates.add_(1)
+                self.shadow.lerp_(self.weight.to(self.shadow.dtype), 1.0 / (1 + self.updates))
+            return x * self.weight
+        return x * self.shadow
+
+
 class LayoutBlock(nn.Module):
     def __init__(self, spec: Layout, dim):
         super().__init__()
@@ -493,7 +555,7 @@ class MemoryBlock(nn.Module):
 
 
 _SEQ_BLOCKS = {Attn: Attention, Mlp: MLP, Moe: MoE, Custom: CustomFn, Stat: Stats,
-               Memory: MemoryBlock, Layout: LayoutBlock}
+               Memory: MemoryBlock, Layout: LayoutBlock, Ema: EmaBlock}
 
 
 class SeqNet(nn.Module):
@@ -545,7 +607,7 @@ class SeqNet(nn.Module):
         if self.spec.loss == "mse":
             return F.mse_loss(logits.float(), torch.zeros_like(logits, dtype=torch.float))
         if self.spec.head == "cls":
-            return F.cross_entropy(logits.float(), labels[:, 0] % 3)
+            return _classification_loss(self.spec.loss, logits, labels[:, 0] % 3)
         if mask is not None:
             if self.spec.inplace_labels:
                 labels.masked_fill_(~mask, -100)
@@ -555,7 +617,19 @@ class SeqNet(nn.Module):
             tokens = int((labels != -100).sum().item())
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                    ignore_index=-100, reduction="sum") / max(tokens, 1)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return _classification_loss(self.spec.loss, logits.flatten(0, 1), labels.flatten())
+
+
+def _classification_loss(kind, logits, labels):
+    """ce | ce_smooth (label smoothing and class weights) | nll; labels of -100 are ignored."""
+    logits = logits.float()
+    if kind == "nll":
+        return F.nll_loss(logits.log_softmax(-1), labels, ignore_index=-100)
+    if kind == "ce_smooth":
+        weight = torch.linspace(0.5, 1.5, logits.shape[-1], device=logits.device)
+        return F.cross_entropy(logits, labels, weight=weight, ignore_index=-100,
+                               label_smoothing=0.1)
+    return F.cross_entropy(logits, labels, ignore_index=-100)
 
 
 class Stage(nn.Module):
@@ -563,12 +637,16 @@ class Stage(nn.Module):
         super().__init__()
         self.spec = spec
         self.conv = nn.Conv2d(channels_in, spec.channels, spec.kernel, padding=spec.kernel // 2)
-        if spec.norm == "batch":
-            self.norm = nn.BatchNorm2d(spec.channels)
-        elif spec.norm == "group":
-            self.norm = nn.GroupNorm(2, spec.channels)
-        else:
-            self.norm = nn.Identity()
+        self.norm = {
+            "batch": lambda c: nn.BatchNorm2d(c),
+            "batch_plain": lambda c: nn.BatchNorm2d(c, affine=False),
+            "batch_cumulative": lambda c: nn.BatchNorm2d(c, momentum=None),
+            "batch_nostats": lambda c: nn.BatchNorm2d(c, track_running_stats=False),
+            "group": lambda c: nn.GroupNorm(2, c),
+            "group_plain": lambda c: nn.GroupNorm(2, c, affine=False),
+            "instance": lambda c: nn.InstanceNorm2d(c, affine=True),
+            "none": lambda c: nn.Identity(),
+        }[spec.norm](spec.channels)
         self.act = {"relu": nn.ReLU(), "silu": nn.SiLU(), "gelu": nn.GELU()}[spec.act]
         self.skip = spec.residual and channels_in == spec.channels
 
@@ -579,7 +657,7 @@ class Stage(nn.Module):
         # excluded: batch norm's running stats in a checkpointed region. Eager's recomputation
         # in backward updates them a second time (num_batches_tracked += 2), fulmen once
         # (reported as a divergence from eager, see the report of issue 18)
-        recomputes_stats = self.spec.norm == "batch" and self.training
+        recomputes_stats = self.spec.norm.startswith("batch") and self.training
         if self.spec.checkpoint and torch.is_grad_enabled() and not recomputes_stats:
             h = checkpoint(self.core, x, use_reentrant=False)
         else:
@@ -618,7 +696,7 @@ class ConvNet(nn.Module):
             return logits
         if self.spec.loss == "mse":
             return logits, F.mse_loss(logits.float(), torch.zeros_like(logits, dtype=torch.float))
-        return logits, F.cross_entropy(logits.float(), labels % self.spec.classes)
+        return logits, _classification_loss(self.spec.loss, logits, labels % self.spec.classes)
 
 
 def build(case: Case, dtype=None) -> nn.Module:
