@@ -46,6 +46,8 @@ def make_inputs(case: Case, index: int, dtype) -> tuple:
                     for i in range(call.batch)]
             mask = torch.arange(call.length)[None, :] < torch.tensor(
                 [call.length - p for p in pads])[:, None]
+            if model.left_pad:
+                mask = mask.flip(-1)
         return ids, mask, labels
     images = torch.randn(call.batch, model.in_channels, call.length, call.length,
                          generator=gen).to(dtype)
@@ -200,7 +202,8 @@ def _attn(draw, dim):
     return draw(st.builds(Attn, heads=st.just(heads), kv_heads=st.just(kv_heads), causal=st.booleans(), rotary=st.booleans(),
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
                      checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes,
-                     mask=st.sampled_from(["bool", "bool", "float", "bert"])))
+                     mask=st.sampled_from(["bool", "bool", "float", "bert"]),
+                     positions_from_mask=st.booleans()))
 
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
@@ -232,7 +235,8 @@ def seq_models(draw):
                     loss=draw(st.sampled_from(["ce", "ce_tokens", "ce_smooth", "nll", "mse",
                                                "none"])),
                     early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
-                    inplace_labels=draw(st.booleans()), shared=draw(_sometimes))
+                    inplace_labels=draw(st.booleans()), shared=draw(_sometimes),
+                    left_pad=draw(_sometimes))
 
 
 _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sampled_from([1, 3]),
@@ -328,6 +332,7 @@ def smaller(case: Case):
     if isinstance(model, SeqModel):
         for name, plain in (("learned_pos", False), ("early_exit", False),
                             ("dict_output", False), ("inplace_labels", False), ("shared", False),
+                            ("left_pad", False),
                             ("final_norm", "none"), ("loss", "none"), ("head", "lm")):
             if getattr(model, name) != plain:
                 yield dataclasses.replace(case, model=dataclasses.replace(model, **{name: plain}))

@@ -43,6 +43,8 @@ class Attn:
     autocast_inside: bool = False  # the attention core under autocast(bf16) inside the model
     dropout: bool = False  # on the attention probabilities (p=0.1, training only)
     kv_heads: int = 0  # grouped-query attention: fewer key/value heads, repeated (HF repeat_kv)
+    positions_from_mask: bool = False  # rotary positions counted over unpadded tokens (HF:
+    #                                    mask.cumsum(-1) - 1), per row: left padding's positions
     mask: str = "bool"  # bool | float (additive: 0 or finfo.min) | bert ((1 - m) * -1e4 + causal)
 
 
@@ -121,6 +123,7 @@ class SeqModel:
     dict_output: bool = False  # HF-style output: {"logits", "loss", "hidden_states": [...]}
     inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
     shared: bool = False  # the blocks are applied twice (weights shared across depth)
+    left_pad: bool = False  # padding at the start of each row (HF generation's padding side)
 
 
 @dataclass(frozen=True)
@@ -252,8 +255,12 @@ class Attention(nn.Module):
         k, v = k.view(b, t, kv, hd).transpose(1, 2), v.view(b, t, kv, hd).transpose(1, 2)
         past = _cache_length(cache, layer)
         if spec.rotary:
-            positions = torch.arange(past, past + t, device=x.device).float()
-            freqs = torch.outer(positions, self.inv_freq)
+            if spec.positions_from_mask and mask is not None:  # [b, 1, t, hd]: per row
+                positions = (mask.long().cumsum(-1) - 1).clamp(min=0).float()
+                freqs = (positions[..., None] * self.inv_freq)[:, None]
+            else:
+                positions = torch.arange(past, past + t, device=x.device).float()
+                freqs = torch.outer(positions, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
             q = q * cos + _rotate_half(q) * sin
