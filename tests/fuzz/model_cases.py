@@ -122,8 +122,11 @@ def run_sequence(case: Case, model: nn.Module, fn, reference: bool = False,
     step = scheduler = None
     if ctx.optimizer != "none":
         params = list(model.parameters())
+        # eps=1e-3: AdamW's first step divides by |g| + eps, so with the default 1e-8 a
+        # gradient of 1e-12 (a top-1 router's) turns a 1e-9 gradient difference the rule
+        # accepts into an update difference of order lr (tests/fuzz/SUMMARY.md)
         optimizer = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if ctx.optimizer == "sgd"
-                     else torch.optim.AdamW(params, lr=0.01))
+                     else torch.optim.AdamW(params, lr=0.01, eps=1e-3))
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
         step = compile_step(optimizer.step) if compile_step else optimizer.step
     torch.manual_seed(case.seed)  # dropout draws the same masks in every run
@@ -274,6 +277,10 @@ def cases(draw):
     if context.cache != "none":
         changes.remove("grad")
     n_calls = draw(st.integers(1, 3))
+    if context.optimizer != "none" and (context.autocast or context.bf16_weights):
+        # half-precision training diverges from eager's after a step (a ReLU input near zero
+        # changes sign): later calls are compared at other parameters, so one call
+        n_calls = 1
     calls = []
     for i in range(n_calls):
         length = draw(st.integers(2, 7) if seq else st.integers(3, 8))
