@@ -429,6 +429,26 @@ PATTERNS = (
          (Call(2, 4), Call(2, 4, (1,))), seed=12),
     Case(SeqModel(vocab=8, dim=8, blocks=(Memory(), Mlp())), Context(training=True, grad=True),
          (Call(2, 3), Call(2, 3), Call(3, 3), Call(2, 3)), seed=13),
+    # left padding with rotary positions counted per row, float and BERT-style additive masks,
+    # norms without affine, MoE combined by gather and by scatter, an EMA weight
+    # buffer used in eval, cross-entropy with label smoothing and class weights
+    Case(SeqModel(vocab=10, dim=8, blocks=(
+        Attn(heads=2, rotary=True, positions_from_mask=True, mask="float", norm="rms_torch"),
+        Attn(heads=2, causal=False, sdpa=False, mask="bert", norm="layer_plain"),
+        Moe(experts=3, top_k=2, combine="gather", norm="layer_nobias"),
+        Moe(experts=2, top_k=1, combine="scatter", norm="rms_plain"), Ema()),
+        final_norm="layer", head="tied", loss="ce_smooth", left_pad=True),
+        Context(training=True, grad=True, accumulate=True),
+        (Call(2, 5, (1, 2)), Call(2, 5, (2,), change="eval")), seed=14),
+    # batch norm without affine, with momentum=None, without running stats; group norm and
+    # instance norm without affine; nll loss; a float32 model under autocast(bf16)
+    Case(ConvModel(in_channels=2, stages=(
+        ConvStage(channels=4, norm="batch_plain", pool="max"),
+        ConvStage(channels=4, norm="batch_cumulative", residual=True),
+        ConvStage(channels=4, kernel=1, norm="batch_nostats"),
+        ConvStage(channels=4, norm="group_plain"), ConvStage(channels=4, norm="instance")),
+        classes=3, loss="nll"), Context(training=True, grad=True, autocast=True),
+        (Call(2, 6), Call(3, 6), Call(2, 6, change="eval")), seed=15),
     # conv under autocast(float16)
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,

@@ -29,6 +29,17 @@ run by every executor list: `["torch"]`, decomposed to prims, `["codegen", "torc
                                       hook/grad_hook)
     masks, branches, early exits    _attn: mask_if (value-dependent `if`), SeqModel(early_exit),
                                       Mlp(unpad) and Moe (data-dependent shapes)
+    boolean / float / BERT masks,   _attn: Attn(mask="bool" | "float" | "bert"),
+      left padding + rotary           Attn(positions_from_mask); SeqModel(left_pad)
+    norms with and without affine   _norms: layer, layer_plain, layer_nobias, rms, rms_torch,
+                                      rms_plain; _stage: batch, batch_plain, batch_cumulative
+                                      (momentum=None), batch_nostats, group, group_plain,
+                                      instance
+    MoE top-k combines              _moe: Moe(combine="index_add" | "scatter_add" | "gather" |
+                                      "scatter")
+    EMA buffer, eval toggled        _stat: Ema() (lerp_ of a weight copy, used in eval)
+    losses                          SeqModel/ConvModel(loss="ce" | "ce_tokens" | "ce_smooth"
+                                      (label smoothing, class weights) | "nll" | "mse")
     traced stores on a module       seq_models(): Memory() (a buffer replaced each call)
 
 A failure is shrunk by hypothesis, then by `minimize` (drops calls, blocks, contexts and flags
