@@ -322,13 +322,15 @@ def _check_normalized_shape(op: str, input, normalized_shape) -> tuple[int, ...]
 @torch_op(F.rms_norm)
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """`F.rms_norm`: `x / sqrt(mean(x^2) + eps) * weight` over the trailing `normalized_shape`
-    dims; `eps` defaults to the dtype's machine epsilon. Half inputs compute in float32 and the
-    weight multiplies after converting back, as in eager."""
+    dims. As eager's kernel (torch 2.13): `eps` defaults to the machine epsilon of the
+    computation's dtype (float32's for half inputs; bfloat16's 2^-7 changed small rows), and
+    half inputs compute in float32, the weight included, and round once (rounding before the
+    weight was a half-precision ulp off eager's)."""
     shape = _check_normalized_shape("rms_norm", input, normalized_shape)
     if not input.dtype.is_floating_point:
         raise _unsupported("rms_norm", f"{input.dtype} input")
     if eps is None:
-        eps = torch.finfo(input.dtype).eps
+        eps = torch.finfo(compute_dtype(input.dtype)).eps
     if not _real_number(eps):
         raise _unsupported("rms_norm", f"eps={eps!r}")
     if weight is not None and (not isinstance(weight, torch.Tensor)
@@ -340,10 +342,11 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     x = to_dtype(input, compute_dtype(input.dtype))
     mean_square = prims.div(prims.sum(prims.mul(x, x), dims), math.prod(shape))
     rstd = prims.rsqrt(prims.add(mean_square, float(eps)))
-    out = to_dtype(prims.mul(x, expand_reduced(rstd, x.shape, dims)), input.dtype)
+    out = prims.mul(x, expand_reduced(rstd, x.shape, dims))
     if weight is not None:
-        out = prims.mul(out, prims.broadcast_in_dim(weight, tuple(out.shape), dims))
-    return out
+        out = prims.mul(out, prims.broadcast_in_dim(to_dtype(weight, x.dtype), tuple(x.shape),
+                                                    dims))
+    return to_dtype(out, input.dtype)
 
 
 @torch_op(F.group_norm)

@@ -175,11 +175,11 @@ def _rms_norm_vjp(grad, out, input, normalized_shape, weight, eps):
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if input.numel() == 0:
         return autograd_cotangents(ltorch.rms_norm, (input, normalized_shape, weight, eps), grad)
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    dtype = _compute_dtype(input.dtype)
+    eps = torch.finfo(dtype).eps if eps is None else eps  # float32's for half inputs (eager)
     count = math.prod(shape)
     norm_dims = tuple(range(input.ndim - len(shape), input.ndim))
     batch_dims = tuple(range(input.ndim - len(shape)))
-    dtype = _compute_dtype(input.dtype)
     x, g = _to(input, dtype), _to(grad, dtype)
     mean_square = prims.div(prims.sum(prims.mul(x, x), norm_dims), count)
     rstd = _keep(prims.rsqrt(prims.add(mean_square, float(eps))), x, norm_dims)
@@ -192,7 +192,7 @@ def _rms_norm_vjp(grad, out, input, normalized_shape, weight, eps):
     grad_input = _to(prims.mul(rstd, prims.sub(g_hat, correction)), input.dtype)
     grad_weight = None
     if weight is not None:
-        normalized = _to(_to(prims.mul(x, rstd), input.dtype), dtype)  # rounded as in forward
+        normalized = prims.mul(x, rstd)  # not rounded: the forward rounds after the weight
         product = prims.mul(g, normalized)
         grad_weight = _to(prims.sum(product, batch_dims) if batch_dims else product, weight.dtype)
     return grad_input, None, grad_weight, None
