@@ -239,7 +239,7 @@ def seq_models(draw):
                                                "none"])),
                     early_exit=draw(st.booleans()), dict_output=draw(st.booleans()),
                     inplace_labels=draw(st.booleans()), shared=draw(_sometimes),
-                    left_pad=draw(_sometimes))
+                    left_pad=draw(_sometimes), embed_scale=draw(st.sampled_from([1.0, 1.0, 0.02])))
 
 
 _stage = st.builds(ConvStage, channels=st.sampled_from([4, 6]), kernel=st.sampled_from([1, 3]),
@@ -339,7 +339,7 @@ def smaller(case: Case):
     if isinstance(model, SeqModel):
         for name, plain in (("learned_pos", False), ("early_exit", False),
                             ("dict_output", False), ("inplace_labels", False), ("shared", False),
-                            ("left_pad", False),
+                            ("left_pad", False), ("embed_scale", 1.0),
                             ("final_norm", "none"), ("loss", "none"), ("head", "lm")):
             if getattr(model, name) != plain:
                 yield dataclasses.replace(case, model=dataclasses.replace(model, **{name: plain}))
@@ -449,6 +449,10 @@ PATTERNS = (
         ConvStage(channels=4, norm="group_plain"), ConvStage(channels=4, norm="instance")),
         classes=3, loss="nll"), Context(training=True, grad=True, autocast=True),
         (Call(2, 6), Call(3, 6), Call(2, 6, change="eval")), seed=15),
+    # small activations (GPT-2's init scale) into nn.RMSNorm with bf16 weights: eps matters
+    Case(SeqModel(vocab=9, dim=8, blocks=(Mlp(norm="rms_torch"), Attn(heads=2, norm="rms_plain")),
+                  final_norm="none", loss="ce", embed_scale=0.02),
+         Context(training=True, grad=True, bf16_weights=True), (Call(2, 5),), seed=3),
     # conv under autocast(float16)
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,

@@ -124,6 +124,8 @@ class SeqModel:
     inplace_labels: bool = False  # padded labels set to -100 in place in the caller's tensor
     shared: bool = False  # the blocks are applied twice (weights shared across depth)
     left_pad: bool = False  # padding at the start of each row (HF generation's padding side)
+    embed_scale: float = 1.0  # 0.02: small activations (GPT-2's init scale), where a norm's eps
+    #                           matters
 
 
 @dataclass(frozen=True)
@@ -581,6 +583,8 @@ class SeqNet(nn.Module):
 
     def forward(self, ids, mask, labels, cache=None):
         h = self.embed(ids)
+        if self.spec.embed_scale != 1.0:
+            h = h * self.spec.embed_scale
         if self.pos is not None:
             h = h + self.pos[: ids.shape[1]]
         blocks = list(self.blocks)
