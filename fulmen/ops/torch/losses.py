@@ -3,7 +3,7 @@
 `nll_loss` picks `-input[n, target[n]]` with `take_along_dim` after replacing ignored targets
 by 0 (so the gather stays in range), weights it by `weight[target]` and masks ignored entries;
 'mean' divides by the sum of the weights of the non-ignored targets (NaN when all are ignored,
-as in eager). `cross_entropy` is `nll_loss(log_softmax(input))`, plus eager's label-smoothing
+as in eager, whose gradient is then zero: `_mean_by`). `cross_entropy` is `nll_loss(log_softmax(input))`, plus eager's label-smoothing
 term. Probability targets and the legacy `size_average`/`reduce` arguments run whole.
 """
 
@@ -106,7 +106,17 @@ def _nll(logp, target, weight, ignore_index: int, reduction: str, class_dim: int
     total = prims.sum(loss, all_dims) if all_dims else loss
     if reduction == "sum":
         return total, weights
-    return prims.div(total, prims.sum(weights, all_dims) if all_dims else weights), weights
+    return _mean_by(total, prims.sum(weights, all_dims) if all_dims else weights), weights
+
+
+def _mean_by(total, denom):
+    """`total / denom`, NaN where `denom` is 0 (every target ignored: eager's 0 / 0) with a zero
+    gradient there, as eager's backward (a plain division gave NaN gradients: 0 * (1 / 0))."""
+    empty = prims.eq(denom, 0)
+    shape = tuple(denom.shape)
+    safe = prims.where(empty, prims.full(shape, 1.0, denom.dtype, denom.device), denom)
+    return prims.where(empty, prims.full(shape, float("nan"), total.dtype, total.device),
+                       prims.div(total, safe))
 
 
 @torch_op(F.nll_loss)
@@ -158,7 +168,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             else:
                 kept = prims.convert_element_type(prims.logical_not(ignored), smooth.dtype)
                 denom = prims.sum(kept, all_dims) if all_dims else kept
-            reduced = prims.div(reduced, denom)
+            reduced = _mean_by(reduced, denom)
     return prims.add(prims.mul(loss, 1.0 - label_smoothing),
                      prims.mul(reduced, label_smoothing / classes))
 
