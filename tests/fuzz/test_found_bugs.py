@@ -15,7 +15,11 @@ pattern the generator leaves out; the ones below were fixed and stay as regressi
   model under autocast; `ConvStage(norm="batch_plain")`, found with the norms without affine):
   with affine=False the output and gradients were a bfloat16 ulp off eager's, and the running
   statistics (of every such BatchNorm) were computed in bfloat16, 4e-4 off eager's (fixed:
-  tracer/mutation.py, NOTE [batch norm precision])."""
+  tracer/mutation.py, NOTE [batch norm precision]).
+
+Found probing what the generator newly covers, tested next to the op: `nn.RMSNorm`'s default
+eps on half inputs (tests/ops/test_half_precision.py) and the all-ignored cross-entropy mean
+decomposed to prims (tests/ops/test_losses.py)."""
 
 import torch
 
