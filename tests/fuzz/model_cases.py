@@ -40,6 +40,8 @@ def make_inputs(case: Case, index: int, dtype) -> tuple:
     if isinstance(model, SeqModel):
         ids = torch.randint(0, model.vocab, (call.batch, call.length), generator=gen)
         labels = torch.randint(0, model.vocab, (call.batch, call.length), generator=gen)
+        if call.change == "unlabeled":  # every label ignored: eager's mean loss is NaN (0 / 0)
+            labels.fill_(-100)
         mask = None
         if call.padding:
             pads = [min(call.padding[i % len(call.padding)], call.length - 1)
@@ -273,7 +275,7 @@ def cases(draw):
     if context.cache != "none":  # a decode loop: no grad through earlier calls' keys
         context = dataclasses.replace(context, grad=False)
     changes = ["none", "none", "none", "train", "eval", "flag", "buffer", "freeze",
-               "temperature", "grad", "autocast", "hook", "grad_hook"]
+               "temperature", "grad", "autocast", "hook", "grad_hook", "unlabeled"]
     if context.cache != "none":
         changes.remove("grad")
     n_calls = draw(st.integers(1, 3))
@@ -453,6 +455,10 @@ PATTERNS = (
     Case(SeqModel(vocab=9, dim=8, blocks=(Mlp(norm="rms_torch"), Attn(heads=2, norm="rms_plain")),
                   final_norm="none", loss="ce", embed_scale=0.02),
          Context(training=True, grad=True, bf16_weights=True), (Call(2, 5),), seed=3),
+    # a call whose labels are all ignored (NaN mean loss, zero gradients) between two others
+    Case(SeqModel(vocab=9, dim=8, blocks=(Mlp(),), loss="ce_smooth"),
+         Context(training=True, grad=True, accumulate=True),
+         (Call(2, 4), Call(2, 4, change="unlabeled"), Call(2, 4)), seed=5),
     # conv under autocast(float16)
     Case(ConvModel(in_channels=2, stages=(
         ConvStage(channels=4, kernel=3, norm="batch", act="silu", pool="avg"),), classes=3,

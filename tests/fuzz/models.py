@@ -158,7 +158,8 @@ class Call:
     forward, `buffer`: write a buffer in place from outside, `freeze`: flip requires_grad of
     the first parameters, `temperature`: change a float attribute read by the forward, `grad`
     and `autocast`: flip grad mode or autocast for this and later calls, `hook`: a forward hook
-    on the first submodule, `grad_hook`: a gradient hook on the first parameter)."""
+    on the first submodule, `grad_hook`: a gradient hook on the first parameter, `unlabeled`:
+    every label of this call is -100)."""
 
     batch: int = 2
     length: int = 5
