@@ -50,6 +50,7 @@ from fulmen.tracer.module_hooks import (
 from fulmen.tracer.module_stores import make_module_stores, replay_module_stores
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
+from fulmen.tracer.symbolic import carrier, tensor_at
 from fulmen.tracer.tracer import (
     _path_name,
     _positional_names,
@@ -89,6 +90,8 @@ class CacheEntry:
     module_stores: tuple = ()
     # `(index, module, attribute)`: captured tensors read afresh from the module on each call
     captured_attributes: tuple = ()
+    # integers traced as symbols: passed as carriers after the object tensors
+    int_positions: tuple = ()
 
     def captured_now(self) -> tuple:
         """The captured tensors for this call (module tensor attributes as they are now)."""
@@ -213,7 +216,10 @@ class _Jitted:
                 roots = {i: leaves[i] if i >= 0 else self._guard.fn_roots[-1 - i]
                          for i in objects.roots}
                 object_tensors = objects.read_tensors(roots)
-        if objects is None and not entry.mutated_inputs and not entry.tree:  # the common case
+            if entry.int_positions:  # (read before the epilogue stores new values)
+                carriers = [carrier(tensor_at(leaves, p)) for p in entry.int_positions]
+        if objects is None and not entry.mutated_inputs and not entry.tree \
+                and not entry.int_positions:  # the common case
             if entry.all_leaves_are_inputs:
                 out = entry.fn(*leaves, *state, *entry.captured_now())
             else:
@@ -223,6 +229,8 @@ class _Jitted:
         inputs = [leaves[i] for i in entry.tensor_positions]
         if objects is not None:
             inputs += object_tensors
+        if entry.int_positions:
+            inputs += carriers
         inputs += [*state, *entry.captured_now()]
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
             check_no_input_aliasing(inputs, entry.mutated_inputs)
@@ -238,7 +246,7 @@ class _Jitted:
             out_leaves, extras = out
             out = list(out_leaves)
             objects.epilogue.run(out, extras, {**roots, ARGUMENTS: (args, kwargs),
-                                                MODULE: self._module})
+                                                MODULE: self._module}, inputs)
             if objects.epilogue.replaces_buffers and self.after_buffer_stores is not None:
                 self.after_buffer_stores()
             if entry.tree:  # (a path with layers skipped returns a cache holding fewer)
@@ -295,6 +303,10 @@ class _Jitted:
                 if self._strict_dynamic:
                     raise
                 torch.random.set_rng_state(rng_state)
+                if self._shapes.drop_ints(dims):  # the integers given symbols: constants again
+                    _RECOMPILES.info("symbolic integers failed (%s: %s); tracing again with "
+                                     "them constant", type(error).__name__, error)
+                    return self._compile_call(args, kwargs, leaves)
                 if self._shapes.drop_ones():  # the sizes of 1 it generalised: specialise them
                     _RECOMPILES.info("symbolic sizes with generalised 1s failed (%s: %s); "
                                      "tracing again with the 1s specialised",
@@ -401,6 +413,7 @@ class _Jitted:
                           offset_reads=program.offset_reads,
                           module_stores=program.module_stores,
                           captured_attributes=program.captured_attributes,
+                          int_positions=program.int_positions,
                           **self._shapes.entry_fields(program))
 
     def _compile_trace(self, trace: Trace, wrt=None) -> tuple[CompiledSegment, dict[str, float]]:
@@ -446,7 +459,7 @@ class _Jitted:
         return CacheEntry(tree, [program.trace], program.tensor_positions, (), None, seconds,
                           mutated_inputs=mutated, tree=True, objects=program.objects,
                           all_leaves_are_inputs=_all_leaves_are_inputs(program, args, kwargs),
-                          offset_reads=program.offset_reads)
+                          offset_reads=program.offset_reads, int_positions=program.int_positions)
 
     def _run_tree(self, entry: CacheEntry, args: tuple, kwargs: dict, inputs: list):
         """Run a trace tree; on a new answer, retrace from the root, graft, run again. A call

@@ -30,6 +30,7 @@ from fulmen.tracer.key_memo import (
     typed_snapshot,
 )
 from fulmen.tracer.objects import (
+    INT_KEY,
     function_roots,
     has_argument_grad,
     is_plain_object,
@@ -44,6 +45,7 @@ from fulmen.tracer.sources import (
     is_user_class,
     scalar_sources,
 )
+from fulmen.tracer.symbolic import INT
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -106,6 +108,12 @@ def _masked_key(t: Tensor, dims: tuple[int, ...]) -> tuple:
         shape[dim] = None
     return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(),
             has_argument_grad(t))
+
+
+def _masked_int_key(value: Any) -> Any:
+    """The key of an integer traced as a symbol (`SymbolicSizes.symbolize_int`): its value left
+    out (the entry's shape guard checks it), anything else keyed as usual."""
+    return INT_KEY if type(value) is int else _leaf_key(value)
 
 
 def _object_leaf_key(leaf: Any) -> Any:
@@ -399,7 +407,8 @@ class CacheKeyBuilder:
             same_call: bool = False) -> tuple[tuple, list]:
         """The key of a call; with `symbolic` (argument position -> dimensions with symbolic
         sizes), those sizes are left out (the entry's shape guard checks them) and those
-        tensors are keyed by contiguity, not strides. `same_call`: the previous `key` was of
+        tensors are keyed by contiguity, not strides (an integer traced as a symbol, `INT`,
+        by its type). `same_call`: the previous `key` was of
         this very call, so its global and state parts are reused."""
         offsets = self.offset_positions
         if same_call:
@@ -435,9 +444,13 @@ class CacheKeyBuilder:
                 root, path = position
                 if root >= len(leaves) or not is_plain_object(leaves[root]):
                     return (), leaves
-                masks.setdefault(root, {})[path] = functools.partial(_masked_key, dims=dims)
+                masks.setdefault(root, {})[path] = INT_KEY if dims == INT else \
+                    functools.partial(_masked_key, dims=dims)
                 continue
             leaf = leaves[position] if position < len(leaves) else None
+            if dims == INT:
+                leaf_keys[position] = _masked_int_key(leaf)
+                continue
             if not isinstance(leaf, Tensor):
                 return (), leaves  # a structure no symbolic entry was made for
             leaf_keys[position] = _masked_key(leaf, dims)

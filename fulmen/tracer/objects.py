@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import math
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -36,9 +37,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError
+from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
 
-_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+_TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_ATOMS = (*_TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format, torch.layout)
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
@@ -46,6 +49,7 @@ _MAX_DEPTH = 6
 ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
 _MAX_SLOTS = 4096
+INT_KEY = ("symbolic int",)  # the key of an integer traced as a symbol (its value left out)
 
 
 def has_argument_grad(t: torch.Tensor) -> bool:
@@ -153,15 +157,21 @@ def _store(owner: Any, step: tuple, value: Any) -> None:
 def object_key(root: Any, leaf_key, masks: dict | None = None) -> tuple:
     """The cache key of an object argument: each walked path with its value's key (`leaf_key`
     for tensors and Python values; the type for containers, whose contents are walked).
-    `masks` maps tensor paths to `masked_key(tensor)` for tensors with symbolic sizes."""
+    `masks` maps tensor paths to `masked_key(tensor)` for tensors with symbolic sizes, and
+    the paths of integers traced as symbols to `INT_KEY` (an integer there is keyed by its type
+    only)."""
     parts = [type(root)]
     for path, value in walk(root):
         if isinstance(value, torch.Tensor):
             grad = _grad_of(value)
-            key = masks[path](value) if masks and path in masks else leaf_key(value)
+            key = masks[path](value) if masks and path in masks and masks[path] is not INT_KEY \
+                else leaf_key(value)
             parts.append((path, key, None if grad is None else leaf_key(grad)))
         else:
-            parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
+            if masks and path in masks and type(value) is int and masks[path] is INT_KEY:
+                parts.append((path, INT_KEY))
+            else:
+                parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
     return tuple(parts)
 
 
@@ -213,7 +223,10 @@ class Epilogue:
     `arguments`: id of each argument tensor and container (as traced) -> its path in the
     call's `(args, kwargs)` (`ArgumentContainers`), and `keep` the objects these ids belong to,
     so the ids stay theirs. `replaces_buffers`: a store replaces a buffer of the jitted module
-    (`fulmen.tracer.module_stores`).
+    (`fulmen.tracer.module_stores`). `numbers`: the traced Python numbers (`torch.SymInt`,
+    `SymFloat`, `SymBool`: symbolic sizes and integers, `fulmen.tracer.symbolic`) the templates
+    hold, and `number_fn` their values for one call, computed from the call's inputs
+    (`bind_numbers`; NOTE [traced numbers in stores]).
     """
 
     stores: list = field(default_factory=list)
@@ -223,18 +236,63 @@ class Epilogue:
     arguments: dict = field(default_factory=dict)
     keep: list = field(default_factory=list)
     replaces_buffers: bool = False
+    numbers: list = field(default_factory=list)
+    number_fn: Any = None
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.outputs)
 
+    def collect_numbers(self, templates: list) -> None:
+        """Note the traced Python numbers held by `templates` (`numbers`)."""
+        found: dict[int, Any] = {}
+        for template in templates:
+            values = [template] if not _walkable(template) else [v for _, v in walk(template)]
+            found.update((id(v), v) for v in values if isinstance(v, _TRACED_NUMBERS))
+        self.numbers = list(found.values())
+
+    def bind_numbers(self, proxies: list) -> None:
+        """Make `number_fn`: the values of `numbers` from a call's inputs (`proxies` are the
+        trace inputs they come in as, a prefix of the compiled call's arguments).
+
+        NOTE [traced numbers in stores]: a store of a symbolic size or integer into an object
+        that outlives the call (`self.cumulative_length += key.shape[-2]`, `counter.seen +=
+        x.shape[0]`) holds a SymInt whose expression is in the trace's symbols (`s3 + s7`).
+        Replayed by value, the object would keep the symbol; instead each call evaluates the
+        expression with its own sizes, read from its inputs as the printed trace reads them
+        (`s3 = cache_layers_0_cumulative_length_carrier.shape[1]`), before any store changes
+        what the inputs were read from.
+
+        Raises:
+            FulmenError: when no input's sizes determine a symbol (`symbol_bindings`).
+        """
+        if not self.numbers:
+            return
+        from torch.utils._sympy.printers import PythonPrinter
+
+        exprs = [number.node.expr for number in self.numbers]
+        symbols = set().union(*(expr.free_symbols for expr in exprs))
+        lines = symbol_bindings(proxies, symbols, "the epilogue's numbers")
+        printer = PythonPrinter()
+        values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"
+                  for number, expr in zip(self.numbers, exprs)]
+        source = "\n".join([f"def numbers({''.join(p.name + ', ' for p in proxies)}*_):",
+                            *(f"    {line}" for line in lines),
+                            f"    return ({', '.join(values)},)"])
+        scope: dict[str, Any] = {"math": math}
+        exec(compile(source, "<fulmen epilogue numbers>", "exec"), scope)
+        self.number_fn = scope["numbers"]
+        self.number_fn.source = source
+
     def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any],
-                     current: dict[int, Any]) -> Any:
+                     current: dict[int, Any], numbers: dict[int, Any]) -> Any:
         memo: dict[int, Any] = {}
 
         def prepare(value, depth=0):
             if id(value) in memo or depth > _MAX_DEPTH + 2:
                 return
-            if id(value) in current:  # an argument's tensor or container, found before any store
+            if id(value) in numbers:  # a traced number: its value in this call
+                memo[id(value)] = numbers[id(value)]
+            elif id(value) in current:  # an argument's tensor or container, found before any store
                 memo[id(value)] = current[id(value)]
             elif id(value) in self.existing:  # the current call's object
                 root, path = self.existing[id(value)]
@@ -250,46 +308,31 @@ class Epilogue:
         prepare(template)
         return copy.deepcopy(template, memo)
 
-    def run(self, out_leaves: list, extras, roots: dict[int, Any]) -> None:
+    def run(self, out_leaves: list, extras, roots: dict[int, Any], inputs=()) -> None:
         """Replay the stores into the call's objects and rebuild the objects among the output
-        leaves (in place in `out_leaves`)."""
+        leaves (in place in `out_leaves`); `inputs` are the compiled call's (`numbers`)."""
         real = dict(zip(self.names, extras))
         current = {key: follow(roots[ARGUMENTS], steps) for key, steps in self.arguments.items()}
+        numbers = {} if self.number_fn is None else dict(
+            zip(map(id, self.numbers), self.number_fn(*inputs)))
         for root, path, step, template in self.stores:
             owner = follow(roots[root], path)
             if step is None and isinstance(owner, dict):  # an argument dict changed in place
-                new = self._materialize(template, real, roots, current)
+                new = self._materialize(template, real, roots, current, numbers)
                 dict.clear(owner)
                 dict.update(owner, new)
             elif step is None:  # a list changed in place
-                owner[:] = self._materialize(template, real, roots, current)
+                owner[:] = self._materialize(template, real, roots, current, numbers)
             else:
                 kind, key = step
                 if isinstance(key, TensorProxy):  # a new entry keyed by an input tensor
                     key = real[key.name]
-                _store(owner, (kind, key), self._materialize(template, real, roots, current))
+                _store(owner, (kind, key), self._materialize(template, real, roots, current, numbers))
         for index, template in self.outputs:
-            out_leaves[index] = self._materialize(template, real, roots, current)
+            out_leaves[index] = self._materialize(template, real, roots, current, numbers)
 
 
 
-_TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def refuse_traced_numbers(value: Any, where: str) -> None:
-    """Refuse a traced Python number (a symbolic size, `fulmen.tracer.symbolic`) stored into
-    an object that outlives the call (`layer.cumulative_length += key.shape[-2]`): the epilogue
-    replays stores by value, so the object would keep the symbol, not the call's number.
-
-    Raises:
-        NotYetSupportedError: when `value` is, or holds (`walk`), a `torch.SymInt`,
-            `SymFloat` or `SymBool`; a symbolic trace then falls back to exact sizes.
-    """
-    if isinstance(value, _TRACED_NUMBERS) or (_walkable(value) and any(
-            isinstance(v, _TRACED_NUMBERS) for _, v in walk(value))):
-        raise NotYetSupportedError(
-            f"the compiled function stores a traced size into {where}", op="store",
-            hint="store int(size)")
 
 class ObjectInputs:
     """The object arguments of one traced call (see the module docstring).
@@ -302,13 +345,14 @@ class ObjectInputs:
         self.roots = roots
         self.tensor_paths: list[tuple[int, tuple]] = []
         self.epilogue = Epilogue()
-        self._saved: list[tuple[Any, Any, torch.Tensor]] = []  # (owner, step, real tensor)
+        self._saved: list[tuple[Any, Any, Any]] = []  # (owner, step, real tensor or int)
         self._objects: dict[int, Any] = {}  # every container walked, by id
         self._snapshots: dict[int, tuple[Any, Any]] = {}
         self._rekeyed: list[tuple[dict, list]] = []
 
-    def swap_in(self, make_proxy) -> list[tuple[TensorProxy, torch.Tensor]]:
-        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`; return
+    def swap_in(self, make_proxy, make_int=None) -> list[tuple[TensorProxy, torch.Tensor]]:
+        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`, and each
+        integer for which `make_int(root, path, value)` gives a SymInt by it; return
         `(proxy, tensor)` pairs in input order."""
         pairs = []
         existing = self.epilogue.existing
@@ -316,7 +360,14 @@ class ObjectInputs:
             self._objects[id(root)] = root
             existing.setdefault(id(root), (root_index, ()))
             for path, value in walk(root):
-                if _walkable(value):
+                if type(value) is int and make_int is not None:
+                    owner = follow(root, path[:-1])
+                    number = None if isinstance(owner, tuple) else make_int(root_index, path,
+                                                                             value)
+                    if number is not None:
+                        self._saved.append((owner, path[-1], value))
+                        _store(owner, path[-1], number)
+                elif _walkable(value):
                     self._objects[id(value)] = value
                     existing.setdefault(id(value), (root_index, path))
                 elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
@@ -358,7 +409,6 @@ class ObjectInputs:
                 continue
             root, path = self.epilogue.existing[id(obj)]
             if isinstance(obj, list):
-                refuse_traced_numbers(obj, "a list")
                 self.epilogue.stores.append((root, path, None, list(obj)))
                 continue
             now = dict(obj) if isinstance(obj, dict) else dict(vars(obj))
@@ -370,7 +420,6 @@ class ObjectInputs:
                     hint="delete outside the compiled function")
             for key, value in now.items():
                 if key not in saved or saved[key] is not value:
-                    refuse_traced_numbers(value, f"{type(obj).__qualname__}.{key}")
                     self.epilogue.stores.append((root, path, (kind, key), value))
 
     def finish_restore(self) -> None:

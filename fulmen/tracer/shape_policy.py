@@ -17,6 +17,11 @@ evaluated at 1, so the entry serves a batch of 4 only when no branch depended on
 sweep over lengths and batches compiles twice (torch.compile's automatic dynamic, which
 specialises the 1, compiles three times). An entry with symbolic sizes is
 found by a key that leaves those sizes out, then checked with its shape guard.
+
+Integers follow the same policy: a plain `int` argument, or an `int` held by an object argument
+(an HF cache layer's `cumulative_length`), that changed between two calls of the same structure
+is traced as a symbol (`SymbolicSizes.symbolize_int`), its value left out of the key and checked
+by the shape guard.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 
 from fulmen.tracer.objects import is_plain_object, walk
-from fulmen.tracer.symbolic import is_symbolic, tensor_at
+from fulmen.tracer.symbolic import INT, is_symbolic, tensor_at
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 
@@ -79,6 +84,18 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
     return shapes
 
 
+def _int_values(leaves: list) -> list[tuple[Any, int]]:
+    """`(position, value)` of each integer of a call (not a bool): flattened arguments, and the
+    integers inside object arguments at `(index, path)`."""
+    found = []
+    for i, leaf in enumerate(leaves):
+        if type(leaf) is int:
+            found.append((i, leaf))
+        elif is_plain_object(leaf):
+            found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is int)
+    return found
+
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -97,6 +114,11 @@ class DynamicDims:
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
+        # integers: the last call's, those seen to change (`dims_for`), and whether a trace
+        # with symbolic integers failed (then they stay constants)
+        self.last_ints: list[tuple[Any, int]] | None = None
+        self.varying_ints: set = set()
+        self.ints_broken = False
 
     def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
         """The dimensions of the call's tensor arguments to trace with symbolic sizes;
@@ -129,7 +151,33 @@ class DynamicDims:
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
             if chosen:
                 dims[i] = chosen
-        return {i: tuple(sorted(d)) for i, d in dims.items()}
+        found = {i: tuple(sorted(d)) for i, d in dims.items()}
+        found.update({position: INT for position in self._ints_for(leaves, label)})
+        return found
+
+    def _ints_for(self, leaves: list, label) -> list:
+        """The positions of the call's integers to trace as symbols: those seen to change
+        between two calls with the same integer positions (values of at least 2 only)."""
+        ints = _int_values(leaves)
+        if self.dynamic is not False and not self.ints_broken and self.last_ints is not None \
+                and [p for p, _ in ints] == [p for p, _ in self.last_ints]:
+            for (position, new), (_, old) in zip(ints, self.last_ints):
+                if new != old and position not in self.varying_ints:
+                    _RECOMPILES.info("%s: integer varies (%s -> %s); tracing it symbolically",
+                                     label(position), old, new)
+                    self.varying_ints.add(position)
+        self.last_ints = ints
+        return [position for position, value in ints
+                if position in self.varying_ints and value >= 2]
+
+    def drop_ints(self, dynamic: dict) -> bool:
+        """A symbolic trace with the integers of `dynamic` failed: keep integers constant
+        from now on; whether there were any."""
+        if INT not in dynamic.values():
+            return False
+        self.varying_ints.clear()
+        self.ints_broken = True
+        return True
 
     def drop_ones(self) -> bool:
         """A symbolic trace with generalised sizes of 1 failed: specialise them from now on
@@ -147,6 +195,8 @@ class DynamicDims:
         self.broken = True
         self.varying.clear()
         self.ones.clear()
+        self.varying_ints.clear()
+        self.ints_broken = True
 
     @staticmethod
     def entry_fields(program) -> dict[str, Any]:
@@ -157,6 +207,10 @@ class DynamicDims:
             return {}
         dims = {}
         for proxy, position in zip(symbolic.proxies, symbolic.positions):
+            if isinstance(proxy, torch.SymInt):  # an integer (`symbolize_int`)
+                if is_symbolic(proxy):
+                    dims[position] = INT
+                continue
             found = tuple(d for d, size in enumerate(proxy.shape) if is_symbolic(size))
             if found:
                 dims[position] = found

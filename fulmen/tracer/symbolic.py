@@ -13,7 +13,13 @@ PyTorch's conventions hold: sizes 0 and 1 are specialised (as in torch.compile),
 1 the policy asks to generalise (a batch of 1 beside a length that varies, see
 `fulmen.tracer.shape_policy`): its symbol's range starts at 1 and every decision about it is
 a guard evaluated at 1, so the entry serves larger sizes only where no branch depended on it
-being 1. Two dynamic dimensions of equal size share one symbol (duck sizing) until a
+being 1. An integer read from an argument (a plain `int`, or one held by an object argument:
+an HF cache layer's `cumulative_length`) that changed between calls gets a symbol too
+(`symbolize_int`, torch.compile's automatic dynamic for integers): Python's decisions about it
+are guards, and the trace reads its value from a *carrier*, an empty tensor of shape `(0, n)`
+made for each call (`carrier`), so printed traces bind it like any size (`s3 =
+n_carrier.shape[1]`). Only values of at least 2 get one (0 and 1 are specialised, as sizes are;
+negative numbers stay constants). Two dynamic dimensions of equal size share one symbol (duck sizing) until a
 call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
 on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
 """
@@ -34,14 +40,22 @@ def is_symbolic(value) -> bool:
     return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
 
 
+INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where a tensor has dims
+
+
+def carrier(value: int) -> torch.Tensor:
+    """The empty tensor whose size 1 carries the integer `value` into a compiled call."""
+    return torch.empty((0, value), dtype=torch.uint8)
+
+
 def has_symbolic_shape(tensor: torch.Tensor) -> bool:
     """Whether any size of `tensor` is symbolic."""
     return any(isinstance(size, torch.SymInt) for size in tensor.shape)
 
 
 def tensor_at(leaves: list, position):
-    """The tensor at `position` of a call's flattened arguments: an index, or
-    `(index, path)` for a tensor inside an object argument (`fulmen.tracer.objects`)."""
+    """The tensor (or integer) at `position` of a call's flattened arguments: an index, or
+    `(index, path)` for a value inside an object argument (`fulmen.tracer.objects`)."""
     if isinstance(position, int):
         return leaves[position]
     root, path = position
@@ -106,6 +120,23 @@ class SymbolicSizes:
             acc = acc * size if not isinstance(size, int) or size > 1 else acc
         return tuple(shape), tuple(reversed(strides))
 
+    def symbolize_int(self, value: int, label: str) -> tuple[torch.SymInt, TensorProxy] | None:
+        """`(n, carrier_proxy)` for an integer argument `value` (its carrier a trace input called
+        `label`) that varies: `n` a SymInt of the ShapeEnv with `value` as its hint, the proxy an input
+        of shape `(0, n)` from which the trace reads it (`carrier`). None for a value below 2:
+        it stays a constant (0 and 1 specialised, negative numbers are no size)."""
+        from torch._dynamo.source import LocalSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        if type(value) is not int or value < 2:
+            return None
+        source = LocalSource(label)
+        expr = self.env.create_symbol(value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+        number = self.env.create_symintnode(expr, hint=value, source=source)
+        proxy = TensorProxy(label, (0, number), torch.uint8, "cpu",
+                            strides=(number, 1))
+        return number, proxy
+
     def _constrain(self, symbol, low: int | None, high: int | None) -> None:
         """Narrow `symbol`'s range to `[low, high]` (within the ShapeEnv's own; sizes 0 and 1
         are specialised anyway); the entry's guard then checks it."""
@@ -117,10 +148,10 @@ class SymbolicSizes:
         self.env.constrain_symbol_range(symbol, compiler_min=lower,
                                         compiler_max=int_oo if upper == int_oo else upper)
 
-    def add_input(self, proxy: TensorProxy, position) -> None:
+    def add_input(self, proxy: TensorProxy | torch.SymInt, position) -> None:
         """Declare `proxy` (at flattened-argument `position`, see `tensor_at`) an input with
-        symbolic sizes."""
-        if has_symbolic_shape(proxy):
+        symbolic sizes, or the SymInt of an integer input (`symbolize_int`)."""
+        if isinstance(proxy, torch.SymInt) or has_symbolic_shape(proxy):
             self.proxies.append(proxy)
             self.positions.append(position)
 

@@ -35,10 +35,9 @@ from fulmen.tracer.objects import (
     function_roots,
     has_argument_grad,
     is_plain_object,
-    refuse_traced_numbers,
     walk,
 )
-from fulmen.tracer.symbolic import SymbolicSizes
+from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier
 
 
 @dataclass
@@ -72,6 +71,9 @@ class TracedProgram:
         captured_attributes: `(index, module, attribute)` of each captured tensor that is a
             plain tensor attribute of a module (`self.h`): the runtime reads it afresh from
             the module on every call (`fulmen.jit`), keyed by its metadata.
+        int_positions: positions (as `fulmen.tracer.symbolic.tensor_at`) of the integers
+            traced as symbols; their carriers (`symbolic.carrier`) are trace inputs after the
+            object tensors.
     """
 
     trace: Trace
@@ -90,6 +92,7 @@ class TracedProgram:
     module_stores: tuple[ModuleStore, ...] = ()
     module_writes: frozenset[tuple[int, str]] = frozenset()
     captured_attributes: tuple[tuple[int, torch.nn.Module, str], ...] = ()
+    int_positions: tuple = ()
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -301,13 +304,13 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     objects.record_stores()
     for index, leaf in enumerate(out_leaves):
         if is_plain_object(leaf) and any(isinstance(v, TensorProxy) for _, v in walk(leaf)):
-            refuse_traced_numbers(leaf, f"the {type(leaf).__qualname__} it returns")
             objects.epilogue.outputs.append((index, leaf))
             out_leaves[index] = None
     templates = [store[3] for store in objects.epilogue.stores]
     templates += [store[2][1] for store in objects.epilogue.stores
                   if store[2] is not None and isinstance(store[2][1], TensorProxy)]
     templates += [template for _, template in objects.epilogue.outputs]
+    objects.epilogue.collect_numbers(templates)
     found: dict[str, TensorProxy] = {}
     arguments = objects.epilogue.arguments  # the call's own tensors: not returned
     for template in templates:
@@ -373,8 +376,24 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     positions: list[int] = []
     proxied_leaves = []
     symbolic = SymbolicSizes() if dynamic else None
+    numbers: list[tuple[Any, torch.SymInt, TensorProxy, int]] = []  # integers given symbols
+
+    def make_int(position, label: str, value: int) -> torch.SymInt | None:
+        made = symbolic.symbolize_int(value, ctx.names.named(f"{label}_carrier")) \
+            if symbolic is not None and dynamic.get(position) == INT else None
+        if made is None:
+            return None
+        number, proxy = made
+        symbolic.add_input(number, position)
+        numbers.append((position, number, proxy, value))
+        return number
+
     for index, (path, leaf) in enumerate(leaves_with_paths):
-        if isinstance(leaf, torch.Tensor):
+        number = make_int(index, _path_name(path, param_names), leaf) \
+            if type(leaf) is int else None
+        if number is not None:
+            proxied_leaves.append(number)
+        elif isinstance(leaf, torch.Tensor):
             name = ctx.names.named(_path_name(path, param_names))
             shape, strides = leaf.shape, leaf.stride()
             if symbolic is not None and index in dynamic:
@@ -418,8 +437,17 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             ctx.add_input(proxy)
             return proxy
 
-        object_pairs = objects.swap_in(make_proxy)
+        def make_object_int(root, path, value):
+            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else "self"
+            steps = "_".join(str(key) if isinstance(key, (str, int)) else "item"
+                             for _, key in path)
+            return make_int((root, path), f"{label}_{steps}", value)
+
+        object_pairs = objects.swap_in(make_proxy, make_object_int)
         inputs.extend(proxy for proxy, _ in object_pairs)
+    for _, _, proxy, _ in numbers:  # the carriers of the integers (`symbolic.carrier`)
+        ctx.add_input(proxy)
+        inputs.append(proxy)
 
     state_names: list[str] = []
     state: dict[int, TensorProxy] = {}
@@ -435,6 +463,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     if allow_breaks:
         real = {proxy.name: leaves_with_paths[index][1] for proxy, index in zip(inputs, positions)}
         real.update({proxy.name: tensor for proxy, tensor in object_pairs})
+        real.update({proxy.name: carrier(value) for _, _, proxy, value in numbers})
         for slot in state_slots(module) if module is not None else ():
             real[state[id(slot.get())].name] = slot.get()
         ctx.breaks = BreakRecorder(ctx, real)
@@ -491,6 +520,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     seconds = time.perf_counter() - start
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
+    if objects.epilogue:  # stored traced numbers are evaluated from the call's inputs
+        objects.epilogue.bind_numbers(list(trace.args[:len(trace.args) - len(captured)]))
     arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
     mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
@@ -501,4 +532,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
                          symbolic=symbolic, module_stores=tuple(stores),
                          module_writes=frozenset(writes),
-                         captured_attributes=captured_attributes)
+                         captured_attributes=captured_attributes,
+                         int_positions=tuple(position for position, *_ in numbers))

@@ -61,9 +61,6 @@ def test_encoder_decoder_generate_matches_eager(name, beams):
     assert torch.equal(got, want), f"{name}: fulmen {got.tolist()} eager {want.tolist()}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: an int on the cache (the sliding-window "
-                   "layers' cumulative_length) grows each token and is keyed as a constant, "
-                   "so decode compiles per token; llama4's torch.polar also specialises")
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "llama4"])
 def test_decode_compiles_at_most_twice(name):
     """Greedy decoding of 16 tokens: prefill and decode compile at most twice each, with the
