@@ -1,0 +1,141 @@
+"""Integers that change between calls are traced as symbols (`SymbolicSizes.symbolize_int`):
+a plain int argument, or an int held by an object argument (an HF cache layer's
+`cumulative_length`). Every call of a sequence of changing values, including values that cross
+a guard, 0 and 1 (specialised) and negative numbers (constants), equals eager, and the
+compilations stay few."""
+
+import warnings
+
+import pytest
+import torch
+
+import fulmen
+
+# values crossing `n > 4`, the slice bound of a width of 12, 0, 1 and negative numbers
+VALUES = (2, 3, 5, 6, 4, 7, 10, 3, 1, 0, 12, 8, -2, 9, 13, 5)
+
+
+def _same(want, got) -> bool:
+    if isinstance(want, torch.Tensor):
+        return (isinstance(got, torch.Tensor) and want.dtype == got.dtype
+                and want.shape == got.shape and torch.equal(want, got))
+    if isinstance(want, (tuple, list)):
+        return type(want) is type(got) and len(want) == len(got) and all(
+            _same(a, b) for a, b in zip(want, got))
+    return type(want) is type(got) and want == got
+
+
+def _branches(x, n):
+    if n > 4:  # a guard on the symbol
+        y = x[:, -n:] + n
+    else:
+        y = x[:, :n] * n
+    return y, torch.arange(n + 3), x.sum(1) + n
+
+
+@pytest.mark.parametrize("values", [VALUES, tuple(reversed(VALUES))])
+def test_an_int_argument_in_branches_slices_arithmetic_and_arange_equals_eager(values):
+    jfn = fulmen.jit(_branches, cache_size_limit=64)
+    x = torch.randn(3, 12)
+    for n in values:
+        assert _same(_branches(x, n), jfn(x, n)), n
+    stats = fulmen.compile_stats(jfn)
+    # one entry per side of `n > 4` and of the slice bound, plus 0, 1 and -2 as constants
+    # (every distinct value compiled before: 12)
+    assert stats.cache_misses <= 8 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.seen = 0
+        self.calls = 0
+        self.big = False
+
+
+def _count(x, counter):
+    counter.seen += x.shape[0]  # a symbolic size plus a symbolic int, stored
+    counter.calls += 1
+    counter.big = counter.seen > 20  # a traced bool, stored
+    return x * counter.calls
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_counter_object_equals_eager_after_every_call(dynamic):
+    jfn = fulmen.jit(_count, dynamic=dynamic)
+    want, got = _Counter(), _Counter()
+    for size in (3, 5, 7, 2, 9, 4, 6, 3, 8, 5):
+        x = torch.randn(size, 2)
+        assert _same(_count(x, want), jfn(x, got))
+        assert (type(got.seen), got.seen, type(got.calls), got.calls, type(got.big), got.big) \
+            == (int, want.seen, int, want.calls, bool, want.big)
+    stats = fulmen.compile_stats(jfn)
+    # the first call, calls == 1 (specialised), the symbolic entry, big turning True
+    assert stats.cache_misses <= 4 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+class _Window:
+    def __init__(self) -> None:
+        self.length = 0
+        self.window = 6
+
+
+def _attend(keys, cache):
+    cache.length += keys.shape[0]
+    if cache.length >= cache.window:  # `is_full` of HF's sliding-window layer
+        offset = cache.length - cache.window + 1
+    else:
+        offset = 0
+    return keys[-min(cache.length, cache.window):] * 2, torch.arange(offset, cache.length)
+
+
+def test_an_object_int_across_a_guard_equals_eager():
+    """The decode loop of a sliding-window cache: the int grows past the window (a new guard
+    answer, compiled once more), and every step equals eager."""
+    jfn = fulmen.jit(_attend)
+    want, got = _Window(), _Window()
+    for _ in range(12):
+        keys = torch.randn(3, 2)
+        assert _same(_attend(keys, want), jfn(keys, got))
+        assert type(got.length) is int and got.length == want.length
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 4 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+def _with_break(x, n):
+    y = x * n
+    if y.sum() > 0:  # a graph break: the later segment reads `n` only as a size
+        return torch.arange(n) + 1
+    return torch.arange(n) - 1
+
+
+def test_a_symbolic_int_used_after_a_graph_break_equals_eager():
+    jfn = fulmen.jit(_with_break)
+    for n, sign in [(2, 1), (3, 1), (5, -1), (7, 1), (4, -1), (9, 1)]:
+        x = torch.full((3,), float(sign))
+        assert _same(_with_break(x, n), jfn(x, n)), n
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+def _returns_numbers(x, n):
+    return x + 1, n + 1, n / 2
+
+
+def test_traced_numbers_returned_are_the_calls():
+    jfn = fulmen.jit(_returns_numbers)
+    x = torch.ones(2)
+    for n in (2, 3, 8, 5, 11):
+        assert _same(_returns_numbers(x, n), jfn(x, n)), n
+
+
+def _specialises(x, n):
+    return sum(x for _ in range(n))  # range() needs the number itself
+
+
+def test_an_int_python_specialises_is_guarded_by_value():
+    jfn = fulmen.jit(_specialises)
+    x = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # past the cache size limit: eagerly, correctly
+        for n in (2, 3, 4, 5, 3, 2, 6, 7, 8, 9, 10, 2):
+            assert _same(_specialises(x, n), jfn(x, n)), n
