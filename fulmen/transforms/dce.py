@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.transforms.base import transform
@@ -18,15 +20,66 @@ def live_bsyms(bsyms, outputs) -> tuple[BoundSymbol, ...]:
     return tuple(reversed(kept))
 
 
-def free_values(bsyms, outputs, given) -> tuple[Proxy, ...]:
+def _symbols(value, found: set, depth: int = 0) -> None:
+    """Add the symbols of the symbolic sizes in `value` (a SymInt, a proxy's shape and
+    strides, nested tuples, lists, dicts and slices) to `found`."""
+    if isinstance(value, torch.SymInt):
+        found |= value.node.expr.free_symbols
+    elif isinstance(value, torch.Tensor):  # a TensorProxy
+        for size in (*value.shape, *value.stride()):
+            _symbols(size, found)
+    elif depth < 8 and isinstance(value, (tuple, list)):
+        for item in value:
+            _symbols(item, found, depth + 1)
+    elif depth < 8 and isinstance(value, dict):
+        for item in value.values():
+            _symbols(item, found, depth + 1)
+    elif isinstance(value, slice):
+        _symbols((value.start, value.stop, value.step), found, depth + 1)
+
+
+def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
+    """The proxies among `candidates` that a function of `inputs` running `bsyms` and returning
+    `outputs` needs besides them for the symbolic sizes it uses (printed traces bind a symbol
+    from an input's size, `fulmen.core.printer.symbol_bindings`): the first holding each symbol
+    no input's size holds. An integer traced as a symbol is read from its carrier
+    (`fulmen.tracer.symbolic.carrier`), which no statement reads."""
+    used: set = set()
+    for bsym in bsyms:
+        for statement in (bsym, *bsym.subsymbols):
+            _symbols((statement.args, statement.kwargs, statement.output), used)
+    _symbols(tuple(iter_proxies(outputs)), used)
+    if not used:
+        return []
+    bound: set = set()
+    _symbols(inputs, bound)
+    missing = used - bound
+    needed = []
+    for candidate in candidates:
+        if not missing:
+            break
+        held: set = set()
+        _symbols(candidate, held)
+        if held & missing:
+            needed.append(candidate)
+            missing -= held
+    return needed
+
+
+def free_values(bsyms, outputs, given, sizes_from=()) -> tuple[Proxy, ...]:
     """The values `bsyms` and `outputs` read that no statement of `bsyms` defines and that are
     not among the proxies `given`, in order of first use: what a backward needs from its
-    forward (its residuals), the cotangents being `given`."""
+    forward (its residuals), the cotangents being `given`; then those of `sizes_from` that
+    bind the symbolic sizes used (`size_sources`)."""
     defined = {name for bsym in bsyms for name in bsym.output_names}
     defined |= {proxy.name for proxy in iter_proxies(given)}
     free: dict[str, Proxy] = {}
     for proxy in [p for bsym in bsyms for p in bsym.proxy_inputs] + list(iter_proxies(outputs)):
         if proxy.name not in defined:
+            free.setdefault(proxy.name, proxy)
+    if sizes_from:
+        inputs = (*free.values(), *iter_proxies(given))
+        for proxy in size_sources(bsyms, outputs, inputs, sizes_from):
             free.setdefault(proxy.name, proxy)
     return tuple(free.values())
 

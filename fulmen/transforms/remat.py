@@ -202,7 +202,7 @@ def _rebuild_backward(backward: Trace, recompute: tuple[BoundSymbol, ...], saved
     early = {name for b in recomputed for name in _all_names(b)}
     rest = [b for b in backward.bsyms if not (b.output_names and b.output_names <= early)]
     bsyms = live_bsyms(_just_in_time(recomputed, rest), backward.output)
-    residuals = free_values(bsyms, backward.output, cotangents)
+    residuals = free_values(bsyms, backward.output, cotangents, sizes_from=backward.args)
     return backward.replace(args=(*residuals, *cotangents), bsyms=bsyms)
 
 

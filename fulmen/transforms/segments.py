@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.printer import statement_source, type_comment
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.ops.breaks import GRAPH_BREAK_TAG, output_shapes
 from fulmen.proxies import TensorProxy
+from fulmen.transforms.dce import size_sources
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
                     inputs[proxy.name] = arg if arg is not None else _as_input(proxy, requires_grad)
             for proxy in bsym.proxy_outputs:
                 defined[proxy.name] = proxy
-        for arg in _size_inputs(bsyms, inputs.values(), trace.args):
+        for arg in size_sources(bsyms, (), tuple(inputs.values()), trace.args):
             inputs.setdefault(arg.name, arg)
         outputs = tuple(p for name, p in defined.items() if name in read_later[index])
         segment_trace = Trace(f"{trace.name}_segment{index}", tuple(inputs.values()),
@@ -124,47 +123,6 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
                               seconds=trace.seconds)
         segments.append(Segment(segment_trace, guard, _fingerprint(bsyms, guard, op), op))
     return segments
-
-
-def _symbols(value, found: set, depth: int = 0) -> None:
-    """Add the symbols of the symbolic sizes in `value` (a SymInt, a proxy's shape and
-    strides, nested tuples, lists, dicts and slices) to `found`."""
-    if isinstance(value, torch.SymInt):
-        found |= value.node.expr.free_symbols
-    elif isinstance(value, TensorProxy):
-        for size in (*value.shape, *value.stride()):
-            _symbols(size, found)
-    elif depth < 8 and isinstance(value, (tuple, list)):
-        for item in value:
-            _symbols(item, found, depth + 1)
-    elif depth < 8 and isinstance(value, dict):
-        for item in value.values():
-            _symbols(item, found, depth + 1)
-    elif isinstance(value, slice):
-        _symbols((value.start, value.stop, value.step), found, depth + 1)
-
-
-def _size_inputs(bsyms, inputs, args) -> list[Proxy]:
-    """The inputs of the whole trace (`args`) a segment needs besides `inputs` for the sizes its
-    statements use: a symbol no input's size holds (an integer traced as a symbol is read from
-    its carrier, `fulmen.tracer.symbolic.carrier`, which no statement reads)."""
-    used: set = set()
-    for bsym in bsyms:
-        for statement in (bsym, *bsym.subsymbols):
-            _symbols((statement.args, statement.kwargs, statement.output), used)
-    if not used:
-        return []
-    bound: set = set()
-    _symbols(tuple(inputs), bound)
-    missing = used - bound
-    needed = []
-    for arg in args:
-        held: set = set()
-        _symbols(arg, held)
-        if held & missing:
-            needed.append(arg)
-            missing -= held
-    return needed
 
 
 def with_outputs(segment: Segment, names: list[str]) -> Segment:

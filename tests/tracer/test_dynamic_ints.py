@@ -139,3 +139,23 @@ def test_an_int_python_specialises_is_guarded_by_value():
         warnings.simplefilter("ignore")  # past the cache size limit: eagerly, correctly
         for n in (2, 3, 4, 5, 3, 2, 6, 7, 8, 9, 10, 2):
             assert _same(_specialises(x, n), jfn(x, n)), n
+
+
+def _scaled_head(x, n):
+    return (x[:n] * n).sum() + (x * x / n).sum()
+
+
+def test_gradients_through_a_symbolic_int_equal_eager():
+    """The backward uses the symbol (`/ n`, the slice's padding) but reads no tensor holding
+    it: the carrier becomes a residual."""
+    jfn = fulmen.jit(_scaled_head)
+    for n in (2, 3, 5, 7, 4, 9):
+        x = torch.randn(10, 3, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        want, got = _scaled_head(x, n), jfn(x2, n)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(x2.grad, x.grad)
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0, stats.recompile_reasons

@@ -337,7 +337,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     # rules also compute cotangents of values that do not require grad: dropping those first
     # keeps their operands out of the residuals
     backward_bsyms = live_bsyms(ctx.bsyms, input_grads)
-    residuals = free_values(backward_bsyms, input_grads, cotangents)
+    residuals = free_values(backward_bsyms, input_grads, cotangents, sizes_from=trace.args)
 
     forward = trace.replace(name="forward", bsyms=tuple(forward_bsyms),
                             output=(tuple(output_leaves), residuals))
