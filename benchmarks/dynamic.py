@@ -12,7 +12,7 @@ static cache (`cache_implementation="static"`); tokens are
 compared with eager; the compilations of the jitted forward are counted, and a second generate
 (everything compiled) gives the per-token time.
 
-Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2] [--tokens 64] [--no-compile]
+Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2,gemma2] [--tokens 64] [--no-compile]
 [--skip-sweep] [--skip-decode] [--caches dynamic,static]`
 Times are seconds (sweep) and ms per token (decode); ratios are fulmen or torch.compile / eager.
 """
@@ -44,6 +44,8 @@ def _model(name: str) -> torch.nn.Module:
         return T.LlamaForCausalLM(T.LlamaConfig(**common))
     if name == "qwen2":
         return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    if name == "gemma2":  # sliding-window layers: their cache layers count tokens in an int
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=8, sliding_window=16))
     if name == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB,
                                               n_positions=256))

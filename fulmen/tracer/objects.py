@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import enum
 import functools
-import math
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -37,12 +36,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError
-from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
 
-_TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
-_ATOMS = (*_TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-          torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format, torch.layout)
+TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype,
+          torch.device, torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format,
+          torch.layout)
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
 _MAX_DEPTH = 6
@@ -226,7 +225,7 @@ class Epilogue:
     (`fulmen.tracer.module_stores`). `numbers`: the traced Python numbers (`torch.SymInt`,
     `SymFloat`, `SymBool`: symbolic sizes and integers, `fulmen.tracer.symbolic`) the templates
     hold, and `number_fn` their values for one call, computed from the call's inputs
-    (`bind_numbers`; NOTE [traced numbers in stores]).
+    (`fulmen.tracer.symbolic.number_function`; NOTE [traced numbers in stores]).
     """
 
     stores: list = field(default_factory=list)
@@ -241,47 +240,6 @@ class Epilogue:
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.outputs)
-
-    def collect_numbers(self, templates: list) -> None:
-        """Note the traced Python numbers held by `templates` (`numbers`)."""
-        found: dict[int, Any] = {}
-        for template in templates:
-            values = [template] if not _walkable(template) else [v for _, v in walk(template)]
-            found.update((id(v), v) for v in values if isinstance(v, _TRACED_NUMBERS))
-        self.numbers = list(found.values())
-
-    def bind_numbers(self, proxies: list) -> None:
-        """Make `number_fn`: the values of `numbers` from a call's inputs (`proxies` are the
-        trace inputs they come in as, a prefix of the compiled call's arguments).
-
-        NOTE [traced numbers in stores]: a store of a symbolic size or integer into an object
-        that outlives the call (`self.cumulative_length += key.shape[-2]`, `counter.seen +=
-        x.shape[0]`) holds a SymInt whose expression is in the trace's symbols (`s3 + s7`).
-        Replayed by value, the object would keep the symbol; instead each call evaluates the
-        expression with its own sizes, read from its inputs as the printed trace reads them
-        (`s3 = cache_layers_0_cumulative_length_carrier.shape[1]`), before any store changes
-        what the inputs were read from.
-
-        Raises:
-            FulmenError: when no input's sizes determine a symbol (`symbol_bindings`).
-        """
-        if not self.numbers:
-            return
-        from torch.utils._sympy.printers import PythonPrinter
-
-        exprs = [number.node.expr for number in self.numbers]
-        symbols = set().union(*(expr.free_symbols for expr in exprs))
-        lines = symbol_bindings(proxies, symbols, "the epilogue's numbers")
-        printer = PythonPrinter()
-        values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"
-                  for number, expr in zip(self.numbers, exprs)]
-        source = "\n".join([f"def numbers({''.join(p.name + ', ' for p in proxies)}*_):",
-                            *(f"    {line}" for line in lines),
-                            f"    return ({', '.join(values)},)"])
-        scope: dict[str, Any] = {"math": math}
-        exec(compile(source, "<fulmen epilogue numbers>", "exec"), scope)
-        self.number_fn = scope["numbers"]
-        self.number_fn.source = source
 
     def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any],
                      current: dict[int, Any], numbers: dict[int, Any]) -> Any:

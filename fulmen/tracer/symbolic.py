@@ -26,10 +26,12 @@ on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import follow
 
@@ -46,6 +48,44 @@ INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where 
 def carrier(value: int) -> torch.Tensor:
     """The empty tensor whose size 1 carries the integer `value` into a compiled call."""
     return torch.empty((0, value), dtype=torch.uint8)
+
+
+def number_function(numbers: list, proxies: list) -> Callable:
+    """A function of a call's inputs (`proxies` are the trace inputs they come in as, a prefix
+    of the compiled call's arguments) returning the values of the traced Python numbers
+    `numbers` (`torch.SymInt`, `SymFloat`, `SymBool`) in that call.
+
+    NOTE [traced numbers in stores]: a store of a symbolic size or integer into an object
+    that outlives the call (`self.cumulative_length += key.shape[-2]`, `counter.seen +=
+    x.shape[0]`) holds a SymInt whose expression is in the trace's symbols (`s3 + s7`).
+    Replayed by value, the object would keep the symbol; instead the epilogue
+    (`fulmen.tracer.objects.Epilogue`) evaluates the expression with each call's own sizes,
+    read from its inputs as the printed trace reads them (`s3 = n_carrier.shape[1]`), before
+    any store changes what the inputs were read from.
+
+    Raises:
+        FulmenError: when no input's sizes determine a symbol (`symbol_bindings`).
+
+    Example:
+        >>> number_function([2 * s0], [x])(torch.empty(5, 3))  # x: f32[s0, 3]
+        (10,)
+    """
+    from torch.utils._sympy.printers import PythonPrinter
+
+    exprs = [number.node.expr for number in numbers]
+    symbols = set().union(*(expr.free_symbols for expr in exprs))
+    lines = symbol_bindings(proxies, symbols, "the epilogue's numbers")
+    printer = PythonPrinter()
+    values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"
+              for number, expr in zip(numbers, exprs)]
+    source = "\n".join([f"def numbers({''.join(p.name + ', ' for p in proxies)}*_):",
+                        *(f"    {line}" for line in lines),
+                        f"    return ({', '.join(values)},)"])
+    scope: dict = {"math": math}
+    exec(compile(source, "<fulmen epilogue numbers>", "exec"), scope)
+    function = scope["numbers"]
+    function.source = source
+    return function
 
 
 def has_symbolic_shape(tensor: torch.Tensor) -> bool:

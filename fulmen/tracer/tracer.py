@@ -30,6 +30,7 @@ from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.module_stores import ModuleStore, module_stores
 from fulmen.tracer.objects import (
     MODULE,
+    TRACED_NUMBERS,
     ArgumentContainers,
     ObjectInputs,
     function_roots,
@@ -37,7 +38,7 @@ from fulmen.tracer.objects import (
     is_plain_object,
     walk,
 )
-from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier
+from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier, number_function
 
 
 @dataclass
@@ -310,15 +311,19 @@ def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProx
     templates += [store[2][1] for store in objects.epilogue.stores
                   if store[2] is not None and isinstance(store[2][1], TensorProxy)]
     templates += [template for _, template in objects.epilogue.outputs]
-    objects.epilogue.collect_numbers(templates)
     found: dict[str, TensorProxy] = {}
+    numbers: dict[int, Any] = {}  # traced numbers (NOTE [traced numbers in stores])
     arguments = objects.epilogue.arguments  # the call's own tensors: not returned
     for template in templates:
-        values = [template] if isinstance(template, TensorProxy) else [v for _, v in walk(template)]
+        values = [template] if isinstance(template, (TensorProxy, *TRACED_NUMBERS)) \
+            else [v for _, v in walk(template)]
         for value in values:
             if isinstance(value, TensorProxy) and id(value) not in arguments:
                 found.setdefault(value.name, value)
+            elif isinstance(value, TRACED_NUMBERS):
+                numbers.setdefault(id(value), value)
     objects.epilogue.names = list(found)
+    objects.epilogue.numbers = list(numbers.values())
     return list(found.values())
 
 
@@ -520,8 +525,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     seconds = time.perf_counter() - start
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
-    if objects.epilogue:  # stored traced numbers are evaluated from the call's inputs
-        objects.epilogue.bind_numbers(list(trace.args[:len(trace.args) - len(captured)]))
+    if objects.epilogue.numbers:  # evaluated from each call's inputs
+        objects.epilogue.number_fn = number_function(
+            objects.epilogue.numbers, list(trace.args[:len(trace.args) - len(captured)]))
     arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
     mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
