@@ -18,9 +18,9 @@ an HF cache layer's `cumulative_length`) that changed between calls gets a symbo
 (`symbolize_int`, torch.compile's automatic dynamic for integers): Python's decisions about it
 are guards, and the trace reads its value from a *carrier*, an empty tensor of shape `(0, n)`
 made for each call (`carrier`), so printed traces bind it like any size (`s3 =
-n_carrier.shape[1]`). Only values of at least 2 get one (0 and 1 are specialised, as sizes are;
-negative numbers stay constants). Two dynamic dimensions of equal size share one symbol (duck sizing) until a
-call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
+n_carrier.shape[1]`). Only values from 2 to 2**62 get one (0 and 1 are specialised, as sizes
+are; negative numbers and larger ones stay constants). Two dynamic dimensions of equal size
+share one symbol (duck sizing) until a call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
 on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
 """
 
@@ -42,6 +42,7 @@ def is_symbolic(value) -> bool:
     return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
 
 
+_MAX_CARRIED = 2**62  # the largest integer traced as a symbol (a size of an empty tensor)
 INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where a tensor has dims
 
 
@@ -161,17 +162,19 @@ class SymbolicSizes:
         return tuple(shape), tuple(reversed(strides))
 
     def symbolize_int(self, value: int, label: str) -> tuple[torch.SymInt, TensorProxy] | None:
-        """`(n, carrier_proxy)` for an integer argument `value` (its carrier a trace input called
-        `label`) that varies: `n` a SymInt of the ShapeEnv with `value` as its hint, the proxy an input
-        of shape `(0, n)` from which the trace reads it (`carrier`). None for a value below 2:
-        it stays a constant (0 and 1 specialised, negative numbers are no size)."""
+        """`(n, carrier_proxy)` for an integer argument `value` that varies (its carrier a trace
+        input called `label`): `n` a SymInt of the ShapeEnv with `value` as its hint, the proxy
+        an input of shape `(0, n)` from which the trace reads it (`carrier`). None for a value
+        below 2: it stays a constant (0 and 1 specialised, negative numbers are no size), and
+        so does one above 2**62 (the symbol's range ends there: the guard refuses larger)."""
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-        if type(value) is not int or value < 2:
+        if type(value) is not int or not 2 <= value <= _MAX_CARRIED:
             return None
         source = LocalSource(label)
         expr = self.env.create_symbol(value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+        self._constrain(expr, None, _MAX_CARRIED)  # the guard refuses what no carrier holds
         number = self.env.create_symintnode(expr, hint=value, source=source)
         proxy = TensorProxy(label, (0, number), torch.uint8, "cpu",
                             strides=(number, 1))

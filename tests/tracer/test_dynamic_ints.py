@@ -159,3 +159,17 @@ def test_gradients_through_a_symbolic_int_equal_eager():
         torch.testing.assert_close(x2.grad, x.grad)
     stats = fulmen.compile_stats(jfn)
     assert stats.cache_misses <= 2 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+def _compare(x, n):
+    return x + (n > 10), n // 3
+
+
+def test_ints_no_carrier_holds_stay_constants():
+    """A carrier is an empty tensor of shape (0, n): integers past 2**62 are guarded out of the
+    symbolic entry and compiled as constants (an empty tensor that large cannot be made)."""
+    jfn = fulmen.jit(_compare)
+    x = torch.ones(2)
+    for n in (2, 3, 5, 2**70, 7, 2**62, 2**62 + 1, 2**63 + 5, 11):
+        assert _same(_compare(x, n), jfn(x, n)), n
+    assert fulmen.compile_stats(jfn).eager_calls == 0
