@@ -16,7 +16,7 @@ import torch
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
-from fulmen.ops.meta import attention_strides, run_meta, with_strides
+from fulmen.ops.meta import attention_strides, elementwise_strides, run_meta, with_strides
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import row_major
@@ -108,8 +108,28 @@ def _attention_meta(fn, *args, **kwargs):
     return out if strides is None else with_strides(out, strides)
 
 
+_POLAR_DTYPES = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _polar_meta(fn, abs, angle, **kwargs):
+    """`torch.polar`: PyTorch's meta runs `torch.complex`, whose `.to(complex)` reads the
+    strides as ints, so a symbolic size (a length, the positions of a rotary embedding: HF
+    Llama4) became a constant and the entry served one length. Eager's kernel is an elementwise
+    TensorIterator map, so its output is the broadcast shape laid out by the elementwise rule
+    (`elementwise_strides`); other calls (`out=`, mixed dtypes or devices) go to the meta kernel,
+    which checks them."""
+    if kwargs or not (isinstance(abs, TensorProxy) and isinstance(angle, TensorProxy)) \
+            or abs.dtype != angle.dtype or abs.dtype not in _POLAR_DTYPES \
+            or abs.device != angle.device:
+        return run_meta(fn, abs, angle, **kwargs)
+    shape = torch.broadcast_shapes(abs.shape, angle.shape)
+    return TensorProxy(None, shape, _POLAR_DTYPES[abs.dtype], abs.device,
+                       strides=elementwise_strides([abs, angle], shape))
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
+                                             torch.polar: _polar_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta}
