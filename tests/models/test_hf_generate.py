@@ -61,15 +61,18 @@ def test_encoder_decoder_generate_matches_eager(name, beams):
     assert torch.equal(got, want), f"{name}: fulmen {got.tolist()} eager {want.tolist()}"
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "llama4"])
-def test_decode_compiles_at_most_twice(name):
+@pytest.mark.parametrize("name,cache", [("gemma2", "dynamic"), ("gemma3", "dynamic"),
+                                        ("llama4", "dynamic"), ("gemma2", "static")])
+def test_decode_compiles_at_most_twice(name, cache):
     """Greedy decoding of 16 tokens: prefill and decode compile at most twice each, with the
-    tokens of eager."""
+    tokens of eager (the static cache's sliding-window layers count in `cumulative_length_int`)."""
     torch.manual_seed(0)
     model = MODELS[name][1]().eval()
     ids, mask = _padded_prompt()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                   pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     want = model.generate(**kwargs)
     jmodel = fulmen.jit(model)
     got = jmodel.generate(**kwargs)
