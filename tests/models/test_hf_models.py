@@ -77,6 +77,11 @@ MODELS = {
                                   sliding_window=4)),
     "gemma3": ("causal", _decoder("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8,
                                   sliding_window=4)),
+    "gemma4": ("causal", _decoder(  # per-layer inputs, MoE beside the MLP, wider global heads
+        "Gemma4TextConfig", "Gemma4ForCausalLM", head_dim=8, global_head_dim=16,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
     "phi": ("causal", _decoder("PhiConfig", "PhiForCausalLM")),
     "phi3": ("causal", _decoder("Phi3Config", "Phi3ForCausalLM", pad_token_id=0)),
     "olmo": ("causal", _decoder("OlmoConfig", "OlmoForCausalLM")),
