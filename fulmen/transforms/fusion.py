@@ -10,7 +10,8 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    as eager's fused kernel). Ops claimed by a
    higher-priority operator executor stay whole and unfused.
 2. Merge: on the dataflow graph (one node per region), each fusible statement is
-   merged with the regions of its fusible producers, then regions reading a common input are
+   merged with the regions of its fusible producers (a second pass retries what the order of
+   the first refused), then regions reading a common input are
    merged horizontally. A merge happens only if it creates no cycle (no path between the two
    regions through a third node), the region stays under `max_region_size` statements, and
    `executor.can_fuse_region` accepts the union.
@@ -257,13 +258,20 @@ class _Partition:
         return True
 
     def merge_all(self) -> None:
-        for i, node in enumerate(self.nodes):
-            if not node.fusible:
-                continue
-            for name in node.bsym.input_names:
-                producer = self.producer.get(name)
-                if producer is not None and producer < i:
-                    self.try_merge(producer, i)
+        # a second pass takes the merges the first refused for its order: a statement reading
+        # two regions (a `cat` of a slice and of a negated slice) first met the one that would
+        # have closed a cycle through the other (NOTE [pad and cat in pointwise kernels])
+        for _ in range(2):
+            merged = False
+            for i, node in enumerate(self.nodes):
+                if not node.fusible:
+                    continue
+                for name in node.bsym.input_names:
+                    producer = self.producer.get(name)
+                    if producer is not None and producer < i:
+                        merged |= self.try_merge(producer, i)
+            if not merged:
+                break
         for readers in self.consumers.values():
             for other in readers[1:]:
                 self.try_merge(readers[0], other)

@@ -53,7 +53,8 @@ TARGETS: dict[str, tuple[Target, type]] = {"cpu": (CPU, FusedRegion),
 def target_of(bsym: BoundSymbol) -> Target | None:
     """The target rendering `bsym`'s kernels: that of the one device of its tensors, when the
     target can build kernels here; else None (`bsym` is not fused)."""
-    devices = {a.device for a in bsym.args if isinstance(a, torch.Tensor)}
+    args = [*bsym.args[0], *bsym.args[1:]] if bsym.sym.name == "cat" else bsym.args
+    devices = {a.device for a in args if isinstance(a, torch.Tensor)}
     if len(devices) != 1:
         return None
     target = TARGETS.get(next(iter(devices)).type, (None, None))[0]

@@ -13,6 +13,12 @@ squeeze, reshape, flip); at run time the chain turns the input's strides into st
 iteration space (0 where it broadcasts), so transposed, sliced and broadcast inputs are read in
 place. The IR carries dtypes, never sizes or strides: one kernel serves every shape.
 
+`pad` and `cat` (NOTE [pad and cat in pointwise kernels] in `lower.py`) read their operands at
+shifted points: an access ending in a `shift` step, loaded only where a mask holds (`Load.mask`,
+a bool value; elsewhere the load gives 0 and reads nothing). A mask is itself a load, of an
+access of `MASK_INPUT`: a bool vector along one axis that the runtime makes from the call's
+sizes (`region.mask_tensor`), so no size enters the kernel's source.
+
 A `RowKernel` is the normalisation schedule (softmax, layer_norm, sums over trailing axes): its
 values are row-level (once per point of the kept axes: reductions and what follows from them)
 or element-level (once per point of the whole space), and `Reduce` turns the latter into the
@@ -42,10 +48,17 @@ class Access:
     steps: tuple[ViewStep, ...]
 
 
+MASK_INPUT = -1  # `Access.input` of a mask (`ViewStep("mask", (dim, start, length, shape))`)
+
+
 @dataclass(frozen=True)
 class Load:
+    """Access `access` read as `dtype`; with `mask` (a bool value), read only where it holds
+    (0 elsewhere)."""
+
     access: int
     dtype: torch.dtype
+    mask: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,11 +166,13 @@ class RowKernel:
 def _describe(kernel, access_notes: list[str], value_notes: list[str]) -> str:
     """The text of a kernel: its accesses (each followed by its note), its values in SSA order
     (each preceded by its note) and its stores."""
-    lines = [f"a{i} = input{acc.input}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
+    lines = [f"a{i} = {'mask' if acc.input == MASK_INPUT else f'input{acc.input}'}" + "".join(f".{s.name}{s.params}" for s in acc.steps)
              + note for i, (acc, note) in enumerate(zip(kernel.accesses, access_notes))]
     for i, (value, where) in enumerate(zip(kernel.values, value_notes)):
         if isinstance(value, Load):
             text = f"load a{value.access}"
+            if value.mask is not None:
+                text += f" if v{value.mask}"
         elif isinstance(value, Const):
             text = f"const {value.value!r}"
         elif isinstance(value, Count):

@@ -3,9 +3,20 @@
 Which prims may join a region is `ops.fusible` (the op table and the region's target).
 `lower(region, outputs)` builds the kernel; it raises `Unsupported` when the
 region breaks a rule of the pointwise schedule: every elementwise statement has the same shape
-(the iteration space), and view prims only read region inputs or other views of them. Sizes
-are compared as `sizes.same` does: a comparison of symbolic sizes that depends on the call
-raises `Unsupported` (the region stays unfused).
+(the iteration space) or feeds a `pad`/`cat` (NOTE below), and view prims only read region
+inputs or other views of them. Sizes are compared as `sizes.same` does: a comparison of
+symbolic sizes that depends on the call raises `Unsupported` (the region stays unfused).
+
+NOTE [pad and cat in pointwise kernels]: the outputs of `pad` and `cat` have the iteration
+shape; each point takes one operand's value at a shifted point, or pad's constant. An operand
+is computed where it is read: its statements (elementwise, on its own smaller shape: "lazy"
+values, never computed at the iteration shape) are lowered again for that operand, every load
+through the access plus a `shift` step (the operand's offset in the output) and masked by where
+the operand lies (a mask access, `ir.MASK_INPUT`), so nothing is read outside an input; a
+`where` on the mask picks the operand's value. `cat((a, b), d)` is `where(in_a, a', b')`,
+`pad(a, v)` is `where(in_a, a', v)`. Rotary embeddings' `cat((-x2, x1))` and its backward's
+pads then fuse with the multiplies around them. Refused: a pad or cat inside another one's
+operand, a lazy value leaving the region, views of pad or cat outputs (views read inputs only).
 """
 
 from __future__ import annotations
@@ -15,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.executors.codegen.ir import Access, Const, Kernel, Load, Op, ViewStep
-from fulmen.executors.codegen.ops import INTS, VIEWS, Unsupported
+from fulmen.executors.codegen.ir import MASK_INPUT, Access, Const, Kernel, Load, Op, ViewStep
+from fulmen.executors.codegen.ops import INTS, SELECTS, VIEWS, Unsupported
 from fulmen.executors.codegen.sizes import freeze, same_shape
 from fulmen.transforms.fusion import region_inputs
 
@@ -59,28 +70,74 @@ class LoweredRegion:
     outputs: tuple[tuple, ...]
 
 
+def _iteration_shape(region: list[BoundSymbol]):
+    """The shape every computing statement has, except lazy ones: that of the pad/cat outputs
+    (which must agree), else of the first computing statement; None if there is none.
+
+    Raises:
+        Unsupported: pad/cat outputs of different shapes.
+    """
+    shape = None
+    for bsym in region:
+        if bsym.sym.name in SELECTS:
+            if shape is not None and not same_shape(tuple(bsym.output.shape), shape):
+                raise Unsupported("pad or cat outputs of different shapes")
+            shape = tuple(bsym.output.shape)
+    if shape is None:
+        shape = next((tuple(b.output.shape) for b in region if b.sym.name not in VIEWS), None)
+    return shape
+
+
 def fits_pointwise(region: list[BoundSymbol]) -> bool:
     """Whether `lower(region, ..., check_only=True)` accepts the region, without building the
     kernel (the partitioner asks this for every candidate merge): every computing statement
-    has one shape, and views read only region inputs or other views."""
-    shape = None
+    has one shape or is lazy (of another shape, reading a lazy value, or a view of a computed
+    value of that shape) and read here, each pad/cat has that shape and reads no other one,
+    and views read inputs, computed values of that shape or views of them.
+    Lazy values must end in a pad or cat; one also read outside the region makes `lower`
+    refuse it (the partitioner asks without the outputs)."""
     computed: set[str] = set()
-    for bsym in region:
-        if bsym.sym.name in VIEWS:
-            if bsym.args[0].name in computed:
-                return False
-            continue
-        out = bsym.output
-        if shape is None:
-            shape = out.shape
-        else:
-            try:
-                if not same_shape(out.shape, shape):
-                    return False
-            except Unsupported:
-                return False
-        computed.add(out.name)
-    return True
+    lazy: set[str] = set()
+    views: set[str] = set()  # the lazy values that are views of computed values
+    selected: set[str] = set()  # values that are, or read, a pad/cat output
+    read: set[str] = set()
+    try:
+        shape = _iteration_shape(region)
+        for bsym in region:
+            name, out = bsym.sym.name, bsym.output
+            inputs = bsym.input_names
+            read |= inputs
+            if name in VIEWS:
+                if inputs & (selected | (lazy - views)):
+                    return False  # a view of a pad/cat output or of a lazy computed value
+                if inputs & (computed | views):
+                    lazy.add(out.name)
+                    views.add(out.name)
+                continue
+            if name in SELECTS:
+                if inputs & selected or not same_shape(tuple(out.shape), shape):
+                    return False  # a pad or cat inside another's operand
+                selected.add(out.name)
+                computed.add(out.name)
+                continue
+            if inputs & selected:
+                selected.add(out.name)
+            if inputs & lazy or not same_shape(tuple(out.shape), shape):
+                lazy.add(out.name)
+            else:
+                computed.add(out.name)
+    except Unsupported:
+        return False
+    return lazy <= read  # a lazy value no statement here reads would leave the region
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a lazy value is read: the view steps its accesses end with (views of it, then
+    the `shift` of a pad/cat operand), and the mask (None: every point lies inside)."""
+
+    steps: tuple[ViewStep, ...]
+    mask: int | None
 
 
 def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) -> LoweredRegion:
@@ -93,68 +150,148 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
     inputs = region_inputs(region)
     input_index = {proxy.name: i for i, proxy in enumerate(inputs)}
     env: dict[str, tuple] = {}
+    producers: dict[str, BoundSymbol] = {}
     accesses: list[Access] = []
     access_dtypes: list[torch.dtype] = []
     values: list = []
-    loads: dict[Access, int] = {}
-    shape: tuple[int, ...] | None = None
+    loads: dict[tuple, int] = {}
+    built: dict[tuple, int] = {}
+    shape = _iteration_shape(region)
 
     def view_of(proxy) -> tuple:
         if proxy.name in env:
             return env[proxy.name]
         return ("view", Access(input_index[proxy.name], ()), proxy.dtype)
 
-    def operand(arg, dtype) -> int:
+    def load(access: Access, dtype: torch.dtype, mask: int | None = None) -> int:
+        key = (access, mask)
+        if key not in loads:
+            accesses.append(access)
+            access_dtypes.append(dtype)
+            values.append(Load(len(accesses) - 1, dtype, mask))
+            loads[key] = len(values) - 1
+        return loads[key]
+
+    def operand(arg, dtype, place: _Place | None = None) -> int:
         if not isinstance(arg, torch.Tensor):
             value = cast_scalar(arg, dtype)
             values.append(Const(value, dtype))
             return len(values) - 1
         kind = view_of(arg)
-        if kind[0] == "value":
+        if kind[0] == "view":
+            if place is None:
+                return load(kind[1], arg.dtype)
+            access = kind[1]
+            return load(Access(access.input, access.steps + place.steps), arg.dtype,
+                        place.mask)
+        if kind[0] == "value" and place is None:
             return kind[1]
-        access = kind[1]
-        if access not in loads:
-            accesses.append(access)
-            access_dtypes.append(arg.dtype)
-            values.append(Load(len(accesses) - 1, arg.dtype))
-            loads[access] = len(values) - 1
-        return loads[access]
+        if place is None:
+            raise Unsupported("a lazy value read at the iteration shape")
+        if kind[0] == "lazyview":  # a view of a computed value: computed through the view
+            _, base, steps = kind
+            return build(producers[base], _Place(steps + place.steps, place.mask))
+        return build(producers[arg.name], place)
+
+    def build(bsym: BoundSymbol, place: _Place | None) -> int:
+        key = (bsym.output.name, place)
+        if key in built:
+            return built[key]
+        name, out = bsym.sym.name, bsym.output
+        if name in SELECTS:
+            if place is not None:
+                raise Unsupported("a pad or cat inside another one's operand")
+            built[key] = select(bsym)
+            return built[key]
+        if name == "convert_element_type":
+            args = (operand(bsym.args[0], bsym.args[0].dtype, place),)
+        elif name == "where":
+            dtype = out.dtype
+            args = (operand(bsym.args[0], torch.bool, place),
+                    operand(bsym.args[1], dtype, place), operand(bsym.args[2], dtype, place))
+        else:
+            dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
+            args = tuple(operand(arg, number_dtype(name, i, dtype), place)
+                         for i, arg in enumerate(bsym.args))
+        values.append(Op(name, args, out.dtype))
+        built[key] = len(values) - 1
+        return built[key]
+
+    def mask(dim: int, start, length) -> int:
+        step = ViewStep("mask", freeze((dim, start, length, shape)))
+        return load(Access(MASK_INPUT, (step,)), torch.bool)
+
+    def where(cond: int, a: int, b: int, dtype: torch.dtype) -> int:
+        values.append(Op("where", (cond, a, b), dtype))
+        return len(values) - 1
+
+    def select(bsym: BoundSymbol) -> int:
+        dtype = bsym.output.dtype
+        if bsym.sym.name == "pad":
+            a, fill, config = bsym.args
+            masks = [mask(d, lo, a.shape[d]) for d, (lo, hi, _) in enumerate(config)
+                     if not _known_le(lo, 0) or not _known_le(hi, 0)]
+            inside = masks[0] if masks else None  # None: crops only, every point reads a
+            for other in masks[1:]:
+                values.append(Op("mul", (inside, other), torch.bool))
+                inside = len(values) - 1
+            offsets = freeze(tuple(lo for lo, _, _ in config))
+            place = _Place((ViewStep("shift", (offsets, freeze(shape))),), inside)
+            if inside is None:
+                return operand(a, dtype, place)
+            return where(inside, operand(a, dtype, place), operand(fill, dtype), dtype)
+        tensors, dim = bsym.args
+        dim %= len(shape)
+        start, picks = 0, []
+        for tensor in tensors:
+            offsets = [0] * len(shape)
+            offsets[dim] = start
+            inside = mask(dim, start, tensor.shape[dim])
+            place = _Place((ViewStep("shift", freeze((tuple(offsets), shape))),), inside)
+            picks.append((inside, operand(tensor, dtype, place)))
+            start = start + tensor.shape[dim]
+        result = picks[-1][1]
+        for inside, value in reversed(picks[:-1]):
+            result = where(inside, value, result, dtype)
+        return result
 
     for bsym in region:
         name = bsym.sym.name
         if name in VIEWS:
             kind = view_of(bsym.args[0])
-            if kind[0] != "view":
-                raise Unsupported(f"{name} of a computed value")
             step = ViewStep(name, freeze(bsym.args[1:]))
-            access = Access(kind[1].input, kind[1].steps + (step,))
-            env[bsym.output.name] = ("view", access, bsym.output.dtype)
+            if kind[0] == "view":
+                access = Access(kind[1].input, kind[1].steps + (step,))
+                env[bsym.output.name] = ("view", access, bsym.output.dtype)
+            elif kind[0] == "lazyview":
+                env[bsym.output.name] = ("lazyview", kind[1], kind[2] + (step,))
+            elif kind[0] == "value":  # computed again through the view where a pad/cat reads
+                env[bsym.output.name] = ("lazyview", bsym.args[0].name, (step,))
+            else:
+                raise Unsupported(f"{name} of a lazy computed value")
             continue
         out = bsym.output
-        if shape is None:
-            shape = tuple(out.shape)
-        elif not same_shape(tuple(out.shape), shape):
+        producers[out.name] = bsym
+        reads_lazy = any(env.get(n, ("",))[0] in ("lazy", "lazyview") for n in bsym.input_names)
+        if name not in SELECTS and (reads_lazy or not same_shape(tuple(out.shape), shape)):
+            env[out.name] = ("lazy",)  # computed where a pad or cat reads it
+            continue
+        if not same_shape(tuple(out.shape), shape):
             raise Unsupported(f"{name} on shape {tuple(out.shape)} in a {shape} kernel")
-        if name == "convert_element_type":
-            args = (operand(bsym.args[0], bsym.args[0].dtype),)
-        elif name == "where":
-            dtype = out.dtype
-            args = (operand(bsym.args[0], torch.bool), operand(bsym.args[1], dtype),
-                    operand(bsym.args[2], dtype))
-        else:
-            dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
-            args = tuple(operand(arg, number_dtype(name, i, dtype))
-                         for i, arg in enumerate(bsym.args))
-        values.append(Op(name, args, out.dtype))
-        env[out.name] = ("value", len(values) - 1)
+        env[out.name] = ("value", build(bsym, None))
     if shape is None:
         if check_only:
             return None
         raise Unsupported("no computation")
+    read = set().union(*(bsym.input_names for bsym in region))
+    if any(kind[0] in ("lazy", "lazyview") and name not in read for name, kind in env.items()):
+        raise Unsupported("a lazy value no statement of the region reads")
     kernel_outputs: list[int] = []
     plan = []
     for proxy in outputs:
         kind = env[proxy.name]
+        if kind[0] in ("lazy", "lazyview"):
+            raise Unsupported(f"the lazy value {proxy.name} leaves the kernel")
         if kind[0] == "value":
             if kind[1] in kernel_outputs:
                 raise Unsupported("one value returned twice")
@@ -164,3 +301,12 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             plan.append(("view", kind[1]))
     kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs))
     return LoweredRegion(kernel, freeze(shape), tuple(inputs), tuple(plan))
+
+
+def _known_le(size, bound: int) -> bool:
+    """Whether `size` (an int or SymInt) is known to be at most `bound` (no guard added)."""
+    if isinstance(size, int):
+        return size <= bound
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(size <= bound)

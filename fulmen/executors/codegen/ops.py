@@ -29,7 +29,7 @@ import torch
 from fulmen.core import BoundSymbol, Proxy
 
 __all__ = ["ALL", "BOOL", "FLOATS", "INTS", "MATH", "NUMERIC", "OPS", "POW_CONSTANT",
-           "REDUCTIONS", "VIEWS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
+           "REDUCTIONS", "SELECTS", "VIEWS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -39,6 +39,8 @@ ALL = NUMERIC | BOOL
 MATH = "math"  # spelled as the target's math-library function of the op's name
 
 VIEWS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze", "reshape", "flip"})
+# prims that pick each point from one operand read at a shifted point, or a constant (lower.py)
+SELECTS = frozenset({"pad", "cat"})
 
 
 class Unsupported(Exception):
@@ -152,6 +154,8 @@ def fusible(bsym: BoundSymbol, target) -> bool:
         return _fusible_reduction(bsym)
     if sym.name in VIEWS:
         return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
+    if sym.name in SELECTS:
+        return target.selects and _fusible_select(bsym)
     op = OPS.get(sym.name)
     if op is None or not op.arity:
         return False
@@ -184,3 +188,15 @@ def _fusible_reduction(bsym: BoundSymbol) -> bool:
     if not dims or (a.ndim - 1 not in dims and bsym.sym.name != "sum"):
         return False
     return bsym.sym.name != "var" or isinstance(bsym.args[2], Number)
+
+
+def _fusible_select(bsym: BoundSymbol) -> bool:
+    """`pad` without interior padding, of a value that fits the tensor's dtype, and `cat`, of
+    tensors (proxies) of a dtype kernels handle."""
+    if bsym.sym.name == "pad":
+        a, value, config = bsym.args
+        return (isinstance(a, Proxy) and a.dtype in ALL and isinstance(value, Number)
+                and _number_fits(value, a.dtype) and all(not c[2] for c in config))
+    tensors = bsym.args[0]
+    return (isinstance(tensors, (list, tuple)) and len(tensors) > 0
+            and all(isinstance(t, Proxy) and t.dtype in ALL for t in tensors))

@@ -28,8 +28,8 @@ import torch
 from fulmen.executors.codegen.ir import Access
 from fulmen.executors.codegen.sizes import Binder, concrete, has_sym_sizes
 
-__all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "region_results", "resolve",
-           "view_output"]
+__all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "mask_tensor",
+           "region_results", "resolve", "view_output"]
 
 MAX_BOUND = 256  # concrete regions (and call plans) kept per region; then they start afresh
 
@@ -90,6 +90,11 @@ def resolve(tensor: torch.Tensor, access: Access):
                 if sizes[d] > 0:
                     offset += (sizes[d] - 1) * strides[d]
                 strides[d] = -strides[d]
+        elif step.name == "shift":  # read at (point - offsets): only where a mask holds
+            offsets, shape = params
+            for d, lo in enumerate(offsets):
+                offset -= lo * strides[d]
+            sizes = list(shape)
         elif step.name == "reshape":
             new = _view_strides(sizes, strides, list(params[0]))
             if new is None:
@@ -103,6 +108,25 @@ def resolve(tensor: torch.Tensor, access: Access):
         else:
             raise Fallback
     return tensor, offset, sizes, strides
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def mask_tensor(access: Access, device=None) -> tuple[torch.Tensor, list[int]]:
+    """The bool vector of a mask access (`ir.MASK_INPUT`; concrete sizes) and its strides
+    over the iteration space: along `dim`, True at `start <= i < start + length`."""
+    dim, start, length, shape = access.steps[0].params
+    key = (shape[dim], start, length, device)
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) >= MAX_BOUND:
+            _MASKS.clear()
+        index = torch.arange(shape[dim], device=device)
+        mask = _MASKS[key] = (index >= start) & (index < start + length)
+    strides = [0] * len(shape)
+    strides[dim] = 1
+    return mask, strides
 
 
 def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:

@@ -37,7 +37,7 @@ from fulmen.executors.codegen.ir import (
     ViewStep,
 )
 from fulmen.executors.codegen.lower import cast_scalar, lower, number_dtype
-from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported
+from fulmen.executors.codegen.ops import REDUCTIONS, SELECTS, VIEWS, Unsupported
 from fulmen.executors.codegen.sizes import freeze, same, same_shape
 from fulmen.transforms.fusion import region_inputs
 
@@ -192,6 +192,8 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     for bsym in region:
         name = bsym.sym.name
         out = bsym.output
+        if name in SELECTS:
+            raise Unsupported(f"{name} in a row kernel")  # pointwise kernels only (lower.py)
         if name in VIEWS:
             kind = view_of(bsym.args[0])
             if kind[0] == "column":

@@ -58,6 +58,7 @@ class Target:
     math_names: dict[str, str] = {}  # op name -> math function name, where they differ
     overrides: dict[tuple[str, str], str] = {}  # (op, dtype class) -> this target's spelling
     unfusible: frozenset[tuple[str, str]] = frozenset()  # (op, dtype class) not rendered here
+    selects = False  # whether its pointwise renderer and runtime take masked loads (pad, cat)
 
     def available(self) -> bool:
         """Whether kernels of this target can be built in this process at all."""

@@ -61,6 +61,8 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
         if isinstance(value, Load):
             expr = f"p{value.access}[{CPU.index(layout[value.access], value.access)}]"
             expr = CPU.load(expr, value.dtype)
+            if value.mask is not None:  # read only inside the operand (pad, cat)
+                expr = f"({names[value.mask]} ? {expr} : {CPU.literal(0, value.dtype)})"
         elif isinstance(value, Const):
             expr = CPU.literal(value.value, value.dtype)
         else:

@@ -46,12 +46,13 @@ from fulmen.executors.codegen.cpu import compiler
 from fulmen.executors.codegen.cpu.pool import empty
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
-from fulmen.executors.codegen.ir import RowKernel
+from fulmen.executors.codegen.ir import MASK_INPUT, RowKernel
 from fulmen.executors.codegen.region import (
     MAX_BOUND,
     Fallback,
     RegionCallable,
     coalesce,
+    mask_tensor,
     region_results,
     resolve,
 )
@@ -203,6 +204,11 @@ class FusedRegion(RegionCallable):
         every access reads its input in place (no copy)."""
         pointers, rows, in_place = [], [], True
         for access, shape in zip(accesses, expected):
+            if access.input == MASK_INPUT:  # made from the sizes, the same for every call
+                mask, strides = mask_tensor(access)
+                pointers.append((mask, 0))
+                rows.append(strides)
+                continue
             base, offset, sizes, strides = resolve(inputs[access.input], access)
             if tuple(sizes) != shape:
                 raise Fallback

@@ -42,6 +42,7 @@ class CppTarget(Target):
     helper = "f_"
     math_names = {"round": "nearbyint"}
     int64_min = "std::numeric_limits<int64_t>::min()"
+    selects = True
 
     def nan(self, dtype: torch.dtype) -> str:
         return f"std::numeric_limits<{self.compute[dtype]}>::quiet_NaN()"
