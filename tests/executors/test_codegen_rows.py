@@ -369,3 +369,44 @@ def test_gelu_backward_fuses_with_the_recomputed_gelu(approximate):
              for sub in b.subsymbols]
     assert ("erf" if approximate == "none" else "tanh") in fused  # gelu_backward's prims
     assert "torchex" not in str(backward)  # nothing left to the torch executor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_silu_backward_fuses_with_the_recomputed_silu(dtype):
+    """A SwiGLU MLP's backward: `silu_backward`'s prims join the kernel recomputing the gate
+    (was eager's kernel on the torch executor, one more pass over the gate's gradient)."""
+    def fn(x, wg, wu):
+        return torch.nn.functional.silu(x @ wg) * (x @ wu)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(shape, generator=g).to(dtype).requires_grad_()
+            for shape in ((16, 24), (24, 40), (24, 40))]
+    ref = [a.detach().clone().requires_grad_() for a in args]
+    jfn = fulmen.jit(fn)
+    cotangent = torch.randn(16, 40, generator=g).to(dtype)
+    grads = torch.autograd.grad(jfn(*args), args, cotangent)
+    torch.testing.assert_close(grads, torch.autograd.grad(fn(*ref), ref, cotangent))
+    backward = fulmen.last_backward_traces(jfn)[-1]
+    fused = [sub.sym.name for b in backward.bsyms if "fusion" in b.sym.name
+             for sub in b.subsymbols]
+    assert "reciprocal" in fused and "silu_backward" not in str(backward)
+
+
+def test_silu_backward_decomposition_matches_eager_at_special_values():
+    """`aten.silu_backward` decomposed to prims (run by the torch executor and by codegen)
+    against eager's kernel, at infinities, NaN, large magnitudes, zeros."""
+    from fulmen.transforms import decompose_to_prims
+
+    x = torch.tensor([[float("inf"), float("-inf"), float("nan"), -100.0, 100.0, -0.0, 0.0,
+                       -20.0, 20.0, 1.5, -1.5, 3e-39]] * 3)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    grad[0, :4] = float("inf")
+
+    def fn(g, x):
+        return torch.ops.aten.silu_backward.default(g, x)
+
+    expected = fn(grad, x)
+    for executors in (["torch"], ["codegen", "torch"]):
+        jfn = fulmen.jit(fn, executors=executors, transforms=[decompose_to_prims])
+        torch.testing.assert_close(jfn(grad, x), expected, equal_nan=True, rtol=1e-6,
+                                   atol=1e-30)

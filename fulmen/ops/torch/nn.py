@@ -188,6 +188,20 @@ def silu(input, inplace=False):
     return to_dtype(out, input.dtype)
 
 
+@torch_op(torch.ops.aten.silu_backward.default)
+def silu_backward(grad_output, input):
+    """The gradient of `F.silu` (`aten.silu_backward`, what silu's VJP rule calls), as eager's
+    CPU kernel computes it: with s = 1 / (1 + exp(-x)), `g * s * (1 + x * (1 - s))`, in
+    float32 for half inputs. The torch executor runs eager's kernel; a fusion executor fuses
+    these prims with the silu the backward recomputes (a SwiGLU MLP's gate)."""
+    _check_floating("silu_backward", input)
+    dtype = compute_dtype(input.dtype)
+    x, g = to_dtype(input, dtype), to_dtype(grad_output, dtype)
+    sigmoid = prims.reciprocal(prims.add(prims.exp(prims.neg(x)), 1))
+    slope = prims.add(prims.mul(x, prims.sub(1, sigmoid)), 1)
+    return to_dtype(prims.mul(prims.mul(g, sigmoid), slope), grad_output.dtype)
+
+
 # --------------------------------------------------------------------------- softmax
 
 

@@ -161,7 +161,11 @@ def _gelu_vjp(grad, out, input, approximate):
 
 @vjp_rule(ltorch.silu)
 def _silu_vjp(grad, out, input, inplace):
-    return SILU_BACKWARD(grad, input), None
+    """`silu_backward`: eager's kernel on the torch executor, fused by a fusion executor;
+    complex inputs run eager's op under torch.autograd's rule (no decomposition)."""
+    if input.dtype.is_complex or grad.dtype != input.dtype:
+        return SILU_BACKWARD(grad, input), None
+    return ltorch.silu_backward(grad, input), None
 
 
 # --- rms norm ---------------------------------------------------------------------------------
