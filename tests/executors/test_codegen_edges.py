@@ -108,3 +108,28 @@ def test_special_values_on_either_side_match_eager(dtype):
     for actual, expected in zip(jfn(a, b), _special(a, b), strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     assert _fused(jfn)
+
+
+def test_escaping_views_of_inputs_are_the_chains_own_views():
+    """A region returning views of its inputs (a transposed, sliced, broadcast, reshaped
+    input) gives each by one `as_strided` planned from the chain's own view (`strided_views`):
+    the same sizes, strides, storage and offset as the view ops give, call after call, for
+    inputs at other storage offsets; a chain that copies (a reshape of a transposed input)
+    keeps making the copy."""
+    def fn(x, y):
+        return (x.t()[1:], y.unsqueeze(0).expand(3, 4, 5), x.reshape(30), x.t().reshape(30),
+                (x * 2).sum(1), y.exp())
+
+    jfn = fulmen.jit(fn, executors=["codegen", "torch"])
+    base = torch.randn(200)
+    for start in (0, 7, 31):
+        x = base[start:start + 30].view(5, 6)
+        y = torch.randn(4, 5)
+        actual, expected = jfn(x, y), fn(x, y)
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e)
+            assert a.shape == e.shape and a.stride() == e.stride()
+            assert a.storage_offset() == e.storage_offset()
+            same = e.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(),
+                                                     y.untyped_storage().data_ptr())
+            assert (a.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()) == same

@@ -29,7 +29,7 @@ from fulmen.executors.codegen.ir import Access
 from fulmen.executors.codegen.sizes import Binder, concrete, has_sym_sizes
 
 __all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "mask_tensor",
-           "region_results", "resolve", "view_output"]
+           "region_results", "resolve", "strided_views", "view_output"]
 
 MAX_BOUND = 256  # concrete regions (and call plans) kept per region; then they start afresh
 
@@ -152,18 +152,41 @@ def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:
     return tensor
 
 
-def region_results(lowered, inputs, outs):
-    """A region's outputs from its kernel's outputs `outs`, by the lowering's plan: per output
-    ("kernel", k), ("view", access) of an input, or ("rowview", k, access) of kernel output k."""
+def region_results(lowered, inputs, outs, plans=None):
+    """A region's outputs from its kernel's outputs `outs`, by the lowering's plan (or `plans`,
+    from `strided_views`): per output ("kernel", k), ("view", access) of an input,
+    ("rowview", k, access) of kernel output k, or ("strided", i, sizes, strides, offset)."""
     results = []
-    for plan in lowered.outputs:
+    for plan in plans or lowered.outputs:
         if plan[0] == "kernel":
             results.append(outs[plan[1]])
+        elif plan[0] == "strided":
+            _, i, sizes, strides, offset = plan
+            tensor = inputs[i]
+            results.append(tensor.as_strided(sizes, strides, tensor.storage_offset() + offset))
         elif plan[0] == "rowview":
             results.append(view_output(outs[plan[1]], plan[2]))
         else:
             results.append(view_output(inputs[plan[1].input], plan[1]))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def strided_views(lowered, inputs) -> tuple:
+    """The output plans of `lowered` for inputs of these shapes and strides: each escaping
+    view of an input that its chain of view ops takes without a copy becomes ("strided", input,
+    sizes, strides, offset from the input's), the very view the chain gives (taken once, here),
+    then made by one `as_strided` call per region call instead of the chain's ops."""
+    plans = []
+    for plan in lowered.outputs:
+        if plan[0] == "view":
+            tensor = inputs[plan[1].input]
+            view = view_output(tensor, plan[1])
+            if view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() \
+                    and view.dtype == tensor.dtype:
+                plan = ("strided", plan[1].input, tuple(view.shape), tuple(view.stride()),
+                        view.storage_offset() - tensor.storage_offset())
+        plans.append(plan)
+    return tuple(plans)
 
 
 def coalesce(shape, rows):

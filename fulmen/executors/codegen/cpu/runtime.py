@@ -55,6 +55,7 @@ from fulmen.executors.codegen.region import (
     mask_tensor,
     region_results,
     resolve,
+    strided_views,
 )
 
 __all__ = ["FusedRegion", "render_any"]
@@ -157,8 +158,8 @@ class FusedRegion(RegionCallable):
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
                 self._plans[key] = plan
-        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, lowered, direct = \
-            plan[:10]
+        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, lowered, direct, \
+            views = plan[:11]
         outs = [empty(shape, dtype) for shape, dtype in out_specs]
         c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
             *[(inputs[i] if isinstance(i, int) else i).data_ptr() + o for i, o in pointers],
@@ -166,7 +167,7 @@ class FusedRegion(RegionCallable):
         fn(ndim, c_sizes, c_strides, ctypes.addressof(c_ptrs), arg, nthreads)
         if direct:  # the kernel's outputs are the region's, in order
             return outs[0] if len(outs) == 1 else tuple(outs)
-        return region_results(lowered, inputs, outs)
+        return region_results(lowered, inputs, outs, views)
 
     @staticmethod
     def _empty(lowered) -> bool:
@@ -238,7 +239,8 @@ class FusedRegion(RegionCallable):
         if nthreads > 1 and nrows < 4 * nthreads:
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, in_place)
+        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, in_place,
+                               inputs)
 
     def _plan_rows(self, inputs, lowered) -> tuple:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
@@ -275,21 +277,23 @@ class FusedRegion(RegionCallable):
         fn = self._kernel_for(layout)
         rows = [o + i for o, i in zip(outer_rows, inner_rows)]
         return self._call_plan(fn, outer + inner, rows, pointers, len(outer), nthreads, lowered,
-                               in_place)
+                               in_place, inputs)
 
-    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, in_place) -> tuple:
+    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, in_place,
+                   inputs) -> tuple:
         """A plan (see `_plan`): the coalesced sizes and stride rows as C arrays, passed by
-        address (the plan keeps them alive), the output specs, and whether the kernel's outputs
-        are the region's results as they are."""
+        address (the plan keeps them alive), the output specs, whether the kernel's outputs
+        are the region's results as they are, and the output plans (`strided_views`)."""
         flat = [s for row in rows for s in row]
         c_sizes = (ctypes.c_int64 * len(sizes))(*sizes)
         c_strides = (ctypes.c_int64 * len(flat))(*flat)
         out_specs = list(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
+        views = None if direct else strided_views(lowered, inputs)
         return (fn, len(sizes), ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-                pointers, arg, nthreads, out_specs, lowered, direct, (c_sizes, c_strides),
-                in_place)
+                pointers, arg, nthreads, out_specs, lowered, direct, views,
+                (c_sizes, c_strides), in_place)
 
 
 SHORT_INNER = 16  # a pointwise loop this short costs more in row offsets than in elements
