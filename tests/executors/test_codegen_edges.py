@@ -133,3 +133,25 @@ def test_escaping_views_of_inputs_are_the_chains_own_views():
             same = e.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(),
                                                      y.untyped_storage().data_ptr())
             assert (a.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()) == same
+
+
+def test_a_reshape_that_copies_its_input_is_copied_on_every_call():
+    """An access whose chain copies (the reshape of a permuted input, GPT-2's merged heads
+    in the backward of its qkv split) keeps its call plan: each call copies its own input
+    afresh (new values, another storage offset), never reads the first call's copy."""
+    from fulmen.executors.codegen.region import RegionCallable
+
+    def fn(a, b):
+        heads = a.permute(0, 2, 1, 3).reshape(2, 6, 12)
+        return torch.cat((heads, b.exp()), dim=-1) * 2
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    storage = torch.randn(400)
+    for start in (0, 5, 13):
+        a = storage[start:start + 144].view(2, 4, 6, 3)
+        b = torch.randn(2, 6, 4)
+        torch.testing.assert_close(jfn(a, b), fn(a, b))
+        storage.add_(1.0)
+    regions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
+               if isinstance(b.sym.impl, RegionCallable)]
+    assert regions and all(len(region._plans) == 1 for region in regions)

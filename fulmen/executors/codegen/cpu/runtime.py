@@ -154,15 +154,17 @@ class FusedRegion(RegionCallable):
                 return self._run_empty(lowered, inputs)
             rows = isinstance(lowered.kernel, RowKernel)
             plan = self._plan_rows(inputs, lowered) if rows else self._plan(inputs, lowered)
-            if plan[-1]:  # no access copied its input: valid for every call with this key
+            if plan[-1]:  # valid for every call with this key
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
                 self._plans[key] = plan
         fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, lowered, direct, \
             views = plan[:11]
         outs = [empty(shape, dtype) for shape, dtype in out_specs]
+        bases = [inputs[i] if isinstance(i, int) else i.base(inputs) if isinstance(i, _Copy)
+                 else i for i, _ in pointers]  # copies stay alive until the kernel returns
         c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
-            *[(inputs[i] if isinstance(i, int) else i).data_ptr() + o for i, o in pointers],
+            *[base.data_ptr() + o for base, (_, o) in zip(bases, pointers)],
             *[out.data_ptr() for out in outs])
         fn(ndim, c_sizes, c_strides, ctypes.addressof(c_ptrs), arg, nthreads)
         if direct:  # the kernel's outputs are the region's, in order
@@ -201,8 +203,9 @@ class FusedRegion(RegionCallable):
                 for row, column in zip(kernel.output_rows, kernel.output_columns)]
 
     def _pointers(self, inputs, expected, accesses) -> tuple[list, list, bool]:
-        """Per access: (input index or base tensor, byte offset), its strides, and whether
-        every access reads its input in place (no copy)."""
+        """Per access: (input index, base tensor or `_Copy`, byte offset), its strides, and
+        whether the pointers serve every call with these input shapes and strides (always,
+        now that a copy is made again by each call: `_Copy`)."""
         pointers, rows, in_place = [], [], True
         for access, shape in zip(accesses, expected):
             if access.input == MASK_INPUT:  # made from the sizes, the same for every call
@@ -214,8 +217,8 @@ class FusedRegion(RegionCallable):
             if tuple(sizes) != shape:
                 raise Fallback
             own = base is inputs[access.input]
-            in_place &= own
-            pointers.append((access.input if own else base, offset * base.element_size()))
+            where = access.input if own else _Copy(access.input, access)
+            pointers.append((where, offset * base.element_size()))
             rows.append(strides)
         return pointers, rows, in_place
 
@@ -294,6 +297,20 @@ class FusedRegion(RegionCallable):
         return (fn, len(sizes), ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
                 pointers, arg, nthreads, out_specs, lowered, direct, views,
                 (c_sizes, c_strides), in_place)
+
+
+class _Copy:
+    """An access whose view chain copies its input (a reshape no strides express, such as
+    that of a permuted tensor): each call makes the copy afresh from that call's input (its
+    sizes and strides, so the copy's layout and offset, are the plan's)."""
+
+    __slots__ = ("input", "access")
+
+    def __init__(self, input: int, access) -> None:
+        self.input, self.access = input, access
+
+    def base(self, inputs) -> torch.Tensor:
+        return resolve(inputs[self.input], self.access)[0]
 
 
 SHORT_INNER = 16  # a pointwise loop this short costs more in row offsets than in elements
