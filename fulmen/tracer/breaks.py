@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, SourceLocation, TraceCtx
+from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, SourceLocation, TraceCtx
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
@@ -49,6 +49,12 @@ def describe_question(fn, args: tuple, kwargs: dict) -> str:
     parts += [f"{key}={value.name if isinstance(value, Proxy) else value!r}"
               for key, value in kwargs.items()]
     return f"{name}({', '.join(parts)})"
+
+
+def _is_symbolic_number(value) -> bool:
+    """A SymInt, SymFloat or SymBool whose expression still has a symbol."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and bool(
+        value.node.expr.free_symbols)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,19 @@ class BreakRecorder:
     def run_for_real(self, sym, fn, args: tuple, kwargs: dict) -> Any:
         """Record `sym` (the opaque symbol of torch callable `fn`, whose output metadata
         PyTorch cannot compute without values) with outputs shaped as the real run's, followed
-        by a guard on those shapes."""
+        by a guard on those shapes.
+
+        Raises:
+            NotYetSupportedError: an argument is a symbolic number (`F.pad(x, (0, x.shape[0]))`
+                with a symbolic size, whose meta kernel needs the number): the statement would
+                run with the symbol itself, so the symbolic trace fails and the call is traced
+                for its exact sizes.
+        """
+        symbolic = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if _is_symbolic_number(leaf)]
+        if symbolic:
+            raise NotYetSupportedError(
+                f"an op whose output PyTorch describes only from values got the symbolic size "
+                f"{symbolic[0]} as an argument", op=torch_qualname(fn), where=user_source_location())
         real_args, real_kwargs = self.real((args, kwargs))
         with self._shadow():
             out = fn(*real_args, **real_kwargs)

@@ -388,3 +388,17 @@ def test_a_symbolic_size_stored_into_an_object_is_the_calls_number(dynamic):
         expected += n
         assert type(counter.seen) is int and counter.seen == expected
     assert fulmen.compile_stats(jfn).cache_misses <= 2
+
+
+def _pad_by_length(x):
+    return torch.nn.functional.pad(x, (0, x.shape[0])) * 2
+
+
+def test_an_op_run_for_real_with_a_symbolic_size_argument_equals_eager():
+    # F.pad by a symbolic size has no meta answer, so it ran for real between segments and
+    # every later call passed the symbol itself to the kernel (a RuntimeError on each call)
+    jfn = fulmen.jit(_pad_by_length)
+    for rows in (3, 5, 7, 4):
+        x = torch.randn(rows, 6)
+        torch.testing.assert_close(jfn(x), _pad_by_length(x))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
