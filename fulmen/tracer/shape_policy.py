@@ -18,10 +18,12 @@ sweep over lengths and batches compiles twice (torch.compile's automatic dynamic
 specialises the 1, compiles three times). An entry with symbolic sizes is
 found by a key that leaves those sizes out, then checked with its shape guard.
 
-Integers follow the same policy: a plain `int` argument, or an `int` held by an object argument
-(an HF cache layer's `cumulative_length`), that changed between two calls of the same structure
-is traced as a symbol (`SymbolicSizes.symbolize_int`), its value left out of the key and checked
-by the shape guard.
+Integers held by an object argument (an HF cache layer's `cumulative_length`) follow the same
+policy: one that changed between two calls of the same structure is traced as a symbol
+(`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard.
+Plain `int` arguments stay constants, keyed by value: a symbol is not an `int` to Python, so
+code that asks `isinstance(n, int)` or formats it (`str(n)`, `f"{n}"`) would see the symbol
+where eager sees the number, with no guard (NOTE [what a symbolic int cannot answer]).
 """
 
 from __future__ import annotations
@@ -84,14 +86,21 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
     return shapes
 
 
+# NOTE [what a symbolic int cannot answer]
+# A SymInt answers arithmetic, comparisons (each a guard) and `int()`/`range()` (a guard on its
+# value), but `isinstance(n, int)` is False and `str(n)`/`f"{n}"` give the symbol's name: Python
+# code taking those paths would silently differ from eager. Only integers inside object
+# arguments become symbols (a cache's counters, which library code reads as numbers); plain int
+# arguments, which user code formats and type-checks, stay keyed constants.
+
+
 def _int_values(leaves: list) -> list[tuple[Any, int]]:
-    """`(position, value)` of each integer of a call (not a bool): flattened arguments, and the
-    integers inside object arguments at `(index, path)`."""
+    """`(position, value)` of each integer (not a bool) inside the call's object arguments, at
+    `(index, path)`; plain int arguments stay constants (NOTE [what a symbolic int cannot
+    answer])."""
     found = []
     for i, leaf in enumerate(leaves):
-        if type(leaf) is int:
-            found.append((i, leaf))
-        elif is_plain_object(leaf):
+        if is_plain_object(leaf):
             found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is int)
     return found
 

@@ -1,6 +1,6 @@
-"""Integers that change between calls are traced as symbols (`SymbolicSizes.symbolize_int`):
-a plain int argument, or an int held by an object argument (an HF cache layer's
-`cumulative_length`). Every call of a sequence of changing values, including values that cross
+"""Integers held by an object argument (an HF cache layer's `cumulative_length`) that change
+between calls are traced as symbols (`SymbolicSizes.symbolize_int`); plain int arguments stay
+keyed constants (a symbol is no `int` to `isinstance` and formats as its name). Every call of a sequence of changing values, including values that cross
 a guard, 0 and 1 (specialised) and negative numbers (constants), equals eager, and the
 compilations stay few."""
 
@@ -15,6 +15,13 @@ import fulmen
 VALUES = (2, 3, 5, 6, 4, 7, 10, 3, 1, 0, 12, 8, -2, 9, 13, 5)
 
 
+class _Box:
+    """An object argument holding the integer (how a cache holds its counters)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 def _same(want, got) -> bool:
     if isinstance(want, torch.Tensor):
         return (isinstance(got, torch.Tensor) and want.dtype == got.dtype
@@ -25,7 +32,8 @@ def _same(want, got) -> bool:
     return type(want) is type(got) and want == got
 
 
-def _branches(x, n):
+def _branches(x, box):
+    n = box.n
     if n > 4:  # a guard on the symbol
         y = x[:, -n:] + n
     else:
@@ -34,11 +42,11 @@ def _branches(x, n):
 
 
 @pytest.mark.parametrize("values", [VALUES, tuple(reversed(VALUES))])
-def test_an_int_argument_in_branches_slices_arithmetic_and_arange_equals_eager(values):
+def test_an_object_int_in_branches_slices_arithmetic_and_arange_equals_eager(values):
     jfn = fulmen.jit(_branches, cache_size_limit=64)
     x = torch.randn(3, 12)
     for n in values:
-        assert _same(_branches(x, n), jfn(x, n)), n
+        assert _same(_branches(x, _Box(n)), jfn(x, _Box(n))), n
     stats = fulmen.compile_stats(jfn)
     # one entry per side of `n > 4` and of the slice bound, plus 0, 1 and -2 as constants
     # (every distinct value compiled before: 12)
@@ -101,7 +109,8 @@ def test_an_object_int_across_a_guard_equals_eager():
     assert stats.cache_misses <= 4 and stats.eager_calls == 0, stats.recompile_reasons
 
 
-def _with_break(x, n):
+def _with_break(x, box):
+    n = box.n
     y = x * n
     if y.sum() > 0:  # a graph break: the later segment reads `n` only as a size
         return torch.arange(n) + 1
@@ -112,24 +121,24 @@ def test_a_symbolic_int_used_after_a_graph_break_equals_eager():
     jfn = fulmen.jit(_with_break)
     for n, sign in [(2, 1), (3, 1), (5, -1), (7, 1), (4, -1), (9, 1)]:
         x = torch.full((3,), float(sign))
-        assert _same(_with_break(x, n), jfn(x, n)), n
+        assert _same(_with_break(x, _Box(n)), jfn(x, _Box(n))), n
     stats = fulmen.compile_stats(jfn)
     assert stats.cache_misses <= 2 and stats.eager_calls == 0, stats.recompile_reasons
 
 
-def _returns_numbers(x, n):
-    return x + 1, n + 1, n / 2
+def _returns_numbers(x, box):
+    return x + 1, box.n + 1, box.n / 2
 
 
 def test_traced_numbers_returned_are_the_calls():
     jfn = fulmen.jit(_returns_numbers)
     x = torch.ones(2)
     for n in (2, 3, 8, 5, 11):
-        assert _same(_returns_numbers(x, n), jfn(x, n)), n
+        assert _same(_returns_numbers(x, _Box(n)), jfn(x, _Box(n))), n
 
 
-def _specialises(x, n):
-    return sum(x for _ in range(n))  # range() needs the number itself
+def _specialises(x, box):
+    return sum(x for _ in range(box.n))  # range() needs the number itself
 
 
 def test_an_int_python_specialises_is_guarded_by_value():
@@ -138,10 +147,11 @@ def test_an_int_python_specialises_is_guarded_by_value():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # past the cache size limit: eagerly, correctly
         for n in (2, 3, 4, 5, 3, 2, 6, 7, 8, 9, 10, 2):
-            assert _same(_specialises(x, n), jfn(x, n)), n
+            assert _same(_specialises(x, _Box(n)), jfn(x, _Box(n))), n
 
 
-def _scaled_head(x, n):
+def _scaled_head(x, box):
+    n = box.n
     return (x[:n] * n).sum() + (x * x / n).sum()
 
 
@@ -152,7 +162,7 @@ def test_gradients_through_a_symbolic_int_equal_eager():
     for n in (2, 3, 5, 7, 4, 9):
         x = torch.randn(10, 3, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
-        want, got = _scaled_head(x, n), jfn(x2, n)
+        want, got = _scaled_head(x, _Box(n)), jfn(x2, _Box(n))
         want.backward()
         got.backward()
         torch.testing.assert_close(got, want)
@@ -161,8 +171,8 @@ def test_gradients_through_a_symbolic_int_equal_eager():
     assert stats.cache_misses <= 2 and stats.eager_calls == 0, stats.recompile_reasons
 
 
-def _compare(x, n):
-    return x + (n > 10), n // 3
+def _compare(x, box):
+    return x + (box.n > 10), box.n // 3
 
 
 def test_ints_no_carrier_holds_stay_constants():
@@ -171,5 +181,21 @@ def test_ints_no_carrier_holds_stay_constants():
     jfn = fulmen.jit(_compare)
     x = torch.ones(2)
     for n in (2, 3, 5, 2**70, 7, 2**62, 2**62 + 1, 2**63 + 5, 11):
-        assert _same(_compare(x, n), jfn(x, n)), n
+        assert _same(_compare(x, _Box(n)), jfn(x, _Box(n))), n
+    assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _formats(x, n):
+    scale = 1.0 if isinstance(n, int) else -1.0
+    return x * scale + len(str(n)) + len(f"<{n}>"), x[:, :n].sum()
+
+
+def test_plain_int_arguments_are_numbers_to_python():
+    """`isinstance(n, int)` and `str(n)` of a symbol would answer differently from eager with no
+    guard (the symbol's name has 2 characters where 12 has 2 and 5 has 1): plain int arguments
+    stay constants, each value compiled, every call equal to eager."""
+    jfn = fulmen.jit(_formats, cache_size_limit=16)
+    x = torch.randn(2, 12)
+    for n in (3, 5, 12, 7, 10, 4, 11):
+        assert _same(_formats(x, n), jfn(x, n)), n
     assert fulmen.compile_stats(jfn).eager_calls == 0
