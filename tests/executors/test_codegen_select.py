@@ -14,6 +14,7 @@ import fulmen
 from fulmen.executors.codegen import CUDA, kernel_sources
 from fulmen.executors.codegen.lower import fits_pointwise, lower
 from fulmen.executors.codegen.ops import fusible
+from tests.transforms.test_fusion import assert_pointwise_check_agrees_with_lowering
 
 pytestmark = pytest.mark.usefixtures("codegen_eager")
 
@@ -225,25 +226,7 @@ def _selects(x, b):
 def test_fast_pointwise_check_agrees_with_lowering_of_pads_and_cats():
     """The partitioner's `fits_pointwise` answers as `lower` does for every contiguous run of
     statements of a program with pads, cats, lazy values and views of computed values."""
-    from fulmen.executors.codegen.ops import Unsupported
-    from fulmen.transforms import decompose_to_prims
-
-    jfn = fulmen.jit(_selects, executors=["torch"], transforms=[decompose_to_prims])
-    jfn(torch.randn(4, 4), torch.randn(4))
-    bsyms = [b for b in fulmen.last_traces(jfn)[1].bsyms if b.sym.is_prim
-             and b.output is not None]
-    outcomes = []
-    for start in range(len(bsyms)):
-        for end in range(start + 1, len(bsyms) + 1):
-            region = bsyms[start:end]
-            try:
-                lower(region, [], check_only=True)
-                expected = True
-            except Unsupported:
-                expected = False
-            assert fits_pointwise(region) == expected, [b.sym.name for b in region]
-            outcomes.append(expected)
-    assert outcomes.count(True) > 10 and outcomes.count(False) > 10
+    assert_pointwise_check_agrees_with_lowering(_selects, torch.randn(4, 4), torch.randn(4))
     x, b = torch.randn(4, 4), torch.randn(4)
     fused = fulmen.jit(_selects, executors=EXECUTORS)
     for actual, expected in zip(fused(x, b), _selects(x, b), strict=True):
