@@ -22,8 +22,8 @@ Integers held by an object argument (an HF cache layer's `cumulative_length`) fo
 policy: one that changed between two calls of the same structure is traced as a symbol
 (`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard.
 Plain `int` arguments stay constants, keyed by value: a symbol is not an `int` to Python, so
-code that asks `isinstance(n, int)` or formats it (`str(n)`, `f"{n}"`) would see the symbol
-where eager sees the number, with no guard (NOTE [what a symbolic int cannot answer]).
+code that asks `isinstance(n, int)` would see the symbol where eager sees the number, with no
+guard (NOTE [what a symbolic int cannot answer]).
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
 
 
 # NOTE [what a symbolic int cannot answer]
-# A SymInt answers arithmetic, comparisons (each a guard) and `int()`/`range()` (a guard on its
-# value), but `isinstance(n, int)` is False and `str(n)`/`f"{n}"` give the symbol's name: Python
-# code taking those paths would silently differ from eager. Only integers inside object
-# arguments become symbols (a cache's counters, which library code reads as numbers); plain int
-# arguments, which user code formats and type-checks, stay keyed constants.
+# A SymInt answers arithmetic, comparisons (each a guard), `int()`/`range()` and, from user code,
+# `str(n)`/`f"{n}"` (a guard on its value: `fulmen.tracer.formatting`), but `isinstance(n, int)`
+# is False with no guard: Python code taking that path would silently differ from eager. Only
+# integers inside object arguments become symbols (a cache's counters, which library code reads
+# as numbers); plain int arguments, which user code type-checks, stay keyed constants.
 
 
 def _int_values(leaves: list) -> list[tuple[Any, int]]:

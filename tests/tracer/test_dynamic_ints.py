@@ -199,3 +199,19 @@ def test_plain_int_arguments_are_numbers_to_python():
     for n in (3, 5, 12, 7, 10, 4, 11):  # (a fused kernel may round x * 1 + 4 once)
         torch.testing.assert_close(jfn(x, n), _formats(x, n), msg=str(n))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _formats_sizes(x, box):
+    return (x + len(str(box.n)) + len(f"<{box.n}>") + len(f"{x.shape[0]}")
+            + len("%s" % x.shape[0]) + len(format(box.n, "04d")))  # noqa: UP031
+
+
+def test_sizes_and_ints_formatted_by_user_code_are_their_numbers():
+    """A symbolic size or int formatted by user code (`str`, f-strings, `%`, `format` with a
+    spec) gives its number and is guarded by it (it gave the symbol's name, `s0`: a string of
+    another length, silently)."""
+    jfn = fulmen.jit(_formats_sizes, cache_size_limit=16)
+    for n in (3, 5, 12, 7, 100, 4, 11, 9):
+        x = torch.zeros(n)
+        torch.testing.assert_close(jfn(x, _Box(n)), _formats_sizes(x, _Box(n)), msg=str(n))
+    assert fulmen.compile_stats(jfn).eager_calls == 0

@@ -1,0 +1,58 @@
+"""Formatting a symbolic size from user code gives its number, guarded.
+
+A `torch.SymInt` prints as its expression (`s0`), so user code that formats a size while
+fulmen traces with symbolic sizes (`f"{x.shape[1]}"`, `str(cache.length)`, a dict key or a
+string length built from it) would silently take another path than eager, with no guard.
+`install()` wraps `SymInt.__str__` and gives it a `__format__` once: called from code outside
+fulmen and torch while a trace records, on a size of one of fulmen's ShapeEnvs
+(`SymbolicSizes` marks them), they answer with the number and specialise the size to it
+(`int()`: a guard, as `range(n)` does); every other caller gets PyTorch's behaviour (fulmen's
+printer and checks, torch's own messages, other ShapeEnvs such as torch.compile's).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from fulmen.core import get_tracectx
+
+FULMEN_ENV = "_fulmen_env"  # the attribute `SymbolicSizes` sets on its ShapeEnv
+_INTERNAL = tuple(os.path.dirname(module.__file__) + os.sep
+                  for module in (sys.modules["fulmen"], torch))
+_installed = False
+
+
+def _from_user_code(value: torch.SymInt) -> bool:
+    """Whether formatting `value` now is user code's question about one of fulmen's sizes."""
+    if get_tracectx() is None or not value.node.expr.free_symbols:
+        return False
+    if not getattr(value.node.shape_env, FULMEN_ENV, False):
+        return False
+    caller = sys._getframe(2).f_code.co_filename  # (the frame that called str() or format())
+    return not caller.startswith(_INTERNAL)
+
+
+def install() -> None:
+    """Wrap `torch.SymInt`'s string conversions (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    original_str = torch.SymInt.__str__
+    original_format = torch.SymInt.__format__
+
+    def __str__(self) -> str:
+        if _from_user_code(self):
+            return str(int(self))
+        return original_str(self)
+
+    def __format__(self, spec: str) -> str:
+        if _from_user_code(self):
+            return format(int(self), spec)
+        return original_format(self, spec)
+
+    torch.SymInt.__str__ = __str__
+    torch.SymInt.__format__ = __format__
+    _installed = True
