@@ -19,7 +19,7 @@ import torch
 
 from fulmen.core import get_tracectx
 
-FULMEN_ENV = "_fulmen_env"  # the attribute `SymbolicSizes` sets on its ShapeEnv
+SHAPE_ENV_MARK = "_fulmen_env"  # the attribute `SymbolicSizes` sets on its ShapeEnv
 _INTERNAL = tuple(os.path.dirname(module.__file__) + os.sep
                   for module in (sys.modules["fulmen"], torch))
 _installed = False
@@ -29,7 +29,7 @@ def _from_user_code(value: torch.SymInt) -> bool:
     """Whether formatting `value` now is user code's question about one of fulmen's sizes."""
     if get_tracectx() is None or not value.node.expr.free_symbols:
         return False
-    if not getattr(value.node.shape_env, FULMEN_ENV, False):
+    if not getattr(value.node.shape_env, SHAPE_ENV_MARK, False):
         return False
     caller = sys._getframe(2).f_code.co_filename  # (the frame that called str() or format())
     return not caller.startswith(_INTERNAL)

@@ -33,7 +33,7 @@ import torch
 
 from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.formatting import FULMEN_ENV
+from fulmen.tracer.formatting import SHAPE_ENV_MARK
 from fulmen.tracer.objects import follow
 
 
@@ -123,7 +123,7 @@ class SymbolicSizes:
         # graph breaks (`fulmen.tracer.breaks`), not unbacked symbols
         self.env = ShapeEnv(specialize_zero_one=True, duck_shape=True,
                             allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False)
-        setattr(self.env, FULMEN_ENV, True)  # user code formatting its sizes gets numbers
+        setattr(self.env, SHAPE_ENV_MARK, True)  # user code formatting its sizes gets numbers
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
         self.positions: list[int] = []  # the flattened-argument position of each
 
