@@ -33,6 +33,7 @@ from fulmen.core.trace import not_tracing
 from fulmen.ops.breaks import GRAPH_BREAK_TAG, GUARD, output_shapes
 from fulmen.ops.torch import torch_qualname
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.objects import TRACED_NUMBERS
 
 _READABLE = {
     torch.Tensor.__bool__: "bool", torch.Tensor.item: "item", torch.Tensor.tolist: "tolist",
@@ -53,8 +54,7 @@ def describe_question(fn, args: tuple, kwargs: dict) -> str:
 
 def _is_symbolic_number(value) -> bool:
     """A SymInt, SymFloat or SymBool whose expression still has a symbol."""
-    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and bool(
-        value.node.expr.free_symbols)
+    return isinstance(value, TRACED_NUMBERS) and bool(value.node.expr.free_symbols)
 
 
 @dataclass(frozen=True)

@@ -110,12 +110,6 @@ def _masked_key(t: Tensor, dims: tuple[int, ...]) -> tuple:
             has_argument_grad(t))
 
 
-def _masked_int_key(value: Any) -> Any:
-    """The key of an integer traced as a symbol (`SymbolicSizes.symbolize_int`): its value left
-    out (the entry's shape guard checks it), anything else keyed as usual."""
-    return INT_KEY if type(value) is int else _leaf_key(value)
-
-
 def _object_leaf_key(leaf: Any) -> Any:
     return _object_tensor_key(leaf) if isinstance(leaf, Tensor) else _leaf_key(leaf)
 
@@ -448,9 +442,6 @@ class CacheKeyBuilder:
                     functools.partial(_masked_key, dims=dims)
                 continue
             leaf = leaves[position] if position < len(leaves) else None
-            if dims == INT:
-                leaf_keys[position] = _masked_int_key(leaf)
-                continue
             if not isinstance(leaf, Tensor):
                 return (), leaves  # a structure no symbolic entry was made for
             leaf_keys[position] = _masked_key(leaf, dims)

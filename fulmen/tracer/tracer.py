@@ -394,11 +394,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         return number
 
     for index, (path, leaf) in enumerate(leaves_with_paths):
-        number = make_int(index, _path_name(path, param_names), leaf) \
-            if type(leaf) is int else None
-        if number is not None:
-            proxied_leaves.append(number)
-        elif isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor):
             name = ctx.names.named(_path_name(path, param_names))
             shape, strides = leaf.shape, leaf.stride()
             if symbolic is not None and index in dynamic:
