@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen import config
-from fulmen.core import FulmenError, NotYetSupportedError, Proxy, Trace, get_tracectx
+from fulmen.core import FulmenError, NotYetSupportedError, Proxy, RunsEagerly, Trace, get_tracectx
 from fulmen.executors import Executor, get_executor, resolve_executors
 from fulmen.logs import get_logger
 from fulmen.pipeline import compile_trace
@@ -37,7 +37,6 @@ from fulmen.tracer.guards import (
     restore_classes,
 )
 from fulmen.tracer.host_random import (
-    HostRandomness,
     HostRandomState,
     refuse_private_generators,
 )
@@ -150,7 +149,9 @@ class _Jitted:
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
         self._warned: set[str] = set()  # the eager-fallback warnings given
-        self._eager_keys: set = set()  # keys whose calls draw from Python's random generator
+        # keys whose calls run eagerly (`RunsEagerly`: a backward inside, Python's random
+        # generator): the kind of reason and its warning
+        self._eager_keys: dict = {}
         self._running_eagerly = False
         self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize
@@ -188,19 +189,19 @@ class _Jitted:
                 if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
                     return self._over_limit(args, kwargs, reasons)
                 if key in self._eager_keys:
-                    return self._run_eagerly(args, kwargs, HostRandomness.__name__, (
-                        "fulmen: calls that draw from Python's random generator run eagerly"))
+                    kind, warning = self._eager_keys[key]
+                    return self._run_eagerly(args, kwargs, kind, warning)
                 try:
                     entry = self._compile_call(args, kwargs, leaves)
-                except (StoresDifferPerPath, HostRandomness) as error:
+                except (StoresDifferPerPath, RunsEagerly) as error:
                     if self._fullgraph or self._grad_argnums is not None:
                         raise
-                    if isinstance(error, HostRandomness):  # such calls never compile
+                    kind, warning = type(error).__name__, f"fulmen: {error}; such calls run eagerly"
+                    if isinstance(error, RunsEagerly):  # such calls never compile
                         if len(self._eager_keys) >= 4 * self._cache_size_limit:
                             self._eager_keys.clear()
-                        self._eager_keys.add(key)
-                    return self._run_eagerly(args, kwargs, type(error).__name__, (
-                        f"fulmen: {error}; such calls run eagerly"))
+                        self._eager_keys[key] = (kind, warning)
+                    return self._run_eagerly(args, kwargs, kind, warning)
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -297,7 +298,7 @@ class _Jitted:
             rng_state = torch.random.get_rng_state()
             try:
                 return self._compile(args, kwargs, dims)
-            except (StoresDifferPerPath, HostRandomness):  # the call runs eagerly (`_call`)
+            except (StoresDifferPerPath, RunsEagerly):  # the call runs eagerly (`_call`)
                 raise
             except Exception as error:  # noqa: BLE001 - the static trace decides what is raised
                 if self._strict_dynamic:
@@ -349,7 +350,11 @@ class _Jitted:
                                     dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             restore_classes(classes)
+            host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
+            if isinstance(error, RunsEagerly) and not self._fullgraph and self._grad_argnums is None:
+                raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
+        self._guard.add_modules(program.held_modules)
         host_random.refuse_draws()
         refuse_private_generators(program.trace, (args, kwargs))
         changed = changed_classes(classes)
@@ -479,12 +484,12 @@ class _Jitted:
                 with _TRACING:
                     try:
                         program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
-                    except (StoresDifferPerPath, HostRandomness):  # this path runs eagerly
+                    except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (
                             f"fulmen: the graph break {miss.node.reason} answered "
-                            f"{miss.answer!r} on a path that stores on the module or draws "
-                            "from Python's random generator; such calls run eagerly")))
+                            f"{miss.answer!r} on a path that cannot be compiled ({error}); "
+                            "such calls run eagerly")))
                     torch.random.set_rng_state(rng_state)
                     self._compile_tree(program, args, kwargs, entry)
                     self._shapes.graft(entry, program)

@@ -4,7 +4,7 @@
 """
 
 from fulmen.core.check import check_trace
-from fulmen.core.errors import FulmenError, NotYetSupportedError
+from fulmen.core.errors import FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, flatten
@@ -14,6 +14,7 @@ __all__ = [
     "BoundSymbol",
     "FulmenError",
     "NotYetSupportedError",
+    "RunsEagerly",
     "Proxy",
     "SourceLocation",
     "Symbol",

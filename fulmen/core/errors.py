@@ -54,3 +54,11 @@ class FulmenError(RuntimeError):
 
 class NotYetSupportedError(FulmenError):
     """A construct fulmen does not handle yet; raised instead of returning a wrong result."""
+
+
+class RunsEagerly(NotYetSupportedError):
+    """A call fulmen does not compile but eager PyTorch runs as written (`loss.backward()` inside
+    the function, a draw from Python's random generator): `fulmen.jit` runs such calls eagerly,
+    warning once per reason, and raises this error with `fullgraph=True` or for functional
+    autodiff (`fulmen.grad`), whose results no eager call has."""
+

@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
-from fulmen.core import FulmenError
+from fulmen.core import RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.core.trace import get_tracectx
 from fulmen.ops.autograd_function import autocast_state, function_symbol
@@ -99,7 +99,8 @@ def intercept_function_apply(ctx) -> Iterator[None]:
                 _Function.apply = _ORIGINAL_APPLY
 
 
-# Running backward inside traced code is refused (see `backward_refusal`): op, as written
+# Running backward inside traced code makes the call run eagerly (see `backward_refusal`):
+# op, as written
 BACKWARD_CALLS = {
     torch.Tensor.backward: ("torch.Tensor.backward", "loss.backward()"),
     torch.autograd.backward: ("torch.autograd.backward", "torch.autograd.backward()"),
@@ -107,18 +108,25 @@ BACKWARD_CALLS = {
 }
 
 
-def backward_refusal(func) -> FulmenError:
+class BackwardInTrace(RunsEagerly):
+    """The traced function runs a backward itself (`loss.backward()`, `torch.autograd.grad`)."""
+
+
+def backward_refusal(func) -> BackwardInTrace:
     """The error for `loss.backward()` (or `torch.autograd.backward`/`grad`) inside a
-    compiled function: the trace is the forward, and fulmen derives its backward itself."""
+    compiled function: the trace is the forward, and fulmen derives its backward itself, so
+    `fulmen.jit` runs such a call eagerly (a whole training step: forward, backward, optimizer)
+    and raises this error only with `fullgraph=True`."""
     op, spelling = BACKWARD_CALLS[func]
-    return FulmenError(
+    return BackwardInTrace(
         f"{spelling} inside a compiled function: fulmen compiles the forward and derives its "
         "backward; the backward cannot run in the middle of the trace",
         op=op, where=user_source_location(),
-        hint="return the loss from the compiled function and call loss.backward() on the "
-        "result (e.g. loss = fulmen.jit(model_and_loss)(batch); loss.backward(); "
-        "optimizer.step()), or use fulmen.grad / fulmen.value_and_grad for gradients as values",
+        hint="compile the forward and the loss, and call backward on the result: loss = "
+        "fulmen.jit(model_and_loss)(batch); loss.backward(); optimizer.step() (the optimizer "
+        "step may be compiled on its own), or use fulmen.grad / fulmen.value_and_grad for "
+        "gradients as values",
     )
 
 
-__all__ = ["BACKWARD_CALLS", "backward_refusal", "intercept_function_apply"]
+__all__ = ["BACKWARD_CALLS", "BackwardInTrace", "backward_refusal", "intercept_function_apply"]

@@ -223,6 +223,9 @@ def _item_key(value: Any) -> Any:
     return (type(value), id(value))
 
 
+_MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)
+
+
 class CacheKeyBuilder:
     """Builds the cache key of a call; `modules` are the submodules whose `training` is guarded.
 
@@ -308,6 +311,21 @@ class CacheKeyBuilder:
             self._written = written
             self._set_sources()
             self._stale = True
+
+    def add_modules(self, modules: tuple[torch.nn.Module, ...]) -> None:
+        """Key the `training` flags and attributes of `modules` and their submodules from now
+        on (modules a trace reached besides the jitted one: `step(model, batch)`'s `model`, a
+        global; `model.eval()` or `model.temperature = 0.5` between calls then retraces);
+        keys computed before are stale. At most `_MAX_HELD_MODULES` are added."""
+        known = {id(module) for module in self.modules}
+        new = [sub for module in modules for sub in module.modules() if id(sub) not in known]
+        new = list({id(sub): sub for sub in new}.values())
+        if not new or len(self.modules) >= _MAX_HELD_MODULES:
+            return
+        self.modules = (*self.modules, *new[:_MAX_HELD_MODULES - len(self.modules)])
+        self._module_dicts = [vars(module) for module in self.modules]
+        self._set_sources()
+        self._stale = True
 
     def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
         """Key the module attributes `(module, name)` from now on (ones a call stored, which

@@ -18,10 +18,10 @@ import sys
 import torch
 from torch.utils import _pytree as pytree
 
-from fulmen.core import NotYetSupportedError
+from fulmen.core import RunsEagerly
 
 
-class HostRandomness(NotYetSupportedError):
+class HostRandomness(RunsEagerly):
     """The traced code drew from Python's or NumPy's global random generator."""
 
 

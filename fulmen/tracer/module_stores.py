@@ -24,6 +24,14 @@ While tracing, every module is put back as it was afterwards, and each change is
   refused, naming the attribute.
 
 The stores of a program with graph breaks differ per path; they are refused there.
+
+Modules the traced function reaches other than the jitted one (`step(model, batch)`: a module
+argument, one held by an argument object, a closure or a global; `held_modules`) are put back
+the same way (`module_stores(..., held=True)`): constants they store are replayed as above, an
+in-place update of a buffer (`self.seen += 1`, which stores the buffer itself again) needs no
+store (the trace writes the buffer back), and a traced value stored on them (`self.last = t`)
+or anything refused makes the call run eagerly (`HeldModuleStore`), since the epilogue stores
+only into the jitted module and argument objects.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core import NotYetSupportedError
+from fulmen.core import NotYetSupportedError, RunsEagerly
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
 
@@ -112,6 +120,40 @@ class ModuleStore:
             attrs[self.key] = self.value
 
 
+def held_modules(fn, arguments: Any, roots: list, jitted: torch.nn.Module | None,
+                 ) -> list[torch.nn.Module]:
+    """The modules a traced function reaches besides the jitted module `jitted` (and its
+    submodules): modules among `arguments` (a pytree) and held by the object `roots`, the
+    bound `self`, closure cells and globals `fn` names; none a submodule of another."""
+    found: dict[int, torch.nn.Module] = {}
+
+    def add(value) -> None:
+        if isinstance(value, torch.nn.Module):
+            found.setdefault(id(value), value)
+
+    for leaf in torch.utils._pytree.tree_leaves(arguments):
+        add(leaf)
+    for root in roots:
+        add(root)
+        for _, value in walk(root):
+            add(value)
+    if fn is not None:
+        add(getattr(fn, "__self__", None))
+        inner = getattr(fn, "__func__", fn)
+        for cell in getattr(inner, "__closure__", None) or ():
+            try:
+                add(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        code, scope = getattr(inner, "__code__", None), getattr(inner, "__globals__", {})
+        for name in code.co_names if code is not None else ():
+            add(scope.get(name))
+    covered = {id(sub) for sub in jitted.modules()} if jitted is not None else set()
+    for module in found.values():
+        covered |= {id(sub) for sub in module.modules() if sub is not module}
+    return [module for key, module in found.items() if key not in covered]
+
+
 def replay_module_stores(stores: tuple[ModuleStore, ...]) -> None:
     """Apply a compiled program's module stores, in the order the forward made them."""
     for store in stores:
@@ -144,8 +186,13 @@ def _qualified(module_name: str, key: str) -> str:
     return f"{module_name}.{key}" if module_name else key
 
 
-def _refuse(name: str, what: str) -> NotYetSupportedError:
-    return NotYetSupportedError(
+class HeldModuleStore(RunsEagerly):
+    """A module the function reaches besides the jitted one (an argument, a global) is given a
+    traced value or a store fulmen cannot replay: the call runs eagerly."""
+
+
+def _refuse(name: str, what: str, error=NotYetSupportedError) -> NotYetSupportedError:
+    return error(
         f"the forward stores {what} in the module attribute {name!r}; a compiled call would not "
         "repeat that store", op="setattr",
         hint="assign a new value instead (self.mem = t, self.kv = (k, v)), keep Python numbers, "
@@ -154,13 +201,20 @@ def _refuse(name: str, what: str) -> NotYetSupportedError:
 
 
 @contextlib.contextmanager
-def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
+def module_stores(module: torch.nn.Module, captured: dict | None = None,
+                  ) -> Iterator[list[ModuleStore]]:
     """Around a traced forward: put every module of `module` back as it was, and collect the
     stores to replay after each compiled call (in the yielded list, filled on exit).
 
+    `captured`, for a module other than the jitted one (see the module docstring), is the tracing
+    context's captured table (`id(tensor) -> (tensor, proxy)`): a buffer or parameter stored
+    again as its own proxy (an in-place update) is no store, and the rest must be constants.
+
     Raises:
-        NotYetSupportedError: a store that cannot be replayed, naming the module attribute.
+        NotYetSupportedError: a store that cannot be replayed, naming the module attribute
+            (`HeldModuleStore` for a held module: the call then runs eagerly).
     """
+    error = NotYetSupportedError if captured is None else HeldModuleStore
     saved = []
     for name, sub in module.named_modules():
         attrs = {k: v for k, v in vars(sub).items() if k not in _NOT_STORES}
@@ -187,11 +241,17 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                 if value is before and not in_place:
                     continue
                 where = _qualified(name, key)
-                if _holds_proxy(value) and not in_place and _traced_value(value):
+                if captured is not None and isinstance(value, TensorProxy) and isinstance(
+                        before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:
+                    continue  # `self.seen += 1`: the tensor updated in place, written back
+                if captured is not None and _holds_proxy(value):
+                    refusal = refusal or _refuse(where, "a traced tensor", error)
+                elif _holds_proxy(value) and not in_place and _traced_value(value):
                     steps = tuple(("attr", part) for part in name.split(".")) if name else ()
                     found.append(ModuleStore(sub, key, value, traced=True, path=steps))
                 elif _holds_proxy(value):
-                    refusal = refusal or _refuse(where, "a traced tensor inside a list or dict")
+                    refusal = refusal or _refuse(where, "a traced tensor inside a list or dict",
+                                                 error)
                 elif key in sub._buffers or key in sub._parameters:
                     continue  # a real tensor (re)registered: as before, not replayed
                 elif in_place and _constant_contents(value):
@@ -199,9 +259,9 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                 elif not in_place and _constant(value):
                     found.append(ModuleStore(sub, key, value))
                 else:
-                    refusal = refusal or _refuse(where, f"a {type(value).__name__}")
+                    refusal = refusal or _refuse(where, f"a {type(value).__name__}", error)
             for key in set(attrs) - set(now):
-                refusal = refusal or _refuse(_qualified(name, key), "a deletion")
+                refusal = refusal or _refuse(_qualified(name, key), "a deletion", error)
             for key in set(now) - set(attrs):
                 delattr(sub, key)
             vars(sub).update(attrs)
@@ -216,7 +276,7 @@ def module_stores(module: torch.nn.Module) -> Iterator[list[ModuleStore]]:
                 if value is before.get(key, _MISSING):
                     continue
                 if _holds_proxy(value):
-                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor")
+                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor", error)
                 elif _constant(value):
                     found.append(ModuleStore(owner, key, value))
         if refusal is not None and not failed:

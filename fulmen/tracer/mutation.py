@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError
+from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import (
@@ -101,6 +101,11 @@ def _view_table() -> dict:
 
 
 VIEW_FUNCTIONS = _view_table()
+
+class MetadataMutation(RunsEagerly):
+    """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
+    `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
+
 
 _METADATA_INPLACE = {
     "requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_",
@@ -420,9 +425,9 @@ class Functionalizer:
         if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
             return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
         if name in _METADATA_INPLACE or func is F.embedding:
-            raise NotYetSupportedError("in-place changes of tensor metadata (and F.embedding's "
-                                       "max_norm renormalisation) are not supported yet",
-                                       op=label, where=user_source_location())
+            raise MetadataMutation("in-place changes of tensor metadata (and F.embedding's "
+                                   "max_norm renormalisation) are not supported yet",
+                                   op=label, where=user_source_location())
         if name == "__setitem__":
             target, index, value = args
             r_target, r_index, r_value = self.resolve_tree((target, index, value))

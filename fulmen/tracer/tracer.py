@@ -10,6 +10,7 @@ the trace; the cache key guards their values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -27,7 +28,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
-from fulmen.tracer.module_stores import ModuleStore, module_stores
+from fulmen.tracer.module_stores import ModuleStore, held_modules, module_stores
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
@@ -75,6 +76,9 @@ class TracedProgram:
         int_positions: positions (as `fulmen.tracer.symbolic.tensor_at`) of the integers
             traced as symbols; their carriers (`symbolic.carrier`) are trace inputs after the
             object tensors.
+        held_modules: the modules the function reached besides the jitted one (arguments,
+            globals: `fulmen.tracer.module_stores.held_modules`), whose `training` flags and
+            attributes the cache key must cover from now on.
     """
 
     trace: Trace
@@ -94,6 +98,7 @@ class TracedProgram:
     module_writes: frozenset[tuple[int, str]] = frozenset()
     captured_attributes: tuple[tuple[int, torch.nn.Module, str], ...] = ()
     int_positions: tuple = ()
+    held_modules: tuple[torch.nn.Module, ...] = ()
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -474,8 +479,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     containers = ArgumentContainers((proxy_args, proxy_kwargs), (args, kwargs))
     stores: list[ModuleStore] = []
     writes: set[tuple[int, str]] = set()
+    held = held_modules(fn if module is None else None, (args, kwargs), list(roots.values()),
+                        module)
     try:
-        with tracing(ctx), FactoryMode(ctx):
+        with tracing(ctx), FactoryMode(ctx), contextlib.ExitStack() as held_stores:
+            # stores on the other modules it reaches: put back, constants replayed
+            held_found = [held_stores.enter_context(module_stores(other, ctx.captured))
+                          for other in held]
             if module is not None:
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
@@ -486,6 +496,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 out = fn(*proxy_args, **proxy_kwargs)
             writes = {(id(store.module), store.key) for store in stores if store.traced}
             stores = _traced_stores(stores, objects)
+            held_stores.close()  # their stores are known (or refused) from here on
+            stores += [store for found in held_found for store in found]
             out_leaves, out_spec = _flatten_output(out)
             out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                           and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
@@ -535,4 +547,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          symbolic=symbolic, module_stores=tuple(stores),
                          module_writes=frozenset(writes),
                          captured_attributes=captured_attributes,
-                         int_positions=tuple(position for position, *_ in numbers))
+                         int_positions=tuple(position for position, *_ in numbers),
+                         held_modules=tuple(held))

@@ -359,9 +359,13 @@ def test_mutation_of_a_captured_tensor():
     torch.testing.assert_close(out, torch.full((3,), 2.0))
 
 
-def test_metadata_inplace_raises():
+def test_metadata_inplace_raises_under_fullgraph_and_runs_eagerly_otherwise():
     with pytest.raises(NotYetSupportedError, match="t_"):
-        fulmen.jit(lambda x: x.t_())(torch.randn(2, 3))
+        fulmen.jit(lambda x: x.t_(), fullgraph=True)(torch.randn(2, 3))
+    x = torch.randn(2, 3)
+    with pytest.warns(UserWarning, match="t_"):
+        out = fulmen.jit(lambda x: x.t_())(x)
+    assert out is x and x.shape == (3, 2)
 
 
 def test_mutated_inputs_sharing_memory_raise():

@@ -188,7 +188,7 @@ def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
 
 
 @pytest.mark.parametrize("spelling", ["method", "autograd.backward", "autograd.grad"])
-def test_backward_inside_a_compiled_function_says_what_to_do(spelling):
+def test_backward_inside_a_compiled_function_says_what_to_do_under_fullgraph(spelling):
     model = torch.nn.Linear(4, 1)
 
     def step(x):
@@ -202,10 +202,62 @@ def test_backward_inside_a_compiled_function_says_what_to_do(spelling):
         return loss
 
     with pytest.raises(FulmenError, match="inside a compiled function") as info:
-        fulmen.jit(step)(torch.randn(3, 4))
-    assert "loss.backward() on the result" in str(info.value)
+        fulmen.jit(step, fullgraph=True)(torch.randn(3, 4))
+    assert "call backward on the result" in str(info.value)
     assert "test_module_behaviour.py" in str(info.value)  # the user's line
     assert model.weight.grad is None
+
+
+def _training_step(model, optimizer, x, y):
+    """A whole training step as users write it under torch.compile: forward, backward,
+    clipping, optimizer step, zeroing."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_whole_training_step_with_backward_inside_runs_eagerly_and_equals_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    step = fulmen.jit(_training_step)
+    with pytest.warns(UserWarning, match="inside a compiled function"):
+        for i in range(4):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            torch.manual_seed(i)
+            expected = _training_step(model, opt, x, y)
+            torch.manual_seed(i)
+            got = step(twin, twin_opt, x, y)
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for mine, theirs in zip(twin.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert fulmen.compile_stats(step).eager_calls == 4
+    assert fulmen.cache_misses(step) == 4 and not fulmen.last_traces(step)  # never traced again
+
+
+def test_a_gradient_penalty_with_autograd_grad_inside_runs_eagerly():
+    """WGAN-GP: torch.autograd.grad(create_graph=True) inside the jitted loss."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    twin = copy.deepcopy(critic)
+
+    def loss_fn(net, real):
+        real = real.requires_grad_(True)
+        (grad,) = torch.autograd.grad(net(real).sum(), real, create_graph=True)
+        return (grad.norm(dim=1) - 1).square().mean()
+
+    real = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="such calls run eagerly"):
+        fulmen.jit(loss_fn)(twin, real.clone()).backward()
+    loss_fn(critic, real.clone()).backward()
+    for mine, theirs in zip(twin.parameters(), critic.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
 
 
 def test_backward_hooks_inside_are_refused_and_on_the_jitted_module_work():

@@ -1,0 +1,146 @@
+"""Modules a jitted function reaches besides a jitted module (`step(model, batch)`: an argument,
+a global, a closure cell) behave as in eager: their `training` flags and attributes are keyed,
+the stores their forwards make are put back or replayed, and a failed trace leaves them as they
+were (`fulmen.tracer.module_stores.held_modules`)."""
+
+import copy
+
+import pytest
+import torch
+
+import fulmen
+
+
+class Counter(torch.nn.Module):
+    """A forward that counts its calls in a Python attribute and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen += 1
+        return self.linear(x) * self.calls + self.seen
+
+
+def _forward(model, x):
+    return model(x)
+
+
+def test_an_argument_module_switched_to_eval_is_not_served_by_its_training_trace():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    jitted = fulmen.jit(_forward)
+    x = torch.ones(3, 4)
+    jitted(model, x)
+    model.eval()
+    torch.testing.assert_close(jitted(model, x), model(x))
+    model.train()
+    torch.manual_seed(0)
+    expected = model(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(jitted(model, x), expected)
+
+
+def test_an_attribute_of_an_argument_module_changed_between_calls_is_read_again():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.temperature = 1.0
+
+        def forward(self, x):
+            return self.linear(x) / self.temperature
+
+    model, x = Scaled(), torch.randn(2, 3)
+    jitted = fulmen.jit(_forward)
+    for temperature in (1.0, 0.5, 2.0, 0.5):
+        model.temperature = temperature
+        torch.testing.assert_close(jitted(model, x), model(x))
+
+
+def test_a_global_module_switched_to_eval_and_its_dropout_rate_changed():
+    global _GLOBAL_DROPOUT
+    _GLOBAL_DROPOUT = torch.nn.Dropout(0.5)
+
+    def apply(x):
+        return _GLOBAL_DROPOUT(x) * 2
+
+    jitted, x = fulmen.jit(apply), torch.ones(4, 4)
+    jitted(x)
+    _GLOBAL_DROPOUT.p = 0.0
+    torch.testing.assert_close(jitted(x), x * 2)
+    _GLOBAL_DROPOUT.p = 0.5
+    _GLOBAL_DROPOUT.eval()
+    torch.testing.assert_close(jitted(x), x * 2)
+
+
+def test_counters_an_argument_module_keeps_advance_as_in_eager():
+    model = Counter()
+    twin = copy.deepcopy(model)
+    jitted, x = fulmen.jit(_forward), torch.randn(2, 3)
+    for _ in range(3):
+        torch.testing.assert_close(jitted(twin, x), model(x))
+    assert twin.calls == model.calls == 3
+    assert type(twin.seen) is torch.Tensor and twin.seen.item() == 3  # no proxy left behind
+    for mine, theirs in zip(twin.state_dict().values(), model.state_dict().values()):
+        assert type(mine) is torch.Tensor
+        torch.testing.assert_close(mine, theirs)
+    twin(x)  # still usable eagerly
+
+
+def test_a_tensor_stored_on_an_argument_module_runs_the_call_eagerly():
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.linear(x)
+            self.last = y.sum()
+            return y
+
+    model = Keeps()
+    twin = copy.deepcopy(model)
+    jitted = fulmen.jit(_forward)
+    with pytest.warns(UserWarning, match="'last'"):
+        for _ in range(2):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(jitted(twin, x), model(x))
+            assert type(twin.last) is torch.Tensor
+            torch.testing.assert_close(twin.last, model.last)
+
+
+def test_a_failed_trace_leaves_an_argument_module_as_it_was():
+    model = Counter()
+
+    def step(model, x):
+        y = model(x)
+        x.resize_(6)  # not compiled: fulmen raises
+        return y
+
+    with pytest.raises(fulmen.NotYetSupportedError):
+        fulmen.jit(step, fullgraph=True)(model, torch.randn(2, 3))
+    assert model.calls == 0 and type(model.seen) is torch.Tensor and model.seen.item() == 0
+    model(torch.randn(2, 3))
+    assert model.calls == 1 and model.seen.item() == 1
+
+
+def test_a_training_step_with_backward_inside_and_a_counting_module():
+    model = Counter()
+    twin = copy.deepcopy(model)
+
+    def step(model, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    jitted = fulmen.jit(step)
+    with pytest.warns(UserWarning, match="inside a compiled function"):
+        for _ in range(2):
+            x = torch.randn(4, 3)
+            torch.testing.assert_close(jitted(twin, x), step(model, x))
+    assert twin.calls == model.calls == 2 and twin.seen.item() == 2
+    torch.testing.assert_close(twin.linear.weight.grad, model.linear.weight.grad)
