@@ -108,8 +108,12 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     if any(p is None for p in producers):
         return None
     if len(outputs) == 1 and "elementwise" in producers[0].sym.tags and _is_map(bsym):
+        # the operands are the tensors the map reads (`x.type_as(y)` reads only x)
+        read = {proxy.name for sub in bsym.subsymbols for proxy in iter_proxies(
+            (sub.args, sub.kwargs))}
         shape = tuple(outputs[0].shape)
-        return [(outputs[0].shape, elementwise_strides(inputs, shape))]
+        return [(outputs[0].shape, elementwise_strides(
+            [proxy for proxy in inputs if proxy.name in read], shape))]
     if len(bsym.subsymbols) == 1 and producers[0].sym.name == "permute":
         return [(leaf.shape, leaf.stride()) for leaf in outputs]  # the input's, permuted
     with torch._C.DisableTorchFunctionSubclass():

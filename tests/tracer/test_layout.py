@@ -118,3 +118,24 @@ def test_dense_non_contiguous_operands():
 
     x = torch.randn(4, 3, 2).permute(2, 1, 0)  # dense, dims in reverse memory order
     assert fulmen.jit(fn)(x) == fn(x)
+
+
+@pytest.mark.parametrize("other", ["unbroadcastable", "transposed"])
+def test_type_as_is_laid_out_by_its_input_alone(other):
+    """HF Longformer / LED / PEGASUS-X: `mask.type_as(query)` with a query of another shape
+    failed to trace (the query was taken for a broadcast operand); one of the same shape but
+    another layout must not lend its strides either."""
+
+    def fn(mask, query):
+        out = mask.type_as(query)
+        return out.masked_fill(out > 0, -1.0), out.stride()
+
+    mask = torch.randint(0, 2, (2, 6, 1, 1), dtype=torch.int64)
+    query = torch.randn(2, 6, 3, 4)
+    if other == "transposed":
+        mask = torch.randint(0, 2, (2, 6, 3, 4), dtype=torch.int64)
+        query = torch.randn(4, 3, 6, 2).permute(3, 2, 1, 0)
+    expected, expected_strides = fn(mask, query)
+    actual, strides = fulmen.jit(fn)(mask, query)
+    torch.testing.assert_close(actual, expected)
+    assert strides == expected_strides and actual.stride() == expected.stride()
