@@ -135,8 +135,31 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                                  _attention_meta}
 
 
-def opaque_symbol(fn: Callable) -> Symbol:
-    """The (cached) opaque symbol for torch callable `fn`."""
+def _dropout_p(args: tuple, kwargs: dict) -> float:
+    """`dropout_p` of a `F.scaled_dot_product_attention` call (its fifth parameter)."""
+    return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+
+
+# Ops that draw from the global generator for some arguments only: fn -> whether a call does.
+# Such a call is recorded with the op's random symbol (`opaque_symbol(fn, random=True)`), so
+# no pass reorders it among the other draws (HF UMT5's attention dropout drew after the
+# dropouts that follow it in eager, and every mask differed).
+_DRAWS_WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
+    torch.nn.functional.scaled_dot_product_attention:
+        lambda args, kwargs: _dropout_p(args, kwargs) != 0.0,
+}
+
+
+def draws_random(fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the call `fn(*args, **kwargs)` draws from torch's global generator."""
+    return _is_random(fn) or (fn in _DRAWS_WHEN and bool(_DRAWS_WHEN[fn](args, kwargs)))
+
+
+def opaque_symbol(fn: Callable, random: bool = False) -> Symbol:
+    """The (cached) opaque symbol for torch callable `fn`; with `random`, the one tagged as
+    drawing from the global generator (for a call `draws_random` says draws)."""
+    if random and not _is_random(fn):
+        return _random_variant(opaque_symbol(fn))
     sym = _OPAQUE.get(fn)
     if sym is not None:
         return sym
@@ -163,6 +186,20 @@ def opaque_symbol(fn: Callable) -> Symbol:
     _OPAQUE[fn] = sym
     _BY_NAME[name] = sym
     return sym
+
+
+_RANDOM_VARIANTS: dict[str, Symbol] = {}
+
+
+def _random_variant(sym: Symbol) -> Symbol:
+    """`sym` (an opaque symbol) tagged "random": same meta and implementation."""
+    variant = _RANDOM_VARIANTS.get(sym.name)
+    if variant is None:
+        name = f"{sym.name}_random"
+        variant = Symbol(name, sym.fn, namespace=OPAQUE_NAMESPACE, impl=sym.impl,
+                         torch_fn=sym.torch_fn, tags=set(sym.tags) | {"random"})
+        _RANDOM_VARIANTS[sym.name] = _BY_NAME[name] = variant
+    return variant
 
 
 def __getattr__(name: str) -> Symbol:

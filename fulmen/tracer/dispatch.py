@@ -40,7 +40,7 @@ from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
-from fulmen.ops.opaque import opaque_symbol
+from fulmen.ops.opaque import draws_random, opaque_symbol
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import METADATA_FUNCTIONS, known_same_shape
@@ -282,7 +282,7 @@ class TracerCtx(TraceCtx):
             else:
                 out = self._eager_layout(func, args, kwargs, out, start)
         if sym is None:
-            sym = opaque_symbol(func)
+            sym = opaque_symbol(func, random=draws_random(func, args, kwargs))
             try:
                 out = sym(*args, **kwargs)
             except FulmenError as error:

@@ -24,6 +24,13 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
 NOTE [fusion never crosses unfusible ops]: a region is connected through fusible statements
 only, and the cycle check forbids merging two regions when a path between them runs through
 anything else (a matmul, an opaque op, a random op), so such an op is never moved across.
+
+NOTE [fusion keeps the order of draws]: statements that draw from the global generator (a
+`bernoulli` of a dropout, an attention with `dropout_p`, a random opaque op) are chained by
+order edges besides the dataflow ones, so neither a merge nor the emitted order puts one draw
+before an earlier one: the random stream is consumed as in eager, and every mask equals
+eager's under the same seed (HF UMT5 emitted its attention's dropout after three later
+dropouts once a horizontal merge made the attention wait for a later statement).
 """
 
 from __future__ import annotations
@@ -203,6 +210,11 @@ class _Partition:
                     self.pred[i].add(self.producer[name])
             for name in node.bsym.output_names:
                 self.producer[name] = i
+        # draws keep their order (NOTE [fusion keeps the order of draws])
+        draws = [i for i, node in enumerate(nodes) if Tag.RANDOM in node.bsym.sym.tags]
+        for earlier, later in zip(draws, draws[1:]):
+            self.succ[earlier].add(later)
+            self.pred[later].add(earlier)
         # descendants of each region as a bitset (statement order is topological)
         self.reach: dict[int, int] = {}
         for i in range(len(nodes) - 1, -1, -1):

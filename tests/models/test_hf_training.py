@@ -76,3 +76,27 @@ def test_resized_embeddings_are_used_by_the_next_call():
     got, want = jmodel(input_ids=ids).logits, model(input_ids=ids).logits
     assert got.shape == want.shape == (2, 8, 100)
     torch.testing.assert_close(got, want)
+
+
+def test_umt5_with_dropout_and_padding_draws_eagers_masks():
+    """UMT5 in training mode on a padded batch: its attention (dropout_p) and its dropouts draw
+    in eager's order, so under one seed loss and gradients equal eager's (fusion once emitted
+    the first attention's draw after three later dropouts)."""
+    torch.manual_seed(0)
+    config = T.UMT5Config(vocab_size=96, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                          num_heads=2, dropout_rate=0.1, decoder_start_token_id=0)
+    model = T.UMT5ForConditionalGeneration(config).train()
+    twin = copy.deepcopy(model)
+    batch = _batch()
+    batch["labels"] = batch["labels"][:, :5].clamp(min=0)
+    jitted = fulmen.jit(twin)
+    for _ in range(2):
+        model.zero_grad()
+        twin.zero_grad()
+        torch.manual_seed(5)
+        loss, grads = _loss_and_grads(model, batch)
+        torch.manual_seed(5)
+        jitted_loss, jitted_grads = _loss_and_grads(twin, batch, jitted)
+        torch.testing.assert_close(jitted_loss, loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(jitted_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
