@@ -14,9 +14,10 @@ import sys
 
 import torch
 
-from fulmen.core.errors import FulmenError
+from fulmen.core.errors import FulmenError, RunsEagerly
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import Proxy
+from fulmen.core.source import user_source_location
 from fulmen.core.trace import get_tracectx
 
 _DTYPE_SHORT = {
@@ -268,11 +269,27 @@ class TensorProxy(torch.Tensor, Proxy):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if torch._C._functorch.maybe_current_level() is not None or _in_functorch():
+            raise RunsEagerly(  # functorch's wrappers live below __torch_function__
+                "a torch.func transform (vmap, grad, jacrev) of traced tensors: fulmen traces "
+                "no function transforms", op="torch.func", where=user_source_location(),
+                hint="compile the function the transform is applied to instead")
         raise FulmenError(
             "reached the dispatcher with a traced tensor (an op escaped __torch_function__)",
             op=str(func),
             hint="please report this: the op needs routing in fulmen.tracer.dispatch",
         )
+
+
+def _in_functorch() -> bool:
+    """Whether torch.func's Python machinery (vmap's batch-dimension bookkeeping) is on the
+    stack: its ops reach the dispatcher, never `__torch_function__`."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "torch/_functorch" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_proxy(value) -> bool:

@@ -179,3 +179,22 @@ def test_generator_arguments_are_compiled_and_drawn_at_run_time():
     torch.testing.assert_close([jitted(x, shared) for _ in range(3)],
                                [_noise_from(x, twin) for _ in range(3)])
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_vmap_inside_runs_the_call_eagerly():
+    """HF's mask utilities vmap a mask function over index tensors when a model adds its own
+    (T5Gemma2's sliding bidirectional window): functorch's batching lives below
+    __torch_function__, so such a call runs eagerly, with eager's values, and raises under
+    fullgraph=True."""
+
+    def masked(x, padding):
+        keep = torch.vmap(lambda row, pad: (row > 0) & pad, in_dims=(0, 0))(x, padding)
+        return torch.where(keep, x, x.sum()), keep
+
+    x, padding = torch.randn(4, 5), torch.rand(4, 5) > 0.3
+    with pytest.warns(UserWarning, match="torch.func"):
+        for _ in range(2):
+            for actual, expected in zip(fulmen.jit(masked)(x, padding), masked(x, padding)):
+                torch.testing.assert_close(actual, expected)
+    with pytest.raises(fulmen.NotYetSupportedError, match="function transforms"):
+        fulmen.jit(masked, fullgraph=True)(x, padding)
