@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fulmen.core import FulmenError, NotYetSupportedError, TraceCtx
+from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
@@ -78,6 +78,20 @@ _VALUE_DEPENDENT = {
 _IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
 
 _GRAD_GET = torch.Tensor.grad.__get__
+
+
+class UnreadGrad(RunsEagerly):
+    """The traced code reads the `.grad` of a tensor whose gradient is no input of the trace:
+    the call runs eagerly."""
+
+
+def _unread_grad(tensor) -> bool:
+    """Whether reading `tensor.grad` while tracing would bake in a gradient that is no input: a
+    tensor argument's (`unseen_grad`), or a real leaf's that requires grad (a parameter of a
+    module argument or a global: each backward, after `zero_grad()`, makes a new one)."""
+    if isinstance(tensor, TensorProxy):
+        return getattr(tensor, "unseen_grad", False)
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
 
 
 def _name_the_call(error: Exception, func) -> None:
@@ -480,13 +494,15 @@ class FactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA_FUNCTIONS:
-            if func == _GRAD_GET and getattr(args[0], "unseen_grad", False):
-                raise NotYetSupportedError(
-                    f"reading the .grad of the tensor argument {args[0].name}: the gradients "
-                    "of tensors passed directly are not inputs of the trace", op="Tensor.grad",
+            if func == _GRAD_GET and _unread_grad(args[0]):
+                what = f"the tensor argument {args[0].name}" if isinstance(
+                    args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"
+                raise UnreadGrad(
+                    f"reading the .grad of {what}: such gradients are not inputs of the trace "
+                    "(the next backward replaces them)", op="Tensor.grad",
                     where=user_source_location(),
-                    hint="pass the module or the optimizer instead (fulmen reads p.grad of "
-                    "the parameters inside them), or call this part eagerly")
+                    hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
+                    "on every call), or compute with the gradients outside the compiled function")
             if func is T.stride and self.ctx.undecided_layouts and isinstance(
                     args[0], TensorProxy):
                 self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))

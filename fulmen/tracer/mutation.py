@@ -102,6 +102,16 @@ def _view_table() -> dict:
 
 VIEW_FUNCTIONS = _view_table()
 
+class NoGradUpdate(RunsEagerly):
+    """NOTE [no_grad updates of tensors requiring grad]: `with torch.no_grad(): p -= lr *
+    p.grad` (a hand-written SGD step, an EMA update, `torch._foreach_lerp_`) is eager's way to
+    update parameters, and a trace that computes nothing with grad compiles it: its write-back
+    updates the leaf outside autograd, as eager does. A trace that also computes with grad
+    (a forward reading the parameter before or after the update) cannot keep eager's meaning
+    (the gradient flows to the leaf as updated, or eager's version check fails): the call runs
+    eagerly."""
+
+
 class MetadataMutation(RunsEagerly):
     """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
     `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
@@ -171,6 +181,8 @@ class Functionalizer:
         self.views: dict[str, _View] = {}
         self.inputs: dict[str, TensorProxy] = {}
         self.mutated = False
+        # inputs requiring grad updated under no_grad: (name, op, source), checked by `finish`
+        self.no_grad_updates: list[tuple] = []
 
     # -- inputs and reads ---------------------------------------------------------------------
 
@@ -331,7 +343,10 @@ class Functionalizer:
             return
         if root.proxy.name not in self.inputs:
             return
-        raise (FulmenError if torch.is_grad_enabled() else NotYetSupportedError)(
+        if not torch.is_grad_enabled():  # NOTE [no_grad updates of tensors requiring grad]
+            self.no_grad_updates.append((root.proxy.name, op, user_source_location()))
+            return
+        raise FulmenError(
             f"a tensor that requires grad (or a view of one), {root.proxy.name}, is modified in "
             "place", op=op, where=user_source_location(),
             hint="in eager this is an error for leaf tensors; modify a copy (x = x.clone()) "
@@ -343,6 +358,13 @@ class Functionalizer:
         """Resolve the output leaves to current values and record the write-backs."""
         if not self.mutated:
             return out_leaves
+        differentiated = set(self.ctx.requires_grad_names) - set(self.inputs)
+        if self.no_grad_updates and self.ctx.differentiable and differentiated:
+            name, op, where = self.no_grad_updates[0]
+            raise NoGradUpdate(
+                f"{name}, which requires grad, is updated in place under torch.no_grad() in a "
+                "function that also computes with grad", op=op, where=where,
+                hint="compile the update (an optimizer or EMA step) and the forward separately")
         resolved = []
         for leaf in out_leaves:
             root = self.roots.get(leaf.name) if isinstance(leaf, TensorProxy) else None

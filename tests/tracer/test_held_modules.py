@@ -144,3 +144,61 @@ def test_a_training_step_with_backward_inside_and_a_counting_module():
             torch.testing.assert_close(jitted(twin, x), step(model, x))
     assert twin.calls == model.calls == 2 and twin.seen.item() == 2
     torch.testing.assert_close(twin.linear.weight.grad, model.linear.weight.grad)
+
+
+def test_gradients_of_an_argument_modules_parameters_are_read_on_every_call():
+    """`grad_norm(model)` after each backward: the gradients `zero_grad()` and the next backward
+    replace are no constants of the trace (the first step's gradient was read on every call)."""
+    model = torch.nn.Linear(3, 2)
+
+    def grad_norm(model):
+        return torch.stack([p.grad.norm() for p in model.parameters()]).sum()
+
+    jitted, x = fulmen.jit(grad_norm), torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"\.grad"):
+        for step in range(3):
+            model.zero_grad()
+            (model(x) * (step + 1)).sum().backward()
+            torch.testing.assert_close(jitted(model), grad_norm(model))
+
+
+def test_an_ema_update_under_no_grad_compiles_and_equals_eager():
+    """`torch._foreach_lerp_` of an EMA copy's parameters (which require grad) under no_grad:
+    eager's way to update parameters compiles (nothing in the trace computes with grad)."""
+    model, ema = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    twin = copy.deepcopy(ema)
+
+    def update(ema, model, decay):
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
+
+    jitted = fulmen.jit(update)
+    for decay in (0.9, 0.9, 0.99):
+        update(ema, model, decay)
+        jitted(twin, model, decay)
+        with torch.no_grad():
+            model.weight.add_(0.1)
+    for mine, theirs in zip(twin.parameters(), ema.parameters()):
+        torch.testing.assert_close(mine, theirs)
+        assert mine.requires_grad and mine.grad_fn is None
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_a_no_grad_update_beside_a_forward_with_grad_runs_eagerly():
+    """Updating a parameter under no_grad, then computing a loss from it with grad: the
+    gradient reaches the updated leaf as in eager (the trace would differentiate the old one)."""
+    model = torch.nn.Linear(3, 1)
+    twin = copy.deepcopy(model)
+
+    def shrink_then_loss(model, x):
+        with torch.no_grad():
+            model.weight.mul_(0.5)
+        return model(x).square().sum()
+
+    jitted, x = fulmen.jit(shrink_then_loss), torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="under torch.no_grad"):
+        for _ in range(2):
+            jitted(twin, x).backward()
+            shrink_then_loss(model, x).backward()
+    torch.testing.assert_close(twin.weight, model.weight)
+    torch.testing.assert_close(twin.weight.grad, model.weight.grad)
