@@ -20,8 +20,10 @@ While tracing, every module is put back as it was afterwards, and each change is
   `self.training` does, and never gives a stale one;
 - hooks registered on a module are kept, as in eager (HF registers its output-capturing
   hooks in the first forward that asks for hidden states; the jitted module then retraces);
-- anything else (another object stored, an attribute deleted, a symbolic size stored) is
-  refused, naming the attribute.
+- anything else (another object stored, an attribute deleted, a symbolic size stored) makes
+  the call run eagerly (`UnreplayableStore`, a `RunsEagerly`; raised under `fullgraph=True`),
+  naming the attribute. (A store such as HF LeViT's eval-mode `attention_bias_cache[key] = t`
+  happens on the first call only: that call runs eagerly, the next compile.)
 
 The stores of a program with graph breaks differ per path; they are refused there.
 
@@ -30,8 +32,8 @@ argument, one held by an argument object, a closure or a global; `held_modules`)
 the same way (`module_stores(..., held=True)`): constants they store are replayed as above, an
 in-place update of a buffer (`self.seen += 1`, which stores the buffer itself again) needs no
 store (the trace writes the buffer back), and a traced value stored on them (`self.last = t`)
-or anything refused makes the call run eagerly (`HeldModuleStore`), since the epilogue stores
-only into the jitted module and argument objects.
+makes the call run eagerly, since the epilogue stores only into the jitted module and argument
+objects.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core import NotYetSupportedError, RunsEagerly
+from fulmen.core import RunsEagerly
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
 
@@ -186,13 +188,13 @@ def _qualified(module_name: str, key: str) -> str:
     return f"{module_name}.{key}" if module_name else key
 
 
-class HeldModuleStore(RunsEagerly):
-    """A module the function reaches besides the jitted one (an argument, a global) is given a
-    traced value or a store fulmen cannot replay: the call runs eagerly."""
+class UnreplayableStore(RunsEagerly):
+    """A store the forward makes on a module that a compiled call could not repeat (see the
+    module docstring): the call runs eagerly, and raises this under `fullgraph=True`."""
 
 
-def _refuse(name: str, what: str, error=NotYetSupportedError) -> NotYetSupportedError:
-    return error(
+def _refuse(name: str, what: str) -> UnreplayableStore:
+    return UnreplayableStore(
         f"the forward stores {what} in the module attribute {name!r}; a compiled call would not "
         "repeat that store", op="setattr",
         hint="assign a new value instead (self.mem = t, self.kv = (k, v)), keep Python numbers, "
@@ -211,10 +213,8 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
     again as its own proxy (an in-place update) is no store, and the rest must be constants.
 
     Raises:
-        NotYetSupportedError: a store that cannot be replayed, naming the module attribute
-            (`HeldModuleStore` for a held module: the call then runs eagerly).
+        UnreplayableStore: a store that cannot be replayed, naming the module attribute.
     """
-    error = NotYetSupportedError if captured is None else HeldModuleStore
     saved = []
     for name, sub in module.named_modules():
         attrs = {k: v for k, v in vars(sub).items() if k not in _NOT_STORES}
@@ -245,13 +245,12 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                         before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:
                     continue  # `self.seen += 1`: the tensor updated in place, written back
                 if captured is not None and _holds_proxy(value):
-                    refusal = refusal or _refuse(where, "a traced tensor", error)
+                    refusal = refusal or _refuse(where, "a traced tensor")
                 elif _holds_proxy(value) and not in_place and _traced_value(value):
                     steps = tuple(("attr", part) for part in name.split(".")) if name else ()
                     found.append(ModuleStore(sub, key, value, traced=True, path=steps))
                 elif _holds_proxy(value):
-                    refusal = refusal or _refuse(where, "a traced tensor inside a list or dict",
-                                                 error)
+                    refusal = refusal or _refuse(where, "a traced tensor inside a list or dict")
                 elif key in sub._buffers or key in sub._parameters:
                     continue  # a real tensor (re)registered: as before, not replayed
                 elif in_place and _constant_contents(value):
@@ -259,9 +258,9 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                 elif not in_place and _constant(value):
                     found.append(ModuleStore(sub, key, value))
                 else:
-                    refusal = refusal or _refuse(where, f"a {type(value).__name__}", error)
+                    refusal = refusal or _refuse(where, f"a {type(value).__name__}")
             for key in set(attrs) - set(now):
-                refusal = refusal or _refuse(_qualified(name, key), "a deletion", error)
+                refusal = refusal or _refuse(_qualified(name, key), "a deletion")
             for key in set(now) - set(attrs):
                 delattr(sub, key)
             vars(sub).update(attrs)
@@ -276,7 +275,7 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                 if value is before.get(key, _MISSING):
                     continue
                 if _holds_proxy(value):
-                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor", error)
+                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor")
                 elif _constant(value):
                     found.append(ModuleStore(owner, key, value))
         if refusal is not None and not failed:

@@ -101,11 +101,15 @@ def test_stores_in_a_program_with_graph_breaks_are_made_as_in_eager(make):
         assert vars(model).get("_ready") == vars(eager).get("_ready")
 
 
-def test_stores_that_cannot_be_replayed_are_refused():
+def test_stores_that_cannot_be_replayed_run_eagerly_and_are_refused_under_fullgraph():
     model = _StoresObject()
     with pytest.raises(NotYetSupportedError, match="'seen'"):
-        fulmen.jit(model)(torch.randn(3))
+        fulmen.jit(model, fullgraph=True)(torch.randn(3))
     assert not hasattr(model, "seen")  # tracing left the module as it was
+    eager, x = _StoresObject(), torch.randn(3)
+    with pytest.warns(UserWarning, match="'seen'"):
+        torch.testing.assert_close(fulmen.jit(model)(x), eager(x))
+    assert type(model.seen) is type(eager.seen)
 
 
 class _Toggling(torch.nn.Module):

@@ -141,11 +141,14 @@ class _StoresInPlace(torch.nn.Module):
         return x + 1
 
 
-def test_a_traced_tensor_put_into_a_module_list_is_refused():
+def test_a_traced_tensor_put_into_a_module_list_runs_eagerly():
     model = _StoresInPlace()
     with pytest.raises(NotYetSupportedError, match="inside a list or dict in the module attribute 'maps'"):
-        fulmen.jit(model)(torch.ones(2))
+        fulmen.jit(model, fullgraph=True)(torch.ones(2))
     assert model.maps == []
+    with pytest.warns(UserWarning, match="'maps'"):
+        torch.testing.assert_close(fulmen.jit(model)(torch.ones(2)), torch.full((2,), 2.0))
+    assert len(model.maps) == 1 and torch.equal(model.maps[0], torch.full((2,), 2.0))
 
 
 class _RunningRange(torch.nn.Module):

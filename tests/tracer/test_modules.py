@@ -219,9 +219,16 @@ def test_a_traced_tensor_stored_on_the_module_is_stored_by_every_call(kind):
         torch.testing.assert_close((model.mem, model.attr), (eager.mem, eager.attr))
 
 
-def test_a_traced_tensor_put_into_a_module_dict_is_refused_and_undone():
+def test_a_traced_tensor_put_into_a_module_dict_runs_eagerly_and_is_undone_under_fullgraph():
     model = _StoresTensor("dict")
     before = (model.mem, model.attr, model.cache["h"])
     with pytest.raises(NotYetSupportedError, match="inside a list or dict in the module"):
-        fulmen.jit(model)(torch.ones(2))
+        fulmen.jit(model, fullgraph=True)(torch.ones(2))
     assert (model.mem, model.attr, model.cache["h"]) == before  # the module is as it was
+    eager = _StoresTensor("dict")
+    jitted = fulmen.jit(model)
+    with pytest.warns(UserWarning, match="inside a list or dict in the module"):
+        for step in range(2):
+            x = torch.full((2,), float(step + 1))
+            torch.testing.assert_close(jitted(x), eager(x))
+            torch.testing.assert_close(model.cache["h"], eager.cache["h"])
