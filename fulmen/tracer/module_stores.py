@@ -156,6 +156,26 @@ def held_modules(fn, arguments: Any, roots: list, jitted: torch.nn.Module | None
     return [module for key, module in found.items() if key not in covered]
 
 
+class DistributedWrapper(RunsEagerly):
+    """The function reaches a distributed wrapper (`DistributedDataParallel`, FSDP) other than
+    as the jitted module: its forward prepares the gradient all-reduce through hooks and reducer
+    state a trace cannot replay, so the call runs eagerly."""
+
+
+def refuse_distributed(modules: list[torch.nn.Module]) -> None:
+    """Raise `DistributedWrapper` if one of `modules` (`held_modules`) or a submodule is a
+    distributed wrapper (`loss_fn(ddp_model, batch)` would silently skip the all-reduce)."""
+    for module in modules:
+        for sub in module.modules():
+            if type(sub).__module__.startswith("torch.distributed") or isinstance(
+                    sub, torch.nn.parallel.DistributedDataParallel):
+                raise DistributedWrapper(
+                    f"the function calls the {type(sub).__name__} it is given; its gradient "
+                    "synchronisation cannot be compiled", op=type(sub).__name__,
+                    hint="compile the wrapped module instead: DDP(fulmen.jit(model)) or "
+                    "fulmen.jit(DDP(model))")
+
+
 def replay_module_stores(stores: tuple[ModuleStore, ...]) -> None:
     """Apply a compiled program's module stores, in the order the forward made them."""
     for store in stores:

@@ -28,7 +28,12 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
-from fulmen.tracer.module_stores import ModuleStore, held_modules, module_stores
+from fulmen.tracer.module_stores import (
+    ModuleStore,
+    held_modules,
+    module_stores,
+    refuse_distributed,
+)
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
@@ -481,6 +486,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     writes: set[tuple[int, str]] = set()
     held = held_modules(fn if module is None else None, (args, kwargs), list(roots.values()),
                         module)
+    refuse_distributed(held)
     try:
         with tracing(ctx), FactoryMode(ctx), contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed
