@@ -41,6 +41,7 @@ from fulmen.tracer.host_random import (
     refuse_private_generators,
 )
 from fulmen.tracer.module_hooks import (
+    HeldModulesWatch,
     HookWatch,
     StructureWatch,
     add_wrapper_prefix,
@@ -138,6 +139,7 @@ class _Jitted:
                dynamic=None) -> None:
         self._fn = fn
         self._fullgraph = fullgraph
+        self._held_watch = HeldModulesWatch()  # modules reached besides a jitted one
         # symbolic sizes (fulmen.tracer.symbolic): the policy, and the dimensions found to vary
         setting = config.get("FULMEN_DYNAMIC")
         if dynamic is None:
@@ -176,6 +178,11 @@ class _Jitted:
         # read of module state and objects (and every trace) holds the tracing lock, so no
         # thread ever sees a proxy
         with _TRACING:
+            if self._held_watch.changed():  # a hook or submodule of a held module changed
+                _RECOMPILES.info("a module the function reaches changed its hooks, submodules, "
+                                 "parameters or buffers; compiling anew")
+                self._cache.clear()
+                self._shapes.clear()
             state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
             key, leaves = self._guard.key(args, kwargs, state)
             stats = self._stats
@@ -355,6 +362,7 @@ class _Jitted:
                 raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         self._guard.add_modules(program.held_modules)
+        self._held_watch.add(program.held_modules)
         host_random.refuse_draws()
         refuse_private_generators(program.trace, (args, kwargs))
         changed = changed_classes(classes)

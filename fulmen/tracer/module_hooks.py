@@ -120,6 +120,40 @@ class StructureWatch:
         return False
 
 
+class HeldModulesWatch:
+    """The hooks and structure of the modules a jitted function reached besides a jitted module
+    (`fulmen.tracer.module_stores.held_modules`: `step(model, batch)`'s `model`, a global):
+    a hook added or removed, a submodule or parameter replaced there changes what the compiled
+    programs computed, as for a jitted module (`HookWatch`, `StructureWatch`)."""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, tuple[torch.nn.Module, HookWatch, StructureWatch]] = {}
+
+    def add(self, modules) -> None:
+        """Watch `modules` (those not watched yet)."""
+        for module in modules:
+            if id(module) not in self._watched:
+                self._watched[id(module)] = (module, HookWatch(module), StructureWatch(module))
+
+    def changed(self) -> bool:
+        """Whether a watched module's hooks or structure changed (then nothing is watched
+        anymore: the next traces add what they reach)."""
+        if not self._watched:
+            return False
+        changed = False
+        for _, hooks, structure in self._watched.values():
+            changed |= structure.changed() | hooks.changed()
+        if changed:
+            self._watched.clear()
+        return changed
+
+
+def backward_hooked(modules) -> list[str]:
+    """Names of the modules among `modules` (and their submodules) holding backward hooks,
+    which a trace cannot run (they would never fire)."""
+    return [name for module in modules for name in HookWatch(module).backward_hooked]
+
+
 WRAPPED = "_orig_mod."
 
 

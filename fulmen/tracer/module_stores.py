@@ -47,6 +47,7 @@ import torch
 
 from fulmen.core import RunsEagerly
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.module_hooks import backward_hooked
 from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
 
 _MISSING = object()
@@ -162,9 +163,16 @@ class DistributedWrapper(RunsEagerly):
     state a trace cannot replay, so the call runs eagerly."""
 
 
-def refuse_distributed(modules: list[torch.nn.Module]) -> None:
+def refuse_held(modules: list[torch.nn.Module]) -> None:
     """Raise `DistributedWrapper` if one of `modules` (`held_modules`) or a submodule is a
-    distributed wrapper (`loss_fn(ddp_model, batch)` would silently skip the all-reduce)."""
+    distributed wrapper (`loss_fn(ddp_model, batch)` would silently skip the all-reduce), or
+    `UnreplayableStore` if one holds backward hooks while grad is on (they would never fire)."""
+    hooked = backward_hooked(modules) if torch.is_grad_enabled() else []
+    if hooked:
+        raise UnreplayableStore(
+            f"the module {hooked[0]!r} the function reaches has backward hooks, which a compiled "
+            "call would never fire", op="register_full_backward_hook",
+            hint="register them on a jitted module's output or its parameters instead")
     for module in modules:
         for sub in module.modules():
             if type(sub).__module__.startswith("torch.distributed") or isinstance(

@@ -32,7 +32,7 @@ from fulmen.tracer.module_stores import (
     ModuleStore,
     held_modules,
     module_stores,
-    refuse_distributed,
+    refuse_held,
 )
 from fulmen.tracer.objects import (
     MODULE,
@@ -486,7 +486,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     writes: set[tuple[int, str]] = set()
     held = held_modules(fn if module is None else None, (args, kwargs), list(roots.values()),
                         module)
-    refuse_distributed(held)
+    refuse_held(held)
     try:
         with tracing(ctx), FactoryMode(ctx), contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed

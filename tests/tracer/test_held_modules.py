@@ -202,3 +202,40 @@ def test_a_no_grad_update_beside_a_forward_with_grad_runs_eagerly():
             shrink_then_loss(model, x).backward()
     torch.testing.assert_close(twin.weight, model.weight)
     torch.testing.assert_close(twin.weight.grad, model.weight.grad)
+
+
+def test_hooks_and_submodules_of_an_argument_module_changed_between_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    jitted, x = fulmen.jit(_forward), torch.randn(2, 3)
+    torch.testing.assert_close(jitted(model, x), model(x))
+    handle = model[0].register_forward_hook(lambda module, args, out: out * 10)
+    torch.testing.assert_close(jitted(model, x), model(x))
+    handle.remove()
+    torch.testing.assert_close(jitted(model, x), model(x))
+    model[1] = torch.nn.Tanh()
+    torch.testing.assert_close(jitted(model, x), model(x))
+    model[0].weight = torch.nn.Parameter(torch.randn(3, 3))
+    torch.testing.assert_close(jitted(model, x), model(x))
+
+
+def test_a_global_modules_submodule_replaced_between_calls():
+    global _GLOBAL_NET
+    _GLOBAL_NET = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+
+    def apply(x):
+        return _GLOBAL_NET(x) + 1
+
+    jitted, x = fulmen.jit(apply), torch.randn(2, 3)
+    torch.testing.assert_close(jitted(x), apply(x))
+    _GLOBAL_NET[1] = torch.nn.Sigmoid()
+    torch.testing.assert_close(jitted(x), apply(x))
+
+
+def test_backward_hooks_on_an_argument_module_fire_as_in_eager():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    seen = []
+    model[0].register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(1))
+    jitted, x = fulmen.jit(_forward), torch.randn(2, 3)
+    with pytest.warns(UserWarning, match="backward hooks"):
+        jitted(model, x).sum().backward()
+    assert seen == [1]
