@@ -10,6 +10,7 @@ past `__torch_function__` into the dispatcher, `__torch_dispatch__` raises.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -218,6 +219,13 @@ class TensorProxy(torch.Tensor, Proxy):
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:
+        """User code formatting a traced tensor (`f"expert_{idx}"` with a 0-d index: HF Switch
+        Transformers) gets eager's text, a graph break (`Tensor.__format__` is value-dependent
+        in `fulmen.tracer.dispatch`); fulmen's and torch's own messages get the proxy's repr."""
+        ctx = get_tracectx()
+        if ctx is not None and getattr(ctx, "torch_function", None) is not None and \
+                not sys._getframe(1).f_code.co_filename.startswith(_INTERNAL):
+            return ctx.torch_function(torch.Tensor.__format__, (type(self),), (self, spec), {})
         return repr(self)
 
     def __reduce_ex__(self, protocol):
@@ -279,6 +287,10 @@ class TensorProxy(torch.Tensor, Proxy):
             op=str(func),
             hint="please report this: the op needs routing in fulmen.tracer.dispatch",
         )
+
+
+_INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (
+    os.path.dirname(os.path.abspath(__file__)), torch.__file__))  # fulmen's and torch's code
 
 
 def _in_functorch() -> bool:

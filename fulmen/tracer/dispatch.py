@@ -73,6 +73,7 @@ _VALUE_DEPENDENT = {
     T.allclose: "Tensor.allclose()",
     torch.is_nonzero: "torch.is_nonzero()",
     T.__contains__: "`element in tensor`",
+    T.__format__: "formatting a tensor (f\"{t}\", format(t))",
 }
 # Questions about a tensor's storage rather than its values: no graph break can answer them.
 _IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
@@ -85,13 +86,19 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
-def _unread_grad(tensor) -> bool:
+_MODULE_FILE = torch.nn.modules.module.__file__
+
+
+def _unread_grad(tensor, caller) -> bool:
     """Whether reading `tensor.grad` while tracing would bake in a gradient that is no input: a
     tensor argument's (`unseen_grad`), or a real leaf's that requires grad (a parameter of a
-    module argument or a global: each backward, after `zero_grad()`, makes a new one)."""
+    module argument or a global: each backward, after `zero_grad()`, makes a new one), unless
+    `caller` (the reading frame) is `nn.Module._apply` converting it along with its parameter
+    (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its forward)."""
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
-    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
+    return (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
+            and caller.f_code.co_filename != _MODULE_FILE)
 
 
 def _name_the_call(error: Exception, func) -> None:
@@ -494,7 +501,7 @@ class FactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA_FUNCTIONS:
-            if func == _GRAD_GET and _unread_grad(args[0]):
+            if func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
                 what = f"the tensor argument {args[0].name}" if isinstance(
                     args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"
                 raise UnreadGrad(

@@ -102,6 +102,9 @@ def _view_table() -> dict:
 
 VIEW_FUNCTIONS = _view_table()
 
+_DETACHES = (torch.detach, T.detach)
+
+
 class NoGradUpdate(RunsEagerly):
     """NOTE [no_grad updates of tensors requiring grad]: `with torch.no_grad(): p -= lr *
     p.grad` (a hand-written SGD step, an EMA update, `torch._foreach_lerp_`) is eager's way to
@@ -416,6 +419,20 @@ class Functionalizer:
         body = self.ctx.scopes[0]
         body[:] = [*snapshots, *(rename(bsym) for bsym in body)]
 
+    def _same_value(self, target, value) -> bool:
+        """Whether `value` is `target` itself, or its detach (under no_grad, as `nn.Module.
+        _apply` makes it): storing it into `target.data` changes nothing."""
+        if not (isinstance(target, TensorProxy) and isinstance(value, TensorProxy)):
+            return False
+        target, value = self.resolve(target), self.resolve(value)
+        if target is value:
+            return True
+        for bsym in reversed(self.ctx.bsyms[-4:]):
+            if value.name in bsym.output_names:
+                return bsym.sym.torch_fn in _DETACHES and bool(bsym.args) and isinstance(
+                    bsym.args[0], TensorProxy) and self.resolve(bsym.args[0]) is target
+        return False
+
     def _requires_grad_unchanged(self, args: tuple, kwargs: dict) -> bool:
         """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`."""
         target = args[0]
@@ -446,6 +463,8 @@ class Functionalizer:
             return self._batch_norm(func, args, kwargs, start)
         if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
             return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
+        if name == "__set__" and len(args) == 2 and self._same_value(args[0], args[1]):
+            return None  # `p.data = p.to(p.dtype)` (nn.Module._apply of a no-op `.to`)
         if name in _METADATA_INPLACE or func is F.embedding:
             raise MetadataMutation("in-place changes of tensor metadata (and F.embedding's "
                                    "max_norm renormalisation) are not supported yet",

@@ -35,6 +35,7 @@ dropouts once a horizontal merge made the attention wait for a later statement).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Sequence
@@ -354,7 +355,36 @@ def partition_for_fusion(
             bsyms.extend(group)
         elif last_index[origin] == index:
             bsyms.append(original)  # none of its prims were fused: restore the op whole
-    return trace.replace(bsyms=tuple(bsyms))
+    return trace.replace(bsyms=tuple(_defined_before_use(bsyms)))
+
+
+def _defined_before_use(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
+    """`bsyms` with each statement after the producers of what it reads, moving as few as
+    possible (a stable topological order: lowest position first). An op restored whole is
+    emitted where its last prim was, and a consumer of its first prim's output may have been
+    emitted before that (HF Switch Transformers' router: `torch.max(p, dim=-1).values`
+    unsqueezed while the max's `argmax` prim waited for a later region)."""
+    producer = {name: i for i, bsym in enumerate(bsyms) for name in bsym.output_names}
+    deps = [{producer[name] for name in bsym.input_names if producer.get(name, i) != i}
+            for i, bsym in enumerate(bsyms)]
+    if all(max(needed, default=-1) < i for i, needed in enumerate(deps)):
+        return bsyms
+    users: dict[int, list[int]] = {}
+    for i, needed in enumerate(deps):
+        for j in needed:
+            users.setdefault(j, []).append(i)
+    waiting = [len(needed) for needed in deps]
+    ready = [i for i, count in enumerate(waiting) if not count]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(bsyms[i])
+        for user in users.get(i, ()):
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, user)
+    return order if len(order) == len(bsyms) else bsyms  # a cycle: check_trace names it
 
 
 def region_inputs(region: Sequence[BoundSymbol]) -> list:

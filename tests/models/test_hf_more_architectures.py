@@ -58,3 +58,31 @@ def test_levit_eval_caches_its_attention_biases_then_compiles():
         for _ in range(3):
             torch.testing.assert_close(jitted(pixels).logits, model(pixels).logits)
     assert fulmen.compile_stats(jitted).eager_calls == 1
+
+
+def test_switch_transformers_generates_as_eager_with_few_compilations():
+    """Its router moves itself (and its gradients) to its dtype in the forward and formats
+    expert indices;
+    fusion once emitted a `torch.max` restored whole after a consumer of its values."""
+    torch.manual_seed(0)
+    config = T.SwitchTransformersConfig(vocab_size=96, d_model=32, d_kv=16, d_ff=64,
+                                        num_layers=2, num_decoder_layers=2, num_heads=2,
+                                        num_experts=4, expert_capacity=8, encoder_sparse_step=1,
+                                        decoder_sparse_step=1,
+                                        decoder_start_token_id=0, pad_token_id=0)
+    model = T.SwitchTransformersForConditionalGeneration(config)
+    twin = copy.deepcopy(model)
+    jitted = fulmen.jit(twin)
+    ids, mask = _ids()
+    # a training step first: the router's `.to(dtype)` then also converts the gradients
+    jitted(input_ids=ids, attention_mask=mask, labels=ids[:, :4].clone()).loss.backward()
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                  do_sample=False)
+        actual = jitted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                 do_sample=False)
+    torch.testing.assert_close(actual, expected)
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0 and fulmen.cache_misses(jitted) <= 4

@@ -198,3 +198,40 @@ def test_vmap_inside_runs_the_call_eagerly():
                 torch.testing.assert_close(actual, expected)
     with pytest.raises(fulmen.NotYetSupportedError, match="function transforms"):
         fulmen.jit(masked, fullgraph=True)(x, padding)
+
+
+def test_formatting_a_traced_tensor_gives_eagers_text():
+    """`self[f"expert_{idx[0]}"]` (HF Switch Transformers picks an expert by a 0-d index
+    tensor): formatting a traced tensor is a value-dependent question, answered as eager."""
+    experts = {f"expert_{i}": float(i + 1) for i in range(3)}
+
+    def route(x, picked):
+        out = torch.zeros_like(x)
+        for idx in picked.nonzero():
+            out = out + x * experts[f"expert_{idx[0]}"] + len(f"{x.sum():.3f}")
+        return out
+
+    jitted, x = fulmen.jit(route), torch.randn(4)
+    for picked in (torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 1])):
+        torch.testing.assert_close(jitted(x, picked), route(x, picked))
+
+
+def test_a_module_moved_to_its_own_dtype_inside_the_forward():
+    """`self.classifier = self.classifier.to(self.dtype)` in a forward (HF Switch Transformers'
+    router): `nn.Module._apply` sets `p.data = p` and reads `p.grad`, no-ops fulmen compiles."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            self.classifier = self.classifier.to(torch.float32)
+            return self.classifier(x).softmax(-1)
+
+    model, x = Router(), torch.randn(2, 4)
+    jitted = fulmen.jit(model)
+    jitted(x).sum().backward()
+    expected = model(x)
+    torch.testing.assert_close(jitted(x), expected)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
