@@ -4,9 +4,12 @@ the stores their forwards make are put back or replayed, and a failed trace leav
 were (`fulmen.tracer.module_stores.held_modules`)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fulmen
 
@@ -239,3 +242,62 @@ def test_backward_hooks_on_an_argument_module_fire_as_in_eager():
     with pytest.warns(UserWarning, match="backward hooks"):
         jitted(model, x).sum().backward()
     assert seen == [1]
+
+
+class _Changing(torch.nn.Module):
+    """A module whose state callers change between calls in every way a jitted function must
+    notice when the module is its argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU()
+        self.drop = torch.nn.Dropout(0.5)
+        self.scale = 1.0
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.drop(self.act(self.linear(x))) * self.scale + self.steps
+
+
+def _change(model, action, handles):
+    if action == "eval":
+        model.eval()
+    elif action == "train":
+        model.train()
+    elif action == "scale":
+        model.scale += 0.5
+    elif action == "hook":
+        handles.append(model.linear.register_forward_hook(lambda m, args, out: out * 2))
+    elif action == "unhook" and handles:
+        handles.pop().remove()
+    elif action == "swap":
+        model.act = torch.nn.Tanh() if isinstance(model.act, torch.nn.ReLU) else torch.nn.ReLU()
+    elif action == "update":
+        with torch.no_grad():
+            model.linear.weight.mul_(0.9)
+    elif action == "replace":
+        model.linear.bias = torch.nn.Parameter(torch.full((4,), 0.25))
+
+
+_ACTIONS = ["eval", "train", "scale", "hook", "unhook", "swap", "update", "replace", "none"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from(_ACTIONS), min_size=1, max_size=6))
+def test_any_change_between_calls_to_an_argument_module_is_seen(actions):
+    model = _Changing()
+    twin = copy.deepcopy(model)
+    jitted, x = fulmen.jit(_forward), torch.randn(3, 4)
+    handles, twin_handles = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # past the cache size limit calls run eagerly
+        for action in ["none", *actions]:
+            _change(model, action, handles)
+            _change(twin, action, twin_handles)
+            torch.manual_seed(0)
+            expected = model(x)
+            torch.manual_seed(0)
+            torch.testing.assert_close(jitted(twin, x), expected, msg=f"after {action}")
+    assert twin.steps == model.steps
