@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fulmen
+from tests.tracer.test_module_behaviour import _Tempered
 
 
 class Counter(torch.nn.Module):
@@ -48,16 +49,7 @@ def test_an_argument_module_switched_to_eval_is_not_served_by_its_training_trace
 
 
 def test_an_attribute_of_an_argument_module_changed_between_calls_is_read_again():
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(3, 3)
-            self.temperature = 1.0
-
-        def forward(self, x):
-            return self.linear(x) / self.temperature
-
-    model, x = Scaled(), torch.randn(2, 3)
+    model, x = _Tempered(), torch.randn(2, 3)
     jitted = fulmen.jit(_forward)
     for temperature in (1.0, 0.5, 2.0, 0.5):
         model.temperature = temperature
