@@ -293,3 +293,33 @@ def test_any_change_between_calls_to_an_argument_module_is_seen(actions):
             torch.manual_seed(0)
             torch.testing.assert_close(jitted(twin, x), expected, msg=f"after {action}")
     assert twin.steps == model.steps
+
+
+class _CountsPositives(torch.nn.Module):
+    """A value-dependent branch (a graph break) that stores on the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.positives = 0
+        self.register_buffer("hits", torch.zeros(()))
+
+    def forward(self, x):
+        y = self.linear(x)
+        if y.sum() > 0:
+            self.positives += 1
+            self.hits += 1
+        return y * (self.positives + 1)
+
+
+def test_an_argument_module_storing_behind_a_graph_break():
+    # crashed (a proxy left in the module's buffers); the paths that store run eagerly
+    model = _CountsPositives()
+    twin = copy.deepcopy(model)
+    jitted = fulmen.jit(_forward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(6):
+            x = torch.randn(2, 3) * (1 if step % 2 else -1)
+            torch.testing.assert_close(jitted(twin, x), model(x))
+    assert twin.positives == model.positives and torch.equal(twin.hits, model.hits)
