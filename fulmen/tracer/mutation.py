@@ -103,6 +103,7 @@ def _view_table() -> dict:
 VIEW_FUNCTIONS = _view_table()
 
 _DETACHES = (torch.detach, T.detach)
+_GRAD_SET = T.grad.__set__
 
 
 class NoGradUpdate(RunsEagerly):
@@ -186,6 +187,9 @@ class Functionalizer:
         self.mutated = False
         # inputs requiring grad updated under no_grad: (name, op, source), checked by `finish`
         self.no_grad_updates: list[tuple] = []
+        # tensors whose `.grad` the code set to None (`optimizer.zero_grad()`), in order: the
+        # tracer makes them epilogue stores (`fulmen.tracer.objects`)
+        self.grad_clears: list[TensorProxy] = []
 
     # -- inputs and reads ---------------------------------------------------------------------
 
@@ -463,6 +467,12 @@ class Functionalizer:
             return self._batch_norm(func, args, kwargs, start)
         if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
             return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
+        if func == _GRAD_SET and len(args) == 2 and args[1] is None and isinstance(
+                args[0], TensorProxy):  # `p.grad = None` (`optimizer.zero_grad()`)
+            with torch._C.DisableTorchFunctionSubclass():
+                args[0].grad = None
+            self.grad_clears.append(args[0])
+            return None
         if name == "__set__" and len(args) == 2 and self._same_value(args[0], args[1]):
             return None  # `p.data = p.to(p.dtype)` (nn.Module._apply of a no-op `.to`)
         if name in _METADATA_INPLACE or func is F.embedding:

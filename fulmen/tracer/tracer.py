@@ -34,6 +34,7 @@ from fulmen.tracer.module_stores import (
     module_stores,
     refuse_held,
 )
+from fulmen.tracer.mutation import MetadataMutation
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
@@ -348,6 +349,26 @@ def _attribute_owners(module: torch.nn.Module) -> dict[int, tuple[torch.nn.Modul
     return owners
 
 
+def _clear_grads_after_each_call(cleared: list[TensorProxy], objects: ObjectInputs,
+                                 object_pairs: list) -> None:
+    """`p.grad = None` on tensors inside argument objects (`optimizer.zero_grad()` in a jitted
+    step) become epilogue stores on the call's own tensors.
+
+    Raises:
+        MetadataMutation: the tensor is not inside an argument object (a parameter reached
+            through a module argument): the call runs eagerly.
+    """
+    paths = {proxy.name: objects.tensor_paths[index]
+             for index, (proxy, _) in enumerate(object_pairs)}
+    for proxy in cleared:
+        if proxy.name not in paths:
+            raise MetadataMutation(
+                f"setting the .grad of {proxy.name}, which is not inside an argument object",
+                op="Tensor.grad", hint="pass the optimizer (fulmen replays its zero_grad())")
+        root, path = paths[proxy.name]
+        objects.epilogue.stores.append((root, path, ("attr", "grad"), None))
+
+
 def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs) -> list[ModuleStore]:
     """Make the module stores of traced tensors epilogue stores of `objects` (the trace returns
     their tensors; with graph breaks, each path has its own epilogue); return the other
@@ -511,6 +532,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 input_paths = [(proxy, leaves_with_paths[index][0])
                                for proxy, index in zip(inputs, positions)]
                 containers.record(objects.epilogue, out, input_paths)
+            _clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]

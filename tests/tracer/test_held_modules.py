@@ -323,3 +323,41 @@ def test_an_argument_module_storing_behind_a_graph_break():
             x = torch.randn(2, 3) * (1 if step % 2 else -1)
             torch.testing.assert_close(jitted(twin, x), model(x))
     assert twin.positives == model.positives and torch.equal(twin.hits, model.hits)
+
+
+def _optimizer_step(optimizer, scheduler):
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_an_optimizer_and_scheduler_step_with_zero_grad_compiles(zero_grad):
+    """`optimizer.step(); optimizer.zero_grad(); scheduler.step()` in one jitted function: the
+    `p.grad = None` stores are replayed on the parameters after each call, and the parameters'
+    write-backs (a trace tree: the scheduler reads numbers) run outside autograd; was an error
+    ('a tensor that requires grad is modified in place', then a RuntimeError from the tree)."""
+    model = torch.nn.Linear(3, 2)
+    twin = copy.deepcopy(model)
+
+    def make(params):
+        optimizer = torch.optim.AdamW(params, lr=0.01)
+        return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10)
+
+    optimizer, scheduler = make(model.parameters())
+    twin_optimizer, twin_scheduler = make(twin.parameters())
+    step = _optimizer_step if zero_grad else lambda o, s: (o.step(), s.step())
+    jitted = fulmen.jit(step)
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        model(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        step(optimizer, scheduler)
+        jitted(twin_optimizer, twin_scheduler)
+        if not zero_grad:
+            optimizer.zero_grad()
+            twin_optimizer.zero_grad()
+        for mine, theirs in zip(twin.parameters(), model.parameters()):
+            torch.testing.assert_close(mine, theirs)
+            assert mine.grad is None and mine.requires_grad
+    assert fulmen.compile_stats(jitted).eager_calls == 0

@@ -58,7 +58,8 @@ def test_mutation_of_an_input_is_written_back():
     (write_back,) = _write_backs(jfn)
     assert write_back.args[0].name == "x"
     assert "torch.Tensor.copy_(x, " in str(fulmen.last_traces(jfn)[0])
-    assert "torch.Tensor.copy_(x, " in str(fulmen.last_traces(jfn)[-1])
+    # executed outside autograd where the input requires grad (an optimizer's parameters)
+    assert "torchex.copy_(x, " in str(fulmen.last_traces(jfn)[-1])
 
 
 def test_returning_the_mutated_input_returns_the_input_itself():

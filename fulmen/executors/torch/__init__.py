@@ -14,6 +14,7 @@ from fulmen.core.symbol import Namespace
 from fulmen.executors.base import TORCH_NAMESPACE, Implementation, OperatorExecutor
 from fulmen.executors.registry import register_executor
 from fulmen.executors.torch.prims import prim_implementations
+from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.ops.torch import symbol_for, torch_qualname
 from fulmen.ops.torch_autograd import (
     AUTOGRAD_BACKWARD,
@@ -94,6 +95,17 @@ def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return self.reshape(other.shape)
 
 
+def _write_back(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A mutated input's write-back (`fulmen.ops.functionalized.WRITE_BACK`), outside autograd
+    where the input requires grad: the tracer lets such an input change only under `no_grad`
+    (an optimizer or EMA step; NOTE [no_grad updates of tensors requiring grad]), and a segment
+    of a trace tree runs in the caller's grad mode, where copying into a leaf would raise."""
+    if dst.requires_grad:
+        with torch.no_grad():
+            return dst.copy_(src)
+    return dst.copy_(src)
+
+
 torch_ex = TorchExecutor()
 AS_LAYOUT = torch_ex.register_operator("as_layout", fn=_as_layout, meta=_as_layout_meta)
 torch_ex.register_implementation(symbol_for(torch.Tensor.view), fn=_view)
@@ -101,6 +113,7 @@ torch_ex.register_implementation(symbol_for(torch.Tensor.view_as), fn=_view_as)
 for _prim, _fn in prim_implementations().items():
     _prim.impl = _fn
     torch_ex.register_implementation(_prim, torch_ex._operator_for(_prim, _fn))
+torch_ex.register_implementation(WRITE_BACK, torch_ex._operator_for(WRITE_BACK, _write_back))
 torch_ex.register_implementation(AUTOGRAD_VJP, fn=autograd_vjp_impl)
 torch_ex.register_implementation(AUTOGRAD_FORWARD, fn=autograd_forward_impl)
 torch_ex.register_implementation(AUTOGRAD_BACKWARD, fn=autograd_backward_impl)
