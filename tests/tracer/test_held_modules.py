@@ -361,3 +361,26 @@ def test_an_optimizer_and_scheduler_step_with_zero_grad_compiles(zero_grad):
             torch.testing.assert_close(mine, theirs)
             assert mine.grad is None and mine.requires_grad
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_a_buffer_an_argument_module_replaces_is_stored_as_in_eager():
+    """`self.ema = self.ema * 0.9 + ...` stores a new tensor (not an in-place update): the call
+    runs eagerly, so the module holds eager's buffer."""
+
+    class Averages(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("ema", torch.zeros(3))
+
+        def forward(self, x):
+            self.ema = self.ema * 0.9 + x.mean(0)
+            return x - self.ema
+
+    model = Averages()
+    twin = copy.deepcopy(model)
+    jitted = fulmen.jit(_forward)
+    with pytest.warns(UserWarning, match="'ema'"):
+        for _ in range(3):
+            x = torch.randn(4, 3)
+            torch.testing.assert_close(jitted(twin, x), model(x))
+            torch.testing.assert_close(twin.ema, model.ema)

@@ -235,3 +235,18 @@ def test_a_module_moved_to_its_own_dtype_inside_the_forward():
     expected = model(x)
     torch.testing.assert_close(jitted(x), expected)
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_setting_data_to_another_tensor_is_not_dropped():
+    """`p.data = t` with another tensor changes what later code reads: never a no-op."""
+    weight = torch.nn.Parameter(torch.ones(3))
+
+    def reset(x):
+        weight.data = x * 2
+        return weight * 1
+
+    x = torch.arange(3.0)
+    with pytest.warns(UserWarning, match="__set__"):
+        out = fulmen.jit(reset)(x)
+    torch.testing.assert_close(out, x * 2)
+    torch.testing.assert_close(weight.detach(), x * 2)
