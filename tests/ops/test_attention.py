@@ -122,3 +122,22 @@ def test_output_strides_are_eagers(order, dynamic):
         q = torch.randn([shape[d] for d in order]).permute(*[order.index(d) for d in range(4)])
         k, v = torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
         torch.testing.assert_close(jfn(q, k, v), fn(q, k, v))
+
+
+def test_sdpa_with_dropout_and_symbolic_sizes():
+    """The dropout mask of a symbolic-size call is drawn at the call's sizes: one compilation
+    serves three sequence lengths, each equal to eager."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2,  # noqa: E731
+                                                        is_causal=True)
+    jfn = fulmen.jit(fn, dynamic=True)
+    for seq in (5, 7, 9):
+        q, k, v = (torch.randn(2, 2, seq, 4, requires_grad=True) for _ in range(3))
+        torch.manual_seed(seq)
+        expected = fn(q, k, v)
+        torch.manual_seed(seq)
+        actual = jfn(q, k, v)
+        torch.testing.assert_close(actual, expected)
+        for a, e in zip(torch.autograd.grad(actual.sum(), (q, k, v)),
+                        torch.autograd.grad(expected.sum(), (q, k, v))):
+            torch.testing.assert_close(a, e)
+    assert fulmen.compile_stats(jfn).cache_misses == 1
