@@ -21,11 +21,34 @@ def _differentiable(value) -> bool:
     return isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex)
 
 
+# NOTE [flat arguments]: most opaque calls take tensors and plain constants only; their leaves
+# are the arguments themselves, in pytree's order (positional, then keyword values in insertion
+# order), so the per-call paths below skip pytree's flatten/unflatten for them (GPT-2's SDPA with
+# dropout runs here twice per forward and twice per backward). Anything else (a list of
+# tensors, a nested tuple) goes through pytree as before.
+_FLAT_LEAF_TYPES = frozenset({int, float, bool, complex, str, type(None), torch.dtype,
+                              torch.device, torch.layout, torch.memory_format})
+
+
+def _is_flat(values) -> bool:
+    """Whether every value is a tensor or a constant pytree treats as a leaf."""
+    return all(isinstance(v, torch.Tensor) or type(v) in _FLAT_LEAF_TYPES for v in values)
+
+
+def _leaves(args, kwargs) -> list:
+    """`pytree.tree_leaves((args, kwargs))`, without pytree for flat arguments."""
+    if type(args) is tuple and type(kwargs) is dict:
+        flat = [*args, *kwargs.values()]
+        if _is_flat(flat):
+            return flat
+    return pytree.tree_leaves((args, kwargs))
+
+
 def _primal_leaves(args, kwargs) -> list:
     """Distinct differentiable tensors among the arguments, in order (by name for proxies, by
     identity for real tensors)."""
     seen, leaves = set(), []
-    for leaf in pytree.tree_leaves((args, kwargs)):
+    for leaf in _leaves(args, kwargs):
         if _differentiable(leaf):
             key = leaf.name if isinstance(leaf, TensorProxy) else id(leaf)
             if key not in seen:
@@ -53,10 +76,9 @@ def autograd_vjp_impl(fn, args, kwargs, cotangent):
     """
     primals = _primal_leaves(args, kwargs)
     with torch.enable_grad():
-        leaves = {id(p): p.detach().requires_grad_() for p in primals}
-        swap = lambda x: leaves.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        outputs = fn(*pytree.tree_map(swap, args), **pytree.tree_map(swap, kwargs))
-    out_leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+        leaves, args, kwargs = _swap_primals(args, kwargs, primals)
+        outputs = fn(*args, **kwargs)
+    out_leaves = _output_tensors(outputs)
     cotangents = list(cotangent) if isinstance(cotangent, (tuple, list)) else [cotangent]
     pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if c is not None and o.requires_grad]
     grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
@@ -78,8 +100,31 @@ AUTOGRAD_VJP = Symbol("autograd_vjp", _autograd_vjp_meta, namespace=AUTODIFF_NAM
 def _swap_primals(args, kwargs, primals):
     """Detached copies of the primals that require grad, and the arguments using them."""
     leaves = {id(p): p.detach().requires_grad_() for p in primals}
+    if type(args) is tuple and type(kwargs) is dict and _is_flat(args) \
+            and _is_flat(kwargs.values()):  # NOTE [flat arguments]
+        get = leaves.get
+        return leaves, tuple([get(id(x), x) for x in args]), {
+            k: get(id(x), x) for k, x in kwargs.items()}
     swap = lambda x: leaves.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
     return leaves, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
+
+
+def _detached(outputs):
+    """`outputs` with every tensor detached (a tensor or a flat tuple without pytree)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if type(outputs) is tuple and _is_flat(outputs):
+        return tuple([o.detach() if isinstance(o, torch.Tensor) else o for o in outputs])
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
+
+
+def _output_tensors(outputs) -> list:
+    """The tensors among `outputs`' leaves, in order."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    leaves = outputs if type(outputs) is tuple and _is_flat(outputs) \
+        else pytree.tree_leaves(outputs)
+    return [o for o in leaves if isinstance(o, torch.Tensor)]
 
 
 def autograd_forward_impl(fn, args, kwargs, mask):
@@ -90,14 +135,13 @@ def autograd_forward_impl(fn, args, kwargs, mask):
     with torch.enable_grad():
         leaves, args, kwargs = _swap_primals(args, kwargs, primals)
         outputs = fn(*args, **kwargs)
-    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
-    return detached, (outputs, tuple(leaves.values()))
+    return _detached(outputs), (outputs, tuple(leaves.values()))
 
 
 def autograd_backward_impl(graph, specs, cotangent):
     """Gradients for the primals of an `autograd_forward_impl` call, given output cotangents."""
     outputs, inputs = graph
-    out_leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    out_leaves = _output_tensors(outputs)
     cotangents = list(cotangent) if isinstance(cotangent, (tuple, list)) else [cotangent]
     pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if c is not None and o.requires_grad]
     # retain_graph: the outer backward may run again (retain_graph=True); the graph is freed with

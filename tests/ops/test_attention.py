@@ -32,14 +32,59 @@ def test_sdpa(index, mode):
     assert "opaque" not in str(fulmen.last_traces(jfn)[0])
 
 
-def test_sdpa_with_dropout_runs_whole():
+def test_sdpa_with_dropout_off_the_cpu_path_runs_whole():
+    """`dropout_p=1` (eager zeroes without drawing) is not decomposed; values equal eager."""
     q = torch.randn(1, 2, 4)
-    fn = lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # noqa: E731
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=1.0)  # noqa: E731
     jfn = fulmen.jit(fn)
     torch.manual_seed(0)
     expected = fn(q)
     torch.manual_seed(0)
     torch.testing.assert_close(jfn(q), expected)
+    assert "opaque" in str(fulmen.last_traces(jfn)[0])
+
+
+DROPOUT_CASES = [dict(attn_mask=MASK), dict(is_causal=True), dict(),
+                 dict(attn_mask=torch.randn(2, 1, 3, 5), scale=0.3), dict(enable_gqa=True)]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3)])
+@pytest.mark.parametrize("index", range(len(DROPOUT_CASES)))
+def test_sdpa_with_dropout_draws_eagers_mask(index, order, grad):
+    """NOTE [attention dropout]: on CPU the call is decomposed with eager's dropout mask (the
+    same draws from the global generator), and differentiated through that mask: values,
+    strides, gradients and the generator's state after the call equal eager's, call after
+    call (GPT-2's attention in training)."""
+    kwargs = DROPOUT_CASES[index]
+    heads = 2 if kwargs.get("enable_gqa") else 4
+
+    def fn(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, **kwargs)
+        return out * out.stride(1)
+
+    jfn = fulmen.jit(fn)
+    for seed in range(3):
+        shape = (2, 4, 3, 4)
+        q = torch.randn([shape[d] for d in order]).permute(*[order.index(d) for d in range(4)])
+        q.requires_grad_(grad)
+        k = torch.randn(2, heads, 5, 4, requires_grad=grad)
+        v = torch.randn(2, heads, 5, 6, requires_grad=grad)
+        torch.manual_seed(seed)
+        expected = fn(q, k, v)
+        after_eager = torch.rand(4)
+        torch.manual_seed(seed)
+        actual = jfn(q, k, v)
+        torch.testing.assert_close(torch.rand(4), after_eager)
+        torch.testing.assert_close(actual, expected)
+        assert actual.stride() == expected.stride()
+        if grad:
+            cotangent = torch.randn_like(expected)
+            for a, e in zip(torch.autograd.grad(actual, (q, k, v), cotangent),
+                            torch.autograd.grad(expected, (q, k, v), cotangent)):
+                torch.testing.assert_close(a, e)
+    trace = str(fulmen.last_traces(jfn)[0])
+    assert "opaque" not in trace and "bernoulli" in trace
 
 
 @pytest.mark.parametrize("mode", [[], [decompose_to_prims]])
@@ -77,3 +122,22 @@ def test_output_strides_are_eagers(order, dynamic):
         q = torch.randn([shape[d] for d in order]).permute(*[order.index(d) for d in range(4)])
         k, v = torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
         torch.testing.assert_close(jfn(q, k, v), fn(q, k, v))
+
+
+def test_sdpa_with_dropout_and_symbolic_sizes():
+    """The dropout mask of a symbolic-size call is drawn at the call's sizes: one compilation
+    serves three sequence lengths, each equal to eager."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2,  # noqa: E731
+                                                        is_causal=True)
+    jfn = fulmen.jit(fn, dynamic=True)
+    for seq in (5, 7, 9):
+        q, k, v = (torch.randn(2, 2, seq, 4, requires_grad=True) for _ in range(3))
+        torch.manual_seed(seq)
+        expected = fn(q, k, v)
+        torch.manual_seed(seq)
+        actual = jfn(q, k, v)
+        torch.testing.assert_close(actual, expected)
+        for a, e in zip(torch.autograd.grad(actual.sum(), (q, k, v)),
+                        torch.autograd.grad(expected.sum(), (q, k, v))):
+            torch.testing.assert_close(a, e)
+    assert fulmen.compile_stats(jfn).cache_misses == 1

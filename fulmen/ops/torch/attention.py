@@ -8,6 +8,14 @@ NOTE [fully masked rows]: eager returns zeros (and zero gradients) for a query r
 are all masked out. The softmax here subtracts a row maximum replaced by 0 when it is `-inf`
 and divides by a row sum replaced by 1 when it is 0, so such rows give exact zeros too, and the
 backward never divides 0 by 0.
+
+NOTE [attention dropout]: on CPU eager runs a call with `dropout_p > 0` on its math backend
+(the flash kernel refuses dropout), which applies `at::dropout` to the softmax weights: a mask
+`empty_like(weights).bernoulli_(1 - p)` from the global generator, divided by `1 - p`, times
+the weights. The decomposition draws the same mask with `prims.bernoulli` at the same point,
+so the numbers drawn are eager's. The autodiff transform differentiates such a call through its
+decomposition (a random decomposition is never recomputed by a rule), so the backward reuses
+the very mask; CUDA (Philox inside the fused kernels) and `p` outside (0, 1) run the op whole.
 """
 
 from __future__ import annotations
@@ -47,14 +55,23 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
                            "enable_gqa or with key and value head counts that differ)")
     if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
         raise _unsupported("embedding or sequence sizes differ (eager raises)")
-    if dropout_p != 0.0:
-        raise _unsupported("dropout_p > 0 draws random numbers; the op runs whole")
+    if dropout_p != 0.0 and not _math_dropout(tensors, attn_mask, dropout_p):
+        raise _unsupported("dropout_p > 0 off the CPU, or outside (0, 1): the op runs whole")
     if is_causal and attn_mask is not None:
         raise _unsupported("attn_mask together with is_causal (eager raises)")
     if scale is not None and (not isinstance(scale, Number) or isinstance(scale, complex)):
         raise _unsupported(f"scale={scale!r}")
     if not isinstance(enable_gqa, bool) or 0 in query.shape or 0 in key.shape:
         raise _unsupported("enable_gqa must be a bool; empty inputs run whole")
+
+
+def _math_dropout(tensors, attn_mask, dropout_p) -> bool:
+    """Whether eager runs this call with dropout on its math backend (NOTE [attention
+    dropout]): CPU tensors (the flash kernel refuses dropout there) and `0 < p < 1`."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        return False
+    devices = {t.device.type for t in (*tensors, attn_mask) if isinstance(t, torch.Tensor)}
+    return devices == {"cpu"} and 0.0 < dropout_p < 1.0
 
 
 def _grouped(query, key, value, enable_gqa) -> bool:
@@ -107,9 +124,8 @@ def _mask_scores(scores, attn_mask, is_causal: bool):
         raise _unsupported("attn_mask does not broadcast to the scores")
     mask = prims.broadcast_in_dim(attn_mask, shape, tuple(range(len(shape) - attn_mask.ndim,
                                                                  len(shape))))
-    if mask.dtype == torch.bool:
-        blocked = prims.full(shape, -math.inf, scores.dtype, scores.device)
-        return prims.where(mask, scores, blocked)
+    if mask.dtype == torch.bool:  # (a number, not a full tensor: nothing allocated or read)
+        return prims.where(mask, scores, -math.inf)
     if mask.dtype != scores.dtype:
         raise _unsupported("a floating attn_mask must have the query's dtype")
     return prims.add(scores, mask)
@@ -119,20 +135,19 @@ def _safe_softmax(scores):
     """Softmax over the last dim; rows of all -inf give zeros (NOTE [fully masked rows])."""
     shape, dims = tuple(scores.shape), (scores.ndim - 1,)
     top = prims.amax(scores, dims)
-    top = prims.where(prims.eq(top, -math.inf), prims.full(tuple(top.shape), 0.0, top.dtype,
-                                                            top.device), top)
+    top = prims.where(prims.eq(top, -math.inf), 0.0, top)
     exps = prims.exp(prims.sub(scores, expand_reduced(top, shape, dims)))
     total = prims.sum(exps, dims)
-    total = prims.where(prims.eq(total, 0.0), prims.full(tuple(total.shape), 1.0, total.dtype,
-                                                          total.device), total)
+    total = prims.where(prims.eq(total, 0.0), 1.0, total)
     return prims.div(exps, expand_reduced(total, shape, dims))
 
 
 @torch_op(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """`F.scaled_dot_product_attention` without dropout: query (..., L, E), key (..., S, E),
-    value (..., S, Ev) -> (..., L, Ev); `scale` defaults to `1 / sqrt(E)`."""
+    """`F.scaled_dot_product_attention`: query (..., L, E), key (..., S, E), value (..., S, Ev)
+    -> (..., L, Ev); `scale` defaults to `1 / sqrt(E)`; dropout on CPU as eager draws it (NOTE
+    [attention dropout])."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     heads = _constant(query.shape[-3]) if query.ndim >= 3 else None
@@ -140,4 +155,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
     scores = prims.mul(prims.matmul(query, _transpose_last(key)), scale)
     weights = _safe_softmax(_mask_scores(scores, attn_mask, is_causal))
+    if dropout_p != 0.0:  # NOTE [attention dropout]
+        keep = 1.0 - float(dropout_p)
+        noise = prims.bernoulli(tuple(weights.shape), keep, weights.dtype, weights.device, None)
+        weights = prims.mul(weights, prims.div(noise, keep))
     return prims.matmul(weights, value)

@@ -16,8 +16,10 @@ grad, backends other than flash) run the op whole in the forward; their rule bel
 op under `torch.autograd` in the backward: it recomputes the forward with eager's kernel and
 calls eager's backward, so gradients are eager's for every backend eager picks (fully masked
 rows included). Either way the residuals are the op's inputs (query, key, value, mask), never
-the `(..., L, S)` weights. Calls with `dropout_p > 0` never reach these: their decomposition is
-refused, and the op runs opaquely with its autograd graph kept from the forward.
+the `(..., L, S)` weights. Calls with `dropout_p > 0` never reach these: on CPU the autodiff
+transform differentiates their decomposition, which draws eager's dropout mask (NOTE [attention
+dropout] in `ops/torch/attention.py`); elsewhere the op runs opaquely with its autograd graph
+kept from the forward.
 """
 
 from __future__ import annotations

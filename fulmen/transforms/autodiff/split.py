@@ -79,6 +79,11 @@ def _is_complex(bsym: BoundSymbol) -> bool:
     return any(isinstance(p, TensorProxy) and p.dtype.is_complex for p in proxies)
 
 
+def _draws_random(bsym: BoundSymbol) -> bool:
+    """Whether a decomposition of `bsym` draws random numbers (a `random` prim inside)."""
+    return any("random" in sub.sym.tags or _draws_random(sub) for sub in bsym.subsymbols)
+
+
 def _by_autograd(bsym: BoundSymbol) -> bool:
     """Whether the forward runs `bsym` under torch.autograd and keeps its graph for the
     backward: an opaque op without a rule, or an op on complex values (NOTE [complex values])."""
@@ -94,8 +99,10 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     NOTE [whole ops in forward]: a differentiable torch-level op without a rule still runs whole
     in the forward (eager's kernel, so forward values equal eager's); its backward recomputes the
     decomposition from the op's inputs and applies the rules of the parts. Only an op whose
-    decomposition draws random numbers (dropout) is replaced by its decomposition in the
-    forward, so the backward reuses the very mask the forward drew. An opaque op runs under
+    decomposition draws random numbers (dropout, attention with dropout) is replaced by its
+    decomposition in the forward, so the backward reuses the very mask the forward drew; such
+    an op takes that path even when it has a rule (a rule recomputes from the inputs, which
+    would draw again). An opaque op runs under
     torch.autograd in the forward and keeps its graph for the backward (no recomputation).
     An op with a saving forward (attention) is replaced by the statements it records, which
     also keep what its fused backward needs (NOTE [saving forwards] in `registry.py`).
@@ -107,7 +114,7 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     if not _has_rule(bsym) and not bsym.subsymbols:
         raise FulmenError("has no VJP rule, so gradients cannot flow through it",
                           op=bsym.sym.id, where=bsym.source)
-    if not _has_rule(bsym) and bsym.has_side_effects:
+    if (not _has_rule(bsym) and bsym.has_side_effects) or _draws_random(bsym):
         for sub in bsym.subsymbols:
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
