@@ -74,8 +74,8 @@ def _collector_paused():
     after). NOTE [the collector while compiling]: tracing allocates millions of short-lived
     objects (proxies, SymInts, sympy expressions, bound symbols), and every ~70,000 of them
     that survive a young collection advance the collector toward a full one, which walks every
-    object of the process (torch, transformers: 150-250 ms each on a 2-core machine). A tiny
-    HF llama's first sweep over 36 shapes paid 4 of them, 0.77 s of its 1.15 s. Paused, the
+    object of the process (torch, transformers: 150-280 ms each on a 2-core machine; a tiny
+    HF llama's first forward sweep over 36 shapes paid one, 0.25 s of its 1.2 s). Paused, the
     compile's garbage is freed by one young collection soon after (reference counting frees
     the rest as usual) and the full collections come at the pace of the program's own
     allocations."""
