@@ -52,9 +52,16 @@ def _model(name: str) -> torch.nn.Module:
     raise ValueError(f"unknown model {name!r}")
 
 
-def _sweep(call, train: bool) -> float:
-    """Seconds for one pass over every (batch, length) shape."""
-    start = time.perf_counter()
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the C++ compiler): on a shared
+    machine they measure the work where wall time measures the neighbours too."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _sweep(call, train: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds for one pass over every (batch, length) shape."""
+    start, cpu = time.perf_counter(), _cpu()
     for batch in BATCHES:
         for length in LENGTHS:
             ids = torch.randint(0, VOCAB, (batch, length))
@@ -63,7 +70,7 @@ def _sweep(call, train: bool) -> float:
             else:
                 with torch.no_grad():
                     call(ids)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu() - cpu
 
 
 def _compiles(callable_, kind: str) -> int:
@@ -89,12 +96,13 @@ def sweep(name: str, use_compile: bool) -> None:
             first = _sweep(call, train)
             steady = _sweep(call, train)
             row[kind] = (first, steady, _compiles(call, kind))
-        eager_first, eager_steady, _ = row["eager"]
+        (eager_first, eager_first_cpu), (eager_steady, eager_steady_cpu), _ = row["eager"]
         label = f"{name} {'train' if train else 'forward'}"
-        for kind, (first, steady, compiles) in row.items():
-            print(f"{label:16s} {kind:14s} first pass {first:7.2f} s ({first / eager_first:5.2f}x)"
-                  f"  steady {steady:6.2f} s ({steady / eager_steady:5.2f}x)  "
-                  f"compiles {compiles}")
+        for kind, ((first, first_cpu), (steady, steady_cpu), compiles) in row.items():
+            print(f"{label:16s} {kind:14s} first pass {first:7.2f} s ({first / eager_first:5.2f}x,"
+                  f" cpu {first_cpu:6.2f} s {first_cpu / eager_first_cpu:5.2f}x)  steady"
+                  f" {steady:6.2f} s ({steady / eager_steady:5.2f}x, cpu"
+                  f" {steady_cpu / eager_steady_cpu:5.2f}x)  compiles {compiles}")
 
 
 def _reset_torch_compile() -> None:
@@ -117,7 +125,7 @@ def decode(name: str, tokens: int, use_compile: bool, cache: str) -> None:
     if cache == "static":
         options["cache_implementation"] = "static"
     want = None
-    times = {}
+    times, cpu_times = {}, {}
     for kind, call in kinds.items():
         if kind == "torch.compile":  # generate() calls the module, which calls this forward
             model.forward = call
@@ -126,16 +134,18 @@ def decode(name: str, tokens: int, use_compile: bool, cache: str) -> None:
             first = time.perf_counter()
             out = generate(ids, **options)
             first = time.perf_counter() - first
-            again = time.perf_counter()
+            again, again_cpu = time.perf_counter(), _cpu()
             generate(ids, **options)
-            again = time.perf_counter() - again
+            again, again_cpu = time.perf_counter() - again, _cpu() - again_cpu
         finally:
             model.forward = original
         want = out if want is None else want
         times[kind] = again / tokens * 1e3
+        cpu_times[kind] = again_cpu / tokens * 1e3
         same = torch.equal(out, want)
         print(f"{name:6s} {cache:7s} decode {kind:14s} first generate {first:6.2f} s  per token "
-              f"{times[kind]:6.2f} ms ({times[kind] / times['eager']:4.2f}x)  "
+              f"{times[kind]:6.2f} ms ({times[kind] / times['eager']:4.2f}x, cpu"
+              f" {cpu_times[kind]:6.2f} ms {cpu_times[kind] / cpu_times['eager']:4.2f}x)  "
               f"tokens equal {same}  compiles {_compiles(call, kind)}")
 
 

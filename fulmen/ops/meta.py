@@ -370,16 +370,29 @@ class _Broadcast:
 
 def _broadcast(tensor, shape: tuple) -> _Broadcast | None:
     """`tensor.expand(shape)`'s layout where it is known without a guard (each size equals the
-    output's, or is 1 against a size known not to be 1: stride 0), else None."""
+    output's, or is 1 against a size known not to be 1, or against a generalised 1: stride 0),
+    else None."""
     strides = [0] * (len(shape) - tensor.dim())
     for size, stride, target in zip(tensor.shape, tensor.stride(), shape[len(strides):]):
         if size is target or known_same_shape((size,), (target,)):
             strides.append(stride)
-        elif isinstance(size, int) and size == 1 and _known_not_one(target):
+        elif isinstance(size, int) and size == 1 and (_known_not_one(target)
+                                                      or _generalised_symbol(target)):
             strides.append(0)
         else:
             return None
     return _Broadcast(shape, tuple(strides))
+
+
+def _generalised_symbol(size) -> bool:
+    """Whether `size` is a lone symbol of a ShapeEnv that holds generalised 1s: a size 1
+    expanded to it gets stride 0 with no guard, as the fake `expand` that `_elementwise_strides`
+    would otherwise run (size-oblivious there, `_size_oblivious`) decides: the general path,
+    which a size 1 shares (a size-1 dim's stride changes no element's address)."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    node = size.node
+    return node.expr.is_Symbol and getattr(node.shape_env, "_fulmen_generalised_ones", False)
 
 
 def _known_not_one(size) -> bool:

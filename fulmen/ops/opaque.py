@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
-from fulmen.ops.meta import attention_strides, elementwise_strides, run_meta, with_strides
+from fulmen.ops.meta import (
+    _ATTENTION_ARGUMENTS,
+    attention_strides,
+    elementwise_strides,
+    run_meta,
+    with_strides,
+)
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import row_major
+from fulmen.proxies.tensor import known_same_shape, row_major
 
 OPAQUE_NAMESPACE = Namespace("opaque", "fulmen.ops.opaque", "from fulmen.ops import opaque")
 _OPAQUE: dict[Callable, Symbol] = {}
@@ -103,9 +110,71 @@ def _attention_meta(fn, *args, **kwargs):
     """`F.scaled_dot_product_attention` run whole (dropout, symbolic head counts): PyTorch's
     meta kernel describes the math backend; where eager runs the CPU flash kernel, its output
     is laid out like the query (`attention_strides`)."""
+    out = _attention_like_query(args, kwargs)
+    if out is not None:
+        return out
     out = run_meta(fn, *args, **kwargs)
     strides = attention_strides(args, kwargs, out) if isinstance(out, TensorProxy) else None
     return out if strides is None else with_strides(out, strides)
+
+
+def _attention_like_query(args, kwargs) -> TensorProxy | None:
+    """With symbolic sizes, the output described without PyTorch's meta kernel, which runs the
+    math backend op by op on fake tensors (0.4 s per call for GPT-2's training attention,
+    dropout and all): the query's shape and dtype, laid out as the flash kernel lays it out where
+    eager runs that (`attention_strides`), else row-major as the meta kernel's math backend does.
+    Only for calls whose result has the query's shape without a guard:
+    4-d query, key and value of one floating dtype, static head counts (equal, or grouped with
+    `enable_gqa`), head sizes, batch sizes and key/value lengths known equal, and a mask (bool or
+    the query's dtype) that broadcasts to (batch, heads, L, S) without enlarging it. Else None:
+    the meta kernel describes and checks the call."""
+    names = set(_ATTENTION_ARGUMENTS)
+    if len(args) > len(_ATTENTION_ARGUMENTS) or not set(kwargs) <= names:
+        return None
+    bound = dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
+    query, key, value, mask = (bound.get(name) for name in ("query", "key", "value",
+                                                              "attn_mask"))
+    qkv = (query, key, value)
+    if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in qkv) \
+            or not (mask is None or isinstance(mask, TensorProxy) and mask.ndim <= 4):
+        return None
+    tensors = [t for t in (*qkv, mask) if t is not None]
+    if not any(isinstance(size, torch.SymInt) for t in tensors for size in (*t.shape, *t.stride())):
+        return None  # static sizes: the meta kernel is cheap, and checks the call
+    if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point) \
+            or (mask is not None and mask.dtype not in (torch.bool, query.dtype)):
+        return None
+    heads = [_static_size(t.shape[1]) for t in qkv]
+    if not all(h is not None and h > 0 for h in heads):
+        return None
+    if bound.get("enable_gqa", False) is True:
+        grouped = heads[1] == heads[2] and heads[0] % heads[1] == 0
+    else:
+        grouped = heads[0] == heads[1] == heads[2]
+    batch, length, width = query.shape[0], query.shape[2], query.shape[3]
+    span = key.shape[2]
+    if not grouped or not known_same_shape(
+            (key.shape[0], value.shape[0], key.shape[3], value.shape[3], value.shape[2]),
+            (batch, batch, width, width, span)):
+        return None
+    if mask is not None:
+        target = (batch, heads[0], length, span)[4 - mask.ndim:]
+        for size, want in zip(mask.shape, target):
+            if not (type(size) is int and size == 1 or known_same_shape((size,), (want,))):
+                return None
+    # the flash kernel's layout where eager runs it, else the meta kernel's answer: the math
+    # backend's result, a batched product of 4-d operands, is row-major
+    strides = attention_strides(args, kwargs, SimpleNamespace(shape=query.shape))
+    out = TensorProxy(None, query.shape, query.dtype, query.device, strides=strides)
+    out._fulmen_exact_strides = True  # as `run_meta` and `with_strides` mark them
+    return out
+
+
+def _static_size(size) -> int | None:
+    """`size` as an int where it is one (a SymInt of a constant included), else None."""
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return size if type(size) is int else None
 
 
 _POLAR_DTYPES = {torch.float32: torch.complex64, torch.float64: torch.complex128}

@@ -48,6 +48,7 @@ import networkx as nx
 from fulmen.core import BoundSymbol, Trace, flatten
 from fulmen.core.proxy import Proxy
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import size_hints
 from fulmen.transforms.autodiff.split import ForwardBackward
 from fulmen.transforms.base import transform
 from fulmen.transforms.dce import free_values, live_bsyms
@@ -58,12 +59,21 @@ CHECKPOINT_WEIGHT = 10**6
 MAX_RECOMPUTED_REDUCTION = 4096
 
 
+def _numel_hint(proxy: TensorProxy) -> int:
+    """The number of elements of `proxy` at the traced call's sizes. NOTE [remat on hints]: what
+    to save and what to recompute changes no value, only bytes and time, so with symbolic sizes
+    the choice is made for the sizes of the call being compiled, as plain ints: no guard, and
+    no sympy arithmetic inside the max-flow (which did thousands of SymInt operations, a third
+    of a tiny HF llama's symbolic training compile)."""
+    return math.prod(size_hints(proxy.shape))
+
+
 def _reduced_per_output(bsym: BoundSymbol) -> int:
     inputs = [p for p in bsym.proxy_inputs if isinstance(p, TensorProxy)]
     outputs = [p for p in bsym.proxy_outputs if isinstance(p, TensorProxy)]
     if not inputs or not outputs:
         return 0
-    return inputs[0].numel() // max(outputs[0].numel(), 1)
+    return _numel_hint(inputs[0]) // max(_numel_hint(outputs[0]), 1)
 
 
 def is_recomputable(bsym: BoundSymbol) -> bool:
@@ -91,9 +101,10 @@ def is_view(bsym: BoundSymbol) -> bool:
 
 
 def nbytes(proxy: Proxy) -> int:
-    """Bytes of a tensor value (0 for other values, which are never worth recomputing)."""
+    """Bytes of a tensor value (0 for other values, which are never worth recomputing), at the
+    traced call's sizes (NOTE [remat on hints])."""
     if isinstance(proxy, TensorProxy):
-        return proxy.numel() * proxy.element_size()
+        return _numel_hint(proxy) * proxy.element_size()
     return 0
 
 

@@ -147,3 +147,24 @@ def test_a_short_inner_axis_iterates_the_longest_axis_innermost():
     for shape in ((8, 128, 4, 4), (3, 64, 2, 5), (2, 9, 1, 3)):
         x, y = torch.randn(shape), torch.randn(shape[0], shape[2], shape[1], shape[3])
         torch.testing.assert_close(jfn(x, y), fn(x, y))
+
+
+def test_a_region_is_made_concrete_rebuilding_only_its_symbolic_parts():
+    """`sizes._substituter`: every `SymSize` (in shapes, accesses and view parameters) gets its
+    size; tuples and IR objects holding none are shared with the symbolic region, not copied."""
+    import sympy
+
+    from fulmen.executors.codegen.ir import Access, ViewStep
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    sym = codegen_sizes.SymSize
+    static = Access(1, (ViewStep("broadcast_in_dim", ((4, 8), (1,))),))
+    parts = ((sym(s0), 8),
+             (Access(0, (ViewStep("slice", ((0, 0), (sym(s0 * s1), 8), (1, 1))),)), static),
+             (("kernel", 0), ("view", Access(0, (ViewStep("reshape", ((sym(s1 + 2), 4),)),)))))
+    rebuilt = codegen_sizes._substituter(parts)({s0: 3, s1: 5, s0 * s1: 15, s1 + 2: 7})
+    assert rebuilt == ((3, 8),
+                       (Access(0, (ViewStep("slice", ((0, 0), (15, 8), (1, 1))),)), static),
+                       (("kernel", 0), ("view", Access(0, (ViewStep("reshape", ((7, 4),)),)))))
+    assert rebuilt[1][1] is static and rebuilt[2][0] is parts[2][0]
+    assert codegen_sizes._substituter((static, (1, 2))) is None

@@ -141,3 +141,97 @@ def test_sdpa_with_dropout_and_symbolic_sizes():
                         torch.autograd.grad(expected.sum(), (q, k, v))):
             torch.testing.assert_close(a, e)
     assert fulmen.compile_stats(jfn).cache_misses == 1
+
+
+def _gpt2_query(batch, seq):
+    """(batch, 2, seq, 8) read out of a (batch, seq, 48) projection: GPT-2's split and
+    transpose, a query that is no dense tensor."""
+    qkv = torch.randn(batch, seq, 48)
+    return qkv[..., :16].view(batch, seq, 2, 8).transpose(1, 2)
+
+
+_QUERIES = {
+    "contiguous": lambda b, s: torch.randn(b, 2, s, 8),
+    "transposed": lambda b, s: torch.randn(b, s, 2, 8).transpose(1, 2),
+    "split": _gpt2_query,
+}
+_MASKS = {
+    "none": lambda b, s: None,
+    "bool": lambda b, s: torch.ones(s, s, dtype=torch.bool).tril(),
+    "float": lambda b, s: torch.randn(b, 1, s, s),
+}
+
+
+@pytest.mark.parametrize("mask", list(_MASKS))
+@pytest.mark.parametrize("query", list(_QUERIES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_symbolic_attention_run_whole_is_described_as_the_meta_kernel_does(batch, query, mask):
+    """`opaque._attention_like_query`: with symbolic sizes, attention run whole (dropout) gets
+    the output PyTorch's meta kernel describes (shape, dtype, strides), without running that
+    kernel's math backend on fake tensors (0.4 s per call)."""
+    from fulmen.ops import opaque
+    from fulmen.ops.meta import run_meta
+    from fulmen.proxies import TensorProxy
+    from fulmen.proxies.tensor import known_same_shape
+    from fulmen.tracer.symbolic import SymbolicSizes
+
+    sizes = SymbolicSizes()
+
+    def proxy(tensor, name, dims):
+        if tensor is None:
+            return None
+        shape, strides = sizes.symbolize(tensor, name, dims)
+        if shape == tuple(tensor.shape):  # a view keeps its sizes: stand in with its layout
+            strides = tensor.stride()
+        return TensorProxy(name, shape, tensor.dtype, "cpu", strides=strides)
+
+    seq = 6
+    q = _QUERIES[query](batch, seq)
+    q = proxy(q.contiguous(), "q", (0, 2)) if query == "contiguous" else proxy(q, "q", ())
+    k = proxy(torch.randn(batch, 2, seq, 8), "k", (0, 2))
+    v = proxy(torch.randn(batch, 2, seq, 8), "v", (0, 2))
+    m = proxy(_MASKS[mask](batch, seq), "m", ())
+    kwargs = dict(attn_mask=m, dropout_p=0.3, is_causal=mask == "none")
+    fast = opaque._attention_like_query((q, k, v), kwargs)
+    if query == "contiguous" or batch > 1:
+        assert fast is not None
+    if fast is None:
+        return  # nothing symbolic that the call's result shape could read without a guard
+    meta = run_meta(F.scaled_dot_product_attention, q, k, v, **kwargs)
+    assert fast.dtype == meta.dtype
+    assert known_same_shape(fast.shape, meta.shape)
+    assert known_same_shape(fast.stride(), meta.stride())
+
+
+_LAYOUTS = {  # the query made inside the traced function from a contiguous input
+    "contiguous": lambda x: x[..., :16].reshape(x.shape[0], x.shape[1], 2, 8).permute(0, 2, 1, 3)
+    .contiguous(),
+    "transposed": lambda x: x[..., :16].reshape(x.shape[0], x.shape[1], 2, 8).transpose(1, 2),
+    "split": lambda x: x.split(16, dim=-1)[0].view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2),
+}
+
+
+@pytest.mark.parametrize("query", list(_LAYOUTS))
+def test_attention_with_dropout_over_symbolic_lengths_equals_eager(query):
+    """GPT-2's training attention (dropout, a query split out of a projection) over varying
+    lengths: eager's values and gradients, and the strides user code reads, with two
+    compilations."""
+    def fn(x, k, v):
+        q = _LAYOUTS[query](x)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
+        return out * out.stride(1) + out.stride(2)
+
+    jfn = fulmen.jit(fn)
+    for seq in (5, 7, 9, 12):
+        x = torch.randn(2, seq, 48, requires_grad=True)
+        k, v = torch.randn(2, 2, seq, 8, requires_grad=True), torch.randn(2, 2, seq, 8)
+        torch.manual_seed(seq)
+        expected = fn(x, k, v)
+        torch.manual_seed(seq)
+        actual = jfn(x, k, v)
+        torch.testing.assert_close(actual, expected)
+        cotangent = torch.randn_like(expected)
+        for a, e in zip(torch.autograd.grad(actual, (x, k), cotangent),
+                        torch.autograd.grad(expected, (x, k), cotangent)):
+            torch.testing.assert_close(a, e)
+    assert fulmen.cache_misses(jfn) == 2

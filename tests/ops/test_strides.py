@@ -169,3 +169,28 @@ def test_traced_strides_match_eager_with_symbolic_sizes(info):
     assert not problems, f"{info.name}: " + "; ".join(problems[:4])
     if checked == 0:
         pytest.skip("no sample traced symbolically")
+
+
+@pytest.mark.parametrize("other_shape", [(1, 1, 7, 8), (1, 4, 1, 8), (7, 8), (1, 1, 7, 1)])
+def test_a_generalised_one_broadcasting_takes_the_layout_rule(other_shape, monkeypatch):
+    """A batch of 1 generalised to a symbol (`fulmen.tracer.symbolic`) against an operand whose
+    batch is 1: the expand's stride is 0 with no guard, as the fake `expand` decides it, so
+    the elementwise layout rule answers (no fake tensor, which cost tens of milliseconds per
+    new question), with eager's strides at the traced sizes and at a batch of 3."""
+    import fulmen.ops.meta as meta
+
+    def no_fake_tensors(*tensors):
+        raise AssertionError("the fake-tensor path ran")
+
+    monkeypatch.setattr(meta, "compute_elementwise_output_strides", no_fake_tensors)
+
+    def fn(x, y):
+        return x * y
+
+    for batch in (1, 3):
+        x = torch.randn(batch, 4, 7, 8)
+        y = torch.randn(*other_shape)
+        with torch.no_grad():
+            program = trace_program(fn, (x, y), {}, dynamic={0: (0, 2)})
+        expected = fn(x, y)
+        assert not stride_mismatches(expected, pytree.tree_map(_at_hints, program.trace.output))

@@ -215,3 +215,35 @@ def test_cache_size_limit_runs_further_calls_eagerly_with_one_warning():
     assert len(messages) == 1 and "x.shape changed" in messages[0]
     torch.testing.assert_close(jfn(torch.ones(2)), fn(torch.ones(2)))  # compiled ones still hit
     assert fulmen.cache_hits(jfn) == 1
+
+
+def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
+    """NOTE [the collector while compiling] in fulmen/jit.py: the program traces with Python's
+    cyclic collector off (tracing's garbage would set off full collections of the process);
+    the collector's state afterwards is the caller's, also when compiling fails."""
+    import gc
+
+    seen = []
+
+    def g(x):
+        seen.append(gc.isenabled())
+        return x * 2 + 1
+
+    jfn = fulmen.jit(g)
+    x = torch.randn(3)
+    assert gc.isenabled()
+    torch.testing.assert_close(jfn(x), g(x))
+    assert seen[0] is False and gc.isenabled()
+    gc.disable()
+    try:
+        jfn(torch.randn(3, 2))  # a miss while the caller has it off: it stays off
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def fails(x):
+        raise ValueError("user error")
+
+    with pytest.raises(ValueError, match="user error"):
+        fulmen.jit(fails)(x)
+    assert gc.isenabled()

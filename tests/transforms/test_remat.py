@@ -9,7 +9,14 @@ import fulmen
 from fulmen.tracer import trace_program
 from fulmen.transforms import dce
 from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.transforms.remat import choose_saved, is_recomputable, is_view, nbytes, rematerialize
+from fulmen.transforms.remat import (
+    MAX_RECOMPUTED_REDUCTION,
+    choose_saved,
+    is_recomputable,
+    is_view,
+    nbytes,
+    rematerialize,
+)
 
 
 def _split(fn, *shapes):
@@ -212,3 +219,24 @@ def test_reentrant_checkpoint_gives_eager_values_and_gradients(inputs_require_gr
         results.append((out, out.requires_grad, grads))
     torch.testing.assert_close(results[1], results[0])
     assert results[0][1] == inputs_require_grad
+
+
+def test_symbolic_sizes_choose_on_the_call_sizes_without_guards():
+    """NOTE [remat on hints]: with symbolic sizes, whether a reduction is small enough to
+    recompute (`MAX_RECOMPUTED_REDUCTION` elements per output) is decided at the compiled call's
+    sizes, not guarded: one compilation serves lengths on both sides of the bound, with eager's
+    values and gradients (it was guarded, so a longer row compiled again)."""
+
+    def f(x):
+        return (x.exp().sum(-1, keepdim=True) * x.sin()).sum()
+
+    jfn = fulmen.jit(f, dynamic=True)
+    for n in (100, MAX_RECOMPUTED_REDUCTION + 900, 3 * MAX_RECOMPUTED_REDUCTION):
+        x = torch.randn(3, n, dtype=torch.float64, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out = jfn(x)
+        out.backward()
+        f(x_eager).backward()
+        torch.testing.assert_close(out, f(x_eager.detach()))
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    assert fulmen.cache_misses(jfn) == 1
