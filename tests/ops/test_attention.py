@@ -229,9 +229,10 @@ def test_attention_with_dropout_over_symbolic_lengths_equals_eager(query):
         expected = fn(x, k, v)
         torch.manual_seed(seq)
         actual = jfn(x, k, v)
-        torch.testing.assert_close(actual, expected)
+        # decomposed on CPU (NOTE [attention dropout]): float32 rounding, scaled by the stride
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
         cotangent = torch.randn_like(expected)
         for a, e in zip(torch.autograd.grad(actual, (x, k), cotangent),
                         torch.autograd.grad(expected, (x, k), cotangent)):
-            torch.testing.assert_close(a, e)
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
     assert fulmen.cache_misses(jfn) == 2
