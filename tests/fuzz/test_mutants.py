@@ -30,3 +30,16 @@ def test_the_first_failing_test_is_read_from_the_report():
               "FAILED tests/x.py::test_z - boom\n1 failed")
     assert _first_failure(report) == "tests/x.py::test_y[sum dims keepdim-whole]"
     assert _first_failure("3 passed") == ""
+
+
+def test_every_mutant_of_the_table_applies_to_fulmen_as_it_is():
+    """A refactor that rewrites a mutated line leaves its mutant stale (the harness would
+    report an error, not a kill): each `old` text must still occur exactly once."""
+    from pathlib import Path
+
+    from tests.fuzz.mutant_table import MUTANTS
+
+    root = Path(__file__).resolve().parents[2] / "fulmen"
+    stale = [m.name for m in MUTANTS if (root / m.path).read_text().count(m.old) != 1]
+    assert not stale
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)

@@ -1,0 +1,98 @@
+"""Symbolic sizes where they meet Python: formatted with a spec, strides beside a size 0,
+numbers stored into objects, dict arguments edited in place, the cache size limit counting
+symbolic entries. Each compared with eager over calls whose sizes vary (so the later calls
+run a trace with symbolic sizes)."""
+
+import warnings
+
+import torch
+
+import fulmen
+
+SIZES = (5, 6, 7, 9)
+
+
+def test_a_size_formatted_with_a_spec_is_eagers_string():
+    def padded(x):
+        return x * len(f"{x.shape[0]:04d}")
+
+    def aligned(x):
+        return x * len(format(x.shape[0], ">6"))
+
+    for fn in (padded, aligned):
+        jfn = fulmen.jit(fn)
+        for n in SIZES:
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_strides_beside_a_size_zero_are_eagers():
+    def fn(x):
+        return x.sum(dim=1) + x.stride(0) * 10 + x.stride(1)
+
+    jfn = fulmen.jit(fn)
+    for n in SIZES:
+        x = torch.empty(n, 0, 4)
+        torch.testing.assert_close(jfn(x), fn(x))
+
+
+class _Box:
+    pass
+
+
+def test_a_float_computed_from_a_size_and_stored_is_eagers():
+    def fn(x, box):
+        box.ratio = x.shape[0] / 4
+        box.count = x.shape[0] + 1
+        return x + 1
+
+    jfn = fulmen.jit(fn)
+    for n in SIZES:
+        x = torch.randn(n)
+        got, expected = _Box(), _Box()
+        torch.testing.assert_close(jfn(x, got), fn(x, expected))
+        assert (type(got.ratio), got.ratio, got.count) == \
+            (type(expected.ratio), expected.ratio, expected.count)
+
+
+def test_a_dict_argument_edited_in_place_holds_eagers_entries():
+    def fn(x, state):
+        state.pop("old")
+        state["new"] = x * 2
+        return x + 1
+
+    jfn = fulmen.jit(fn)
+    for _ in range(3):
+        x = torch.randn(4)
+        got, expected = {"old": x, "keep": 1}, {"old": x, "keep": 1}
+        torch.testing.assert_close(jfn(x, got), fn(x, expected))
+        assert list(got) == list(expected)
+        torch.testing.assert_close(got["new"], expected["new"])
+
+
+def test_the_cache_size_limit_counts_entries_with_symbolic_sizes():
+    def fn(x):
+        return x * 2
+
+    jfn = fulmen.jit(fn, cache_size_limit=1, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (torch.randn(3), torch.randn(5), torch.randn(3, dtype=torch.float64)):
+            torch.testing.assert_close(jfn(x), fn(x))
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses == 2 and stats.eager_calls == 1
+    assert sum("cache_size_limit" in str(w.message) for w in caught) == 1
+
+
+def test_a_branch_that_specialises_a_size_holds_only_for_that_size():
+    # the path of `x.sum() <= 0` asks `x.shape[0] == 6`: the symbolic entry serves it only
+    # where the guards of both of its paths hold
+    def fn(x):
+        if x.sum() > 0:
+            return x * 2
+        return x * 3 if x.shape[0] == 6 else x * 5
+
+    jfn = fulmen.jit(fn)
+    for n, sign in ((3, 1), (5, 1), (6, -1), (7, -1), (8, 1), (6, -1), (9, -1)):
+        x = torch.randn(n).abs() * sign
+        torch.testing.assert_close(jfn(x), fn(x))
