@@ -501,6 +501,12 @@ _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_c
                         "enable_gqa")
 
 
+def attention_arguments(args: tuple, kwargs: dict) -> dict:
+    """The arguments of a `F.scaled_dot_product_attention(*args, **kwargs)` call by name (those
+    not given are absent)."""
+    return dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
+
+
 def attention_strides(args, kwargs, out) -> tuple | None:
     """Eager's strides for the output `out` of `F.scaled_dot_product_attention(*args,
     **kwargs)` where it runs the CPU flash kernel: the output is allocated like the query (`empty_like`: the query's strides when it is
@@ -514,7 +520,7 @@ def attention_strides(args, kwargs, out) -> tuple | None:
     call and whether the batch sizes agree, never the sequence sizes (sizes 0 are
     specialised); symbolic head counts are specialised, and symbolic batch and head sizes are
     guarded equal (the flash kernel needs them equal)."""
-    bound = dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
+    bound = attention_arguments(args, kwargs)
     query, key, value, mask = (bound.get(name) for name in ("query", "key", "value",
                                                               "attn_mask"))
     tensors = [t for t in (query, key, value, mask) if t is not None]

@@ -19,6 +19,7 @@ from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.ops.meta import (
     _ATTENTION_ARGUMENTS,
+    attention_arguments,
     attention_strides,
     elementwise_strides,
     run_meta,
@@ -131,7 +132,7 @@ def _attention_like_query(args, kwargs) -> TensorProxy | None:
     names = set(_ATTENTION_ARGUMENTS)
     if len(args) > len(_ATTENTION_ARGUMENTS) or not set(kwargs) <= names:
         return None
-    bound = dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
+    bound = attention_arguments(args, kwargs)
     query, key, value, mask = (bound.get(name) for name in ("query", "key", "value",
                                                               "attn_mask"))
     qkv = (query, key, value)
@@ -204,18 +205,13 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                                  _attention_meta}
 
 
-def _dropout_p(args: tuple, kwargs: dict) -> float:
-    """`dropout_p` of a `F.scaled_dot_product_attention` call (its fifth parameter)."""
-    return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-
-
 # Ops that draw from the global generator for some arguments only: fn -> whether a call does.
 # Such a call is recorded with the op's random symbol (`opaque_symbol(fn, random=True)`), so
 # no pass reorders it among the other draws (HF UMT5's attention dropout drew after the
 # dropouts that follow it in eager, and every mask differed).
 _DRAWS_WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
     torch.nn.functional.scaled_dot_product_attention:
-        lambda args, kwargs: _dropout_p(args, kwargs) != 0.0,
+        lambda args, kwargs: attention_arguments(args, kwargs).get("dropout_p", 0.0) != 0.0,
 }
 
 

@@ -10,7 +10,6 @@ past `__torch_function__` into the dispatcher, `__torch_dispatch__` raises.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from fulmen.core.errors import FulmenError, RunsEagerly
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import Proxy
-from fulmen.core.source import user_source_location
+from fulmen.core.source import is_internal, user_source_location
 from fulmen.core.trace import get_tracectx
 
 _DTYPE_SHORT = {
@@ -224,7 +223,7 @@ class TensorProxy(torch.Tensor, Proxy):
         in `fulmen.tracer.dispatch`); fulmen's and torch's own messages get the proxy's repr."""
         ctx = get_tracectx()
         if ctx is not None and getattr(ctx, "torch_function", None) is not None and \
-                not sys._getframe(1).f_code.co_filename.startswith(_INTERNAL):
+                not is_internal(sys._getframe(1).f_code.co_filename):
             return ctx.torch_function(torch.Tensor.__format__, (type(self),), (self, spec), {})
         return repr(self)
 
@@ -287,10 +286,6 @@ class TensorProxy(torch.Tensor, Proxy):
             op=str(func),
             hint="please report this: the op needs routing in fulmen.tracer.dispatch",
         )
-
-
-_INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (
-    os.path.dirname(os.path.abspath(__file__)), torch.__file__))  # fulmen's and torch's code
 
 
 def _in_functorch() -> bool:

@@ -12,16 +12,14 @@ printer and checks, torch's own messages, other ShapeEnvs such as torch.compile'
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from fulmen.core import get_tracectx
+from fulmen.core.source import is_internal
 
 SHAPE_ENV_MARK = "_fulmen_env"  # the attribute `SymbolicSizes` sets on its ShapeEnv
-_INTERNAL = tuple(os.path.dirname(module.__file__) + os.sep
-                  for module in (sys.modules["fulmen"], torch))
 _installed = False
 
 
@@ -32,7 +30,7 @@ def _from_user_code(value: torch.SymInt) -> bool:
     if not getattr(value.node.shape_env, SHAPE_ENV_MARK, False):
         return False
     caller = sys._getframe(2).f_code.co_filename  # (the frame that called str() or format())
-    return not caller.startswith(_INTERNAL)
+    return not is_internal(caller)
 
 
 def install() -> None:

@@ -28,6 +28,17 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
                       "_global_backward_pre_hooks", "_global_backward_hooks")
 
 
+def _backward_hooked(named) -> list[str]:
+    """The names among `named` (`(name, module)` pairs) of the modules whose hooks run in the
+    backward (and a line for global backward hooks): their BackwardHookFunction sees traced
+    tensors, so the hooks would silently never fire."""
+    hooked = [name for name, sub in named
+              if getattr(sub, "_backward_hooks", None) or getattr(sub, "_backward_pre_hooks", None)]
+    if any(getattr(_modules_module, name, None) for name in _GLOBAL_HOOK_DICTS[2:]):
+        hooked.append("every module (global backward hooks)")
+    return hooked
+
+
 class HookWatch:
     """Watches the hooks of `module` and its submodules (as they were when it was made)."""
 
@@ -51,13 +62,7 @@ class HookWatch:
         self.keys = keys
         self.next_id = RemovableHandle.next_id
         self.held = [(hooks, len(hooks)) for hooks in self._dicts() if hooks]
-        # modules whose hooks run in the backward: their BackwardHookFunction sees traced
-        # tensors, so the hooks would silently never fire
-        self.backward_hooked = [
-            name for name, sub in zip(self.names, self.modules)
-            if getattr(sub, "_backward_hooks", None) or getattr(sub, "_backward_pre_hooks", None)]
-        if any(getattr(_modules_module, name, None) for name in _GLOBAL_HOOK_DICTS[2:]):
-            self.backward_hooked.append("every module (global backward hooks)")
+        self.backward_hooked = _backward_hooked(zip(self.names, self.modules))
 
     def changed(self) -> bool:
         """Whether a hook was added or removed since the last call (or since creation)."""
@@ -151,7 +156,8 @@ class HeldModulesWatch:
 def backward_hooked(modules) -> list[str]:
     """Names of the modules among `modules` (and their submodules) holding backward hooks,
     which a trace cannot run (they would never fire)."""
-    return [name for module in modules for name in HookWatch(module).backward_hooked]
+    return _backward_hooked((name or type(module).__name__, sub) for module in modules
+                            for name, sub in module.named_modules())
 
 
 WRAPPED = "_orig_mod."

@@ -29,7 +29,7 @@ The stores of a program with graph breaks differ per path; they are refused ther
 
 Modules the traced function reaches other than the jitted one (`step(model, batch)`: a module
 argument, one held by an argument object, a closure or a global; `held_modules`) are put back
-the same way (`module_stores(..., held=True)`): constants they store are replayed as above, an
+the same way (`module_stores(module, captured)`): constants they store are replayed as above, an
 in-place update of a buffer (`self.seen += 1`, which stores the buffer itself again) needs no
 store (the trace writes the buffer back), and a traced value stored on them (`self.last = t`)
 makes the call run eagerly, since the epilogue stores only into the jitted module and argument
@@ -48,7 +48,15 @@ import torch
 from fulmen.core import RunsEagerly
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.module_hooks import backward_hooked
-from fulmen.tracer.objects import is_plain_object, restore, snapshot, unchanged, walk
+from fulmen.tracer.objects import (
+    function_roots,
+    is_plain_object,
+    restore,
+    snapshot,
+    unchanged,
+    walk,
+)
+from fulmen.tracer.sources import code_names
 
 _MISSING = object()
 # hooks a forward registers on its modules (HF installs its output-capturing hooks lazily, in the
@@ -123,15 +131,20 @@ class ModuleStore:
             attrs[self.key] = self.value
 
 
+def _is_module(value: Any) -> bool:
+    return isinstance(value, torch.nn.Module)
+
+
 def held_modules(fn, arguments: Any, roots: list, jitted: torch.nn.Module | None,
                  ) -> list[torch.nn.Module]:
     """The modules a traced function reaches besides the jitted module `jitted` (and its
     submodules): modules among `arguments` (a pytree) and held by the object `roots`, the
-    bound `self`, closure cells and globals `fn` names; none a submodule of another."""
+    bound `self` and closure cells of `fn` (`function_roots`) and the globals its code names
+    (`code_names`); none a submodule of another."""
     found: dict[int, torch.nn.Module] = {}
 
     def add(value) -> None:
-        if isinstance(value, torch.nn.Module):
+        if _is_module(value):
             found.setdefault(id(value), value)
 
     for leaf in torch.utils._pytree.tree_leaves(arguments):
@@ -141,15 +154,11 @@ def held_modules(fn, arguments: Any, roots: list, jitted: torch.nn.Module | None
         for _, value in walk(root):
             add(value)
     if fn is not None:
-        add(getattr(fn, "__self__", None))
+        for value in function_roots(fn, wanted=_is_module):
+            add(value)
         inner = getattr(fn, "__func__", fn)
-        for cell in getattr(inner, "__closure__", None) or ():
-            try:
-                add(cell.cell_contents)
-            except ValueError:  # an empty cell
-                pass
         code, scope = getattr(inner, "__code__", None), getattr(inner, "__globals__", {})
-        for name in code.co_names if code is not None else ():
+        for name in code_names(code) if code is not None else ():
             add(scope.get(name))
     covered = {id(sub) for sub in jitted.modules()} if jitted is not None else set()
     for module in found.values():

@@ -85,15 +85,17 @@ def _walkable(value: Any) -> bool:
     return isinstance(value, (list, tuple, dict)) or is_plain_object(value)
 
 
-def function_roots(fn: Any, depth: int = 0) -> list[Any]:
+def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
     """The objects a function reads besides its arguments: the `self` of a bound method and
     the objects in its closure cells (through weak references and the bound methods and
-    functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order."""
+    functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order.
+    `wanted(value)` chooses them (by default plain objects, and among closure cells only those
+    that are not callable: not another jitted function)."""
     found: list[Any] = []
     if depth > 2:
         return found
     bound = getattr(fn, "__self__", None)
-    if is_plain_object(bound):
+    if is_plain_object(bound) if wanted is None else wanted(bound):
         found.append(bound)
     inner = getattr(fn, "__func__", fn)
     for cell in getattr(inner, "__closure__", None) or ():
@@ -104,8 +106,9 @@ def function_roots(fn: Any, depth: int = 0) -> list[Any]:
         if isinstance(value, weakref.ReferenceType):
             value = value()
         if isinstance(value, (types.FunctionType, types.MethodType)):
-            found += function_roots(value, depth + 1)
-        elif is_plain_object(value) and not callable(value):  # not another jitted function
+            found += function_roots(value, depth + 1, wanted)
+        elif (is_plain_object(value) and not callable(value)) if wanted is None else \
+                wanted(value):
             found.append(value)
     unique: dict[int, Any] = {}
     for value in found:

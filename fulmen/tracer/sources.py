@@ -25,11 +25,12 @@ CONTAINERS = (list, tuple, dict)
 FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 
 
-def _code_names(code) -> set[str]:
+def code_names(code) -> set[str]:
+    """The global (and attribute) names `code` and the code objects nested in it read."""
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_names"):
-            names |= _code_names(const)
+            names |= code_names(const)
     return names
 
 
@@ -95,7 +96,7 @@ def _own_functions(fn, modules) -> list:
                 continue
             found[id(candidate)] = candidate
             namespace = getattr(candidate, "__globals__", {})
-            next_frontier += [namespace[name] for name in _code_names(code)
+            next_frontier += [namespace[name] for name in code_names(code)
                               if isinstance(namespace.get(name), types.FunctionType)]
         frontier = next_frontier
     return list(found.values())
@@ -122,7 +123,7 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules):
         namespace = function.__globals__
-        for name in sorted(_code_names(function.__code__)):  # co_names holds attributes too
+        for name in sorted(code_names(function.__code__)):  # co_names holds attributes too
             if (id(namespace), name) in seen or name.startswith("__"):
                 continue
             seen.add((id(namespace), name))

@@ -358,6 +358,8 @@ def _clear_grads_after_each_call(cleared: list[TensorProxy], objects: ObjectInpu
         MetadataMutation: the tensor is not inside an argument object (a parameter reached
             through a module argument): the call runs eagerly.
     """
+    if not cleared:
+        return
     paths = {proxy.name: objects.tensor_paths[index]
              for index, (proxy, _) in enumerate(object_pairs)}
     for proxy in cleared:

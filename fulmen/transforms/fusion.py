@@ -188,6 +188,14 @@ def _moves_only(bsym: BoundSymbol) -> bool:
     return Tag.SHAPE in bsym.sym.tags or Tag.VIEW in bsym.sym.tags
 
 
+def _draw_order(bsyms: Sequence[BoundSymbol]) -> list[tuple[int, int]]:
+    """`(earlier, later)` positions of consecutive statements of `bsyms` that draw from the
+    global generator: order edges a reordering must keep (NOTE [fusion keeps the order of
+    draws])."""
+    draws = [i for i, bsym in enumerate(bsyms) if Tag.RANDOM in bsym.sym.tags]
+    return list(zip(draws, draws[1:]))
+
+
 class _Partition:
     """Regions as nodes of a dataflow graph: successor and predecessor sets per region and the
     descendants of each as a bitset, so the cycle check of a merge reads a few bits instead of
@@ -211,9 +219,7 @@ class _Partition:
                     self.pred[i].add(self.producer[name])
             for name in node.bsym.output_names:
                 self.producer[name] = i
-        # draws keep their order (NOTE [fusion keeps the order of draws])
-        draws = [i for i, node in enumerate(nodes) if Tag.RANDOM in node.bsym.sym.tags]
-        for earlier, later in zip(draws, draws[1:]):
+        for earlier, later in _draw_order([node.bsym for node in nodes]):
             self.succ[earlier].add(later)
             self.pred[later].add(earlier)
         # descendants of each region as a bitset (statement order is topological)
@@ -363,10 +369,13 @@ def _defined_before_use(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
     possible (a stable topological order: lowest position first). An op restored whole is
     emitted where its last prim was, and a consumer of its first prim's output may have been
     emitted before that (HF Switch Transformers' router: `torch.max(p, dim=-1).values`
-    unsqueezed while the max's `argmax` prim waited for a later region)."""
+    unsqueezed while the max's `argmax` prim waited for a later region). Draws stay in their
+    order, as in the partition."""
     producer = {name: i for i, bsym in enumerate(bsyms) for name in bsym.output_names}
     deps = [{producer[name] for name in bsym.input_names if producer.get(name, i) != i}
             for i, bsym in enumerate(bsyms)]
+    for earlier, later in _draw_order(bsyms):
+        deps[later].add(earlier)
     if all(max(needed, default=-1) < i for i, needed in enumerate(deps)):
         return bsyms
     users: dict[int, list[int]] = {}

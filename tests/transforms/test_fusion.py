@@ -11,7 +11,7 @@ import fulmen
 from fulmen.core import check_trace
 from fulmen.executors.codegen import codegen_ex
 from fulmen.executors.codegen.cpu import compiler as cg_build
-from fulmen.transforms.fusion import partition_for_fusion
+from fulmen.transforms.fusion import _defined_before_use, partition_for_fusion
 
 EXECUTORS = ["codegen", "torch"]
 pytestmark = pytest.mark.usefixtures("codegen_eager")
@@ -261,3 +261,19 @@ def test_tiny_policy_with_symbolic_sizes_adds_no_guard(monkeypatch):
             torch.testing.assert_close(jfn(x, x), fn(x, x))
         assert bool(_fused_regions(jfn)) == fused
         assert fulmen.cache_misses(jfn) == 1
+
+
+def test_statements_reordered_for_their_inputs_keep_the_order_of_draws():
+    """`_defined_before_use` (after an op is restored whole) moves a statement after its
+    producers; a draw moved so must not pass a later draw (NOTE [fusion keeps the order of
+    draws]): the generator would hand each its neighbour's numbers."""
+
+    def draws(x):
+        doubled = x * 2
+        return torch.rand_like(doubled) + torch.rand(3)
+
+    jfn = fulmen.jit(draws)
+    jfn(torch.ones(3))
+    mul, rand_like, rand, add = fulmen.last_traces(jfn)[0].bsyms
+    order = [bsym.sym.name for bsym in _defined_before_use([rand_like, rand, mul, add])]
+    assert order == ["mul", "rand_like", "rand", "add"]
