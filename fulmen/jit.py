@@ -49,7 +49,11 @@ from fulmen.tracer.module_hooks import (
     add_wrapper_prefix,
     strip_wrapper_prefix,
 )
-from fulmen.tracer.module_stores import make_module_stores, replay_module_stores
+from fulmen.tracer.module_stores import (
+    UnreplayableStore,
+    make_module_stores,
+    replay_module_stores,
+)
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.symbolic import carrier, tensor_at
@@ -206,6 +210,7 @@ class _Jitted:
                                  "parameters or buffers; compiling anew")
                 self._cache.clear()
                 self._shapes.clear()
+                self._eager_keys.clear()
             state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
             key, leaves = self._guard.key(args, kwargs, state)
             stats = self._stats
@@ -225,14 +230,13 @@ class _Jitted:
                     with _collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:
-                    if self._fullgraph or self._grad_argnums is not None:
-                        raise
-                    kind, warning = type(error).__name__, f"fulmen: {error}; such calls run eagerly"
-                    if isinstance(error, RunsEagerly):  # such calls never compile
+                    if isinstance(error, RunsEagerly) and not self._fullgraph \
+                            and self._grad_argnums is None:  # such calls never compile
                         if len(self._eager_keys) >= 4 * self._cache_size_limit:
                             self._eager_keys.clear()
-                        self._eager_keys[key] = (kind, warning)
-                    return self._run_eagerly(args, kwargs, kind, warning)
+                        self._eager_keys[key] = (type(error).__name__,
+                                                 f"fulmen: {error}; such calls run eagerly")
+                    return self._eagerly_or_raise(args, kwargs, error)
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -532,6 +536,14 @@ class _Jitted:
             f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
             "different answers; calls taking a new answer run eagerly")))
 
+    def _eagerly_or_raise(self, args: tuple, kwargs: dict, error: NotYetSupportedError):
+        """Run the call eagerly because of `error` (warning once per kind), or raise it under
+        `fullgraph=True` and for functional autodiff, whose results no eager call has."""
+        if self._fullgraph or self._grad_argnums is not None:
+            raise error
+        return self._run_eagerly(args, kwargs, type(error).__name__,
+                                 f"fulmen: {error}; such calls run eagerly")
+
     def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str):
         """Run the original function or module on the call (no other thread traces
         meanwhile); the first time for each `kind` of reason, warn with `warning`."""
@@ -747,13 +759,15 @@ class JittedModule(torch.nn.Module):
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
             self._jit._cache.clear()
             self._jit._shapes.clear()  # the entries with symbolic sizes too
+            self._jit._eager_keys.clear()  # (a removed backward hook: calls compile again)
         if hooks.backward_hooked and torch.is_grad_enabled():
-            raise NotYetSupportedError(
+            return self._jit._eagerly_or_raise(args, kwargs, UnreplayableStore(
                 f"backward hooks (register_full_backward_hook) on {hooks.backward_hooked[0]!r} "
-                "inside a jitted module: they would never fire", op="register_full_backward_hook",
+                "inside a jitted module: a compiled call would never fire them",
+                op="register_full_backward_hook",
                 hint="register the hook on the jitted module itself (it runs as a module around "
                 "the compiled call), or use tensor hooks on parameters (p.register_hook, "
-                "register_post_accumulate_grad_hook)")
+                "register_post_accumulate_grad_hook)"))
         return self._jit._call(args, kwargs)
 
     def __getstate__(self):

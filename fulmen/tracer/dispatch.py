@@ -86,6 +86,11 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
+class TensorHookInTrace(RunsEagerly):
+    """The traced code registers a hook on a tensor (`y.register_hook(fn)`; Lightning Fabric's
+    module wrapper does so on every output): the call runs eagerly, where the hook fires."""
+
+
 _MODULE_FILE = torch.nn.modules.module.__file__
 
 
@@ -239,9 +244,9 @@ class TracerCtx(TraceCtx):
         if func in BACKWARD_CALLS:
             raise backward_refusal(func)
         if func in _TENSOR_HOOKS:
-            raise NotYetSupportedError(
+            raise TensorHookInTrace(
                 "a tensor hook registered inside a compiled function: the traced tensors are "
-                "not the ones autograd sees at run time, so it would never fire",
+                "not the ones autograd sees at run time, so a compiled call would never fire it",
                 op=_func_name(func), where=user_source_location(),
                 hint="register it outside the compiled function, on an input or parameter "
                 "(p.register_hook(...)) or on the compiled function's output")

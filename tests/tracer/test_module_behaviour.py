@@ -260,22 +260,27 @@ def test_a_gradient_penalty_with_autograd_grad_inside_runs_eagerly():
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
-def test_backward_hooks_inside_are_refused_and_on_the_jitted_module_work():
+def test_backward_hooks_inside_run_eagerly_and_on_the_jitted_module_work():
     model = _net().eval()
     jmodel = fulmen.jit(model)
     x = torch.randn(5, 6, requires_grad=True)
     seen = []
     handle = model.linear.register_full_backward_hook(
         lambda module, grad_in, grad_out: seen.append(grad_out[0].shape))
-    with pytest.raises(NotYetSupportedError, match="'linear'") as info:
-        jmodel(x)
-    assert "on the jitted module itself" in str(info.value)
-    with torch.no_grad():  # no backward, nothing to miss
+    with pytest.warns(UserWarning, match="'linear'") as record:
+        jmodel(x).sum().backward()
+    assert "on the jitted module itself" in str(record[0].message)
+    assert seen == [torch.Size([5, 8])] and fulmen.compile_stats(jmodel).eager_calls == 1  # the hook fired
+    with pytest.raises(NotYetSupportedError, match="'linear'"):
+        fulmen.jit(model, fullgraph=True)(x)
+    with torch.no_grad():  # no backward, nothing to miss: compiled
         torch.testing.assert_close(jmodel(x), model(x))
+    assert fulmen.compile_stats(jmodel).eager_calls == 1
     handle.remove()
+    seen.clear()
     jmodel.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("outer"))
     jmodel(x).sum().backward()
-    assert seen == ["outer"]
+    assert seen == ["outer"] and fulmen.compile_stats(jmodel).eager_calls == 1
 
 
 def test_forward_shows_the_wrapped_modules_signature():
