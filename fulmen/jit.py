@@ -33,6 +33,7 @@ from fulmen.pipeline import compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import (
+    StateRemoved,
     changed_classes,
     describe_call,
     explain_change,
@@ -768,7 +769,13 @@ class JittedModule(torch.nn.Module):
                 hint="register the hook on the jitted module itself (it runs as a module around "
                 "the compiled call), or use tensor hooks on parameters (p.register_hook, "
                 "register_post_accumulate_grad_hook)"))
-        return self._jit._call(args, kwargs)
+        try:
+            return self._jit._call(args, kwargs)
+        except StateRemoved:  # `m.bias = None`: a change of structure
+            _RECOMPILES.info("%s: a parameter or buffer was set to None; compiling anew",
+                             type(self._orig_mod).__name__)
+            self._start_jit()
+            return self._jit._call(args, kwargs)
 
     def __getstate__(self):
         """The module and the options, without the compiled cache (its traces hold proxies and

@@ -61,6 +61,17 @@ def _tensor_key(t: Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
 
 
+class StateRemoved(Exception):
+    """A parameter or buffer the compiled calls read was set to None in place (`m.bias = None`
+    replaces no dict entry, so `StructureWatch`'s O(1) check cannot see it)."""
+
+
+def _state_key(t: Tensor) -> tuple:
+    if t is None:
+        raise StateRemoved
+    return _tensor_key(t)
+
+
 def _argument_tensor_key(t: Tensor) -> tuple:
     key = _tensor_key(t)
     return (*key, _tensor_key(t.grad)) if has_argument_grad(t) else key
@@ -249,7 +260,7 @@ class CacheKeyBuilder:
         self._stale = False  # the keying changed since `take_stale`
         self._last_parts: tuple = ((), ())  # the last call's global and state keys
         self._set_sources()
-        self._state_memo = TensorKeyMemo(_tensor_key)  # parameters and buffers
+        self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)

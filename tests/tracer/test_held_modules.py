@@ -213,6 +213,14 @@ def test_hooks_and_submodules_of_an_argument_module_changed_between_calls():
     torch.testing.assert_close(jitted(model, x), model(x))
 
 
+def test_a_parameter_of_an_argument_module_set_to_none_between_calls():
+    model = torch.nn.Linear(4, 4)
+    jitted, x = fulmen.jit(_forward), torch.randn(3, 4)
+    torch.testing.assert_close(jitted(model, x), model(x))
+    model.bias = None
+    torch.testing.assert_close(jitted(model, x), model(x))
+
+
 def test_a_global_modules_submodule_replaced_between_calls():
     global _GLOBAL_NET
     _GLOBAL_NET = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
@@ -271,9 +279,12 @@ def _change(model, action, handles):
             model.linear.weight.mul_(0.9)
     elif action == "replace":
         model.linear.bias = torch.nn.Parameter(torch.full((4,), 0.25))
+    elif action == "no_bias":  # calls no registration hook
+        model.linear.bias = None
 
 
-_ACTIONS = ["eval", "train", "scale", "hook", "unhook", "swap", "update", "replace", "none"]
+_ACTIONS = ["eval", "train", "scale", "hook", "unhook", "swap", "update", "replace", "no_bias",
+            "none"]
 
 
 @settings(max_examples=20, deadline=None)

@@ -283,6 +283,16 @@ def test_backward_hooks_inside_run_eagerly_and_on_the_jitted_module_work():
     assert seen == ["outer"] and fulmen.compile_stats(jmodel).eager_calls == 1
 
 
+def test_a_parameter_set_to_none_between_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    jmodel, x = fulmen.jit(model), torch.randn(3, 4)
+    torch.testing.assert_close(jmodel(x), model(x))
+    model[0].bias = None  # no registration hook, no dict entry added or removed
+    torch.testing.assert_close(jmodel(x), model(x))
+    model[0].bias = torch.nn.Parameter(torch.ones(4))
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
 def test_forward_shows_the_wrapped_modules_signature():
     """Code that inspects `model.forward` to choose its arguments (HF `generate` passes
     `position_ids` only to a forward that takes them) sees the module's own parameters."""
