@@ -43,6 +43,34 @@ def test_verify_checks_backward_stages():
     assert any(check.stage.startswith("backward") for check in report.stages)
 
 
+_WEIGHT = torch.randn(4, 4)
+
+
+def _breaks(x):
+    y = x @ _WEIGHT  # a captured global
+    if y.sum() > 0:  # a graph break: the program is a tree of segments
+        return torch.sin(y)
+    return torch.sin(-y)
+
+
+def test_verify_a_program_with_a_graph_break_and_a_captured_tensor():
+    x = torch.randn(3, 4, requires_grad=True)
+    report = fulmen.verify(_breaks, x)
+    assert report.ok, str(report)
+    assert any(check.stage.startswith("compiled segments") for check in report.stages)
+    bad = OperatorExecutor("planted_in_segment")
+    op = bad.register_operator("wrong_sin", like=torch.sin, fn=torch.cos)
+    bad.register_implementation(torch.sin, op)
+    report = fulmen.verify(_breaks, x.detach(), executors=[bad, "torch"])
+    assert not report.ok and report.first_bad_stage.startswith("compiled segments"), str(report)
+    bad_grad = OperatorExecutor("planted_grad_in_segment")
+    op = bad_grad.register_operator("wrong_neg", like=prims.neg, fn=lambda a: a)
+    bad_grad.register_implementation(prims.neg, op)
+    report = fulmen.verify(lambda t: _breaks(t.exp() - t), x, executors=[bad_grad, "torch"])
+    assert not report.ok, str(report)
+    assert report.first_bad_stage == "backward: compiled segments (graph breaks)", str(report)
+
+
 def test_verify_finds_a_wrong_op_used_only_by_the_backward():
     bad = OperatorExecutor("planted_grad")
     op = bad.register_operator("wrong_neg", like=prims.neg, fn=lambda a: a)

@@ -333,14 +333,17 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
 
     jit_args, jit_kwargs = _clone((args, kwargs))
     jfn = jit(fn, executors=executors)
-    jfn(*jit_args, **jit_kwargs)
+    compiled = jfn(*jit_args, **jit_kwargs)
     machinery = _jitted(jfn)
     entry = list(machinery._cache.values())[-1]
     leaves = pytree.tree_leaves((jit_args, jit_kwargs))
     state = [slot.get() for slot in machinery._state_slots]
     inputs = [leaves[i] for i in entry.tensor_positions] + state + list(entry.captured)
-
     traces = list(entry.traces)
+    if entry.tree:  # a program with graph breaks: its segments hold the captured tensors
+        values = dict(zip(entry.fn.arg_names, inputs)) | _tree_constants(entry.fn.root)
+        inputs = [values[name] for name in traces[0].arg_names]
+
     previous = None
     with torch.no_grad():
         for trace in traces:
@@ -353,12 +356,25 @@ def verify(fn, *args, executors=None, rtol: float | None = None, atol: float | N
                 _locate(report, previous, trace, lambda _: inputs, rtol, atol, repro_dir)
             previous = trace
 
-    if wants_grad:
+    if entry.tree:
+        _verify_tree(report, compiled, expected, leaves, grad_inputs if wants_grad else [],
+                     rtol, atol, reference, wide)
+    elif wants_grad:
         _verify_backward(report, machinery, traces, inputs, expected, grad_inputs,
                          rtol, atol, repro_dir, wide)
     if minimize and not kwargs:
         _minimize(report, fn, args, executors, against, repro_dir)
     return report
+
+
+def _tree_constants(node) -> dict[str, torch.Tensor]:
+    """The captured tensors (closures, globals) of every segment of a trace tree, by name."""
+    if node is None:
+        return {}
+    constants = dict(node.constants)
+    for child in node.children.values():
+        constants |= _tree_constants(child)
+    return constants
 
 
 def _minimize(report, fn, args, executors, against, repro_dir) -> None:
@@ -407,11 +423,7 @@ def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected,
     backward_traces = machinery._stats.last_backward_traces
     if not backward_traces:
         return
-    generator = torch.Generator().manual_seed(0)
-    out_leaves = [o for o in pytree.tree_leaves(expected)
-                  if isinstance(o, torch.Tensor) and o.requires_grad]
-    cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
-    eager_grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
+    cotangents, eager_grads = _input_grads(expected, grad_inputs)
     reference = _float64_grads(wide, cotangents, grad_inputs)
     with torch.no_grad():
         forward_env = {}
@@ -440,6 +452,38 @@ def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected,
                 report.first_bad_stage = stage
                 _locate(report, previous, trace, backward_inputs, rtol, atol, repro_dir)
             previous = trace
+
+
+def _input_grads(outputs, grad_inputs) -> tuple[list, list]:
+    """Seeded random cotangents for the outputs that require grad, and the gradients of
+    `grad_inputs` they give (zeros where unused)."""
+    generator = torch.Generator().manual_seed(0)
+    out_leaves = [o for o in pytree.tree_leaves(outputs)
+                  if isinstance(o, torch.Tensor) and o.requires_grad]
+    cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in out_leaves]
+    grads = torch.autograd.grad(out_leaves, grad_inputs, cotangents, allow_unused=True)
+    return cotangents, [torch.zeros_like(x) if g is None else g
+                        for g, x in zip(grads, grad_inputs)]
+
+
+def _verify_tree(report, compiled, expected, jit_leaves, grad_inputs, rtol, atol,
+                 reference, wide) -> None:
+    """A program with graph breaks: its compiled segments (each with its own backward) are no
+    stage of the traced program, so check the compiled call's outputs and input gradients."""
+    stages = [("compiled segments (graph breaks)", _detached(compiled), expected, reference,
+               1.0)]
+    if grad_inputs:
+        cotangents, eager_grads = _input_grads(expected, grad_inputs)
+        _, grads = _input_grads(compiled, [t for t in jit_leaves if isinstance(t, torch.Tensor)
+                                           and t.requires_grad])
+        stages.append(("backward: compiled segments (graph breaks)", grads, eager_grads,
+                       _float64_grads(wide, cotangents, grad_inputs), 10.0))
+    for stage, actual, wanted, wide_reference, scale in stages:
+        ok, worst, detail = _compare(actual, wanted, rtol, atol, scale=scale,
+                                     reference=wide_reference)
+        report.stages.append(StageCheck(stage, ok, worst, detail))
+        if not ok and report.first_bad_stage is None:
+            report.first_bad_stage = stage
 
 
 def _float64_grads(wide, cotangents, grad_inputs) -> list | None:
