@@ -87,8 +87,9 @@ class UnreadGrad(RunsEagerly):
 
 
 class TensorHookInTrace(RunsEagerly):
-    """The traced code registers a hook on a tensor (`y.register_hook(fn)`; Lightning Fabric's
-    module wrapper does so on every output): the call runs eagerly, where the hook fires."""
+    """The traced code registers a hook on a tensor (`y.register_hook(fn)`, `y.retain_grad()`;
+    Lightning Fabric's module wrapper hooks every output): the call runs eagerly, where the
+    hook fires."""
 
 
 _MODULE_FILE = torch.nn.modules.module.__file__
@@ -170,7 +171,9 @@ def _is_inplace(func, args, kwargs) -> bool:
 
 _DETACH = (T.detach, torch.detach, T.data.__get__)  # (`x.data`: detached, as in eager)
 _REQUIRES_GRAD_ = T.requires_grad_
-_TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook})
+# (`retain_grad` is a hook too: it keeps the gradient autograd computes for that tensor)
+_TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook,
+                           T.retain_grad})
 
 
 class TracerCtx(TraceCtx):
@@ -245,8 +248,9 @@ class TracerCtx(TraceCtx):
             raise backward_refusal(func)
         if func in _TENSOR_HOOKS:
             raise TensorHookInTrace(
-                "a tensor hook registered inside a compiled function: the traced tensors are "
-                "not the ones autograd sees at run time, so a compiled call would never fire it",
+                "a tensor hook registered (or retain_grad) inside a compiled function: the "
+                "traced tensors are not the ones autograd sees at run time, so a compiled call "
+                "would never fire it",
                 op=_func_name(func), where=user_source_location(),
                 hint="register it outside the compiled function, on an input or parameter "
                 "(p.register_hook(...)) or on the compiled function's output")

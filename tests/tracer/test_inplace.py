@@ -483,3 +483,16 @@ def test_a_tensor_hook_inside_runs_the_call_eagerly():
     with pytest.raises(NotYetSupportedError, match="never fire") as info:
         fulmen.jit(fn, fullgraph=True)(x)
     assert "register_hook" in str(info.value)
+
+
+def test_retain_grad_inside_runs_the_call_eagerly():
+    def fn(x):
+        y = x * 2
+        y.retain_grad()
+        return y, (y * y).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="retain_grad"):
+        y, loss = fulmen.jit(fn)(x)
+    loss.backward()
+    torch.testing.assert_close(y.grad, 2 * y.detach())
