@@ -9,7 +9,7 @@ ops in forward]) the backward is the user's `backward`, exactly as in eager: `ct
 Its meta function runs `cls.apply` once on fake tensors (no storage, no compute) to describe the
 outputs; the op has no decomposition, so executors run it whole and never fuse across it, and
 it is never dropped or reordered (forward may draw random numbers). A
-`forward` that modifies an input in place (`ctx.mark_dirty`) is refused rather than traced.
+`forward` that modifies an input in place (`ctx.mark_dirty`) is not traced: the call runs eagerly.
 """
 
 from __future__ import annotations
@@ -19,11 +19,17 @@ import contextlib
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import FulmenError, NotYetSupportedError, Symbol
+from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.core.trace import get_tracectx, not_tracing
 from fulmen.proxies import TensorProxy
+
+
+class InPlaceFunction(RunsEagerly):
+    """A custom autograd.Function whose forward modifies an input in place (`ctx.mark_dirty`):
+    the call runs eagerly, as written."""
+
 
 NAMESPACE = Namespace("autograd_function", "fulmen.ops.autograd_function",
                       "from fulmen.ops import autograd_function")
@@ -104,7 +110,7 @@ def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
             out = cls.apply(*fake_args, **fake_kwargs)
         modified = [name for name, t in fakes.items() if t._version != versions[name]]
     if modified:
-        raise NotYetSupportedError(
+        raise InPlaceFunction(
             f"the custom autograd.Function's forward modifies its input {modified[0]} in place "
             "(ctx.mark_dirty)", op=_label(cls), where=user_source_location(),
             hint="return a new tensor from forward, or call the Function outside the compiled "

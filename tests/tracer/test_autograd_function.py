@@ -270,7 +270,7 @@ def test_autocast_inside_the_traced_function():
                           torch.randn(8, 3, requires_grad=True)], atol=1e-2)
 
 
-def test_forward_modifying_its_input_is_refused():
+def test_forward_modifying_its_input_runs_eagerly():
     class AddOneInPlace(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -285,8 +285,14 @@ def test_forward_modifying_its_input_is_refused():
     def fn(x):
         return AddOneInPlace.apply(x * 2)
 
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="modifies its input"):
+        out = fulmen.jit(fn)(x)
+    torch.testing.assert_close(out, fn(x))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
     with pytest.raises(NotYetSupportedError, match="modifies its input"):
-        fulmen.jit(fn)(torch.randn(3, requires_grad=True))
+        fulmen.jit(fn, fullgraph=True)(x)
 
 
 def test_custom_op_with_register_autograd():
