@@ -56,6 +56,7 @@ from fulmen.tracer.module_stores import (
     replay_module_stores,
 )
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
+from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.symbolic import carrier, tensor_at
 from fulmen.tracer.tracer import (
@@ -408,10 +409,7 @@ class _Jitted:
         if reseeded and threading.active_count() == 1:
             # tracing draws no random numbers, so the code reseeded or set the generator
             torch.random.set_rng_state(rng_state)
-            raise NotYetSupportedError(
-                "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) "
-                "while it runs; a compiled function would not repeat that on later calls",
-                op="torch.manual_seed", hint="seed outside the compiled function")
+            raise seeds_inside("torch.manual_seed")
         self._guard.note_module_writes(program.module_writes, program.captured,
                                        fresh=not program.breaks)
         if program.module_stores and program.breaks and settle:

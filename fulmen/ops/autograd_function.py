@@ -26,9 +26,10 @@ from fulmen.core.trace import get_tracectx, not_tracing
 from fulmen.proxies import TensorProxy
 
 
-class InPlaceFunction(RunsEagerly):
-    """A custom autograd.Function whose forward modifies an input in place (`ctx.mark_dirty`):
-    the call runs eagerly, as written."""
+class UntraceableFunction(RunsEagerly):
+    """A custom autograd.Function fulmen cannot trace: its forward modifies an input in place
+    (`ctx.mark_dirty`), reads a traced tensor that is no argument of `apply`, or cannot run on
+    fake tensors (`.item()`, NumPy). The call runs eagerly, as written."""
 
 
 NAMESPACE = Namespace("autograd_function", "fulmen.ops.autograd_function",
@@ -110,7 +111,7 @@ def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
             out = cls.apply(*fake_args, **fake_kwargs)
         modified = [name for name, t in fakes.items() if t._version != versions[name]]
     if modified:
-        raise InPlaceFunction(
+        raise UntraceableFunction(
             f"the custom autograd.Function's forward modifies its input {modified[0]} in place "
             "(ctx.mark_dirty)", op=_label(cls), where=user_source_location(),
             hint="return a new tensor from forward, or call the Function outside the compiled "
@@ -141,14 +142,14 @@ def function_symbol(cls: type, state: AutocastState = ()) -> Symbol:
         except NotYetSupportedError:
             raise
         except FulmenError as error:  # a proxy reached fake tensors' dispatch
-            raise NotYetSupportedError(
+            raise UntraceableFunction(
                 "the custom autograd.Function's forward uses a traced tensor that is not an "
                 "argument of apply (a module parameter, or a tensor held by an object)",
                 op=_label(cls), where=user_source_location(),
                 hint="pass every tensor forward uses as an argument of apply, so its gradient "
                 "is the one backward returns") from error
         except Exception as error:
-            raise NotYetSupportedError(
+            raise UntraceableFunction(
                 f"cannot describe the outputs of a custom autograd.Function by running its "
                 f"forward on fake tensors: {type(error).__name__}: {error}", op=_label(cls),
                 where=user_source_location(),

@@ -86,6 +86,11 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
+class GradInsideNoGrad(RunsEagerly):
+    """Called with grad disabled, the traced code enables grad and computes on a tensor that
+    requires grad (its graph would be the caller's): the call runs eagerly."""
+
+
 class TensorHookInTrace(RunsEagerly):
     """The traced code registers a hook on a tensor (`y.register_hook(fn)`, `y.retain_grad()`;
     Lightning Fabric's module wrapper hooks every output): the call runs eagerly, where the
@@ -438,7 +443,7 @@ class TracerCtx(TraceCtx):
                     and (p.dtype.is_floating_point or p.dtype.is_complex)]
         if torch.is_grad_enabled():
             if not self.differentiable:
-                raise NotYetSupportedError(
+                raise GradInsideNoGrad(
                     "an op inside torch.enable_grad() reads a tensor that requires grad, but the "
                     "compiled function was called with grad disabled", op=_func_name(func),
                     where=user_source_location(),

@@ -295,6 +295,29 @@ def test_forward_modifying_its_input_runs_eagerly():
         fulmen.jit(fn, fullgraph=True)(x)
 
 
+def test_forward_reading_a_traced_tensor_that_is_no_argument_runs_eagerly():
+    def fn(x):
+        scale = x.detach() * 2  # computed in the trace, closed over by forward
+
+        class TimesScale(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a):
+                return a * scale
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * scale
+
+        return TimesScale.apply(x).sum()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.warns(UserWarning, match="not an argument of apply"):
+        fulmen.jit(fn)(x).backward()
+    got, x.grad = x.grad, None
+    fn(x).backward()
+    torch.testing.assert_close(got, x.grad)
+
+
 def test_custom_op_with_register_autograd():
     @torch.library.custom_op("fulmen_test::scaled_sin", mutates_args=())
     def scaled_sin(x: torch.Tensor, scale: float) -> torch.Tensor:

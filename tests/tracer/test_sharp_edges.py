@@ -72,7 +72,7 @@ def test_calls_from_two_threads():
         torch.testing.assert_close(value, f(x, x))
 
 
-def test_seeding_inside_the_function_is_refused():
+def test_seeding_inside_the_function_runs_eagerly():
     def fn(x):
         torch.manual_seed(0)
         return x + torch.rand(2)
@@ -80,8 +80,34 @@ def test_seeding_inside_the_function_is_refused():
     torch.manual_seed(5)
     state = torch.random.get_rng_state()
     with pytest.raises(fulmen.NotYetSupportedError, match="manual_seed"):
-        fulmen.jit(fn)(torch.zeros(2))
+        fulmen.jit(fn, fullgraph=True)(torch.zeros(2))
     assert torch.equal(state, torch.random.get_rng_state())  # the caller's stream is untouched
+    jfn = fulmen.jit(fn)
+    with pytest.warns(UserWarning, match="manual_seed"):
+        first = jfn(torch.zeros(2))
+    torch.testing.assert_close(jfn(torch.zeros(2)), first)  # seeded on every call, as eager
+    after_jitted = torch.random.get_rng_state()
+    torch.testing.assert_close(first, fn(torch.zeros(2)))
+    assert torch.equal(after_jitted, torch.random.get_rng_state())
+
+
+def test_enable_grad_inside_a_call_made_without_grad_runs_eagerly():
+    # an energy model: the input gradient computed under enable_grad even when the caller
+    # evaluates under no_grad
+    w = torch.randn(3, 3, requires_grad=True)
+
+    def fn(x):
+        with torch.enable_grad():
+            y = (x @ w).tanh()
+        return y.sum(-1)
+
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="enable_grad"):
+            out = fulmen.jit(fn)(x)
+        want = fn(x)
+    torch.testing.assert_close(out, want)
+    assert out.requires_grad == want.requires_grad
 
 
 def _grad_flags(x, w):
