@@ -67,10 +67,18 @@ def _user_class(cls: type) -> bool:
         return False
     if cls.__module__ == "__main__":
         return True
-    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    if not path or cls.__module__.split(".")[0] in ("torch", "fulmen"):
+    return is_user_module(sys.modules.get(cls.__module__))
+
+
+def is_user_module(value: Any) -> bool:
+    """Whether `value` is a Python module of the user's own code (`import config` read as
+    `config.SCALE`), not of Python, PyTorch, fulmen or another installed library: its
+    attributes may be changed between calls, so those the code names are keyed."""
+    if not isinstance(value, types.ModuleType) or value.__name__.split(".")[0] in (
+            "torch", "fulmen"):
         return False
-    return not os.path.abspath(path).startswith(_LIBRARY_DIRS)
+    path = getattr(value, "__file__", None)
+    return bool(path) and not os.path.abspath(path).startswith(_LIBRARY_DIRS)
 
 
 _NOT_KEYED = frozenset(["training", "forward"])  # module attributes keyed elsewhere
@@ -96,10 +104,39 @@ def _own_functions(fn, modules) -> list:
                 continue
             found[id(candidate)] = candidate
             namespace = getattr(candidate, "__globals__", {})
-            next_frontier += [namespace[name] for name in code_names(code)
+            names = code_names(code)
+            next_frontier += [namespace[name] for name in names
                               if isinstance(namespace.get(name), types.FunctionType)]
+            next_frontier += [value for module in _user_modules(candidate)  # `cfg.f(x)`
+                              for value in map(vars(module).get, names)
+                              if isinstance(value, types.FunctionType)]
         frontier = next_frontier
     return list(found.values())
+
+
+def _user_modules(function) -> list[types.ModuleType]:
+    """The user modules (`is_user_module`) `function` reads from a global or a closure cell."""
+    namespace = getattr(function, "__globals__", {})
+    found = [namespace[name] for name in code_names(function.__code__)
+             if is_user_module(namespace.get(name))]
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            if is_user_module(cell.cell_contents):
+                found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return found
+
+
+def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:
+    """`fn` without its `functools.partial` layers, and a source for each layer's bound
+    arguments (`partial(f, k=2)` whose `keywords` are changed between calls)."""
+    sources = []
+    while isinstance(fn, functools.partial):
+        sources += [("partial.args", functools.partial(getattr, fn, "args")),
+                    ("partial.keywords", functools.partial(getattr, fn, "keywords"))]
+        fn = fn.func
+    return fn, sources
 
 
 def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
@@ -111,7 +148,7 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
     argparse namespace, a config dataclass: `object_source_key`). Their current keys are part
     of the cache key, so changing one retraces instead of reusing a stale constant or
     tensor."""
-    sources: list[tuple[str, object]] = []
+    fn, sources = _unwrap_partial(fn)
     code = getattr(fn, "__code__", None)
     if code is not None:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -129,6 +166,15 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             seen.add((id(namespace), name))
             if name in namespace and _is_keyed(namespace[name]):
                 sources.append((name, functools.partial(namespace.get, name)))
+        names = code_names(function.__code__)
+        for module in _user_modules(function):  # `config.SCALE`, `config.FLAGS[...]`
+            attributes = vars(module)
+            for name in sorted(names):
+                if (id(attributes), name) not in seen and not name.startswith("__") \
+                        and name in attributes and _is_keyed(attributes[name]):
+                    seen.add((id(attributes), name))
+                    sources.append((f"{module.__name__}.{name}",
+                                    functools.partial(attributes.get, name)))
     classes: set[type] = set()
     for module in modules:
         if is_user_class(type(module)) and type(module) not in classes:

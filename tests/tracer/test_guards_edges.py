@@ -206,3 +206,49 @@ def test_a_config_object_read_from_a_global_or_a_closure_is_guarded():
     for scale in (1.0, 3.0, 1.0):
         config.scale = scale
         torch.testing.assert_close(jclosure(x), closure(x))
+
+
+_SETTINGS_MODULE = '''
+SCALE = 1.0
+FLAGS = {"relu": True}
+OFFSET = 0.0
+
+
+def shift(x):
+    return x + OFFSET
+'''
+
+
+def test_attributes_of_a_users_config_module_are_guarded(tmp_path, monkeypatch):
+    """`import settings; settings.SCALE` and `settings.FLAGS["relu"]` read by the traced code,
+    and the globals of a function it calls through the module (`settings.shift`), changed
+    between calls: retraced (they were not keyed: stale results)."""
+    import importlib
+
+    (tmp_path / "fulmen_test_settings.py").write_text(_SETTINGS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = importlib.import_module("fulmen_test_settings")
+
+    def fn(x):
+        y = settings.shift(x * settings.SCALE)
+        return y.relu() if settings.FLAGS["relu"] else y
+
+    jfn, x = fulmen.jit(fn), torch.randn(5)
+    for change in (None, "SCALE", "FLAGS", "OFFSET"):
+        if change == "SCALE":
+            settings.SCALE = -3.0
+        elif change == "FLAGS":
+            settings.FLAGS["relu"] = False
+        elif change == "OFFSET":
+            settings.OFFSET = 10.0
+        torch.testing.assert_close(jfn(x), fn(x), msg=f"after changing {change}")
+
+
+def test_the_bound_arguments_of_a_jitted_partial_are_guarded():
+    import functools
+
+    scaled = functools.partial(lambda x, k: x * k, k=2.0)
+    jfn, x = fulmen.jit(scaled), torch.randn(3)
+    torch.testing.assert_close(jfn(x), scaled(x))
+    scaled.keywords["k"] = 7.0
+    torch.testing.assert_close(jfn(x), scaled(x))

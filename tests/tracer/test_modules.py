@@ -6,6 +6,7 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import fulmen
@@ -100,11 +101,19 @@ def test_no_grad_results_do_not_require_grad():
     assert not frozen.requires_grad
 
 
-def test_enable_grad_inside_a_no_grad_call_raises():
+def test_enable_grad_inside_a_no_grad_call_runs_eagerly_or_raises_under_fullgraph():
     w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3)
     with torch.no_grad():
         with pytest.raises(NotYetSupportedError, match="enable_grad"):
-            fulmen.jit(_no_grad_blocks)(torch.randn(3), w)
+            fulmen.jit(_no_grad_blocks, fullgraph=True)(x, w)
+        with pytest.warns(UserWarning, match="enable_grad"):
+            got = fulmen.jit(_no_grad_blocks)(x, w)
+        want = _no_grad_blocks(x, w)
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b)
+            assert a.requires_grad == b.requires_grad
 
 
 def _autocast_fn(x, w):
