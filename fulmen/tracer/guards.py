@@ -131,6 +131,7 @@ _FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, typ
 
 _EXACT_SCALARS = frozenset([bool, int, str, type(None)])
 _MAX_ITEMS = 64  # containers longer than this are keyed by their length only
+_NESTED_DEPTH = 2  # levels of containers inside a container keyed by their items
 
 
 def source_key(value: Any) -> Any:
@@ -223,7 +224,21 @@ def object_source_key(value: Any) -> Any:
     return (type(value), tuple([(k, _item_key(v)) for k, v in state.items()]))
 
 
-def _item_key(value: Any) -> Any:
+def _container_snapshots(value: Any, depth: int = _NESTED_DEPTH) -> list[tuple]:
+    """Snapshots (`KeyMemo`) of a container and of the containers `_item_key` keys by their
+    items inside it, so that changing a nested one recomputes the key."""
+    snapshots = [holder_snapshot(value)]
+    if depth > 0 and len(value) <= _MAX_ITEMS:
+        for item in (value.values() if type(value) is dict else value):
+            if type(item) in CONTAINERS:
+                snapshots += _container_snapshots(item, depth - 1)
+    return snapshots
+
+
+def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
+    """The key of an item of a container `source_key` reads: as `source_key`'s for scalars and
+    tensors; nested containers by their items too, `depth` more levels (`CFG["model"]["act"]`
+    changed in place), then by identity."""
     kind = type(value)
     if kind in _EXACT_SCALARS:
         return (kind, value)
@@ -231,6 +246,9 @@ def _item_key(value: Any) -> Any:
         return ("tensor", id(value))
     if isinstance(value, SCALARS):
         return _leaf_key(value)
+    if kind in CONTAINERS and depth > 0 and len(value) <= _MAX_ITEMS:
+        items = value.items() if kind is dict else enumerate(value)
+        return (kind, tuple([(k, _item_key(v, depth - 1)) for k, v in items]))
     return (type(value), id(value))
 
 
@@ -412,7 +430,7 @@ class CacheKeyBuilder:
                 keys.append(source_key(value))
                 if kind in CONTAINERS:
                     if snapshots is not None:
-                        snapshots.append(holder_snapshot(value))
+                        snapshots += _container_snapshots(value)
                 elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS)):
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
         key = HashedKey(tuple(keys))

@@ -252,3 +252,23 @@ def test_the_bound_arguments_of_a_jitted_partial_are_guarded():
     torch.testing.assert_close(jfn(x), scaled(x))
     scaled.keywords["k"] = 7.0
     torch.testing.assert_close(jfn(x), scaled(x))
+
+
+NESTED = {"model": {"act": "relu", "sizes": [1.0, 2.0]}}
+
+
+def _nested_config(x):
+    y = x * NESTED["model"]["sizes"][1]
+    return y.relu() if NESTED["model"]["act"] == "relu" else y.tanh()
+
+
+def test_a_nested_config_dict_changed_in_place_retraces():
+    jfn, x = fulmen.jit(_nested_config), torch.randn(4)
+    try:
+        torch.testing.assert_close(jfn(x), _nested_config(x))
+        NESTED["model"]["act"] = "tanh"  # the inner dict, not the global, changes
+        torch.testing.assert_close(jfn(x), _nested_config(x))
+        NESTED["model"]["sizes"][1] = -3.0  # two levels in
+        torch.testing.assert_close(jfn(x), _nested_config(x))
+    finally:
+        NESTED["model"] = {"act": "relu", "sizes": [1.0, 2.0]}
