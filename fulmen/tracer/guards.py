@@ -12,9 +12,12 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
 import math
 import operator
+import types
 from collections.abc import Hashable
 from typing import Any
 
@@ -224,13 +227,40 @@ def object_source_key(value: Any) -> Any:
     return (type(value), tuple([(k, _item_key(v)) for k, v in state.items()]))
 
 
+_DATA_OBJECTS = (types.SimpleNamespace, argparse.Namespace)
+
+
+def _is_data_object(value: Any) -> bool:
+    """A configuration object whose attributes `_item_key` keys when it is nested in a keyed
+    value (`CFG.attention.dropout`): a dataclass, a namespace, an instance of a user class. Not
+    any object with a `__dict__`: a logger nested in a config would key every logger."""
+    return (type(value) in _DATA_OBJECTS or dataclasses.is_dataclass(value)
+            and not isinstance(value, type)) or (
+        is_user_class(type(value)) and is_plain_object(value))
+
+
+def _nested_items(value: Any, depth: int) -> Any:
+    """The items `_item_key` keys inside `value` (a container or data object), or None when it
+    keys `value` by identity (too deep, too many)."""
+    if depth <= 0:
+        return None
+    if type(value) in CONTAINERS:
+        return value if len(value) <= _MAX_ITEMS else None
+    if _is_data_object(value):
+        state = vars(value)
+        return state if len(state) <= _MAX_ATTRIBUTES else None
+    return None
+
+
 def _container_snapshots(value: Any, depth: int = _NESTED_DEPTH) -> list[tuple]:
-    """Snapshots (`KeyMemo`) of a container and of the containers `_item_key` keys by their
-    items inside it, so that changing a nested one recomputes the key."""
+    """Snapshots (`KeyMemo`) of a container or plain object and of the containers and data
+    objects `_item_key` keys by their items inside it, so that changing a nested one recomputes
+    the key."""
     snapshots = [holder_snapshot(value)]
-    if depth > 0 and len(value) <= _MAX_ITEMS:
-        for item in (value.values() if type(value) is dict else value):
-            if type(item) in CONTAINERS:
+    items = value if type(value) in CONTAINERS else vars(value)
+    if depth > 0 and len(items) <= max(_MAX_ITEMS, _MAX_ATTRIBUTES):
+        for item in (items.values() if isinstance(items, dict) else items):
+            if _nested_items(item, depth) is not None:
                 snapshots += _container_snapshots(item, depth - 1)
     return snapshots
 
@@ -246,8 +276,9 @@ def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
         return ("tensor", id(value))
     if isinstance(value, SCALARS):
         return _leaf_key(value)
-    if kind in CONTAINERS and depth > 0 and len(value) <= _MAX_ITEMS:
-        items = value.items() if kind is dict else enumerate(value)
+    items = _nested_items(value, depth)
+    if items is not None:
+        items = items.items() if isinstance(items, dict) else enumerate(items)
         return (kind, tuple([(k, _item_key(v, depth - 1)) for k, v in items]))
     return (type(value), id(value))
 
@@ -420,7 +451,7 @@ class CacheKeyBuilder:
                 if key is None:
                     key = objects[id(value)] = object_source_key(value)
                     if snapshots is not None:
-                        snapshots.append(holder_snapshot(value))
+                        snapshots += _container_snapshots(value)
                 keys.append(key)
             elif object_type is not None:  # an object attribute rebound to something else
                 keys.append((kind, id(value)))

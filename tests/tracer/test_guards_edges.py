@@ -1,6 +1,7 @@
 """Cache keys tell apart the Python scalars eager tells apart: 0.0 and -0.0 (a sign that
 `math.copysign` or a division bakes into the trace), as arguments and as globals read."""
 
+import dataclasses
 import math
 
 import torch
@@ -272,3 +273,41 @@ def test_a_nested_config_dict_changed_in_place_retraces():
         torch.testing.assert_close(jfn(x), _nested_config(x))
     finally:
         NESTED["model"] = {"act": "relu", "sizes": [1.0, 2.0]}
+
+
+@dataclasses.dataclass
+class _Attention:
+    scale: float = 1.0
+    act: str = "relu"
+
+
+@dataclasses.dataclass
+class _ModelConfig:
+    attention: _Attention
+    sizes: list
+
+
+def test_a_nested_config_object_changed_in_place_retraces():
+    """`self.cfg.attention.scale` (a dataclass inside a dataclass) and `self.cfg.sizes[1]`
+    read by a jitted module, changed in place between calls: retraced (the key looked one
+    level into the module's config object)."""
+
+    class Configured(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = _ModelConfig(_Attention(), [1.0, 2.0])
+
+        def forward(self, x):
+            y = x * self.cfg.attention.scale * self.cfg.sizes[1]
+            return y.relu() if self.cfg.attention.act == "relu" else y.tanh()
+
+    model = Configured()
+    jmodel, x = fulmen.jit(model), torch.randn(4)
+    for change in (None, "scale", "act", "sizes"):
+        if change == "scale":
+            model.cfg.attention.scale = -3.0
+        elif change == "act":
+            model.cfg.attention.act = "tanh"
+        elif change == "sizes":
+            model.cfg.sizes[1] = 5.0
+        torch.testing.assert_close(jmodel(x), model(x), msg=f"after changing {change}")
