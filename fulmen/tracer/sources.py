@@ -88,11 +88,15 @@ _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 def _own_functions(fn, modules) -> list:
     """The traced function and the functions whose globals its program may read: the
-    forward and other methods of each module's own class, and (up to `_SCAN_DEPTH` levels)
-    the module-level functions they name. PyTorch's and fulmen's own are left out."""
+    forward and other methods of each module's own class, the methods of the user's objects
+    the modules hold (`self.helper.apply`), and (up to `_SCAN_DEPTH` levels) the functions,
+    user classes' methods and user modules' functions they name or close over. PyTorch's and
+    fulmen's own are left out."""
     found: dict[int, object] = {}
     frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
                        if isinstance(value, types.FunctionType)]
+    frontier += [function for module in modules for value in vars(module).values()
+                 for function in _functions_of(value)]
     for _ in range(_SCAN_DEPTH + 1):
         next_frontier = []
         for candidate in frontier:
@@ -105,13 +109,41 @@ def _own_functions(fn, modules) -> list:
             found[id(candidate)] = candidate
             namespace = getattr(candidate, "__globals__", {})
             names = code_names(code)
-            next_frontier += [namespace[name] for name in names
-                              if isinstance(namespace.get(name), types.FunctionType)]
-            next_frontier += [value for module in _user_modules(candidate)  # `cfg.f(x)`
-                              for value in map(vars(module).get, names)
-                              if isinstance(value, types.FunctionType)]
+            reachable = [namespace[name] for name in names if name in namespace]
+            reachable += [value for module in _user_modules(candidate)  # `cfg.f(x)`
+                          for value in map(vars(module).get, names) if value is not None]
+            reachable += _closure_values(candidate)
+            next_frontier += [function for value in reachable
+                              for function in _functions_of(value)]
         frontier = next_frontier
     return list(found.values())
+
+
+def _closure_values(function) -> list:
+    values = []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+def _functions_of(value: Any) -> list:
+    """The functions whose globals code reaching `value` may read: a function itself, the
+    methods of a user class (`Scaler.apply`, its user base classes' too) and of an instance of
+    one."""
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if not isinstance(value, type):
+        if not is_plain_object(value):
+            return []
+        value = type(value)
+    if not is_user_class(value):
+        return []
+    return [getattr(member, "__func__", member) for cls in value.__mro__ if is_user_class(cls)
+            for member in vars(cls).values()
+            if isinstance(member, (types.FunctionType, staticmethod, classmethod))]
 
 
 def _user_modules(function) -> list[types.ModuleType]:
@@ -119,13 +151,7 @@ def _user_modules(function) -> list[types.ModuleType]:
     namespace = getattr(function, "__globals__", {})
     found = [namespace[name] for name in code_names(function.__code__)
              if is_user_module(namespace.get(name))]
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            if is_user_module(cell.cell_contents):
-                found.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    return found
+    return found + [value for value in _closure_values(function) if is_user_module(value)]
 
 
 def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:

@@ -217,6 +217,14 @@ OFFSET = 0.0
 
 def shift(x):
     return x + OFFSET
+
+
+class Scaler:
+    def apply(self, x):
+        return x * GAIN
+
+
+GAIN = 1.0
 '''
 
 
@@ -243,6 +251,37 @@ def test_attributes_of_a_users_config_module_are_guarded(tmp_path, monkeypatch):
         elif change == "OFFSET":
             settings.OFFSET = 10.0
         torch.testing.assert_close(jfn(x), fn(x), msg=f"after changing {change}")
+
+
+def test_globals_read_by_methods_of_objects_the_code_holds_are_guarded(tmp_path, monkeypatch):
+    """`self.helper.apply(x)` and a closed-over `scaler.apply(x)`, whose method reads its
+    module's global `GAIN`: changed between calls, retraced (the methods of plain objects were
+    not scanned for the globals they read)."""
+    import importlib
+
+    (tmp_path / "fulmen_test_scalers.py").write_text(_SETTINGS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scalers = importlib.import_module("fulmen_test_scalers")
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.helper = scalers.Scaler()
+
+        def forward(self, x):
+            return self.helper.apply(x) - 1
+
+    scaler = scalers.Scaler()
+
+    def closure(x):
+        return scaler.apply(x) + 1
+
+    model, x = Holder(), torch.randn(3)
+    jmodel, jclosure = fulmen.jit(model), fulmen.jit(closure)
+    for gain in (1.0, -2.0):
+        scalers.GAIN = gain
+        torch.testing.assert_close(jmodel(x), model(x))
+        torch.testing.assert_close(jclosure(x), closure(x))
 
 
 def test_the_bound_arguments_of_a_jitted_partial_are_guarded():
