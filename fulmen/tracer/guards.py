@@ -42,6 +42,7 @@ from fulmen.tracer.objects import (
     walk,
 )
 from fulmen.tracer.sources import (
+    ATOMS,
     CONTAINERS,
     FUNCTIONS,
     SCALARS,
@@ -462,7 +463,7 @@ class CacheKeyBuilder:
                 if kind in CONTAINERS:
                     if snapshots is not None:
                         snapshots += _container_snapshots(value)
-                elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS)):
+                elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS, *ATOMS)):
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
         key = HashedKey(tuple(keys))
         self._sources_memo.store(values, key, snapshots)

@@ -40,11 +40,18 @@ def _is_source(value: Any) -> bool:
     return isinstance(value, (*SCALARS, Tensor)) or type(value) in CONTAINERS
 
 
+# immutable values keyed by value (`DTYPE = torch.bfloat16`, `MODE = Mode.EVAL`, a
+# `torch.Size`), besides scalars
+ATOMS = (torch.dtype, torch.device, torch.Size, enum.Enum, torch.memory_format, torch.layout,
+         complex, slice, range)
+
+
 def _is_keyed(value: Any) -> bool:
     """Whether a value read from a closure cell, a global or a module attribute is part of the
-    cache key: a source (`source_key`), a plain object (`object_source_key`) or a user class
-    (`class_source_key`)."""
-    return _is_source(value) or is_plain_object(value) or is_user_class(value)
+    cache key: a source (`source_key`), an atom (`ATOMS`), a function (`ACT = F.relu`, keyed
+    by identity), a plain object (`object_source_key`) or a user class (`class_source_key`)."""
+    return _is_source(value) or isinstance(value, (*ATOMS, *FUNCTIONS)) \
+        or is_plain_object(value) or is_user_class(value)
 
 
 _LIBRARY_DIRS = tuple({path for key in ("stdlib", "platstdlib", "purelib", "platlib")

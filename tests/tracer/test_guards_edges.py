@@ -2,6 +2,7 @@
 `math.copysign` or a division bakes into the trace), as arguments and as globals read."""
 
 import dataclasses
+import enum
 import math
 
 import torch
@@ -350,3 +351,37 @@ def test_a_nested_config_object_changed_in_place_retraces():
         elif change == "sizes":
             model.cfg.sizes[1] = 5.0
         torch.testing.assert_close(jmodel(x), model(x), msg=f"after changing {change}")
+
+
+class _Mode(enum.Enum):
+    DOUBLE = 1
+    TRIPLE = 2
+
+
+DTYPE = torch.float32
+MODE = _Mode.DOUBLE
+ACT = torch.relu
+SHAPE = torch.Size([2, 2])
+
+
+def _reads_atoms(x):
+    y = x.to(DTYPE)
+    y = y * 2 if MODE is _Mode.DOUBLE else y * 3
+    return ACT(y).reshape(SHAPE)
+
+
+def test_globals_holding_dtypes_enums_functions_and_sizes_are_guarded():
+    """A global dtype, enum member, activation function or `torch.Size` rebound between
+    calls: retraced (they were not keyed: the old dtype, branch, function or shape)."""
+    global DTYPE, MODE, ACT, SHAPE
+    jfn, x = fulmen.jit(_reads_atoms), torch.randn(4)
+    try:
+        for name, value in (("none", None), ("DTYPE", torch.float64), ("MODE", _Mode.TRIPLE),
+                            ("ACT", torch.tanh), ("SHAPE", torch.Size([4]))):
+            if name != "none":
+                globals()[name] = value
+            got, want = jfn(x), _reads_atoms(x)
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            torch.testing.assert_close(got, want, msg=f"after changing {name}")
+    finally:
+        DTYPE, MODE, ACT, SHAPE = torch.float32, _Mode.DOUBLE, torch.relu, torch.Size([2, 2])
