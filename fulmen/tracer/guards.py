@@ -220,12 +220,15 @@ def restore_classes(before: list[tuple[type, dict]]) -> None:
 
 
 def object_source_key(value: Any) -> Any:
-    """The key of a plain object a module holds (`self.config`): its type and its attributes
-    one level deep, as `source_key` keys a dict's items."""
+    """The key of a plain object a module holds (`self.config`): its type and its attributes,
+    as `source_key` keys a dict's items; containers and data objects inside a data object
+    (`_is_data_object`: a config) by their items too, inside another object (a logger, whose
+    `_cache` fills as it is used) by identity."""
     state = vars(value)
     if len(state) > _MAX_ATTRIBUTES:
         return (type(value), id(value), len(state))
-    return (type(value), tuple([(k, _item_key(v)) for k, v in state.items()]))
+    depth = _NESTED_DEPTH if _is_data_object(value) else 0
+    return (type(value), tuple([(k, _item_key(v, depth)) for k, v in state.items()]))
 
 
 _DATA_OBJECTS = (types.SimpleNamespace, argparse.Namespace)
@@ -452,7 +455,8 @@ class CacheKeyBuilder:
                 if key is None:
                     key = objects[id(value)] = object_source_key(value)
                     if snapshots is not None:
-                        snapshots += _container_snapshots(value)
+                        snapshots += _container_snapshots(
+                            value, _NESTED_DEPTH if _is_data_object(value) else 0)
                 keys.append(key)
             elif object_type is not None:  # an object attribute rebound to something else
                 keys.append((kind, id(value)))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import logging
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -35,15 +36,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError
+from fulmen.core import NotYetSupportedError, RunsEagerly
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype,
           torch.device, torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format,
           torch.layout)
+# (loggers: their `_cache` fills as they are asked, and their manager holds every logger)
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
-           types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator)
+           types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator,
+           logging.Logger, logging.Manager, logging.LoggerAdapter)
 _MAX_DEPTH = 6
 ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
@@ -295,6 +298,11 @@ class Epilogue:
 
 
 
+class UnreplayableObjectStore(RunsEagerly):
+    """A store into an object the traced code reads whose value cannot be rebuilt on later
+    calls: the call runs eagerly."""
+
+
 class ObjectInputs:
     """The object arguments of one traced call (see the module docstring).
 
@@ -382,6 +390,24 @@ class ObjectInputs:
             for key, value in now.items():
                 if key not in saved or saved[key] is not value:
                     self.epilogue.stores.append((root, path, (kind, key), value))
+        for _, _, _, template in self.epilogue.stores:
+            self._check_replayable(template)
+
+    def _check_replayable(self, template: Any) -> None:
+        """Raise `UnreplayableObjectStore` if a stored value cannot be rebuilt for later calls
+        (`Epilogue.run` deep-copies what is new in it: a lock, a file, a C object cannot be)."""
+        memo: dict[int, Any] = {}
+        for value in [template, *(child for _, child in _children(template))]:
+            if isinstance(value, _OPAQUE) or id(value) in self.epilogue.existing \
+                    or not _walkable(value):
+                memo[id(value)] = value
+        try:
+            copy.deepcopy(template, memo)
+        except Exception as error:  # noqa: BLE001 - pickling protocols raise anything
+            raise UnreplayableObjectStore(
+                f"the function stores a value into an object it reads that cannot be copied "
+                f"for later calls ({type(error).__name__}: {error})", op="setattr",
+                hint="keep such objects out of the compiled function") from None
 
     def finish_restore(self) -> None:
         """Put every object back as it was before tracing (real tensors, no proxies)."""

@@ -88,7 +88,10 @@ def is_user_module(value: Any) -> bool:
     return bool(path) and not os.path.abspath(path).startswith(_LIBRARY_DIRS)
 
 
-_NOT_KEYED = frozenset(["training", "forward"])  # module attributes keyed elsewhere
+# module attributes keyed elsewhere, and nn.Module's own bookkeeping (`_parameters`, the hook
+# dicts: watched by `module_hooks`); the user's private attributes (`self._scale`) are keyed
+_NOT_KEYED = frozenset(["training", "forward", *vars(torch.nn.Module()),
+                        "_compiled_call_impl", "_state_dict_hooks"])
 _SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
 _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
@@ -214,11 +217,13 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             classes.add(type(module))  # `self.scale` read from `class Block: scale = 2.0`
             sources.append((f"{type(module).__name__} (class)",
                             functools.partial(getattr, module, "__class__")))
+        # private attributes of the user's own modules (`self._scale`); a library's are its
+        # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
+        private = is_user_class(type(module))
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
-            # (private ones too when they hold a tensor: `self._h`, read afresh by programs)
-            if (_is_keyed(value) or isinstance(value, FUNCTIONS)) and attr not in _NOT_KEYED \
-                    and (not attr.startswith("_") or type(value) is Tensor):
+            if _is_keyed(value) and attr not in _NOT_KEYED and (
+                    private or not attr.startswith("_") or type(value) is Tensor):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))
     return sources[:_MAX_SOURCES]

@@ -1,10 +1,15 @@
-"""Cache keys tell apart the Python scalars eager tells apart: 0.0 and -0.0 (a sign that
-`math.copysign` or a division bakes into the trace), as arguments and as globals read."""
+"""Cache keys tell apart what eager tells apart: 0.0 and -0.0 (a sign that `math.copysign`
+or a division bakes into the trace), as arguments and as globals read; and everything else the
+traced code reads besides its arguments, changed between calls: globals read by called
+functions and by methods of held objects, config objects and their nested dataclasses, nested
+dicts, a user's config module, private attributes of a user's module, dtypes, enums, functions
+and sizes in globals, a partial's bound arguments (each was silently stale once)."""
 
 import dataclasses
 import enum
 import math
 
+import pytest
 import torch
 
 import fulmen
@@ -385,3 +390,69 @@ def test_globals_holding_dtypes_enums_functions_and_sizes_are_guarded():
             torch.testing.assert_close(got, want, msg=f"after changing {name}")
     finally:
         DTYPE, MODE, ACT, SHAPE = torch.float32, _Mode.DOUBLE, torch.relu, torch.Size([2, 2])
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._temperature = 1.0  # private, set by the user between calls
+        self._mode = "plain"
+
+    def forward(self, x):
+        y = x / self._temperature
+        return y if self._mode == "plain" else y.softmax(-1)
+
+
+def test_private_attributes_of_a_users_module_are_guarded():
+    model = _Tempered()
+    jmodel, x = fulmen.jit(model), torch.randn(2, 4)
+    torch.testing.assert_close(jmodel(x), model(x))
+    model._temperature = 0.5
+    torch.testing.assert_close(jmodel(x), model(x))
+    model._mode = "softmax"
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
+def test_a_logger_used_inside_does_not_retrace():
+    """A logger is keyed by its attributes, not by the levels its `_cache` fills in as it is
+    asked (and empties on any `setLevel`): that would recompile on logging alone."""
+    import logging
+
+    log = logging.getLogger("fulmen_test_quiet")  # closed over: an object the code reads
+
+    def fn(x):
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("never")
+        return x * 2
+
+    jfn, x = fulmen.jit(fn), torch.randn(3)
+    jfn(x)
+    log.isEnabledFor(logging.INFO)  # fills its `_cache`
+    logging.getLogger("fulmen_test_other").setLevel(logging.WARNING)  # clears every `_cache`
+    jfn(x)
+    jfn(x)
+    assert fulmen.compile_stats(jfn).cache_misses == 1, fulmen.compile_stats(jfn).recompile_reasons
+
+
+class _NoCopy:
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy _NoCopy")
+
+
+def test_a_store_that_cannot_be_rebuilt_runs_eagerly():
+    class Holder:
+        def __init__(self):
+            self.handle, self.calls = None, 0
+
+    holder = Holder()
+
+    def fn(x):
+        holder.handle = _NoCopy()  # a compiled call could not rebuild it (it crashed)
+        holder.calls += 1
+        return x * 2
+
+    jfn = fulmen.jit(fn)
+    with pytest.warns(UserWarning, match="cannot be copied"):
+        jfn(torch.ones(2))
+    jfn(torch.ones(2))
+    assert holder.calls == 2 and isinstance(holder.handle, _NoCopy)
