@@ -119,6 +119,25 @@ def row_major(tensor: torch.Tensor) -> bool | None:
     return None if undecided else True
 
 
+def _storage_size(shape, strides, storage_offset, dtype: torch.dtype) -> int | None:
+    """The byte size of a proxy's (absent) storage where a size, stride or offset is symbolic:
+    the one its sizes in the traced call span (`size_hints`), a plain int. NOTE [proxy storage
+    size]: PyTorch computes a symbolic storage size for `_make_wrapper_subclass` when none is
+    given, a sympy sum of products per proxy (about 0.4 ms each, most of the time of making a
+    symbolic proxy; 9,000 SymInt operations in a Llama trace). A proxy has no storage and
+    nothing reads its size (fake tensors for meta kernels are made from the proxy's shape and
+    strides, `ops/meta.py`), so a hint is enough. None for static proxies (PyTorch's own)."""
+    symbolic = (*shape, *strides, storage_offset)
+    if not any(isinstance(size, torch.SymInt) for size in symbolic):
+        return None
+    sizes, steps = size_hints(shape), size_hints(strides)
+    if 0 in sizes:
+        return 0
+    offset = storage_offset.node.hint if isinstance(storage_offset, torch.SymInt) else storage_offset
+    span = 1 + sum((size - 1) * abs(step) for size, step in zip(sizes, steps))
+    return (offset + span) * dtype.itemsize
+
+
 def _known(condition) -> bool:
     return condition if isinstance(condition, bool) else _statically_known_true(condition)
 
@@ -173,6 +192,7 @@ class TensorProxy(torch.Tensor, Proxy):
             device=torch.device(device),
             requires_grad=requires_grad,
             storage_offset=storage_offset,
+            storage_size=_storage_size(shape, strides, storage_offset, dtype),
         )
         if name is None:
             ctx = get_tracectx()
