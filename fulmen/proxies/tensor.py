@@ -62,11 +62,40 @@ def dtype_short_name(dtype: torch.dtype) -> str:
 
 def contiguous_strides(shape) -> tuple[int, ...]:
     """Row-major strides (in elements) for `shape`."""
+    shape = tuple(shape)
+    memo, key = _symbolic_memo(shape, "_fulmen_contiguous_strides")
+    if key is not None and key in memo:
+        return memo[key]
     strides, acc = [], 1
-    for size in reversed(tuple(shape)):
+    for size in reversed(shape):
         strides.append(acc)
         acc *= max(size, 1)
-    return tuple(reversed(strides))
+    strides = tuple(reversed(strides))
+    if key is not None:
+        memo[key] = strides
+    return strides
+
+
+def _symbolic_memo(sizes, name: str) -> tuple[dict | None, tuple | None]:
+    """`(memo, key)` for an answer about `sizes` kept by their ShapeEnv (in its attribute
+    `name`) and keyed by the sizes' expressions, or `(None, None)` when no size is symbolic or
+    they come from several ShapeEnvs. NOTE [answers kept by the ShapeEnv]: a trace with symbolic
+    sizes asks the same questions of the same sizes hundreds of times (every proxy made of a
+    shape, every comparison of two shapes), and each asks sympy anew (SymInt arithmetic builds
+    expressions, ~40 us an operation); what an answer depends on (the expressions, the guards
+    recorded while computing it, which hold from then on) is the same for a later asking."""
+    env = None
+    for size in sizes:
+        if isinstance(size, torch.SymInt):
+            size_env = size.node.shape_env
+            if env is None:
+                env = size_env
+            elif size_env is not env:
+                return None, None
+    if env is None:
+        return None, None
+    key = tuple(size.node.expr if isinstance(size, torch.SymInt) else size for size in sizes)
+    return env.__dict__.setdefault(name, {}), key
 
 
 def known_same_shape(a, b) -> bool:
@@ -84,12 +113,23 @@ def known_same_shape(a, b) -> bool:
     for x, y in zip(a, b):
         if x is y:
             continue
+        if type(x) is int and type(y) is int:
+            if x != y:
+                return False
+            continue
+        # known equalities are kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv]: a
+        # guard added later only adds facts); an unknown one is asked again
+        known, key = _symbolic_memo((x, y), "_fulmen_known_same")
+        if key is not None and key in known:
+            continue
         equal = x == y
         if isinstance(equal, bool):
             if not equal:
                 return False
         elif not _statically_known_true(equal):
             return False
+        if key is not None:
+            known[key] = True
     return True
 
 

@@ -63,3 +63,77 @@ def test_symbolic_guards_import_no_export_or_inductor():
                           cwd=str(__import__("pathlib").Path(__file__).parents[2]), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _failures():
+    """(call, message) for each prim check whose message formats shapes (made on failure)."""
+    from fulmen.ops import prims
+
+    a = TensorProxy("a", (2, 3), torch.float32, "cpu")
+    other = TensorProxy("o", (3, 2), torch.float32, "cpu")
+    pred = TensorProxy("p", (3, 2), torch.bool, "cpu")
+    return [
+        (lambda: prims.reshape(a, (4, 2)), "cannot reshape (2, 3) to (4, 2)"),
+        (lambda: prims.reshape(a, (-1, 6)), "invalid shape (-1, 6)"),
+        (lambda: prims.add(a, other), "shapes differ: torch.Size([2, 3]) vs torch.Size([3, 2])"),
+        (lambda: prims.add(a, "x"), "operand 'x' is not a tensor or number"),
+        (lambda: prims.where(pred, a, a), "pred shape torch.Size([3, 2]) != torch.Size([2, 3])"),
+        (lambda: prims.squeeze(a, (0,)), "dims (0,) are not all of size 1"),
+        (lambda: prims.pad(a, 0.0, ((0, -3, 0), (0, 0, 0))), "makes a negative size"),
+        (lambda: prims.slice_prim(a, (0, 0), (3, 3), (1, 1)), "bad slice 0:3:1 of 2"),
+    ]
+
+
+def test_prim_checks_that_fail_still_say_what_differs():
+    from fulmen.core import FulmenError
+    from fulmen.core.trace import TraceCtx, tracing
+
+    with tracing(TraceCtx("checks")):
+        for call, message in _failures():
+            try:
+                call()
+            except FulmenError as error:
+                assert message in str(error), (message, str(error))
+            else:
+                raise AssertionError(f"no error: {message}")
+
+
+def test_prim_checks_that_pass_format_nothing(monkeypatch):
+    """A passing check formats no shape or operand (with symbolic sizes, sympy printing)."""
+    from fulmen.core.trace import TraceCtx, tracing
+    from fulmen.ops import prims
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("formatted while checking")
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(4, 3), "a", dims=(0,))
+    with tracing(TraceCtx("checks")):
+        a = TensorProxy("a", shape, torch.float32, "cpu", strides=strides)
+        pred = TensorProxy("p", shape, torch.bool, "cpu", strides=strides)
+        for name in ("__repr__", "__str__", "__format__"):
+            monkeypatch.setattr(torch.SymInt, name, refuse)
+        monkeypatch.setattr(TensorProxy, "__repr__", refuse)
+        prims.add(a, a)
+        prims.where(pred, a, a)
+        prims.reshape(a, (3, shape[0]))
+        prims.squeeze(prims.reshape(a, (1, shape[0] * 3)), (0,))
+        prims.pad(a, 0.0, ((0, 1, 0), (0, 0, 0)))
+        prims.slice_prim(a, (0, 1), (shape[0], 3), (1, 1))
+
+
+def test_symbolic_answers_are_kept_by_the_shape_env():
+    """`contiguous_strides` and `known_same_shape` of the same symbolic sizes are asked of sympy
+    once per ShapeEnv (NOTE [answers kept by the ShapeEnv]); the answers are the computed ones."""
+    from fulmen.proxies.tensor import contiguous_strides, known_same_shape
+
+    sizes = SymbolicSizes()
+    (s0, s1, four), _ = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))
+    strides = contiguous_strides((s0, s1, four))
+    assert [str(s) for s in strides] == [f"4*{s1}", "4", "1"]
+    assert contiguous_strides((s0, s1, four)) is strides  # kept, not computed again
+    same = s1 * 4
+    assert known_same_shape((strides[0], s0), (same, s0))
+    assert sizes.env._fulmen_known_same  # the equality is kept
+    assert not known_same_shape((s0,), (s1,))  # unknown without a guard: not kept, not guarded
+    assert not sizes.env.guards
