@@ -63,7 +63,7 @@ def dtype_short_name(dtype: torch.dtype) -> str:
 def contiguous_strides(shape) -> tuple[int, ...]:
     """Row-major strides (in elements) for `shape`."""
     shape = tuple(shape)
-    memo, key = _symbolic_memo(shape, "_fulmen_contiguous_strides")
+    memo, key = shape_env_memo(shape, "_fulmen_contiguous_strides")
     if key is not None and key in memo:
         return memo[key]
     strides, acc = [], 1
@@ -76,7 +76,7 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return strides
 
 
-def _symbolic_memo(sizes, name: str) -> tuple[dict | None, tuple | None]:
+def shape_env_memo(sizes, name: str) -> tuple[dict | None, tuple | None]:
     """`(memo, key)` for an answer about `sizes` kept by their ShapeEnv (in its attribute
     `name`) and keyed by the sizes' expressions, or `(None, None)` when no size is symbolic or
     they come from several ShapeEnvs. NOTE [answers kept by the ShapeEnv]: a trace with symbolic
@@ -119,7 +119,7 @@ def known_same_shape(a, b) -> bool:
             continue
         # known equalities are kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv]: a
         # guard added later only adds facts); an unknown one is asked again
-        known, key = _symbolic_memo((x, y), "_fulmen_known_same")
+        known, key = shape_env_memo((x, y), "_fulmen_known_same")
         if key is not None and key in known:
             continue
         equal = x == y
@@ -312,11 +312,17 @@ class TensorProxy(torch.Tensor, Proxy):
         `s0 == 1` (its stride may be anything then) and specialise a batch of 1."""
         if memory_format is torch.contiguous_format and any(
                 isinstance(size, torch.SymInt) for size in self.shape):
+            # a known answer is kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv])
+            known, key = shape_env_memo((*self.shape, *self.stride()), "_fulmen_row_major")
+            if key is not None and key in known:
+                return True
             strides, acc = [], 1
             for size in reversed(self.shape):
                 strides.append(acc)
                 acc = acc * size if isinstance(size, torch.SymInt) else acc * max(size, 1)
             if known_same_shape(self.stride(), tuple(reversed(strides))):
+                if key is not None:
+                    known[key] = True
                 return True
         with torch._C.DisableTorchFunctionSubclass():
             return _IS_CONTIGUOUS(self, memory_format=memory_format)

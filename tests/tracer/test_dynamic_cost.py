@@ -137,3 +137,27 @@ def test_symbolic_answers_are_kept_by_the_shape_env():
     assert sizes.env._fulmen_known_same  # the equality is kept
     assert not known_same_shape((s0,), (s1,))  # unknown without a guard: not kept, not guarded
     assert not sizes.env.guards
+
+
+def test_row_major_and_tiny_region_answers_are_kept_by_the_shape_env():
+    """A proxy's `is_contiguous()` with symbolic sizes and the tiny-region size test of fusion
+    are kept per ShapeEnv too; the answers are the computed ones (no guard recorded)."""
+    from fulmen.transforms.fusion import _numel_at_most
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))
+    proxy = TensorProxy("x", shape, torch.float32, "cpu", strides=strides)
+    assert proxy.is_contiguous()
+    assert len(sizes.env._fulmen_row_major) == 1
+    assert proxy.is_contiguous()
+    transposed = TensorProxy("t", (shape[1], shape[0], 4), torch.float32, "cpu",
+                             strides=(strides[1], strides[0], 1))
+    assert not transposed.is_contiguous()
+    assert len(sizes.env._fulmen_row_major) == 1  # only known answers are kept
+    assert _numel_at_most(shape, 1 << 20)  # at the traced sizes (120 elements)
+    assert not _numel_at_most(shape, 100)
+    assert sizes.env._fulmen_numel_at_most == {(tuple(s.node.expr if isinstance(s, torch.SymInt)
+                                                      else s for s in shape), 1 << 20): True,
+                                               (tuple(s.node.expr if isinstance(s, torch.SymInt)
+                                                      else s for s in shape), 100): False}
+    assert not sizes.env.guards
