@@ -111,7 +111,7 @@ def _attention_meta(fn, *args, **kwargs):
     """`F.scaled_dot_product_attention` run whole (dropout, symbolic head counts): PyTorch's
     meta kernel describes the math backend; where eager runs the CPU flash kernel, its output
     is laid out like the query (`attention_strides`)."""
-    out = _attention_like_query(args, kwargs)
+    out = attention_like_query(args, kwargs)
     if out is not None:
         return out
     out = run_meta(fn, *args, **kwargs)
@@ -119,7 +119,7 @@ def _attention_meta(fn, *args, **kwargs):
     return out if strides is None else with_strides(out, strides)
 
 
-def _attention_like_query(args, kwargs) -> TensorProxy | None:
+def attention_like_query(args, kwargs) -> TensorProxy | None:
     """With symbolic sizes, the output described without PyTorch's meta kernel, which runs the
     math backend op by op on fake tensors (0.4 s per call for GPT-2's training attention,
     dropout and all): the query's shape and dtype, laid out as the flash kernel lays it out where

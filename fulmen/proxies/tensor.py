@@ -62,11 +62,40 @@ def dtype_short_name(dtype: torch.dtype) -> str:
 
 def contiguous_strides(shape) -> tuple[int, ...]:
     """Row-major strides (in elements) for `shape`."""
+    shape = tuple(shape)
+    memo, key = shape_env_memo(shape, "_fulmen_contiguous_strides")
+    if key is not None and key in memo:
+        return memo[key]
     strides, acc = [], 1
-    for size in reversed(tuple(shape)):
+    for size in reversed(shape):
         strides.append(acc)
         acc *= max(size, 1)
-    return tuple(reversed(strides))
+    strides = tuple(reversed(strides))
+    if key is not None:
+        memo[key] = strides
+    return strides
+
+
+def shape_env_memo(sizes, name: str) -> tuple[dict | None, tuple | None]:
+    """`(memo, key)` for an answer about `sizes` kept by their ShapeEnv (in its attribute
+    `name`) and keyed by the sizes' expressions, or `(None, None)` when no size is symbolic or
+    they come from several ShapeEnvs. NOTE [answers kept by the ShapeEnv]: a trace with symbolic
+    sizes asks the same questions of the same sizes hundreds of times (every proxy made of a
+    shape, every comparison of two shapes), and each asks sympy anew (SymInt arithmetic builds
+    expressions, ~40 us an operation); what an answer depends on (the expressions, the guards
+    recorded while computing it, which hold from then on) is the same for a later asking."""
+    env = None
+    for size in sizes:
+        if isinstance(size, torch.SymInt):
+            size_env = size.node.shape_env
+            if env is None:
+                env = size_env
+            elif size_env is not env:
+                return None, None
+    if env is None:
+        return None, None
+    key = tuple(size.node.expr if isinstance(size, torch.SymInt) else size for size in sizes)
+    return env.__dict__.setdefault(name, {}), key
 
 
 def known_same_shape(a, b) -> bool:
@@ -84,12 +113,23 @@ def known_same_shape(a, b) -> bool:
     for x, y in zip(a, b):
         if x is y:
             continue
+        if type(x) is int and type(y) is int:
+            if x != y:
+                return False
+            continue
+        # known equalities are kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv]: a
+        # guard added later only adds facts); an unknown one is asked again
+        known, key = shape_env_memo((x, y), "_fulmen_known_same")
+        if key is not None and key in known:
+            continue
         equal = x == y
         if isinstance(equal, bool):
             if not equal:
                 return False
         elif not _statically_known_true(equal):
             return False
+        if key is not None:
+            known[key] = True
     return True
 
 
@@ -117,6 +157,25 @@ def row_major(tensor: torch.Tensor) -> bool | None:
             undecided = True  # row-major only where this size is 1
         expected = expected * size
     return None if undecided else True
+
+
+def _storage_size(shape, strides, storage_offset, dtype: torch.dtype) -> int | None:
+    """The byte size of a proxy's (absent) storage where a size, stride or offset is symbolic:
+    the one its sizes in the traced call span (`size_hints`), a plain int. NOTE [proxy storage
+    size]: PyTorch computes a symbolic storage size for `_make_wrapper_subclass` when none is
+    given, a sympy sum of products per proxy (about 0.4 ms each, most of the time of making a
+    symbolic proxy; 9,000 SymInt operations in a Llama trace). A proxy has no storage and
+    nothing reads its size (fake tensors for meta kernels are made from the proxy's shape and
+    strides, `ops/meta.py`), so a hint is enough. None for static proxies (PyTorch's own)."""
+    symbolic = (*shape, *strides, storage_offset)
+    if not any(isinstance(size, torch.SymInt) for size in symbolic):
+        return None
+    sizes, steps = size_hints(shape), size_hints(strides)
+    if 0 in sizes:
+        return 0
+    offset = storage_offset.node.hint if isinstance(storage_offset, torch.SymInt) else storage_offset
+    span = 1 + sum((size - 1) * abs(step) for size, step in zip(sizes, steps))
+    return (offset + span) * dtype.itemsize
 
 
 def _known(condition) -> bool:
@@ -173,6 +232,7 @@ class TensorProxy(torch.Tensor, Proxy):
             device=torch.device(device),
             requires_grad=requires_grad,
             storage_offset=storage_offset,
+            storage_size=_storage_size(shape, strides, storage_offset, dtype),
         )
         if name is None:
             ctx = get_tracectx()
@@ -252,11 +312,17 @@ class TensorProxy(torch.Tensor, Proxy):
         `s0 == 1` (its stride may be anything then) and specialise a batch of 1."""
         if memory_format is torch.contiguous_format and any(
                 isinstance(size, torch.SymInt) for size in self.shape):
+            # a known answer is kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv])
+            known, key = shape_env_memo((*self.shape, *self.stride()), "_fulmen_row_major")
+            if key is not None and key in known:
+                return True
             strides, acc = [], 1
             for size in reversed(self.shape):
                 strides.append(acc)
                 acc = acc * size if isinstance(size, torch.SymInt) else acc * max(size, 1)
             if known_same_shape(self.stride(), tuple(reversed(strides))):
+                if key is not None:
+                    known[key] = True
                 return True
         with torch._C.DisableTorchFunctionSubclass():
             return _IS_CONTIGUOUS(self, memory_format=memory_format)

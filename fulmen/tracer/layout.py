@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from fulmen.core.proxy import iter_proxies
 from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_strides
+from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import contiguous_strides
+from fulmen.proxies.tensor import contiguous_strides, known_same_shape
 
 T = torch.Tensor
 
@@ -144,6 +145,15 @@ def _reshapes_or_cats_inputs(bsym, producer, names: set[str]) -> bool:
 
 
 def _attention_layouts(args, kwargs, out):
-    """Eager's layout of `F.scaled_dot_product_attention` (`attention_strides`), or None."""
+    """Eager's layout of `F.scaled_dot_product_attention`: the flash kernel's where eager runs
+    it (`attention_strides`); else, with symbolic sizes, the math backend's as
+    `opaque.attention_like_query` describes it without the meta kernel (which runs that backend
+    op by op on fake tensors: 0.2-0.4 s per call for GPT-2's training attention, decomposed
+    since its dropout is, NOTE [attention dropout]); else None (the meta kernel answers)."""
     strides = attention_strides(args, kwargs, out)
-    return None if strides is None else [(out.shape, strides)]
+    if strides is None:
+        described = attention_like_query(args, kwargs)
+        if described is None or not known_same_shape(described.shape, out.shape):
+            return None
+        strides = tuple(described.stride())
+    return [(out.shape, strides)]

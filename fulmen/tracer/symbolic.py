@@ -104,6 +104,30 @@ def tensor_at(leaves: list, position):
     return follow(leaves[root], path)
 
 
+_SHAPE_ENV_CLASS: list[type] = []
+
+
+def _shape_env_class() -> type:
+    """PyTorch's `ShapeEnv` without its source locations. NOTE [guards without stack
+    summaries]: the ShapeEnv records, for each symbol and guard, the first stack frame outside
+    a set of PyTorch files (`symbolic_shapes.uninteresting_files`); building that set imports
+    `torch.export`, `torch._inductor` and `torch._functorch.aot_autograd` (0.1-0.3 s, once per
+    process, inside the first symbolic compilation), and each lookup walks the stack. fulmen
+    never reads these locations (its guards print from their expressions and traces carry the
+    user's source lines), so they are left empty; the guards themselves are PyTorch's."""
+    if not _SHAPE_ENV_CLASS:
+        from torch._guards import SLoc
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        class FulmenShapeEnv(ShapeEnv):
+            def _get_stack_summary(self, is_debug: bool = False,
+                                   framework_loc: str | None = None) -> tuple[SLoc, str]:
+                return SLoc(framework_loc, None), ""
+
+        _SHAPE_ENV_CLASS.append(FulmenShapeEnv)
+    return _SHAPE_ENV_CLASS[0]
+
+
 class SymbolicSizes:
     """The symbolic sizes of one trace: a `ShapeEnv`, and which input dimension each symbol
     was made for.
@@ -116,13 +140,12 @@ class SymbolicSizes:
     """
 
     def __init__(self) -> None:
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         # ops whose output shape or a Python value depends on data (`nonzero`, `x[mask]`,
         # `.item()`) must fail in the meta kernel, as without symbolic sizes, so they become
         # graph breaks (`fulmen.tracer.breaks`), not unbacked symbols
-        self.env = ShapeEnv(specialize_zero_one=True, duck_shape=True,
-                            allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False)
+        self.env = _shape_env_class()(specialize_zero_one=True, duck_shape=True,
+                                      allow_scalar_outputs=False,
+                                      allow_dynamic_output_shape_ops=False)
         setattr(self.env, SHAPE_ENV_MARK, True)  # user code formatting its sizes gets numbers
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
         self.positions: list[int] = []  # the flattened-argument position of each

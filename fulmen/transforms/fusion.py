@@ -47,6 +47,7 @@ import torch
 from fulmen import config
 from fulmen.core import BoundSymbol, Tag, Trace, flatten
 from fulmen.core.proxy import iter_proxies
+from fulmen.proxies.tensor import shape_env_memo
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
 
@@ -90,9 +91,24 @@ def is_tiny_region(region: Sequence[BoundSymbol], torch_ops: int) -> bool:
             device = getattr(proxy, "device", None)
             if device is None:
                 continue
-            if device.type != "cpu" or not _at_most(math.prod(proxy.shape), max_numel):
+            if device.type != "cpu" or not _numel_at_most(proxy.shape, max_numel):
                 return False
     return True
+
+
+def _numel_at_most(shape, limit: int) -> bool:
+    """`_at_most` of the element count of `shape`; with symbolic sizes kept by the ShapeEnv
+    (NOTE [answers kept by the ShapeEnv]: the partition asks it of every tensor of every
+    candidate region, each a SymInt product and a sympy comparison)."""
+    if all(type(size) is int for size in shape):
+        return math.prod(shape) <= limit
+    memo, key = shape_env_memo(shape, "_fulmen_numel_at_most")
+    if key is not None and (key, limit) in memo:
+        return memo[key, limit]
+    answer = _at_most(math.prod(shape), limit)
+    if key is not None:
+        memo[key, limit] = answer
+    return answer
 
 
 def _at_most(numel, limit: int) -> bool:

@@ -166,7 +166,7 @@ _MASKS = {
 @pytest.mark.parametrize("query", list(_QUERIES))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_symbolic_attention_run_whole_is_described_as_the_meta_kernel_does(batch, query, mask):
-    """`opaque._attention_like_query`: with symbolic sizes, attention run whole (dropout) gets
+    """`opaque.attention_like_query`: with symbolic sizes, attention run whole (dropout) gets
     the output PyTorch's meta kernel describes (shape, dtype, strides), without running that
     kernel's math backend on fake tensors (0.4 s per call)."""
     from fulmen.ops import opaque
@@ -192,7 +192,7 @@ def test_symbolic_attention_run_whole_is_described_as_the_meta_kernel_does(batch
     v = proxy(torch.randn(batch, 2, seq, 8), "v", (0, 2))
     m = proxy(_MASKS[mask](batch, seq), "m", ())
     kwargs = dict(attn_mask=m, dropout_p=0.3, is_causal=mask == "none")
-    fast = opaque._attention_like_query((q, k, v), kwargs)
+    fast = opaque.attention_like_query((q, k, v), kwargs)
     if query == "contiguous" or batch > 1:
         assert fast is not None
     if fast is None:
@@ -236,3 +236,40 @@ def test_attention_with_dropout_over_symbolic_lengths_equals_eager(query):
                         torch.autograd.grad(expected, (x, k), cotangent)):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
     assert fulmen.cache_misses(jfn) == 2
+
+
+@pytest.mark.parametrize("query", list(_LAYOUTS))
+def test_dropout_attention_with_symbolic_sizes_is_laid_out_without_the_meta_kernel(
+        query, monkeypatch):
+    """The decomposed dropout attention's layout (NOTE [layout truth]) is described by
+    `layout._attention_layouts` where its sizes are symbolic, not by PyTorch's meta kernel
+    (`eager_layouts`, which runs the math backend op by op on fake tensors); strides and values
+    stay eager's (`test_attention_with_dropout_over_symbolic_lengths_equals_eager`)."""
+    from fulmen.tracer import dispatch
+
+    asked = []
+    real = dispatch.eager_layouts
+
+    def spy(func, args, kwargs):
+        asked.append(func)
+        return real(func, args, kwargs)
+
+    monkeypatch.setattr(dispatch, "eager_layouts", spy)
+
+    def fn(x, k, v):
+        q = _LAYOUTS[query](x)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
+        return out * out.stride(1) + out.stride(2)
+
+    jfn = fulmen.jit(fn)
+    for seq in (5, 7, 9):
+        x = torch.randn(2, seq, 48, requires_grad=True)
+        k, v = torch.randn(2, 2, seq, 8, requires_grad=True), torch.randn(2, 2, seq, 8)
+        torch.manual_seed(seq)
+        expected = fn(x, k, v)
+        torch.manual_seed(seq)
+        torch.testing.assert_close(jfn(x, k, v), expected, rtol=1e-5, atol=1e-4)
+        if seq == 5:
+            asked.clear()  # the static trace may ask it: its meta kernel is cheap
+    assert fulmen.cache_misses(jfn) == 2
+    assert F.scaled_dot_product_attention not in asked

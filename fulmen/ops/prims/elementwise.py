@@ -144,7 +144,8 @@ def where(pred: TensorProxy, a: TensorProxy | Number, b: TensorProxy | Number) -
     values = [x for x in (a, b) if isinstance(x, torch.Tensor)]
     if values:
         first = check_elementwise("where", values)
-        check(pred.shape == first.shape, "where", f"pred shape {pred.shape} != {first.shape}")
+        check(pred.shape == first.shape, "where",
+              lambda: f"pred shape {pred.shape} != {first.shape}")
         return _output_like(first, (pred, a, b), first.dtype)
     check(False, "where", "needs a tensor value operand (torch-level where materialises scalars)")
 

@@ -44,8 +44,9 @@ def broadcast_in_dim(a: TensorProxy, shape: Sequence[int], broadcast_dims: Seque
 def reshape(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     """`a` with a new shape of the same number of elements (no -1 here)."""
     shape = tuple(shape)
-    check(all(size >= 0 for size in shape), "reshape", f"invalid shape {shape}")
-    check(math.prod(shape) == a.numel(), "reshape", f"cannot reshape {tuple(a.shape)} to {shape}")
+    check(all(size >= 0 for size in shape), "reshape", lambda: f"invalid shape {shape}")
+    check(math.prod(shape) == a.numel(), "reshape",
+          lambda: f"cannot reshape {tuple(a.shape)} to {shape}")
     return TensorProxy.like(a, shape=shape)
 
 
@@ -53,7 +54,8 @@ def reshape(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
 def squeeze(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
     """Remove the given size-1 dimensions."""
     dims = canonical_dims("squeeze", dims, a.ndim)
-    check(all(a.shape[d] == 1 for d in dims), "squeeze", f"dims {dims} are not all of size 1")
+    check(all(a.shape[d] == 1 for d in dims), "squeeze",
+          lambda: f"dims {dims} are not all of size 1")
     return TensorProxy.like(a, shape=[s for d, s in enumerate(a.shape) if d not in dims])
 
 
@@ -75,7 +77,8 @@ def slice_prim(a: TensorProxy, starts: Sequence[int], ends: Sequence[int], steps
     check(len(starts) == len(ends) == len(steps) == a.ndim, "slice", "one start/end/step per dim")
     shape = []
     for size, start, end, step in zip(a.shape, starts, ends, steps):
-        check(0 <= start <= end <= size and step >= 1, "slice", f"bad slice {start}:{end}:{step} of {size}")
+        if not (0 <= start <= end <= size and step >= 1):
+            check(False, "slice", f"bad slice {start}:{end}:{step} of {size}")
         shape.append((end - start + step - 1) // step)
     return TensorProxy.like(a, shape=shape)
 
@@ -89,7 +92,7 @@ def pad(a: TensorProxy, value: Number, config: Sequence[tuple[int, int, int]]) -
         check(interior >= 0, "pad", "interior padding must be >= 0")
         inner = size + max(size - 1, 0) * interior
         shape.append(low + inner + high)
-        check(shape[-1] >= 0, "pad", f"padding {config} makes a negative size")
+        check(shape[-1] >= 0, "pad", lambda: f"padding {config} makes a negative size")
     return TensorProxy.like(a, shape=shape)
 
 

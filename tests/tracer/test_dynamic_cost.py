@@ -1,0 +1,163 @@
+"""What a symbolic compilation does not compute: the storage size of a proxy with symbolic
+sizes (NOTE [proxy storage size] in `fulmen/proxies/tensor.py`) and PyTorch's source locations
+of guards (NOTE [guards without stack summaries] in `fulmen/tracer/symbolic.py`). Each test
+checks the work is absent, never how long anything takes; results stay eager's."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.symbolic import SymbolicSizes
+
+
+def _storage_bytes(proxy):
+    with torch._C.DisableTorchFunctionSubclass():  # a proxy refuses to answer outside tracing
+        return proxy.untyped_storage().nbytes()
+
+
+def test_a_symbolic_proxy_has_a_plain_storage_size_from_its_hints():
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))
+    assert all(isinstance(size, torch.SymInt) for size in shape[:2])
+    proxy = TensorProxy("x", shape, torch.float32, "cpu", strides=strides)
+    nbytes = _storage_bytes(proxy)
+    assert type(nbytes) is int  # PyTorch's own would be a SymInt expression (sympy per proxy)
+    assert nbytes == 6 * 5 * 4 * 4
+    # a transposed view with an offset spans its hints' elements from the offset
+    view = TensorProxy("v", (shape[1], shape[0]), torch.float16, "cpu",
+                       strides=(strides[1], strides[0]), storage_offset=3)
+    assert _storage_bytes(view) == (3 + 1 + 4 * 4 + 5 * 20) * 2
+    empty = TensorProxy("e", (shape[0], 0), torch.float32, "cpu")
+    assert _storage_bytes(empty) == 0
+
+
+def test_a_static_proxy_keeps_pytorchs_storage_size():
+    proxy = TensorProxy("x", (3, 4), torch.float32, "cpu", strides=(1, 3), storage_offset=2)
+    assert _storage_bytes(proxy) == (2 + 12) * 4
+
+
+def test_symbolic_guards_import_no_export_or_inductor():
+    """PyTorch's guard locations import torch.export and inductor on the first guard; fulmen's
+    ShapeEnv records none, so a symbolic compilation (with guards: `x.shape[0] > 4`) leaves
+    them unimported. Run in a fresh interpreter: the test process may have imported them."""
+    program = textwrap.dedent("""
+        import sys
+        import torch
+        import fulmen
+
+        def fn(x):
+            return x * 2 if x.shape[0] > 4 else x - 1
+
+        jfn = fulmen.jit(fn)
+        for n in (5, 6, 7, 9):
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(jfn(x), fn(x))
+        assert fulmen.cache_misses(jfn) == 2, fulmen.cache_misses(jfn)
+        print(sorted(m for m in ("torch.export._trace", "torch._inductor.codecache",
+                                 "torch._functorch.aot_autograd") if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=str(__import__("pathlib").Path(__file__).parents[2]), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _failures():
+    """(call, message) for each prim check whose message formats shapes (made on failure)."""
+    from fulmen.ops import prims
+
+    a = TensorProxy("a", (2, 3), torch.float32, "cpu")
+    other = TensorProxy("o", (3, 2), torch.float32, "cpu")
+    pred = TensorProxy("p", (3, 2), torch.bool, "cpu")
+    return [
+        (lambda: prims.reshape(a, (4, 2)), "cannot reshape (2, 3) to (4, 2)"),
+        (lambda: prims.reshape(a, (-1, 6)), "invalid shape (-1, 6)"),
+        (lambda: prims.add(a, other), "shapes differ: torch.Size([2, 3]) vs torch.Size([3, 2])"),
+        (lambda: prims.add(a, "x"), "operand 'x' is not a tensor or number"),
+        (lambda: prims.where(pred, a, a), "pred shape torch.Size([3, 2]) != torch.Size([2, 3])"),
+        (lambda: prims.squeeze(a, (0,)), "dims (0,) are not all of size 1"),
+        (lambda: prims.pad(a, 0.0, ((0, -3, 0), (0, 0, 0))), "makes a negative size"),
+        (lambda: prims.slice_prim(a, (0, 0), (3, 3), (1, 1)), "bad slice 0:3:1 of 2"),
+    ]
+
+
+def test_prim_checks_that_fail_still_say_what_differs():
+    from fulmen.core import FulmenError
+    from fulmen.core.trace import TraceCtx, tracing
+
+    with tracing(TraceCtx("checks")):
+        for call, message in _failures():
+            try:
+                call()
+            except FulmenError as error:
+                assert message in str(error), (message, str(error))
+            else:
+                raise AssertionError(f"no error: {message}")
+
+
+def test_prim_checks_that_pass_format_nothing(monkeypatch):
+    """A passing check formats no shape or operand (with symbolic sizes, sympy printing)."""
+    from fulmen.core.trace import TraceCtx, tracing
+    from fulmen.ops import prims
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("formatted while checking")
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(4, 3), "a", dims=(0,))
+    with tracing(TraceCtx("checks")):
+        a = TensorProxy("a", shape, torch.float32, "cpu", strides=strides)
+        pred = TensorProxy("p", shape, torch.bool, "cpu", strides=strides)
+        for name in ("__repr__", "__str__", "__format__"):
+            monkeypatch.setattr(torch.SymInt, name, refuse)
+        monkeypatch.setattr(TensorProxy, "__repr__", refuse)
+        prims.add(a, a)
+        prims.where(pred, a, a)
+        prims.reshape(a, (3, shape[0]))
+        prims.squeeze(prims.reshape(a, (1, shape[0] * 3)), (0,))
+        prims.pad(a, 0.0, ((0, 1, 0), (0, 0, 0)))
+        prims.slice_prim(a, (0, 1), (shape[0], 3), (1, 1))
+
+
+def test_symbolic_answers_are_kept_by_the_shape_env():
+    """`contiguous_strides` and `known_same_shape` of the same symbolic sizes are asked of sympy
+    once per ShapeEnv (NOTE [answers kept by the ShapeEnv]); the answers are the computed ones."""
+    from fulmen.proxies.tensor import contiguous_strides, known_same_shape
+
+    sizes = SymbolicSizes()
+    (s0, s1, four), _ = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))
+    strides = contiguous_strides((s0, s1, four))
+    assert [str(s) for s in strides] == [f"4*{s1}", "4", "1"]
+    assert contiguous_strides((s0, s1, four)) is strides  # kept, not computed again
+    same = s1 * 4
+    assert known_same_shape((strides[0], s0), (same, s0))
+    assert sizes.env._fulmen_known_same  # the equality is kept
+    assert not known_same_shape((s0,), (s1,))  # unknown without a guard: not kept, not guarded
+    assert not sizes.env.guards
+
+
+def test_row_major_and_tiny_region_answers_are_kept_by_the_shape_env():
+    """A proxy's `is_contiguous()` with symbolic sizes and the tiny-region size test of fusion
+    are kept per ShapeEnv too; the answers are the computed ones (no guard recorded)."""
+    from fulmen.transforms.fusion import _numel_at_most
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))
+    proxy = TensorProxy("x", shape, torch.float32, "cpu", strides=strides)
+    assert proxy.is_contiguous()
+    assert len(sizes.env._fulmen_row_major) == 1
+    assert proxy.is_contiguous()
+    transposed = TensorProxy("t", (shape[1], shape[0], 4), torch.float32, "cpu",
+                             strides=(strides[1], strides[0], 1))
+    assert not transposed.is_contiguous()
+    assert len(sizes.env._fulmen_row_major) == 1  # only known answers are kept
+    assert _numel_at_most(shape, 1 << 20)  # at the traced sizes (120 elements)
+    assert not _numel_at_most(shape, 100)
+    assert sizes.env._fulmen_numel_at_most == {(tuple(s.node.expr if isinstance(s, torch.SymInt)
+                                                      else s for s in shape), 1 << 20): True,
+                                               (tuple(s.node.expr if isinstance(s, torch.SymInt)
+                                                      else s for s in shape), 100): False}
+    assert not sizes.env.guards
