@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 import os
 import sys
 import sysconfig
@@ -217,6 +218,11 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             classes.add(type(module))  # `self.scale` read from `class Block: scale = 2.0`
             sources.append((f"{type(module).__name__} (class)",
                             functools.partial(getattr, module, "__class__")))
+            for base in type(module).__mro__[1:]:  # `class Base(nn.Module): SCALE = 1.0`
+                if is_user_class(base) and base not in classes:
+                    classes.add(base)
+                    sources.append((f"{base.__name__} (class)",
+                                    functools.partial(operator.getitem, (base,), 0)))
         # private attributes of the user's own modules (`self._scale`); a library's are its
         # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
         private = is_user_class(type(module))

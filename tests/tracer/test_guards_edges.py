@@ -456,3 +456,23 @@ def test_a_store_that_cannot_be_rebuilt_runs_eagerly():
         jfn(torch.ones(2))
     jfn(torch.ones(2))
     assert holder.calls == 2 and isinstance(holder.handle, _NoCopy)
+
+
+class _ScaledBase(torch.nn.Module):
+    SCALE = 1.0  # a class attribute of the module's base class
+
+
+class _Scaled(_ScaledBase):
+    def forward(self, x):
+        return x * self.SCALE
+
+
+def test_class_attributes_of_a_modules_base_class_are_guarded():
+    model = _Scaled()
+    jmodel, x = fulmen.jit(model), torch.randn(3)
+    try:
+        torch.testing.assert_close(jmodel(x), model(x))
+        _ScaledBase.SCALE = -2.0
+        torch.testing.assert_close(jmodel(x), model(x))
+    finally:
+        _ScaledBase.SCALE = 1.0
