@@ -418,8 +418,8 @@ MUTANTS: list[Mutant] = [
            "        if func in BACKWARD_CALLS and False:\n            raise backward_refusal(func)",
            MODULES),
     Mutant("eager_fallback_swallows_fullgraph", "bridge", "jit.py",
-           "                    if self._fullgraph or self._grad_argnums is not None:\n"
-           "                        raise\n                    kind, warning",
-           "                    if self._grad_argnums is not None:\n"
-           "                        raise\n                    kind, warning", (*MODULES, *SHARP)),
+           "        if self._fullgraph or self._grad_argnums is not None:\n"
+           "            raise error\n",
+           "        if self._grad_argnums is not None:\n"
+           "            raise error\n", (*MODULES, *SHARP)),
 ]
