@@ -422,4 +422,23 @@ MUTANTS: list[Mutant] = [
            "            raise error\n",
            "        if self._grad_argnums is not None:\n"
            "            raise error\n", (*MODULES, *SHARP)),
+    # --- what the key reads besides the arguments; eager fallbacks (lead, session 30) --------
+    Mutant("sources_atoms_unkeyed", "guards", "tracer/sources.py",
+           "return _is_source(value) or isinstance(value, (*ATOMS, *FUNCTIONS)) \\",
+           "return _is_source(value) or isinstance(value, FUNCTIONS) \\", GUARDS),
+    Mutant("sources_nested_one_level", "guards", "tracer/guards.py",
+           "_NESTED_DEPTH = 2  # levels", "_NESTED_DEPTH = 0  # levels", GUARDS),
+    Mutant("sources_closure_modules_skipped", "guards", "tracer/sources.py",
+           "return found + [value for value in _closure_values(function) if is_user_module(value)]",
+           "return found", GUARDS),
+    Mutant("held_parameters_set_to_none_unseen", "guards", "tracer/module_hooks.py",
+           "StructureWatch(module, parameters_set_to_none=True))",
+           "StructureWatch(module, parameters_set_to_none=False))", HELD),
+    Mutant("state_none_keyed_as_tensor", "guards", "tracer/guards.py",
+           "    if t is None:\n        raise StateRemoved",
+           "    if t is None:\n        return None", MODULES),
+    Mutant("tensor_hook_refused", "bridge", "tracer/dispatch.py",
+           "raise TensorHookInTrace(", "raise NotYetSupportedError(", INPLACE),
+    Mutant("verify_tree_unchecked", "tools", "tools/verify.py",
+           "    if entry.tree:\n", "    if False:\n", ("tests/test_verify.py",)),
 ]
