@@ -169,3 +169,18 @@ def test_round_at_halves_is_to_even_as_eager():
     for actual, expected in zip(jfn(x), _rounded(x), strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     assert _fused(jfn)
+
+
+def test_a_row_split_into_blocks_among_threads_computes_its_last_element():
+    """With several threads and few rows, a long row is split into blocks of a multiple of 64
+    elements (`cpu/runtime.py`); the last block ends at the row's end, not a block past it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (10001, 40003):
+            x = torch.randn(n)
+            jfn = fulmen.jit(lambda x: (x * 2).exp() + 1, executors=EXECUTORS)
+            torch.testing.assert_close(jfn(x), (x * 2).exp() + 1)
+            assert _fused(jfn)
+    finally:
+        torch.set_num_threads(previous)
