@@ -155,3 +155,32 @@ def test_a_reshape_that_copies_its_input_is_copied_on_every_call():
     regions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
                if isinstance(b.sym.impl, RegionCallable)]
     assert regions and all(len(region._plans) == 1 for region in regions)
+
+
+def _rounded(x):
+    return torch.round(x * 2) + torch.round(x - 0.25, decimals=0), torch.round(x.double() * 2)
+
+
+def test_round_at_halves_is_to_even_as_eager():
+    """`torch.round` rounds halves to even (0.5 -> 0, 2.5 -> 2, -0.5 -> -0); C's `round` rounds
+    them away from zero: only exact halves tell the two apart."""
+    x = torch.tensor([[0.25, 0.75, 1.25, -0.25, -0.75, 2.75, 0.1, -1.25]] * 4)
+    jfn = fulmen.jit(_rounded, executors=EXECUTORS)
+    for actual, expected in zip(jfn(x), _rounded(x), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert _fused(jfn)
+
+
+def test_a_row_split_into_blocks_among_threads_computes_its_last_element():
+    """With several threads and few rows, a long row is split into blocks of a multiple of 64
+    elements (`cpu/runtime.py`); the last block ends at the row's end, not a block past it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (10001, 40003):
+            x = torch.randn(n)
+            jfn = fulmen.jit(lambda x: (x * 2).exp() + 1, executors=EXECUTORS)
+            torch.testing.assert_close(jfn(x), (x * 2).exp() + 1)
+            assert _fused(jfn)
+    finally:
+        torch.set_num_threads(previous)

@@ -267,7 +267,8 @@ def cases(draw):
                              bf16_weights=_rarely, accumulate=st.booleans(),
                              input_grad=st.booleans(), fp16=_sometimes,
                              optimizer=st.sampled_from(["none", "none", "none", "sgd", "adamw"]),
-                             ddp=_rarely, cache=st.sampled_from(
+                             ddp=_rarely, call=st.sampled_from(["module", "module", "argument"]),
+                             cache=st.sampled_from(
                                  ["none", "none", "none", "dynamic", "list"]
                                  if seq else ["none"])))
     if context.bf16_weights and context.autocast:
@@ -322,6 +323,8 @@ def smaller(case: Case):
     for name in ("optimizer", "cache"):
         if getattr(ctx, name) != "none":
             yield dataclasses.replace(case, context=dataclasses.replace(ctx, **{name: "none"}))
+    if ctx.call != "module":
+        yield dataclasses.replace(case, context=dataclasses.replace(ctx, call="module"))
     for index, call in enumerate(case.calls):
         simpler = [dataclasses.replace(call, change="none"), dataclasses.replace(call, padding=()),
                    dataclasses.replace(call, batch=max(1, call.batch - 1)),
@@ -431,6 +434,10 @@ PATTERNS = (
          (Call(2, 4), Call(2, 4, (1,))), seed=12),
     Case(SeqModel(vocab=8, dim=8, blocks=(Memory(), Mlp())), Context(training=True, grad=True),
          (Call(2, 3), Call(2, 3), Call(3, 3), Call(2, 3)), seed=13),
+    # fulmen.jit(loss_fn)(model, batch) with a jitted AdamW step: the model is an argument
+    Case(SeqModel(vocab=8, dim=8, blocks=(Attn(heads=2), Mlp(act="gelu"), Stat()), loss="ce"),
+         Context(training=True, grad=True, optimizer="adamw", call="argument"),
+         (Call(2, 4), Call(2, 4, (1,)), Call(3, 5, change="eval")), seed=15),
     # left padding with rotary positions counted per row, float and BERT-style additive masks,
     # norms without affine, MoE combined by gather and by scatter, an EMA weight
     # buffer used in eval, cross-entropy with label smoothing and class weights

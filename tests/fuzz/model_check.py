@@ -4,6 +4,8 @@ fulmen's error vs float64 is within the float64 rule (`fulmen.tools.accuracy.che
 eager's mean error over the record's group as the noise level); `minimize` reduces a failing
 case and `repro` writes it as a standalone script."""
 
+import functools
+
 import torch
 
 from fulmen.tools.accuracy import check_accuracy, rms, tight
@@ -93,10 +95,18 @@ def run_fulmen(case: Case, config) -> list:
     if case.context.ddp:  # both spellings: DDP's forward runs eagerly around the compiled model
         fn = fulmen.jit(_ddp(model), **options) if case.seed % 2 else \
             _ddp(fulmen.jit(model, **options))
+    elif case.context.call == "argument":  # the model reaches the jitted function as an argument
+        fn = functools.partial(fulmen.jit(model_as_argument, **options), model)
     else:
         fn = fulmen.jit(model, **options)
     return run_sequence(case, model, fn,
                         compile_step=lambda step: fulmen.jit(step, **options))
+
+
+def model_as_argument(model, *inputs):
+    """The function of the `call="argument"` context: `fulmen.jit(model_as_argument)(model,
+    *inputs)`, a training step's loss function that takes the model as an argument."""
+    return model(*inputs)
 
 
 def run_reference(case: Case) -> list:

@@ -182,6 +182,8 @@ class Context:
     #                    (a single-process gloo group, find_unused_parameters)
     cache: str = "none"  # list | dynamic: a KV cache (plain list, or transformers.DynamicCache)
     #                      passed to every call and grown by the attention blocks
+    call: str = "module"  # module: fulmen.jit(model); argument: fulmen.jit(loss_fn)(model,
+    #                       *inputs), a jitted function given the model as an argument
 
     @property
     def half(self):

@@ -19,11 +19,16 @@ pattern the generator leaves out; the ones below were fixed and stay as regressi
 
 Found probing what the generator newly covers, tested next to the op: `nn.RMSNorm`'s default
 eps on half inputs (tests/ops/test_half_precision.py) and the all-ignored cross-entropy mean
-decomposed to prims (tests/ops/test_losses.py)."""
+decomposed to prims (tests/ops/test_losses.py).
+
+- softplus (and mish) differentiated prim by prim past the threshold, where `exp` overflows:
+  a NaN gradient (fixed: ops/torch/activations.py `_softplus`)."""
 
 import torch
+import torch.nn.functional as F
 
 import fulmen
+from fulmen.transforms import decompose_to_prims
 
 
 def _strided_times_broadcast(x, w):
@@ -134,3 +139,22 @@ def test_batch_norm_running_statistics_of_bfloat16_activations_are_eagers():
             jfn(x)
             torch.testing.assert_close(jitted.running_var, eager.running_var)
             torch.testing.assert_close(jitted.running_mean, eager.running_mean)
+
+
+def _softplus_past_the_threshold(x):
+    big = x * 50 + x  # values past exp's float32 range (89 and more)
+    return F.mish(big), F.softplus(big * 2, beta=0.5), F.softplus(big)
+
+
+def test_softplus_gradient_past_overflow_decomposed_to_prims_is_eagers():
+    """Found by the op fuzzer's decomposed config (`int8_cast` then `mish`, issue 18): with
+    `decompose_to_prims` before autodiff, the gradient of softplus's unused exponential branch
+    was `0 * inf = NaN` where `beta x` is past the threshold and `exp` overflows (fixed: the
+    exponential reads 0 there, ops/torch/activations.py `_softplus`)."""
+    x = torch.linspace(-3, 3, 24).reshape(4, 6).requires_grad_()
+    jfn = fulmen.jit(_softplus_past_the_threshold, transforms=[decompose_to_prims])
+    actual, expected = jfn(x), _softplus_past_the_threshold(x)
+    torch.testing.assert_close(actual, expected)
+    cotangents = [torch.randn_like(e) for e in expected]
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangents),
+                               torch.autograd.grad(expected, x, cotangents))

@@ -156,3 +156,26 @@ def test_random_programs_match_eager(config, request):
     for program in sweep():  # every op at least once per executor list
         run = example(program)(run)
     run()
+
+
+def test_random_programs_match_eager_at_the_default_partition(monkeypatch):
+    """The partition users get (`FULMEN_FUSE_TINY=0`: regions of a few small ops stay on torch,
+    an op only part of whose prims were fused is restored whole), which the rest of the suite
+    (conftest sets `FULMEN_FUSE_TINY=1` to check kernels on small tensors) mostly does not run:
+    a small budget of codegen programs, with their in-place variants."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+    previous = set_compile_policy("eager")
+
+    @settings(max_examples=max(EXAMPLES // 16, 8), deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(programs())
+    def run(program):
+        check_program(program, CONFIGS["codegen"])
+        check_mutation(program, CONFIGS["codegen"])
+
+    try:
+        run()
+    finally:
+        set_compile_policy(previous.mode, previous.hot_calls)

@@ -15,6 +15,8 @@ run by every executor list: `["torch"]`, decomposed to prims, `["codegen", "torc
       DDP(jit(model)) train           fulmen.jit(DDP(model)) for odd seeds, else DDP(jit)
     jitted optimizer step + LR      cases(): Context(optimizer="sgd" | "adamw"): fulmen.jit(
       scheduler                       optimizer.step), StepLR stepped after it
+    jit(loss_fn)(model, batch)      cases(): Context(call="argument"): a jitted function given
+                                      the model as an argument (`model_check.model_as_argument`)
     KV cache between calls          cases(): Context(cache="dynamic"): transformers.
                                       DynamicCache grown by every attention, prefill + decode
     view on an intermediate         _layout: Layout("view") (strided intermediate, `.view`)

@@ -78,3 +78,22 @@ def test_reading_the_strides_of_a_contiguous_result_that_may_alias_is_eager():
     for shape in SHAPES:
         x = torch.randn(shape)
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch():
+    """`x[:, 1:]` of a `(B, 4, n)` tensor is contiguous exactly for `B == 1`: the copy the trace
+    sees is row-major (strides `(3n, n, 1)`), so the ops after it (elementwise, a permute, a
+    reduction, a flatten) compile for every batch in the two entries of the rank-2 case and
+    return eager's values and strides."""
+
+    def fn(x):
+        shifted = (x + 1)[:, 1:].contiguous()
+        return shifted * 2, shifted.permute(2, 0, 1).exp(), shifted.sum(1), shifted.view(-1)
+
+    jfn = fulmen.jit(fn)
+    for shape in ((1, 4, 5), (1, 4, 8), (2, 4, 5), (4, 4, 11), (1, 4, 3), (3, 4, 2)):
+        x = torch.randn(shape)
+        got, want = jfn(x), fn(x)
+        torch.testing.assert_close(got, want)
+        assert [g.stride() for g in got] == [w.stride() for w in want], shape
+    assert fulmen.cache_misses(jfn) == 2

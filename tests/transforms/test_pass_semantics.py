@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fulmen
+from fulmen.transforms import decompose_to_prims
 
 CODEGEN = ["codegen", "torch"]
 
@@ -111,3 +112,26 @@ def test_random_ops_in_a_checkpoint_region_are_not_redrawn_in_backward():
         grads[name] = (loss.detach(), *torch.autograd.grad(loss, [x, *model.parameters()]))
     for e, a in zip(grads["eager"], grads["jit"], strict=True):
         torch.testing.assert_close(a, e)
+
+
+def _dropout_of_strided(x):
+    # eager draws the mask into `empty_like(input)`: in the input's memory order
+    return F.dropout(x.t() * 2, 0.5), F.dropout(x[:, ::2].exp(), 0.3)
+
+
+@pytest.mark.parametrize("executors", [["torch"], CODEGEN], ids=["torch", "codegen"])
+@pytest.mark.parametrize("decomposed", [False, True], ids=["whole", "prims"])
+def test_a_dropout_mask_is_drawn_in_the_layout_of_its_input(executors, decomposed):
+    """Same values and strides as eager: `bernoulli_` fills a permuted tensor in memory order,
+    so a mask drawn contiguous holds other values. Decomposed to prims, the mask is the
+    `bernoulli` prim's draw (an executor otherwise runs `F.dropout` whole)."""
+    x = torch.randn(6, 8)
+    torch.manual_seed(11)
+    expected = _dropout_of_strided(x)
+    jfn = fulmen.jit(_dropout_of_strided, executors=executors,
+                     transforms=[decompose_to_prims] if decomposed else [])
+    jfn(x)  # the first call traces
+    torch.manual_seed(11)
+    actual = jfn(x)
+    torch.testing.assert_close(actual, expected)
+    assert [a.stride() for a in actual] == [e.stride() for e in expected]

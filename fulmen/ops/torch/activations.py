@@ -51,12 +51,16 @@ def slice_along(a, dim: int, start: int, end: int):
 
 
 def _softplus(x, beta: float, threshold: float):
-    """`log1p(exp(beta x)) / beta`, or `x` where `beta x > threshold` (eager's formula)."""
+    """`log1p(exp(beta x)) / beta`, or `x` where `beta x > threshold` (eager's formula). The
+    exponential reads 0 where the linear branch is taken: the same values, and differentiated
+    prim by prim (`decompose_to_prims` before autodiff) the unused branch's gradient is
+    `0 * exp(0)`, not `0 * exp(89) = 0 * inf = NaN` (the torch-level rule is eager's)."""
     scaled = prims.mul(x, beta) if beta != 1.0 else x
-    soft = prims.log1p(prims.exp(scaled))
+    linear = prims.gt(scaled, threshold)
+    soft = prims.log1p(prims.exp(prims.where(linear, 0.0, scaled)))
     if beta != 1.0:
         soft = prims.div(soft, beta)
-    return prims.where(prims.gt(scaled, threshold), x, soft)
+    return prims.where(linear, x, soft)
 
 
 @torch_op(F.mish)
