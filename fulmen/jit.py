@@ -392,6 +392,7 @@ class _Jitted:
                 raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         self._guard.add_modules(program.held_modules)
+        self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._held_watch.add(program.held_modules)
         host_random.refuse_draws()
         refuse_private_generators(program.trace, (args, kwargs))

@@ -46,6 +46,7 @@ from fulmen.tracer.sources import (
     CONTAINERS,
     FUNCTIONS,
     SCALARS,
+    functions_of,
     is_user_class,
     scalar_sources,
 )
@@ -302,6 +303,7 @@ class CacheKeyBuilder:
     def __init__(self, modules: tuple[torch.nn.Module, ...] = (), fn=None) -> None:
         self.modules = modules
         self._source_fn = fn
+        self._argument_functions: list = []  # `add_functions`
         self._module_dicts = [vars(module) for module in modules]
         # module attributes `(module, name)` stored by a call (`watch_attributes`); those
         # (`(id(module), name)`) that programs store traced tensors into and never read as
@@ -335,7 +337,8 @@ class CacheKeyBuilder:
     def _set_sources(self) -> None:
         """(Re)collect the values read besides the arguments (`scalar_sources`); the modules'
         attribute counts tell when one was added (`global_key`)."""
-        self.scalar_sources = scalar_sources(self._source_fn, self.modules)
+        self.scalar_sources = scalar_sources(self._source_fn, self.modules,
+                                             self._argument_functions)
         for module, name in self._watched:
             self.scalar_sources.append((f"{type(module).__name__}.{name}",
                                         functools.partial(getattr, module, name, None)))
@@ -390,6 +393,18 @@ class CacheKeyBuilder:
         self._module_dicts = [vars(module) for module in self.modules]
         self._set_sources()
         self._stale = True
+
+    def add_functions(self, leaves: list) -> None:
+        """Key, from now on, the globals read by the functions among a traced call's argument
+        leaves (`apply(x, act_fn)`: the function is keyed by identity, and `act_fn` reading a
+        global `ALPHA` baked its value into the trace); keys computed before are stale."""
+        known = {id(function) for function in self._argument_functions}
+        new = [function for leaf in leaves if not isinstance(leaf, (Tensor, *SCALARS))
+               for function in functions_of(leaf) if id(function) not in known]
+        if new and len(self._argument_functions) < _MAX_HELD_MODULES:
+            self._argument_functions += list({id(f): f for f in new}.values())
+            self._set_sources()
+            self._stale = True
 
     def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
         """Key the module attributes `(module, name)` from now on (ones a call stored, which

@@ -97,7 +97,7 @@ _SCAN_DEPTH = 3  # helper functions followed from the traced function, levels de
 _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 
-def _own_functions(fn, modules) -> list:
+def _own_functions(fn, modules, functions=()) -> list:
     """The traced function and the functions whose globals its program may read: the
     forward and other methods of each module's own class, the methods of the user's objects
     the modules hold (`self.helper.apply`), and (up to `_SCAN_DEPTH` levels) the functions,
@@ -108,6 +108,7 @@ def _own_functions(fn, modules) -> list:
                        if isinstance(value, types.FunctionType)]
     frontier += [function for module in modules for value in vars(module).values()
                  for function in _functions_of(value)]
+    frontier += functions
     for _ in range(_SCAN_DEPTH + 1):
         next_frontier = []
         for candidate in frontier:
@@ -140,12 +141,28 @@ def _closure_values(function) -> list:
     return values
 
 
+def functions_of(value: Any) -> list:
+    """The functions whose globals code calling `value` (an argument: `apply(x, act_fn)`) may
+    read (see `_functions_of`)."""
+    return _functions_of(value)
+
+
 def _functions_of(value: Any) -> list:
     """The functions whose globals code reaching `value` may read: a function itself, the
     methods of a user class (`Scaler.apply`, its user base classes' too) and of an instance of
     one."""
     if isinstance(value, types.FunctionType):
         return [value]
+    wrapped = getattr(value, "__wrapped__", None)  # `functools.lru_cache`, `functools.wraps`
+    if isinstance(wrapped, types.FunctionType) and not isinstance(value, type):
+        return [wrapped]
+    if isinstance(value, functools.partial):
+        return _functions_of(value.func)
+    if type(value) in CONTAINERS:  # `ACTS = {"gelu": lambda t: ...}`
+        return [function for item in (value.values() if type(value) is dict else value)
+                for function in (_functions_of(item) if isinstance(item, (
+                    types.FunctionType, functools.partial)) or hasattr(item, "__wrapped__")
+                    else [])] if len(value) <= 64 else []
     if not isinstance(value, type):
         if not is_plain_object(value):
             return []
@@ -176,7 +193,7 @@ def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:
     return fn, sources
 
 
-def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
+def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     """(name, reader) for each value a traced program may bake in as a constant or capture
     without it being an argument: the function's closure cells, the globals named by it and
     by the functions it may call (`_own_functions`), and the plain attributes of every module
@@ -195,7 +212,7 @@ def scalar_sources(fn, modules=()) -> list[tuple[str, object]]:
             except ValueError:  # an empty cell
                 continue
     seen: set[tuple[int, str]] = set()
-    for function in _own_functions(fn, modules):
+    for function in _own_functions(fn, modules, functions):
         namespace = function.__globals__
         for name in sorted(code_names(function.__code__)):  # co_names holds attributes too
             if (id(namespace), name) in seen or name.startswith("__"):

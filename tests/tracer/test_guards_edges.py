@@ -7,6 +7,7 @@ and sizes in globals, a partial's bound arguments (each was silently stale once)
 
 import dataclasses
 import enum
+import functools
 import math
 
 import pytest
@@ -476,3 +477,43 @@ def test_class_attributes_of_a_modules_base_class_are_guarded():
         torch.testing.assert_close(jmodel(x), model(x))
     finally:
         _ScaledBase.SCALE = 1.0
+
+
+ALPHA = 1.0
+
+
+def _times_alpha(t):
+    return t * ALPHA
+
+
+_ACTIVATIONS = {"scaled": lambda t: t * ALPHA}
+
+
+@functools.cache
+def _factor(n):
+    return n * ALPHA
+
+
+def _apply(x, fn):
+    return fn(x)
+
+
+def _from_table(x):
+    return _ACTIVATIONS["scaled"](x) + x * _factor(2)
+
+
+def test_globals_read_by_functions_given_held_in_dicts_or_cached_are_guarded():
+    """A function passed as an argument, one held in a global dict, and one wrapped by
+    `functools.cache`, each reading the global `ALPHA`: changed between calls (and the cache
+    cleared), retraced (their globals were not scanned: stale results)."""
+    global ALPHA
+    japply, jtable, x = fulmen.jit(_apply), fulmen.jit(_from_table), torch.randn(3)
+    try:
+        for alpha in (1.0, -4.0):
+            ALPHA = alpha
+            _factor.cache_clear()
+            torch.testing.assert_close(japply(x, _times_alpha), _apply(x, _times_alpha))
+            torch.testing.assert_close(jtable(x), _from_table(x))
+    finally:
+        ALPHA = 1.0
+        _factor.cache_clear()
