@@ -2,8 +2,8 @@
 torch.compile, all in the same run, on 1 and 2 threads (issue 21).
 
 Models (tiny configs by default, `--size small` for larger ones; random weights, no downloads):
-HF Llama, HF GPT-2 and HF BERT (the installed transformers, called with `labels=` and an
-attention mask that right-pads one row), litgpt pythia-14m (its own config, a short sequence),
+HF Llama, HF GPT-2, HF BERT and HF T5 (the installed transformers, called with `labels=` and
+an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt pythia-14m (its own config, a short sequence),
 and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
 
 - training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
@@ -68,12 +68,13 @@ def _hf_inputs(size: dict, vocab: int):
 def _hf_case(name: str, model, size: dict) -> Case:
     ids, mask, labels = _hf_inputs(size, model.config.vocab_size)
     extra = {"use_cache": False} if name != "bert" else {}
+    decoder = {"decoder_input_ids": model._shift_right(labels)} if name == "t5" else {}
 
     def call(fn):
         return fn(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
 
     def infer(fn):
-        return fn(input_ids=ids, attention_mask=mask, **extra).logits
+        return fn(input_ids=ids, attention_mask=mask, **decoder, **extra).logits
 
     return Case(name, model, call, infer)
 
@@ -93,6 +94,9 @@ def make_cases(size_name: str, names: list[str]) -> list[Case]:
         "bert": lambda: _hf_case("bert", T.BertForMaskedLM(T.BertConfig(
             hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
             intermediate_size=inter, vocab_size=vocab, max_position_embeddings=512)), size),
+        "t5": lambda: _hf_case("t5", T.T5ForConditionalGeneration(T.T5Config(
+            d_model=h, d_kv=h // heads, d_ff=inter, num_layers=n, num_heads=heads,
+            vocab_size=vocab, decoder_start_token_id=0)), size),
         "pythia-14m": lambda: _pythia(size),
         "linear-relu": _linear_relu,
     }
@@ -228,7 +232,7 @@ def print_table(rows: list[dict]) -> None:
               f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
-MODELS = ("llama", "gpt2", "bert", "pythia-14m", "linear-relu")
+MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "linear-relu")
 
 
 def main() -> None:
