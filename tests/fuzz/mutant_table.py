@@ -422,4 +422,14 @@ MUTANTS: list[Mutant] = [
            "                        raise\n                    kind, warning",
            "                    if self._grad_argnums is not None:\n"
            "                        raise\n                    kind, warning", (*MODULES, *SHARP)),
+    # --- library questions answered for proxies (tracer/library_flags.py) --------------------
+    Mutant("library_flag_not_put_back", "tracer", "tracer/library_flags.py",
+           "            setattr(module, name, original)", "            pass",
+           ("tests/tracer/test_library_flags.py",)),
+    Mutant("library_flag_never_answers", "tracer", "tracer/library_flags.py",
+           "            setattr(module, name, _answering(original))", "            pass",
+           ("tests/tracer/test_library_flags.py",)),
+    Mutant("library_flag_answers_real_tensors", "tracer", "tracer/library_flags.py",
+           "        if isinstance(tensor, TensorProxy):",
+           "        if tensor is not None:", ("tests/tracer/test_library_flags.py",)),
 ]
