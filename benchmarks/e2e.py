@@ -27,17 +27,24 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# `python benchmarks/e2e.py` puts benchmarks/ first on sys.path, not the checkout, so `import
+# fulmen` would find the installed (editable) package, which may be another worktree's code:
+# time the fulmen this file belongs to
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fulmen
-from fulmen.executors.codegen import wait_for_kernels
-from fulmen.jit import JittedModule
-from fulmen.tools.profile import execution_traces
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fulmen  # noqa: E402
+from fulmen.executors.codegen import wait_for_kernels  # noqa: E402
+from fulmen.jit import JittedModule  # noqa: E402
+from fulmen.tools.profile import execution_traces  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -236,6 +243,7 @@ MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "linear-relu")
 
 
 def main() -> None:
+    """Parse the arguments, measure every model, print the table."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
@@ -255,7 +263,7 @@ def main() -> None:
     print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} at the end, "
           f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
-          f"{opts.number} steps\n")
+          f"{opts.number} steps; fulmen from {Path(fulmen.__file__).parent}\n")
     print_table(rows)
 
 
