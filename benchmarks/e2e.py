@@ -2,8 +2,8 @@
 torch.compile, all in the same run, on 1 and 2 threads (issue 21).
 
 Models (tiny configs by default, `--size small` for larger ones; random weights, no downloads):
-HF Llama, HF GPT-2 and HF BERT (the installed transformers, called with `labels=` and an
-attention mask that right-pads one row), litgpt pythia-14m (its own config, a short sequence),
+HF Llama, HF GPT-2, HF BERT and HF T5 (the installed transformers, called with `labels=` and
+an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt pythia-14m (its own config, a short sequence),
 and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
 
 - training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
@@ -27,17 +27,24 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# `python benchmarks/e2e.py` puts benchmarks/ first on sys.path, not the checkout, so `import
+# fulmen` would find the installed (editable) package, which may be another worktree's code:
+# time the fulmen this file belongs to
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fulmen
-from fulmen.executors.codegen import wait_for_kernels
-from fulmen.jit import JittedModule
-from fulmen.tools.profile import execution_traces
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fulmen  # noqa: E402
+from fulmen.executors.codegen import wait_for_kernels  # noqa: E402
+from fulmen.jit import JittedModule  # noqa: E402
+from fulmen.tools.profile import execution_traces  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -68,12 +75,13 @@ def _hf_inputs(size: dict, vocab: int):
 def _hf_case(name: str, model, size: dict) -> Case:
     ids, mask, labels = _hf_inputs(size, model.config.vocab_size)
     extra = {"use_cache": False} if name != "bert" else {}
+    decoder = {"decoder_input_ids": model._shift_right(labels)} if name == "t5" else {}
 
     def call(fn):
         return fn(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
 
     def infer(fn):
-        return fn(input_ids=ids, attention_mask=mask, **extra).logits
+        return fn(input_ids=ids, attention_mask=mask, **decoder, **extra).logits
 
     return Case(name, model, call, infer)
 
@@ -93,6 +101,9 @@ def make_cases(size_name: str, names: list[str]) -> list[Case]:
         "bert": lambda: _hf_case("bert", T.BertForMaskedLM(T.BertConfig(
             hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
             intermediate_size=inter, vocab_size=vocab, max_position_embeddings=512)), size),
+        "t5": lambda: _hf_case("t5", T.T5ForConditionalGeneration(T.T5Config(
+            d_model=h, d_kv=h // heads, d_ff=inter, num_layers=n, num_heads=heads,
+            vocab_size=vocab, decoder_start_token_id=0)), size),
         "pythia-14m": lambda: _pythia(size),
         "linear-relu": _linear_relu,
     }
@@ -228,10 +239,11 @@ def print_table(rows: list[dict]) -> None:
               f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
-MODELS = ("llama", "gpt2", "bert", "pythia-14m", "linear-relu")
+MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "linear-relu")
 
 
 def main() -> None:
+    """Parse the arguments, measure every model, print the table."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
@@ -251,7 +263,7 @@ def main() -> None:
     print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} at the end, "
           f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
-          f"{opts.number} steps\n")
+          f"{opts.number} steps; fulmen from {Path(fulmen.__file__).parent}\n")
     print_table(rows)
 
 

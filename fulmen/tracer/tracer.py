@@ -28,6 +28,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
+from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
     ModuleStore,
     held_modules,
@@ -511,7 +512,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                         module)
     refuse_held(held)
     try:
-        with tracing(ctx), FactoryMode(ctx), contextlib.ExitStack() as held_stores:
+        with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), \
+                contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed
             held_found = [held_stores.enter_context(module_stores(other, ctx.captured))
                           for other in held]

@@ -6,8 +6,9 @@ logits, the loss and the gradient of every parameter are as accurate as eager's 
 rule (`fulmen.accuracy`: the same model run in float64 is the reference).
 
 transformers' `masking_utils` asks value-dependent questions about the mask on every call
-(`if (mask[:, -1] == 0).all():`, `padding_mask.all()`, `x in tensor`): these models run only
-with graph breaks (issue 14).
+(`if (mask[:, -1] == 0).all():`, `padding_mask.all()`, `x in tensor`): those it asks only of
+tensors that are not traced get fulmen's "traced" answer (`tracer/library_flags.py`), the others
+are graph breaks (issue 14).
 """
 
 import copy

@@ -273,8 +273,11 @@ def test_layer_norm_and_embedding_rules_with_weights():
         w = _any(3, 4).requires_grad_()
         cotangent = _any(2, 3, 4)
         (expected,) = torch.autograd.grad(fn(w), w, cotangent)
-        (actual,) = torch.autograd.grad(fulmen.jit(fn)(w), w, cotangent)
-        torch.testing.assert_close(actual, expected)
+        jfn = fulmen.jit(fn)
+        (actual,) = torch.autograd.grad(jfn(w), w, cotangent)
+        # eager's kernel sums the repeated rows in eager's order: the same bits
+        assert torch.equal(actual, expected), padding_idx
+        assert "embedding_dense_backward" in str(fulmen.last_backward_traces(jfn)[-1])
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

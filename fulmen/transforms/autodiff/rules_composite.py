@@ -127,23 +127,22 @@ def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
 # --- embedding --------------------------------------------------------------------------------
 
 
+EMBEDDING_BACKWARD = opaque_symbol(torch.ops.aten.embedding_dense_backward.default)
+
+
 @vjp_rule(ltorch.embedding)
 def _embedding_vjp(grad, out, input, weight, padding_idx, max_norm, norm_type,
                    scale_grad_by_freq, sparse):
-    """Scatter-add the output cotangent into the rows it came from; the `padding_idx` row gets
-    no gradient, as in eager."""
+    """Eager's own `embedding_dense_backward`: the cotangent's rows summed into the rows they
+    came from in eager's order (so the gradient equals eager's), the `padding_idx` row left
+    zero. A scatter-add with `index_put(accumulate=True)` instead adds element by element
+    (13 ms for pythia-14m's 50304 x 128 table on CPU; eager's kernel adds whole rows)."""
     if scale_grad_by_freq or sparse:
         args = (input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
         return autograd_cotangents(ltorch.embedding, args, grad)
-    count = input.numel()
-    rows = prims.reshape(input, (count,))
-    values = prims.reshape(grad, (count, weight.shape[-1]))
-    grad_weight = prims.index_put(_zeros_like(weight), (rows,), values, True)
-    if padding_idx is not None:
-        row = padding_idx % weight.shape[0]
-        index = prims.iota(weight.shape[0], 0, 1, torch.int64, weight.device)
-        is_padding = prims.broadcast_in_dim(prims.eq(index, row), tuple(weight.shape), (0,))
-        grad_weight = prims.where(is_padding, _zeros_like(grad_weight), grad_weight)
+    rows = weight.shape[0]
+    padding = -1 if padding_idx is None else padding_idx % rows  # as F.embedding passes it
+    grad_weight = EMBEDDING_BACKWARD(grad, input, rows, padding, False)
     return None, grad_weight, None, None, None, None, None
 
 
