@@ -397,10 +397,14 @@ class CacheKeyBuilder:
     def add_functions(self, leaves: list) -> None:
         """Key, from now on, the globals read by the functions among a traced call's argument
         leaves (`apply(x, act_fn)`: the function is keyed by identity, and `act_fn` reading a
-        global `ALPHA` baked its value into the trace); keys computed before are stale."""
+        global `ALPHA` baked its value into the trace) and by the methods of its object
+        arguments, and the class attributes of those objects' user classes (`opts.SCALE` from
+        `class Opts`); keys computed before are stale."""
         known = {id(function) for function in self._argument_functions}
         new = [function for leaf in leaves if not isinstance(leaf, (Tensor, *SCALARS))
                for function in functions_of(leaf) if id(function) not in known]
+        new += [type(leaf) for leaf in leaves if is_plain_object(leaf)
+                and is_user_class(type(leaf)) and id(type(leaf)) not in known]
         if new and len(self._argument_functions) < _MAX_HELD_MODULES:
             self._argument_functions += list({id(f): f for f in new}.values())
             self._set_sources()

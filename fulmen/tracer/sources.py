@@ -108,7 +108,7 @@ def _own_functions(fn, modules, functions=()) -> list:
                        if isinstance(value, types.FunctionType)]
     frontier += [function for module in modules for value in vars(module).values()
                  for function in _functions_of(value)]
-    frontier += functions
+    frontier += [function for value in functions for function in _functions_of(value)]
     for _ in range(_SCAN_DEPTH + 1):
         next_frontier = []
         for candidate in frontier:
@@ -194,6 +194,7 @@ def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:
 
 
 def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
+    # `functions`: functions and user classes the call's arguments hold (`add_code`)
     """(name, reader) for each value a traced program may bake in as a constant or capture
     without it being an argument: the function's closure cells, the globals named by it and
     by the functions it may call (`_own_functions`), and the plain attributes of every module
@@ -230,6 +231,12 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
                     sources.append((f"{module.__name__}.{name}",
                                     functools.partial(attributes.get, name)))
     classes: set[type] = set()
+    for given in functions:  # an argument object's class: `o.SCALE` from `class Opts`
+        for cls in given.__mro__ if isinstance(given, type) else ():
+            if is_user_class(cls) and cls not in classes:
+                classes.add(cls)
+                sources.append((f"{cls.__name__} (class)",
+                                functools.partial(operator.getitem, (cls,), 0)))
     for module in modules:
         if is_user_class(type(module)) and type(module) not in classes:
             classes.add(type(module))  # `self.scale` read from `class Block: scale = 2.0`

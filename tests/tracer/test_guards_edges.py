@@ -517,3 +517,24 @@ def test_globals_read_by_functions_given_held_in_dicts_or_cached_are_guarded():
     finally:
         ALPHA = 1.0
         _factor.cache_clear()
+
+
+class _Options:
+    SCALE = 1.0  # a class attribute read through an argument object
+
+    def __init__(self):
+        self.bias = 0.0
+
+
+def _with_options(x, options):
+    return x * options.SCALE + options.bias
+
+
+def test_class_attributes_read_through_an_argument_object_are_guarded():
+    jfn, options, x = fulmen.jit(_with_options), _Options(), torch.randn(3)
+    try:
+        torch.testing.assert_close(jfn(x, options), _with_options(x, options))
+        _Options.SCALE = 3.0
+        torch.testing.assert_close(jfn(x, options), _with_options(x, options))
+    finally:
+        _Options.SCALE = 1.0
