@@ -33,11 +33,13 @@ from fulmen.pipeline import compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import (
+    GlobalStore,
     StateRemoved,
     changed_classes,
     describe_call,
     explain_change,
     restore_classes,
+    stored_proxies,
 )
 from fulmen.tracer.host_random import (
     HostRandomState,
@@ -381,16 +383,26 @@ class _Jitted:
         rng_state = torch.random.get_rng_state()
         host_random = HostRandomState()
         classes = self._guard.class_snapshots()
+        global_holders = self._guard.global_snapshots()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
                                     allow_breaks=not self._fullgraph and self._grad_argnums is None,
                                     dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             restore_classes(classes)
+            stored_proxies(global_holders)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
             if isinstance(error, RunsEagerly) and not self._fullgraph and self._grad_argnums is None:
                 raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
+        leaked = stored_proxies(global_holders)
+        if leaked:
+            restore_classes(classes)
+            raise GlobalStore(
+                f"the function stores a traced tensor into a global {type(leaked[0]).__name__}; "
+                "a compiled call would leave a placeholder there", op="global store",
+                hint="return the tensor instead, or keep it in a module attribute or an "
+                "argument object, whose stores fulmen replays")
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._held_watch.add(program.held_modules)

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.core import RunsEagerly
 from fulmen.core.ambient import autocast_key
+from fulmen.proxies import TensorProxy
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -39,6 +41,9 @@ from fulmen.tracer.objects import (
     is_plain_object,
     object_key,
     path_text,
+    restore,
+    snapshot,
+    unchanged,
     walk,
 )
 from fulmen.tracer.sources import (
@@ -270,6 +275,44 @@ def _container_snapshots(value: Any, depth: int = _NESTED_DEPTH) -> list[tuple]:
     return snapshots
 
 
+def _reads_global(read) -> bool:
+    """Whether a source reader reads a global: `namespace.get(name)` on a module's globals
+    (also a user module's attributes), as `scalar_sources` makes them."""
+    func = getattr(read, "func", None)
+    return getattr(func, "__name__", None) == "get" and type(getattr(func, "__self__", None)) \
+        is dict
+
+
+def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
+    if id(value) in found or not (type(value) in (list, dict) or is_plain_object(value)):
+        return
+    found[id(value)] = value
+    items = snapshot(value)
+    if depth > 0 and items is not None and len(items) <= _MAX_ITEMS:
+        for item in (items.values() if isinstance(items, dict) else items):
+            _collect_holders(item, found, depth - 1)
+
+
+class GlobalStore(RunsEagerly):
+    """The traced code stores a traced tensor into a global container or object
+    (`STATS["loss"] = loss`): a compiled call would leave a proxy there, so the call runs
+    eagerly (and the container is put back as it was before tracing)."""
+
+
+def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[Any]:
+    """Put back the holders of `global_snapshots` that now hold a proxy; return them."""
+    leaked = []
+    for holder, saved in snapshots:
+        if unchanged(holder, saved):
+            continue
+        now = snapshot(holder)
+        if any(isinstance(item, TensorProxy)
+               for item in (now.values() if isinstance(now, dict) else now)):
+            restore(holder, saved)
+            leaked.append(holder)
+    return leaked
+
+
 def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
     """The key of an item of a container `source_key` reads: as `source_key`'s for scalars and
     tensors; nested containers by their items too, `depth` more levels (`CFG["model"]["act"]`
@@ -417,6 +460,17 @@ class CacheKeyBuilder:
                           if (id(module), name) not in self._attributes]
         self._set_sources()
         self._stale = True
+
+    def global_snapshots(self) -> list[tuple[Any, Any]]:
+        """`(holder, snapshot)` of the lists, dicts and plain objects the code reads from
+        globals (and those nested in them, `_NESTED_DEPTH` levels): a trace that stores a traced
+        tensor into one (`STATS["loss"] = loss`, `LOG.append(y)`) would leave a proxy there
+        (`stored_proxies`)."""
+        found: dict[int, Any] = {}
+        for _, read in self.scalar_sources:
+            if _reads_global(read):
+                _collect_holders(read(), found, _NESTED_DEPTH)
+        return [(holder, snapshot(holder)) for holder in found.values()]
 
     def class_snapshots(self) -> list[tuple[type, dict]]:
         """The user classes the code may read, with their attributes (`changed_classes`)."""

@@ -538,3 +538,29 @@ def test_class_attributes_read_through_an_argument_object_are_guarded():
         torch.testing.assert_close(jfn(x, options), _with_options(x, options))
     finally:
         _Options.SCALE = 1.0
+
+
+RUNNING = {"loss": None}
+HISTORY = []
+
+
+def _records(x):
+    loss = (x * 2).sum()
+    RUNNING["loss"] = loss  # a traced tensor stored into a global dict
+    HISTORY.append(loss)
+    return loss
+
+
+def test_a_traced_tensor_stored_into_a_global_container_runs_eagerly():
+    """Stores into global containers are not replayed: such a call left a `TensorProxy` in the
+    user's dict and list. It now runs eagerly, and the containers hold real tensors."""
+    jfn, x = fulmen.jit(_records), torch.ones(3)
+    try:
+        with pytest.warns(UserWarning, match="global"):
+            jfn(x)
+        jfn(x)
+        assert type(RUNNING["loss"]) is torch.Tensor and RUNNING["loss"].item() == 6.0
+        assert len(HISTORY) == 2 and all(type(t) is torch.Tensor for t in HISTORY)
+    finally:
+        RUNNING["loss"] = None
+        HISTORY.clear()
