@@ -399,8 +399,8 @@ class _Jitted:
         if leaked:
             restore_classes(classes)
             raise GlobalStore(
-                f"the function stores a traced tensor into a global {type(leaked[0]).__name__}; "
-                "a compiled call would leave a placeholder there", op="global store",
+                f"the function stores a traced tensor into {leaked[0]}; a compiled call would "
+                "leave a placeholder there", op="global store",
                 hint="return the tensor instead, or keep it in a module attribute or an "
                 "argument object, whose stores fulmen replays")
         self._guard.add_modules(program.held_modules)

@@ -299,17 +299,24 @@ class GlobalStore(RunsEagerly):
     eagerly (and the container is put back as it was before tracing)."""
 
 
-def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[Any]:
-    """Put back the holders of `global_snapshots` that now hold a proxy; return them."""
+def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
+    """Put back the holders and names of `global_snapshots` that now hold a proxy; return
+    what each was ("the global name 'LAST'", "a global dict")."""
     leaked = []
     for holder, saved in snapshots:
+        if type(holder) is tuple:  # (a module's globals, a name): rebound to a proxy?
+            namespace, name = holder
+            if isinstance(namespace.get(name), TensorProxy):
+                namespace[name] = saved
+                leaked.append(f"the global name {name!r}")
+            continue
         if unchanged(holder, saved):
             continue
         now = snapshot(holder)
         if any(isinstance(item, TensorProxy)
                for item in (now.values() if isinstance(now, dict) else now)):
             restore(holder, saved)
-            leaked.append(holder)
+            leaked.append(f"a global {type(holder).__name__}")
     return leaked
 
 
@@ -467,10 +474,13 @@ class CacheKeyBuilder:
         tensor into one (`STATS["loss"] = loss`, `LOG.append(y)`) would leave a proxy there
         (`stored_proxies`)."""
         found: dict[int, Any] = {}
+        bindings = []  # `global LAST; LAST = y` rebinds the name itself
         for _, read in self.scalar_sources:
             if _reads_global(read):
-                _collect_holders(read(), found, _NESTED_DEPTH)
-        return [(holder, snapshot(holder)) for holder in found.values()]
+                value = read()
+                bindings.append(((read.func.__self__, read.args[0]), value))
+                _collect_holders(value, found, _NESTED_DEPTH)
+        return bindings + [(holder, snapshot(holder)) for holder in found.values()]
 
     def class_snapshots(self) -> list[tuple[type, dict]]:
         """The user classes the code may read, with their attributes (`changed_classes`)."""

@@ -564,3 +564,24 @@ def test_a_traced_tensor_stored_into_a_global_container_runs_eagerly():
     finally:
         RUNNING["loss"] = None
         HISTORY.clear()
+
+
+LAST = None
+
+
+def _keeps_last(x):
+    global LAST
+    LAST = x * 2  # the global name rebound to a traced tensor
+    return LAST + 1
+
+
+def test_a_global_name_rebound_to_a_traced_tensor_runs_eagerly():
+    global LAST
+    jfn = fulmen.jit(_keeps_last)
+    try:
+        with pytest.warns(UserWarning, match="'LAST'"):
+            jfn(torch.ones(2))
+        jfn(torch.full((2,), 3.0))
+        assert type(LAST) is torch.Tensor and LAST.tolist() == [6.0, 6.0]
+    finally:
+        LAST = None
