@@ -400,7 +400,7 @@ class _Jitted:
             restore_classes(classes)
             raise GlobalStore(
                 f"the function stores a traced tensor into {leaked[0]}; a compiled call would "
-                "leave a placeholder there", op="global store",
+                "leave a placeholder there", op="store",
                 hint="return the tensor instead, or keep it in a module attribute or an "
                 "argument object, whose stores fulmen replays")
         self._guard.add_modules(program.held_modules)

@@ -283,6 +283,12 @@ def _reads_global(read) -> bool:
         is dict
 
 
+def _reads_cell(read) -> bool:
+    """Whether a source reader reads a closure cell (`getattr(cell, "cell_contents")`)."""
+    return getattr(read, "func", None) is getattr and bool(read.args) \
+        and type(read.args[0]) is types.CellType
+
+
 def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
     if id(value) in found or not (type(value) in (list, dict) or is_plain_object(value)):
         return
@@ -294,9 +300,10 @@ def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
 
 
 class GlobalStore(RunsEagerly):
-    """The traced code stores a traced tensor into a global container or object
-    (`STATS["loss"] = loss`): a compiled call would leave a proxy there, so the call runs
-    eagerly (and the container is put back as it was before tracing)."""
+    """The traced code stores a traced tensor into a global or a closure variable, or into a
+    container or object held by one (`STATS["loss"] = loss`, `nonlocal last; last = y`):
+    a compiled call would leave a proxy there, so the call runs eagerly (and what it stored
+    into is put back as it was before tracing)."""
 
 
 def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
@@ -304,10 +311,14 @@ def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
     what each was ("the global name 'LAST'", "a global dict")."""
     leaked = []
     for holder, saved in snapshots:
-        if type(holder) is tuple:  # (a module's globals, a name): rebound to a proxy?
-            namespace, name = holder
-            if isinstance(namespace.get(name), TensorProxy):
-                namespace[name] = saved
+        if type(holder) is tuple:  # (a module's globals, a name) or (a closure cell, None)
+            owner, name = holder
+            if name is None:
+                if isinstance(owner.cell_contents, TensorProxy):
+                    owner.cell_contents = saved
+                    leaked.append("a variable of an enclosing function")
+            elif isinstance(owner.get(name), TensorProxy):
+                owner[name] = saved
                 leaked.append(f"the global name {name!r}")
             continue
         if unchanged(holder, saved):
@@ -469,16 +480,21 @@ class CacheKeyBuilder:
         self._stale = True
 
     def global_snapshots(self) -> list[tuple[Any, Any]]:
-        """`(holder, snapshot)` of the lists, dicts and plain objects the code reads from
-        globals (and those nested in them, `_NESTED_DEPTH` levels): a trace that stores a traced
-        tensor into one (`STATS["loss"] = loss`, `LOG.append(y)`) would leave a proxy there
-        (`stored_proxies`)."""
+        """`(holder, snapshot)` of the globals and closure variables the code reads (as
+        `(namespace, name)` and `(cell, None)` with their values) and of the lists, dicts and
+        plain objects they hold (and those nested in them, `_NESTED_DEPTH` levels): a trace that
+        stores a traced tensor into one (`STATS["loss"] = loss`, `LOG.append(y)`) would leave a
+        proxy there (`stored_proxies`)."""
         found: dict[int, Any] = {}
         bindings = []  # `global LAST; LAST = y` rebinds the name itself
         for _, read in self.scalar_sources:
             if _reads_global(read):
                 value = read()
                 bindings.append(((read.func.__self__, read.args[0]), value))
+                _collect_holders(value, found, _NESTED_DEPTH)
+            elif _reads_cell(read):  # `nonlocal last; last = y`, `holder["y"] = y`
+                value = read()
+                bindings.append(((read.args[0], None), value))
                 _collect_holders(value, found, _NESTED_DEPTH)
         return bindings + [(holder, snapshot(holder)) for holder in found.values()]
 

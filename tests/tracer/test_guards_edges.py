@@ -585,3 +585,20 @@ def test_a_global_name_rebound_to_a_traced_tensor_runs_eagerly():
         assert type(LAST) is torch.Tensor and LAST.tolist() == [6.0, 6.0]
     finally:
         LAST = None
+
+
+def test_a_closure_variable_or_dict_given_a_traced_tensor_runs_eagerly():
+    last, holder = None, {}
+
+    def fn(x):
+        nonlocal last
+        last = x * 2
+        holder["y"] = x + 1
+        return last + 1
+
+    jfn = fulmen.jit(fn)
+    with pytest.warns(UserWarning, match="enclosing function|global dict"):
+        jfn(torch.ones(2))
+    jfn(torch.full((2,), 3.0))
+    assert type(last) is torch.Tensor and last.tolist() == [6.0, 6.0]
+    assert type(holder["y"]) is torch.Tensor and holder["y"].tolist() == [4.0, 4.0]
