@@ -489,9 +489,12 @@ def _times_alpha(t):
 _ACTIVATIONS = {"scaled": lambda t: t * ALPHA}
 
 
+BETA = 1.0
+
+
 @functools.cache
 def _factor(n):
-    return n * ALPHA
+    return n * BETA  # read by nothing else
 
 
 def _apply(x, fn):
@@ -503,19 +506,19 @@ def _from_table(x):
 
 
 def test_globals_read_by_functions_given_held_in_dicts_or_cached_are_guarded():
-    """A function passed as an argument, one held in a global dict, and one wrapped by
-    `functools.cache`, each reading the global `ALPHA`: changed between calls (and the cache
-    cleared), retraced (their globals were not scanned: stale results)."""
-    global ALPHA
+    """A function passed as an argument and one held in a global dict, reading the global
+    `ALPHA`, and one wrapped by `functools.cache` reading `BETA`: changed between calls (and
+    the cache cleared), retraced (their globals were not scanned: stale results)."""
+    global ALPHA, BETA
     japply, jtable, x = fulmen.jit(_apply), fulmen.jit(_from_table), torch.randn(3)
     try:
-        for alpha in (1.0, -4.0):
-            ALPHA = alpha
+        for alpha, beta in ((1.0, 1.0), (-4.0, 1.0), (-4.0, 3.0)):
+            ALPHA, BETA = alpha, beta
             _factor.cache_clear()
             torch.testing.assert_close(japply(x, _times_alpha), _apply(x, _times_alpha))
             torch.testing.assert_close(jtable(x), _from_table(x))
     finally:
-        ALPHA = 1.0
+        ALPHA = BETA = 1.0
         _factor.cache_clear()
 
 
