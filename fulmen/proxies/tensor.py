@@ -60,6 +60,11 @@ def dtype_short_name(dtype: torch.dtype) -> str:
     return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
+class AttributeOnTracedTensor(RunsEagerly):
+    """The traced code stores an attribute on a tensor (see `TensorProxy.__setattr__`): the call
+    runs eagerly."""
+
+
 def contiguous_strides(shape) -> tuple[int, ...]:
     """Row-major strides (in elements) for `shape`."""
     shape = tuple(shape)
@@ -257,6 +262,21 @@ class TensorProxy(torch.Tensor, Proxy):
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def __setattr__(self, name: str, value) -> None:
+        """An attribute the user's code stores on a traced tensor (`w.last_input = y` on an
+        argument, `out.meta = ...` on a result): eager keeps it on the real tensor, a compiled
+        call would drop it, so the call runs eagerly (`AttributeOnTracedTensor`). Tensor
+        properties (`grad`, `data`, `requires_grad`) and fulmen's own attributes pass."""
+        if not name.startswith("_fulmen") and not hasattr(TensorProxy, name) \
+                and get_tracectx() is not None \
+                and not is_internal(sys._getframe(1).f_code.co_filename):
+            raise AttributeOnTracedTensor(
+                f"the function stores the attribute {name!r} on a traced tensor; a compiled "
+                "call would not keep it on the real tensor", op="setattr",
+                where=user_source_location(),
+                hint="keep the value in a dict or an object attribute instead")
+        super().__setattr__(name, value)
 
     @classmethod
     def like(cls, other: torch.Tensor, *, shape=None, dtype=None, device=None) -> TensorProxy:

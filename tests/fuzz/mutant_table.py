@@ -406,7 +406,9 @@ MUTANTS: list[Mutant] = [
            'if type(sub).__module__.startswith("torch.distributed") or isinstance(',
            "if False and isinstance(", ("tests/tracer/test_distributed.py",)),
     Mutant("tensor_format_repr", "decomposition", "proxies/tensor.py",
-           "not is_internal(sys._getframe(1).f_code.co_filename):", "False:", SHARP),
+           "                not is_internal(sys._getframe(1).f_code.co_filename):\n"
+           "            return ctx.torch_function(",
+           "                False:\n            return ctx.torch_function(", SHARP),
     Mutant("data_set_always_noop", "mutation", "tracer/mutation.py",
            "return bsym.sym.torch_fn in _DETACHES and bool(bsym.args) and isinstance(",
            "return True or isinstance(", SHARP),
@@ -518,6 +520,9 @@ MUTANTS: list[Mutant] = [
            "for base in type(module).__mro__[1:]:", "for base in ():", GUARDS),
     Mutant("sources_wrapped_unfollowed", "guards", "tracer/sources.py",
            'wrapped = getattr(value, "__wrapped__", None)', "wrapped = None", GUARDS),
+    Mutant("tensor_attribute_dropped", "mutation", "proxies/tensor.py",
+           "            raise AttributeOnTracedTensor(", "            if False: raise AttributeOnTracedTensor(",
+           SHARP),
     Mutant("verify_tree_unchecked", "tools", "tools/verify.py",
            "    if entry.tree:\n", "    if False:\n", ("tests/test_verify.py",)),
     # --- library questions answered for proxies (tracer/library_flags.py) --------------------

@@ -276,3 +276,16 @@ def test_setting_data_to_another_tensor_is_not_dropped():
         out = fulmen.jit(reset)(x)
     torch.testing.assert_close(out, x * 2)
     torch.testing.assert_close(weight.detach(), x * 2)
+
+
+def test_an_attribute_stored_on_a_tensor_runs_the_call_eagerly():
+    # eager keeps `w.last_input` on the caller's tensor; a compiled call dropped it silently
+    def fn(x, w):
+        y = x * 2
+        w.last_input = y
+        return (y * w).sum()
+
+    w = torch.ones(2)
+    with pytest.warns(UserWarning, match="'last_input'"):
+        fulmen.jit(fn)(torch.full((2,), 3.0), w)
+    assert type(w.last_input) is torch.Tensor and w.last_input.tolist() == [6.0, 6.0]
