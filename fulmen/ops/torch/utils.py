@@ -168,7 +168,9 @@ def exp_saturating(a):
     gradient is 0. Here `exp` reads 0 where its argument is past the overflow point of the
     dtype, and the result is replaced by inf there: the values are `exp`'s, and the gradient
     through the replaced elements is 0 (correct wherever the cotangent at an overflowed `exp`
-    is 0, as in the ops above; not a general `exp`). Non-floating inputs get plain `exp`.
+    is 0, as in the ops above; not a general `exp`). Where that cotangent is NaN or inf (the
+    op's value is NaN, as silu at -inf, or a later op's gradient is inf, as log's at 0),
+    eager's gradient is NaN and this one 0. Non-floating inputs get plain `exp`.
     """
     if not a.dtype.is_floating_point:
         return prims.exp(a)
