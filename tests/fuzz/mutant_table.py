@@ -47,6 +47,7 @@ CACHE = ("tests/tracer/test_cache.py",)
 DYNAMIC_EDGES = ("tests/tracer/test_dynamic_edges.py",)
 LOSSES = ("tests/ops/test_losses.py",)
 ATTENTION = ("tests/transforms/test_rules_attention.py", "tests/transforms/test_saving_forward.py")
+ACTIVATIONS = ("tests/ops/test_activations.py",)
 
 MUTANTS: list[Mutant] = [
     # --- op decompositions (ops/torch) -------------------------------------------------------
@@ -535,4 +536,21 @@ MUTANTS: list[Mutant] = [
     Mutant("library_flag_answers_real_tensors", "tracer", "tracer/library_flags.py",
            "        if isinstance(tensor, TensorProxy):",
            "        if tensor is not None:", ("tests/tracer/test_library_flags.py",)),
+    # --- exp past its overflow point, differentiated prim by prim (decompose_to_prims) -------
+    Mutant("ops_sigmoid_exp_unsaturated", "decomposition", "ops/torch/elementwise.py",
+           "prims.reciprocal(prims.add(exp_saturating(prims.neg(a)), 1))",
+           "prims.reciprocal(prims.add(prims.exp(prims.neg(a)), 1))", ACTIVATIONS),
+    Mutant("ops_silu_exp_unsaturated", "decomposition", "ops/torch/nn.py",
+           "prims.div(x, prims.add(exp_saturating(prims.neg(x)), 1))",
+           "prims.div(x, prims.add(prims.exp(prims.neg(x)), 1))", ACTIVATIONS),
+    Mutant("ops_glu_exp_unsaturated", "decomposition", "ops/torch/activations.py",
+           "prims.add(exp_saturating(prims.neg(second)), 1.0)",
+           "prims.add(prims.exp(prims.neg(second)), 1.0)", ACTIVATIONS),
+    Mutant("ops_elu_expm1_of_taken_x", "decomposition", "ops/torch/activations.py",
+           "prims.expm1(prims.where(positive, 0.0, x))", "prims.expm1(x)", ACTIVATIONS),
+    Mutant("ops_softplus_exp_of_linear_x", "decomposition", "ops/torch/activations.py",
+           "prims.exp(prims.where(linear, 0.0, scaled))", "prims.exp(scaled)", ACTIVATIONS),
+    Mutant("ops_exp_saturating_plain", "decomposition", "ops/torch/utils.py",
+           "return prims.where(over, math.inf, prims.exp(prims.where(over, 0.0, a)))",
+           "return prims.exp(a)", ACTIVATIONS),
 ]

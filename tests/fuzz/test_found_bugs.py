@@ -22,7 +22,9 @@ eps on half inputs (tests/ops/test_half_precision.py) and the all-ignored cross-
 decomposed to prims (tests/ops/test_losses.py).
 
 - softplus (and mish) differentiated prim by prim past the threshold, where `exp` overflows:
-  a NaN gradient (fixed: ops/torch/activations.py `_softplus`)."""
+  a NaN gradient (fixed: ops/torch/activations.py `_softplus`); sigmoid, silu, glu and elu
+  the same way past exp's overflow (fixed: ops/torch/utils.py `exp_saturating`, elu's expm1
+  reading 0 where x is taken; tested next to the ops, tests/ops/test_activations.py)."""
 
 import torch
 import torch.nn.functional as F

@@ -17,7 +17,7 @@ from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.reductions import compute_dtype
-from fulmen.ops.torch.utils import canonical_dim, to_dtype
+from fulmen.ops.torch.utils import canonical_dim, exp_saturating, to_dtype
 
 
 def _unsupported(op: str, message: str) -> NotYetSupportedError:
@@ -105,18 +105,21 @@ def leaky_relu(input, negative_slope=0.01, inplace=False):
 
 @torch_op(F.elu)
 def elu(input, alpha=1.0, inplace=False):
-    """`F.elu`: `x` where `x > 0`, else `alpha * (exp(x) - 1)`."""
+    """`F.elu`: `x` where `x > 0`, else `alpha * (exp(x) - 1)`; the exponential reads 0 where
+    `x` is taken (as in `_softplus`: prim by prim, no `0 * expm1'(89) = 0 * inf` gradient)."""
     _check_inplace("elu", inplace)
     alpha = _real_number("elu", "alpha", alpha)
     x = _floating("elu", input)
-    out = prims.where(prims.gt(x, 0), x, prims.mul(prims.expm1(x), alpha))
+    positive = prims.gt(x, 0)
+    negative = prims.mul(prims.expm1(prims.where(positive, 0.0, x)), alpha)
+    out = prims.where(positive, x, negative)
     return to_dtype(out, input.dtype)
 
 
 @torch_op(F.glu)
 def glu(input, dim=-1):
     """`F.glu`: the first half of `input` along `dim` times the sigmoid of the second half;
-    the size along `dim` must be even."""
+    the size along `dim` must be even (`exp` saturating: NOTE [exp past overflow] in utils.py)."""
     if not isinstance(dim, int) or isinstance(dim, bool) or input.ndim == 0:
         raise _unsupported("glu", "needs an int dim and a tensor of rank >= 1")
     dim = canonical_dim(dim, input.ndim, op="ltorch.glu")
@@ -126,5 +129,5 @@ def glu(input, dim=-1):
     x = _floating("glu", input)
     first = slice_along(x, dim, 0, size // 2)
     second = slice_along(x, dim, size // 2, size)
-    gate = prims.div(1.0, prims.add(prims.exp(prims.neg(second)), 1.0))
+    gate = prims.div(1.0, prims.add(exp_saturating(prims.neg(second)), 1.0))
     return to_dtype(prims.mul(first, gate), input.dtype)

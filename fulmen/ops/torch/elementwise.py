@@ -34,6 +34,7 @@ from fulmen.ops.torch.utils import (
     check_like_eager,
     check_uint64_operands,
     elementwise,
+    exp_saturating,
     promote,
     to_dtype,
 )
@@ -410,10 +411,11 @@ def round(input: torch.Tensor, *, decimals: int = 0) -> torch.Tensor:
 
 @torch_op(torch.sigmoid, _S.expit, methods=("sigmoid",))
 def sigmoid(input: torch.Tensor) -> torch.Tensor:
-    """`1 / (1 + exp(-input))`, in eager's order of operations."""
+    """`1 / (1 + exp(-input))`, in eager's order of operations (`exp` saturating: NOTE [exp
+    past overflow] in utils.py)."""
 
     def fn(a):
-        return prims.reciprocal(prims.add(prims.exp(prims.neg(a)), 1))
+        return prims.reciprocal(prims.add(exp_saturating(prims.neg(a)), 1))
 
     return _composite("sigmoid", fn, input, kind=Promotion.INT_TO_FLOAT)
 

@@ -29,7 +29,7 @@ from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.reductions import compute_dtype, expand_reduced, reduction_dims
-from fulmen.ops.torch.utils import to_dtype
+from fulmen.ops.torch.utils import exp_saturating, to_dtype
 
 T = torch.Tensor
 
@@ -179,12 +179,13 @@ def gelu_backward(grad_output, input, approximate="none"):
 
 @torch_op(F.silu)
 def silu(input, inplace=False):
-    """`F.silu`: `x * sigmoid(x)`, computed as `x / (1 + exp(-x))`."""
+    """`F.silu`: `x * sigmoid(x)`, computed as `x / (1 + exp(-x))` (`exp` saturating: NOTE
+    [exp past overflow] in utils.py)."""
     _check_inplace("silu", inplace)
     if not (input.dtype.is_floating_point or input.dtype.is_complex):
         raise _unsupported("silu", f"{input.dtype} input (eager needs floating or complex)")
     x = to_dtype(input, compute_dtype(input.dtype))
-    out = prims.div(x, prims.add(prims.exp(prims.neg(x)), 1))
+    out = prims.div(x, prims.add(exp_saturating(prims.neg(x)), 1))
     return to_dtype(out, input.dtype)
 
 

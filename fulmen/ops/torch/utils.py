@@ -6,6 +6,7 @@ exactly eager's dtypes, including the rules for Python scalars and 0-d tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from numbers import Number
 
@@ -20,8 +21,8 @@ from fulmen.proxies.tensor import known_same_shape
 
 __all__ = [
     "Promotion", "broadcast_shapes", "broadcast_to", "canonical_dim", "canonical_dims",
-    "check_like_eager", "check_uint64_operands", "elementwise", "promote", "to_dtype",
-    "is_number",
+    "check_like_eager", "check_uint64_operands", "elementwise", "exp_saturating", "promote",
+    "to_dtype", "is_number",
     "scalar_to_tensor_like",
 ]  # fmt: skip
 
@@ -155,6 +156,26 @@ def elementwise(prim, *args, kind: Promotion = Promotion.DEFAULT, compute_dtype=
                 for a in args]
     out = prim(*operands)
     return to_dtype(out, result) if out.dtype != torch.bool else out
+
+
+def exp_saturating(a):
+    """`exp(a)`, with the same values, whose prim-level gradient is 0, not `0 * inf = NaN`,
+    where `exp` overflows and the cotangent is 0 (see NOTE [exp past overflow]).
+
+    NOTE [exp past overflow]: `1 / (1 + exp(-x))` (sigmoid, silu, glu) is 0 where `exp(-x)` is
+    inf, and differentiated prim by prim (`decompose_to_prims` before autodiff) the cotangent
+    reaching `exp` there is 0 and exp's rule multiplies it by `exp(-x) = inf`: NaN where eager's
+    gradient is 0. Here `exp` reads 0 where its argument is past the overflow point of the
+    dtype, and the result is replaced by inf there: the values are `exp`'s, and the gradient
+    through the replaced elements is 0 (correct wherever the cotangent at an overflowed `exp`
+    is 0, as in the ops above; not a general `exp`). Where that cotangent is NaN or inf (the
+    op's value is NaN, as silu at -inf, or a later op's gradient is inf, as log's at 0),
+    eager's gradient is NaN and this one 0. Non-floating inputs get plain `exp`.
+    """
+    if not a.dtype.is_floating_point:
+        return prims.exp(a)
+    over = prims.gt(a, math.log(torch.finfo(a.dtype).max))
+    return prims.where(over, math.inf, prims.exp(prims.where(over, 0.0, a)))
 
 
 def scalar_to_tensor_like(value: Number, like: torch.Tensor, dtype: torch.dtype | None = None):

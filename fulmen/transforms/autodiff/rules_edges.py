@@ -7,8 +7,10 @@ eager's answer at the edges:
   where eager's `threshold_backward` gives 0; `clamp` gives the full gradient at its bounds and
   none to a NaN, `hardtanh` none at its bounds and the full gradient to a NaN.
 - overflow: the transpose of `1 / (1 + exp(-x))` multiplies a zero cotangent by `exp(-x) = inf`
-  below about -88 (float32), so `sigmoid`, `glu`, `softplus`, `elu` and `mish` give NaN where
-  eager's fused backward is finite. (`std` needs no rule: its decomposition keeps the zero
+  below about -88 (float32), so `sigmoid`, `glu`, `softplus`, `elu` and `mish` gave NaN where
+  eager's fused backward is finite (their decompositions now avoid it too, for prim-level
+  autodiff: NOTE [exp past overflow] in ops/torch/utils.py; the rules here stay eager's
+  formulas, one fused pass). (`std` needs no rule: its decomposition keeps the zero
   deviation of a constant row out of sqrt's derivative, see `reductions._standard_deviation`.)
 
 Each rule here is eager's backward formula (`derivatives.yaml` and the ATen kernels it names),
