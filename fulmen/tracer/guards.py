@@ -50,6 +50,7 @@ from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
     FUNCTIONS,
+    NUMPY_SCALARS,
     SCALARS,
     functions_of,
     is_user_class,
@@ -106,6 +107,8 @@ def _leaf_key(leaf: Any) -> Any:
         return _argument_tensor_key(leaf)
     if isinstance(leaf, float):
         return (type(leaf), _float_key(leaf))
+    if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
+        return (type(leaf), _leaf_key(leaf.item()))
     if isinstance(leaf, complex):
         return (complex, _float_key(leaf.real), _float_key(leaf.imag))
     if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded

@@ -19,6 +19,13 @@ import torch
 
 from fulmen.tracer.objects import is_plain_object
 
+try:  # NumPy scalars (`SCALE = np.float32(2.0)`) are values too
+    import numpy
+
+    NUMPY_SCALARS: tuple[type, ...] = (numpy.generic,)
+except ImportError:  # pragma: no cover - torch runs without NumPy
+    NUMPY_SCALARS = ()
+
 Tensor = torch.Tensor
 SCALARS = (bool, int, float, str, type(None))
 CONTAINERS = (list, tuple, dict)
@@ -44,7 +51,7 @@ def _is_source(value: Any) -> bool:
 # immutable values keyed by value (`DTYPE = torch.bfloat16`, `MODE = Mode.EVAL`, a
 # `torch.Size`), besides scalars
 ATOMS = (torch.dtype, torch.device, torch.Size, enum.Enum, torch.memory_format, torch.layout,
-         complex, slice, range)
+         complex, slice, range, *NUMPY_SCALARS)
 
 
 def _is_keyed(value: Any) -> bool:

@@ -10,6 +10,7 @@ import enum
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -605,3 +606,25 @@ def test_a_closure_variable_or_dict_given_a_traced_tensor_runs_eagerly():
     jfn(torch.full((2,), 3.0))
     assert type(last) is torch.Tensor and last.tolist() == [6.0, 6.0]
     assert type(holder["y"]) is torch.Tensor and holder["y"].tolist() == [4.0, 4.0]
+
+
+GAIN32 = np.float32(2.0)
+OFFSET64 = np.int64(3)
+
+
+def _numpy_scalars(x):
+    return x * float(GAIN32) + int(OFFSET64)
+
+
+def test_numpy_scalars_in_globals_are_guarded():
+    global GAIN32, OFFSET64
+    jfn, x = fulmen.jit(_numpy_scalars), torch.ones(2)
+    try:
+        torch.testing.assert_close(jfn(x), _numpy_scalars(x))
+        GAIN32, OFFSET64 = np.float32(5.0), np.int64(7)  # were not keyed: stale
+        torch.testing.assert_close(jfn(x), _numpy_scalars(x))
+        GAIN32 = np.float32("nan")  # keyed as a float is: one entry, not one per call
+        jfn(x), jfn(x)
+        assert fulmen.compile_stats(jfn).cache_misses == 3
+    finally:
+        GAIN32, OFFSET64 = np.float32(2.0), np.int64(3)
