@@ -524,6 +524,8 @@ MUTANTS: list[Mutant] = [
     Mutant("tensor_attribute_dropped", "mutation", "proxies/tensor.py",
            "            raise AttributeOnTracedTensor(", "            if False: raise AttributeOnTracedTensor(",
            SHARP),
+    Mutant("numpy_scalars_unkeyed", "guards", "tracer/sources.py",
+           "complex, slice, range, *NUMPY_SCALARS)", "complex, slice, range)", GUARDS),
     Mutant("verify_tree_unchecked", "tools", "tools/verify.py",
            "    if entry.tree:\n", "    if False:\n", ("tests/test_verify.py",)),
     # --- library questions answered for proxies (tracer/library_flags.py) --------------------
