@@ -212,9 +212,7 @@ class _Jitted:
             if self._held_watch.changed():  # a hook or submodule of a held module changed
                 _RECOMPILES.info("a module the function reaches changed its hooks, submodules, "
                                  "parameters or buffers; compiling anew")
-                self._cache.clear()
-                self._shapes.clear()
-                self._eager_keys.clear()
+                self.forget_compiled()
             state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
             key, leaves = self._guard.key(args, kwargs, state)
             stats = self._stats
@@ -233,14 +231,9 @@ class _Jitted:
                 try:
                     with _collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)
-                except (StoresDifferPerPath, RunsEagerly) as error:
-                    if isinstance(error, RunsEagerly) and not self._fullgraph \
-                            and self._grad_argnums is None:  # such calls never compile
-                        if len(self._eager_keys) >= 4 * self._cache_size_limit:
-                            self._eager_keys.clear()
-                        self._eager_keys[key] = (type(error).__name__,
-                                                 f"fulmen: {error}; such calls run eagerly")
-                    return self._eagerly_or_raise(args, kwargs, error)
+                except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
+                    return self._eagerly_or_raise(
+                        args, kwargs, error, key if isinstance(error, RunsEagerly) else None)
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -386,13 +379,13 @@ class _Jitted:
         global_holders = self._guard.global_snapshots()
         try:
             program = trace_program(self._fn, args, kwargs, module=self._module,
-                                    allow_breaks=not self._fullgraph and self._grad_argnums is None,
+                                    allow_breaks=self._eager_allowed,
                                     dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             restore_classes(classes)
             stored_proxies(global_holders)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
-            if isinstance(error, RunsEagerly) and not self._fullgraph and self._grad_argnums is None:
+            if isinstance(error, RunsEagerly) and self._eager_allowed:
                 raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         leaked = stored_proxies(global_holders)
@@ -548,13 +541,32 @@ class _Jitted:
             f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
             "different answers; calls taking a new answer run eagerly")))
 
-    def _eagerly_or_raise(self, args: tuple, kwargs: dict, error: NotYetSupportedError):
-        """Run the call eagerly because of `error` (warning once per kind), or raise it under
-        `fullgraph=True` and for functional autodiff, whose results no eager call has."""
-        if self._fullgraph or self._grad_argnums is not None:
+    @property
+    def _eager_allowed(self) -> bool:
+        """Whether a call may break the graph or run eagerly: not under `fullgraph=True`, nor
+        for functional autodiff, whose results no eager call has."""
+        return not self._fullgraph and self._grad_argnums is None
+
+    def forget_compiled(self) -> None:
+        """Drop every compiled entry (those with symbolic sizes too) and the keys remembered to
+        run eagerly: what they were made for changed (a hook, a submodule)."""
+        self._cache.clear()
+        self._shapes.clear()
+        self._eager_keys.clear()
+
+    def _eagerly_or_raise(self, args: tuple, kwargs: dict, error: NotYetSupportedError,
+                          key=None):
+        """Run the call eagerly because of `error` (warning once per kind), or raise it where
+        eager runs are not allowed (`_eager_allowed`). `key`: remembered in `_eager_keys`, so
+        later calls with it run eagerly without tracing."""
+        if not self._eager_allowed:
             raise error
-        return self._run_eagerly(args, kwargs, type(error).__name__,
-                                 f"fulmen: {error}; such calls run eagerly")
+        kind, warning = type(error).__name__, f"fulmen: {error}; such calls run eagerly"
+        if key is not None:
+            if len(self._eager_keys) >= 4 * self._cache_size_limit:
+                self._eager_keys.clear()
+            self._eager_keys[key] = (kind, warning)
+        return self._run_eagerly(args, kwargs, kind, warning)
 
     def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str):
         """Run the original function or module on the call (no other thread traces
@@ -769,9 +781,7 @@ class JittedModule(torch.nn.Module):
             self._start_jit()
         hooks = self._hooks
         if hooks.changed():  # hooks run inside the trace: a new or removed one retraces
-            self._jit._cache.clear()
-            self._jit._shapes.clear()  # the entries with symbolic sizes too
-            self._jit._eager_keys.clear()  # (a removed backward hook: calls compile again)
+            self._jit.forget_compiled()
         if hooks.backward_hooked and torch.is_grad_enabled():
             return self._jit._eagerly_or_raise(args, kwargs, UnreplayableStore(
                 f"backward hooks (register_full_backward_hook) on {hooks.backward_hooked[0]!r} "

@@ -54,6 +54,8 @@ from fulmen.tracer.sources import (
     SCALARS,
     functions_of,
     is_user_class,
+    reads_cell,
+    reads_global,
     scalar_sources,
 )
 from fulmen.tracer.symbolic import INT
@@ -270,26 +272,15 @@ def _container_snapshots(value: Any, depth: int = _NESTED_DEPTH) -> list[tuple]:
     objects `_item_key` keys by their items inside it, so that changing a nested one recomputes
     the key."""
     snapshots = [holder_snapshot(value)]
-    items = value if type(value) in CONTAINERS else vars(value)
-    if depth > 0 and len(items) <= max(_MAX_ITEMS, _MAX_ATTRIBUTES):
+    if type(value) in CONTAINERS:
+        items = value if len(value) <= _MAX_ITEMS else ()  # (longer: keyed by length only)
+    else:
+        items = vars(value) if len(vars(value)) <= _MAX_ATTRIBUTES else ()
+    if depth > 0:
         for item in (items.values() if isinstance(items, dict) else items):
             if _nested_items(item, depth) is not None:
                 snapshots += _container_snapshots(item, depth - 1)
     return snapshots
-
-
-def _reads_global(read) -> bool:
-    """Whether a source reader reads a global: `namespace.get(name)` on a module's globals
-    (also a user module's attributes), as `scalar_sources` makes them."""
-    func = getattr(read, "func", None)
-    return getattr(func, "__name__", None) == "get" and type(getattr(func, "__self__", None)) \
-        is dict
-
-
-def _reads_cell(read) -> bool:
-    """Whether a source reader reads a closure cell (`getattr(cell, "cell_contents")`)."""
-    return getattr(read, "func", None) is getattr and bool(read.args) \
-        and type(read.args[0]) is types.CellType
 
 
 def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
@@ -353,6 +344,7 @@ def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
 
 
 _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)
+_MAX_ARGUMENT_CODE = 4096  # ... on the arguments' functions and classes scanned (`add_functions`)
 
 
 class CacheKeyBuilder:
@@ -469,7 +461,7 @@ class CacheKeyBuilder:
                for function in functions_of(leaf) if id(function) not in known]
         new += [type(leaf) for leaf in leaves if is_plain_object(leaf)
                 and is_user_class(type(leaf)) and id(type(leaf)) not in known]
-        if new and len(self._argument_functions) < _MAX_HELD_MODULES:
+        if new and len(self._argument_functions) < _MAX_ARGUMENT_CODE:
             self._argument_functions += list({id(f): f for f in new}.values())
             self._set_sources()
             self._stale = True
@@ -491,13 +483,12 @@ class CacheKeyBuilder:
         found: dict[int, Any] = {}
         bindings = []  # `global LAST; LAST = y` rebinds the name itself
         for _, read in self.scalar_sources:
-            if _reads_global(read):
+            # `global LAST; LAST = y`; `nonlocal last; last = y`, `holder["y"] = y`
+            cell = reads_cell(read)
+            binding = (cell, None) if cell is not None else reads_global(read)
+            if binding is not None:
                 value = read()
-                bindings.append(((read.func.__self__, read.args[0]), value))
-                _collect_holders(value, found, _NESTED_DEPTH)
-            elif _reads_cell(read):  # `nonlocal last; last = y`, `holder["y"] = y`
-                value = read()
-                bindings.append(((read.args[0], None), value))
+                bindings.append((binding, value))
                 _collect_holders(value, found, _NESTED_DEPTH)
         return bindings + [(holder, snapshot(holder)) for holder in found.values()]
 

@@ -4,9 +4,9 @@ A compiled function does not repeat `torch.manual_seed(...)` on later calls, so 
 seeds (or sets the generator state) cannot be compiled faithfully. `install()` wraps torch's
 Python entry points for that (`torch.manual_seed`, `torch.seed`, `torch.set_rng_state` and their
 `torch.random` spellings) once: outside tracing they behave exactly as before; called while this
-thread records a trace they raise `SeedsInside` naming the user's line (the call runs eagerly). Other threads
-keep drawing and seeding freely (the check is per thread, unlike comparing the generator state
-before and after tracing, which another thread's draws would trip).
+thread records a trace they raise `SeedsInside` naming the user's line (the call runs eagerly).
+Other threads keep drawing and seeding freely (the check is per thread, unlike comparing the
+generator state before and after tracing, which another thread's draws would trip).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def seeds_inside(op: str, where=None) -> SeedsInside:
         "the function sets torch's random state (torch.manual_seed, set_rng_state, ...) while "
         "it runs; a compiled function would not repeat that on later calls", op=op, where=where,
         hint="seed outside the compiled function")
+
+
 _installed = False
 
 

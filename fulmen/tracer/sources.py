@@ -101,6 +101,7 @@ def is_user_module(value: Any) -> bool:
 _NOT_KEYED = frozenset(["training", "forward", *vars(torch.nn.Module()),
                         "_compiled_call_impl", "_state_dict_hooks"])
 _SCAN_DEPTH = 3  # helper functions followed from the traced function, levels deep
+_MAX_CONTAINER_ITEMS = 64  # containers scanned for the functions they hold
 _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 
@@ -114,8 +115,8 @@ def _own_functions(fn, modules, functions=()) -> list:
     frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
                        if isinstance(value, types.FunctionType)]
     frontier += [function for module in modules for value in vars(module).values()
-                 for function in _functions_of(value)]
-    frontier += [function for value in functions for function in _functions_of(value)]
+                 for function in functions_of(value)]
+    frontier += [function for value in functions for function in functions_of(value)]
     for _ in range(_SCAN_DEPTH + 1):
         next_frontier = []
         for candidate in frontier:
@@ -133,7 +134,7 @@ def _own_functions(fn, modules, functions=()) -> list:
                           for value in map(vars(module).get, names) if value is not None]
             reachable += _closure_values(candidate)
             next_frontier += [function for value in reachable
-                              for function in _functions_of(value)]
+                              for function in functions_of(value)]
         frontier = next_frontier
     return list(found.values())
 
@@ -149,27 +150,23 @@ def _closure_values(function) -> list:
 
 
 def functions_of(value: Any) -> list:
-    """The functions whose globals code calling `value` (an argument: `apply(x, act_fn)`) may
-    read (see `_functions_of`)."""
-    return _functions_of(value)
-
-
-def _functions_of(value: Any) -> list:
-    """The functions whose globals code reaching `value` may read: a function itself, the
-    methods of a user class (`Scaler.apply`, its user base classes' too) and of an instance of
-    one."""
+    """The functions whose globals code reaching `value` (held, named, or an argument:
+    `apply(x, act_fn)`) may read: a function itself (also behind `functools.partial` and
+    `__wrapped__`), the function-like items of a small container, the methods of a user class
+    (`Scaler.apply`, its user base classes' too) and of an instance of one."""
     if isinstance(value, types.FunctionType):
         return [value]
     wrapped = getattr(value, "__wrapped__", None)  # `functools.lru_cache`, `functools.wraps`
     if isinstance(wrapped, types.FunctionType) and not isinstance(value, type):
         return [wrapped]
     if isinstance(value, functools.partial):
-        return _functions_of(value.func)
-    if type(value) in CONTAINERS:  # `ACTS = {"gelu": lambda t: ...}`
-        return [function for item in (value.values() if type(value) is dict else value)
-                for function in (_functions_of(item) if isinstance(item, (
-                    types.FunctionType, functools.partial)) or hasattr(item, "__wrapped__")
-                    else [])] if len(value) <= 64 else []
+        return functions_of(value.func)
+    if type(value) in CONTAINERS:  # `ACTS = {"gelu": lambda t: ...}` (not objects held there)
+        if len(value) > _MAX_CONTAINER_ITEMS:
+            return []
+        items = value.values() if type(value) is dict else value
+        return [function for item in items if _is_function_like(item)
+                for function in functions_of(item)]
     if not isinstance(value, type):
         if not is_plain_object(value):
             return []
@@ -179,6 +176,11 @@ def _functions_of(value: Any) -> list:
     return [getattr(member, "__func__", member) for cls in value.__mro__ if is_user_class(cls)
             for member in vars(cls).values()
             if isinstance(member, (types.FunctionType, staticmethod, classmethod))]
+
+
+def _is_function_like(value: Any) -> bool:
+    return isinstance(value, (types.FunctionType, functools.partial)) \
+        or hasattr(value, "__wrapped__")
 
 
 def _user_modules(function) -> list[types.ModuleType]:
@@ -200,11 +202,54 @@ def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:
     return fn, sources
 
 
+# The readers of globals (a module's namespace or a user module's attributes) and of closure
+# cells; `GlobalStore` finds them among the sources by their shape (`reads_global`,
+# `reads_cell`).
+def _global_reader(namespace: dict, name: str):
+    return functools.partial(namespace.get, name)
+
+
+def _cell_reader(cell: types.CellType):
+    return functools.partial(getattr, cell, "cell_contents")
+
+
+def reads_global(read) -> tuple[dict, str] | None:
+    """`(namespace, name)` if the source reader `read` reads a global (`_global_reader`)."""
+    func = getattr(read, "func", None)
+    if getattr(func, "__name__", None) == "get" and type(getattr(func, "__self__", None)) \
+            is dict:
+        return func.__self__, read.args[0]
+    return None
+
+
+def reads_cell(read) -> types.CellType | None:
+    """The cell if the source reader `read` reads a closure cell (`_cell_reader`)."""
+    if getattr(read, "func", None) is getattr and read.args \
+            and type(read.args[0]) is types.CellType:
+        return read.args[0]
+    return None
+
+
+def _class_sources(cls: type, seen: set[type], read=None) -> list[tuple[str, object]]:
+    """A source for `cls` (read by `read` when given: a module's `__class__`) and for each user
+    base class of it, those not in `seen` (added to it); they are keyed by their data
+    attributes (`class_source_key`)."""
+    sources = []
+    for base in cls.__mro__:
+        if is_user_class(base) and base not in seen:
+            seen.add(base)
+            reader = read if base is cls and read is not None \
+                else functools.partial(operator.getitem, (base,), 0)
+            sources.append((f"{base.__name__} (class)", reader))
+    return sources
+
+
 def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
-    # `functions`: functions and user classes the call's arguments hold (`add_code`)
     """(name, reader) for each value a traced program may bake in as a constant or capture
     without it being an argument: the function's closure cells, the globals named by it and
-    by the functions it may call (`_own_functions`), and the plain attributes of every module
+    by the functions it may call (`_own_functions`; `functions` are the functions and user
+    classes the call's arguments hold, `CacheKeyBuilder.add_functions`), the class attributes
+    of user classes, and the plain attributes of every module
     (`dropout.p`, `attn.scale`, `self.table`, `self.act = F.relu`): scalars, tensors, functions
     and small containers (`source_key`), and plain objects by their attributes (`args.temperature` of a global
     argparse namespace, a config dataclass: `object_source_key`). Their current keys are part
@@ -216,44 +261,30 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
         for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 if _is_keyed(cell.cell_contents):
-                    sources.append((cell_name, functools.partial(getattr, cell, "cell_contents")))
+                    sources.append((cell_name, _cell_reader(cell)))
             except ValueError:  # an empty cell
                 continue
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules, functions):
-        namespace = function.__globals__
-        for name in sorted(code_names(function.__code__)):  # co_names holds attributes too
-            if (id(namespace), name) in seen or name.startswith("__"):
-                continue
-            seen.add((id(namespace), name))
-            if name in namespace and _is_keyed(namespace[name]):
-                sources.append((name, functools.partial(namespace.get, name)))
-        names = code_names(function.__code__)
-        for module in _user_modules(function):  # `config.SCALE`, `config.FLAGS[...]`
-            attributes = vars(module)
-            for name in sorted(names):
-                if (id(attributes), name) not in seen and not name.startswith("__") \
-                        and name in attributes and _is_keyed(attributes[name]):
-                    seen.add((id(attributes), name))
-                    sources.append((f"{module.__name__}.{name}",
-                                    functools.partial(attributes.get, name)))
+        names = sorted(code_names(function.__code__))  # co_names holds attributes too
+        # its globals, and the attributes of the user modules it reads (`config.SCALE`)
+        namespaces = [(function.__globals__, ""), *((vars(module), f"{module.__name__}.")
+                                                    for module in _user_modules(function))]
+        for namespace, prefix in namespaces:
+            for name in names:
+                if (id(namespace), name) in seen or name.startswith("__"):
+                    continue
+                seen.add((id(namespace), name))
+                if name in namespace and _is_keyed(namespace[name]):
+                    sources.append((prefix + name, _global_reader(namespace, name)))
     classes: set[type] = set()
     for given in functions:  # an argument object's class: `o.SCALE` from `class Opts`
-        for cls in given.__mro__ if isinstance(given, type) else ():
-            if is_user_class(cls) and cls not in classes:
-                classes.add(cls)
-                sources.append((f"{cls.__name__} (class)",
-                                functools.partial(operator.getitem, (cls,), 0)))
+        if isinstance(given, type):
+            sources += _class_sources(given, classes)
     for module in modules:
-        if is_user_class(type(module)) and type(module) not in classes:
-            classes.add(type(module))  # `self.scale` read from `class Block: scale = 2.0`
-            sources.append((f"{type(module).__name__} (class)",
-                            functools.partial(getattr, module, "__class__")))
-            for base in type(module).__mro__[1:]:  # `class Base(nn.Module): SCALE = 1.0`
-                if is_user_class(base) and base not in classes:
-                    classes.add(base)
-                    sources.append((f"{base.__name__} (class)",
-                                    functools.partial(operator.getitem, (base,), 0)))
+        # `self.scale` read from `class Block: scale = 2.0` or `class Base(nn.Module): ...`
+        sources += _class_sources(type(module), classes,
+                                  functools.partial(getattr, module, "__class__"))
         # private attributes of the user's own modules (`self._scale`); a library's are its
         # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
         private = is_user_class(type(module))
