@@ -62,6 +62,7 @@ from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.symbolic import carrier, tensor_at
 from fulmen.tracer.tracer import (
+    AliasedInputs,
     _path_name,
     _positional_names,
     check_no_input_aliasing,
@@ -266,7 +267,10 @@ class _Jitted:
             inputs += carriers
         inputs += [*state, *entry.captured_now()]
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
-            check_no_input_aliasing(inputs, entry.mutated_inputs)
+            try:
+                check_no_input_aliasing(inputs, entry.mutated_inputs)
+            except AliasedInputs as error:  # checked before anything ran: eager's answer
+                return self._eagerly_or_raise(args, kwargs, error)
         if entry.tree:
             out = self._run_tree(entry, args, kwargs, inputs)
             if isinstance(out, _RanEagerly):

@@ -97,7 +97,15 @@ def snapshot_impl(a: T) -> T:
     return a.clone()
 
 
+def view_of_written_impl(base: T, steps: tuple) -> T:
+    """The view `steps` of `base`, taken after the trace wrote `base` back: an output that is a
+    view of a mutated input is a view of the input itself, as in eager (an in-place update of
+    the output reaches the input)."""
+    return replay(base, steps)
+
+
 view_scatter = _functional_symbol("view_scatter", view_scatter_impl)
+view_of_written = _functional_symbol("view_of_written", view_of_written_impl)
 # opaque on purpose: rematerialization never recomputes it from the (since mutated) input
 snapshot = _functional_symbol("snapshot", snapshot_impl)
 setitem = _functional_symbol("setitem", setitem_impl)
@@ -111,4 +119,5 @@ def is_functionalized(sym: Symbol) -> bool:
 
 
 __all__ = ["FUNCTIONALIZED", "WRITE_BACK", "apply_inplace", "apply_inplace_random",
-           "is_functionalized", "replay", "setitem", "snapshot", "view_scatter"]
+           "is_functionalized", "replay", "setitem", "snapshot", "view_of_written",
+           "view_scatter"]

@@ -50,6 +50,7 @@ from fulmen.ops.functionalized import (
     replay,
     setitem,
     snapshot,
+    view_of_written,
     view_scatter,
 )
 from fulmen.proxies import TensorProxy
@@ -396,6 +397,22 @@ class Functionalizer:
                 continue
             self.ctx.bsyms.append(BoundSymbol(WRITE_BACK, (root.proxy, root.value), {}, None,
                                               (), root.source))
+        return self._views_of_written_inputs(out_leaves, resolved)
+
+    def _views_of_written_inputs(self, leaves: list, resolved: list) -> list:
+        """Outputs that are views of a mutated input become views of the input itself, taken
+        after the write-backs (`functionalized.view_of_written`): eager returns the view, so an
+        in-place update of the output reaches the input. (The resolved value stays the output
+        where the view's aliasing is unknown: reading it then raised already.)"""
+        for index, leaf in enumerate(leaves):
+            view = self.views.get(leaf.name) if isinstance(leaf, TensorProxy) else None
+            if view is None or not view.exact or view.root not in self.inputs:
+                continue
+            root = self.roots[view.root]
+            if root.value is root.proxy:
+                continue  # never written: the output is a view op of the input already
+            with self.ctx.internal():
+                resolved[index] = self.ctx.call(view_of_written, root.proxy, view.steps)
         return resolved
 
     def _snapshot_mutated_inputs(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError, Trace, tracing
+from fulmen.core import NotYetSupportedError, RunsEagerly, Trace, tracing
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
@@ -138,6 +138,12 @@ def _describe_input(index: int, tensor: torch.Tensor) -> str:
             f"strides {tensor.stride()}, storage offset {tensor.storage_offset()})")
 
 
+class AliasedInputs(RunsEagerly):
+    """Two inputs of a call share memory and the compiled program modifies one of them in
+    place: the program treats its inputs as independent, so such a call runs eagerly (eager's
+    effects through the alias are the answer), or raises under `fullgraph=True`."""
+
+
 def _refuse_overlap(inputs, cluster: list[int], mutated: set[int]) -> None:
     """Raise for the first two inputs of `cluster` (whose ranges overlap as a chain) that share
     bytes on one device, one of them mutated."""
@@ -148,7 +154,7 @@ def _refuse_overlap(inputs, cluster: list[int], mutated: set[int]) -> None:
         (start_a, end_a), (start_b, end_b) = spans[a], spans[b]
         if start_a < end_b and start_b < end_a and inputs[a].device == inputs[b].device:
             changed = a if a in mutated else b
-            raise NotYetSupportedError(
+            raise AliasedInputs(
                 f"trace {_describe_input(a, inputs[a])} and {_describe_input(b, inputs[b])} "
                 f"may share memory, and input {changed} is modified in place: the compiled "
                 "program treats them as independent", op="in-place update",

@@ -70,6 +70,78 @@ def test_returning_the_mutated_input_returns_the_input_itself():
     torch.testing.assert_close(x, torch.ones(3))
 
 
+def _view_then_mutate(x):
+    y = x.view(2, 8)
+    y.add_(1)
+    return y
+
+
+def _view_before_mutation(x):
+    row = x[1]
+    x.mul_(2)
+    return row
+
+
+def _view_after_mutation(x):
+    x.add_(1)
+    return x.t()[1:], x * 2
+
+
+def _view_of_view(x):
+    y = x[:, 1:].transpose(0, 1)
+    y[0].fill_(7.0)
+    return y.unsqueeze(0)
+
+
+@pytest.mark.parametrize("fn", [_view_then_mutate, _view_before_mutation, _view_after_mutation,
+                                _view_of_view])
+@pytest.mark.parametrize("executors", [None, ["codegen", "torch"]], ids=["default", "codegen"])
+def test_returned_view_of_a_mutated_input_is_a_view_of_the_input(fn, executors):
+    # eager returns a view of the (mutated) input: writing into the output writes the input
+    jfn = fulmen.jit(fn, executors=executors)
+    for _ in range(2):  # a miss and a hit
+        eager_x, x = torch.arange(16.0).view(4, 4), torch.arange(16.0).view(4, 4)
+        expected, out = fn(eager_x), jfn(x)
+        _assert_same(out, expected)
+        _assert_same(x, eager_x)
+        first, eager_first = (out[0], expected[0]) if isinstance(out, tuple) else (out, expected)
+        assert first.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        first.mul_(-1)
+        eager_first.mul_(-1)
+        _assert_same(x, eager_x)
+
+
+def test_returned_view_of_a_mutated_buffer_is_a_view_of_the_buffer():
+    # a preallocated KV cache returning the filled part: eager returns a view of the buffer
+    class Cache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("keys", torch.zeros(2, 8, 4))
+
+        def forward(self, x, pos: int):
+            k = self.proj(x)
+            self.keys[:, pos:pos + x.shape[1]] = k.detach()
+            return k.sum(), self.keys[:, :pos + x.shape[1]]
+
+    torch.manual_seed(0)
+    eager = Cache()
+    model = Cache()
+    model.load_state_dict(eager.state_dict())
+    jm = fulmen.jit(model)
+    for pos in (0, 2):
+        x = torch.randn(2, 2, 4)
+        (expected_loss, expected), (loss, out) = eager(x, pos), jm(x, pos)
+        loss.backward()
+        expected_loss.backward()
+        torch.testing.assert_close(out, expected)
+        assert out.untyped_storage().data_ptr() == model.keys.untyped_storage().data_ptr()
+        torch.testing.assert_close(model.proj.weight.grad, eager.proj.weight.grad)
+        out[:, -1] = 5.0  # the caller writes through the returned view
+        expected[:, -1] = 5.0
+        torch.testing.assert_close(model.keys, eager.keys)
+
+
 @pytest.mark.parametrize("case", [
     lambda x, y: x.__iadd__(y),
     lambda x, y: x.sub_(y, alpha=2),
@@ -369,14 +441,18 @@ def test_metadata_inplace_raises_under_fullgraph_and_runs_eagerly_otherwise():
     assert out is x and x.shape == (3, 2)
 
 
-def test_mutated_inputs_sharing_memory_raise():
+def test_mutated_inputs_sharing_memory_run_eagerly():
     jfn = fulmen.jit(lambda x, y: x.add_(y))
     a, b = torch.zeros(3), torch.ones(3)
     jfn(a, b)
+    with pytest.warns(UserWarning, match="share memory"):
+        out = jfn(a, a)  # a cache hit: the runtime checks aliasing of mutated inputs
+    assert out is a
+    torch.testing.assert_close(a, torch.full((3,), 2.0))  # eager's x.add_(x)
+    a = torch.full((3,), 3.0)
+    torch.testing.assert_close(fulmen.jit(lambda x, y: x.mul_(y))(a, a[:]), torch.full((3,), 9.0))
     with pytest.raises(NotYetSupportedError, match="share memory"):
-        jfn(a, a)  # a cache hit: the runtime checks aliasing of mutated inputs
-    with pytest.raises(NotYetSupportedError, match="share memory"):
-        fulmen.jit(lambda x, y: x.mul_(y))(a, a[:])
+        fulmen.jit(lambda x, y: x.mul_(y), fullgraph=True)(a, a[:])
 
 
 def test_reshape_aliasing_decided_from_meta_kernel_strides():
