@@ -554,4 +554,11 @@ MUTANTS: list[Mutant] = [
     Mutant("ops_exp_saturating_plain", "decomposition", "ops/torch/utils.py",
            "return prims.where(over, math.inf, prims.exp(prims.where(over, 0.0, a)))",
            "return prims.exp(a)", ACTIVATIONS),
+    # --- outputs aliasing mutated inputs; calls whose mutated inputs overlap ----------------
+    Mutant("view_output_of_written_input_copied", "mutation", "tracer/mutation.py",
+           "            if view is None or not view.exact or view.root not in self.inputs:",
+           "            if True:", INPLACE),
+    Mutant("aliased_inputs_compiled_anyway", "mutation", "tracer/tracer.py",
+           "        if len(cluster) > 1 and not changed.isdisjoint(cluster):",
+           "        if False:", INPLACE),
 ]
