@@ -72,6 +72,7 @@ from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
+_functorch_active = torch._C._are_functorch_transforms_active
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
 _BREAKS = get_logger("breaks")
@@ -206,6 +207,12 @@ class _Jitted:
             # called while an outer jitted function is being traced (recursion, nesting): trace
             # through the Python source, so the outer trace records the ops themselves
             return (self._module if self._module is not None else self._fn)(*args, **kwargs)
+        if _functorch_active():  # torch.func.grad / vmap / jacrev around the call
+            return self._eagerly_or_raise(args, kwargs, FunctorchTransform(
+                "called inside a torch.func transform (grad, vjp, jacrev, vmap, ...): a compiled "
+                "program runs outside the transform's levels", op="torch.func",
+                hint="for compiled gradients use fulmen.grad, fulmen.vjp or "
+                "fulmen.value_and_grad"))
         # a trace swaps proxies into argument objects and undoes stores into modules: every
         # read of module state and objects (and every trace) holds the tracing lock, so no
         # thread ever sees a proxy
@@ -588,6 +595,12 @@ class _Jitted:
                 self._running_eagerly = False
 
 
+class FunctorchTransform(RunsEagerly):
+    """The call is made inside a `torch.func` transform (`grad`, `vmap`, `jacrev`): its tensors
+    are wrapped per transform level, which a compiled program does not see, so the call runs
+    eagerly (the transform differentiates or batches the eager ops)."""
+
+
 class StoresDifferPerPath(NotYetSupportedError):
     """A program with graph breaks stores on its modules: each path may store differently."""
 
@@ -834,8 +847,15 @@ class JittedModule(torch.nn.Module):
         the module's); the wrapper's own state and private names stay on the wrapper."""
         if self._wrapper_attribute(name):
             super().__setattr__(name, value)
+            return
+        module = self._modules["_orig_mod"]
+        if name in module._parameters and isinstance(value, torch.Tensor) \
+                and not isinstance(value, torch.nn.Parameter):
+            # `torch.func.functional_call(jmodel, params)` swaps plain tensors in for the
+            # module's parameters, as it does on the module itself
+            module._parameters[name] = value
         else:
-            setattr(self._modules["_orig_mod"], name, value)
+            setattr(module, name, value)
 
     def __delattr__(self, name: str) -> None:
         if self._wrapper_attribute(name):

@@ -390,3 +390,50 @@ def test_attributes_set_on_the_jitted_module_reach_the_module():
     assert torch.equal(model.extra, torch.ones(1))
     del jitted.extra
     assert not hasattr(model, "extra")
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.Linear(4, 3),
+                                  lambda: torch.nn.Sequential(torch.nn.Linear(4, 3),
+                                                              torch.nn.ReLU(),
+                                                              torch.nn.Linear(3, 2))],
+                         ids=["top-level", "nested"])
+def test_functional_call_on_a_jitted_module(make):
+    # `torch.func.functional_call(jmodel, params, x)` (MAML, PEFT, model soups) swaps plain
+    # tensors in for the parameters: it raised TypeError on top-level parameters
+    torch.manual_seed(0)
+    model = make()
+    jitted = fulmen.jit(copy.deepcopy(model))
+    x = torch.randn(2, 4)
+    for scale in (2.0, 3.0):  # the second call is a hit with other tensors swapped in
+        leaves = [{k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+                  for _ in range(2)]
+        params = [{k: v * scale for k, v in leaf.items()} for leaf in leaves]
+        expected = torch.func.functional_call(model, params[0], (x,))
+        actual = torch.func.functional_call(jitted, params[1], (x,))
+        torch.testing.assert_close(actual, expected)
+        expected.sum().backward()
+        actual.sum().backward()
+        for name in leaves[0]:
+            torch.testing.assert_close(leaves[1][name].grad, leaves[0][name].grad)
+    # the module's own parameters are back
+    assert all(isinstance(p, torch.nn.Parameter) for p in jitted.parameters())
+    torch.testing.assert_close(jitted(x), model(x))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev"])
+def test_calls_inside_torch_func_transforms_run_eagerly(transform):
+    # the compiled program would run outside the transform's levels: torch.func.grad raised
+    # from inside the trace; such calls run eagerly (fullgraph=True raises)
+    def f(a):
+        return torch.sin(a).sum() if transform == "grad" else torch.sin(a) * a
+
+    x = torch.randn(3, 4)
+    wrap = {"grad": torch.func.grad, "vmap": torch.func.vmap, "jacrev": torch.func.jacrev}[transform]
+    jf = fulmen.jit(f)
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        actual = wrap(jf)(x)
+    torch.testing.assert_close(actual, wrap(f)(x))
+    torch.testing.assert_close(jf(x), f(x))  # outside the transform: compiled
+    assert fulmen.compile_stats(jf).cache_misses == 1
+    with pytest.raises(NotYetSupportedError, match="torch.func transform"):
+        wrap(fulmen.jit(f, fullgraph=True))(x)
