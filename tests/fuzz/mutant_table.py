@@ -561,4 +561,8 @@ MUTANTS: list[Mutant] = [
     Mutant("aliased_inputs_compiled_anyway", "mutation", "tracer/tracer.py",
            "        if len(cluster) > 1 and not changed.isdisjoint(cluster):",
            "        if False:", INPLACE),
+    Mutant("two_norm_vector_dim_wrapped", "vjp", "transforms/autodiff/rules_nn.py",
+           "return tuple(sorted({d % max(x.ndim, 1) for d in dims})) if x.ndim else ()",
+           "return tuple(sorted({d % max(x.ndim, 2) for d in dims})) if x.ndim else ()",
+           ("tests/ops/test_linalg.py",)),
 ]

@@ -47,13 +47,18 @@ def test_linalg(index, mode):
     assert "opaque" not in first
 
 
-def test_two_norm_gradient_at_zero_matches_eager():
-    x = torch.zeros(2, 3)
-    x[1] = torch.randn(3)
+@pytest.mark.parametrize("shape", [(2, 3), (3,)], ids=["2d", "1d"])
+def test_two_norm_gradient_at_zero_matches_eager(shape):
+    # the 2-norm's own rule (0 where the norm is 0); negative dims and keepdim on a vector too
+    x = torch.zeros(shape)
+    x[-1] = torch.randn(shape[1:] or ())
     x.requires_grad_()
-    for fn in (lambda x: F.normalize(x, dim=1), lambda x: torch.linalg.vector_norm(x, dim=1)):
-        (expected,) = torch.autograd.grad(fn(x).sum(), x)
-        (actual,) = torch.autograd.grad(fulmen.jit(fn)(x).sum(), x)
+    for fn in (lambda x: F.normalize(x, dim=-1), lambda x: torch.linalg.vector_norm(x, dim=-1),
+               lambda x: x.norm(dim=-1, keepdim=True) * x, lambda x: torch.linalg.vector_norm(x),
+               lambda x: F.normalize(x, dim=0)):
+        cotangent = torch.randn_like(fn(x))
+        (expected,) = torch.autograd.grad(fn(x), x, cotangent)
+        (actual,) = torch.autograd.grad(fulmen.jit(fn)(x), x, cotangent)
         torch.testing.assert_close(actual, expected)
 
 
