@@ -4,8 +4,8 @@ NOTE [layout queries stay cheap]: the tracer gives each output proxy of a decomp
 strides (NOTE [layout truth] in `fulmen.tracer.dispatch`). Asking PyTorch's meta kernel costs a
 Python call per op, and many meta kernels are Python references whose first call imports
 `torch._dynamo` (seconds); the common ops need neither: `rule_layouts` answers for elementwise
-maps, ops on contiguous tensors, lone permutes, layer norm and convolutions, and the tracer asks
-the meta kernel only for the rest (`fulmen.ops.meta.eager_layouts`).
+maps, ops on contiguous tensors, lone permutes, basic indexing, low-rank cats, layer norm and
+convolutions, and the tracer asks the meta kernel only for the rest (`fulmen.ops.meta.eager_layouts`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     - `F.layer_norm`, `masked_fill`, `F.one_hot`, `F.nll_loss`, `F.cross_entropy`: row-major
       (eager normalises a contiguous copy into a contiguous result; masked_fill fills a copy
       made with `resize_as_`; one_hot scatters into new zeros; the losses allocate theirs);
-    - 1-3-d convolutions on CPU: the memory format eager's backend picks.
+    - 1-3-d convolutions on CPU: the memory format eager's backend picks;
+    - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
+    - `cat` at a rank other than 4 and 5: row-major (NOTE [cat layout]).
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
@@ -100,6 +102,13 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         return _attention_layouts(args, kwargs, outputs[0])
     if func in _ROW_MAJOR_RESULTS:
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
+    if func is T.__getitem__ and len(outputs) == 1 and len(args) == 2 and not kwargs:
+        strides = basic_index_strides(args[0], args[1])
+        if strides is not None and len(strides) == outputs[0].ndim:
+            return [(outputs[0].shape, strides)]
+    if func in _CATS and len(outputs) == 1 and outputs[0].ndim not in (4, 5):
+        # NOTE [cat layout]
+        return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]
     if func is F.linear and len(outputs) == 1:
         input = args[0] if args else kwargs.get("input")
         with torch._C.DisableTorchFunctionSubclass():
@@ -124,6 +133,51 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names) for p in producers):
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     return None
+
+
+# NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest
+# (`cat_compute_output_memory_format`): contiguous as soon as one input suggests contiguous, and
+# a tensor suggests channels-last formats only at rank 4 or 5. At any other rank the result is
+# row-major, whatever the inputs' strides, with no size to compare (a fake `cat` with symbolic
+# sizes costs tens of milliseconds).
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
+_BASIC_INDEX = (int, torch.SymInt, slice, type(None), type(Ellipsis))
+
+
+def basic_index_strides(tensor, index) -> tuple | None:
+    """Eager's strides for `tensor[index]` when `index` is basic (ints, slices of positive
+    step, None, Ellipsis), a view: each index applied in turn, as eager's indexing does (an int
+    selects, a slice multiplies its dim's stride by the step, None inserts a dim whose stride
+    is that of `unsqueeze` there: the size times the stride of the dim it precedes, or 1 at
+    the end). None for any other index (a tensor, a bool, a list) and for a non-proxy."""
+    if not isinstance(tensor, TensorProxy):
+        return None
+    items = index if type(index) is tuple else (index,)
+    for item in items:
+        if type(item) is bool or not isinstance(item, _BASIC_INDEX):
+            return None
+        if isinstance(item, slice) and not (item.step is None or (type(item.step) is int
+                                                                     and item.step >= 1)):
+            return None
+    consumed = sum(1 for item in items if item is not None and item is not Ellipsis)
+    if consumed > tensor.ndim or sum(1 for item in items if item is Ellipsis) > 1:
+        return None  # eager raises: the decomposition says so
+    sizes, strides = list(tensor.shape), list(tensor.stride())
+    dim = 0
+    for item in items:
+        if item is None:
+            stride = 1 if dim >= len(sizes) else sizes[dim] * strides[dim]
+            sizes.insert(dim, 1)
+            strides.insert(dim, stride)
+            dim += 1
+        elif item is Ellipsis:
+            dim += tensor.ndim - consumed
+        elif isinstance(item, slice):
+            strides[dim] = strides[dim] * (1 if item.step is None else item.step)
+            dim += 1
+        else:  # an int selects: the dim goes
+            del sizes[dim], strides[dim]
+    return tuple(strides)
 
 
 def _reshapes_or_cats_inputs(bsym, producer, names: set[str]) -> bool:

@@ -50,3 +50,54 @@ def test_unread_offsets_share_one_compilation():
     for start in range(4):
         torch.testing.assert_close(jfn(buf[start:start + 4]), buf[start:start + 4] * 2)
     assert fulmen.cache_misses(jfn) == 1
+
+
+def test_basic_indexing_strides_are_eagers_views():
+    """`basic_index_strides` (NOTE [layout queries stay cheap]) against eager's views: ints,
+    slices with steps, None and Ellipsis, on contiguous, permuted and strided tensors."""
+    from fulmen.proxies import TensorProxy
+    from fulmen.tracer.layout import basic_index_strides
+
+    bases = [torch.empty(3, 4, 5), torch.empty(4, 5, 3).permute(2, 0, 1),
+             torch.empty(3, 4, 10)[..., ::2], torch.empty(1, 4, 5)]
+    indices = [(None, slice(1, 3)), (Ellipsis, None), (0, None, slice(None, None, 2)),
+               (slice(None), -1, None), (None, Ellipsis, 1, None), 2, slice(1, None),
+               (None,), (Ellipsis, slice(None, None, 3), None), (0, 1, 2), ()]
+    for base in bases:
+        proxy = TensorProxy("x", tuple(base.shape), base.dtype, "cpu", strides=base.stride())
+        for index in indices:
+            if base.shape[0] == 1 and index in (2, (0, 1, 2)):
+                continue  # out of range in eager too
+            assert basic_index_strides(proxy, index) == base[index].stride(), (base.stride(),
+                                                                               index)
+    proxy = TensorProxy("x", (3, 4), torch.float32, "cpu")
+    for index in (torch.tensor([0, 1]), True, [0, 1], (slice(None), torch.tensor(1)),
+                  (Ellipsis, Ellipsis)):
+        assert basic_index_strides(proxy, index) is None
+
+
+def test_symbolic_slices_and_low_rank_cats_ask_no_meta_kernel(monkeypatch):
+    """With symbolic sizes, a meta kernel runs on fake tensors (milliseconds each): basic
+    indexing and a `cat` below rank 4 are laid out by rule (NOTE [cat layout]), with eager's
+    strides."""
+    import fulmen.tracer.dispatch as dispatch
+
+    asked = []
+    real = dispatch.eager_layouts
+    monkeypatch.setattr(dispatch, "eager_layouts",
+                        lambda fn, *a: asked.append(fn) or real(fn, *a))
+
+    def fn(x):
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[:, None, 1:, half:]
+        c = torch.cat((b[:, 0], a[:, 1:]), dim=-1)
+        return c, c.stride(), a[None, ::2].stride()
+
+    jfn = fulmen.jit(fn)
+    for n in (6, 8, 10):
+        x = torch.randn(n, 5, 8).transpose(0, 1)
+        got, want = jfn(x), fn(x)
+        torch.testing.assert_close(got[0], want[0])
+        assert got[0].stride() == want[0].stride() and got[1:] == want[1:]
+    assert fulmen.cache_misses(jfn) == 2
+    assert torch.Tensor.__getitem__ not in asked and torch.cat not in asked, asked
