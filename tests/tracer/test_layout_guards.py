@@ -2,6 +2,7 @@
 answers `x.stride(0)`, `is_contiguous(memory_format=...)` and `x.storage_offset()` as eager."""
 
 import torch
+import torch.nn.functional as F
 
 import fulmen
 
@@ -76,10 +77,12 @@ def test_basic_indexing_strides_are_eagers_views():
         assert basic_index_strides(proxy, index) is None
 
 
-def test_symbolic_slices_and_low_rank_cats_ask_no_meta_kernel(monkeypatch):
+def test_symbolic_slices_cats_and_keepdim_reductions_ask_no_meta_kernel(monkeypatch):
     """With symbolic sizes, a meta kernel runs on fake tensors (milliseconds each): basic
-    indexing and a `cat` below rank 4 are laid out by rule (NOTE [cat layout]), with eager's
-    strides."""
+    indexing, `cat` where an input suggests no channels-last format (NOTE [cat layout]: a
+    rotary `rotate_half` of a transposed query, a fresh KV cache's empty tensor), `keepdim`
+    reductions and embeddings are laid out by rule, with eager's strides; a cat of
+    channels-last tensors still asks the meta kernel and gets eager's layout."""
     import fulmen.tracer.dispatch as dispatch
 
     asked = []
@@ -91,13 +94,29 @@ def test_symbolic_slices_and_low_rank_cats_ask_no_meta_kernel(monkeypatch):
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[:, None, 1:, half:]
         c = torch.cat((b[:, 0], a[:, 1:]), dim=-1)
-        return c, c.stride(), a[None, ::2].stride()
+        q = x[None].transpose(1, 2)  # rank 4, a transposed view
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        cached = torch.cat((torch.tensor([]), q), dim=-2)
+        rms = x.contiguous().pow(2).mean(-1, keepdim=True)
+        looked_up = F.embedding(torch.zeros(x.shape[0], 3, dtype=torch.long), x[0].contiguous())
+        outs = (c, rotated, cached, rms, looked_up)
+        return outs, [o.stride() for o in outs], a[None, ::2].stride()
 
     jfn = fulmen.jit(fn)
     for n in (6, 8, 10):
         x = torch.randn(n, 5, 8).transpose(0, 1)
         got, want = jfn(x), fn(x)
         torch.testing.assert_close(got[0], want[0])
-        assert got[0].stride() == want[0].stride() and got[1:] == want[1:]
+        assert [o.stride() for o in got[0]] == [o.stride() for o in want[0]]
+        assert got[1:] == want[1:]
     assert fulmen.cache_misses(jfn) == 2
-    assert torch.Tensor.__getitem__ not in asked and torch.cat not in asked, asked
+    assert not {torch.Tensor.__getitem__, torch.cat, torch.mean, torch.Tensor.mean,
+                F.embedding} & set(asked), asked
+
+    def channels_last_cat(x):
+        return torch.cat((x, x * 2), dim=1)
+
+    jcat = fulmen.jit(channels_last_cat)
+    for n in (6, 8, 10):
+        x = torch.randn(2, 3, n, 5).contiguous(memory_format=torch.channels_last)
+        assert jcat(x).stride() == channels_last_cat(x).stride()
