@@ -554,4 +554,13 @@ MUTANTS: list[Mutant] = [
     Mutant("ops_exp_saturating_plain", "decomposition", "ops/torch/utils.py",
            "return prims.where(over, math.inf, prims.exp(prims.where(over, 0.0, a)))",
            "return prims.exp(a)", ACTIVATIONS),
+    Mutant("layout_index_none_stride_one", "layout", "tracer/layout.py",
+           "stride = 1 if dim >= len(sizes) else sizes[dim] * strides[dim]", "stride = 1",
+           ("tests/tracer/test_layout_guards.py",)),
+    Mutant("layout_cat_ignores_channels_last", "layout", "tracer/layout.py",
+           "(t.ndim == 4 and not _channels_last_like(t))", "t.ndim == 4",
+           ("tests/tracer/test_layout_guards.py",)),
+    Mutant("symbolic_view_strides_static", "dynamic", "tracer/symbolic.py",
+           "return tuple(shape), self.view_strides(tensor, shape, label)",
+           "return tuple(shape), tuple(tensor.stride())", ("tests/tracer/test_dynamic_edges.py",)),
 ]

@@ -114,9 +114,9 @@ def test_symbolic_slices_cats_and_keepdim_reductions_ask_no_meta_kernel(monkeypa
                 F.embedding} & set(asked), asked
 
     def channels_last_cat(x):
-        return torch.cat((x, x * 2), dim=1)
+        return torch.cat((x, x * 2), dim=1).stride()  # read inside: returned ones are restrided
 
     jcat = fulmen.jit(channels_last_cat)
     for n in (6, 8, 10):
         x = torch.randn(2, 3, n, 5).contiguous(memory_format=torch.channels_last)
-        assert jcat(x).stride() == channels_last_cat(x).stride()
+        assert jcat(x) == channels_last_cat(x)
