@@ -4,8 +4,8 @@ NOTE [layout queries stay cheap]: the tracer gives each output proxy of a decomp
 strides (NOTE [layout truth] in `fulmen.tracer.dispatch`). Asking PyTorch's meta kernel costs a
 Python call per op, and many meta kernels are Python references whose first call imports
 `torch._dynamo` (seconds); the common ops need neither: `rule_layouts` answers for elementwise
-maps, ops on contiguous tensors, lone permutes, layer norm and convolutions, and the tracer asks
-the meta kernel only for the rest (`fulmen.ops.meta.eager_layouts`).
+maps, ops on contiguous tensors, lone permutes, basic indexing, low-rank cats, layer norm and
+convolutions, and the tracer asks the meta kernel only for the rest (`fulmen.ops.meta.eager_layouts`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _is_map(bsym) -> bool:
 
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill, F.one_hot,
-                                F.nll_loss, F.cross_entropy})
+                                F.nll_loss, F.cross_entropy, F.embedding})
 
 
 def _conv_layouts(func, args, kwargs, shape):
@@ -85,10 +85,14 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
       results; a view of a contiguous tensor is contiguous);
     - `F.linear` of a contiguous input: row-major (eager multiplies the input flattened to
       2-d into a new matrix);
-    - `F.layer_norm`, `masked_fill`, `F.one_hot`, `F.nll_loss`, `F.cross_entropy`: row-major
-      (eager normalises a contiguous copy into a contiguous result; masked_fill fills a copy
-      made with `resize_as_`; one_hot scatters into new zeros; the losses allocate theirs);
-    - 1-3-d convolutions on CPU: the memory format eager's backend picks.
+    - `F.layer_norm`, `masked_fill`, `F.one_hot`, `F.nll_loss`, `F.cross_entropy`,
+      `F.embedding`: row-major (eager normalises a contiguous copy into a contiguous result;
+      masked_fill fills a copy made with `resize_as_`; one_hot scatters into new zeros; the
+      losses allocate theirs; embedding views a new `index_select` result);
+    - a reduction with `keepdim=True` of contiguous tensors: row-major, as without it;
+    - 1-3-d convolutions on CPU: the memory format eager's backend picks;
+    - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
+    - `cat` with an input that suggests no channels-last format: row-major (NOTE [cat layout]).
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
@@ -100,6 +104,12 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         return _attention_layouts(args, kwargs, outputs[0])
     if func in _ROW_MAJOR_RESULTS:
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
+    if func is T.__getitem__ and len(outputs) == 1 and len(args) == 2 and not kwargs:
+        strides = basic_index_strides(args[0], args[1])
+        if strides is not None and len(strides) == outputs[0].ndim:
+            return [(outputs[0].shape, strides)]
+    if func in _CATS and len(outputs) == 1 and _cat_is_row_major(args, kwargs):
+        return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]
     if func is F.linear and len(outputs) == 1:
         input = args[0] if args else kwargs.get("input")
         with torch._C.DisableTorchFunctionSubclass():
@@ -121,9 +131,100 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         if not all(p.is_contiguous() for p in inputs):
             return None
     names = {p.name for p in inputs}
-    if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names) for p in producers):
+    if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names)
+           or _keeps_reduced_dims(bsym, p) for p in producers):
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     return None
+
+
+# NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest
+# (`cat_compute_output_memory_format`, over every input, the skipped 1-d empty ones of a fresh
+# KV cache included): contiguous as soon as one input suggests contiguous. A tensor suggests
+# channels-last only at rank 4 with channels-last-like strides (`_channels_last_like`) or at
+# rank 5; any other input makes the result row-major, whatever the strides (a fake `cat` with
+# symbolic sizes costs tens of milliseconds). Otherwise the meta kernel answers.
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def _cat_is_row_major(args, kwargs) -> bool:
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (tuple, list)) or not all(
+            isinstance(t, TensorProxy) for t in tensors):
+        return False
+    return any(t.ndim not in (4, 5) or (t.ndim == 4 and not _channels_last_like(t))
+               for t in tensors)
+
+
+def _channels_last_like(t: TensorProxy) -> bool:
+    """PyTorch's `is_channels_last_strides_2d` for a rank-4 tensor (what makes
+    `suggest_memory_format` channels-last), decision for decision: each comparison of a
+    symbolic size is a guard, as in the fake kernel."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low:
+            return False
+        if d == 0 and low == strides[1]:
+            return False
+        low = strides[d] * sizes[d] if sizes[d] > 1 else strides[d]
+    return True
+
+
+def _keeps_reduced_dims(bsym, producer) -> bool:
+    """Whether `producer` only inserts size-1 dims (`broadcast_in_dim` expanding nothing, a
+    reduction's `keepdim=True`) into a value a reduction or elementwise prim of `bsym`
+    computed: with contiguous inputs that value is row-major, and so is the result."""
+    if producer.sym.name != "broadcast_in_dim":
+        return False
+    source, shape, dims = producer.args[0], tuple(producer.args[1]), tuple(producer.args[2])
+    if not isinstance(source, TensorProxy) or source.ndim != len(dims):
+        return False
+    if any(not (type(shape[d]) is int and shape[d] == 1) for d in range(len(shape))
+           if d not in dims):
+        return False
+    if not known_same_shape(tuple(source.shape), tuple(shape[d] for d in dims)):
+        return False
+    made = _producer(bsym, source.name)
+    return made is not None and bool(made.sym.tags & _MAPS)
+_BASIC_INDEX = (int, torch.SymInt, slice, type(None), type(Ellipsis))
+
+
+def basic_index_strides(tensor, index) -> tuple | None:
+    """Eager's strides for `tensor[index]` when `index` is basic (ints, slices of positive
+    step, None, Ellipsis), a view: each index applied in turn, as eager's indexing does (an int
+    selects, a slice multiplies its dim's stride by the step, None inserts a dim whose stride
+    is that of `unsqueeze` there: the size times the stride of the dim it precedes, or 1 at
+    the end). None for any other index (a tensor, a bool, a list) and for a non-proxy."""
+    if not isinstance(tensor, TensorProxy):
+        return None
+    items = index if type(index) is tuple else (index,)
+    for item in items:
+        if type(item) is bool or not isinstance(item, _BASIC_INDEX):
+            return None
+        if isinstance(item, slice) and not (item.step is None or (type(item.step) is int
+                                                                     and item.step >= 1)):
+            return None
+    consumed = sum(1 for item in items if item is not None and item is not Ellipsis)
+    if consumed > tensor.ndim or sum(1 for item in items if item is Ellipsis) > 1:
+        return None  # eager raises: the decomposition says so
+    sizes, strides = list(tensor.shape), list(tensor.stride())
+    dim = 0
+    for item in items:
+        if item is None:
+            stride = 1 if dim >= len(sizes) else sizes[dim] * strides[dim]
+            sizes.insert(dim, 1)
+            strides.insert(dim, stride)
+            dim += 1
+        elif item is Ellipsis:
+            dim += tensor.ndim - consumed
+        elif isinstance(item, slice):
+            strides[dim] = strides[dim] * (1 if item.step is None else item.step)
+            dim += 1
+        else:  # an int selects: the dim goes
+            del sizes[dim], strides[dim]
+    return tuple(strides)
 
 
 def _reshapes_or_cats_inputs(bsym, producer, names: set[str]) -> bool:

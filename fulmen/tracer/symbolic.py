@@ -153,14 +153,13 @@ class SymbolicSizes:
     def symbolize(self, tensor: torch.Tensor, label: str, dims: Sequence[int]):
         """`(shape, strides)` for the input proxy of `tensor` (a trace input called `label`),
         with symbolic sizes in `dims` (a size 0 stays an int, and so does a 1 unless `dims` names
-        it) and contiguous strides
-        computed from them. Only contiguous tensors get symbolic sizes (anything else keeps
-        its sizes: the strides of a view are not a function of its own sizes)."""
+        it). A contiguous tensor's strides are computed from them; a view's are not a function
+        of its own sizes (NOTE [strides of a view input]), so they are `view_strides`'."""
         from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
         from torch.fx.experimental.symbolic_shapes import DimDynamic
 
         shape = list(tensor.shape)
-        if not dims or not tensor.is_contiguous():
+        if not dims:
             return tuple(shape), tuple(tensor.stride())
         bounds = getattr(tensor, "_fulmen_dynamic_dims", {})  # fulmen.mark_dynamic(min=, max=)
         for dim in dims:
@@ -180,11 +179,46 @@ class SymbolicSizes:
             if expr.is_Symbol and (low is not None or high is not None):
                 self._constrain(expr, low, high)
             shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)
+        if not tensor.is_contiguous():
+            return tuple(shape), self.view_strides(tensor, shape, label)
         strides, acc = [], 1
         for size in reversed(shape):
             strides.append(acc)
             acc = acc * size if not isinstance(size, int) or size > 1 else acc
         return tuple(shape), tuple(reversed(strides))
+
+    # NOTE [strides of a view input]: a view's strides come from the tensor it views, not from
+    # its own sizes: `keys[..., :n, :]` of a cache of `S` positions (`DynamicCache.crop`,
+    # assisted generation) has sizes `(b, h, n, d)` and strides `(h*S*d, S*d, d, 1)`, with
+    # `n` and `S` changing every call. As torch.compile does, each stride is written, in
+    # increasing order, as a size times a stride already written where their values agree
+    # (`d = d*1`, `h*(S*d)`), and one that is not gets a symbol of its own (`S*d`), read from
+    # the input's `stride()` in printed traces (`fulmen.core.printer.symbol_bindings`). The
+    # shape guard checks every stride against its expression, so a call whose strides are
+    # related otherwise (a coincidence of the traced call's values) is traced again.
+
+    def view_strides(self, tensor: torch.Tensor, shape: list, label: str) -> tuple:
+        """Symbolic strides for the input `tensor`, a view (not contiguous) whose sizes are
+        `shape` (some symbolic): NOTE [strides of a view input]."""
+        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        hints, sizes = tensor.stride(), tensor.shape
+        strides: list = [stride if stride in (0, 1) else None for stride in hints]
+        while None in strides:
+            known = {sizes[d] * hints[d]: shape[d] * strides[d]
+                     for d in range(len(hints)) if strides[d] is not None}
+            for _, d in sorted((hints[d], d) for d in range(len(hints)) if strides[d] is None):
+                if hints[d] in known:
+                    strides[d] = known[hints[d]]
+                    known[sizes[d] * hints[d]] = shape[d] * strides[d]
+            if None in strides:
+                hint, d = min((hints[d], d) for d in range(len(hints)) if strides[d] is None)
+                source = TensorPropertySource(LocalSource(label), TensorProperty.STRIDE, d)
+                expr = self.env.create_symbol(hint, source=source,
+                                              dynamic_dim=DimDynamic.DYNAMIC)
+                strides[d] = self.env.create_symintnode(expr, hint=hint, source=source)
+        return tuple(strides)
 
     def symbolize_int(self, value: int, label: str) -> tuple[torch.SymInt, TensorProxy] | None:
         """`(n, carrier_proxy)` for an integer argument `value` that varies (its carrier a trace

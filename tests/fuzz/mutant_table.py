@@ -565,4 +565,13 @@ MUTANTS: list[Mutant] = [
            "return tuple(sorted({d % max(x.ndim, 1) for d in dims})) if x.ndim else ()",
            "return tuple(sorted({d % max(x.ndim, 2) for d in dims})) if x.ndim else ()",
            ("tests/ops/test_linalg.py",)),
+    Mutant("layout_index_none_stride_one", "layout", "tracer/layout.py",
+           "stride = 1 if dim >= len(sizes) else sizes[dim] * strides[dim]", "stride = 1",
+           ("tests/tracer/test_layout_guards.py",)),
+    Mutant("layout_cat_ignores_channels_last", "layout", "tracer/layout.py",
+           "(t.ndim == 4 and not _channels_last_like(t))", "t.ndim == 4",
+           ("tests/tracer/test_layout_guards.py",)),
+    Mutant("symbolic_view_strides_static", "dynamic", "tracer/symbolic.py",
+           "return tuple(shape), self.view_strides(tensor, shape, label)",
+           "return tuple(shape), tuple(tensor.stride())", ("tests/tracer/test_dynamic_edges.py",)),
 ]

@@ -79,3 +79,38 @@ def test_decode_compiles_at_most_twice(name, cache):
     assert torch.equal(got, want), f"{name}: fulmen {got.tolist()} eager {want.tolist()}"
     stats = fulmen.compile_stats(jmodel)
     assert stats.eager_calls == 0 and stats.cache_misses <= 4, stats.recompile_reasons
+
+
+
+def _draft_and_crop(call, model, steps: int) -> list[int]:
+    """Greedy decoding as assisted generation runs it: each step verifies the next token and
+    two drafted ones, then crops the rejected two from the cache (`DynamicCache.crop`)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.arange(6).view(1, 6) * 7 % VOCAB
+    tokens = []
+    with torch.no_grad():
+        logits = call(ids, past_key_values=cache, use_cache=True).logits
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            draft = torch.cat([token, (token + 1) % VOCAB, (token + 2) % VOCAB], dim=1)
+            logits = call(draft, past_key_values=cache, use_cache=True).logits[:, :1]
+            cache.crop(-2)
+            tokens.append(int(token))
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cropped_cache_does_not_compile_per_token(name):
+    """A cropped cache holds views (`keys[..., :n, :]`, strides from the longer cache): they
+    get symbolic sizes and strides (NOTE [strides of a view input]), so decoding with a cache
+    cropped at every step compiles a bounded number of times, not once per token."""
+    torch.manual_seed(0)
+    model = MODELS[name][1]().eval()
+    want = _draft_and_crop(model, model, 10)
+    jmodel = fulmen.jit(model)
+    got = _draft_and_crop(jmodel, model, 10)
+    assert got == want
+    stats = fulmen.compile_stats(jmodel)
+    assert stats.eager_calls == 0 and stats.cache_misses <= 4, stats.recompile_reasons

@@ -96,3 +96,20 @@ def test_a_branch_that_specialises_a_size_holds_only_for_that_size():
     for n, sign in ((3, 1), (5, 1), (6, -1), (7, -1), (8, 1), (6, -1), (9, -1)):
         x = torch.randn(n).abs() * sign
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_views_whose_strides_vary_share_one_symbolic_entry():
+    """A slice `base[:, :n]` of a base of varying width has strides that are not a function
+    of its own sizes (NOTE [strides of a view input]): its strides get a symbol of their own,
+    so the calls compile twice, not once per width; the program reads the stride, and a
+    transposed view of the same sizes (other strides) is not served by that entry."""
+    def f(x):
+        return x * 2 + x.stride(0)
+
+    jf = fulmen.jit(f)
+    for width, n in [(10, 4), (12, 6), (15, 5), (20, 9), (7, 3)]:
+        x = torch.randn(3, width)[:, :n]
+        torch.testing.assert_close(jf(x), f(x))
+    assert fulmen.cache_misses(jf) == 2
+    for x in (torch.randn(5, 3).t(), torch.randn(3, 5, 2)[:, :, 0]):
+        torch.testing.assert_close(jf(x), f(x))
