@@ -3,6 +3,7 @@
     dce -> cse -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
+        -> in-place relu on a dying matrix product (`executors/torch/inplace.py`)
         -> Python compilation of the printed trace
 
 `compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
@@ -24,6 +25,7 @@ from fulmen.core import Trace
 from fulmen.core.ambient import without_autocast
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
+from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.logs import get_logger
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -38,7 +40,8 @@ _PASSES = get_logger("passes")
 def lower(trace: Trace, executors: Sequence[Executor]) -> Callable:
     """Claim `trace`'s statements by `executors`, insert `del`s, compile it to Python; the
     callable never re-applies the caller's autocast (traces hold autocast's casts)."""
-    return without_autocast(delete_last_used(claim_executors(trace, executors)).python_callable())
+    trace = relu_in_place(delete_last_used(claim_executors(trace, executors)))
+    return without_autocast(trace.python_callable())
 
 
 def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(), wrt=None,
@@ -93,9 +96,11 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         run(backward_traces, cse)
         run(backward_traces, claim_executors, executors)
         run(backward_traces, delete_last_used)
+        run(backward_traces, relu_in_place)
         run(traces, cse)  # statements the split added twice (attention's float masks)
     run(traces, claim_executors, executors)
     run(traces, delete_last_used)
+    run(traces, relu_in_place)
 
     start = time.perf_counter()
     # the traces hold autocast's casts explicitly: never cast again under the caller's

@@ -273,3 +273,35 @@ def test_dropout_attention_with_symbolic_sizes_is_laid_out_without_the_meta_kern
             asked.clear()  # the static trace may ask it: its meta kernel is cheap
     assert fulmen.cache_misses(jfn) == 2
     assert F.scaled_dot_product_attention not in asked
+
+
+@pytest.mark.parametrize("dim, dtype", [(-1, None), (0, None), (1, torch.float64)])
+def test_safe_softmax_equals_eager_with_its_vjp(dim, dtype):
+    """`torch._safe_softmax` (eager's softmax inside attention): values and gradients equal
+    eager's, fully masked rows giving zeros (and zero gradients: softmax's VJP of the output);
+    the op is decomposed (it ran opaquely under torch.autograd)."""
+    x = torch.randn(3, 5, 4)
+    x[0, 1] = -torch.inf  # a row of all -inf along dim=-1 and (in part) along the others
+    x[:, 2, :] = -torch.inf
+    x.requires_grad_()
+    fn = lambda x: torch._safe_softmax(x, dim, dtype)  # noqa: E731
+    jfn = fulmen.jit(fn)
+    expected, actual = fn(x), jfn(x)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
+                               torch.autograd.grad(expected, x, cotangent)[0])
+    assert "opaque" not in str(fulmen.last_traces(jfn)[0])
+
+
+@pytest.mark.parametrize("kwargs", [dict(attn_mask=MASK), dict(is_causal=True)])
+def test_dropout_attention_backward_does_not_recompute_the_softmax(kwargs):
+    """Attention with dropout is differentiated through its decomposition (NOTE [attention
+    dropout]); its softmax is `torch._safe_softmax`, whose VJP reads the kept weights: the
+    backward recomputes no max or exp of the scores (it did, transposing each prim)."""
+    q, k, v = (torch.randn(2, 4, 3 if i == 0 else 5, 4, requires_grad=True) for i in range(3))
+    jfn = fulmen.jit(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3,
+                                                                    **kwargs))
+    jfn(q, k, v).sum().backward()
+    backward = str(fulmen.last_backward_traces(jfn)[-1])
+    assert "amax" not in backward and "exp" not in backward

@@ -15,7 +15,8 @@ NOTE [attention dropout]: on CPU eager runs a call with `dropout_p > 0` on its m
 the weights. The decomposition draws the same mask with `prims.bernoulli` at the same point,
 so the numbers drawn are eager's. The autodiff transform differentiates such a call through its
 decomposition (a random decomposition is never recomputed by a rule), so the backward reuses
-the very mask; CUDA (Philox inside the fused kernels) and `p` outside (0, 1) run the op whole.
+the very mask; its softmax is `safe_softmax` (`torch._safe_softmax`, as eager's), whose rule
+reads the kept weights instead of transposing the max, exp and sum. CUDA (Philox inside the fused kernels) and `p` outside (0, 1) run the op whole.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fulmen.core import NotYetSupportedError
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.reductions import expand_reduced
-from fulmen.ops.torch.utils import broadcast_shapes
+from fulmen.ops.torch.utils import broadcast_shapes, to_dtype
 
 
 def _unsupported(message: str) -> NotYetSupportedError:
@@ -131,12 +132,27 @@ def _mask_scores(scores, attn_mask, is_causal: bool):
     return prims.add(scores, mask)
 
 
-def _safe_softmax(scores):
-    """Softmax over the last dim; rows of all -inf give zeros (NOTE [fully masked rows])."""
-    shape, dims = tuple(scores.shape), (scores.ndim - 1,)
-    top = prims.amax(scores, dims)
+@torch_op(torch._safe_softmax, name="safe_softmax")
+def safe_softmax(input, dim, dtype=None):
+    """`torch._safe_softmax`, the softmax eager's attention runs: along `dim`, after converting
+    to `dtype` if given; rows of all -inf give zeros (NOTE [fully masked rows]).
+
+    Its VJP is softmax's (`y * (g - sum(g * y))`, `rules_composite.py`), as eager's derivative
+    of `_safe_softmax`: the backward of attention with dropout, which is differentiated through
+    this decomposition (NOTE [attention dropout]), needs one row reduction instead of the
+    transposes of the max, exp and sum below."""
+    if not isinstance(dim, int) or isinstance(dim, bool) or input.ndim == 0:
+        raise _unsupported(f"_safe_softmax with dim={dim!r} on a rank {input.ndim} tensor")
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype):
+            raise _unsupported(f"_safe_softmax with dtype={dtype!r}")
+        input = to_dtype(input, dtype)
+    if input.dtype not in (torch.float32, torch.float64) or input.numel() == 0:
+        raise _unsupported("_safe_softmax of a float16/bfloat16, non-float or empty tensor")
+    shape, dims = tuple(input.shape), (dim % input.ndim,)
+    top = prims.amax(input, dims)
     top = prims.where(prims.eq(top, -math.inf), 0.0, top)
-    exps = prims.exp(prims.sub(scores, expand_reduced(top, shape, dims)))
+    exps = prims.exp(prims.sub(input, expand_reduced(top, shape, dims)))
     total = prims.sum(exps, dims)
     total = prims.where(prims.eq(total, 0.0), 1.0, total)
     return prims.div(exps, expand_reduced(total, shape, dims))
@@ -154,7 +170,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if heads is not None and _constant(key.shape[-3]) != heads:  # grouped-query (`_grouped`)
         key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
     scores = prims.mul(prims.matmul(query, _transpose_last(key)), scale)
-    weights = _safe_softmax(_mask_scores(scores, attn_mask, is_causal))
+    weights = safe_softmax(_mask_scores(scores, attn_mask, is_causal), -1)
     if dropout_p != 0.0:  # NOTE [attention dropout]
         keep = 1.0 - float(dropout_p)
         noise = prims.bernoulli(tuple(weights.shape), keep, weights.dtype, weights.device, None)

@@ -75,6 +75,7 @@ _softmax_family(ltorch.softmax, _softmax_input_grad)
 _softmax_family(ltorch.functional_softmax, _softmax_input_grad)
 _softmax_family(ltorch.log_softmax, _log_softmax_input_grad)
 _softmax_family(ltorch.functional_log_softmax, _log_softmax_input_grad)
+_softmax_family(ltorch.safe_softmax, _softmax_input_grad)  # y = 0 on all -inf rows: grad 0
 
 
 # --- layer norm -------------------------------------------------------------------------------
