@@ -54,6 +54,7 @@ from fulmen.ops.functionalized import (
 )
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
+from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf, refuse_fresh_update
 
 T = torch.Tensor
 
@@ -190,6 +191,7 @@ class Functionalizer:
         # tensors whose `.grad` the code set to None (`optimizer.zero_grad()`), in order: the
         # tracer makes them epilogue stores (`fulmen.tracer.objects`)
         self.grad_clears: list[TensorProxy] = []
+        self.fresh_roots: set[str] = set()  # roots of the fresh leaves (NOTE [fresh leaves])
 
     # -- inputs and reads ---------------------------------------------------------------------
 
@@ -329,6 +331,7 @@ class Functionalizer:
         view = self.views.get(target.name)
         root = self.roots[view.root] if view is not None else self._root(target)
         self._check_grad(root, op)
+        refuse_fresh_update(self, root.proxy.name, target, value, op)
         with self.ctx.internal():
             if view is None:
                 if self.ctx.names.serial_of(value.name) < start:
@@ -467,6 +470,8 @@ class Functionalizer:
             return self._batch_norm(func, args, kwargs, start)
         if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
             return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
+        if is_requires_grad_set(func, name) and make_fresh_leaf(self, func, args, kwargs):
+            return None if name == "__set__" else args[0]  # NOTE [fresh leaves]
         if func == _GRAD_SET and len(args) == 2 and args[1] is None and isinstance(
                 args[0], TensorProxy):  # `p.grad = None` (`optimizer.zero_grad()`)
             with torch._C.DisableTorchFunctionSubclass():
