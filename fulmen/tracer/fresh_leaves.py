@@ -15,7 +15,8 @@ behaviour as long as nothing observable depends on the leaf's graph:
   `grad_fn`: such a call runs eagerly (`FreshLeafGraph`);
 - an in-place update of a fresh leaf's base tensor (or of a tensor that does not depend on a
   fresh leaf with a value that does) would need the leaf's identity kept through
-  functionalization: the call runs eagerly too;
+  functionalization: the call runs eagerly too. An update of the leaf itself under no_grad
+  (`nn.init` filling a new `nn.Parameter`) keeps it a fresh leaf;
 - `requires_grad_()` on a trace input (an argument, a parameter, a captured tensor) changes the
   caller's tensor: the call runs eagerly, as before.
 
@@ -71,24 +72,36 @@ def make_fresh_leaf(functionalizer, func, args: tuple, kwargs: dict) -> bool:
     if functionalizer.roots.get(root) is not None and functionalizer.roots[root].version:
         return False  # its base was updated in place: the user's tensor is not this SSA value
     functionalizer.fresh_roots.add(root)
-    ctx.fresh_grad_names.add(target.name)
-    with torch._C.DisableTorchFunctionSubclass():
-        T.requires_grad_(target)
+    mark_fresh(ctx, target)
     return True
 
 
-def refuse_fresh_update(functionalizer, root_name: str, target: TensorProxy,
-                        value: TensorProxy, op: str) -> None:
+def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, value: TensorProxy,
+                       op: str) -> bool:
     """Raise `FreshLeafGraph` for an in-place update that would lose track of a fresh leaf
-    (NOTE [fresh leaves])."""
-    fresh = functionalizer.ctx.fresh_grad_names
+    (NOTE [fresh leaves]); return True where the update's result is the fresh leaf itself (an
+    update of the leaf under no_grad, as `nn.init` makes of a new `nn.Parameter`)."""
+    ctx = functionalizer.ctx
+    fresh = ctx.fresh_grad_names
     if not fresh:
-        return
-    if root_name in functionalizer.fresh_roots or (
-            value.name in fresh and target.name not in fresh):
-        raise FreshLeafGraph(
-            "an in-place update of a tensor made to require grad inside the function (or of "
-            "its base, or with a value computed from it)", op=op, where=user_source_location())
+        return False
+    if root_name in functionalizer.fresh_roots:
+        if (target.name in fresh and not torch.is_grad_enabled()
+                and value.name not in ctx.requires_grad_names):
+            return True
+    elif value.name not in fresh or target.name in fresh:
+        return False
+    raise FreshLeafGraph(
+        "an in-place update of a tensor made to require grad inside the function (or of its "
+        "base, or with a value computed from it)", op=op, where=user_source_location())
+
+
+def mark_fresh(ctx, proxy: TensorProxy) -> None:
+    """Make `proxy` a fresh leaf's value: it answers `requires_grad` (NOTE [fresh leaves])."""
+    ctx.fresh_grad_names.add(proxy.name)
+    with torch._C.DisableTorchFunctionSubclass():
+        if not proxy.requires_grad:
+            T.requires_grad_(proxy)
 
 
 def refuse_escaping_fresh(ctx, leaves: list) -> None:

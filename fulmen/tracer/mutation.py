@@ -45,6 +45,7 @@ from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import (
     WRITE_BACK,
+    apply_init,
     apply_inplace,
     apply_inplace_random,
     replay,
@@ -54,7 +55,12 @@ from fulmen.ops.functionalized import (
 )
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
-from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf, refuse_fresh_update
+from fulmen.tracer.fresh_leaves import (
+    check_fresh_update,
+    is_requires_grad_set,
+    make_fresh_leaf,
+    mark_fresh,
+)
 
 T = torch.Tensor
 
@@ -331,7 +337,7 @@ class Functionalizer:
         view = self.views.get(target.name)
         root = self.roots[view.root] if view is not None else self._root(target)
         self._check_grad(root, op)
-        refuse_fresh_update(self, root.proxy.name, target, value, op)
+        keeps_fresh = check_fresh_update(self, root.proxy.name, target, value, op)
         with self.ctx.internal():
             if view is None:
                 if self.ctx.names.serial_of(value.name) < start:
@@ -342,6 +348,8 @@ class Functionalizer:
                     self._undecidable(view, "modified in place")
                 root.value = self.ctx.call(view_scatter, root.value, value, view.steps)
                 view.value = value
+            if keeps_fresh:  # the leaf's new value (NOTE [fresh leaves])
+                mark_fresh(self.ctx, value)
         root.version += 1
         root.source = user_source_location()
         if view is not None:
@@ -491,18 +499,36 @@ class Functionalizer:
                 new = ctx.call(setitem, r_target, r_index, r_value)
             self.mutate(target, new, label, start)
             return None
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return self._init(func, args, kwargs, f"nn.init.{name}", start)
         if name.startswith("_") and not name.startswith("__") and name.endswith("_"):
             return self._aten_inplace(name, args, kwargs, label, start)
         if not name.endswith("_") and name not in _INPLACE_DUNDER_TO_OUT:
             return self._inplace_flag(func, args, kwargs, label, start)
-        target = args[0]
+        target = args[0] if args else None
         if not isinstance(target, TensorProxy):
-            raise NotYetSupportedError("in-place call on a non-tensor", op=label,
-                                       where=user_source_location())
+            raise NotYetSupportedError("in-place call on a non-tensor (or on a tensor passed by "
+                                       "keyword)", op=label, where=user_source_location())
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with ctx.internal():
             value = self._out_of_place(name, r_args, r_kwargs, label)
         self.mutate(target, value, label, start)
+        return target
+
+    def _init(self, func, args: tuple, kwargs: dict, label: str, start: int):
+        """`nn.init.kaiming_uniform_(w, a=...)` (which hands every argument over by keyword):
+        the functional fill, recorded under no_grad, as nn.init runs."""
+        bound = signature_of(func).bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        target = arguments.pop(next(iter(bound.signature.parameters)))
+        if not isinstance(target, TensorProxy):
+            raise NotYetSupportedError("nn.init of a non-tensor", op=label,
+                                       where=user_source_location())
+        with torch.no_grad():
+            with self.ctx.internal():
+                value = self.ctx.call(apply_init, func.__name__, self.resolve(target),
+                                      **arguments)
+            self.mutate(target, value, label, start)
         return target
 
     def _aten_inplace(self, name: str, args: tuple, kwargs: dict, label: str, start: int):

@@ -119,3 +119,43 @@ def test_tensors_made_like_one_requiring_grad_do_not_require_grad(make):
     assert (made.requires_grad, flag, total.requires_grad) == (False, False, True)
     total.backward()
     torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))
+
+
+def _kaiming_filled(x):
+    weight = torch.empty(3, 3)
+    nn.init.kaiming_uniform_(weight, a=5 ** 0.5)  # hands the tensor over by keyword
+    nn.init.zeros_(tensor=weight[0])
+    return x @ weight
+
+
+def _new_parameter_filled(x):
+    weight = nn.Parameter(torch.empty(3, 3))  # a fresh leaf, filled under no_grad by nn.init
+    nn.init.normal_(weight)
+    return x @ weight.detach(), weight.requires_grad
+
+
+def test_nn_init_of_tensors_made_inside_draws_as_eager():
+    x = torch.randn(2, 3)
+    for fn in (_kaiming_filled, _new_parameter_filled):
+        jitted = fulmen.jit(fn, fullgraph=True)
+        for _ in range(2):
+            torch.manual_seed(0)
+            expected, after_eager = fn(x), torch.rand(2)
+            torch.manual_seed(0)
+            actual, after = jitted(x), torch.rand(2)
+            torch.testing.assert_close(actual, expected)
+            torch.testing.assert_close(after, after_eager)  # the generator moved as in eager
+
+
+def test_module_made_inside_the_forward_runs_eagerly():
+    def fn(x):
+        return nn.Linear(3, 2)(x)  # its output requires grad through the new parameters
+
+    x = torch.randn(2, 3)
+    torch.manual_seed(0)
+    expected = fn(x)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="such calls run eagerly"):
+        actual = fulmen.jit(fn)(x)
+    torch.testing.assert_close(actual, expected)
+    assert actual.grad_fn is not None
