@@ -21,6 +21,14 @@ strides that are only known for trace inputs. A maybe-view of anything else is r
 such; mutating it, or reading it after its base was mutated, raises `NotYetSupportedError`
 naming the op and line: never a dropped or misdirected mutation.
 
+NOTE [writes through a tensor that may alias]: mutating a maybe-view raises only when the
+answer matters. Longformer writes into `attn.transpose(0, 1).reshape(s, b, e).contiguous()`,
+which is a fresh tensor or a view of `attn` depending on strides; either way the written
+tensor then holds the written values. So the written tensor becomes a root of its own, and its
+possible base is *poisoned*: reading it (or a view of it) afterwards, mutating it, or returning
+it raises, since its value depends on the aliasing. A base that is a trace input (whose write-
+back would depend on it) raises at once.
+
 NOTE [mutation and autodiff]: a trace input that requires grad must not be mutated in a trace
 that may be differentiated (eager raises for leaves; for the rest the functional form would
 hide the mutation from autograd), nor be updated with a value that requires grad: both raise.
@@ -173,7 +181,9 @@ class _View:
     """A view of root `root` obtained by `steps`; `value` is current as of root `version`.
 
     `exact` is False when some step's aliasing or element mapping is unknown (see NOTE [aliasing
-    the tracer cannot decide]); `blame` names that step for the error."""
+    the tracer cannot decide]); `blame` names that step for the error. `undecided` says that
+    only aliasing is unknown (a reshape or contiguous that eager decides at run time): every
+    step maps elements as a view would (NOTE [writes through a tensor that may alias])."""
 
     root: str
     steps: tuple
@@ -181,6 +191,7 @@ class _View:
     value: TensorProxy
     exact: bool = True
     blame: tuple = field(default=("", None))
+    undecided: bool = False
 
 
 class Functionalizer:
@@ -198,6 +209,9 @@ class Functionalizer:
         # tracer makes them epilogue stores (`fulmen.tracer.objects`)
         self.grad_clears: list[TensorProxy] = []
         self.fresh_roots: set[str] = set()  # roots of the fresh leaves (NOTE [fresh leaves])
+        # roots whose value is unknown: a tensor that may alias them was modified in place
+        # (NOTE [writes through a tensor that may alias]); name -> that tensor's view record
+        self.poisoned: dict[str, _View] = {}
 
     # -- inputs and reads ---------------------------------------------------------------------
 
@@ -214,8 +228,14 @@ class Functionalizer:
         """The current value of the tensor the user holds as `proxy`."""
         view = self.views.get(proxy.name)
         if view is None:
+            if self.poisoned and proxy.name in self.poisoned:
+                self._undecidable(self.poisoned[proxy.name], "read after a tensor that may "
+                                  "alias it was modified in place")
             root = self.roots.get(proxy.name)
             return proxy if root is None else root.value
+        if self.poisoned and view.root in self.poisoned:
+            self._undecidable(self.poisoned[view.root], "read after a tensor that may alias "
+                              "its base was modified in place")
         root = self.roots[view.root]
         if view.version != root.version:
             if not view.exact:
@@ -245,7 +265,7 @@ class Functionalizer:
         """Register the outputs of view op `func` as views of its first argument's root."""
         kind, name, maybe = VIEW_FUNCTIONS[func]
         if not user_args or not isinstance(user_args[0], TensorProxy):
-            source, step, exact = None, None, False
+            source, step, exact, maps_elements = None, None, False, False
             for leaf in pytree.tree_leaves((user_args, kwargs)):
                 if isinstance(leaf, TensorProxy):
                     source = leaf
@@ -262,8 +282,14 @@ class Functionalizer:
             if name in ("view_as", "reshape_as", "expand_as"):
                 name = {"view_as": "view", "reshape_as": "reshape", "expand_as": "expand"}[name]
                 rest = (tuple(rest[0].shape),)
+            elif (name in ("view", "reshape") and isinstance(out, TensorProxy)
+                  and any(True for _ in iter_proxies(rest))):
+                # sizes given as tensors (Longformer's `view(b, h, n.max(), s)`): the result's
+                # shape is the step (a dtype view has no tensor argument)
+                rest, kwargs = (tuple(out.shape),), {}
             if any(True for _ in iter_proxies((rest, kwargs))) or name in _UNREPLAYABLE:
                 exact = False
+            maps_elements = exact
             if maybe and exact:
                 decided = self._reshape_is_view(source, out)
                 if decided is False:
@@ -274,6 +300,9 @@ class Functionalizer:
         root_name = parent.root if parent is not None else self._root(source).proxy.name
         root = self.roots[root_name]
         steps = parent.steps if parent is not None else ()
+        undecided = step is not None and maps_elements and (
+            parent is None or parent.exact or parent.undecided) and (
+            not exact or parent is not None and parent.undecided)
         exact = exact and (parent is None or parent.exact)
         if parent is not None and not parent.exact:
             blame = parent.blame
@@ -289,7 +318,7 @@ class Functionalizer:
             this = None if step is None else (
                 *step, index if isinstance(out, (tuple, list)) else None)
             self.views[leaf.name] = _View(root_name, (*steps, this), root.version, leaf,
-                                          exact and this is not None, blame)
+                                          exact and this is not None, blame, undecided)
 
     def record_maybe_alias(self, source: TensorProxy, out: TensorProxy, op: str) -> None:
         """Register `out` as a tensor that may share `source`'s memory (which one eager
@@ -300,8 +329,9 @@ class Functionalizer:
         steps = parent.steps if parent is not None else ()
         blame = parent.blame if parent is not None and not parent.exact else (
             op, user_source_location())
+        undecided = parent is None or parent.exact or parent.undecided
         self.views[out.name] = _View(root_name, (*steps, None), self.roots[root_name].version,
-                                     out, False, blame)
+                                     out, False, blame, undecided)
 
     def _reshape_is_view(self, source: TensorProxy, out) -> bool | None:
         """Whether eager's reshape/flatten of `source` returns a view (True), a copy (False),
@@ -335,6 +365,14 @@ class Functionalizer:
             raise FulmenError(f"in-place result {value.type_string()} does not fit the mutated "
                               f"tensor {target.type_string()}", op=op, where=user_source_location())
         view = self.views.get(target.name)
+        poisoned = self.poisoned.get(target.name if view is None else view.root)
+        if poisoned is not None:
+            self._undecidable(poisoned, "modified in place after a tensor that may alias it was")
+        if view is not None and view.undecided and view.root not in self.inputs:
+            # NOTE [writes through a tensor that may alias]
+            self.poisoned[view.root] = view
+            del self.views[target.name]
+            view = None
         root = self.roots[view.root] if view is not None else self._root(target)
         self._check_grad(root, op)
         keeps_fresh = check_fresh_update(self, root.proxy.name, target, value, op)
