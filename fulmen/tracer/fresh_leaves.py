@@ -79,8 +79,9 @@ def make_fresh_leaf(functionalizer, func, args: tuple, kwargs: dict) -> bool:
 def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, value: TensorProxy,
                        op: str) -> bool:
     """Raise `FreshLeafGraph` for an in-place update that would lose track of a fresh leaf
-    (NOTE [fresh leaves]); return True where the update's result is the fresh leaf itself (an
-    update of the leaf under no_grad, as `nn.init` makes of a new `nn.Parameter`)."""
+    (NOTE [fresh leaves]); return True where the updated tensor keeps requiring grad through a
+    fresh leaf (an update of the leaf under no_grad, as `nn.init` makes of a new
+    `nn.Parameter`, or any update of a value computed from one)."""
     ctx = functionalizer.ctx
     fresh = ctx.fresh_grad_names
     if not fresh:
@@ -89,7 +90,9 @@ def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, valu
         if (target.name in fresh and not torch.is_grad_enabled()
                 and value.name not in ctx.requires_grad_names):
             return True
-    elif value.name not in fresh or target.name in fresh:
+    elif target.name in fresh:  # it keeps requiring grad (`y.add_(1)` under no_grad)
+        return value.name not in ctx.requires_grad_names
+    elif value.name not in fresh:
         return False
     raise FreshLeafGraph(
         "an in-place update of a tensor made to require grad inside the function (or of its "

@@ -75,6 +75,14 @@ def _updates_the_base(x):
     return view * 3
 
 
+def _updates_a_value_of_it_under_no_grad(x):
+    leaf = torch.zeros_like(x).requires_grad_()
+    y = leaf * 2
+    with torch.no_grad():
+        y.add_(x)  # y still requires grad, and so does the result
+    return y * 3
+
+
 def _returns_the_leaf(w, x):
     leaf = torch.zeros_like(x).requires_grad_()
     return leaf, w * x
@@ -83,6 +91,7 @@ def _returns_the_leaf(w, x):
 @pytest.mark.parametrize("fn, args", [
     (_returns_graph_of_the_leaf, lambda: (torch.randn(3),)),
     (_updates_the_base, lambda: (torch.randn(2, 3),)),
+    (_updates_a_value_of_it_under_no_grad, lambda: (torch.randn(3),)),
     (_returns_the_leaf, lambda: (torch.randn(3, requires_grad=True), torch.randn(3))),
 ])
 def test_observable_fresh_leaves_run_eagerly(fn, args):
