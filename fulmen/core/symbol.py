@@ -74,6 +74,9 @@ class Tag(enum.StrEnum):
     MATMUL = "matmul"
     CREATION = "creation"  # a prim making a tensor from numbers
     FACTORY = "factory"  # a torch factory (torch.zeros, torch.rand, ...)
+    # reads only its tensor argument's metadata: eager's result never requires grad
+    # (torch.zeros_like, Tensor.new_ones, ...)
+    NOT_DIFFERENTIABLE = "not_differentiable"
     RANDOM = "random"  # draws from the global generator
     OPAQUE = "opaque"  # runs a torch callable fulmen does not decompose
     SIDE_EFFECT = "side_effect"  # dead code elimination keeps it

@@ -74,6 +74,13 @@ def apply_inplace_impl(method: str, self: T, *args, **kwargs) -> T:
     return out
 
 
+def apply_init_impl(name: str, self: T, *args, **kwargs) -> T:
+    """A copy of `self` after `torch.nn.init.<name>` (e.g. `"kaiming_uniform_"`) filled it."""
+    out = self.clone()
+    getattr(torch.nn.init, name)(out, *args, **kwargs)
+    return out
+
+
 def _opaque_meta(impl):
     def meta(*args, **kwargs):
         try:
@@ -111,6 +118,8 @@ snapshot = _functional_symbol("snapshot", snapshot_impl)
 setitem = _functional_symbol("setitem", setitem_impl)
 apply_inplace = _functional_symbol("apply_inplace", apply_inplace_impl)
 apply_inplace_random = _functional_symbol("apply_inplace_random", apply_inplace_impl, {"random"})
+# random: most initialisers draw from the global generator (in eager's order at run time)
+apply_init = _functional_symbol("apply_init", apply_init_impl, {"random"})
 
 
 def is_functionalized(sym: Symbol) -> bool:
@@ -118,6 +127,6 @@ def is_functionalized(sym: Symbol) -> bool:
     return "functionalized" in sym.tags or "write_back" in sym.tags
 
 
-__all__ = ["FUNCTIONALIZED", "WRITE_BACK", "apply_inplace", "apply_inplace_random",
+__all__ = ["FUNCTIONALIZED", "WRITE_BACK", "apply_init", "apply_inplace", "apply_inplace_random",
            "is_functionalized", "replay", "setitem", "snapshot", "view_of_written",
            "view_scatter"]

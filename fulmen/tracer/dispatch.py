@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, TraceCtx
+from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Tag, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
@@ -186,7 +186,9 @@ class TracerCtx(TraceCtx):
 
     `differentiable` (grad mode when tracing started) says whether the trace may be
     differentiated; `requires_grad_names` are the proxies that depend on an input requiring
-    grad through ops run with grad enabled. `mutation` holds the functionalization state.
+    grad through ops run with grad enabled; `fresh_grad_names` those that require grad only
+    because of a tensor given `requires_grad_()` inside the function (NOTE [fresh leaves]).
+    `mutation` holds the functionalization state.
     """
 
     def __init__(self, name: str = "computation") -> None:
@@ -196,6 +198,7 @@ class TracerCtx(TraceCtx):
         self.mutation = Functionalizer(self)
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
+        self.fresh_grad_names: set[str] = set()
         self._internal = 0
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
         self.breaks = None
@@ -307,6 +310,7 @@ class TracerCtx(TraceCtx):
 
     def _dispatch(self, func, args, kwargs):
         sym = symbol_for(func)
+        differentiable = sym is None or Tag.NOT_DIFFERENTIABLE not in sym.tags
         out = None
         if sym is not None:
             start = self.names.serial
@@ -332,7 +336,8 @@ class TracerCtx(TraceCtx):
                     raise
                 except Exception as real:  # eager raises too: name the op and the line
                     raise error from real
-        if self.requires_grad_names and func not in _DETACH:
+        if (self.requires_grad_names or self.fresh_grad_names) and func not in _DETACH \
+                and differentiable:
             out = self._track_grad(func, args, kwargs, out)
         return out
 
@@ -429,7 +434,7 @@ class TracerCtx(TraceCtx):
     def call(self, sym, *args, **kwargs):
         """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
         out = sym(*args, **kwargs)
-        if self.requires_grad_names:
+        if self.requires_grad_names or self.fresh_grad_names:
             out = self._track_grad(sym, args, kwargs, out)
         return out
 
@@ -438,6 +443,8 @@ class TracerCtx(TraceCtx):
         module docstring)."""
         reads = [p for p in iter_proxies((args, kwargs)) if p.name in self.requires_grad_names]
         if not reads:
+            if self.fresh_grad_names and torch.is_grad_enabled():
+                self._track_fresh(args, kwargs, out)
             return out
         floating = [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
                     and (p.dtype.is_floating_point or p.dtype.is_complex)]
@@ -460,6 +467,20 @@ class TracerCtx(TraceCtx):
         return pytree.tree_map(
             lambda leaf: detached.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
             out)
+
+
+    def _track_fresh(self, args, kwargs, out) -> None:
+        """Results of an op that reads a fresh leaf (and no input requiring grad) require grad
+        too, as in eager, but nothing is differentiated for them (NOTE [fresh leaves])."""
+        if not any(p.name in self.fresh_grad_names for p in iter_proxies((args, kwargs))):
+            return
+        floating = [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
+                    and (p.dtype.is_floating_point or p.dtype.is_complex)]
+        self.fresh_grad_names.update(p.name for p in floating)
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in floating:
+                if not p.requires_grad:
+                    _REQUIRES_GRAD_(p)
 
 
 _STRIDED_VIEWS = frozenset({T.view, T.view_as})

@@ -21,6 +21,14 @@ strides that are only known for trace inputs. A maybe-view of anything else is r
 such; mutating it, or reading it after its base was mutated, raises `NotYetSupportedError`
 naming the op and line: never a dropped or misdirected mutation.
 
+NOTE [writes through a tensor that may alias]: mutating a maybe-view raises only when the
+answer matters. Longformer writes into `attn.transpose(0, 1).reshape(s, b, e).contiguous()`,
+which is a fresh tensor or a view of `attn` depending on strides; either way the written
+tensor then holds the written values. So the written tensor becomes a root of its own, and its
+possible base is *poisoned*: reading it (or a view of it) afterwards, mutating it, or returning
+it raises, since its value depends on the aliasing. A base that is a trace input (whose write-
+back would depend on it) raises at once.
+
 NOTE [mutation and autodiff]: a trace input that requires grad must not be mutated in a trace
 that may be differentiated (eager raises for leaves; for the rest the functional form would
 hide the mutation from autograd), nor be updated with a value that requires grad: both raise.
@@ -45,6 +53,7 @@ from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import (
     WRITE_BACK,
+    apply_init,
     apply_inplace,
     apply_inplace_random,
     replay,
@@ -55,6 +64,12 @@ from fulmen.ops.functionalized import (
 )
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
+from fulmen.tracer.fresh_leaves import (
+    check_fresh_update,
+    is_requires_grad_set,
+    make_fresh_leaf,
+    mark_fresh,
+)
 
 T = torch.Tensor
 
@@ -167,7 +182,9 @@ class _View:
     """A view of root `root` obtained by `steps`; `value` is current as of root `version`.
 
     `exact` is False when some step's aliasing or element mapping is unknown (see NOTE [aliasing
-    the tracer cannot decide]); `blame` names that step for the error."""
+    the tracer cannot decide]); `blame` names that step for the error. `undecided` says that
+    only aliasing is unknown (a reshape or contiguous that eager decides at run time): every
+    step maps elements as a view would (NOTE [writes through a tensor that may alias])."""
 
     root: str
     steps: tuple
@@ -175,6 +192,7 @@ class _View:
     value: TensorProxy
     exact: bool = True
     blame: tuple = field(default=("", None))
+    undecided: bool = False
 
 
 class Functionalizer:
@@ -191,6 +209,10 @@ class Functionalizer:
         # tensors whose `.grad` the code set to None (`optimizer.zero_grad()`), in order: the
         # tracer makes them epilogue stores (`fulmen.tracer.objects`)
         self.grad_clears: list[TensorProxy] = []
+        self.fresh_roots: set[str] = set()  # roots of the fresh leaves (NOTE [fresh leaves])
+        # roots whose value is unknown: a tensor that may alias them was modified in place
+        # (NOTE [writes through a tensor that may alias]); name -> that tensor's view record
+        self.poisoned: dict[str, _View] = {}
 
     # -- inputs and reads ---------------------------------------------------------------------
 
@@ -207,8 +229,14 @@ class Functionalizer:
         """The current value of the tensor the user holds as `proxy`."""
         view = self.views.get(proxy.name)
         if view is None:
+            if self.poisoned and proxy.name in self.poisoned:
+                self._undecidable(self.poisoned[proxy.name], "read after a tensor that may "
+                                  "alias it was modified in place")
             root = self.roots.get(proxy.name)
             return proxy if root is None else root.value
+        if self.poisoned and view.root in self.poisoned:
+            self._undecidable(self.poisoned[view.root], "read after a tensor that may alias "
+                              "its base was modified in place")
         root = self.roots[view.root]
         if view.version != root.version:
             if not view.exact:
@@ -238,7 +266,7 @@ class Functionalizer:
         """Register the outputs of view op `func` as views of its first argument's root."""
         kind, name, maybe = VIEW_FUNCTIONS[func]
         if not user_args or not isinstance(user_args[0], TensorProxy):
-            source, step, exact = None, None, False
+            source, step, exact, maps_elements = None, None, False, False
             for leaf in pytree.tree_leaves((user_args, kwargs)):
                 if isinstance(leaf, TensorProxy):
                     source = leaf
@@ -255,8 +283,14 @@ class Functionalizer:
             if name in ("view_as", "reshape_as", "expand_as"):
                 name = {"view_as": "view", "reshape_as": "reshape", "expand_as": "expand"}[name]
                 rest = (tuple(rest[0].shape),)
+            elif (name in ("view", "reshape") and isinstance(out, TensorProxy)
+                  and any(True for _ in iter_proxies(rest))):
+                # sizes given as tensors (Longformer's `view(b, h, n.max(), s)`): the result's
+                # shape is the step (a dtype view has no tensor argument)
+                rest, kwargs = (tuple(out.shape),), {}
             if any(True for _ in iter_proxies((rest, kwargs))) or name in _UNREPLAYABLE:
                 exact = False
+            maps_elements = exact
             if maybe and exact:
                 decided = self._reshape_is_view(source, out)
                 if decided is False:
@@ -267,6 +301,9 @@ class Functionalizer:
         root_name = parent.root if parent is not None else self._root(source).proxy.name
         root = self.roots[root_name]
         steps = parent.steps if parent is not None else ()
+        undecided = step is not None and maps_elements and (
+            parent is None or parent.exact or parent.undecided) and (
+            not exact or parent is not None and parent.undecided)
         exact = exact and (parent is None or parent.exact)
         if parent is not None and not parent.exact:
             blame = parent.blame
@@ -282,7 +319,7 @@ class Functionalizer:
             this = None if step is None else (
                 *step, index if isinstance(out, (tuple, list)) else None)
             self.views[leaf.name] = _View(root_name, (*steps, this), root.version, leaf,
-                                          exact and this is not None, blame)
+                                          exact and this is not None, blame, undecided)
 
     def record_maybe_alias(self, source: TensorProxy, out: TensorProxy, op: str) -> None:
         """Register `out` as a tensor that may share `source`'s memory (which one eager
@@ -293,8 +330,9 @@ class Functionalizer:
         steps = parent.steps if parent is not None else ()
         blame = parent.blame if parent is not None and not parent.exact else (
             op, user_source_location())
+        undecided = parent is None or parent.exact or parent.undecided
         self.views[out.name] = _View(root_name, (*steps, None), self.roots[root_name].version,
-                                     out, False, blame)
+                                     out, False, blame, undecided)
 
     def _reshape_is_view(self, source: TensorProxy, out) -> bool | None:
         """Whether eager's reshape/flatten of `source` returns a view (True), a copy (False),
@@ -328,8 +366,17 @@ class Functionalizer:
             raise FulmenError(f"in-place result {value.type_string()} does not fit the mutated "
                               f"tensor {target.type_string()}", op=op, where=user_source_location())
         view = self.views.get(target.name)
+        poisoned = self.poisoned.get(target.name if view is None else view.root)
+        if poisoned is not None:
+            self._undecidable(poisoned, "modified in place after a tensor that may alias it was")
+        if view is not None and view.undecided and view.root not in self.inputs:
+            # NOTE [writes through a tensor that may alias]
+            self.poisoned[view.root] = view
+            del self.views[target.name]
+            view = None
         root = self.roots[view.root] if view is not None else self._root(target)
         self._check_grad(root, op)
+        keeps_fresh = check_fresh_update(self, root.proxy.name, target, value, op)
         with self.ctx.internal():
             if view is None:
                 if self.ctx.names.serial_of(value.name) < start:
@@ -340,6 +387,8 @@ class Functionalizer:
                     self._undecidable(view, "modified in place")
                 root.value = self.ctx.call(view_scatter, root.value, value, view.steps)
                 view.value = value
+            if keeps_fresh:  # the leaf's new value (NOTE [fresh leaves])
+                mark_fresh(self.ctx, value)
         root.version += 1
         root.source = user_source_location()
         if view is not None:
@@ -484,6 +533,8 @@ class Functionalizer:
             return self._batch_norm(func, args, kwargs, start)
         if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
             return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
+        if is_requires_grad_set(func, name) and make_fresh_leaf(self, func, args, kwargs):
+            return None if name == "__set__" else args[0]  # NOTE [fresh leaves]
         if func == _GRAD_SET and len(args) == 2 and args[1] is None and isinstance(
                 args[0], TensorProxy):  # `p.grad = None` (`optimizer.zero_grad()`)
             with torch._C.DisableTorchFunctionSubclass():
@@ -503,18 +554,36 @@ class Functionalizer:
                 new = ctx.call(setitem, r_target, r_index, r_value)
             self.mutate(target, new, label, start)
             return None
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return self._init(func, args, kwargs, f"nn.init.{name}", start)
         if name.startswith("_") and not name.startswith("__") and name.endswith("_"):
             return self._aten_inplace(name, args, kwargs, label, start)
         if not name.endswith("_") and name not in _INPLACE_DUNDER_TO_OUT:
             return self._inplace_flag(func, args, kwargs, label, start)
-        target = args[0]
+        target = args[0] if args else None
         if not isinstance(target, TensorProxy):
-            raise NotYetSupportedError("in-place call on a non-tensor", op=label,
-                                       where=user_source_location())
+            raise NotYetSupportedError("in-place call on a non-tensor (or on a tensor passed by "
+                                       "keyword)", op=label, where=user_source_location())
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with ctx.internal():
             value = self._out_of_place(name, r_args, r_kwargs, label)
         self.mutate(target, value, label, start)
+        return target
+
+    def _init(self, func, args: tuple, kwargs: dict, label: str, start: int):
+        """`nn.init.kaiming_uniform_(w, a=...)` (which hands every argument over by keyword):
+        the functional fill, recorded under no_grad, as nn.init runs."""
+        bound = signature_of(func).bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        target = arguments.pop(next(iter(bound.signature.parameters)))
+        if not isinstance(target, TensorProxy):
+            raise NotYetSupportedError("nn.init of a non-tensor", op=label,
+                                       where=user_source_location())
+        with torch.no_grad():
+            with self.ctx.internal():
+                value = self.ctx.call(apply_init, func.__name__, self.resolve(target),
+                                      **arguments)
+            self.mutate(target, value, label, start)
         return target
 
     def _aten_inplace(self, name: str, args: tuple, kwargs: dict, label: str, start: int):

@@ -28,6 +28,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
+from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
     ModuleStore,
@@ -545,6 +546,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             _clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
+            refuse_escaping_fresh(ctx, resolved)
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()

@@ -100,3 +100,25 @@ def test_umt5_with_dropout_and_padding_draws_eagers_masks():
         torch.testing.assert_close(jitted_loss, loss)
         for name, grad in grads.items():
             torch.testing.assert_close(jitted_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_wav2vec2_training_compiles_its_fresh_leaf():
+    """The wav2vec2 feature encoder sets `hidden_states.requires_grad = True` on a view of the
+    input while training (NOTE [fresh leaves]): compiled, with eager's loss and gradients; it
+    once ran every training call eagerly. (SpecAugment, which draws from NumPy, is off.)"""
+    torch.manual_seed(0)
+    config = T.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=16,
+        mask_time_prob=0.0, layerdrop=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0)
+    model = T.Wav2Vec2ForSequenceClassification(config).train()
+    twin = copy.deepcopy(model)
+    batch = dict(input_values=torch.randn(2, 400), labels=torch.tensor([0, 2]))
+    jitted = fulmen.jit(twin, fullgraph=True)
+    loss, grads = _loss_and_grads(model, batch)
+    jitted_loss, jitted_grads = _loss_and_grads(twin, batch, jitted)
+    torch.testing.assert_close(jitted_loss, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(jitted_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

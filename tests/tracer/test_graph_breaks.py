@@ -245,3 +245,27 @@ def test_data_dependent_op_reading_a_captured_tensor():
     for _ in range(2):
         x = torch.randn(3, 5)
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def _longformer_global_scores(x, mask):
+    """Longformer's global attention: a view sized by a tensor (`n = mask.sum(-1).max()`),
+    written through a transposed view of it."""
+    n = mask.sum(-1).max()
+    scores = x * 2
+    view = scores.view(2, n, 4)
+    view.transpose(1, 2)[0, 1] = -1.0
+    return scores, view.view(2, n * 4) + 1
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 0, 0], [1, 0, 0, 0]]])
+def test_write_through_a_view_sized_by_a_tensor_value(mask):
+    mask = torch.tensor(mask)
+    x = torch.randn(2, int(mask.sum(-1).max()), 4, requires_grad=True)
+    expected = _longformer_global_scores(x, mask)
+    actual = fulmen.jit(_longformer_global_scores)(x, mask)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+    sum(a.sum() for a in actual).backward()
+    grad, x.grad = x.grad, None
+    sum(e.sum() for e in expected).backward()
+    torch.testing.assert_close(grad, x.grad)

@@ -34,6 +34,7 @@ from fulmen.ops.torch.shape import as_int
 
 T = torch.Tensor
 FACTORY = ("factory",)
+LIKE = ("factory", "not_differentiable")  # made after another tensor: never requires grad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,21 +163,21 @@ def _like(input, value, op, dtype, layout, device, requires_grad, memory_format)
                   input.device if device is None else resolve_device(device))
 
 
-@torch_op(torch.zeros_like, tags=FACTORY)
+@torch_op(torch.zeros_like, tags=LIKE)
 def zeros_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
                requires_grad=False, memory_format=torch.preserve_format):
     check_options("zeros_like", pin_memory=pin_memory)
     return _like(input, 0, "zeros_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@torch_op(torch.ones_like, tags=FACTORY)
+@torch_op(torch.ones_like, tags=LIKE)
 def ones_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False, memory_format=torch.preserve_format):
     check_options("ones_like", pin_memory=pin_memory)
     return _like(input, 1, "ones_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@torch_op(torch.empty_like, tags=FACTORY)
+@torch_op(torch.empty_like, tags=LIKE)
 def empty_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
                requires_grad=False, memory_format=torch.preserve_format):
     """Zero-filled (NOTE [empty])."""
@@ -184,7 +185,7 @@ def empty_like(input, *, dtype=None, layout=None, device=None, pin_memory=False,
     return _like(input, 0, "empty_like", dtype, layout, device, requires_grad, memory_format)
 
 
-@torch_op(torch.full_like, tags=FACTORY)
+@torch_op(torch.full_like, tags=LIKE)
 def full_like(input, fill_value, *, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False, memory_format=torch.preserve_format):
     check_options("full_like", pin_memory=pin_memory)
@@ -203,23 +204,23 @@ def _new(self, size, kwargs, value, op) -> T:
     return filled(shape, value, dtype, self.device if device is None else resolve_device(device))
 
 
-@torch_op(T.new_zeros, tags=FACTORY)
+@torch_op(T.new_zeros, tags=LIKE)
 def new_zeros(self, *size, **kwargs):
     return _new(self, size, kwargs, 0, "new_zeros")
 
 
-@torch_op(T.new_ones, tags=FACTORY)
+@torch_op(T.new_ones, tags=LIKE)
 def new_ones(self, *size, **kwargs):
     return _new(self, size, kwargs, 1, "new_ones")
 
 
-@torch_op(T.new_empty, tags=FACTORY)
+@torch_op(T.new_empty, tags=LIKE)
 def new_empty(self, *size, **kwargs):
     """Zero-filled (NOTE [empty])."""
     return _new(self, size, kwargs, 0, "new_empty")
 
 
-@torch_op(T.new_full, tags=FACTORY)
+@torch_op(T.new_full, tags=LIKE)
 def new_full(self, size, fill_value, *, dtype=None, device=None, layout=None,
              requires_grad=False, pin_memory=False):
     value = number_arg(fill_value, "new_full")
@@ -324,6 +325,6 @@ randn = torch_op(torch.randn, tags=FACTORY)(_random_factory("randn"))
 randint = torch_op(torch.randint, tags=FACTORY)(_random_factory("randint"))
 randperm = torch_op(torch.randperm, tags=FACTORY)(_random_factory("randperm"))
 normal = torch_op(torch.normal, tags=FACTORY)(_random_factory("normal"))
-rand_like = torch_op(torch.rand_like, tags=FACTORY)(_random_factory("rand_like"))
-randn_like = torch_op(torch.randn_like, tags=FACTORY)(_random_factory("randn_like"))
-randint_like = torch_op(torch.randint_like, tags=FACTORY)(_random_factory("randint_like"))
+rand_like = torch_op(torch.rand_like, tags=LIKE)(_random_factory("rand_like"))
+randn_like = torch_op(torch.randn_like, tags=LIKE)(_random_factory("randn_like"))
+randint_like = torch_op(torch.randint_like, tags=LIKE)(_random_factory("randint_like"))

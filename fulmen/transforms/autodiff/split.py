@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, flatten, tracing
+from fulmen.core import BoundSymbol, FulmenError, Tag, Trace, TraceCtx, flatten, tracing
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
@@ -108,8 +108,9 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     also keep what its fused backward needs (NOTE [saving forwards] in `registry.py`).
     `graphs` maps the id of a statement to its kept `(graph, wrt)` or its saving backward.
     """
-    if not bsym.input_names & requires or not _is_differentiable(bsym):
-        out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax)
+    if (not bsym.input_names & requires or not _is_differentiable(bsym)
+            or Tag.NOT_DIFFERENTIABLE in bsym.sym.tags):
+        out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax, zeros_like)
         return
     if not _has_rule(bsym) and not bsym.subsymbols:
         raise FulmenError("has no VJP rule, so gradients cannot flow through it",

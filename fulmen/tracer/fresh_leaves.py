@@ -1,0 +1,120 @@
+"""Tensors made to require grad inside the traced function (`requires_grad_()` on a new tensor).
+
+NOTE [fresh leaves]: `torch.zeros_like(q).requires_grad_()` (HF MRA), or
+`hidden_states = input_values[:, None]; hidden_states.requires_grad = True` (the feature encoder
+of wav2vec2, HuBERT, WavLM, data2vec-audio..., for gradient checkpointing), makes a tensor that
+did not require grad a new autograd leaf. Its gradient is accumulated into that tensor's own
+`.grad`, which nobody outside the function can read unless the tensor escapes; the gradients of
+the function's real inputs are the same with or without it. So the tracer lets such a *fresh
+leaf* be: the proxy answers `requires_grad` (and so do the proxies computed from it with grad
+enabled, as in eager), but nothing is differentiated with respect to it. That is eager's
+behaviour as long as nothing observable depends on the leaf's graph:
+
+- a result (returned, or stored through the epilogue) that requires grad only because of a
+  fresh leaf would come back from the compiled call without `requires_grad` and without a
+  `grad_fn`: such a call runs eagerly (`FreshLeafGraph`);
+- an in-place update of a fresh leaf's base tensor (or of a tensor that does not depend on a
+  fresh leaf with a value that does) would need the leaf's identity kept through
+  functionalization: the call runs eagerly too. An update of the leaf itself under no_grad
+  (`nn.init` filling a new `nn.Parameter`) keeps it a fresh leaf;
+- `requires_grad_()` on a trace input (an argument, a parameter, a captured tensor) changes the
+  caller's tensor: the call runs eagerly, as before.
+
+`ctx.fresh_grad_names` holds the names of the fresh leaves and of the values that depend on one
+but on no input requiring grad; `Functionalizer.fresh_roots` the roots of the fresh leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fulmen.core import RunsEagerly
+from fulmen.core.source import user_source_location
+from fulmen.proxies import TensorProxy
+
+T = torch.Tensor
+_REQUIRES_GRAD_SET = T.requires_grad.__set__
+
+
+class FreshLeafGraph(RunsEagerly):
+    """Something observable depends on the graph of a tensor made to require grad inside the
+    function (NOTE [fresh leaves]): the call runs eagerly."""
+
+
+def is_requires_grad_set(func, name: str) -> bool:
+    """Whether `func` (called `name`) turns a tensor's `requires_grad` flag on or off."""
+    return name == "requires_grad_" or func == _REQUIRES_GRAD_SET
+
+
+def _flag(func, args: tuple, kwargs: dict):
+    if func == _REQUIRES_GRAD_SET:
+        return args[1] if len(args) > 1 else None
+    return args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+
+
+def make_fresh_leaf(functionalizer, func, args: tuple, kwargs: dict) -> bool:
+    """Record `t.requires_grad_()` / `t.requires_grad = True` on a tensor the function made
+    (NOTE [fresh leaves]); return False (nothing recorded) where the call is not that."""
+    ctx = functionalizer.ctx
+    target, flag = args[0] if args else None, _flag(func, args, kwargs)
+    if flag is not True or not isinstance(target, TensorProxy):
+        return False
+    if target.name in ctx.fresh_grad_names:
+        return True  # already requires grad: eager changes nothing
+    if target.name in functionalizer.inputs or target.name in ctx.requires_grad_names:
+        return False
+    if not (target.dtype.is_floating_point or target.dtype.is_complex):
+        return False  # eager raises: the eager call says so
+    view = functionalizer.views.get(target.name)
+    if view is not None and not view.exact:
+        return False
+    root = view.root if view is not None else target.name
+    if functionalizer.roots.get(root) is not None and functionalizer.roots[root].version:
+        return False  # its base was updated in place: the user's tensor is not this SSA value
+    functionalizer.fresh_roots.add(root)
+    mark_fresh(ctx, target)
+    return True
+
+
+def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, value: TensorProxy,
+                       op: str) -> bool:
+    """Raise `FreshLeafGraph` for an in-place update that would lose track of a fresh leaf
+    (NOTE [fresh leaves]); return True where the updated tensor keeps requiring grad through a
+    fresh leaf (an update of the leaf under no_grad, as `nn.init` makes of a new
+    `nn.Parameter`, or any update of a value computed from one)."""
+    ctx = functionalizer.ctx
+    fresh = ctx.fresh_grad_names
+    if not fresh:
+        return False
+    if root_name in functionalizer.fresh_roots:
+        if (target.name in fresh and not torch.is_grad_enabled()
+                and value.name not in ctx.requires_grad_names):
+            return True
+    elif target.name in fresh:  # it keeps requiring grad (`y.add_(1)` under no_grad)
+        return value.name not in ctx.requires_grad_names
+    elif value.name not in fresh:
+        return False
+    raise FreshLeafGraph(
+        "an in-place update of a tensor made to require grad inside the function (or of its "
+        "base, or with a value computed from it)", op=op, where=user_source_location())
+
+
+def mark_fresh(ctx, proxy: TensorProxy) -> None:
+    """Make `proxy` a fresh leaf's value: it answers `requires_grad` (NOTE [fresh leaves])."""
+    ctx.fresh_grad_names.add(proxy.name)
+    with torch._C.DisableTorchFunctionSubclass():
+        if not proxy.requires_grad:
+            T.requires_grad_(proxy)
+
+
+def refuse_escaping_fresh(ctx, leaves: list) -> None:
+    """Raise `FreshLeafGraph` if one of `leaves` (the results and the epilogue's stored
+    values) requires grad only because of a fresh leaf (NOTE [fresh leaves])."""
+    if not ctx.fresh_grad_names:
+        return
+    for leaf in leaves:
+        if isinstance(leaf, TensorProxy) and leaf.name in ctx.fresh_grad_names:
+            raise FreshLeafGraph(
+                f"{leaf.name}, a result of the function, requires grad only because of a "
+                "tensor given requires_grad_() inside it; the compiled call would return it "
+                "without a grad_fn", op="Tensor.requires_grad_")
