@@ -582,4 +582,11 @@ MUTANTS: list[Mutant] = [
            "_softmax_family(ltorch.safe_softmax, _softmax_input_grad)",
            "_softmax_family(ltorch.safe_softmax, _log_softmax_input_grad)",
            ("tests/ops/test_attention.py",)),
+    # --- tensors made to require grad inside the function (NOTE [fresh leaves]) -------------
+    Mutant("fresh_leaf_result_escapes", "bridge", "tracer/fresh_leaves.py",
+           "    if not ctx.fresh_grad_names:\n        return\n    for leaf in leaves:",
+           "    if True:\n        return\n    for leaf in leaves:", ("tests/tracer/test_fresh_leaves.py",)),
+    Mutant("like_factories_differentiable", "bridge", "tracer/dispatch.py",
+           "differentiable = sym is None or Tag.NOT_DIFFERENTIABLE not in sym.tags",
+           "differentiable = True", ("tests/tracer/test_fresh_leaves.py",)),
 ]
