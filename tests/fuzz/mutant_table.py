@@ -582,4 +582,11 @@ MUTANTS: list[Mutant] = [
            "_softmax_family(ltorch.safe_softmax, _softmax_input_grad)",
            "_softmax_family(ltorch.safe_softmax, _log_softmax_input_grad)",
            ("tests/ops/test_attention.py",)),
+    # --- index_copy_ into a static KV cache in place (executors/torch/inplace_index.py) ----
+    Mutant("index_copy_in_place_ignores_other_readers", "passes",
+           "executors/torch/inplace_index.py",
+           "        read = [j for j in readers.get(dst.name, ()) if j != i]",
+           "        read = [j for j in readers.get(dst.name, ()) if j != i"
+           " and _is_write_back(bsyms[j], dst, result)]",
+           ("tests/executors/test_index_copy_in_place.py",)),
 ]
