@@ -26,6 +26,7 @@ from fulmen.core.ambient import without_autocast
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
 from fulmen.executors.torch.inplace import relu_in_place
+from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.logs import get_logger
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -41,6 +42,7 @@ def lower(trace: Trace, executors: Sequence[Executor]) -> Callable:
     """Claim `trace`'s statements by `executors`, insert `del`s, compile it to Python; the
     callable never re-applies the caller's autocast (traces hold autocast's casts)."""
     trace = relu_in_place(delete_last_used(claim_executors(trace, executors)))
+    trace = index_copy_in_place(trace)
     return without_autocast(trace.python_callable())
 
 
@@ -101,6 +103,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     run(traces, claim_executors, executors)
     run(traces, delete_last_used)
     run(traces, relu_in_place)
+    run(traces, index_copy_in_place)
 
     start = time.perf_counter()
     # the traces hold autocast's casts explicitly: never cast again under the caller's

@@ -2,6 +2,8 @@
 size, results equal eager for each, and lowering never decides on a comparison of sizes that
 depends on the call (`fulmen.executors.codegen.sizes`)."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,3 +170,39 @@ def test_a_region_is_made_concrete_rebuilding_only_its_symbolic_parts():
                        (("kernel", 0), ("view", Access(0, (ViewStep("reshape", ((7, 4),)),)))))
     assert rebuilt[1][1] is static and rebuilt[2][0] is parts[2][0]
     assert codegen_sizes._substituter((static, (1, 2))) is None
+
+
+def test_a_sweep_over_sizes_keeps_few_concrete_regions(monkeypatch):
+    """A call plan is kept per shape and holds what its calls need, not the concrete region it
+    was made from; only the last `bound_limit` concrete regions are kept (a sweep over many
+    shapes once left up to 256 per region, thousands of objects for the garbage collector)."""
+    from fulmen.executors.codegen.ir import Access, ViewStep
+
+    made = []
+    init = runtime.FusedRegion.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(runtime.FusedRegion, "__init__", recording)
+    fn = lambda x, y: torch.softmax(x[:, 1:] * 2, -1) + y.transpose(0, 1)  # noqa: E731
+    jfn = fulmen.jit(fn, executors=EXECUTORS, dynamic=True)
+    lengths = range(3, 15)
+    for n in lengths:
+        x, y = torch.randn(5, n + 1), torch.randn(n, 5)
+        torch.testing.assert_close(jfn(x, y), fn(x, y))
+    regions = [r for r in made if r.binder is not None]
+    assert regions and fulmen.cache_misses(jfn) == 1
+    for region in regions:
+        assert len(region._plans) == len(lengths)
+        seen, stack = set(), [region._plans]
+        while stack:  # what the plans hold, down to tensors and functions
+            obj = stack.pop()
+            if id(obj) in seen or isinstance(obj, torch.Tensor) or callable(obj):
+                continue
+            seen.add(id(obj))
+            assert type(obj).__name__ not in ("LoweredRegion", "LoweredRows")
+            assert not isinstance(obj, (Access, ViewStep, list))
+            stack.extend(gc.get_referents(obj))
+        assert len(region._bound) <= 4 < len(lengths)  # `FusedRegion.bound_limit`

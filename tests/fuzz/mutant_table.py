@@ -589,4 +589,11 @@ MUTANTS: list[Mutant] = [
     Mutant("like_factories_differentiable", "bridge", "tracer/dispatch.py",
            "differentiable = sym is None or Tag.NOT_DIFFERENTIABLE not in sym.tags",
            "differentiable = True", ("tests/tracer/test_fresh_leaves.py",)),
+    # --- index_copy_ into a static KV cache in place (executors/torch/inplace_index.py) ----
+    Mutant("index_copy_in_place_ignores_other_readers", "passes",
+           "executors/torch/inplace_index.py",
+           "        read = [j for j in readers.get(dst.name, ()) if j != i]",
+           "        read = [j for j in readers.get(dst.name, ()) if j != i"
+           " and _is_write_back(bsyms[j], dst, result)]",
+           ("tests/executors/test_index_copy_in_place.py",)),
 ]

@@ -14,8 +14,11 @@ the fallback: never a crash, never a wrong result.
 
 A region with symbolic sizes (`sizes.py`) is made concrete for each call (`bind`): the values of
 its sizes are read from its inputs' shapes, and the region with those values (kept for the last
-`MAX_BOUND` distinct sizes) is what the call resolves and runs. Its kernels do not depend on
-sizes, so one compiled kernel serves every size.
+`bound_limit` distinct sizes, oldest dropped first) is what the call resolves and runs. Its
+kernels do not depend on sizes, so one compiled kernel serves every size. A concrete region
+holds its own accesses and view chains (tens of objects): a runtime that keeps what its calls
+need in a plan of its own (the CPU runtime) keeps only a few, so that a sweep over many shapes
+does not leave thousands of them for the garbage collector to walk.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from fulmen.executors.codegen.sizes import Binder, concrete, has_sym_sizes
 __all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "mask_tensor",
            "region_results", "resolve", "strided_views", "view_output"]
 
-MAX_BOUND = 256  # concrete regions (and call plans) kept per region; then they start afresh
+MAX_BOUND = 256  # concrete regions (or call plans) kept per region by default
 
 
 class Fallback(Exception):
@@ -154,10 +157,10 @@ def view_output(tensor: torch.Tensor, access: Access) -> torch.Tensor:
 
 def region_results(lowered, inputs, outs, plans=None):
     """A region's outputs from its kernel's outputs `outs`, by the lowering's plan (or `plans`,
-    from `strided_views`): per output ("kernel", k), ("view", access) of an input,
+    from `strided_views`, used when not None): per output ("kernel", k), ("view", access) of an input,
     ("rowview", k, access) of kernel output k, or ("strided", i, sizes, strides, offset)."""
     results = []
-    for plan in plans or lowered.outputs:
+    for plan in lowered.outputs if plans is None else plans:
         if plan[0] == "kernel":
             results.append(outs[plan[1]])
         elif plan[0] == "strided":
@@ -216,6 +219,8 @@ class RegionCallable:
         Unsupported: the region has symbolic sizes that its inputs' shapes do not determine.
     """
 
+    bound_limit = MAX_BOUND  # concrete regions kept (`bind`)
+
     def __init__(self, name: str, lowered, fallback: Callable[[], Callable]) -> None:
         self.name = name
         self.lowered = lowered
@@ -248,8 +253,8 @@ class RegionCallable:
         values = self.binder(inputs)
         found = self._bound.get(values)
         if found is None:
-            if len(self._bound) >= MAX_BOUND:
-                self._bound.clear()
+            if len(self._bound) >= self.bound_limit:
+                del self._bound[next(iter(self._bound))]  # the oldest
             found = self._bound[values] = concrete(self.lowered, self.binder, values)
         return found
 

@@ -81,6 +81,10 @@ def render_any(kernel, layout: tuple[int, ...]) -> str:
 class FusedRegion(RegionCallable):
     """The callable behind one fusion symbol (see the module docstring)."""
 
+    # A call plan holds all a call needs, not the concrete region it was made from: only the
+    # last few concrete regions are kept, for plans of the same sizes with other strides.
+    bound_limit = 4
+
     def __init__(self, name: str, lowered, fallback) -> None:
         super().__init__(name, lowered, fallback)
         self.sources: dict[tuple, str] = {}
@@ -157,9 +161,9 @@ class FusedRegion(RegionCallable):
             if plan[-1]:  # valid for every call with this key
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
-                self._plans[key] = plan
-        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, lowered, direct, \
-            views = plan[:11]
+                self._plans[_kept_key(key)] = plan
+        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, direct, views = \
+            plan[:10]
         outs = [empty(shape, dtype) for shape, dtype in out_specs]
         bases = [inputs[i] if isinstance(i, int) else i.base(inputs) if isinstance(i, _Copy)
                  else i for i, _ in pointers]  # copies stay alive until the kernel returns
@@ -169,7 +173,7 @@ class FusedRegion(RegionCallable):
         fn(ndim, c_sizes, c_strides, ctypes.addressof(c_ptrs), arg, nthreads)
         if direct:  # the kernel's outputs are the region's, in order
             return outs[0] if len(outs) == 1 else tuple(outs)
-        return region_results(lowered, inputs, outs, views)
+        return region_results(None, inputs, outs, views)
 
     @staticmethod
     def _empty(lowered) -> bool:
@@ -225,8 +229,8 @@ class FusedRegion(RegionCallable):
     def _plan(self, inputs, lowered) -> tuple:
         """How to call a pointwise kernel for inputs of these shapes and strides: (kernel,
         ndim, address of the sizes, of the strides, pointers, block, threads, output (shape,
-        dtype)s, the region with these sizes, whether its results are the kernel's outputs,
-        the C arrays, reusable)."""
+        dtype)s, whether its results are the kernel's outputs, the output plans, the C array,
+        reusable)."""
         kernel, shape = lowered.kernel, lowered.shape
         pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses),
                                                   kernel.accesses)
@@ -284,19 +288,26 @@ class FusedRegion(RegionCallable):
 
     def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, in_place,
                    inputs) -> tuple:
-        """A plan (see `_plan`): the coalesced sizes and stride rows as C arrays, passed by
+        """A plan (see `_plan`): the coalesced sizes and stride rows in one C array, passed by
         address (the plan keeps them alive), the output specs, whether the kernel's outputs
-        are the region's results as they are, and the output plans (`strided_views`)."""
+        are the region's results as they are, and the output plans (`strided_views`). Plans
+        are kept per shape (up to `MAX_BOUND`), so one is made of tuples, which the garbage
+        collector stops tracking, and does not hold the concrete region `lowered`."""
         flat = [s for row in rows for s in row]
-        c_sizes = (ctypes.c_int64 * len(sizes))(*sizes)
-        c_strides = (ctypes.c_int64 * len(flat))(*flat)
-        out_specs = list(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
+        c_array = (ctypes.c_int64 * (len(sizes) + len(flat)))(*sizes, *flat)  # sizes, strides
+        address = ctypes.addressof(c_array)
+        out_specs = tuple(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
-        return (fn, len(sizes), ctypes.addressof(c_sizes), ctypes.addressof(c_strides),
-                pointers, arg, nthreads, out_specs, lowered, direct, views,
-                (c_sizes, c_strides), in_place)
+        return (fn, len(sizes), address, address + 8 * len(sizes), tuple(pointers), arg,
+                nthreads, out_specs, direct, views, c_array, in_place)
+
+
+def _kept_key(key: tuple) -> tuple:
+    """A plan key as kept: its `torch.Size`s as tuples (equal, with the same hash), which the
+    garbage collector stops tracking as it does tuples of numbers."""
+    return (key[0], *[(tuple(shape), *rest) for shape, *rest in key[1:]])
 
 
 class _Copy:
