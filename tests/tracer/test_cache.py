@@ -13,7 +13,7 @@ def f(x, y):
 
 
 def _count_traces(monkeypatch):
-    jit_module = sys.modules["fulmen.jit"]  # the module, shadowed by the function fulmen.jit
+    jit_module = sys.modules["fulmen.jitted"]  # the module whose _Jitted traces on a miss
     calls = []
     original = jit_module.trace_program
 
@@ -218,7 +218,7 @@ def test_cache_size_limit_runs_further_calls_eagerly_with_one_warning():
 
 
 def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
-    """NOTE [the collector while compiling] in fulmen/jit.py: the program traces with Python's
+    """NOTE [the collector while compiling] in fulmen/jitted.py: the program traces with Python's
     cyclic collector off (tracing's garbage would set off full collections of the process);
     the collector's state afterwards is the caller's, also when compiling fails."""
     import gc
