@@ -127,3 +127,23 @@ def test_unused_outputs_of_graph_break_segments_equal_eager():
         torch.testing.assert_close(fx.grad, ex.grad)
         torch.testing.assert_close(fw.grad, ew.grad)
     assert fulmen.compile_stats(jfn).branches == 2
+
+
+def test_hf_gpt2_with_labels_caches_and_hidden_states_trains_like_eager():
+    transformers = __import__("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=32)).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    jitted = fulmen.jit(model)
+    grads = []
+    for fn in (model, jitted):
+        model.zero_grad()
+        out = fn(input_ids=ids, labels=ids, use_cache=True, output_hidden_states=True)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for actual, expected in zip(grads[1], grads[0]):
+        torch.testing.assert_close(actual, expected)
+    # the loss is used; the logits, key/value caches and hidden states are not
+    (flags,) = fulmen.compile_stats(jitted).last_backward_variants
+    assert flags[0] is False and all(flags[1:]) and len(flags) > 4
