@@ -582,4 +582,9 @@ MUTANTS: list[Mutant] = [
            "_softmax_family(ltorch.safe_softmax, _softmax_input_grad)",
            "_softmax_family(ltorch.safe_softmax, _log_softmax_input_grad)",
            ("tests/ops/test_attention.py",)),
+    # --- unused outputs' cotangents folded as zeros (transforms/unused_cotangents.py) --------
+    Mutant("unused_cotangent_product_needs_both_zero", "passes", "transforms/unused_cotangents.py",
+           "return any(t.name in zero for t in tensors)",
+           "return all(t.name in zero for t in tensors)",
+           ("tests/transforms/test_unused_cotangents.py",)),
 ]

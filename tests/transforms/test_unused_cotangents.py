@@ -55,17 +55,17 @@ def test_unused_logits_get_no_cotangent_and_grads_equal_eager():
     assert len(executed.bsyms) < len(full.bsyms)
 
 
-def _sum_and_scaled(x):
-    return x.sum(), x * float("inf")
+def _sum_and_scaled(x, scale):
+    return x.sum(), x * scale, x * float("inf")
 
 
 def test_an_unused_output_does_not_turn_its_gradient_into_nan():
-    # eager never runs the backward of the unused output; a zero cotangent times inf is nan
-    x = torch.randn(4)
+    # eager never runs the backward of the unused outputs; a zero cotangent times inf is nan
+    x, scale = torch.randn(4), torch.full((4,), float("inf"))
     jfn = fulmen.jit(_sum_and_scaled)
     fx, ex = _leaves(x, x)
-    jfn(fx)[0].backward()
-    _sum_and_scaled(ex)[0].backward()
+    jfn(fx, scale)[0].backward()
+    _sum_and_scaled(ex, scale)[0].backward()
     torch.testing.assert_close(fx.grad, ex.grad)
 
 
