@@ -147,3 +147,23 @@ def test_hf_gpt2_with_labels_caches_and_hidden_states_trains_like_eager():
     # the loss is used; the logits, key/value caches and hidden states are not
     (flags,) = fulmen.compile_stats(jitted).last_backward_variants
     assert flags[0] is False and all(flags[1:]) and len(flags) > 4
+
+
+def _four_outputs(x):
+    y = x * 2
+    return y.sum(), y.cumsum(0), (y * 3).t(), y.sin()
+
+
+def test_zeros_that_do_not_fold_are_materialized_and_grads_equal_eager():
+    # cumsum's backward runs under torch.autograd and the transpose's zero would not be
+    # contiguous: those statements read materialized zeros
+    jfn = fulmen.jit(_four_outputs)
+    x = torch.randn(3, 4)
+    for used in range(4):
+        fx, ex = _leaves(x, x)
+        jfn(fx)[used].pow(2).sum().backward()
+        _four_outputs(ex)[used].pow(2).sum().backward()
+        torch.testing.assert_close(fx.grad, ex.grad)
+    variants = fulmen.compile_stats(jfn).last_backward_variants
+    assert len(variants) == 4
+    assert all(any(b.sym.name == "full" for b in stages[0].bsyms) for stages in variants.values())
