@@ -5,7 +5,8 @@ loss alone. Before `fulmen.transforms.unused_cotangents`, autograd handed the co
 zero-filled [B, T, V] cotangent for the logits, which the backward added into their gradient.
 "old" is the same fulmen with that pass off (every cotangent materialized, as before), "new" is
 the default. Both are compiled in one process and timed in alternation (process CPU time,
-1 thread, median over rounds), so load on a shared machine hits both alike.
+1 thread, median over rounds, the order swapped every round), so load on a shared machine
+hits both alike.
 
 Run: `python benchmarks/unused_cotangents.py [--models gpt2,llama] [--size tiny,small]`
 """
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--number", type=int, default=10, help="steps per round")
-    parser.add_argument("--repeat", type=int, default=15, help="rounds")
+    parser.add_argument("--repeat", type=int, default=40, help="rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for size in args.size.split(","):
@@ -66,17 +67,25 @@ def main() -> None:
                 step(fn)
             assert not fulmen.compile_stats(old).last_backward_variants
             assert fulmen.compile_stats(new).last_backward_variants
-            times = {"old": [], "new": []}
-            for _ in range(args.repeat):
-                for label, fn in (("old", old), ("new", new)):
-                    start = time.process_time()
+            times = {(label, part): [] for label in ("old", "new") for part in ("fwd", "bwd")}
+            pairs = (("old", old), ("new", new))
+            for round_ in range(args.repeat):  # ABBA: whichever runs second in a round is slower
+                for label, fn in pairs if round_ % 2 == 0 else pairs[::-1]:
+                    forward = backward = 0.0
                     for _ in range(args.number):
-                        step(fn)
-                    times[label].append((time.process_time() - start) / args.number * 1e3)
-            old_ms, new_ms = (statistics.median(times[k]) for k in ("old", "new"))
-            print(f"{case.name:6s} {size:5s} train step (no optimizer), 1 thread, CPU ms: "
-                  f"old {old_ms:.3f}  new {new_ms:.3f}  new/old {new_ms / old_ms:.3f}", flush=True)
-
+                        model.zero_grad(set_to_none=True)
+                        start = time.process_time()
+                        loss = case.call(fn)
+                        middle = time.process_time()
+                        loss.backward()
+                        forward += middle - start
+                        backward += time.process_time() - middle
+                    times[label, "fwd"].append(forward / args.number * 1e3)
+                    times[label, "bwd"].append(backward / args.number * 1e3)
+            for part in ("fwd", "bwd"):
+                old_ms, new_ms = (statistics.median(times[k, part]) for k in ("old", "new"))
+                print(f"{case.name:6s} {size:5s} {part}, 1 thread, CPU ms/step: old {old_ms:.3f}  "
+                      f"new {new_ms:.3f}  new/old {new_ms / old_ms:.3f}", flush=True)
 
 if __name__ == "__main__":
     main()
