@@ -153,6 +153,7 @@ class CompileStats:
     last_traces: list[Trace] = field(default_factory=list)
     last_backward_traces: list[Trace] = field(default_factory=list)
     # unused-cotangent flags -> stages of the backward compiled for calls with unused outputs
+    # (of the last compilation without graph breaks; filled as such calls run)
     last_backward_variants: dict = field(default_factory=dict)
     recompile_reasons: list[list[str]] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)

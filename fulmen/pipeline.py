@@ -5,6 +5,8 @@
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> in-place relu on a dying matrix product (`executors/torch/inplace.py`)
         -> Python compilation of the printed trace
+    later, at the first backward call with a new pattern of unused outputs: the backward
+        before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place relu
 
 `compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
 breaks) and returns the callable with every stage's trace; `lower` is its tail (claiming,
@@ -130,13 +132,21 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     if any(not isinstance(s, int) for c in cotangents for s in c.shape):
         return None
 
-    def build(unused: tuple[bool, ...]) -> Callable:
-        stages = [fold_unused_cotangents(backward, unused)]
-        stages.append(claim_executors(stages[-1], executors))
-        stages.append(delete_last_used(stages[-1]))
-        stages.append(relu_in_place(stages[-1]))
+    def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
+        try:
+            stages = [fold_unused_cotangents(backward, unused, fold=fold)]
+            stages.append(claim_executors(stages[-1], executors))
+            stages.append(delete_last_used(stages[-1]))
+            stages.append(relu_in_place(stages[-1]))
+            compiled = without_autocast(stages[-1].python_callable())
+        except Exception:
+            if not fold:
+                raise
+            _PASSES.warning("folding unused cotangents %s failed; materializing them", unused,
+                            exc_info=True)
+            return build(unused, fold=False)
         variants[unused] = stages
-        return without_autocast(stages[-1].python_callable())
+        return compiled
 
     return build
 

@@ -18,7 +18,8 @@ A zero that reaches any other statement is materialized there (`prims.full`, con
 autograd's zeros are); a statement whose zero output would not be contiguous is kept whole, its
 zero inputs materialized. An input gradient that is all known zeros becomes None: eager does
 not reach that input from the outputs used (a VJP is linear in its cotangent, so a gradient
-from a used output never folds to zero). Dead statements then go.
+from a used output never folds to zero). Dead statements then go. Where folding or compiling a
+pattern fails, the pipeline builds it with `fold=False`: zeros materialized first, as before.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
                         subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
 
 
-def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...]) -> Trace:
+def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool = True) -> Trace:
     """`trace` (a backward taking `(*residuals, *cotangents)`) for calls in which the
-    cotangents flagged in `unused` are zeros: those leave its arguments (module docstring)."""
+    cotangents flagged in `unused` are zeros: those leave its arguments (module docstring).
+    With `fold=False` they are only materialized first thing, as autograd would have."""
     count = len(unused)
     cotangents = trace.args[len(trace.args) - count:]
     zero = {c.name for c, flag in zip(cotangents, unused) if flag}
@@ -117,6 +119,10 @@ def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...]) -> Trace:
         kept.append(scratch.bsyms[-1].replace(output=proxy))
         materialized.add(name)
 
+    if not fold:
+        for name in list(zero):
+            materialize(name)
+        zero.clear()
     for bsym in trace.bsyms:
         if replaced:
             bsym = _renamed(bsym, rename)

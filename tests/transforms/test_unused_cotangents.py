@@ -167,3 +167,26 @@ def test_zeros_that_do_not_fold_are_materialized_and_grads_equal_eager():
     variants = fulmen.compile_stats(jfn).last_backward_variants
     assert len(variants) == 4
     assert all(any(b.sym.name == "full" for b in stages[0].bsyms) for stages in variants.values())
+
+
+def test_a_pattern_that_fails_to_fold_materializes_the_zeros_as_autograd_did(monkeypatch):
+    import fulmen.pipeline
+
+    real = fulmen.pipeline.fold_unused_cotangents
+
+    def failing(trace, unused, *, fold=True):
+        if fold:
+            raise RuntimeError("planted failure")
+        return real(trace, unused, fold=fold)
+
+    monkeypatch.setattr(fulmen.pipeline, "fold_unused_cotangents", failing)
+    x, w, labels = _inputs(3)
+    jfn = fulmen.jit(_loss_and_logits)
+    fx, fw, ex, ew = _leaves(x, w, x, w)
+    jfn(fx, fw, labels)[0].backward()
+    _loss_and_logits(ex, ew, labels)[0].backward()
+    torch.testing.assert_close(fx.grad, ex.grad)
+    torch.testing.assert_close(fw.grad, ew.grad)
+    (stages,) = fulmen.compile_stats(jfn).last_backward_variants.values()
+    assert stages[0].bsyms[0].sym.name == "full"
+    assert tuple(stages[0].bsyms[0].output.shape) == (2, 3, 5)
