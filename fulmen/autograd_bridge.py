@@ -9,7 +9,7 @@ raises: the saved residuals were computed without recording a graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,12 +20,19 @@ from fulmen.core import NotYetSupportedError
 class CompiledPair:
     """Compiled forward (`inputs -> (output_leaves, residuals)`) and backward
     (`(*residuals, *cotangents) -> input grads`) callables, and which output leaves are
-    differentiable."""
+    differentiable.
+
+    `backward_without`, when set, compiles the backward for calls in which the cotangents
+    flagged True (one flag per cotangent) are unused: it takes only the others
+    (`fulmen.transforms.unused_cotangents`); `variants` caches them by flags.
+    """
 
     forward: Callable
     backward: Callable
     differentiable_outputs: tuple[bool, ...]
     has_object_residuals: bool = True
+    backward_without: Callable | None = None
+    variants: dict = field(default_factory=dict, compare=False)
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -39,6 +46,8 @@ class FulmenAutogradFunction(torch.autograd.Function):
     def forward(ctx, pair: CompiledPair, *inputs):
         outputs, residuals = pair.forward(*inputs)
         ctx.pair = pair
+        if pair.backward_without is not None:  # unused outputs get None, not zeros
+            ctx.set_materialize_grads(False)
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
         # autograd graphs of opaque ops) ride on ctx
         objects = ()
@@ -67,7 +76,14 @@ class FulmenAutogradFunction(torch.autograd.Function):
         residuals = list(ctx.saved_tensors)
         for index, obj in ctx.objects:
             residuals.insert(index, obj)
-        input_grads = pair.backward(*residuals, *cotangents)
+        backward = pair.backward
+        if pair.backward_without is not None and any(g is None for g in cotangents):
+            unused = tuple(g is None for g in cotangents)
+            backward = pair.variants.get(unused)
+            if backward is None:
+                backward = pair.variants[unused] = pair.backward_without(unused)
+            cotangents = [g for g in cotangents if g is not None]
+        input_grads = backward(*residuals, *cotangents)
         return (None, *input_grads)
 
 

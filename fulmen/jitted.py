@@ -143,6 +143,9 @@ class CompileStats:
     cache_misses: int = 0
     last_traces: list[Trace] = field(default_factory=list)
     last_backward_traces: list[Trace] = field(default_factory=list)
+    # unused-cotangent flags -> stages of the backward compiled for calls with unused outputs
+    # (of the last compilation without graph breaks; filled as such calls run)
+    last_backward_variants: dict = field(default_factory=dict)
     recompile_reasons: list[list[str]] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     graph_breaks: list[str] = field(default_factory=list)
@@ -452,6 +455,7 @@ class _Jitted:
         seconds = {"tracing": program.seconds, **seconds}
         self._stats.last_traces = compiled.traces
         self._stats.last_backward_traces = compiled.backward_traces
+        self._stats.last_backward_variants = compiled.backward_variants
         self._stats.stage_seconds = seconds
         self._stats.graph_breaks = []
         return CacheEntry(compiled.fn, compiled.traces, program.tensor_positions, program.captured,

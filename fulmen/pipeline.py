@@ -5,6 +5,8 @@
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> in-place relu on a dying matrix product (`executors/torch/inplace.py`)
         -> Python compilation of the printed trace
+    later, at the first backward call with a new pattern of unused outputs: the backward
+        before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place relu
 
 `compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
 breaks) and returns the callable with every stage's trace; `lower` is its tail (claiming,
@@ -33,6 +35,7 @@ from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.remat import rematerialize as rematerialize_split
+from fulmen.transforms.unused_cotangents import fold_unused_cotangents
 from fulmen.tree import CompiledSegment
 
 _PASSES = get_logger("passes")
@@ -63,6 +66,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     seconds: dict[str, float] = {}
     traces = [trace]
     backward_traces: list[Trace] = []
+    variants: dict[tuple[bool, ...], list[Trace]] = {}
 
     def run(stages: list[Trace], stage, *extra) -> None:
         result = stage(stages[-1], *extra)
@@ -96,6 +100,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
             seconds["rematerialization"] = time.perf_counter() - start
         run(backward_traces, dce)
         run(backward_traces, cse)
+        unclaimed = backward_traces[-1]
         run(backward_traces, claim_executors, executors)
         run(backward_traces, delete_last_used)
         run(backward_traces, relu_in_place)
@@ -112,10 +117,41 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         residuals = traces[-1].output[1]
         pair = CompiledPair(fn, without_autocast(backward_traces[-1].python_callable()),
                             split.differentiable_outputs,
-                            any(not isinstance(r, torch.Tensor) for r in residuals))
+                            any(not isinstance(r, torch.Tensor) for r in residuals),
+                            _variant_builder(unclaimed, sum(split.differentiable_outputs),
+                                             executors, variants))
         fn = functools.partial(_call_with_autograd, pair, split.output_spec)
     seconds["python compilation"] = time.perf_counter() - start
-    return CompiledSegment(fn, traces, backward_traces), seconds
+    return CompiledSegment(fn, traces, backward_traces, variants), seconds
+
+
+def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
+                     variants: dict):
+    """`unused -> callable`: the backward for calls whose cotangents flagged in `unused` are
+    unused (`transforms.unused_cotangents`), its stages recorded in `variants`; None when a
+    cotangent has a symbolic size (autograd then materializes zeros, as before). `backward`
+    takes `count` cotangents."""
+    cotangents = backward.args[len(backward.args) - count:]
+    if any(not isinstance(s, int) for c in cotangents for s in c.shape):
+        return None
+
+    def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
+        try:
+            stages = [fold_unused_cotangents(backward, unused, fold=fold)]
+            stages.append(claim_executors(stages[-1], executors))
+            stages.append(delete_last_used(stages[-1]))
+            stages.append(relu_in_place(stages[-1]))
+            compiled = without_autocast(stages[-1].python_callable())
+        except Exception:
+            if not fold:
+                raise
+            _PASSES.warning("folding unused cotangents %s failed; materializing them", unused,
+                            exc_info=True)
+            return build(unused, fold=False)
+        variants[unused] = stages
+        return compiled
+
+    return build
 
 
 def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):

@@ -41,6 +41,8 @@ class CompiledSegment:
     fn: Callable
     traces: list[Trace]
     backward_traces: list[Trace] = field(default_factory=list)
+    # unused-cotangent flags -> the stages of the backward compiled for them (`pipeline.py`)
+    backward_variants: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)

@@ -596,4 +596,9 @@ MUTANTS: list[Mutant] = [
            "        read = [j for j in readers.get(dst.name, ()) if j != i"
            " and _is_write_back(bsyms[j], dst, result)]",
            ("tests/executors/test_index_copy_in_place.py",)),
+    # --- unused outputs' cotangents folded as zeros (transforms/unused_cotangents.py) --------
+    Mutant("unused_cotangent_product_needs_both_zero", "passes", "transforms/unused_cotangents.py",
+           "return any(t.name in zero for t in tensors)",
+           "return all(t.name in zero for t in tensors)",
+           ("tests/transforms/test_unused_cotangents.py",)),
 ]
