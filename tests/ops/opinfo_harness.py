@@ -178,3 +178,15 @@ def assert_same_grads(expected, actual, info) -> None:
             continue
         torch.testing.assert_close(a, e, equal_nan=True, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, index=index: f"{info.name} grad {index}: {m}")
+
+
+def assert_traced_like_eager(fn, x: torch.Tensor, transforms=()) -> None:
+    """`fulmen.jit(fn, transforms=...)(x)` equals `fn(x)`, its gradient for one random cotangent
+    equals eager's, and the first trace calls no opaque op (the op was decomposed)."""
+    jfn = fulmen.jit(fn, transforms=list(transforms))
+    expected, actual = fn(x), jfn(x)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
+                               torch.autograd.grad(expected, x, cotangent)[0])
+    assert "opaque" not in str(fulmen.last_traces(jfn)[0])

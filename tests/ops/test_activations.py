@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen.transforms import decompose_to_prims
+from tests.ops.opinfo_harness import assert_traced_like_eager
 
 CASES = [
     lambda x: F.mish(x),
@@ -23,13 +24,7 @@ CASES = [
 def test_activation(index, mode):
     fn = CASES[index]
     x = (torch.randn(4, 6) * 5).requires_grad_()
-    jfn = fulmen.jit(fn, transforms=mode)
-    expected, actual = fn(x), jfn(x)
-    torch.testing.assert_close(actual, expected)
-    cotangent = torch.randn_like(expected)
-    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
-                               torch.autograd.grad(expected, x, cotangent)[0])
-    assert "opaque" not in str(fulmen.last_traces(jfn)[0])
+    assert_traced_like_eager(fn, x, mode)
 
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen.transforms import decompose_to_prims
+from tests.ops.opinfo_harness import assert_traced_like_eager
 
 IDX = torch.tensor([[0, 2, 1], [1, 1, 0]])
 MASK = torch.tensor([True, False, True, False, False])
@@ -32,13 +33,7 @@ CASES = [
 def test_indexing(index, mode):
     fn = CASES[index]
     x = torch.randn(3, 5, requires_grad=True)
-    jfn = fulmen.jit(fn, transforms=mode)
-    expected, actual = fn(x), jfn(x)
-    torch.testing.assert_close(actual, expected)
-    cotangent = torch.randn_like(expected)
-    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
-                               torch.autograd.grad(expected, x, cotangent)[0])
-    assert "opaque" not in str(fulmen.last_traces(jfn)[0])
+    assert_traced_like_eager(fn, x, mode)
 
 
 def test_one_hot():
