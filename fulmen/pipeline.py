@@ -3,10 +3,11 @@
     dce -> cse -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
-        -> in-place relu on a dying matrix product (`executors/torch/inplace.py`)
+        -> in-place relu on a dying matrix product, index_copy into a written input
+           (`executors/torch/inplace.py`, `inplace_index.py`)
         -> Python compilation of the printed trace
     later, at the first backward call with a new pattern of unused outputs: the backward
-        before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place relu
+        before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place rewrites
 
 `compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
 breaks) and returns the callable with every stage's trace; `lower` is its tail (claiming,
@@ -41,12 +42,25 @@ from fulmen.tree import CompiledSegment
 _PASSES = get_logger("passes")
 
 
+# after claiming: `del` insertion, then the in-place rewrites that read where values die
+_AFTER_CLAIMING = (delete_last_used, relu_in_place, index_copy_in_place)
+
+
+def _claimed_stages(trace: Trace, executors: Sequence[Executor]) -> list[Trace]:
+    """`trace` claimed by `executors`, then each stage of `_AFTER_CLAIMING` that changed it."""
+    stages = [claim_executors(trace, executors)]
+    for stage in _AFTER_CLAIMING:
+        result = stage(stages[-1])
+        if result is not stages[-1]:
+            stages.append(result)
+    return stages
+
+
 def lower(trace: Trace, executors: Sequence[Executor]) -> Callable:
-    """Claim `trace`'s statements by `executors`, insert `del`s, compile it to Python; the
-    callable never re-applies the caller's autocast (traces hold autocast's casts)."""
-    trace = relu_in_place(delete_last_used(claim_executors(trace, executors)))
-    trace = index_copy_in_place(trace)
-    return without_autocast(trace.python_callable())
+    """Claim `trace`'s statements by `executors`, insert `del`s (and the in-place rewrites),
+    compile it to Python; the callable never re-applies the caller's autocast (traces hold
+    autocast's casts)."""
+    return without_autocast(_claimed_stages(trace, executors)[-1].python_callable())
 
 
 def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(), wrt=None,
@@ -102,13 +116,12 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         run(backward_traces, cse)
         unclaimed = backward_traces[-1]
         run(backward_traces, claim_executors, executors)
-        run(backward_traces, delete_last_used)
-        run(backward_traces, relu_in_place)
+        for stage in _AFTER_CLAIMING:
+            run(backward_traces, stage)
         run(traces, cse)  # statements the split added twice (attention's float masks)
     run(traces, claim_executors, executors)
-    run(traces, delete_last_used)
-    run(traces, relu_in_place)
-    run(traces, index_copy_in_place)
+    for stage in _AFTER_CLAIMING:
+        run(traces, stage)
 
     start = time.perf_counter()
     # the traces hold autocast's casts explicitly: never cast again under the caller's
@@ -137,10 +150,8 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
 
     def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
         try:
-            stages = [fold_unused_cotangents(backward, unused, fold=fold)]
-            stages.append(claim_executors(stages[-1], executors))
-            stages.append(delete_last_used(stages[-1]))
-            stages.append(relu_in_place(stages[-1]))
+            folded = fold_unused_cotangents(backward, unused, fold=fold)
+            stages = [folded, *_claimed_stages(folded, executors)]
             compiled = without_autocast(stages[-1].python_callable())
         except Exception:
             if not fold:

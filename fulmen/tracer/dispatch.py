@@ -446,8 +446,7 @@ class TracerCtx(TraceCtx):
             if self.fresh_grad_names and torch.is_grad_enabled():
                 self._track_fresh(args, kwargs, out)
             return out
-        floating = [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
-                    and (p.dtype.is_floating_point or p.dtype.is_complex)]
+        floating = _floating_proxies(out)
         if torch.is_grad_enabled():
             if not self.differentiable:
                 raise GradInsideNoGrad(
@@ -455,11 +454,7 @@ class TracerCtx(TraceCtx):
                     "compiled function was called with grad disabled", op=_func_name(func),
                     where=user_source_location(),
                     hint="call the compiled function with grad enabled")
-            self.requires_grad_names.update(p.name for p in floating)
-            with torch._C.DisableTorchFunctionSubclass():  # `y.requires_grad` answers as eager
-                for p in floating:
-                    if not p.requires_grad:
-                        _REQUIRES_GRAD_(p)
+            _require_grad(self.requires_grad_names, floating)
             return out
         if not self.differentiable or not floating:
             return out
@@ -468,19 +463,27 @@ class TracerCtx(TraceCtx):
             lambda leaf: detached.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
             out)
 
-
     def _track_fresh(self, args, kwargs, out) -> None:
         """Results of an op that reads a fresh leaf (and no input requiring grad) require grad
         too, as in eager, but nothing is differentiated for them (NOTE [fresh leaves])."""
-        if not any(p.name in self.fresh_grad_names for p in iter_proxies((args, kwargs))):
-            return
-        floating = [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
-                    and (p.dtype.is_floating_point or p.dtype.is_complex)]
-        self.fresh_grad_names.update(p.name for p in floating)
-        with torch._C.DisableTorchFunctionSubclass():
-            for p in floating:
-                if not p.requires_grad:
-                    _REQUIRES_GRAD_(p)
+        if any(p.name in self.fresh_grad_names for p in iter_proxies((args, kwargs))):
+            _require_grad(self.fresh_grad_names, _floating_proxies(out))
+
+
+def _floating_proxies(out) -> list[TensorProxy]:
+    """The floating-point and complex tensor proxies among an op's outputs (those that can
+    require grad)."""
+    return [p for p in iter_proxies(out) if isinstance(p, TensorProxy)
+            and (p.dtype.is_floating_point or p.dtype.is_complex)]
+
+
+def _require_grad(names: set[str], proxies: list[TensorProxy]) -> None:
+    """Add `proxies` to `names` and make each answer `requires_grad` as eager's result does."""
+    names.update(p.name for p in proxies)
+    with torch._C.DisableTorchFunctionSubclass():
+        for p in proxies:
+            if not p.requires_grad:
+                _REQUIRES_GRAD_(p)
 
 
 _STRIDED_VIEWS = frozenset({T.view, T.view_as})

@@ -188,6 +188,8 @@ def _keeps_reduced_dims(bsym, producer) -> bool:
         return False
     made = _producer(bsym, source.name)
     return made is not None and bool(made.sym.tags & _MAPS)
+
+
 _BASIC_INDEX = (int, torch.SymInt, slice, type(None), type(Ellipsis))
 
 

@@ -576,7 +576,7 @@ MUTANTS: list[Mutant] = [
            "return tuple(shape), tuple(tensor.stride())", ("tests/tracer/test_dynamic_edges.py",)),
     # --- in-place relu on a dying matrix product (executors/torch/inplace.py) ---------------
     Mutant("relu_in_place_ignores_other_readers", "passes", "executors/torch/inplace.py",
-           " or readers.get(source.name) != 1:", ":", ("tests/executors/test_relu_in_place.py",)),
+           " or len(readers[source.name]) != 1:", ":", ("tests/executors/test_relu_in_place.py",)),
     # --- attention's safe softmax, differentiated by softmax's rule (dropout attention) ----
     Mutant("vjp_safe_softmax_as_log_softmax", "vjp", "transforms/autodiff/rules_composite.py",
            "_softmax_family(ltorch.safe_softmax, _softmax_input_grad)",

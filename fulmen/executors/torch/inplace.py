@@ -29,6 +29,16 @@ _FRESH_PRODUCTS = (torch._C._nn.linear, F.linear, torch.addmm, torch.mm, torch.b
                    torch.matmul)
 
 
+def statement_readers(bsyms) -> dict[str, list[int]]:
+    """Name -> indices of the statements (not `del`s) of `bsyms` that read it, in order."""
+    readers: dict[str, list[int]] = {}
+    for index, bsym in enumerate(bsyms):
+        if not bsym.is_del:
+            for proxy in bsym.proxy_inputs:
+                readers.setdefault(proxy.name, []).append(index)
+    return readers
+
+
 def _relu_input(bsym: BoundSymbol):
     """The proxy a torch executor relu reads (out of place), or None for another statement."""
     if bsym.sym.executor is not torch_ex or bsym.sym.impl not in _RELUS:
@@ -45,19 +55,14 @@ def relu_in_place(trace: Trace) -> Trace:
     output read by that relu alone and deleted right after it (module docstring). Runs after
     `delete_last_used`, whose `del` statements say where each value dies."""
     bsyms = trace.bsyms
-    fresh: set[str] = set()
-    readers: dict[str, int] = {}
-    for bsym in bsyms:
-        if bsym.is_del:
-            continue
-        for proxy in bsym.proxy_inputs:
-            readers[proxy.name] = readers.get(proxy.name, 0) + 1
-        if bsym.sym.executor is torch_ex and bsym.sym.impl in _FRESH_PRODUCTS:
-            fresh.update(p.name for p in bsym.proxy_outputs)
+    fresh = {p.name for bsym in bsyms
+             if bsym.sym.executor is torch_ex and bsym.sym.impl in _FRESH_PRODUCTS
+             for p in bsym.proxy_outputs}
+    readers = statement_readers(bsyms)
     changed = list(bsyms)
     for i, bsym in enumerate(bsyms):
         source = _relu_input(bsym)
-        if source is None or source.name not in fresh or readers.get(source.name) != 1:
+        if source is None or source.name not in fresh or len(readers[source.name]) != 1:
             continue
         following = bsyms[i + 1] if i + 1 < len(bsyms) else None
         if following is None or not following.is_del or source.name not in {

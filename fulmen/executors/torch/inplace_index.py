@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.executors.torch import _write_back, torch_ex
+from fulmen.executors.torch.inplace import statement_readers
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.transforms.base import transform
 
@@ -66,11 +67,7 @@ def index_copy_in_place(trace: Trace) -> Trace:
     `t1 = x.index_copy_(...)` without the write-back (module docstring)."""
     bsyms = trace.bsyms
     inputs = {arg.name for arg in pytree.tree_leaves(trace.args) if isinstance(arg, torch.Tensor)}
-    readers: dict[str, list[int]] = {}
-    for i, bsym in enumerate(bsyms):
-        if not bsym.is_del:
-            for proxy in bsym.proxy_inputs:
-                readers.setdefault(proxy.name, []).append(i)
+    readers = statement_readers(bsyms)
     outputs = {leaf.name for leaf in pytree.tree_leaves(trace.output)
                if isinstance(leaf, torch.Tensor)}
     changed, dropped = list(bsyms), set()
