@@ -423,6 +423,15 @@ class _Jitted:
             raise seeds_inside("torch.manual_seed")
         self._guard.note_module_writes(program.module_writes, program.captured,
                                        fresh=not program.breaks)
+        if program.module_stores and program.breaks and program.module_writes:
+            # the traced tensors it stored (`self.inv_freq = self.original_inv_freq` beside
+            # `self.max_seq_len_cached = 8`, HF's dynamic RoPE reset) are made by the epilogue
+            # of this trace only: settling would trace again without them
+            raise StoresDifferPerPath(
+                f"the forward stores {program.module_stores[0].key!r} and a traced tensor in "
+                f"{sorted(program.module_writes)[0][1]!r} on a module and has graph breaks "
+                f"({program.breaks[0]})", op="setattr",
+                hint="keep the value outside the module, or avoid the break")
         if program.module_stores and program.breaks and settle:
             undo = make_module_stores(program.module_stores)
             torch.random.set_rng_state(rng_state)

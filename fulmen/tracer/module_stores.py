@@ -5,7 +5,8 @@ A compiled call runs no Python, so a store made by the forward would happen only
 While tracing, every module is put back as it was afterwards, and each change is sorted:
 
 - a traced tensor stored on a module (`self.aux_loss = loss`, a buffer replaced:
-  `self.mem = torch.cat([self.mem, h])`), or a new tuple or list of traced tensors and
+  `self.mem = torch.cat([self.mem, h])`, or by another tensor the trace reads:
+  `self.inv_freq = self.original_inv_freq`), or a new tuple or list of traced tensors and
   constants (`self.kv = (k, v)`, a dict too), is `traced`: the trace returns the tensors and the compiled
   program stores the call's real ones (an epilogue store, `fulmen.tracer.objects`), so autograd
   reaches them as in eager. A traced tensor put into a module's list or dict in place
@@ -241,9 +242,15 @@ def _refuse(name: str, what: str) -> UnreplayableStore:
 
 @contextlib.contextmanager
 def module_stores(module: torch.nn.Module, captured: dict | None = None,
+                  proxy_of: Callable[[torch.Tensor], TensorProxy] | None = None,
                   ) -> Iterator[list[ModuleStore]]:
     """Around a traced forward: put every module of `module` back as it was, and collect the
     stores to replay after each compiled call (in the yielded list, filled on exit).
+
+    `proxy_of` gives the input proxy of a real tensor the forward stored in place of another
+    (`self.register_buffer("inv_freq", self.original_inv_freq)`: the traced code sees a
+    module's own tensors, not their proxies, when a call returns one unchanged); the store is
+    then that proxy's, like any traced tensor's. Without it such a store is refused.
 
     `captured`, for a module other than the jitted one (see the module docstring), is the tracing
     context's captured table (`id(tensor) -> (tensor, proxy)`): a buffer or parameter stored
@@ -278,6 +285,11 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                 if value is before and not in_place:
                     continue
                 where = _qualified(name, key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
+                    if proxy_of is None:
+                        refusal = refusal or _refuse(where, "another tensor")
+                        continue
+                    value = proxy_of(value)  # another buffer, a global tensor: an input
                 if captured is not None and isinstance(value, TensorProxy) and isinstance(
                         before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:
                     continue  # `self.seen += 1`: the tensor updated in place, written back
@@ -288,8 +300,6 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                     found.append(ModuleStore(sub, key, value, traced=True, path=steps))
                 elif _holds_proxy(value):
                     refusal = refusal or _refuse(where, "a traced tensor inside a list or dict")
-                elif key in sub._buffers or key in sub._parameters:
-                    continue  # a real tensor (re)registered: as before, not replayed
                 elif in_place and _constant_contents(value):
                     found.append(ModuleStore(sub, key, snapshot(value), contents=True))
                 elif not in_place and _constant(value):

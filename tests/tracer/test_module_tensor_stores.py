@@ -225,3 +225,66 @@ def test_a_private_tensor_attribute_replaced_between_calls_is_read_as_it_is_now(
     for scale in (torch.tensor(2.0), torch.tensor([3.0, 4.0]), torch.tensor(5.0)):
         model._scale = scale
         torch.testing.assert_close(jitted(x), x * scale)
+
+
+class _ResettingRope(torch.nn.Module):
+    """HF's dynamic RoPE in small: a buffer replaced by a computed one when the input grows
+    past the cached length, and by another buffer of the module itself (the original
+    frequencies) when it shrinks back; `branch` decides by a shape (no graph break) or by a
+    tensor's value (a graph break, as HF's `seq_len > max_seq_len_cached`)."""
+
+    def __init__(self, branch):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+        self.original_inv_freq = torch.nn.Buffer(torch.ones(4), persistent=False)
+        self.cached = 8
+        self.branch = branch
+
+    def forward(self, x):
+        length = x.max() + 1
+        grows, shrinks = (x.shape[0] > self.cached, x.shape[0] < 8 < self.cached)
+        if self.branch == "value":
+            grows = bool(length > self.cached)
+            shrinks = bool(length < 8 and self.cached > 8)
+        if grows:
+            self.register_buffer("inv_freq", torch.full((4,), 2.0), persistent=False)
+            self.cached = x.shape[0]
+        if shrinks:
+            original = self.original_inv_freq.to(x.device)  # the very tensor
+            self.register_buffer("inv_freq", original, persistent=False)
+            self.original_inv_freq = original
+            self.cached = 8
+        return x[:4] * self.inv_freq
+
+
+@pytest.mark.parametrize("branch", ["shape", "value"])
+def test_a_buffer_replaced_by_another_buffer_of_the_module_is_that_buffer(branch):
+    eager = _ResettingRope(branch)
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    module = jitted._orig_mod
+    for length in (6, 12, 5, 12, 5, 6):
+        x = torch.arange(length, dtype=torch.float32)
+        torch.testing.assert_close(jitted(x), eager(x), rtol=0, atol=0)
+        torch.testing.assert_close(module.inv_freq, eager.inv_freq, rtol=0, atol=0)
+        assert (module.inv_freq is module.original_inv_freq) == (
+            eager.inv_freq is eager.original_inv_freq)
+
+
+def test_a_buffer_swapped_for_another_buffer_without_any_op_is_stored():
+    class Swap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Buffer(torch.full((3,), 2.0))
+            self.b = torch.nn.Buffer(torch.ones(3))
+
+        def forward(self, x):
+            self.a, self.b = self.b, self.a
+            return x * self.a
+
+    eager = Swap()
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), eager(x), rtol=0, atol=0)
+        torch.testing.assert_close(jitted.a, eager.a, rtol=0, atol=0)
+        torch.testing.assert_close(jitted.b, eager.b, rtol=0, atol=0)
