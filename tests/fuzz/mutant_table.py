@@ -601,4 +601,11 @@ MUTANTS: list[Mutant] = [
            "return any(t.name in zero for t in tensors)",
            "return all(t.name in zero for t in tensors)",
            ("tests/transforms/test_unused_cotangents.py",)),
+    # --- a buffer replaced by another tensor of the module (HF dynamic RoPE's reset) --------
+    Mutant("real_tensor_store_dropped", "tracer", "tracer/module_stores.py",
+           "value = proxy_of(value)  # another buffer, a global tensor: an input",
+           "continue", ("tests/tracer/test_module_tensor_stores.py",)),
+    Mutant("settle_drops_traced_stores", "tracer", "jitted.py",
+           "if program.module_stores and program.breaks and program.module_writes:",
+           "if False:", ("tests/tracer/test_module_tensor_stores.py",)),
 ]
