@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from fulmen import config
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, RunsEagerly, Trace, get_tracectx
+from fulmen.eager_streak import EagerStreak
 from fulmen.executors import resolve_executors
 from fulmen.logs import get_logger
 from fulmen.pipeline import compile_trace
@@ -181,6 +182,7 @@ class _Jitted:
         # keys whose calls run eagerly (`RunsEagerly`: a backward inside, Python's random
         # generator): the kind of reason and its warning
         self._eager_keys: dict = {}
+        self._eager_streak = EagerStreak()  # misses that keep running eagerly, new keys each
         self._running_eagerly = False
         self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize
@@ -230,12 +232,16 @@ class _Jitted:
                 if key in self._eager_keys:
                     kind, warning = self._eager_keys[key]
                     return self._run_eagerly(args, kwargs, kind, warning)
+                if self._eager_streak.skip_trace():
+                    return self._run_eagerly(args, kwargs, *self._eager_streak.reason)
                 try:
                     with _collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
                     return self._eagerly_or_raise(
-                        args, kwargs, error, key if isinstance(error, RunsEagerly) else None)
+                        args, kwargs, error, key if isinstance(error, RunsEagerly) else None,
+                        streak=True)
+                self._eager_streak.end()
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
                     key, leaves = self._guard.key(args, kwargs, state)
@@ -568,15 +574,19 @@ class _Jitted:
         self._cache.clear()
         self._shapes.clear()
         self._eager_keys.clear()
+        self._eager_streak.end()
 
     def _eagerly_or_raise(self, args: tuple, kwargs: dict, error: NotYetSupportedError,
-                          key=None):
+                          key=None, streak: bool = False):
         """Run the call eagerly because of `error` (warning once per kind), or raise it where
         eager runs are not allowed (`_eager_allowed`). `key`: remembered in `_eager_keys`, so
-        later calls with it run eagerly without tracing."""
+        later calls with it run eagerly without tracing; `streak`: a miss that was traced,
+        counted by `_eager_streak`."""
         if not self._eager_allowed:
             raise error
         kind, warning = type(error).__name__, f"fulmen: {error}; such calls run eagerly"
+        if streak:
+            self._eager_streak.ran_eagerly((kind, warning))
         if key is not None:
             if len(self._eager_keys) >= 4 * self._cache_size_limit:
                 self._eager_keys.clear()

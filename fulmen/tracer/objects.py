@@ -140,8 +140,16 @@ def walk(root: Any) -> list[tuple[tuple, Any]]:
 
 
 def path_text(path: tuple) -> str:
-    """`(("attr", "layers"), ("item", 0), ("attr", "keys"))` -> `.layers[0].keys`."""
-    return "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path)
+    """`(("attr", "layers"), ("item", 0), ("attr", "keys"))` -> `.layers[0].keys`; a tensor
+    key (an optimizer's `state[param]`) is shown by kind and shape, not by its values."""
+    return "".join(f".{key}" if kind == "attr" else f"[{_key_text(key)}]" for kind, key in path)
+
+
+def _key_text(key: Any) -> str:
+    if isinstance(key, torch.Tensor):
+        kind = "parameter" if isinstance(key, torch.nn.Parameter) else "tensor"
+        return f"<{kind} {tuple(key.shape)} at {id(key):#x}>"
+    return repr(key)
 
 
 def follow(root: Any, path: tuple) -> Any:

@@ -608,4 +608,10 @@ MUTANTS: list[Mutant] = [
     Mutant("settle_drops_traced_stores", "tracer", "jitted.py",
            "if program.module_stores and program.breaks and program.module_writes:",
            "if False:", ("tests/tracer/test_module_tensor_stores.py",)),
+    # --- misses that keep running eagerly are not traced each time (eager_streak.py) -------
+    Mutant("eager_streak_never_retraces", "guards", "eager_streak.py",
+           "return self.skipped < 2 ** self.count", "return True",
+           ("tests/test_eager_streak.py",)),
+    Mutant("eager_streak_off", "guards", "eager_streak.py",
+           "if self.count < _START:", "if True:", ("tests/test_eager_streak.py",)),
 ]
