@@ -132,6 +132,14 @@ class NoGradUpdate(RunsEagerly):
     eagerly."""
 
 
+class InputRequiringGradModified(RunsEagerly):
+    """An argument that requires grad is modified in place while grad is on (`h.mul_(2)` on
+    a layer's input, `nn.ReLU(inplace=True)` first in a jitted block). Eager records the
+    update in the argument's own autograd history (its `grad_fn` and version change, and
+    gradients flow through the update), or raises for a leaf; a compiled call returns new
+    tensors instead, so the call runs eagerly and answers as eager does."""
+
+
 class MetadataMutation(RunsEagerly):
     """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
     `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
@@ -403,11 +411,11 @@ class Functionalizer:
         if not torch.is_grad_enabled():  # NOTE [no_grad updates of tensors requiring grad]
             self.no_grad_updates.append((root.proxy.name, op, user_source_location()))
             return
-        raise FulmenError(
-            f"a tensor that requires grad (or a view of one), {root.proxy.name}, is modified in "
-            "place", op=op, where=user_source_location(),
-            hint="in eager this is an error for leaf tensors; modify a copy (x = x.clone()) "
-            "or call the compiled function under torch.no_grad()")
+        raise InputRequiringGradModified(
+            f"an argument that requires grad (or a view of one), {root.proxy.name}, is modified "
+            "in place", op=op, where=user_source_location(),
+            hint="modify a copy (x = x.clone()), or call the compiled function under "
+            "torch.no_grad()")
 
     # -- the end of the trace -------------------------------------------------------------------
 

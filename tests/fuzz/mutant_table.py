@@ -614,4 +614,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_eager_streak.py",)),
     Mutant("eager_streak_off", "guards", "eager_streak.py",
            "if self.count < _START:", "if True:", ("tests/test_eager_streak.py",)),
+    # --- an argument requiring grad modified in place runs eagerly (tracer/mutation.py) ----
+    Mutant("grad_input_update_compiled", "mutation", "tracer/mutation.py",
+           "        if not self.ctx.differentiable or root.proxy.name not in self.ctx.requires_grad_names:\n            return",
+           "        if True:\n            return", ("tests/tracer/test_inplace.py",)),
 ]

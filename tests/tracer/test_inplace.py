@@ -4,6 +4,8 @@ Every case runs eagerly and through `fulmen.jit` (twice: the second call is a ca
 fresh copies of the same inputs, then compares the outputs and the inputs after the call.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,12 +333,15 @@ def test_intermediate_mutation_under_autodiff():
     torch.testing.assert_close(actual, expected)
 
 
-def test_mutating_an_input_that_requires_grad_raises():
+def test_mutating_a_leaf_that_requires_grad_raises_as_eager():
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(FulmenError, match="requires grad"):
+    with pytest.warns(UserWarning, match="requires grad"), \
+            pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         fulmen.jit(lambda x: x.add_(1))(x)
-    with pytest.raises(FulmenError, match="requires grad"):
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         fulmen.jit(lambda x: x[0].mul_(2))(x)
+    with pytest.raises(FulmenError, match="requires grad"):
+        fulmen.jit(lambda x: x.add_(1), fullgraph=True)(x)
     with torch.no_grad():  # allowed without autodiff, as in eager
         y = x.detach().clone()
         fulmen.jit(lambda x: x.add_(1))(x)
@@ -572,3 +577,34 @@ def test_retain_grad_inside_runs_the_call_eagerly():
         y, loss = fulmen.jit(fn)(x)
     loss.backward()
     torch.testing.assert_close(y.grad, 2 * y.detach())
+
+
+_UPDATES_OF_AN_INPUT = {
+    "mul_": lambda h: (h.mul_(2), h.sum())[1],
+    "view_add_": lambda h: (h[:, :3].add_(1), (h * h).sum())[1],
+    "diagonal_zero_": lambda h: (h.diagonal().zero_(), (h * 3).sum())[1],
+    "masked_fill_": lambda h: (h.masked_fill_(h > 0, 0.5), h.tanh().sum())[1],
+    "relu_returned": lambda h: torch.relu_(h),
+}
+
+
+@pytest.mark.parametrize("update", list(_UPDATES_OF_AN_INPUT))
+def test_an_input_requiring_grad_modified_in_place_trains_as_eager(update):
+    """A non-leaf argument that requires grad, modified in place (a jitted block whose first
+    layer is `nn.ReLU(inplace=True)`): eager records the update in the argument's history."""
+    fn = _UPDATES_OF_AN_INPUT[update]
+    results = []
+    for run in (fn, fulmen.jit(fn)):
+        torch.manual_seed(0)
+        w = torch.randn(4, 6, requires_grad=True)
+        h = w * 1.5
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = run(h)
+        out.sum().backward()
+        results.append((out.detach(), h.detach(), w.grad, h._version, type(h.grad_fn)))
+    for actual, expected in zip(*results):
+        if isinstance(actual, torch.Tensor):
+            torch.testing.assert_close(actual, expected)
+        else:
+            assert actual == expected
