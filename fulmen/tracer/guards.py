@@ -618,7 +618,10 @@ class CacheKeyBuilder:
                     functools.partial(_masked_key, dims=dims)
                 continue
             leaf = leaves[position] if position < len(leaves) else None
-            if not isinstance(leaf, Tensor):
+            if dims == INT and type(leaf) is int:  # an integer argument traced as a symbol
+                leaf_keys[position] = INT_KEY
+                continue
+            if not isinstance(leaf, Tensor) or dims == INT:
                 return (), leaves  # a structure no symbolic entry was made for
             leaf_keys[position] = _masked_key(leaf, dims)
         for root, paths in masks.items():

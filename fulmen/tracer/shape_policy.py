@@ -18,12 +18,11 @@ sweep over lengths and batches compiles twice (torch.compile's automatic dynamic
 specialises the 1, compiles three times). An entry with symbolic sizes is
 found by a key that leaves those sizes out, then checked with its shape guard.
 
-Integers held by an object argument (an HF cache layer's `cumulative_length`) follow the same
-policy: one that changed between two calls of the same structure is traced as a symbol
-(`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard.
-Plain `int` arguments stay constants, keyed by value: a symbol is not an `int` to Python, so
-code that asks `isinstance(n, int)` would see the symbol where eager sees the number, with no
-guard (NOTE [what a symbolic int cannot answer]).
+Integer arguments (litgpt's `input_pos_maxp1`, HF's `logits_to_keep`) and integers held by an
+object argument (an HF cache layer's `cumulative_length`) follow the same policy: one that
+changed between two calls of the same structure is traced as a symbol
+(`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard
+(NOTE [what a symbolic int cannot answer]).
 """
 
 from __future__ import annotations
@@ -88,19 +87,22 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
 
 # NOTE [what a symbolic int cannot answer]
 # A SymInt answers arithmetic, comparisons (each a guard), `int()`/`range()` and, from user code,
-# `str(n)`/`f"{n}"` (a guard on its value: `fulmen.tracer.formatting`), but `isinstance(n, int)`
-# is False with no guard: Python code taking that path would silently differ from eager. Only
-# integers inside object arguments become symbols (a cache's counters, which library code reads
-# as numbers); plain int arguments, which user code type-checks, stay keyed constants.
+# `str(n)`/`f"{n}"` (a guard on its value: `fulmen.tracer.formatting`) and `isinstance(n, int)`
+# (True, as for the number: `fulmen.tracer.int_answers`, HF's `slice_logits_to_keep` asks it).
+# What it cannot answer is `type(n) is int`: False, where eager's number says True. Such a
+# check in user code on an integer argument that varies would take the other path; `type` is
+# not replaceable as `isinstance` is, and the check is rare next to `isinstance` (HF, litgpt
+# and torch's own Python use `isinstance`).
 
 
 def _int_values(leaves: list) -> list[tuple[Any, int]]:
-    """`(position, value)` of each integer (not a bool) inside the call's object arguments, at
-    `(index, path)`; plain int arguments stay constants (NOTE [what a symbolic int cannot
-    answer])."""
+    """`(position, value)` of each integer (not a bool) among the call's arguments (at its
+    index) and inside its object arguments (at `(index, path)`)."""
     found = []
     for i, leaf in enumerate(leaves):
-        if is_plain_object(leaf):
+        if type(leaf) is int:
+            found.append((i, leaf))
+        elif is_plain_object(leaf):
             found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is int)
     return found
 

@@ -29,6 +29,7 @@ from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
+from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
     ModuleStore,
@@ -451,6 +452,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             ctx.add_input(proxy)
             positions.append(index)
             proxied_leaves.append(proxy)
+        elif type(leaf) is int and symbolic is not None and dynamic.get(index) == INT:
+            number = make_int(index, _path_name(path, param_names), leaf)
+            proxied_leaves.append(leaf if number is None else number)
         else:
             proxied_leaves.append(leaf)
     proxy_args, proxy_kwargs = pytree.tree_unflatten(proxied_leaves, in_spec)
@@ -520,6 +524,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     refuse_held(held)
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), \
+                symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed
             held_found = [held_stores.enter_context(module_stores(other, ctx.captured, ctx.capture))

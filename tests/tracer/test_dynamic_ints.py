@@ -1,9 +1,11 @@
-"""Integers held by an object argument (an HF cache layer's `cumulative_length`) that change
-between calls are traced as symbols (`SymbolicSizes.symbolize_int`); plain int arguments stay
-keyed constants (a symbol is no `int` to `isinstance` and formats as its name). Every call of a sequence of changing values, including values that cross
+"""Integer arguments and integers held by an object argument (an HF cache layer's
+`cumulative_length`) that change between calls are traced as symbols
+(`SymbolicSizes.symbolize_int`), which user code's `isinstance` and `str` see as numbers
+(`fulmen.tracer.int_answers`, `fulmen.tracer.formatting`). Every call of a sequence of changing values, including values that cross
 a guard, 0 and 1 (specialised) and negative numbers (constants), equals eager, and the
 compilations stay few."""
 
+import builtins
 import warnings
 
 import pytest
@@ -192,13 +194,53 @@ def _formats(x, n):
 
 def test_plain_int_arguments_are_numbers_to_python():
     """`isinstance(n, int)` and `str(n)` of a symbol would answer differently from eager with no
-    guard (the symbol's name has 2 characters where 12 has 2 and 5 has 1): plain int arguments
-    stay constants, each value compiled, every call equal to eager."""
+    guard (the symbol's name has 2 characters where 12 has 2 and 5 has 1): traced as a symbol,
+    an int argument answers both as its number (`str` with a guard on the number's length),
+    every call equal to eager."""
     jfn = fulmen.jit(_formats, cache_size_limit=16)
     x = torch.randn(2, 12)
     for n in (3, 5, 12, 7, 10, 4, 11):  # (a fused kernel may round x * 1 + 4 once)
         torch.testing.assert_close(jfn(x, n), _formats(x, n), msg=str(n))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _decode_step(x, positions, limit):
+    """litgpt's decoding call: `input_pos_maxp1` slices the mask and the cache."""
+    return (x[:, :limit] * positions[None, :limit]).sum(1)
+
+
+def _keep_logits(hidden, logits_to_keep):
+    """HF's `slice_logits_to_keep`: an int keeps the last positions, a tensor indexes them."""
+    index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden[:, index, :] * 2
+
+
+def test_an_int_argument_that_varies_is_traced_once_as_a_symbol():
+    """litgpt's `generate` passes `input_pos_maxp1` growing by one per token, HF's assisted
+    decoding a `logits_to_keep` that varies: each value compiled anew (eager after the cache
+    limit); now the second value compiles a symbolic entry that serves the rest."""
+    jdecode, jkeep = fulmen.jit(_decode_step), fulmen.jit(_keep_logits)
+    positions = torch.arange(40.0)
+    for limit in range(6, 30):
+        x = torch.randn(3, 40)
+        torch.testing.assert_close(jdecode(x, positions, limit), _decode_step(x, positions, limit))
+        hidden = torch.randn(2, 30, 4)
+        torch.testing.assert_close(jkeep(hidden, limit), _keep_logits(hidden, limit))
+    for jitted in (jdecode, jkeep):
+        stats = fulmen.compile_stats(jitted)
+        assert stats.cache_misses == 2 and stats.eager_calls == 0
+
+
+def _size_kind(x):
+    return x * 2 if isinstance(x.shape[1], int) else x * 3
+
+
+def test_user_code_asking_whether_a_symbolic_size_is_an_int_gets_eagers_answer():
+    jfn = fulmen.jit(_size_kind, dynamic=True)
+    for n in (3, 5, 8):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(jfn(x), _size_kind(x))
+    assert builtins.isinstance.__module__ == "builtins"  # put back after the traces
 
 
 def _formats_sizes(x, box):

@@ -1,0 +1,56 @@
+"""`isinstance(n, int)` on a symbolic size or integer answers, in user code, as the number does.
+
+While fulmen traces with symbolic sizes (`fulmen.tracer.symbolic`), a size read from a tensor
+(`x.shape[1]`) or an integer argument that varies (litgpt's `input_pos_maxp1`, HF's
+`logits_to_keep`) is a `torch.SymInt`, which is no `int` to Python. Code that asks
+`isinstance(n, int)` (HF's `slice_logits_to_keep`: a slice for an int, an index for a tensor)
+would silently take another path than eager, with no guard. `symbolic_ints_are_ints()`, around
+such a trace, replaces the builtin `isinstance` so that a call from code outside fulmen and
+torch on a SymInt of one of fulmen's ShapeEnvs answers what it answers for an `int`; every
+other call (fulmen's and torch's own checks, which tell symbols from numbers, other ShapeEnvs
+such as torch.compile's, other objects) gets the builtin's answer. NOTE [what a symbolic int
+cannot answer] in `fulmen.tracer.shape_policy` says what is still different (`type(n) is int`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from fulmen.core.source import is_internal
+from fulmen.tracer.formatting import SHAPE_ENV_MARK
+
+_builtin_isinstance = builtins.isinstance
+_lock = threading.Lock()
+_active = 0  # traces (in any thread) with the replacement installed
+
+
+def _isinstance(obj, classinfo) -> bool:
+    if type(obj) is torch.SymInt and getattr(obj.node.shape_env, SHAPE_ENV_MARK, False) \
+            and not is_internal(sys._getframe(1).f_code.co_filename):
+        return _builtin_isinstance(0, classinfo)  # the question asked of a number
+    return _builtin_isinstance(obj, classinfo)
+
+
+@contextlib.contextmanager
+def symbolic_ints_are_ints() -> Iterator[None]:
+    """Around a trace with symbolic sizes: user code's `isinstance` on fulmen's SymInts answers
+    as for an `int` (see the module docstring); the builtin is put back after the last such
+    trace ends, also after an error."""
+    global _active
+    with _lock:
+        if _active == 0:
+            builtins.isinstance = _isinstance
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                builtins.isinstance = _builtin_isinstance
