@@ -3,8 +3,8 @@
 A `torch.SymInt` prints as its expression (`s0`), so user code that formats a size while
 fulmen traces with symbolic sizes (`f"{x.shape[1]}"`, `str(cache.length)`, a dict key or a
 string length built from it) would silently take another path than eager, with no guard.
-`install()` wraps `SymInt.__str__` and gives it a `__format__` once: called from code outside
-fulmen and torch while a trace records, on a size of one of fulmen's ShapeEnvs
+`install()` wraps `SymInt.__str__` and `__repr__` and gives it a `__format__` once: called from
+code outside fulmen and torch while a trace records, on a size of one of fulmen's ShapeEnvs
 (`SymbolicSizes` marks them), they answer with the number and specialise the size to it
 (`int()`: a guard, as `range(n)` does); every other caller gets PyTorch's behaviour (fulmen's
 printer and checks, torch's own messages, other ShapeEnvs such as torch.compile's).
@@ -39,6 +39,7 @@ def install() -> None:
     if _installed:
         return
     original_str = torch.SymInt.__str__
+    original_repr = torch.SymInt.__repr__
     original_format = torch.SymInt.__format__
 
     def __str__(self) -> str:
@@ -46,11 +47,17 @@ def install() -> None:
             return str(int(self))
         return original_str(self)
 
+    def __repr__(self) -> str:
+        if _from_user_code(self):
+            return repr(int(self))
+        return original_repr(self)
+
     def __format__(self, spec: str) -> str:
         if _from_user_code(self):
             return format(int(self), spec)
         return original_format(self, spec)
 
     torch.SymInt.__str__ = __str__
+    torch.SymInt.__repr__ = __repr__
     torch.SymInt.__format__ = __format__
     _installed = True

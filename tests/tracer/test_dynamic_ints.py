@@ -245,7 +245,8 @@ def test_user_code_asking_whether_a_symbolic_size_is_an_int_gets_eagers_answer()
 
 def _formats_sizes(x, box):
     return (x + len(str(box.n)) + len(f"<{box.n}>") + len(f"{x.shape[0]}")
-            + len("%s" % x.shape[0]) + len(format(box.n, "04d")))  # noqa: UP031
+            + len("%s" % x.shape[0]) + len(format(box.n, "04d"))  # noqa: UP031
+            + len(repr(box.n)) + len(f"{x.shape[0]!r}"))
 
 
 def test_sizes_and_ints_formatted_by_user_code_are_their_numbers():
