@@ -245,8 +245,18 @@ def test_user_code_asking_whether_a_symbolic_size_is_an_int_gets_eagers_answer()
 
 def _formats_sizes(x, box):
     return (x + len(str(box.n)) + len(f"<{box.n}>") + len(f"{x.shape[0]}")
-            + len("%s" % x.shape[0]) + len(format(box.n, "04d"))  # noqa: UP031
-            + len(repr(box.n)) + len(f"{x.shape[0]!r}"))
+            + len("%s" % x.shape[0]) + len(format(box.n, "04d")))  # noqa: UP031
+
+
+def _reprs(x, n):
+    return x + len(repr(n)) + len(f"{x.shape[0]!r}")
+
+
+def test_reprs_of_sizes_and_ints_from_user_code_are_their_numbers():
+    jfn = fulmen.jit(_reprs, cache_size_limit=16)
+    for n in (3, 12, 5, 100, 7):
+        x = torch.zeros(n)
+        torch.testing.assert_close(jfn(x, n), _reprs(x, n), msg=str(n))
 
 
 def test_sizes_and_ints_formatted_by_user_code_are_their_numbers():
