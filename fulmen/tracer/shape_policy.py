@@ -227,7 +227,7 @@ class DynamicDims:
                 dims[position] = found
         if not dims:
             return {}
-        return {"shape_guard": symbolic.guard(),
+        return {"shape_guard": symbolic.guard(program.offset_reads),
                 "symbolic_dims": tuple(sorted(dims.items(), key=repr))}
 
     def graft(self, entry, program) -> None:
@@ -239,7 +239,8 @@ class DynamicDims:
         other = fields.get("shape_guard")
         if other is None or fields["symbolic_dims"] != entry.symbolic_dims:
             # the new path specialised the sizes the entry leaves out of its key
-            exact = program.symbolic.guard() if program.symbolic is not None else None
+            exact = program.symbolic.guard(program.offset_reads) \
+                if program.symbolic is not None else None
             other = exact or (lambda leaves: False)
         first = entry.shape_guard
         entry.shape_guard = lambda leaves: first(leaves) and other(leaves)

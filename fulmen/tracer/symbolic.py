@@ -257,17 +257,30 @@ class SymbolicSizes:
             self.proxies.append(proxy)
             self.positions.append(position)
 
-    def guard(self) -> Callable[[list], bool]:
+    def guard(self, offsets_read: frozenset = frozenset()) -> Callable[[list], bool]:
         """A function of the call's flattened arguments: whether this trace's specialisations
         (every guard the ShapeEnv recorded while tracing and compiling, equalities between
-        duck-sized dimensions, the symbols' ranges) hold for their sizes."""
+        duck-sized dimensions, the symbols' ranges) hold for their sizes.
+
+        An argument's storage offset is checked only where the program read it (its position
+        in `offsets_read`, `TracedProgram.offset_reads`) or the tensor sits inside an object
+        argument (always keyed by its offset): the micro-batch `x[i:j]` of a batch whose size
+        varies has another offset at each size, which the compiled program never reads."""
+        from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
         # ignore_static=False: a symbol the trace specialised (`int(n)`, a meta kernel's
         # check) has become a number, and its input's size must be guarded as one
-        code = self.env.produce_guards_expression(self.proxies, ignore_static=False)
-        if code is None:
+        names = [f"t{i}" for i in range(len(self.proxies))]
+        guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
+                                         ignore_static=False)
+        unread = {f"L['{name}'].storage_offset() == " for name, p in zip(names, self.positions)
+                  if isinstance(p, int) and p not in offsets_read}
+        guards = [g for g in guards if not (g.startswith(tuple(unread))
+                                            and g.rsplit(" == ", 1)[1].isdigit())]
+        if not guards:
             return lambda leaves: True
+        code = " and ".join(guards)
         compiled = compile(code, "<fulmen shape guards>", "eval")
         positions = self.positions
 

@@ -113,3 +113,26 @@ def test_views_whose_strides_vary_share_one_symbolic_entry():
     assert fulmen.cache_misses(jf) == 2
     for x in (torch.randn(5, 3).t(), torch.randn(3, 5, 2)[:, :, 0]):
         torch.testing.assert_close(jf(x), f(x))
+
+
+def test_micro_batches_sliced_from_batches_of_varying_size_share_one_symbolic_entry():
+    """`x.chunk(2)[1]` (DDP's rank 1, gradient accumulation's micro-batches) sits at an offset
+    that changes with the batch size; the program never reads it, so the shape guard leaves it
+    out (it compiled once per size)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 1))
+    jitted = fulmen.jit(model)
+    for n in (8, 8, 6, 10, 4, 12, 8):
+        x = torch.randn(2 * n, 6).chunk(2)[1]
+        torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.compile_stats(jitted).cache_misses == 2
+
+
+def _reads_offset(x):
+    return x * x.storage_offset()
+
+
+def test_a_storage_offset_the_program_reads_stays_guarded_with_symbolic_sizes():
+    jfn = fulmen.jit(_reads_offset)
+    for n in (8, 6, 10, 4, 6):
+        x = torch.randn(2 * n, 3)[n:]
+        torch.testing.assert_close(jfn(x), _reads_offset(x))
