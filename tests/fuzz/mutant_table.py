@@ -625,4 +625,8 @@ MUTANTS: list[Mutant] = [
     Mutant("int_arguments_stay_constants", "dynamic", "tracer/shape_policy.py",
            "        if type(leaf) is int:\n            found.append((i, leaf))",
            "        if False:\n            found.append((i, leaf))", ("tests/tracer/test_dynamic_ints.py",)),
+    # --- storage offsets in symbolic shape guards only where read (tracer/symbolic.py) -----
+    Mutant("symbolic_guard_drops_read_offsets", "dynamic", "tracer/symbolic.py",
+           "if isinstance(p, int) and p not in offsets_read}", "if isinstance(p, int)}",
+           ("tests/tracer/test_dynamic_edges.py",)),
 ]
