@@ -237,6 +237,25 @@ def test_dropout_of_a_strided_input_in_training_matches_eager(layout):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "permuted"])
+def test_dropout_of_a_strided_input_with_symbolic_sizes_matches_eager(layout):
+    """nn.TransformerEncoderLayer's dropout after attention (batch_first: the attention output
+    transposed back): with symbolic sizes the mask was drawn row-major, so from the second
+    sequence length on every dropout mask differed from eager's under the same seed."""
+    def fn(x):
+        x = x.transpose(0, 1) if layout == "transposed" else x.permute(1, 2, 0)
+        return F.dropout(x * 2, 0.3).relu()
+
+    jfn = fulmen.jit(fn)
+    for seed, n in enumerate((7, 7, 9, 11, 5)):
+        x = torch.randn(n, 3, 4, requires_grad=True)  # (the mask is drawn decomposed)
+        torch.manual_seed(seed)
+        expected = fn(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(jfn(x), expected, rtol=0, atol=0, msg=str(n))
+    assert fulmen.compile_stats(jfn).cache_misses == 2  # the later sizes: symbolic
+
+
 @pytest.mark.parametrize(
     "fn",
     [

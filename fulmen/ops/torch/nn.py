@@ -30,6 +30,7 @@ from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
 from fulmen.ops.torch.reductions import compute_dtype, expand_reduced, reduction_dims
 from fulmen.ops.torch.utils import exp_saturating, to_dtype
+from fulmen.proxies.tensor import row_major
 
 T = torch.Tensor
 
@@ -374,11 +375,17 @@ def _dropout(op: str, a, p, training: bool):
 
 def _like_strides(a) -> tuple[int, ...] | None:
     """The strides of eager's `torch.empty_like(a)` (a permuted dense input keeps its own), or
-    None where that is contiguous (or the sizes are symbolic)."""
+    None where that is contiguous. With symbolic sizes: `a`'s own strides where it is known to
+    be non-overlapping and dense without being row-major (the transposed output of an
+    attention block, whose dropout mask eager draws in that memory order); None (row-major)
+    otherwise, which differs from eager's draw only for an input with gaps or overlaps."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
     with torch._C.DisableTorchFunctionSubclass():  # fulmen's own read, not the user's
         shape, strides = tuple(a.shape), tuple(a.stride())
-    if not all(type(n) is int for n in (*shape, *strides)):
-        return None
+        if not all(type(n) is int for n in (*shape, *strides)):  # (asks no guard)
+            dense = is_non_overlapping_and_dense_or_false(a)
+            return strides if dense and row_major(a) is False else None
     like = torch.empty_like(torch.empty_strided(shape, strides, dtype=a.dtype, device="meta"))
     return None if like.is_contiguous() else tuple(like.stride())
 
