@@ -629,4 +629,8 @@ MUTANTS: list[Mutant] = [
     Mutant("symbolic_guard_drops_read_offsets", "dynamic", "tracer/symbolic.py",
            "if isinstance(p, int) and p not in offsets_read}", "if isinstance(p, int)}",
            ("tests/tracer/test_dynamic_edges.py",)),
+    # --- dropout masks in the input's memory order with symbolic sizes (ops/torch/nn.py) ---
+    Mutant("symbolic_dropout_mask_row_major", "layout", "ops/torch/nn.py",
+           "return strides if dense and row_major(a) is False else None", "return None",
+           ("tests/ops/test_nn.py",)),
 ]
