@@ -20,7 +20,8 @@ An ignored row's `s_n` is 0 whatever `g` and W are (eager writes nothing there),
 
 Without label smoothing, `cross_entropy` has a saving forward (NOTE [saving forwards]): it runs
 eager's own two kernels, `_log_softmax` then `nll_loss`, so the loss equals eager's, and keeps
-the log-probabilities (as eager's graph does) instead of the logits, the same bytes. The
+the log-probabilities (as eager's graph does) instead of the logits, the same bytes, and for
+(C,) and (N, C) logits the W that eager's `nll_loss_forward` returns (no reduction left). The
 backward is then one pointwise pass, `G - exp(logp) * sum_c G` with `sum_c G = s_n + 0.0`
 exactly (a row holds `s_n` at one column, zeros elsewhere; a target out of range raised in the
 forward; `+ 0.0` makes a `-0.0` the sum's `+0.0`), instead of recomputing `log_softmax` and
@@ -52,9 +53,10 @@ def _covered(input, target, weight, size_average, ignore_index, reduce, reductio
             and input.numel() > 0)
 
 
-def _row_scales(grad, target, weight, ignore_index: int, reduction: str, dtype):
+def _row_scales(grad, target, weight, ignore_index: int, reduction: str, dtype, total=None):
     """(kept, weights, scale): the non-ignored mask, `w[t_n]` (0 where ignored) and the
-    per-row cotangent factor of the reduction (g_n, g or g / W), each of the target's shape."""
+    per-row cotangent factor of the reduction (g_n, g or g / W), each of the target's shape;
+    `total`: W as eager's forward computed it (else summed here)."""
     shape = tuple(target.shape)
     kept = prims.ne(target, ignore_index)
     if weight is not None:
@@ -69,16 +71,20 @@ def _row_scales(grad, target, weight, ignore_index: int, reduction: str, dtype):
         return kept, weights, g
     if reduction == "mean":
         dims = tuple(range(len(shape)))
-        g = prims.div(g, prims.sum(weights, dims) if dims else weights)
+        if total is None:
+            total = prims.sum(weights, dims) if dims else weights
+        g = prims.div(g, _to(total, dtype))
     return kept, weights, prims.broadcast_in_dim(g, shape, ()) if shape else g
 
 
-def _nll_cotangent(grad, input, target, weight, ignore_index, reduction, label_smoothing):
+def _nll_cotangent(grad, input, target, weight, ignore_index, reduction, label_smoothing,
+                   total=None):
     """`G` of the module docstring: the cotangent of log-probabilities `input` (compute dtype),
     that dtype, the class dimension and `s_n` (of the target's shape)."""
     dtype = _compute_dtype(input.dtype)
     class_dim = 0 if input.ndim == 1 else 1
-    kept, weights, scale = _row_scales(grad, target, weight, ignore_index, reduction, dtype)
+    kept, weights, scale = _row_scales(grad, target, weight, ignore_index, reduction, dtype,
+                                       total)
     rows = tuple(d for d in range(input.ndim) if d != class_dim)
     full = tuple(input.shape)
     # w[t_n] * -(g / W); exactly 0 where ignored (not 0 * -inf = NaN when every row is)
@@ -128,6 +134,7 @@ def _cross_entropy_vjp(grad, out, input, target, weight, size_average, ignore_in
 
 LOG_SOFTMAX = opaque_symbol(torch.ops.aten._log_softmax.default)
 NLL_LOSS = opaque_symbol(torch.ops.aten.nll_loss_nd.default)  # what `F.nll_loss` calls
+NLL_FORWARD = opaque_symbol(torch.ops.aten.nll_loss_forward.default)  # its (C,) / (N, C) case
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's reduction enum
 
 
@@ -142,18 +149,21 @@ def _cross_entropy_saving(bsym, requires: set[str]):
         return None
     class_dim = 0 if input.ndim == 1 else 1
     logp = LOG_SOFTMAX(input, class_dim, False)
-    loss = NLL_LOSS(logp, target, weight, _REDUCTIONS[reduction], ignore_index)
+    if input.ndim <= 2:  # eager's kernel also returns W, which its backward divides by
+        loss, weights = NLL_FORWARD(logp, target, weight, _REDUCTIONS[reduction], ignore_index)
+    else:
+        loss = NLL_LOSS(logp, target, weight, _REDUCTIONS[reduction], ignore_index)
+        weights = None
 
     def backward(grad, output):
-        cotangent, dtype, _, per_row = _nll_cotangent(grad, logp, target, weight, ignore_index,
-                                                      reduction, 0.0)
+        cotangent, dtype, _, per_row = _nll_cotangent(
+            grad, logp, target, weight, ignore_index, reduction, 0.0,
+            weights if reduction == "mean" else None)
         total = prims.add(per_row, 0.0)  # sum_c G, exactly (module docstring)
-        if class_dim:
-            total = prims.broadcast_in_dim(total, tuple(logp.shape),
-                                           tuple(d for d in range(logp.ndim) if d != class_dim))
-        else:
-            total = prims.broadcast_in_dim(total, tuple(logp.shape), ())
+        rows = tuple(d for d in range(logp.ndim) if d != class_dim)
+        total = prims.broadcast_in_dim(total, tuple(logp.shape), rows)
         grad_input = prims.sub(cotangent, prims.mul(prims.exp(_to(logp, dtype)), total))
         return (_to(grad_input, input.dtype),) + (None,) * 7
 
     return loss, backward
+
