@@ -106,3 +106,11 @@ def test_a_bias_gradient_is_its_sum_without_a_reshape():
     torch.testing.assert_close(grad, torch.autograd.grad((x + b).sin().sum(), b)[0])
     backward = fulmen.last_backward_traces(jfn)[0]  # as autodiff built it
     assert not any(bsym.sym.name == "reshape" for bsym in backward.bsyms), backward
+
+
+def test_a_permute_of_a_square_tensor_is_not_an_identity():
+    # same shape, other order: only the permute (0, 1, ...) is its input
+    x = torch.randn(4, 4, 4)
+    for fn in (lambda x: x.permute(1, 0, 2) + 1, lambda x: x.permute((2, 1, 0)) + 1,
+               lambda x: x.permute(0, -2, -1) + 1):
+        torch.testing.assert_close(fulmen.jit(fn)(x), fn(x))
