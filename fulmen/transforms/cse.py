@@ -7,6 +7,12 @@ outputs read the first statement's outputs instead. Examples: the rotary `cos`/`
 models build per layer, the `arange`s of a mask built twice, a backward that reshapes one
 value the same way for two matmuls.
 
+A view that gives back its input unchanged (a reshape, view, expand or broadcast to the same
+shape, an identity permute, `x[:, 0:]`) is dropped the same way: its readers read the input
+(backward traces held dozens of `reshape(t, t.shape)` from rules, each a torch call). Only views
+whose output equals the input for every value of its symbolic sizes (`known_same_shape`), of
+the same dtype; `contiguous` and copies are not views.
+
 Never merged: statements with side effects or random draws (`has_side_effects`), opaque ops
 (whose state PyTorch does not describe), and repeats whose outputs the trace returns (the
 caller gets distinct tensors, as eager gives).
@@ -19,7 +25,13 @@ from typing import Any
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.symbol import Symbol
+from fulmen.proxies.tensor import TensorProxy, known_same_shape
 from fulmen.transforms.base import transform
+
+# views that return their input's elements in place and order when the shape is unchanged
+_SAME_SHAPE_VIEWS = frozenset({"ltorch.reshape", "ltorch.view", "ltorch.expand",
+                               "ltorch.expand_as", "ltorch.flatten", "prims.reshape",
+                               "prims.broadcast_in_dim"})
 
 
 class _Unhashable(Exception):
@@ -64,6 +76,31 @@ def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
                         subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
 
 
+def _identity_view(bsym: BoundSymbol) -> TensorProxy | None:
+    """The input of a view statement that returns it unchanged (module docstring), or None."""
+    if not bsym.args or len(bsym.proxy_outputs) != 1 or bsym.has_side_effects:
+        return None
+    source, out = bsym.args[0], bsym.proxy_outputs[0]
+    if not (isinstance(source, TensorProxy) and isinstance(out, TensorProxy)
+            and out.dtype == source.dtype and out.device == source.device
+            and known_same_shape(tuple(out.shape), tuple(source.shape))):
+        return None
+    name = str(bsym.sym.id)
+    if name in _SAME_SHAPE_VIEWS:
+        return source
+    if name in ("prims.permute", "ltorch.permute"):
+        dims = bsym.args[1] if len(bsym.args) == 2 and isinstance(bsym.args[1], (tuple, list)) \
+            else bsym.args[1:]
+        if all(type(d) is int for d in dims) and \
+                [d % max(source.ndim, 1) for d in dims] == list(range(source.ndim)):
+            return source
+    if name == "ltorch.getitem":  # basic slicing only: an index tensor copies
+        index = bsym.args[1] if isinstance(bsym.args[1], tuple) else (bsym.args[1],)
+        if all(isinstance(item, slice) or item is Ellipsis for item in index):
+            return source
+    return None
+
+
 @transform("common subexpression elimination")
 def cse(trace: Trace) -> Trace:
     """Drop statements that repeat an earlier one; their readers read the first one's outputs.
@@ -82,6 +119,10 @@ def cse(trace: Trace) -> Trace:
     for bsym in trace.bsyms:
         if replaced:
             bsym = _renamed(bsym, rename)
+        source = _identity_view(bsym)
+        if source is not None and not bsym.output_names & returned:
+            replaced[bsym.proxy_outputs[0].name] = source
+            continue
         key = _statement_key(bsym)
         earlier = first.get(key) if key is not None else None
         if earlier is not None and not bsym.output_names & returned:

@@ -231,3 +231,20 @@ def test_fast_pointwise_check_agrees_with_lowering_of_pads_and_cats():
     fused = fulmen.jit(_selects, executors=EXECUTORS)
     for actual, expected in zip(fused(x, b), _selects(x, b), strict=True):
         torch.testing.assert_close(actual, expected)
+
+
+def test_a_cpu_cat_of_views_only_runs_on_torch():
+    # nothing computed: the kernel read every operand, masked, at every element (GPT-2's qkv
+    # gradient, 4x torch's copies and cat); a cat with a computed operand still fuses
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 8, 16)
+
+    def moves(q, k):
+        return torch.cat((q.permute(0, 3, 1, 2).reshape(2, 8, 64), k.transpose(1, 2)
+                          .reshape(2, 8, 64)), dim=2)
+
+    jfn = fulmen.jit(moves, executors=EXECUTORS)
+    assert torch.equal(jfn(q, k), moves(q, k))
+    calls = [bsym.sym.python_name for bsym in fulmen.last_traces(jfn)[-1].bsyms]
+    assert "torch.cat" in calls and not any(c.startswith("codegen.") for c in calls), calls
+    _check(lambda q, k: torch.cat((q.permute(0, 3, 1, 2).reshape(2, 8, 64).neg(),
+                                   k.transpose(1, 2).reshape(2, 8, 64)), dim=2), q, k)

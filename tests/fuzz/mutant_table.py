@@ -449,9 +449,9 @@ MUTANTS: list[Mutant] = [
            "return prims.where(prims.eq(norm_full, 0), _zeros_like(scaled), scaled)",
            "return scaled", ("tests/ops/test_linalg.py",)),
     Mutant("vjp_nll_weighted_mean_by_count", "vjp", "transforms/autodiff/rules_losses.py",
-           "g = prims.div(g, prims.sum(weights, dims) if dims else weights)",
-           "g = prims.div(g, prims.sum(prims.convert_element_type(kept, dtype), dims) if dims "
-           "else weights)", LOSSES),
+           "total = prims.sum(weights, dims) if dims else weights",
+           "total = prims.sum(prims.convert_element_type(kept, dtype), dims) if dims "
+           "else weights", LOSSES),
     Mutant("vjp_smoothing_weight_dropped", "vjp", "transforms/autodiff/rules_losses.py",
            "        if weight is not None:\n            spread = prims.mul(",
            "        if False:\n            spread = prims.mul(", LOSSES),
@@ -633,4 +633,16 @@ MUTANTS: list[Mutant] = [
     Mutant("symbolic_dropout_mask_row_major", "layout", "ops/torch/nn.py",
            "return strides if dense and row_major(a) is False else None", "return None",
            ("tests/ops/test_nn.py",)),
+    # --- end-to-end speed levers (issue 21) ------------------------------------------------
+    Mutant("cross_entropy_saving_forward_sum_as_mean", "vjp", "transforms/autodiff/rules_losses.py",
+           '_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}',
+           '_REDUCTIONS = {"none": 0, "mean": 2, "sum": 1}', LOSSES),
+    Mutant("split_vjp_pieces_reversed", "vjp", "transforms/autodiff/rules_composite.py",
+           "return prims.cat(filled, dim) if len(filled) > 1 else filled[0]",
+           "return prims.cat(filled[::-1], dim) if len(filled) > 1 else filled[0]",
+           ("tests/transforms/test_split_vjp.py",)),
+    Mutant("cse_square_transpose_as_identity", "passes", "transforms/cse.py",
+           "[d % max(source.ndim, 1) for d in dims] == list(range(source.ndim)):",
+           "sorted(d % max(source.ndim, 1) for d in dims) == list(range(source.ndim)):",
+           ("tests/transforms/test_cse.py", "tests/ops/test_shape.py")),
 ]

@@ -119,3 +119,42 @@ def test_cross_entropy_rule_in_half_precision():
     torch.testing.assert_close(actual, expected)
     torch.testing.assert_close(torch.autograd.grad(actual, x)[0],
                                torch.autograd.grad(expected, x)[0])
+
+
+def test_cross_entropy_backward_is_one_pass_over_saved_log_probabilities():
+    # the saving forward (rules_losses.py): eager's _log_softmax and nll_loss in the forward,
+    # the log-probabilities kept, and a backward without reductions (it recomputed log_softmax
+    # from the logits: amax, two sums, two exps per element)
+    target = torch.tensor([1, -100, 4, 0, 2, 2])
+    x = torch.randn(6, 5, requires_grad=True)
+    jfn = fulmen.jit(lambda x: F.cross_entropy(x, target))
+    expected, actual = F.cross_entropy(x, target), jfn(x)
+    assert torch.equal(actual, expected)  # eager's own kernels
+    cotangent = torch.tensor(0.7)
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangent)[0],
+                               torch.autograd.grad(expected, x, cotangent)[0])
+    forward, backward = (_statements(traces(jfn)[-1])
+                         for traces in (fulmen.last_traces, fulmen.last_backward_traces))
+    assert "log_softmax" in forward and "nll_loss" in forward and "cross_entropy" not in forward
+    for reduction in ("amax", "sum", "log_softmax"):
+        assert reduction not in backward, reduction
+
+
+def _statements(trace) -> str:
+    return "\n".join(line for line in str(trace).splitlines()
+                     if not line.lstrip().startswith("#"))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+def test_rows_ignored_by_a_class_index_get_zero_gradients(loss):
+    # ignore_index names a class and every row is ignored: eager's mean is 0 / 0 and its
+    # gradient 0; the rule put w * -(g / W) = 0 * -inf = NaN at the ignored class's column
+    fn = getattr(F, loss)
+    target = torch.tensor([2, 2, 2])
+    x = torch.randn(3, 4, requires_grad=True)
+    jfn = fulmen.jit(lambda x: fn(x, target, ignore_index=2))
+    expected, actual = fn(x, target, ignore_index=2), jfn(x)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+    (got,) = torch.autograd.grad(actual, x)
+    (want,) = torch.autograd.grad(expected, x)
+    assert torch.equal(got, want) and not got.isnan().any()

@@ -80,3 +80,37 @@ def test_backward_repeats_are_merged_with_the_same_results():
     inputs = [torch.randn(p.shape, dtype=p.dtype) for p in backward.args]
     for a, e in zip(merged.python_callable()(*inputs), backward.python_callable()(*inputs)):
         torch.testing.assert_close(a, e)
+
+
+def test_views_that_give_their_input_back_are_dropped():
+    # a reshape/view/expand to the same shape, an identity permute and a full basic slice are
+    # their input: readers read it (each was a torch call in the execution trace)
+    def fn(x):
+        a = x.view(4, 5).reshape(4, 5).expand(4, 5)[:, 0:].permute(0, 1) + 1
+        return a, x.reshape(4, 5)  # a returned identity view stays: the caller gets a view
+
+    x = torch.randn(4, 5)
+    jfn = fulmen.jit(fn)
+    (a, b), (want_a, _) = jfn(x), fn(x)
+    assert torch.equal(a, want_a) and b is not x and b._base is x
+    body = _body(cse(next(t for t in fulmen.last_traces(jfn)
+                          if t.provenance == "constructed by tracing")))
+    assert body == ["t5 = ltorch.add(x, 1)", "t6 = ltorch.reshape(x, 4, 5)",
+                    "return (t5, t6)"], body
+
+
+def test_a_bias_gradient_is_its_sum_without_a_reshape():
+    x, b = torch.randn(3, 4), torch.randn(4, requires_grad=True)
+    jfn = fulmen.jit(lambda x, b: (x + b).sin())
+    (grad,) = torch.autograd.grad(jfn(x, b).sum(), b)
+    torch.testing.assert_close(grad, torch.autograd.grad((x + b).sin().sum(), b)[0])
+    backward = fulmen.last_backward_traces(jfn)[0]  # as autodiff built it
+    assert not any(bsym.sym.name == "reshape" for bsym in backward.bsyms), backward
+
+
+def test_a_permute_of_a_square_tensor_is_not_an_identity():
+    # same shape, other order: only the permute (0, 1, ...) is its input
+    x = torch.randn(4, 4, 4)
+    for fn in (lambda x: x.permute(1, 0, 2) + 1, lambda x: x.permute((2, 1, 0)) + 1,
+               lambda x: x.permute(0, -2, -1) + 1):
+        torch.testing.assert_close(fulmen.jit(fn)(x), fn(x))

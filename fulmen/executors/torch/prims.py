@@ -138,6 +138,11 @@ def full(shape, fill_value, dtype, device):
 
 
 def iota(length, start, step, dtype, device):
+    if not (dtype.is_floating_point or dtype.is_complex) and step:
+        # integers: `start + i * step` in int64 is arange's own arithmetic; one op, not four
+        # (the class indices of a cross-entropy backward: 3 us instead of 15-25 us)
+        end = start + length * step
+        return torch.arange(start, end, step, dtype=torch.int64, device=device).to(dtype)
     wide = torch.float64 if dtype.is_floating_point or dtype.is_complex else torch.int64
     return (torch.arange(length, dtype=wide, device=device) * step + start).to(dtype)
 

@@ -200,3 +200,35 @@ def _rms_norm_vjp(grad, out, input, normalized_shape, weight, eps):
         product = prims.mul(g, normalized)
         grad_weight = _to(prims.sum(product, batch_dims) if batch_dims else product, weight.dtype)
     return grad_input, None, grad_weight, None
+
+
+# --- splits ------------------------------------------------------------------------------------
+
+
+def _split_family_vjp(grads, pieces, input, dim):
+    """`split`/`split_with_sizes`/`chunk`: the pieces are consecutive slices covering `dim`,
+    so the cotangent is the concatenation of theirs (zeros for a piece nobody used), as eager's
+    `split_backward`. Without the rule every piece's slice transposed to a zero-padded
+    full-size tensor and the pads were added: a qkv split's backward read three masked operands
+    at every element."""
+    if all(grad is None for grad in grads):
+        return None
+    dim = _canonical(dim, input.ndim)
+    filled = [grad if grad is not None else _zeros_like(piece)
+              for grad, piece in zip(grads, pieces)]
+    return prims.cat(filled, dim) if len(filled) > 1 else filled[0]
+
+
+@vjp_rule(ltorch.split)
+def _split_vjp(grads, out, tensor, split_size_or_sections, dim):
+    return _split_family_vjp(grads, out, tensor, dim), None, None
+
+
+@vjp_rule(ltorch.split_with_sizes)
+def _split_with_sizes_vjp(grads, out, input, split_sizes, dim):
+    return _split_family_vjp(grads, out, input, dim), None, None
+
+
+@vjp_rule(ltorch.chunk)
+def _chunk_vjp(grads, out, input, chunks, dim):
+    return _split_family_vjp(grads, out, input, dim), None, None

@@ -24,6 +24,8 @@ def _broadcast_in_dim_vjp(grad, out, a, shape, broadcast_dims):
     reduced = [d for d in range(len(shape)) if d not in kept and not _is_one(shape[d])]
     reduced += [d for size, d in zip(a.shape, broadcast_dims) if _expanded(size, shape[d])]
     summed = prims.sum(grad, tuple(sorted(reduced))) if reduced else grad
+    if known_same_shape(tuple(summed.shape), tuple(a.shape)):  # a bias's gradient: no reshape
+        return summed, None, None
     return prims.reshape(summed, tuple(a.shape)), None, None
 
 
