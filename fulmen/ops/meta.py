@@ -111,6 +111,11 @@ def _fake_mode(value: Any):
                     # (an index list becomes a plain meta tensor inside `Tensor.__getitem__`)
                     mode = env._fulmen_fake_mode = FakeTensorMode(shape_env=env,
                                                                   allow_non_fake_inputs=True)
+                    # fulmen keeps its own answers (`eager_layouts`, per ShapeEnv), and few
+                    # questions repeat within one compilation: PyTorch's dispatch cache costs
+                    # more than it saves (an entry checks every output's symbols: half of a
+                    # meta kernel call's time in a symbolic compile of HF Llama or GPT-2)
+                    mode.cache_enabled = False
                 if getattr(env, "_fulmen_generalised_ones", False):
                     return _size_oblivious(mode)
                 return mode

@@ -58,3 +58,32 @@ def test_a_unary_op_on_a_view_that_is_not_dense_is_laid_out_by_rule(fn, fake_mod
         assert out.stride() == expected.stride(), (shape, out.stride(), expected.stride())
     assert fulmen.cache_misses(jfn) == 1
     assert not fake_modes
+
+
+def _heads_merged(x):
+    # attention's output: heads transposed back, then merged (a reshape that copies)
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1) * 2
+
+
+def test_meta_kernels_on_fake_tensors_skip_pytorchs_dispatch_cache(monkeypatch):
+    """Layouts no rule gives come from PyTorch's meta kernels on fake tensors; their fake mode
+    makes no dispatch-cache entries (each costs a walk over the output's symbols, and fulmen
+    keeps its answers itself). The results keep eager's values and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    entries = []
+    original = FakeTensorMode._make_cache_entry
+
+    def counting(self, *args, **kwargs):
+        entries.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "_make_cache_entry", counting)
+    jfn = fulmen.jit(_heads_merged, dynamic=True)
+    for shape in ((2, 4, 5, 8), (3, 4, 7, 8)):
+        x = torch.randn(shape)
+        out, expected = jfn(x), _heads_merged(x)
+        torch.testing.assert_close(out, expected)
+        assert out.stride() == expected.stride()
+    assert fulmen.cache_misses(jfn) == 1
+    assert not entries
