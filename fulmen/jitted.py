@@ -10,8 +10,6 @@ reports.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import sys
 import threading
 import warnings
@@ -26,7 +24,7 @@ from fulmen import config
 from fulmen.core import FulmenError, NotYetSupportedError, Proxy, RunsEagerly, Trace, get_tracectx
 from fulmen.executors import resolve_executors
 from fulmen.logs import get_logger
-from fulmen.pipeline import compile_trace
+from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import (
@@ -67,27 +65,6 @@ _functorch_active = torch._C._are_functorch_transforms_active
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
 _BREAKS = get_logger("breaks")
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a miss traces and compiles (as it was,
-    after). NOTE [the collector while compiling]: tracing allocates millions of short-lived
-    objects (proxies, SymInts, sympy expressions, bound symbols), and every ~70,000 of them
-    that survive a young collection advance the collector toward a full one, which walks every
-    object of the process (torch, transformers: 150-280 ms each on a 2-core machine; a tiny
-    HF llama's first forward sweep over 36 shapes paid one, 0.25 s of its 1.2 s). Paused, the
-    compile's garbage is freed by one young collection soon after (reference counting frees
-    the rest as usual) and the full collections come at the pace of the program's own
-    allocations."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @dataclass
@@ -231,7 +208,7 @@ class _Jitted:
                     kind, warning = self._eager_keys[key]
                     return self._run_eagerly(args, kwargs, kind, warning)
                 try:
-                    with _collector_paused():
+                    with collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
                     return self._eagerly_or_raise(
@@ -528,7 +505,7 @@ class _Jitted:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
-                with _TRACING, _collector_paused():
+                with _TRACING, collector_paused():
                     try:
                         program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly

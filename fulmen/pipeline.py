@@ -16,7 +16,9 @@ deletion, compilation) for traces another transform produced (`fulmen.vjp`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import time
 from collections.abc import Callable, Sequence
 
@@ -138,6 +140,30 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     return CompiledSegment(fn, traces, backward_traces, variants), seconds
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while a miss traces and compiles, and while a
+    backward for unused outputs compiles at its first use (`_variant_builder`); as it was,
+    after. NOTE [the collector while compiling]: tracing allocates millions of short-lived
+    objects (proxies, SymInts, sympy expressions, bound symbols), and every ~70,000 of them
+    that survive a young collection advance the collector toward a full one, which walks every
+    object of the process (torch, transformers: 150-280 ms each on a 2-core machine; a tiny
+    HF llama's first forward sweep over 36 shapes paid one, 0.25 s of its 1.2 s). Paused, the
+    compile's garbage is freed by one young collection soon after (reference counting frees
+    the rest as usual) and the full collections come at the pace of the program's own
+    allocations. A training step of a model that returns its logits beside the loss compiles
+    that backward inside `loss.backward()`: unpaused, tiny HF Llama's and Qwen2's first
+    training sweeps each paid a full collection there (0.25-0.37 s of 1.3-1.6 s)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
                      variants: dict):
     """`unused -> callable`: the backward for calls whose cotangents flagged in `unused` are
@@ -149,6 +175,10 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
         return None
 
     def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
+        with collector_paused():
+            return _build(unused, fold)
+
+    def _build(unused: tuple[bool, ...], fold: bool) -> Callable:
         try:
             folded = fold_unused_cotangents(backward, unused, fold=fold)
             stages = [folded, *_claimed_stages(folded, executors)]
@@ -158,7 +188,7 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
                 raise
             _PASSES.warning("folding unused cotangents %s failed; materializing them", unused,
                             exc_info=True)
-            return build(unused, fold=False)
+            return _build(unused, fold=False)
         variants[unused] = stages
         return compiled
 
