@@ -119,7 +119,8 @@ class CompileStats:
     cache_hits: int = 0
     cache_misses: int = 0
     last_traces: list[Trace] = field(default_factory=list)
-    last_backward_traces: list[Trace] = field(default_factory=list)
+    # the compiled segments of the last compilation (their backward stages: see below)
+    last_segments: list = field(default_factory=list)
     # unused-cotangent flags -> stages of the backward compiled for calls with unused outputs
     # (of the last compilation without graph breaks; filled as such calls run)
     last_backward_variants: dict = field(default_factory=dict)
@@ -128,6 +129,13 @@ class CompileStats:
     graph_breaks: list[str] = field(default_factory=list)
     eager_calls: int = 0
     cache: dict = field(default_factory=dict)  # the jitted callable's cache entries, by key
+
+    @property
+    def last_backward_traces(self) -> list[Trace]:
+        """The backward stages of the last compilation, each backward claimed and compiled
+        first if no call has needed it yet (NOTE [the backward compiles when first needed])."""
+        return [trace for segment in self.last_segments
+                for trace in segment.all_backward_traces()]
 
     @property
     def branches(self) -> int:
@@ -429,9 +437,12 @@ class _Jitted:
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
         compiled, seconds = self._compile_trace(program.trace, wrt)
-        seconds = {"tracing": program.seconds, **seconds}
+        # tracing first, in the dict the backward adds its stages to when it compiles
+        stages = dict(seconds)
+        seconds.clear()
+        seconds.update({"tracing": program.seconds, **stages})
         self._stats.last_traces = compiled.traces
-        self._stats.last_backward_traces = compiled.backward_traces
+        self._stats.last_segments = [compiled]
         self._stats.last_backward_variants = compiled.backward_variants
         self._stats.stage_seconds = seconds
         self._stats.graph_breaks = []
@@ -479,7 +490,7 @@ class _Jitted:
         stats.graph_breaks = [str(info) for info in program.breaks]
         if path is not None:
             stats.last_traces = [program.trace] + [t for n in path for t in n.compiled.traces]
-            stats.last_backward_traces = [t for n in path for t in n.compiled.backward_traces]
+            stats.last_segments = [n.compiled for n in path]
             stats.stage_seconds = seconds
         mutated = tuple(i for i in program.mutated_inputs if i < len(arg_proxies))
         if entry is not None:
