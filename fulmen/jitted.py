@@ -10,8 +10,6 @@ reports.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import sys
 import threading
 import warnings
@@ -27,7 +25,7 @@ from fulmen.core import FulmenError, NotYetSupportedError, Proxy, RunsEagerly, T
 from fulmen.eager_streak import EagerStreak
 from fulmen.executors import resolve_executors
 from fulmen.logs import get_logger
-from fulmen.pipeline import compile_trace
+from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.guards import (
@@ -68,27 +66,6 @@ _functorch_active = torch._C._are_functorch_transforms_active
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
 _BREAKS = get_logger("breaks")
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a miss traces and compiles (as it was,
-    after). NOTE [the collector while compiling]: tracing allocates millions of short-lived
-    objects (proxies, SymInts, sympy expressions, bound symbols), and every ~70,000 of them
-    that survive a young collection advance the collector toward a full one, which walks every
-    object of the process (torch, transformers: 150-280 ms each on a 2-core machine; a tiny
-    HF llama's first forward sweep over 36 shapes paid one, 0.25 s of its 1.2 s). Paused, the
-    compile's garbage is freed by one young collection soon after (reference counting frees
-    the rest as usual) and the full collections come at the pace of the program's own
-    allocations."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @dataclass
@@ -143,7 +120,8 @@ class CompileStats:
     cache_hits: int = 0
     cache_misses: int = 0
     last_traces: list[Trace] = field(default_factory=list)
-    last_backward_traces: list[Trace] = field(default_factory=list)
+    # the compiled segments of the last compilation (their backward stages: see below)
+    last_segments: list = field(default_factory=list)
     # unused-cotangent flags -> stages of the backward compiled for calls with unused outputs
     # (of the last compilation without graph breaks; filled as such calls run)
     last_backward_variants: dict = field(default_factory=dict)
@@ -152,6 +130,13 @@ class CompileStats:
     graph_breaks: list[str] = field(default_factory=list)
     eager_calls: int = 0
     cache: dict = field(default_factory=dict)  # the jitted callable's cache entries, by key
+
+    @property
+    def last_backward_traces(self) -> list[Trace]:
+        """The backward stages of the last compilation, each backward claimed and compiled
+        first if no call has needed it yet (NOTE [the backward compiles when first needed])."""
+        return [trace for segment in self.last_segments
+                for trace in segment.all_backward_traces()]
 
     @property
     def branches(self) -> int:
@@ -235,7 +220,7 @@ class _Jitted:
                 if self._eager_streak.skip_trace():
                     return self._run_eagerly(args, kwargs, *self._eager_streak.reason)
                 try:
-                    with _collector_paused():
+                    with collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
                     return self._eagerly_or_raise(
@@ -467,9 +452,12 @@ class _Jitted:
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
         compiled, seconds = self._compile_trace(program.trace, wrt)
-        seconds = {"tracing": program.seconds, **seconds}
+        # tracing first, in the dict the backward adds its stages to when it compiles
+        stages = dict(seconds)
+        seconds.clear()
+        seconds.update({"tracing": program.seconds, **stages})
         self._stats.last_traces = compiled.traces
-        self._stats.last_backward_traces = compiled.backward_traces
+        self._stats.last_segments = [compiled]
         self._stats.last_backward_variants = compiled.backward_variants
         self._stats.stage_seconds = seconds
         self._stats.graph_breaks = []
@@ -517,7 +505,7 @@ class _Jitted:
         stats.graph_breaks = [str(info) for info in program.breaks]
         if path is not None:
             stats.last_traces = [program.trace] + [t for n in path for t in n.compiled.traces]
-            stats.last_backward_traces = [t for n in path for t in n.compiled.backward_traces]
+            stats.last_segments = [n.compiled for n in path]
             stats.stage_seconds = seconds
         mutated = tuple(i for i in program.mutated_inputs if i < len(arg_proxies))
         if entry is not None:
@@ -543,7 +531,7 @@ class _Jitted:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
-                with _TRACING, _collector_paused():
+                with _TRACING, collector_paused():
                     try:
                         program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly

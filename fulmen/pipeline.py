@@ -6,6 +6,8 @@
         -> in-place relu on a dying matrix product, index_copy into a written input
            (`executors/torch/inplace.py`, `inplace_index.py`)
         -> Python compilation of the printed trace
+    the backward's claiming, `del`s, in-place rewrites and compilation: at its first call, or
+        when its stages are asked for (NOTE [the backward compiles when first needed])
     later, at the first backward call with a new pattern of unused outputs: the backward
         before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place rewrites
 
@@ -16,7 +18,10 @@ deletion, compilation) for traces another transform produced (`fulmen.vjp`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -83,12 +88,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     variants: dict[tuple[bool, ...], list[Trace]] = {}
 
     def run(stages: list[Trace], stage, *extra) -> None:
-        result = stage(stages[-1], *extra)
-        if result is not stages[-1]:
-            label = f"{result.provenance.removeprefix('after ')}"
-            _PASSES.info("%s: %.2f ms", label, result.seconds * 1e3)
-            seconds[label if stages is traces else f"{label} (backward)"] = result.seconds
-            stages.append(result)
+        _record(stages, stage(stages[-1], *extra), seconds, stages is not traces)
 
     run(traces, dce)
     run(traces, cse)
@@ -115,9 +115,6 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
         run(backward_traces, dce)
         run(backward_traces, cse)
         unclaimed = backward_traces[-1]
-        run(backward_traces, claim_executors, executors)
-        for stage in _AFTER_CLAIMING:
-            run(backward_traces, stage)
         run(traces, cse)  # statements the split added twice (attention's float masks)
     run(traces, claim_executors, executors)
     for stage in _AFTER_CLAIMING:
@@ -126,16 +123,84 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     start = time.perf_counter()
     # the traces hold autocast's casts explicitly: never cast again under the caller's
     fn = without_autocast(traces[-1].python_callable())
+    seconds["python compilation"] = time.perf_counter() - start
+    finish_backward = None
     if needs_grad:
         residuals = traces[-1].output[1]
-        pair = CompiledPair(fn, without_autocast(backward_traces[-1].python_callable()),
-                            split.differentiable_outputs,
+        backward = _Backward(backward_traces, executors, seconds)
+        finish_backward = backward.build
+        pair = CompiledPair(fn, backward, split.differentiable_outputs,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants))
         fn = functools.partial(_call_with_autograd, pair, split.output_spec)
-    seconds["python compilation"] = time.perf_counter() - start
-    return CompiledSegment(fn, traces, backward_traces, variants), seconds
+    return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
+
+
+def _record(stages: list[Trace], result: Trace, seconds: dict, backward: bool) -> None:
+    """Append a pass's `result` to `stages` (and its time to `seconds`) if it changed the
+    trace."""
+    if result is not stages[-1]:
+        label = f"{result.provenance.removeprefix('after ')}"
+        _PASSES.info("%s: %.2f ms", label, result.seconds * 1e3)
+        seconds[f"{label} (backward)" if backward else label] = result.seconds
+        stages.append(result)
+
+
+class _Backward:
+    """The compiled backward: its trace claimed by the executors and compiled to Python at its
+    first call, or when its stages are asked for (`CompiledSegment.finish_backward`).
+
+    NOTE [the backward compiles when first needed]: a training step of a model that returns
+    its logits beside the loss never runs the backward for every output: `loss.backward()`
+    runs the one for unused outputs (`_variant_builder`), compiled at its own first call.
+    Claiming and compiling both in the compile of every shape doubled the backward's share
+    of it (tiny HF Llama: about a fifth of a training step's compile)."""
+
+    def __init__(self, stages: list[Trace], executors: Sequence[Executor], seconds: dict):
+        self._stages, self._executors, self._seconds = stages, executors, seconds
+        self._fn: Callable | None = None
+        self._lock = threading.Lock()
+
+    def build(self) -> Callable:
+        """Claim, finish and compile the backward once (its stages appended); the callable."""
+        with self._lock, collector_paused():
+            if self._fn is None:
+                _record(self._stages, claim_executors(self._stages[-1], self._executors),
+                        self._seconds, True)
+                for stage in _AFTER_CLAIMING:
+                    _record(self._stages, stage(self._stages[-1]), self._seconds, True)
+                start = time.perf_counter()
+                self._fn = without_autocast(self._stages[-1].python_callable())
+                self._seconds["python compilation (backward)"] = time.perf_counter() - start
+            return self._fn
+
+    def __call__(self, *args):
+        return (self._fn or self.build())(*args)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while a miss traces and compiles, and while a
+    backward for unused outputs compiles at its first use (`_variant_builder`); as it was,
+    after. NOTE [the collector while compiling]: tracing allocates millions of short-lived
+    objects (proxies, SymInts, sympy expressions, bound symbols), and every ~70,000 of them
+    that survive a young collection advance the collector toward a full one, which walks every
+    object of the process (torch, transformers: 150-280 ms each on a 2-core machine; a tiny
+    HF llama's first forward sweep over 36 shapes paid one, 0.25 s of its 1.2 s). Paused, the
+    compile's garbage is freed by one young collection soon after (reference counting frees
+    the rest as usual) and the full collections come at the pace of the program's own
+    allocations. A training step of a model that returns its logits beside the loss compiles
+    that backward inside `loss.backward()`: unpaused, tiny HF Llama's and Qwen2's first
+    training sweeps each paid a full collection there (0.25-0.37 s of 1.3-1.6 s)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
@@ -149,6 +214,10 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
         return None
 
     def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
+        with collector_paused():
+            return _build(unused, fold)
+
+    def _build(unused: tuple[bool, ...], fold: bool) -> Callable:
         try:
             folded = fold_unused_cotangents(backward, unused, fold=fold)
             stages = [folded, *_claimed_stages(folded, executors)]
@@ -158,7 +227,7 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
                 raise
             _PASSES.warning("folding unused cotangents %s failed; materializing them", unused,
                             exc_info=True)
-            return build(unused, fold=False)
+            return _build(unused, fold=False)
         variants[unused] = stages
         return compiled
 

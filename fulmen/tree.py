@@ -43,6 +43,15 @@ class CompiledSegment:
     backward_traces: list[Trace] = field(default_factory=list)
     # unused-cotangent flags -> the stages of the backward compiled for them (`pipeline.py`)
     backward_variants: dict = field(default_factory=dict)
+    # claims and compiles the backward, appending its last stages to `backward_traces`, if it
+    # has not run yet (NOTE [the backward compiles when first needed] in `pipeline.py`)
+    finish_backward: Callable | None = None
+
+    def all_backward_traces(self) -> list[Trace]:
+        """`backward_traces`, the backward claimed and compiled first if it was not yet."""
+        if self.finish_backward is not None:
+            self.finish_backward()
+        return self.backward_traces
 
 
 @dataclass(eq=False)

@@ -111,6 +111,11 @@ def _fake_mode(value: Any):
                     # (an index list becomes a plain meta tensor inside `Tensor.__getitem__`)
                     mode = env._fulmen_fake_mode = FakeTensorMode(shape_env=env,
                                                                   allow_non_fake_inputs=True)
+                    # fulmen keeps its own answers (`eager_layouts`, per ShapeEnv), and few
+                    # questions repeat within one compilation: PyTorch's dispatch cache costs
+                    # more than it saves (an entry checks every output's symbols: half of a
+                    # meta kernel call's time in a symbolic compile of HF Llama or GPT-2)
+                    mode.cache_enabled = False
                 if getattr(env, "_fulmen_generalised_ones", False):
                     return _size_oblivious(mode)
                 return mode
@@ -406,9 +411,8 @@ def _known_not_one(size) -> bool:
 def _symbolic_strides(tensors, shape: tuple):
     """`elementwise_strides` with symbolic sizes, by PyTorch's own rule on the broadcast
     layouts (`_Broadcast`) instead of fake tensors (a fake tensor with symbolic sizes costs
-    milliseconds to make); None where a broadcast is not known without a guard or the rule
-    would allocate (`empty_like` of one overlapping operand), and for static sizes (plain
-    meta tensors are cheap)."""
+    milliseconds to make); None where a broadcast is not known without a guard, and for static
+    sizes (plain meta tensors are cheap)."""
     env = None
     for size in (*shape, *(v for t in tensors for v in (*t.shape, *t.stride()))):
         if isinstance(size, torch.SymInt):
@@ -435,10 +439,11 @@ def _symbolic_strides(tensors, shape: tuple):
 
     oblivious = getattr(env, "_fulmen_generalised_ones", False)  # as `_size_oblivious`
     with _config.patch(backed_size_oblivious=True) if oblivious else contextlib.nullcontext():
-        if len(operands) == 1:
-            if not is_non_overlapping_and_dense_or_false(operands[0]):
-                return None
+        if len(operands) == 1 and is_non_overlapping_and_dense_or_false(operands[0]):
             return operands[0].strides
+        # one operand with gaps or overlaps (a slice `x[..., :d]` negated): PyTorch's rule
+        # takes `empty_like` of it, whose preserved layout is this same permutation laid out
+        # densely (`torch._refs.empty_like`), as TensorIterator's for several operands
         perm, _ = compute_elementwise_output_logical_to_physical_perm(*operands,
                                                                       _skip_checks=True)
     physical = make_contiguous_strides_for([shape[d] for d in perm])

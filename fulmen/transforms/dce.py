@@ -20,22 +20,29 @@ def live_bsyms(bsyms, outputs) -> tuple[BoundSymbol, ...]:
     return tuple(reversed(kept))
 
 
-def _symbols(value, found: set, depth: int = 0) -> None:
+def _symbols(value, found: set, depth: int = 0, seen: set | None = None) -> None:
     """Add the symbols of the symbolic sizes in `value` (a SymInt, a proxy's shape and
-    strides, nested tuples, lists, dicts and slices) to `found`."""
+    strides, nested tuples, lists, dicts and slices) to `found`. Proxies whose id is in `seen`
+    are skipped, and those visited added to it (a value read by many statements is looked at
+    once)."""
     if isinstance(value, torch.SymInt):
         found |= value.node.expr.free_symbols
     elif isinstance(value, torch.Tensor):  # a TensorProxy
+        if seen is not None:
+            if id(value) in seen:
+                return
+            seen.add(id(value))
         for size in (*value.shape, *value.stride()):
-            _symbols(size, found)
+            if type(size) is not int:
+                _symbols(size, found)
     elif depth < 8 and isinstance(value, (tuple, list)):
         for item in value:
-            _symbols(item, found, depth + 1)
+            _symbols(item, found, depth + 1, seen)
     elif depth < 8 and isinstance(value, dict):
         for item in value.values():
-            _symbols(item, found, depth + 1)
+            _symbols(item, found, depth + 1, seen)
     elif isinstance(value, slice):
-        _symbols((value.start, value.stop, value.step), found, depth + 1)
+        _symbols((value.start, value.stop, value.step), found, depth + 1, seen)
 
 
 def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
@@ -45,10 +52,11 @@ def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
     no input's size holds. An integer traced as a symbol is read from its carrier
     (`fulmen.tracer.symbolic.carrier`), which no statement reads."""
     used: set = set()
+    seen: set = set()  # the statements' proxies (alive while this runs: ids are theirs)
     for bsym in bsyms:
         for statement in (bsym, *bsym.subsymbols):
-            _symbols((statement.args, statement.kwargs, statement.output), used)
-    _symbols(tuple(iter_proxies(outputs)), used)
+            _symbols((statement.args, statement.kwargs, statement.output), used, 0, seen)
+    _symbols(tuple(iter_proxies(outputs)), used, 0, seen)
     if not used:
         return []
     bound: set = set()

@@ -102,6 +102,11 @@ def _numel_at_most(shape, limit: int) -> bool:
     candidate region, each a SymInt product and a sympy comparison)."""
     if all(type(size) is int for size in shape):
         return math.prod(shape) <= limit
+    hints = [size if type(size) is int else size.node._hint for size in shape]
+    if all(hint is not None for hint in hints):
+        # what `_at_most` answers (an answer known for every size holds at the traced ones),
+        # from the sizes' traced values: no SymInt product, no sympy
+        return math.prod(hints) <= limit
     memo, key = shape_env_memo(shape, "_fulmen_numel_at_most")
     if key is not None and (key, limit) in memo:
         return memo[key, limit]

@@ -218,7 +218,7 @@ def test_cache_size_limit_runs_further_calls_eagerly_with_one_warning():
 
 
 def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
-    """NOTE [the collector while compiling] in fulmen/jitted.py: the program traces with Python's
+    """NOTE [the collector while compiling] in fulmen/pipeline.py: the program traces with Python's
     cyclic collector off (tracing's garbage would set off full collections of the process);
     the collector's state afterwards is the caller's, also when compiling fails."""
     import gc
@@ -247,3 +247,35 @@ def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
     with pytest.raises(ValueError, match="user error"):
         fulmen.jit(fails)(x)
     assert gc.isenabled()
+
+
+def test_the_backward_for_unused_outputs_compiles_with_the_collector_paused(monkeypatch):
+    """A step that returns its logits beside the loss and calls `loss.backward()` compiles the
+    backward without the logits' cotangent at that first backward, outside the miss: it too
+    runs with the collector paused (NOTE [the collector while compiling]), restored after."""
+    import gc
+
+    import fulmen.pipeline as pipeline
+
+    seen = []
+    fold = pipeline.fold_unused_cotangents
+
+    def folding(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return fold(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "fold_unused_cotangents", folding)
+
+    def step(x, w):
+        logits = x @ w
+        return logits.square().mean(), logits
+
+    jfn = fulmen.jit(step)
+    x, w = torch.randn(4, 3), torch.randn(3, 5, requires_grad=True)
+    loss, _ = jfn(x, w)
+    assert gc.isenabled()
+    loss.backward()
+    expected_w = w.detach().clone().requires_grad_()
+    step(x, expected_w)[0].backward()
+    torch.testing.assert_close(w.grad, expected_w.grad)
+    assert seen == [False] and gc.isenabled()

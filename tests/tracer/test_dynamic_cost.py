@@ -139,9 +139,10 @@ def test_symbolic_answers_are_kept_by_the_shape_env():
     assert not sizes.env.guards
 
 
-def test_row_major_and_tiny_region_answers_are_kept_by_the_shape_env():
-    """A proxy's `is_contiguous()` with symbolic sizes and the tiny-region size test of fusion
-    are kept per ShapeEnv too; the answers are the computed ones (no guard recorded)."""
+def test_row_major_answers_are_kept_and_tiny_regions_sized_from_hints():
+    """A proxy's `is_contiguous()` with symbolic sizes is kept per ShapeEnv too; the tiny-region
+    size test of fusion reads the sizes' traced values (no SymInt product, no sympy question,
+    nothing to keep). The answers are the computed ones (no guard recorded)."""
     from fulmen.transforms.fusion import _numel_at_most
 
     sizes = SymbolicSizes()
@@ -156,8 +157,32 @@ def test_row_major_and_tiny_region_answers_are_kept_by_the_shape_env():
     assert len(sizes.env._fulmen_row_major) == 1  # only known answers are kept
     assert _numel_at_most(shape, 1 << 20)  # at the traced sizes (120 elements)
     assert not _numel_at_most(shape, 100)
-    assert sizes.env._fulmen_numel_at_most == {(tuple(s.node.expr if isinstance(s, torch.SymInt)
-                                                      else s for s in shape), 1 << 20): True,
-                                               (tuple(s.node.expr if isinstance(s, torch.SymInt)
-                                                      else s for s in shape), 100): False}
+    assert _numel_at_most(shape, 120) and not _numel_at_most(shape, 119)
+    assert not getattr(sizes.env, "_fulmen_numel_at_most", None)  # no sympy answer to keep
     assert not sizes.env.guards
+
+
+def test_size_sources_look_at_each_proxy_once(monkeypatch):
+    """`fulmen.transforms.dce.size_sources` (which proxies bind the symbols a backward uses)
+    reads the sizes and strides of each proxy once, however many statements read it; the
+    carrier it finds is the same."""
+    from fulmen.core import BoundSymbol
+    from fulmen.ops import prims
+    from fulmen.transforms.dce import size_sources
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    x = TensorProxy("x", shape, torch.float32, "cpu", strides=strides)
+    outs = [TensorProxy(f"t{i}", shape, torch.float32, "cpu", strides=strides) for i in range(8)]
+    bsyms = [BoundSymbol(prims.neg, (x,), {}, out) for out in outs]
+    asked = []
+    stride = TensorProxy.stride
+
+    def counting(self, *args):
+        asked.append(self.name)
+        return stride(self, *args)
+
+    monkeypatch.setattr(TensorProxy, "stride", counting)
+    assert size_sources(bsyms, outs[-1], (), (x,)) == [x]
+    # x: once among the statements (8 read it), once as the candidate carrier
+    assert sorted(asked) == sorted(["x", "x", *(out.name for out in outs)])

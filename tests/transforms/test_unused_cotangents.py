@@ -190,3 +190,46 @@ def test_a_pattern_that_fails_to_fold_materializes_the_zeros_as_autograd_did(mon
     (stages,) = fulmen.compile_stats(jfn).last_backward_variants.values()
     assert stages[0].bsyms[0].sym.name == "full"
     assert tuple(stages[0].bsyms[0].output.shape) == (2, 3, 5)
+
+
+
+def test_the_backward_for_every_output_compiles_when_first_needed():
+    """NOTE [the backward compiles when first needed] in fulmen/pipeline.py: a step whose
+    logits nobody backpropagates runs only the backward without their cotangent, so the one
+    for every output is not claimed at the miss; it compiles when its stages are asked for
+    (or a call backpropagates both outputs), and its gradients are eager's."""
+    x, w, labels = _inputs()
+    jfn = fulmen.jit(_loss_and_logits)
+    (jw,), (ew,) = _leaves(w), _leaves(w)
+    loss, _ = jfn(x, jw, labels)
+    loss.backward()
+    stats = fulmen.compile_stats(jfn)
+    assert "claiming by executors" in stats.stage_seconds
+    assert "claiming by executors (backward)" not in stats.stage_seconds
+    _loss_and_logits(x, ew, labels)[0].backward()
+    torch.testing.assert_close(jw.grad, ew.grad)
+    stages = [trace.provenance for trace in fulmen.last_backward_traces(jfn)]
+    assert "after claiming by executors" in stages  # complete when asked for
+    assert "claiming by executors (backward)" in stats.stage_seconds
+    (jw,), (ew,) = _leaves(w), _leaves(w)
+    loss, logits = jfn(x, jw, labels)
+    (loss + logits.sum()).backward()
+    loss, logits = _loss_and_logits(x, ew, labels)
+    (loss + logits.sum()).backward()
+    torch.testing.assert_close(jw.grad, ew.grad)
+    assert fulmen.cache_misses(jfn) == 1
+
+
+def test_a_backward_compiled_at_its_first_call_is_the_complete_one():
+    """Without asking for its stages first, the backward for every output compiles at the
+    first call that backpropagates both outputs."""
+    x, w, labels = _inputs(1)
+    jfn = fulmen.jit(_loss_and_logits)
+    (jw,), (ew,) = _leaves(w), _leaves(w)
+    loss, logits = jfn(x, jw, labels)
+    assert "claiming by executors (backward)" not in fulmen.compile_stats(jfn).stage_seconds
+    (loss * 2 + logits.square().sum()).backward()
+    loss, logits = _loss_and_logits(x, ew, labels)
+    (loss * 2 + logits.square().sum()).backward()
+    torch.testing.assert_close(jw.grad, ew.grad)
+    assert "claiming by executors (backward)" in fulmen.compile_stats(jfn).stage_seconds

@@ -38,7 +38,7 @@ from fulmen.executors.codegen.cuda import CUDA, CudaFusedRegion
 from fulmen.executors.codegen.lower import fits_pointwise
 from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported, fusible
 from fulmen.executors.codegen.region import RegionCallable
-from fulmen.executors.codegen.rows import lower_any
+from fulmen.executors.codegen.rows import RowChecks, lower_any
 from fulmen.executors.codegen.target import Target
 from fulmen.executors.registry import get_executor, register_executor
 
@@ -87,14 +87,14 @@ class CodegenExecutor(FusionExecutor):
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         return fusible(bsym, target_of(bsym))
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._row_checks = RowChecks()  # NOTE [growing row regions]
+
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
         if not any(bsym.sym.name in REDUCTIONS for bsym in region):
             return fits_pointwise(region)
-        try:
-            lower_any(region, [], check_only=True)
-        except Unsupported:
-            return False
-        return True
+        return self._row_checks.fits(region)
 
     def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None:
         """One `codegen.fusionN(inputs...)` statement computing `outputs`, or None when the

@@ -20,11 +20,14 @@ column sums only takes the summed axes as its rows.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fulmen.core import BoundSymbol
+from fulmen.core.proxy import iter_proxies
 from fulmen.executors.codegen.ir import (
     Access,
     ColumnReduce,
@@ -41,7 +44,7 @@ from fulmen.executors.codegen.ops import REDUCTIONS, SELECTS, VIEWS, Unsupported
 from fulmen.executors.codegen.sizes import freeze, same, same_shape
 from fulmen.transforms.fusion import region_inputs
 
-__all__ = ["LoweredRows", "lower_any", "lower_rows"]
+__all__ = ["LoweredRows", "RowChecks", "lower_any", "lower_rows"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,52 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     Raises:
         Unsupported: if the region does not fit the row schedule.
     """
+    return _row_lowering(region, outputs)[1]()
+
+
+class RowChecks:
+    """Whether regions with reductions lower to the row schedule, for the partition that grows
+    them a statement at a time (`CodegenExecutor.can_fuse_region`).
+
+    NOTE [growing row regions]: the partition asks of every merge it tries whether the merged
+    region lowers; lowering each candidate whole made the checks quadratic in a region's size
+    (a sixth of a tiny HF Llama training step's compile). The lowering of a region that fits
+    is kept, and a region that is a kept one plus one more statement (not a reduction, whose
+    axes set the schedule) is checked by lowering that statement alone. A kept lowering is
+    used at most once (extending it changes it), and held with its statements, so the ids in
+    its key stay theirs. The answer only steers the partition: a fused region is lowered
+    whole (`fuse`)."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, tuple[list, Callable]] = {}
+        self._lock = threading.Lock()
+
+    def fits(self, region: list[BoundSymbol]) -> bool:
+        with self._lock:
+            kept = self._kept.pop(tuple(map(id, region[:-1])), None)
+        last = region[-1]
+        try:
+            if kept is not None and last.sym.name not in REDUCTIONS \
+                    and all(a is b for a, b in zip(kept[0], region)):
+                extend = kept[1]
+                extend(last)
+            else:
+                extend = _row_lowering(region, [])[0]
+        except Unsupported:
+            return False
+        with self._lock:
+            if len(self._kept) >= self.LIMIT:
+                self._kept.clear()
+            self._kept[tuple(map(id, region))] = (list(region), extend)
+        return True
+
+
+def _row_lowering(region: list[BoundSymbol], outputs: list):
+    """`(extend, finish)`: the region lowered statement by statement; `extend(bsym)` lowers
+    one more statement after them (not a reduction: the schedule is the reductions'), and
+    `finish()` builds the `LoweredRows`. Both raise Unsupported."""
     reductions = [bsym for bsym in region if bsym.sym.name in REDUCTIONS]
     shape = tuple(reductions[0].args[0].shape)
 
@@ -122,7 +171,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     keep_shape = tuple(1 if d in reduced else shape[d] for d in range(len(shape)))
     keep_map = tuple(None if d in reduced else d for d in range(len(shape)))
     keep_view = ViewStep("broadcast_in_dim", freeze((keep_shape, kept)))
-    inputs = region_inputs(region)
+    inputs = list(region_inputs(region))
     escaping = {proxy.name for proxy in outputs}
     input_index = {proxy.name: i for i, proxy in enumerate(inputs)}
     env: dict[str, tuple] = {}
@@ -189,7 +238,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             loads[key] = add(Load(len(accesses) - 1, arg.dtype), row)
         return loads[key]
 
-    for bsym in region:
+    def statement(bsym) -> None:
         name = bsym.sym.name
         out = bsym.output
         if name in SELECTS:
@@ -209,20 +258,20 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
                 env[out.name] = ("row", kind[1], map_, (step,))
             else:
                 raise Unsupported(f"{name} of a computed element value")
-            continue
+            return
         if name in REDUCTIONS:
             arg = operand(bsym.args[0], bsym.args[0].dtype, row=False)
             if tuple(sorted({d % len(shape) for d in bsym.args[1]})) == kept:
                 if not out.dtype.is_floating_point:
                     raise Unsupported("an integer column sum")  # float64 partials
                 env[out.name] = ("column", add(ColumnReduce(name, arg, out.dtype), False))
-                continue
+                return
             if name == "var":
                 index = _lower_var(add, arg, bsym.args[0].dtype, bsym.args[2], out.dtype)
             else:
                 index = add(Reduce(name, arg, out.dtype), True)
             env[out.name] = ("value", index)
-            continue
+            return
         out_shape = tuple(out.shape)
         if same_shape(out_shape, shape) and out.name not in escaping \
                 and (seen := _one_row_view(bsym, view_of)) is not None and fits_element(seen[2]):
@@ -233,7 +282,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
                          if not isinstance(arg, torch.Tensor) else view_of(arg)[1]
                          for arg, dtype in zip(bsym.args, _operand_dtypes(bsym)))
             env[out.name] = ("row", add(Op(name, args, out.dtype), True), seen[2], seen[3])
-            continue
+            return
         if same_shape(out_shape, shape):
             row = False
         elif same_shape(out_shape, kept_shape):
@@ -244,7 +293,7 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
                          for arg, dtype in zip(bsym.args, _operand_dtypes(bsym)))
             index = add(Op(name, args, out.dtype), True)
             env[out.name] = ("row", index, keep_map, (keep_view,))
-            continue
+            return
         else:
             raise Unsupported(f"{name} on shape {out_shape} in a {shape} row kernel")
         if name == "convert_element_type":
@@ -257,25 +306,39 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
             args = tuple(operand(arg, number_dtype(name, i, dtype), row)
                          for i, arg in enumerate(bsym.args))
         env[out.name] = ("value", add(Op(name, args, out.dtype), row))
-    kernel_outputs: list[int] = []
-    plan = []
 
-    def kernel_output(index: int) -> int:
-        if index not in kernel_outputs:
-            kernel_outputs.append(index)
-        return kernel_outputs.index(index)
+    def extend(bsym) -> None:
+        for proxy in iter_proxies((bsym.args, bsym.kwargs)):  # new inputs, as region_inputs
+            if proxy.name not in env and proxy.name not in input_index:
+                input_index[proxy.name] = len(inputs)
+                inputs.append(proxy)
+        statement(bsym)
 
-    for proxy in outputs:
-        kind = env[proxy.name]
-        if kind[0] in ("value", "column"):
-            plan.append(("kernel", kernel_output(kind[1])))
-        elif kind[0] == "row":
-            plan.append(("rowview", kernel_output(kind[1]), Access(0, kind[3])))
-        else:
-            plan.append(("view", kind[1]))
-    kernel = RowKernel(tuple(accesses), tuple(access_dtypes), tuple(access_rows), tuple(values),
-                       tuple(rows), tuple(kernel_outputs))
-    return LoweredRows(kernel, freeze(shape), reduced, tuple(inputs), tuple(plan))
+    for bsym in region:
+        statement(bsym)
+
+    def finish() -> LoweredRows:
+        kernel_outputs: list[int] = []
+        plan = []
+
+        def kernel_output(index: int) -> int:
+            if index not in kernel_outputs:
+                kernel_outputs.append(index)
+            return kernel_outputs.index(index)
+
+        for proxy in outputs:
+            kind = env[proxy.name]
+            if kind[0] in ("value", "column"):
+                plan.append(("kernel", kernel_output(kind[1])))
+            elif kind[0] == "row":
+                plan.append(("rowview", kernel_output(kind[1]), Access(0, kind[3])))
+            else:
+                plan.append(("view", kind[1]))
+        kernel = RowKernel(tuple(accesses), tuple(access_dtypes), tuple(access_rows), tuple(values),
+                           tuple(rows), tuple(kernel_outputs))
+        return LoweredRows(kernel, freeze(shape), reduced, tuple(inputs), tuple(plan))
+
+    return extend, finish
 
 
 def _operand_dtypes(bsym: BoundSymbol) -> tuple:
