@@ -18,8 +18,8 @@ ignored) reduced like the loss (mean: over the same W), so `G` becomes
 An ignored row's `s_n` is 0 whatever `g` and W are (eager writes nothing there), also when
 `ignore_index` names a class.
 
-Without label smoothing, `cross_entropy` has a saving forward (NOTE [saving forwards]): it runs
-eager's own two kernels, `_log_softmax` then `nll_loss`, so the loss equals eager's, and keeps
+Without label smoothing, on CPU, `cross_entropy` has a saving forward (NOTE [saving forwards]):
+it runs eager's own two kernels, `_log_softmax` then `nll_loss`, so the loss equals eager's, and keeps
 the log-probabilities (as eager's graph does) instead of the logits, the same bytes, and for
 (C,) and (N, C) logits the W that eager's `nll_loss_forward` returns (no reduction left). The
 backward is then one pointwise pass, `G - exp(logp) * sum_c G` with `sum_c G = s_n + 0.0`
@@ -146,6 +146,8 @@ def _cross_entropy_saving(bsym, requires: set[str]):
     values = bound_arguments(bsym.sym, bsym.args, bsym.kwargs)
     input, target, weight, size_average, ignore_index, reduce, reduction, smoothing = values
     if smoothing or not _covered(*values[:7]) or input.name not in requires:
+        return None
+    if input.device.type != "cpu":  # measured on CPU; CUDA keeps the fused row kernels
         return None
     class_dim = 0 if input.ndim == 1 else 1
     logp = LOG_SOFTMAX(input, class_dim, False)
