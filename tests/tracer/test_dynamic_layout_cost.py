@@ -49,8 +49,9 @@ def _permuted_slice(x):
 def test_a_unary_op_on_a_view_that_is_not_dense_is_laid_out_by_rule(fn, fake_modes):
     """One operand with gaps or overlaps: PyTorch's rule is `empty_like` of it (the operand's
     stride order, laid out densely); the symbolic compile answers it without fake tensors and
-    the outputs have eager's strides at every size."""
-    jfn = fulmen.jit(fn, dynamic=True)
+    the outputs have eager's strides at every size. (On the torch executor: what the codegen
+    executor returns is the next test's.)"""
+    jfn = fulmen.jit(fn, dynamic=True, executors=["torch"])
     for shape in ((4, 6, 8), (3, 10, 8), (5, 4, 6)):
         x = torch.randn(shape)
         out, expected = jfn(x), fn(x)
@@ -58,6 +59,19 @@ def test_a_unary_op_on_a_view_that_is_not_dense_is_laid_out_by_rule(fn, fake_mod
         assert out.stride() == expected.stride(), (shape, out.stride(), expected.stride())
     assert fulmen.cache_misses(jfn) == 1
     assert not fake_modes
+
+
+@pytest.mark.xfail(strict=True, reason="known: a fused CPU region with symbolic sizes returns "
+                   "its outputs row-major where eager's (and the trace's) layout is permuted")
+def test_a_fused_region_with_symbolic_sizes_returns_eagers_strides(codegen_eager):
+    """The codegen executor allocates a region's outputs row-major (`runtime.py`, `empty`),
+    which for static sizes is planned to eager's layout but with symbolic sizes is not: an
+    elementwise op on `x[:, ::2].transpose(0, 1)` returns strides (32, 8, 1) where eager
+    returns (8, 24, 1). Values are equal."""
+    jfn = fulmen.jit(_strided, dynamic=True)
+    for shape in ((4, 6, 8), (3, 10, 8)):
+        x = torch.randn(shape)
+        assert jfn(x).stride() == _strided(x).stride()
 
 
 def _heads_merged(x):
