@@ -122,7 +122,10 @@ def _own_functions(fn, modules, functions=()) -> list:
         for candidate in frontier:
             candidate = getattr(candidate, "__func__", candidate)
             code = getattr(candidate, "__code__", None)
-            module_name = getattr(candidate, "__module__", None) or ""
+            # the module whose globals the code reads: `__module__` is copied by
+            # `functools.wraps` (fulmen's own wrapper of a forward says `transformers...`)
+            module_name = getattr(candidate, "__globals__", {}).get("__name__") \
+                or getattr(candidate, "__module__", None) or ""
             if code is None or id(candidate) in found or module_name.split(".")[0] in (
                     "torch", "fulmen"):
                 continue

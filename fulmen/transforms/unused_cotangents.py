@@ -18,7 +18,10 @@ A zero that reaches any other statement is materialized there (`prims.full`, con
 autograd's zeros are); a statement whose zero output would not be contiguous is kept whole, its
 zero inputs materialized. An input gradient that is all known zeros becomes None: eager does
 not reach that input from the outputs used (a VJP is linear in its cotangent, so a gradient
-from a used output never folds to zero). Dead statements then go. Where folding or compiling a
+from a used output never folds to zero). So does one that, folded or not, reads none of the
+used cotangents (`_reached`): a zero materialized on its way (a zero sliced along the last
+dimension, an opaque op's VJP) leaves it all zeros, and eager leaves it None, which an
+optimizer then skips (AdamW's weight decay included). Dead statements then go. Where folding or compiling a
 pattern fails, the pipeline builds it with `fold=False`: zeros materialized first, as before.
 """
 
@@ -94,6 +97,15 @@ def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
                         subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
 
 
+def _reached(bsyms: list[BoundSymbol], used: set[str]) -> set[str]:
+    """The names computed from the cotangents named in `used` (and those names)."""
+    reached = set(used)
+    for bsym in bsyms:
+        if any(p.name in reached for p in bsym.proxy_inputs):
+            reached.update(p.name for p in bsym.proxy_outputs)
+    return reached
+
+
 def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool = True) -> Trace:
     """`trace` (a backward taking `(*residuals, *cotangents)`) for calls in which the
     cotangents flagged in `unused` are zeros: those leave its arguments (module docstring).
@@ -145,7 +157,9 @@ def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool
         kept.append(bsym)
 
     output = map_proxies(rename, trace.output)
-    output = tuple(None if isinstance(g, Proxy) and g.name in zero else g for g in output)
+    reached = _reached(kept, {c.name for c, flag in zip(cotangents, unused) if not flag})
+    output = tuple(None if isinstance(g, Proxy) and (g.name in zero or g.name not in reached)
+                   else g for g in output)
     args = tuple(a for a in trace.args[:len(trace.args) - count]) + tuple(
         c for c, flag in zip(cotangents, unused) if not flag)
     bsyms = live_bsyms(kept, output)

@@ -136,3 +136,18 @@ def test_a_storage_offset_the_program_reads_stays_guarded_with_symbolic_sizes():
     for n in (8, 6, 10, 4, 6):
         x = torch.randn(2 * n, 3)[n:]
         torch.testing.assert_close(jfn(x), _reads_offset(x))
+
+
+def _pad_to(x, y):
+    return torch.nn.functional.pad(x, (1, y.shape[0] - 2), value=-1.0) * 2
+
+
+def test_pad_amounts_from_a_symbolic_size_stay_symbolic():
+    # HF Gemma 4 pads by a window minus the cached length: the amount was refused as a symbolic
+    # size, so every decode step compiled anew (and ran eagerly past the cache size limit)
+    jfn = fulmen.jit(_pad_to)
+    with torch.no_grad():
+        for n in (3, 4, 5, 6):
+            x, y = torch.randn(2, n), torch.randn(n + 1)
+            torch.testing.assert_close(jfn(x, y), _pad_to(x, y))
+    assert fulmen.compile_stats(jfn).cache_misses == 2

@@ -311,6 +311,32 @@ def test_forward_shows_the_wrapped_modules_signature():
     torch.testing.assert_close(forward(x), x)
 
 
+class _Calls(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+    def twice(self, x):  # as HF `generate` calls the model
+        return self(x) + self.forward(x)
+
+
+def test_a_method_calling_the_forward_reuses_the_programs_compiled_outside_it():
+    # while the method runs, the module's `forward` is fulmen's wrapper of the compiled one;
+    # `functools.wraps` gives it the module's `__module__`, and its globals (fulmen's) were
+    # keyed as the user's: every call inside `generate` missed the programs compiled outside
+    module = _Calls()
+    jmodel = fulmen.jit(module)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        jmodel(x)
+        torch.testing.assert_close(jmodel.twice(x), 2 * module(x))
+    stats = fulmen.compile_stats(jmodel)
+    assert (stats.calls, stats.cache_misses, stats.recompile_reasons) == (3, 1, [])
+
+
 def test_a_replaced_submodule_or_parameter_recompiles():
     """`resize_token_embeddings`, a new head, a parameter assigned after jitting: the compiled
     program read the old ones; the next call compiles anew and answers as eager."""

@@ -158,6 +158,26 @@ def test_tensor_passed_twice_to_an_opaque_op_gets_one_gradient(case):
     _check(fn, values)
 
 
+# --- an input reached only through detach() gets no gradient --------------------------------------
+
+
+def _through_detach(x, w):
+    return (x + (x @ w).detach()).sum()
+
+
+def test_an_input_reached_only_through_detach_gets_no_grad_as_in_eager():
+    # the add's rule gives the detached value a cotangent; nothing may flow on from there
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    grads = []
+    for fn in (_through_detach, fulmen.jit(_through_detach)):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        fn(*leaves).backward()
+        grads.append([leaf.grad for leaf in leaves])
+    (ex, ew), (fx, fw) = grads
+    torch.testing.assert_close(fx, ex)
+    assert ew is None and fw is None
+
+
 # --- an overwritten clone keeps its input's gradient (zeros) ------------------------------------
 
 OVERWRITE = {

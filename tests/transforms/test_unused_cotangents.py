@@ -83,6 +83,25 @@ def test_an_input_reached_only_through_an_unused_output_gets_no_grad_as_in_eager
     assert ey.grad is None and fy.grad is None
 
 
+def _loss_and_stored_window(x, w, v):
+    # the second output is what a model keeps in its cache (HF DeepSeek-V4's compressor
+    # state): a clone of a slice along the last dimension. Its zero cotangent folds through
+    # neither (the clone's VJP is torch.autograd's, the slice's zero is strided), so zeros
+    # are materialized on the way to `w`
+    return (x @ v).sum(), (x @ w)[..., :2].clone()
+
+
+def test_an_input_reached_only_through_an_unused_output_and_unfolded_zeros_gets_no_grad():
+    x, w, v = torch.randn(2, 3), torch.randn(3, 4), torch.randn(3, 4)
+    jfn = fulmen.jit(_loss_and_stored_window)
+    fx, fw, fv, ex, ew, ev = _leaves(x, w, v, x, w, v)
+    jfn(fx, fw, fv)[0].backward()
+    _loss_and_stored_window(ex, ew, ev)[0].backward()
+    torch.testing.assert_close(fx.grad, ex.grad)
+    torch.testing.assert_close(fv.grad, ev.grad)
+    assert ew.grad is None and fw.grad is None  # zeros would be stepped by AdamW's decay
+
+
 def test_outputs_used_through_a_view_and_in_turns_with_retain_graph_equal_eager():
     x, w, labels = _inputs(1)
     jfn = fulmen.jit(_loss_and_logits)

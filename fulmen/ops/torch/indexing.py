@@ -206,7 +206,9 @@ def pad(input, pad, mode="constant", value=None):
     Other modes (reflect, replicate, circular) are not decomposed."""
     if mode != "constant":
         raise _unsupported("pad", f"mode={mode!r} (only constant is decomposed)")
-    if not isinstance(pad, (tuple, list, torch.Size)) or not all(map(_int, pad)):
+    # a symbolic size as an amount (`F.pad(x, (0, window - n))`) is one too
+    if not isinstance(pad, (tuple, list, torch.Size)) or not all(
+            _int(amount) or isinstance(amount, torch.SymInt) for amount in pad):
         raise _unsupported("pad", f"pad={pad!r} (a sequence of ints is supported)")
     if len(pad) % 2 or len(pad) // 2 > input.ndim:
         raise _unsupported("pad", "pad length is odd or longer than 2 * rank (eager raises)")

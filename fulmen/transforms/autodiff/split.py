@@ -329,6 +329,11 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
 
     with tracing(ctx):
         for bsym in reversed(differentiable):
+            # rules also give cotangents to values that do not require grad (`k.detach()`,
+            # a norm's mean): nothing flows back through those, as in eager, so an input
+            # reached only through them keeps a None gradient, not zeros
+            for name in bsym.output_names - requires:
+                grads.pop(name, None)
             cotangent = _output_cotangents(bsym, grads)
             if all(g is None for g in pytree.tree_leaves(cotangent)) or cotangent is None:
                 continue
