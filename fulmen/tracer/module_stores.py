@@ -30,11 +30,11 @@ The stores of a program with graph breaks differ per path; they are refused ther
 
 Modules the traced function reaches other than the jitted one (`step(model, batch)`: a module
 argument, one held by an argument object, a closure or a global; `held_modules`) are put back
-the same way (`module_stores(module, captured)`): constants they store are replayed as above, an
-in-place update of a buffer (`self.seen += 1`, which stores the buffer itself again) needs no
-store (the trace writes the buffer back), and a traced value stored on them (`self.last = t`)
-makes the call run eagerly, since the epilogue stores only into the jitted module and argument
-objects.
+the same way (`module_stores(module, proxy_of, captured)`): constants they store are replayed
+as above, an in-place update of a buffer (`self.seen += 1`, which stores the buffer itself
+again) needs no store (the trace writes the buffer back), and a traced value stored on them
+(`self.last = t`) makes the call run eagerly, since the epilogue stores only into the jitted
+module and argument objects.
 """
 
 from __future__ import annotations
@@ -241,16 +241,16 @@ def _refuse(name: str, what: str) -> UnreplayableStore:
 
 
 @contextlib.contextmanager
-def module_stores(module: torch.nn.Module, captured: dict | None = None,
-                  proxy_of: Callable[[torch.Tensor], TensorProxy] | None = None,
-                  ) -> Iterator[list[ModuleStore]]:
+def module_stores(module: torch.nn.Module,
+                  proxy_of: Callable[[torch.Tensor], TensorProxy],
+                  captured: dict | None = None) -> Iterator[list[ModuleStore]]:
     """Around a traced forward: put every module of `module` back as it was, and collect the
     stores to replay after each compiled call (in the yielded list, filled on exit).
 
     `proxy_of` gives the input proxy of a real tensor the forward stored in place of another
     (`self.register_buffer("inv_freq", self.original_inv_freq)`: the traced code sees a
     module's own tensors, not their proxies, when a call returns one unchanged); the store is
-    then that proxy's, like any traced tensor's. Without it such a store is refused.
+    then that proxy's, like any traced tensor's.
 
     `captured`, for a module other than the jitted one (see the module docstring), is the tracing
     context's captured table (`id(tensor) -> (tensor, proxy)`): a buffer or parameter stored
@@ -286,9 +286,6 @@ def module_stores(module: torch.nn.Module, captured: dict | None = None,
                     continue
                 where = _qualified(name, key)
                 if isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
-                    if proxy_of is None:
-                        refusal = refusal or _refuse(where, "another tensor")
-                        continue
                     value = proxy_of(value)  # another buffer, a global tensor: an input
                 if captured is not None and isinstance(value, TensorProxy) and isinstance(
                         before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:

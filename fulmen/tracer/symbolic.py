@@ -274,9 +274,9 @@ class SymbolicSizes:
         names = [f"t{i}" for i in range(len(self.proxies))]
         guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
                                          ignore_static=False)
-        unread = {f"L['{name}'].storage_offset() == " for name, p in zip(names, self.positions)
-                  if isinstance(p, int) and p not in offsets_read}
-        guards = [g for g in guards if not (g.startswith(tuple(unread))
+        unread = tuple(f"L['{name}'].storage_offset() == " for name, p in
+                       zip(names, self.positions) if isinstance(p, int) and p not in offsets_read)
+        guards = [g for g in guards if not (g.startswith(unread)
                                             and g.rsplit(" == ", 1)[1].isdigit())]
         if not guards:
             return lambda leaves: True

@@ -527,13 +527,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed
-            held_found = [held_stores.enter_context(module_stores(other, ctx.captured, ctx.capture))
+            held_found = [held_stores.enter_context(module_stores(other, ctx.capture, ctx.captured))
                           for other in held]
             if module is not None:
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
                 ctx.state_proxies = state
-                with module_stores(module, proxy_of=ctx.capture) as stores, eager_fast_paths(module):
+                with module_stores(module, ctx.capture) as stores, eager_fast_paths(module):
                     out = module(*proxy_args, **proxy_kwargs)
             else:
                 out = fn(*proxy_args, **proxy_kwargs)

@@ -627,7 +627,7 @@ MUTANTS: list[Mutant] = [
            "        if False:\n            found.append((i, leaf))", ("tests/tracer/test_dynamic_ints.py",)),
     # --- storage offsets in symbolic shape guards only where read (tracer/symbolic.py) -----
     Mutant("symbolic_guard_drops_read_offsets", "dynamic", "tracer/symbolic.py",
-           "if isinstance(p, int) and p not in offsets_read}", "if isinstance(p, int)}",
+           "if isinstance(p, int) and p not in offsets_read)", "if isinstance(p, int))",
            ("tests/tracer/test_dynamic_edges.py",)),
     # --- dropout masks in the input's memory order with symbolic sizes (ops/torch/nn.py) ---
     Mutant("symbolic_dropout_mask_row_major", "layout", "ops/torch/nn.py",
