@@ -99,8 +99,8 @@ class JittedModule(torch.nn.Module):
     It holds the original module as `_orig_mod` and shares its parameters and buffers (and
     attributes set on it, `jmodel.temperature = 0.5`, land on the module), so
     `jmodel.parameters()`, optimizers and `state_dict()` see the very same tensors. It behaves
-    like the module: `state_dict()` has the module's own keys (`load_state_dict` takes those or
-    `_orig_mod.`-prefixed ones); `copy.deepcopy`, pickle and `torch.save` copy the module and
+    like the module: `state_dict()`, `named_parameters()` and `named_buffers()` have the module's
+    own names (`load_state_dict` takes those or `_orig_mod.`-prefixed ones); `copy.deepcopy`, pickle and `torch.save` copy the module and
     its options, and the copy compiles anew at its first call; `train()`/`eval()` and hooks
     added to or removed from its submodules after jitting retrace.
     """
@@ -168,6 +168,22 @@ class JittedModule(torch.nn.Module):
                              type(self._orig_mod).__name__)
             self._start_jit()
             return self._jit._call(args, kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """The module's parameters under the module's own names (`0.weight`, not
+        `_orig_mod.0.weight`), as `state_dict()` keys them; with `recurse=False` the wrapper's
+        own (none), so walking `modules()` counts each parameter once."""
+        if not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return self._orig_mod.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        """The module's buffers under the module's own names (see `named_parameters`)."""
+        if not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return self._orig_mod.named_buffers(prefix, recurse, remove_duplicate)
 
     def __getstate__(self):
         """The module and the options, without the compiled cache (its traces hold proxies and

@@ -93,6 +93,24 @@ def test_state_dict_round_trips_with_the_modules_own_keys():
         jmodel.load_state_dict({**model.state_dict(), "bogus": torch.zeros(1)})
 
 
+def test_named_parameters_and_buffers_have_the_modules_own_names():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    jmodel = fulmen.jit(model)
+    assert [n for n, _ in jmodel.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in jmodel.named_buffers()] == [n for n, _ in model.named_buffers()]
+    assert all(p is q for p, q in zip(jmodel.parameters(), model.parameters()))
+    # names from the jitted module address the same tensors in the module (optimizer groups
+    # by name, functional_call, get_parameter)
+    params = dict(jmodel.named_parameters())
+    assert all(model.get_parameter(n) is p for n, p in params.items())
+    # walking modules() with recurse=False counts each parameter once
+    assert sum(p.numel() for m in jmodel.modules() for p in m.parameters(recurse=False)) \
+        == sum(p.numel() for p in model.parameters())
+    out = torch.func.functional_call(jmodel, {n: torch.zeros_like(p) for n, p in params.items()},
+                                     (torch.randn(3, 4),))
+    assert torch.equal(out, torch.zeros(3, 4))
+
+
 def test_jitted_module_inside_a_parent_state_dict():
     parent = torch.nn.Sequential(fulmen.jit(_net()), torch.nn.Linear(3, 2))
     eager = torch.nn.Sequential(_net(), torch.nn.Linear(3, 2))
