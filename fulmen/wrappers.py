@@ -16,6 +16,7 @@ import torch
 from fulmen.core import get_tracectx
 from fulmen.executors import Executor, get_executor
 from fulmen.jitted import _RECOMPILES, _Jitted
+from fulmen.tracer.compiled_callees import outside_dynamo
 from fulmen.tracer.guards import StateRemoved
 from fulmen.tracer.module_hooks import (
     HookWatch,
@@ -39,6 +40,8 @@ class JittedFunction(_Jitted):
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # `torch.compile` traces a caller: a graph break
+            return outside_dynamo(self.__call__, *args, **kwargs)
         if self._grad_free and torch.is_grad_enabled():
             with torch.no_grad():  # what the step does first thing itself
                 return self._call(args, kwargs)
@@ -146,6 +149,8 @@ class JittedModule(torch.nn.Module):
 
     def _compiled_forward(self, *args, **kwargs):
         """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
+        if torch.compiler.is_compiling():  # `torch.compile` traces a caller: a graph break
+            return outside_dynamo(self._compiled_forward, *args, **kwargs)
         if self._structure.changed():  # a submodule or parameter replaced: everything anew
             _RECOMPILES.info("%s: the module's submodules, parameters or buffers changed; "
                              "compiling anew", type(self._orig_mod).__name__)

@@ -26,6 +26,7 @@ from fulmen.core import NotYetSupportedError, RunsEagerly, Trace, tracing
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
+from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
@@ -523,7 +524,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                         module)
     refuse_held(held)
     try:
-        with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), \
+        with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed

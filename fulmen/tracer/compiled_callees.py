@@ -1,0 +1,60 @@
+"""`torch.compile` and fulmen in one program: each leaves the other's code alone.
+
+Inside a fulmen trace, a function or module compiled by `torch.compile` (`fulmen.jit(torch.compile(
+model))`, a `@torch.compile` helper the traced code calls) is traced as the plain Python it wraps:
+`compiled_code_runs_eagerly()` sets torch's compiler stance to `force_eager` around the trace, so
+Dynamo neither compiles nor runs its own machinery (which saves and restores torch's random state,
+a store a trace cannot replay) under fulmen's proxies; the ops it runs are recorded like any other.
+
+The other way round, Dynamo tracing a fulmen-compiled call (`torch.compile(fulmen.jit(model))`)
+would inline fulmen's Python; `outside_dynamo(call, ...)` is the graph break it meets instead: the
+call runs, compiled by fulmen, between Dynamo's graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+_lock = threading.Lock()
+_active = 0  # traces (in any thread) inside the stance
+_restore = None  # the `set_stance` object that puts back the stance found by the first trace
+
+
+@contextlib.contextmanager
+def compiled_code_runs_eagerly() -> Iterator[None]:
+    """Around a trace: `torch.compile`d callables run their Python eagerly (the stance is
+    process-wide; it is put back when the last trace in any thread ends, also after an error).
+    Inside an active Dynamo frame callback (a `torch._dynamo.optimize` context entered by hand)
+    the stance cannot change; the trace then runs as it comes."""
+    global _active, _restore
+    callback = get_eval_frame_callback()
+    if callback is not None and callback is not False:
+        yield
+        return
+    with _lock:
+        if _active == 0:
+            _restore = torch.compiler.set_stance("force_eager")
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                _restore.__exit__(None, None, None)
+                _restore = None
+
+
+@torch.compiler.disable(recursive=True)
+def outside_dynamo(call, *args, **kwargs):
+    """`call(*args, **kwargs)` as a graph break for Dynamo: a fulmen-compiled call reached
+    while `torch.compile` traces runs here, with Dynamo's frame callback off."""
+    return call(*args, **kwargs)
+
+
+__all__ = ["compiled_code_runs_eagerly", "outside_dynamo"]
