@@ -10,8 +10,11 @@ convolutions, and the tracer asks the meta kernel only for the rest (`fulmen.ops
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from fulmen.core.proxy import iter_proxies
 from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_strides
@@ -122,19 +125,95 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         # the operands are the tensors the map reads (`x.type_as(y)` reads only x)
         read = {proxy.name for sub in bsym.subsymbols for proxy in iter_proxies(
             (sub.args, sub.kwargs))}
+        operands = [proxy for proxy in inputs if proxy.name in read]
         shape = tuple(outputs[0].shape)
-        return [(outputs[0].shape, elementwise_strides(
-            [proxy for proxy in inputs if proxy.name in read], shape))]
+        if any(_size_one_strides_only(proxy) for proxy in operands) \
+                and _fast_setup(func, args, kwargs, operands, shape):
+            return [(outputs[0].shape, contiguous_strides(shape))]
+        return [(outputs[0].shape, elementwise_strides(operands, shape))]
     if len(bsym.subsymbols) == 1 and producers[0].sym.name == "permute":
         return [(leaf.shape, leaf.stride()) for leaf in outputs]  # the input's, permuted
     with torch._C.DisableTorchFunctionSubclass():
         if not all(p.is_contiguous() for p in inputs):
             return None
+    if len(outputs) == 1 and "elementwise" in producers[0].sym.tags \
+            and any(_size_one_strides_only(p) for p in inputs):  # `torch.where(c, x, 0.0)`
+        shape = tuple(outputs[0].shape)
+        if _fast_setup(func, args, kwargs, inputs, shape):
+            return [(outputs[0].shape, contiguous_strides(shape))]
+        if all(p.dim() == 0 or known_same_shape(tuple(p.shape), shape) for p in inputs):
+            return [(outputs[0].shape, elementwise_strides(inputs, shape))]
     names = {p.name for p in inputs}
     if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names)
            or _keeps_reduced_dims(bsym, p) for p in producers):
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     return None
+
+
+# NOTE [size-1 strides]: a tensor that is contiguous by `is_contiguous()` (which ignores the
+# strides of size-1 dims) while a size-1 dim has another stride than the row-major one (`(4, 1)`
+# with strides `(1, 4)`, a one-token `q.transpose(1, 2)` in decoding) gets eager outputs whose
+# layout depends on how the kernel takes its operands: TensorIterator's fast setup (every operand
+# a tensor of the output's shape, all contiguous: `neg`, `x + y`, `clamp(min=0)`) allocates
+# row-major strides, while a Python number wrapped as an operand (`x * 2`, `where(c, x, 0.0)`)
+# or an `empty_like` copy (`x.double()`, `clone`) keeps the size-1 dim's stride, as
+# `compute_elementwise_output_strides` states. Meta kernels do not agree with the CPU kernels
+# here (meta `relu` keeps the stride, meta `x * 2` drops it). So the op itself runs once on
+# two-element stand-ins of its operands (same size-1 dims and their strides, contiguous): a
+# row-major result means the fast setup.
+def _size_one_strides_only(t: TensorProxy) -> bool:
+    """Whether `t` is contiguous as eager asks it while its strides differ from row-major ones
+    in a dim of size 1 (decided without a guard: symbolic sizes are never 1)."""
+    sizes, strides = tuple(t.shape), t.stride()
+    if not any(type(size) is int and size == 1 for size in sizes) \
+            or any(type(size) is int and size == 0 for size in sizes):
+        return False
+    canonical = contiguous_strides(sizes)
+    if known_same_shape(strides, canonical):
+        return False
+    return _contiguous_beside_size_one(sizes, strides, canonical)
+
+
+def _contiguous_beside_size_one(sizes, strides, canonical) -> bool:
+    keep = [d for d, size in enumerate(sizes) if not (type(size) is int and size == 1)]
+    return known_same_shape(tuple(strides[d] for d in keep), tuple(canonical[d] for d in keep))
+
+
+def _stand_in(t: TensorProxy) -> torch.Tensor:
+    """A real CPU tensor with `t`'s rank, dtype and size-1 dims, 2 where `t`'s size is larger,
+    contiguous, with `t`'s strides in its size-1 dims (never used to address memory)."""
+    sizes = tuple(1 if type(size) is int and size == 1 else 2 for size in t.shape)
+    strides = list(contiguous_strides(sizes))
+    for d, size in enumerate(sizes):
+        if size == 1:
+            stride = t.stride()[d]
+            strides[d] = stride if type(stride) is int else 7 * strides[d] + 5
+    return torch.empty_strided(sizes, strides, dtype=t.dtype)
+
+
+def _fast_setup(func, args, kwargs, operands, shape) -> bool:
+    """Whether eager's kernel for `func` takes the fast setup with these operands (NOTE
+    [size-1 strides]); False when it cannot be told (operands that broadcast or are not
+    contiguous never take it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if not all(p.dim() == 0 or (known_same_shape(tuple(p.shape), shape)
+                                    and _contiguous_beside_size_one(
+                                        tuple(p.shape), p.stride(), contiguous_strides(p.shape)))
+                   for p in operands):
+            return False
+        stand_ins = {p.name: _stand_in(p) for p in operands}
+    call_args, call_kwargs = pytree.tree_map(
+        lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
+        (args, kwargs))
+    if any(isinstance(leaf, TensorProxy) for leaf in pytree.tree_leaves((call_args, call_kwargs))):
+        return False
+    try:
+        with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = func(*call_args, **call_kwargs)
+    except Exception:  # an op the stand-ins do not suit: PyTorch's rule answers
+        return False
+    return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
 
 
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest

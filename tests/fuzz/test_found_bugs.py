@@ -26,6 +26,7 @@ decomposed to prims (tests/ops/test_losses.py).
   the same way past exp's overflow (fixed: ops/torch/utils.py `exp_saturating`, elu's expm1
   reading 0 where x is taken; tested next to the ops, tests/ops/test_activations.py)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,6 +79,40 @@ def test_strides_of_elementwise_ops_without_broadcast_are_eagers():
 
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(x), f(x))
+
+
+# `make fuzz` (ops: torch and decomposed, seed 0): `stride_read` of `-x` where x is (4, 1) with
+# strides (1, 4): eager's unary kernel takes TensorIterator's fast setup (x is contiguous by
+# `is_contiguous()`) and allocates (1, 1); fulmen kept (1, 4), so Python read another stride.
+_SIZE_ONE_LAYOUTS = {
+    "(4,1) strides (1,4)": lambda: torch.randn(1, 4).t(),
+    "(1,3,1) strides (1,1,1)": lambda: torch.randn(3, 1, 1).permute(1, 0, 2),
+    "channels-last with one channel": lambda: torch.randn(2, 4, 4, 1).permute(0, 3, 1, 2),
+    "one-token q.transpose(1, 2)": lambda: torch.randn(2, 4, 1, 8).transpose(1, 2),
+}
+_SIZE_ONE_OPS = {  # fast setup (row-major) and not (the size-1 dim's stride kept)
+    "neg": lambda x: -x, "tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu,
+    "x + x": lambda x: x + x, "clamp(min=0)": lambda x: x.clamp(min=0),
+    "x ** 2": lambda x: x**2, "addcmul": lambda x: torch.addcmul(x, x, x, value=0.5),
+    "x * 2": lambda x: x * 2, "x * tensor(2.)": lambda x: x * torch.tensor(2.0),
+    "double": lambda x: x.double(), "clone": lambda x: x.clone(),
+}
+
+
+@pytest.mark.parametrize("layout", list(_SIZE_ONE_LAYOUTS))
+def test_strides_of_elementwise_ops_on_size_one_dims_are_eagers(layout):
+    x = _SIZE_ONE_LAYOUTS[layout]()
+    for name, op in _SIZE_ONE_OPS.items():
+        seen = []
+
+        def f(x, op=op, seen=seen):
+            h = op(x)
+            seen.append(h.stride())
+            return h
+
+        f(x)
+        fulmen.jit(f, executors=["torch"])(x)
+        assert seen[1] == seen[0], f"{name}: fulmen {seen[1]} eager {seen[0]}"
 
 
 def _grow(x, cache):
