@@ -14,8 +14,9 @@ whose output equals the input for every value of its symbolic sizes (`known_same
 the same dtype; `contiguous` and copies are not views.
 
 Never merged: statements with side effects or random draws (`has_side_effects`), opaque ops
-(whose state PyTorch does not describe), and repeats whose outputs the trace returns (the
-caller gets distinct tensors, as eager gives).
+(whose state PyTorch does not describe), casts to a narrower float dtype of a value requiring
+grad (each rounds its own cotangent in eager: `_rounds_a_gradient`), and repeats whose outputs
+the trace returns (the caller gets distinct tensors, as eager gives).
 """
 
 from __future__ import annotations
@@ -61,12 +62,28 @@ def _key(value: Any) -> Any:
 
 def _statement_key(bsym: BoundSymbol) -> tuple | None:
     """What makes `bsym` the same as another statement, or None when it must stay."""
-    if bsym.has_side_effects or "opaque" in bsym.sym.tags or not bsym.proxy_outputs:
+    if bsym.has_side_effects or "opaque" in bsym.sym.tags or not bsym.proxy_outputs \
+            or _rounds_a_gradient(bsym):
         return None
     try:
         return id(bsym.sym), _key(bsym.args), _key(bsym.kwargs)
     except _Unhashable:
         return None
+
+
+def _rounds_a_gradient(bsym: BoundSymbol) -> bool:
+    """Whether `bsym` computes a floating result narrower than an input that requires grad
+    (`x.to(torch.bfloat16)`, autocast's casts): its VJP rounds the cotangent to the narrow
+    dtype, so two such casts merged would sum their cotangents before rounding where eager
+    rounds each and sums in the wide dtype (`make fuzz`: a float64 gradient off by bf16's
+    rounding). Such statements stay distinct in traces that autodiff will differentiate."""
+    narrow = min((p.dtype.itemsize for p in bsym.proxy_outputs if isinstance(p, TensorProxy)
+                  and (p.dtype.is_floating_point or p.dtype.is_complex)), default=None)
+    if narrow is None:
+        return False
+    return any(isinstance(p, TensorProxy) and p.requires_grad and p.dtype.itemsize > narrow
+               and (p.dtype.is_floating_point or p.dtype.is_complex)
+               for p in iter_proxies((bsym.args, bsym.kwargs)))
 
 
 def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:

@@ -115,6 +115,26 @@ def test_strides_of_elementwise_ops_on_size_one_dims_are_eagers(layout):
         assert seen[1] == seen[0], f"{name}: fulmen {seen[1]} eager {seen[0]}"
 
 
+def _two_roundings(x):
+    rounded_once = x.to(torch.bfloat16).to(x.dtype)
+    rounded_again = x.to(torch.bfloat16).to(x.dtype)  # the same expression, a second cast
+    return rounded_again * torch.hypot(x, rounded_once)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_two_equal_narrowing_casts_round_their_own_gradients(decomposed):
+    # `make fuzz` (ops: decomposed, seed 0): common subexpression elimination merged the two
+    # casts, so the backward summed both cotangents before rounding them to bfloat16 once;
+    # eager rounds each and sums in float64 (off by 1.6e-2 in 9.1)
+    transforms = [decompose_to_prims] if decomposed else None
+    for seed in (0, 3, 4):
+        x = torch.randn((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        x = (x * 3).requires_grad_()
+        (want,) = torch.autograd.grad(_two_roundings(x), x)
+        (got,) = torch.autograd.grad(fulmen.jit(_two_roundings, transforms=transforms)(x), x)
+        torch.testing.assert_close(got, want)
+
+
 def _grow(x, cache):
     if cache:
         cache[0] = torch.cat([cache[0], x])
