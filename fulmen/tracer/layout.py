@@ -205,8 +205,10 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     call_args, call_kwargs = pytree.tree_map(
         lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
         (args, kwargs))
-    if any(isinstance(leaf, TensorProxy) for leaf in pytree.tree_leaves((call_args, call_kwargs))):
-        return False
+    mine = {id(t) for t in stand_ins.values()}
+    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
+           for leaf in pytree.tree_leaves((call_args, call_kwargs))):
+        return False  # a real tensor among the arguments: never run an op on the user's data
     try:
         with torch._C.DisableTorchFunction(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
