@@ -295,6 +295,7 @@ class TracerCtx(TraceCtx):
             raise
         if r_args is not args or r_kwargs is not kwargs:
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
+            self.mutation.refuse_grad_reads((args, kwargs), out)
         if func in VIEW_FUNCTIONS:
             self.mutation.record_view(func, args, kwargs, out)
         if getattr(out, "_fulmen_layout_undecided", False) and isinstance(args[0], TensorProxy):

@@ -254,6 +254,31 @@ class Functionalizer:
             view.version = root.version
         return view.value
 
+    def refuse_grad_reads(self, tree, out) -> None:
+        """NOTE [no_grad updates of tensors requiring grad]: an op that reads, with grad on,
+        an argument requiring grad after the code updated it under no_grad (`with no_grad():
+        p.copy_(w)` then `p * 2`) computes with grad from the leaf in eager; the trace holds the
+        update's value, which carries no grad, so the call runs eagerly.
+
+        Raises:
+            NoGradUpdate: such a read made a floating-point tensor.
+        """
+        if not self.no_grad_updates or not torch.is_grad_enabled():
+            return
+        if not any(isinstance(p, TensorProxy) and (p.dtype.is_floating_point or p.dtype.is_complex)
+                   for p in iter_proxies(out)):
+            return
+        updated = {name: (op, where) for name, op, where in self.no_grad_updates}
+        for proxy in iter_proxies(tree):
+            view = self.views.get(proxy.name)
+            name = view.root if view is not None else proxy.name
+            if name in updated:
+                op, where = updated[name]
+                raise NoGradUpdate(
+                    f"{name}, which requires grad, is updated in place under torch.no_grad() "
+                    "and then read with grad on", op=op, where=where,
+                    hint="compile the update and the computation that reads it separately")
+
     def resolve_tree(self, tree):
         if not self.mutated:
             return tree

@@ -199,6 +199,29 @@ def test_a_no_grad_update_beside_a_forward_with_grad_runs_eagerly():
     torch.testing.assert_close(twin.weight.grad, model.weight.grad)
 
 
+@pytest.mark.parametrize("read", ["whole", "view"])
+def test_a_parameter_set_under_no_grad_then_read_with_grad_keeps_its_gradient(read):
+    """The updated parameter is the only tensor requiring grad: the trace's update value
+    carried no grad, so the result came back without a grad_fn (a dropped gradient)."""
+
+    def load_then_scale(p, w):
+        with torch.no_grad():
+            p.copy_(w)
+        return (p if read == "whole" else p[1:]) * 2
+
+    p, twin, w = (torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3)),
+                  torch.arange(3.0))
+    jitted = fulmen.jit(load_then_scale)
+    with pytest.warns(UserWarning, match="under torch.no_grad"):
+        got = jitted(twin, w)
+    want = load_then_scale(p, w)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(twin.grad, p.grad)
+    torch.testing.assert_close(twin, p)
+
+
 def test_hooks_and_submodules_of_an_argument_module_changed_between_calls():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
     jitted, x = fulmen.jit(_forward), torch.randn(2, 3)
