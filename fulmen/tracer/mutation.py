@@ -717,6 +717,12 @@ class Functionalizer:
                 raise NotYetSupportedError("out= with this op", op=label,
                                            where=user_source_location())
             values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
+        if torch.is_grad_enabled() and any(isinstance(r, TensorProxy) and r.name in
+                                           self.ctx.requires_grad_names for r in results):
+            raise FulmenError(  # eager's own error: `out=` results carry no autograd history
+                f"{label}(): functions with out=... arguments don't support automatic "
+                "differentiation, but one of the arguments requires grad", op=label,
+                where=user_source_location(), hint="call it without out=, or under torch.no_grad()")
         for target, value in zip(targets, values):
             self.mutate(target, value, label, start)
         return outs

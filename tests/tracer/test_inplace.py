@@ -608,3 +608,18 @@ def test_an_input_requiring_grad_modified_in_place_trains_as_eager(update):
             torch.testing.assert_close(actual, expected)
         else:
             assert actual == expected
+
+
+def test_out_argument_with_an_input_requiring_grad_raises_eagers_error():
+    def f(p):
+        r = torch.zeros(3)
+        torch.add(p, 1, out=r)
+        return r
+
+    p = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        f(p)
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        fulmen.jit(f)(p)
+    with torch.no_grad():  # no autograd: eager and fulmen write the result
+        torch.testing.assert_close(fulmen.jit(f)(p), p.detach() + 1)
