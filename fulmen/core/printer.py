@@ -202,6 +202,20 @@ def symbol_bindings(proxies, symbols: set, name: str = "trace",
     """
     if not symbols:
         return []
+    lines, bound = _bind(proxies, symbols, strides)
+    if symbols - bound:
+        raise FulmenError(f"the symbolic sizes {sorted(map(str, symbols - bound))} are not a "
+                          "size of any input", op=f"print {name}")
+    return lines
+
+
+def bindable_symbols(proxies, symbols: set, strides: bool = True) -> set:
+    """Those of `symbols` that `symbol_bindings` can bind from the sizes of `proxies` (a size
+    that is the symbol, or linear in it: `(s0 - 1) // 2` binds nothing)."""
+    return _bind(proxies, symbols, strides)[1] if symbols else set()
+
+
+def _bind(proxies, symbols: set, strides: bool) -> tuple[list[str], set]:
     from torch.utils._sympy.printers import PythonPrinter
 
     sources = []  # (expression, Python text of the value)
@@ -231,10 +245,7 @@ def symbol_bindings(proxies, symbols: set, name: str = "trace",
                 bound.add(solved[0])
                 lines.append(f"{solved[0]} = {solved[1]}")
                 progress = True
-    if symbols - bound:
-        raise FulmenError(f"the symbolic sizes {sorted(map(str, symbols - bound))} are not a "
-                          "size of any input", op=f"print {name}")
-    return lines
+    return lines, bound
 
 
 def _solve_linear(expr, symbol, text: str, printer) -> tuple[Any, str] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fulmen.core import BoundSymbol, Trace
+from fulmen.core.printer import bindable_symbols
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.transforms.base import transform
 
@@ -59,9 +60,11 @@ def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
     _symbols(tuple(iter_proxies(outputs)), used, 0, seen)
     if not used:
         return []
-    bound: set = set()
-    _symbols(inputs, bound)
-    missing = used - bound
+    held_by_inputs: set = set()
+    _symbols(inputs, held_by_inputs)
+    missing = used - held_by_inputs
+    if used & held_by_inputs:  # held only inside a size no binding solves: `(s0 - 1) // 2`
+        missing = used - bindable_symbols(inputs, used)
     needed = []
     for candidate in candidates:
         if not missing:

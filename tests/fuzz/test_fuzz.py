@@ -25,6 +25,7 @@ CONFIGS = {
     "torch": {"executors": ["torch"]},
     "decomposed": {"executors": ["torch"], "transforms": [decompose_to_prims]},
     "codegen": {"executors": ["codegen", "torch"]},
+    "dynamic": {"executors": ["torch"], "dynamic": True},  # symbolic sizes from the first call
 }
 TOLERANCE = {  # (rtol, atol): half precision differs in rounding of intermediates
     torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7),

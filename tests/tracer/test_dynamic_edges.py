@@ -151,3 +151,22 @@ def test_pad_amounts_from_a_symbolic_size_stay_symbolic():
             x, y = torch.randn(2, n), torch.randn(n + 1)
             torch.testing.assert_close(jfn(x, y), _pad_to(x, y))
     assert fulmen.compile_stats(jfn).cache_misses == 2
+
+
+def test_a_backward_whose_cotangent_size_is_a_floor_of_the_symbol_gets_the_symbol():
+    """`x[1::2]` of a symbolic `s0`: the cotangent's size is `s0 // 2`, from which no binding
+    solves `s0` (the backward needs it for the gradient's size); the input holding `s0` is
+    saved for it. Found by the op fuzzer under dynamic=True ('the symbolic sizes [s52] are not
+    a size of any input')."""
+
+    def f(x):
+        return x[1::2] + 1
+
+    jitted = fulmen.jit(f, dynamic=True)
+    for n in (5, 9, 8):
+        x = torch.randn(n, requires_grad=True)
+        jitted(x).backward(torch.arange(float(n // 2)))
+        want = torch.zeros(n)
+        want[1::2] = torch.arange(float(n // 2))
+        torch.testing.assert_close(x.grad, want)
+    assert fulmen.compile_stats(jitted).cache_misses == 1
