@@ -47,6 +47,17 @@ _MAX_CARRIED = 2**62  # the largest integer traced as a symbol (a size of an emp
 INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where a tensor has dims
 
 
+def _row_major(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s strides are exactly the row-major ones of its sizes (size-1 dims
+    included, which `is_contiguous()` ignores)."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride())):
+        if stride != expected:
+            return False
+        expected *= max(size, 1)
+    return True
+
+
 def carrier(value: int) -> torch.Tensor:
     """The empty tensor whose size 1 carries the integer `value` into a compiled call."""
     return torch.empty((0, value), dtype=torch.uint8)
@@ -179,7 +190,9 @@ class SymbolicSizes:
             if expr.is_Symbol and (low is not None or high is not None):
                 self._constrain(expr, low, high)
             shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)
-        if not tensor.is_contiguous():
+        if not tensor.is_contiguous() or not _row_major(tensor):
+            # a size-1 dim's stride is not the row-major one (`(4, 1)` with strides `(1, 4)`,
+            # contiguous to `is_contiguous()`): written as the view's are, so it reads as eager's
             return tuple(shape), self.view_strides(tensor, shape, label)
         strides, acc = [], 1
         for size in reversed(shape):

@@ -170,3 +170,19 @@ def test_a_backward_whose_cotangent_size_is_a_floor_of_the_symbol_gets_the_symbo
         want[1::2] = torch.arange(float(n // 2))
         torch.testing.assert_close(x.grad, want)
     assert fulmen.compile_stats(jitted).cache_misses == 1
+
+
+def test_an_input_contiguous_but_for_a_size_one_strides_reads_eagers_strides():
+    """A `(n, 1)` input with strides `(1, n)` is contiguous to `is_contiguous()`; its symbolic
+    strides were the row-major `(1, 1)`, so code reading the size-1 dim's stride (through a
+    transpose of `contiguous()`, which returns the input itself) read 1 where eager reads n.
+    Found by the op fuzzer under dynamic=True."""
+
+    def f(a):
+        view = a.contiguous().transpose(0, -1)
+        return a * (1.0 + 0.01 * view.stride(0))
+
+    jitted = fulmen.jit(f, dynamic=True)
+    for a in (torch.randn(1, 4).t(), torch.randn(1, 6).t(), torch.randn(6, 1),
+              torch.randn(1, 5).t()):
+        torch.testing.assert_close(jitted(a), f(a))
