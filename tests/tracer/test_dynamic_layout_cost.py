@@ -130,3 +130,33 @@ def test_meta_kernels_on_fake_tensors_skip_pytorchs_dispatch_cache(monkeypatch):
         assert out.stride() == expected.stride()
     assert fulmen.cache_misses(jfn) == 1
     assert not entries
+
+
+def _scaled(x, w, cos):
+    return (x * w) * cos + x  # a weight and a rotary table broadcast beside the activation
+
+
+def test_broadcast_operands_beside_a_row_major_one_skip_the_permutation_rule(monkeypatch):
+    """Operands that are row-major where they are not broadcast (stride 0) give a row-major
+    output (TensorIterator keeps every dim in place): decided from the strides as expressions,
+    without PyTorch's permutation rule on SymInts (a sympy comparison per pair of dims). The
+    outputs have eager's strides at every size."""
+    import torch._prims_common as prims_common
+
+    asked = []
+    original = prims_common.compute_elementwise_output_logical_to_physical_perm
+
+    def counting(*args, **kwargs):
+        asked.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prims_common, "compute_elementwise_output_logical_to_physical_perm",
+                        counting)
+    jfn = fulmen.jit(_scaled, dynamic=True, executors=["torch"])
+    for batch, length in ((2, 5), (3, 9), (4, 6)):
+        x, w, cos = torch.randn(batch, length, 8), torch.randn(8), torch.randn(1, length, 8)
+        out, expected = jfn(x, w, cos), _scaled(x, w, cos)
+        torch.testing.assert_close(out, expected)
+        assert out.stride() == expected.stride()
+    assert fulmen.cache_misses(jfn) == 1
+    assert not asked
