@@ -56,8 +56,21 @@ class SourceLocation:
         return f"{self.short}  {printable(self.text)}" if self.text else self.short
 
 
+_INTERNAL: dict[str, bool] = {}  # filename -> is_internal's answer (asked per frame while tracing)
+_INTERNAL_LIMIT = 4096
+
+
 def is_internal(filename: str) -> bool:
     """Whether `filename` is fulmen's own code (its tests excepted) or torch's."""
+    found = _INTERNAL.get(filename)
+    if found is None:
+        found = _is_internal(filename)
+        if _TORCH_DIR not in (None, "\0") and len(_INTERNAL) < _INTERNAL_LIMIT:
+            _INTERNAL[filename] = found
+    return found
+
+
+def _is_internal(filename: str) -> bool:
     if filename.startswith(_SKIP_PREFIXES):
         return True
     if filename.startswith(_FULMEN_DIR + os.sep) and os.sep + "tests" + os.sep not in filename:

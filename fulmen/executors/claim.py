@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import SymInt
+
 from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import iter_proxies
@@ -108,20 +110,49 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
 
 def _needs_layout(proxy: TensorProxy, row_major_ok: bool) -> bool:
     """Whether `proxy` reports eager's strides, dense and non-overlapping (and, with
-    `row_major_ok`, not row-major)."""
+    `row_major_ok`, not row-major). Symbolic sizes and strides are compared as expressions
+    (`_dense_order`), never evaluated: no guard is added."""
     if not getattr(proxy, "_fulmen_exact_strides", False):
         return False
-    shape, strides = tuple(proxy.shape), tuple(proxy.stride())
-    if not all(type(n) is int for n in (*shape, *strides)):
+    order = _dense_order(tuple(proxy.shape), tuple(proxy.stride()))
+    if order is None:
         return False
-    if row_major_ok and proxy.is_contiguous():
-        return False
-    expected = 1
-    for size, stride in sorted((s for s in zip(shape, strides) if s[0] > 1), key=lambda s: s[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    return not (row_major_ok and order == sorted(order, reverse=True))
+
+
+def _expr(value):
+    """The sympy expression (or int) of a size or stride, with `Max(1, e)` read as `e` (how
+    PyTorch writes a stride over a size that could be 0; the density check only decides the
+    order of dims, and an empty tensor has no elements to lay out)."""
+    if not isinstance(value, SymInt):
+        return value
+    return value.node.expr.replace(_is_max_of_one, _other_than_one)
+
+
+def _is_max_of_one(expr) -> bool:
+    return type(expr).__name__ == "Max" and len(expr.args) == 2 and 1 in expr.args
+
+
+def _other_than_one(expr):
+    return expr.args[0] if expr.args[1] == 1 else expr.args[1]
+
+
+def _dense_order(shape: tuple, strides: tuple) -> list[int] | None:
+    """The dims of size above 1, innermost first, when `strides` lay out `shape` densely
+    without overlap (each stride the product of the sizes of the dims inside it); else None.
+    Symbolic sizes (never 0 or 1: PyTorch specializes those) and strides are matched as
+    expressions (`s0*s1` is `s1*s0`), so the answer holds for every size of the symbols."""
+    exprs = [(_expr(size), _expr(stride)) for size, stride in zip(shape, strides)]
+    left = [d for d, (size, _) in enumerate(exprs) if not (type(size) is int and size <= 1)]
+    order, expected = [], 1
+    while left:
+        found = [d for d in left if exprs[d][1] == expected]
+        if len(found) != 1:
+            return None
+        order.append(found[0])
+        left.remove(found[0])
+        expected = expected * exprs[found[0]][0]
+    return order
 
 
 class _NamingCtx(TraceCtx):

@@ -322,6 +322,8 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
         # TensorIterator's fast setup: operands of the output's shape, all contiguous, give a
         # contiguous output (decided here without the fake tensors symbolic sizes need)
         return canonical
+    if _row_major_broadcasts(tensors, shape, canonical):
+        return canonical
     envs: list = []
     try:
         key = ("elementwise", _layout_key(tuple(t for t in tensors if t.dim() != 0), envs),
@@ -334,6 +336,37 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
     if key not in cache:
         cache[key] = _elementwise_strides(tensors, shape)
     return cache[key]
+
+
+def _row_major_broadcasts(tensors, shape: tuple, canonical: tuple) -> bool:
+    """Whether every operand broadcast to `shape` (known without a guard: `_broadcast`) has,
+    on each dim, stride 0 or the row-major stride of `shape`, and at least one has no stride
+    0: the weight of `x * w` or the rotary table of `q * cos` beside a contiguous activation.
+    TensorIterator's permutation then keeps every dim in place (a stride 0 never decides an
+    order; every other pair is ordered as row-major), so the output is row-major, as the fake
+    tensors of `_elementwise_strides` would say, without them. Only where every size inside
+    the outermost is known not to be 1 (nor 0): row-major strides are then strictly ordered,
+    with no tie for PyTorch's rule to break by sizes (a size-1 dim's stride)."""
+    if not any(isinstance(v, torch.SymInt) for v in shape):
+        return False  # static sizes: plain meta tensors are cheap, and their cache is shared
+    for size in shape[1:]:
+        if (size < 2) if type(size) is int else not _known_not_one(size):
+            return False
+    full = False
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            continue
+        operand = _broadcast(tensor, shape)
+        if operand is None:
+            return False
+        zeros = 0
+        for stride, expected in zip(operand.strides, canonical):
+            if type(stride) is int and stride == 0:
+                zeros += 1
+            elif not known_same_shape((stride,), (expected,)):
+                return False
+        full |= zeros == 0
+    return full
 
 
 def _elementwise_strides(tensors, shape: tuple) -> tuple:

@@ -58,7 +58,7 @@ from fulmen.tracer.sources import (
     reads_global,
     scalar_sources,
 )
-from fulmen.tracer.symbolic import INT
+from fulmen.tracer.symbolic import INT, STRIDES
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -123,17 +123,21 @@ def _leaf_key(leaf: Any) -> Any:
     return (type(leaf), id(leaf))
 
 
-def _masked_key(t: Tensor, dims: tuple[int, ...]) -> tuple:
+def _masked_key(t: Tensor, dims: tuple) -> tuple:
     """The key of a tensor whose sizes in `dims` are symbolic: those sizes left out (the entry's
-    shape guard checks them), contiguity instead of strides; whether it has a `.grad`, as
-    `_argument_tensor_key` says."""
+    shape guard checks them), contiguity instead of strides (left out too where `dims` ends
+    with `STRIDES`: the strides have symbols of their own, checked by the shape guard);
+    whether it has a `.grad`, as `_argument_tensor_key` says."""
     shape = list(t.shape)
+    free = dims[-1] == STRIDES
+    if free:
+        dims = dims[:-1]
     if any(d >= len(shape) for d in dims):
         return ("symbolic", "rank", len(shape))
     for dim in dims:
         shape[dim] = None
-    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(),
-            has_argument_grad(t))
+    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
+            None if free else t.is_contiguous(), has_argument_grad(t))
 
 
 def _object_leaf_key(leaf: Any) -> Any:

@@ -30,11 +30,20 @@ _lock = threading.Lock()
 _active = 0  # traces (in any thread) with the replacement installed
 
 
+_SymInt = torch.SymInt
+
+
 def _isinstance(obj, classinfo) -> bool:
-    if type(obj) is torch.SymInt and getattr(obj.node.shape_env, SHAPE_ENV_MARK, False) \
-            and not is_internal(sys._getframe(1).f_code.co_filename):
-        return _builtin_isinstance(0, classinfo)  # the question asked of a number
-    return _builtin_isinstance(obj, classinfo)
+    answer = _builtin_isinstance(obj, classinfo)
+    if type(obj) is not _SymInt:
+        return answer
+    as_number = _builtin_isinstance(0, classinfo)  # the question asked of a number
+    # torch's symbolic-shape code asks tens of thousands of these per trace: the caller's
+    # frame is looked at only where the two answers differ
+    if answer == as_number or not getattr(obj.node.shape_env, SHAPE_ENV_MARK, False) \
+            or is_internal(sys._getframe(1).f_code.co_filename):
+        return answer
+    return as_number
 
 
 @contextlib.contextmanager

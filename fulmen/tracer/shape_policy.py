@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fulmen.tracer.objects import is_plain_object, walk
-from fulmen.tracer.symbolic import INT, is_symbolic, tensor_at
+from fulmen.tracer.symbolic import INT, STRIDES, is_symbolic, tensor_at
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 
@@ -118,6 +118,9 @@ class DynamicDims:
         self.dynamic = dynamic
         # argument position (see `tensor_at`) -> dims seen to change
         self.varying: dict[Any, set[int]] = {}
+        # argument positions of tensors seen as views (not contiguous): traced with free
+        # strides once their sizes vary (NOTE [strides of a view input])
+        self.views: set = set()
         # argument position -> dims of size 1 generalised (not specialised to 1) when traced
         self.ones: dict[Any, set[int]] = {}
         self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
@@ -162,7 +165,10 @@ class DynamicDims:
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
             if chosen:
                 dims[i] = chosen
-        found = {i: tuple(sorted(d)) for i, d in dims.items()}
+            if not leaf.is_contiguous():
+                self.views.add(i)
+        found = {i: (*sorted(d), STRIDES) if i in self.views else tuple(sorted(d))
+                 for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
         return found
 
@@ -206,6 +212,7 @@ class DynamicDims:
         self.broken = True
         self.varying.clear()
         self.ones.clear()
+        self.views.clear()
         self.varying_ints.clear()
         self.ints_broken = True
 
@@ -224,7 +231,8 @@ class DynamicDims:
                 continue
             found = tuple(d for d, size in enumerate(proxy.shape) if is_symbolic(size))
             if found:
-                dims[position] = found
+                dims[position] = (*found, STRIDES) if proxy.name in symbolic.free_strides \
+                    else found
         if not dims:
             return {}
         return {"shape_guard": symbolic.guard(program.offset_reads),

@@ -45,6 +45,8 @@ def is_symbolic(value) -> bool:
 
 _MAX_CARRIED = 2**62  # the largest integer traced as a symbol (a size of an empty tensor)
 INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where a tensor has dims
+# ends the `dims` of a tensor whose strides are free of its sizes (NOTE [strides of a view input])
+STRIDES = "strides"
 
 
 def _row_major(tensor: torch.Tensor) -> bool:
@@ -159,6 +161,7 @@ class SymbolicSizes:
                                       allow_dynamic_output_shape_ops=False)
         setattr(self.env, SHAPE_ENV_MARK, True)  # user code formatting its sizes gets numbers
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
+        self.free_strides: set[str] = set()  # inputs with a stride symbol of its own, by name
         self.positions: list[int] = []  # the flattened-argument position of each
 
     def symbolize(self, tensor: torch.Tensor, label: str, dims: Sequence[int]):
@@ -170,6 +173,8 @@ class SymbolicSizes:
         from torch.fx.experimental.symbolic_shapes import DimDynamic
 
         shape = list(tensor.shape)
+        free = STRIDES in dims
+        dims = [d for d in dims if d != STRIDES]
         if not dims:
             return tuple(shape), tuple(tensor.stride())
         bounds = getattr(tensor, "_fulmen_dynamic_dims", {})  # fulmen.mark_dynamic(min=, max=)
@@ -190,10 +195,11 @@ class SymbolicSizes:
             if expr.is_Symbol and (low is not None or high is not None):
                 self._constrain(expr, low, high)
             shape[dim] = self.env.create_symintnode(expr, hint=hint, source=source)
-        if not tensor.is_contiguous() or not _row_major(tensor):
-            # a size-1 dim's stride is not the row-major one (`(4, 1)` with strides `(1, 4)`,
-            # contiguous to `is_contiguous()`): written as the view's are, so it reads as eager's
-            return tuple(shape), self.view_strides(tensor, shape, label)
+        if free or not tensor.is_contiguous() or not _row_major(tensor):
+            # a size-1 dim's stride that is not the row-major one (`(4, 1)` with strides
+            # `(1, 4)`, contiguous to `is_contiguous()`) is written as a view's are, so it
+            # reads as eager's
+            return tuple(shape), self.view_strides(tensor, shape, label, free)
         strides, acc = [], 1
         for size in reversed(shape):
             strides.append(acc)
@@ -209,10 +215,17 @@ class SymbolicSizes:
     # the input's `stride()` in printed traces (`fulmen.core.printer.symbol_bindings`). The
     # shape guard checks every stride against its expression, so a call whose strides are
     # related otherwise (a coincidence of the traced call's values) is traced again.
+    # An input seen both as a view and contiguous (assisted generation crops the cache at some
+    # steps only) is traced with *free* strides (`STRIDES` in its dims, `shape_policy`): no
+    # stride is written as a symbolic size times another, so the stride outside the cache's
+    # length is a symbol of its own even when the traced call's cache was contiguous, and one
+    # entry serves both layouts (its key leaves contiguity out: `guards._masked_key`).
 
-    def view_strides(self, tensor: torch.Tensor, shape: list, label: str) -> tuple:
-        """Symbolic strides for the input `tensor`, a view (not contiguous) whose sizes are
-        `shape` (some symbolic): NOTE [strides of a view input]."""
+    def view_strides(self, tensor: torch.Tensor, shape: list, label: str,
+                     free: bool = False) -> tuple:
+        """Symbolic strides for the input `tensor`, a view (not contiguous, or `free`: written
+        without its symbolic sizes) whose sizes are `shape` (some symbolic): NOTE [strides of
+        a view input]."""
         from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
         from torch.fx.experimental.symbolic_shapes import DimDynamic
 
@@ -220,17 +233,20 @@ class SymbolicSizes:
         strides: list = [stride if stride in (0, 1) else None for stride in hints]
         while None in strides:
             known = {sizes[d] * hints[d]: shape[d] * strides[d]
-                     for d in range(len(hints)) if strides[d] is not None}
+                     for d in range(len(hints)) if strides[d] is not None
+                     and not (free and is_symbolic(shape[d]))}
             for _, d in sorted((hints[d], d) for d in range(len(hints)) if strides[d] is None):
                 if hints[d] in known:
                     strides[d] = known[hints[d]]
-                    known[sizes[d] * hints[d]] = shape[d] * strides[d]
+                    if not (free and is_symbolic(shape[d])):
+                        known[sizes[d] * hints[d]] = shape[d] * strides[d]
             if None in strides:
                 hint, d = min((hints[d], d) for d in range(len(hints)) if strides[d] is None)
                 source = TensorPropertySource(LocalSource(label), TensorProperty.STRIDE, d)
                 expr = self.env.create_symbol(hint, source=source,
                                               dynamic_dim=DimDynamic.DYNAMIC)
                 strides[d] = self.env.create_symintnode(expr, hint=hint, source=source)
+                self.free_strides.add(label)
         return tuple(strides)
 
     def symbolize_int(self, value: int, label: str) -> tuple[torch.SymInt, TensorProxy] | None:

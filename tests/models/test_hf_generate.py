@@ -114,3 +114,25 @@ def test_cropped_cache_does_not_compile_per_token(name):
     assert got == want
     stats = fulmen.compile_stats(jmodel)
     assert stats.eager_calls == 0 and stats.cache_misses <= 4, stats.recompile_reasons
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_prompt_lookup_decoding_compiles_a_bounded_number_of_times(name):
+    """Assisted generation (`prompt_lookup_num_tokens`) crops the cache only at the steps that
+    reject drafted tokens, so the cache arrives contiguous at some calls and as a view at
+    others: a cache seen as a view is traced with strides free of its length (NOTE [strides of
+    a view input]), and one entry serves both layouts. Prefill, the first decode step, decode
+    and verification compile once each (6 before: each layout of decode and verification
+    compiled apart), with eager's tokens."""
+    torch.manual_seed(0)
+    model = MODELS[name][1]().eval()
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 6)).repeat(1, 3)  # repeats: drafts from the prompt
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                  do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    want = model.generate(**kwargs)
+    jmodel = fulmen.jit(model)
+    got = jmodel.generate(**kwargs)
+    assert torch.equal(got, want), f"{name}: fulmen {got.tolist()} eager {want.tolist()}"
+    stats = fulmen.compile_stats(jmodel)
+    assert stats.eager_calls == 0 and stats.cache_misses <= 4, stats.recompile_reasons

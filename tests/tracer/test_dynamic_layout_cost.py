@@ -61,17 +61,46 @@ def test_a_unary_op_on_a_view_that_is_not_dense_is_laid_out_by_rule(fn, fake_mod
     assert not fake_modes
 
 
-@pytest.mark.xfail(strict=True, reason="known: a fused CPU region with symbolic sizes returns "
-                   "its outputs row-major where eager's (and the trace's) layout is permuted")
-def test_a_fused_region_with_symbolic_sizes_returns_eagers_strides(codegen_eager):
-    """The codegen executor allocates a region's outputs row-major (`runtime.py`, `empty`),
-    which for static sizes is planned to eager's layout but with symbolic sizes is not: an
-    elementwise op on `x[:, ::2].transpose(0, 1)` returns strides (32, 8, 1) where eager
-    returns (8, 24, 1). Values are equal."""
-    jfn = fulmen.jit(_strided, dynamic=True)
-    for shape in ((4, 6, 8), (3, 10, 8)):
-        x = torch.randn(shape)
-        assert jfn(x).stride() == _strided(x).stride()
+def _permuted_add(x, y):
+    return torch.sigmoid(x.permute(2, 0, 1) + y.permute(2, 0, 1))
+
+
+def _channels_last_scale(x, w):
+    return torch.relu(x * w[None, :, None, None] + 1)
+
+
+def _broadcast_mix(x, b):
+    return torch.tanh(x) * b  # a permuted operand against a broadcast row-major one
+
+
+def _inputs(fn, n):
+    """Inputs of `fn` for the n-th size of a sweep (other sizes each time)."""
+    a, b, c = (3 + n, 5 + 2 * n, 4 + n)
+    if fn is _strided:
+        return (torch.randn(a, b, c),)
+    if fn is _permuted_add:
+        return torch.randn(a, b, c), torch.randn(a, b, c)
+    if fn is _channels_last_scale:
+        x = torch.randn(2, c, a, b).to(memory_format=torch.channels_last)
+        return x, torch.randn(c)
+    return torch.randn(a, b, c).permute(1, 0, 2), torch.randn(c)
+
+
+@pytest.mark.parametrize("fn", [_strided, _permuted_add, _channels_last_scale, _broadcast_mix])
+def test_a_fused_region_with_symbolic_sizes_returns_eagers_strides(fn, codegen_eager):
+    """The codegen executor writes a region's outputs row-major (`runtime.py`, `empty`); the
+    claim pass relays a returned output whose eager layout is permuted (NOTE [output layout]),
+    and with symbolic sizes its strides are expressions of the sizes, evaluated at each call:
+    an elementwise op on `x[:, ::2].transpose(0, 1)` returns eager's (8, 24, 1), not (32, 8, 1),
+    and channels_last inputs give channels_last outputs, at every size of one compilation."""
+    jfn = fulmen.jit(fn, dynamic=True)
+    for n in range(3):
+        args = _inputs(fn, n)
+        out, expected = jfn(*args), fn(*args)
+        torch.testing.assert_close(out, expected)
+        assert out.stride() == expected.stride(), (n, out.stride(), expected.stride())
+    assert fulmen.cache_misses(jfn) == 1
+    assert any(name.startswith("fusion") for name in fulmen.last_kernels(jfn))
 
 
 def _heads_merged(x):
@@ -101,3 +130,33 @@ def test_meta_kernels_on_fake_tensors_skip_pytorchs_dispatch_cache(monkeypatch):
         assert out.stride() == expected.stride()
     assert fulmen.cache_misses(jfn) == 1
     assert not entries
+
+
+def _scaled(x, w, cos):
+    return (x * w) * cos + x  # a weight and a rotary table broadcast beside the activation
+
+
+def test_broadcast_operands_beside_a_row_major_one_skip_the_permutation_rule(monkeypatch):
+    """Operands that are row-major where they are not broadcast (stride 0) give a row-major
+    output (TensorIterator keeps every dim in place): decided from the strides as expressions,
+    without PyTorch's permutation rule on SymInts (a sympy comparison per pair of dims). The
+    outputs have eager's strides at every size."""
+    import torch._prims_common as prims_common
+
+    asked = []
+    original = prims_common.compute_elementwise_output_logical_to_physical_perm
+
+    def counting(*args, **kwargs):
+        asked.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prims_common, "compute_elementwise_output_logical_to_physical_perm",
+                        counting)
+    jfn = fulmen.jit(_scaled, dynamic=True, executors=["torch"])
+    for batch, length in ((2, 5), (3, 9), (4, 6)):
+        x, w, cos = torch.randn(batch, length, 8), torch.randn(8), torch.randn(1, length, 8)
+        out, expected = jfn(x, w, cos), _scaled(x, w, cos)
+        torch.testing.assert_close(out, expected)
+        assert out.stride() == expected.stride()
+    assert fulmen.cache_misses(jfn) == 1
+    assert not asked
