@@ -645,4 +645,9 @@ MUTANTS: list[Mutant] = [
            "[d % max(source.ndim, 1) for d in dims] == list(range(source.ndim)):",
            "sorted(d % max(source.ndim, 1) for d in dims) == list(range(source.ndim)):",
            ("tests/transforms/test_cse.py", "tests/ops/test_shape.py")),
+    # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
+    Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])",
+           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs])",
+           ("tests/executors/test_codegen_calls.py",)),
 ]
