@@ -88,3 +88,17 @@ def test_a_plan_serves_only_its_own_layout():
             torch.testing.assert_close(region(x, y), _fn(x, y))
             storage.add_(0.5)
     assert len(region._plans) == 3  # contiguous (at any offset), transposed, rows of 10
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (2, 1, 1, 5), (1, 7), (6,)], ids=str)
+def test_outputs_have_the_strides_of_torch_empty(shape):
+    """Kernel outputs are made with the row-major strides `torch.empty` gives, size-1 dims
+    included (a stride differing there changes `stride()` and channels-last answers)."""
+    x, y = torch.randn(shape), torch.randn(shape)
+    jfn = fulmen.jit(_fn, executors=EXECUTORS)
+    out, expected = jfn(x, y), _fn(x, y)
+    _region(jfn)
+    torch.testing.assert_close(out, expected)
+    assert out.stride() == expected.stride() == torch.empty(shape).stride()
+    assert out.is_contiguous(memory_format=torch.channels_last) == \
+        expected.is_contiguous(memory_format=torch.channels_last)

@@ -345,9 +345,12 @@ class _Plan:
 
 def _allocator(shape: tuple, dtype: torch.dtype):
     """A callable making an output of `shape` and `dtype` (`pool.empty`): for an output
-    smaller than the pool's `MIN_BYTES`, `torch.empty` itself, one call less."""
+    smaller than the pool's `MIN_BYTES`, `torch.empty_strided` with the row-major strides
+    `torch.empty` gives (the same tensor; about 1 µs less than `torch.empty`, whose argument
+    parser tries several signatures)."""
     if math.prod(shape) * dtype.itemsize < MIN_BYTES:
-        return functools.partial(torch.empty, shape, dtype=dtype)
+        return functools.partial(torch.empty_strided, tuple(shape), tuple(_contiguous(shape)),
+                                 dtype=dtype)
     return functools.partial(empty, shape, dtype)
 
 
