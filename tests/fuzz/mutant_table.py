@@ -673,4 +673,9 @@ MUTANTS: list[Mutant] = [
            '_restore = torch.compiler.set_stance("force_eager")',
            '_restore = torch.compiler.set_stance("default")',
            ("tests/tracer/test_torch_compile_interplay.py",)),
+    # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
+    Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])",
+           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs])",
+           ("tests/executors/test_codegen_calls.py",)),
 ]

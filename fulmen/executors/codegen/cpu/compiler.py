@@ -136,14 +136,49 @@ def load_library(source: str) -> ctypes.CDLL:
     return lib
 
 
+# NOTE [one-argument entry] A ctypes call converts each argument from Python: six arguments
+# cost about 1 µs a call, more than a small kernel computes. Each kernel is built with
+# `fulmen_call`, which takes one block of int64s: [ndim, block or nouter, nthreads, index of
+# the first pointer, sizes[ndim], strides[ndim * pointers], pointers...]; a call plan fills
+# everything but the pointers once, and each call writes only those (`runtime.py`).
+ENTRY = """
+extern "C" void fulmen_call(const int64_t* a) {
+  fulmen_kernel(a[0], a + 4, a + 4 + a[0], (char* const*)(a + a[3]), a[1], a[2]);
+}
+"""
+
+
+def with_entry(source: str) -> str:
+    """The text built for kernel `source`: the source and its one-argument entry point."""
+    return source + ENTRY
+
+
+def is_kernel_cached(source: str) -> bool:
+    """Whether the kernel `source` (with its entry) is loaded or in the disk cache."""
+    return is_cached(with_entry(source))
+
+
 def load_kernel(source: str):
-    """The `fulmen_kernel` function of `source` (see `load_library`).
+    """The `fulmen_kernel` function of `source` (see `load_library`), taking its six
+    arguments.
 
     Raises:
         CompileError: no compiler, or the compiler failed (its stderr is in the message).
     """
-    fn = load_library(source).fulmen_kernel
+    fn = load_library(with_entry(source)).fulmen_kernel
     fn.argtypes = _ARGTYPES
+    fn.restype = None
+    return fn
+
+
+def load_entry(source: str):
+    """The `fulmen_call` entry of kernel `source` (NOTE [one-argument entry]): called with one
+    ctypes int64 array, the block, passed as a pointer with no conversion of its own.
+
+    Raises:
+        CompileError: no compiler, or the compiler failed (its stderr is in the message).
+    """
+    fn = load_library(with_entry(source)).fulmen_call
     fn.restype = None
     return fn
 

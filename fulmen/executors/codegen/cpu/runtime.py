@@ -8,8 +8,10 @@
    contiguously (so a contiguous region runs as one flat loop);
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
-Steps 1-3 make a call plan, kept per (threads, sizes, strides, dtypes, devices) of the inputs. A
-plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
+Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
+the inputs: a call then only allocates its outputs, writes its pointers into a block of the
+kernel's arguments (sizes and strides written once) and calls the kernel's one-argument entry
+(NOTE [one-argument entry] in `compiler.py`). A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
 kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
 would reinterpret their bytes.
 
@@ -34,8 +36,10 @@ executor from then on: never a crash, never a wrong result.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import warnings
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -43,7 +47,7 @@ import torch
 from fulmen.executors.codegen import cache
 from fulmen.executors.codegen.build import policy, submit
 from fulmen.executors.codegen.cpu import compiler
-from fulmen.executors.codegen.cpu.pool import empty
+from fulmen.executors.codegen.cpu.pool import MIN_BYTES, empty
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import MASK_INPUT, RowKernel
@@ -66,7 +70,7 @@ GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GR
 def _submit(source: str) -> Future:
     """The (shared) future loading the kernel of `source` (see `policy.submit`)."""
     key = ("kernel", source, str(cache.requested_root()), compiler.compiler())
-    return submit(key, compiler.load_kernel, source)
+    return submit(key, compiler.load_entry, source)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -96,7 +100,7 @@ class FusedRegion(RegionCallable):
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
         source = self._source(contiguous)
-        if policy.mode == "eager" or compiler.is_cached(source):
+        if policy.mode == "eager" or compiler.is_kernel_cached(source):
             self._start(contiguous)  # the common layout, in the background
 
     def _source(self, layout: tuple) -> str:
@@ -158,22 +162,24 @@ class FusedRegion(RegionCallable):
                 return self._run_empty(lowered, inputs)
             rows = isinstance(lowered.kernel, RowKernel)
             plan = self._plan_rows(inputs, lowered) if rows else self._plan(inputs, lowered)
-            if plan[-1]:  # valid for every call with this key
-                if len(self._plans) >= MAX_BOUND:
-                    self._plans.clear()
-                self._plans[_kept_key(key)] = plan
-        fn, ndim, c_sizes, c_strides, pointers, arg, nthreads, out_specs, direct, views = \
-            plan[:10]
-        outs = [empty(shape, dtype) for shape, dtype in out_specs]
-        bases = [inputs[i] if isinstance(i, int) else i.base(inputs) if isinstance(i, _Copy)
-                 else i for i, _ in pointers]  # copies stay alive until the kernel returns
-        c_ptrs = (ctypes.c_void_p * (len(pointers) + len(outs)))(
-            *[base.data_ptr() + o for base, (_, o) in zip(bases, pointers)],
-            *[out.data_ptr() for out in outs])
-        fn(ndim, c_sizes, c_strides, ctypes.addressof(c_ptrs), arg, nthreads)
-        if direct:  # the kernel's outputs are the region's, in order
+            if len(self._plans) >= MAX_BOUND:
+                self._plans.clear()
+            self._plans[_kept_key(key)] = plan
+        outs = [new() for new in plan.news]
+        if plan.extra:  # masks (the plan's) and copies (this call's) stay alive past the kernel
+            inputs = (*inputs, *plan.masks, *[copy.base(inputs) for copy in plan.copies])
+        free = plan.free
+        try:
+            block = free.pop()  # a block no other thread is using (deque.pop is atomic)
+        except IndexError:
+            block = plan.block()
+        block[plan.start:] = [inputs[i].data_ptr() + o for i, o in plan.reads] + \
+            [out.data_ptr() for out in outs]
+        plan.fn(block)
+        free.append(block)
+        if plan.direct:  # the kernel's outputs are the region's, in order
             return outs[0] if len(outs) == 1 else tuple(outs)
-        return region_results(None, inputs, outs, views)
+        return region_results(None, inputs, outs, plan.views)
 
     @staticmethod
     def _empty(lowered) -> bool:
@@ -206,11 +212,11 @@ class FusedRegion(RegionCallable):
         return [column_shape if column else kept_shape if row else shape
                 for row, column in zip(kernel.output_rows, kernel.output_columns)]
 
-    def _pointers(self, inputs, expected, accesses) -> tuple[list, list, bool]:
-        """Per access: (input index, base tensor or `_Copy`, byte offset), its strides, and
-        whether the pointers serve every call with these input shapes and strides (always,
-        now that a copy is made again by each call: `_Copy`)."""
-        pointers, rows, in_place = [], [], True
+    def _pointers(self, inputs, expected, accesses) -> tuple[list, list]:
+        """Per access: (input index, mask tensor or `_Copy`, byte offset), and its strides;
+        they serve every call with these input shapes and strides (a copy is made again by
+        each call: `_Copy`)."""
+        pointers, rows = [], []
         for access, shape in zip(accesses, expected):
             if access.input == MASK_INPUT:  # made from the sizes, the same for every call
                 mask, strides = mask_tensor(access)
@@ -224,16 +230,12 @@ class FusedRegion(RegionCallable):
             where = access.input if own else _Copy(access.input, access)
             pointers.append((where, offset * base.element_size()))
             rows.append(strides)
-        return pointers, rows, in_place
+        return pointers, rows
 
-    def _plan(self, inputs, lowered) -> tuple:
-        """How to call a pointwise kernel for inputs of these shapes and strides: (kernel,
-        ndim, address of the sizes, of the strides, pointers, block, threads, output (shape,
-        dtype)s, whether its results are the kernel's outputs, the output plans, the C array,
-        reusable)."""
+    def _plan(self, inputs, lowered) -> _Plan:
+        """How to call a pointwise kernel for inputs of these shapes and strides (`_Plan`)."""
         kernel, shape = lowered.kernel, lowered.shape
-        pointers, rows, in_place = self._pointers(inputs, [shape] * len(kernel.accesses),
-                                                  kernel.accesses)
+        pointers, rows = self._pointers(inputs, [shape] * len(kernel.accesses), kernel.accesses)
         rows += [_contiguous(shape) for _ in kernel.outputs]
         sizes, rows = _long_inner(*coalesce(shape, rows))
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
@@ -246,10 +248,9 @@ class FusedRegion(RegionCallable):
         if nthreads > 1 and nrows < 4 * nthreads:
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, in_place,
-                               inputs)
+        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, inputs)
 
-    def _plan_rows(self, inputs, lowered) -> tuple:
+    def _plan_rows(self, inputs, lowered) -> _Plan:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
         block): strides over (kept axes, reduced axes), each part coalesced."""
         kernel = lowered.kernel
@@ -273,7 +274,7 @@ class FusedRegion(RegionCallable):
             return [0 if d in reduced else next(it) for d in range(len(shape))]
 
         expected = [kept_shape if row else shape for row in kernel.access_rows]
-        pointers, strides, in_place = self._pointers(inputs, expected, kernel.accesses)
+        pointers, strides = self._pointers(inputs, expected, kernel.accesses)
         rows = [full(s, row) for s, row in zip(strides, kernel.access_rows)]
         rows += [full(_contiguous(out_shape), row, column) for out_shape, row, column
                  in zip(out_shapes, kernel.output_rows, kernel.output_columns)]
@@ -284,24 +285,73 @@ class FusedRegion(RegionCallable):
         fn = self._kernel_for(layout)
         rows = [o + i for o, i in zip(outer_rows, inner_rows)]
         return self._call_plan(fn, outer + inner, rows, pointers, len(outer), nthreads, lowered,
-                               in_place, inputs)
+                               inputs)
 
-    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, in_place,
-                   inputs) -> tuple:
-        """A plan (see `_plan`): the coalesced sizes and stride rows in one C array, passed by
-        address (the plan keeps them alive), the output specs, whether the kernel's outputs
-        are the region's results as they are, and the output plans (`strided_views`). Plans
-        are kept per shape (up to `MAX_BOUND`), so one is made of tuples, which the garbage
-        collector stops tracking, and does not hold the concrete region `lowered`."""
-        flat = [s for row in rows for s in row]
-        c_array = (ctypes.c_int64 * (len(sizes) + len(flat)))(*sizes, *flat)  # sizes, strides
-        address = ctypes.addressof(c_array)
+    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, inputs) -> _Plan:
+        """A plan (see `_plan`) from the coalesced sizes and stride rows, the kernel's
+        pointers, its block (or number of kept axes) and threads. Plans are kept per shape (up
+        to `MAX_BOUND`), so one does not hold the concrete region `lowered`."""
         out_specs = tuple(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
-        return (fn, len(sizes), address, address + 8 * len(sizes), tuple(pointers), arg,
-                nthreads, out_specs, direct, views, c_array, in_place)
+        return _Plan(fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+                     len(inputs))
+
+
+class _Plan:
+    """All a call of one kernel needs for inputs of one key (sizes, strides, dtypes, threads),
+    made once (`FusedRegion._call_plan`), so that a call only allocates its outputs, writes
+    its pointers into a block of the kernel's arguments and calls it (NOTE [one-argument
+    entry] in `compiler.py`).
+
+    `reads` are (source, byte offset) per access: a source indexes the call's inputs, then
+    `masks` (the plan's own tensors), then one base per `_Copy` in `copies`, made anew by each
+    call. `news` allocate the outputs. A block holds the sizes and strides, written once, and
+    the pointers of one call: blocks not in use wait in `free`, and a call takes one from it
+    (or makes one), so calls on several threads (the GIL is released while a kernel runs)
+    never share a block."""
+
+    __slots__ = ("fn", "reads", "masks", "copies", "extra", "news", "start", "header",
+                 "block_type", "free", "direct", "views")
+
+    def __init__(self, fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+                 ninputs: int) -> None:
+        self.fn, self.direct, self.views = fn, direct, views
+        masks = [where for where, _ in pointers if isinstance(where, torch.Tensor)]
+        copies = [where for where, _ in pointers if isinstance(where, _Copy)]
+        reads = []
+        for where, offset in pointers:
+            if isinstance(where, int):
+                source = where
+            elif isinstance(where, torch.Tensor):
+                source = ninputs + next(m for m, mask in enumerate(masks) if mask is where)
+            else:
+                source = ninputs + len(masks) + copies.index(where)
+            reads.append((source, offset))
+        self.reads, self.masks, self.copies = tuple(reads), tuple(masks), tuple(copies)
+        self.extra = bool(masks or copies)
+        self.news = tuple(_allocator(shape, dtype) for shape, dtype in out_specs)
+        flat = [s for row in rows for s in row]
+        self.start = 4 + len(sizes) + len(flat)
+        self.header = (len(sizes), arg, nthreads, self.start, *sizes, *flat)
+        self.block_type = ctypes.c_int64 * (self.start + len(pointers) + len(out_specs))
+        self.free = deque((self.block(),))
+
+    def block(self):
+        """A new block of the kernel's arguments, its pointers not yet written."""
+        return self.block_type(*self.header)
+
+
+def _allocator(shape: tuple, dtype: torch.dtype):
+    """A callable making an output of `shape` and `dtype` (`pool.empty`): for an output
+    smaller than the pool's `MIN_BYTES`, `torch.empty_strided` with the row-major strides
+    `torch.empty` gives (the same tensor; about 1 µs less than `torch.empty`, whose argument
+    parser tries several signatures)."""
+    if math.prod(shape) * dtype.itemsize < MIN_BYTES:
+        return functools.partial(torch.empty_strided, tuple(shape), tuple(_contiguous(shape)),
+                                 dtype=dtype)
+    return functools.partial(empty, shape, dtype)
 
 
 def _kept_key(key: tuple) -> tuple:
