@@ -128,13 +128,27 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     if len(bsym.subsymbols) == 1 and producers[0].sym.name == "permute":
         return [(leaf.shape, leaf.stride()) for leaf in outputs]  # the input's, permuted
     with torch._C.DisableTorchFunctionSubclass():
-        if not all(p.is_contiguous() for p in inputs):
+        if not all(p.is_contiguous() and _size_one_strides_row_major(p) for p in inputs):
             return None
     names = {p.name for p in inputs}
     if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names)
            or _keeps_reduced_dims(bsym, p) for p in producers):
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     return None
+
+
+def _size_one_strides_row_major(p: TensorProxy) -> bool:
+    """Whether `p`'s strides at its (static) dimensions of size 1 are the row-major ones. A
+    contiguous tensor may have others there (`x.transpose(1, 2)` of a `(2, 1, 8)` tensor has
+    strides `(8, 1, 8)`), and eager keeps them through views and elementwise maps
+    (`.reshape(2, -1, 1, 1)` gives `(8, 1, 8, 8)`, not `(8, 1, 1, 1)`), which decides the
+    memory format a later op suggests (channels-last for `F.interpolate`, and so the order in
+    which a dropout mask is drawn): the meta kernel answers for such inputs."""
+    for size, stride, row in zip(p.shape, p.stride(), contiguous_strides(p.shape)):
+        if type(size) is int and size == 1 and type(stride) is int and type(row) is int \
+                and stride != row:
+            return False
+    return True
 
 
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest

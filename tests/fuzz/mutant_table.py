@@ -645,4 +645,7 @@ MUTANTS: list[Mutant] = [
            "[d % max(source.ndim, 1) for d in dims] == list(range(source.ndim)):",
            "sorted(d % max(source.ndim, 1) for d in dims) == list(range(source.ndim)):",
            ("tests/transforms/test_cse.py", "tests/ops/test_shape.py")),
+    Mutant("layout_size_one_strides_as_row_major", "layout", "tracer/layout.py",
+           "if not all(p.is_contiguous() and _size_one_strides_row_major(p) for p in inputs):",
+           "if not all(p.is_contiguous() for p in inputs):", LAYOUT),
 ]
