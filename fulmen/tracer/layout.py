@@ -137,12 +137,12 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         if not all(p.is_contiguous() for p in inputs):
             return None
     if len(outputs) == 1 and "elementwise" in producers[0].sym.tags \
-            and any(_size_one_strides_only(p) for p in inputs):  # `torch.where(c, x, 0.0)`
-        shape = tuple(outputs[0].shape)
-        if _fast_setup(func, args, kwargs, inputs, shape):
-            return [(outputs[0].shape, contiguous_strides(shape))]
-        if all(p.dim() == 0 or known_same_shape(tuple(p.shape), shape) for p in inputs):
-            return [(outputs[0].shape, elementwise_strides(inputs, shape))]
+            and any(_size_one_strides_only(p) for p in inputs) \
+            and _fast_setup(func, args, kwargs, inputs, tuple(outputs[0].shape)):
+        return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]  # `torch.where(c, x, y)`
+    with torch._C.DisableTorchFunctionSubclass():
+        if not all(_size_one_strides_row_major(p) for p in inputs):
+            return None  # the meta kernel answers (`_size_one_strides_row_major`)
     names = {p.name for p in inputs}
     if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names)
            or _keeps_reduced_dims(bsym, p) for p in producers):
@@ -216,6 +216,20 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     except Exception:  # an op the stand-ins do not suit: PyTorch's rule answers
         return False
     return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
+
+
+def _size_one_strides_row_major(p: TensorProxy) -> bool:
+    """Whether `p`'s strides at its (static) dimensions of size 1 are the row-major ones. A
+    contiguous tensor may have others there (`x.transpose(1, 2)` of a `(2, 1, 8)` tensor has
+    strides `(8, 1, 8)`), and eager keeps them through views and elementwise maps
+    (`.reshape(2, -1, 1, 1)` gives `(8, 1, 8, 8)`, not `(8, 1, 1, 1)`), which decides the
+    memory format a later op suggests (channels-last for `F.interpolate`, and so the order in
+    which a dropout mask is drawn): the meta kernel answers for such inputs."""
+    for size, stride, row in zip(p.shape, p.stride(), contiguous_strides(p.shape)):
+        if type(size) is int and size == 1 and type(stride) is int and type(row) is int \
+                and stride != row:
+            return False
+    return True
 
 
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest

@@ -2,8 +2,9 @@
 
 Policy, as torch.compile's (`fulmen.jit(dynamic=...)`):
 - `dynamic=None` (default): the first call is compiled for its exact shapes; when a later call
-  misses the cache with the same argument structure and ranks but other sizes, the dimensions
-  that changed become dynamic and the call is traced once with symbolic sizes there.
+  misses the cache and an argument (by name, with the same rank) has other sizes than at an
+  earlier miss, the dimensions that changed become dynamic and the call is traced once with
+  symbolic sizes there.
 - `dynamic=True`: every dimension of every tensor argument is symbolic from the first call.
 - `dynamic=False`: never symbolic, except where marked.
 `fulmen.mark_dynamic(t, dim)` / `mark_static(t, dim)` (or `torch._dynamo.mark_dynamic`) on an
@@ -116,15 +117,16 @@ class DynamicDims:
 
     def __init__(self, dynamic: bool | None) -> None:
         self.dynamic = dynamic
-        # argument position (see `tensor_at`) -> dims seen to change
-        self.varying: dict[Any, set[int]] = {}
-        # argument positions of tensors seen as views (not contiguous): traced with free
-        # strides once their sizes vary (NOTE [strides of a view input])
-        self.views: set = set()
-        # argument position -> dims of size 1 generalised (not specialised to 1) when traced
-        self.ones: dict[Any, set[int]] = {}
+        # argument name (`label` of `dims_for`) -> dims seen to change
+        self.varying: dict[str, set[int]] = {}
+        # names of tensor arguments seen as views (not contiguous): traced with free strides
+        # once their sizes vary (NOTE [strides of a view input])
+        self.views: set[str] = set()
+        # argument name -> dims of size 1 generalised (not specialised to 1) when traced
+        self.ones: dict[str, set[int]] = {}
         self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
-        self.last: list[tuple[Any, tuple[int, ...]]] | None = None
+        # argument name -> its shape at the last call that missed the cache
+        self.seen: dict[str, tuple[int, ...]] = {}
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
@@ -136,38 +138,48 @@ class DynamicDims:
 
     def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
         """The dimensions of the call's tensor arguments to trace with symbolic sizes;
-        `label(position)` names an argument in the `recompiles` log."""
+        `label(position)` names an argument (and the `recompiles` log).
+
+        A size varies when it differs from the size the same argument (by name, with the same
+        rank) had at an earlier call that missed the cache, whatever the other arguments were:
+        a generate over another prompt length starts with calls of another structure (the
+        prefill without a cache), so comparing only calls of one structure would never see the
+        encoder's length change, and would compile each decode step again for each length."""
         shapes = _tensor_shapes(leaves)
-        if self.dynamic is None and not self.broken and self.last is not None \
-                and [(i, len(s)) for i, s in shapes] == [(i, len(s)) for i, s in self.last]:
-            for (i, new), (_, old) in zip(shapes, self.last):
+        names = [label(i) for i, _ in shapes]
+        if self.dynamic is None and not self.broken:
+            for name, (_, new) in zip(names, shapes):
+                old = self.seen.get(name)
+                if old is None or len(old) != len(new):
+                    continue
                 changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
-                if changed - self.varying.get(i, set()):
-                    _RECOMPILES.info("%s: size %s varies; tracing it symbolically", label(i),
+                if changed - self.varying.get(name, set()):
+                    _RECOMPILES.info("%s: size %s varies; tracing it symbolically", name,
                                      ", ".join(f"{d} ({old[d]} -> {new[d]})" for d in sorted(changed)))
-                    self.varying.setdefault(i, set()).update(changed)
+                    self.varying.setdefault(name, set()).update(changed)
                     # a size 1 beside a size that varies (the batch of 1 of a length sweep)
                     # is generalised too, unless it is what changed (1 token when decoding)
                     if self.generalise_ones:
                         ones = {d for d, size in enumerate(new) if size == 1 and d not in changed}
-                        self.ones.setdefault(i, set()).update(ones)
-                        self.varying[i] |= ones
-        self.last = shapes
+                        self.ones.setdefault(name, set()).update(ones)
+                        self.varying[name] |= ones
+        self.seen.update(zip(names, (shape for _, shape in shapes)))
         dims: dict[int, set[int]] = {}
-        for i, shape in shapes:
+        for name, (i, shape) in zip(names, shapes):
             leaf = tensor_at(leaves, i)
             chosen = set(range(len(shape))) if self.dynamic is True else set(
-                d for d in self.varying.get(i, ()) if d < len(shape))
+                d for d in self.varying.get(name, ()) if d < len(shape))
             chosen |= set(getattr(leaf, "_fulmen_dynamic_dims", {}))
             chosen |= set(getattr(leaf, "_dynamo_dynamic_indices", ()))
             chosen -= getattr(leaf, "_fulmen_static_dims", set())
-            ones = self.ones.get(i, set())
+            ones = self.ones.get(name, set())
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
             if chosen:
                 dims[i] = chosen
             if not leaf.is_contiguous():
-                self.views.add(i)
-        found = {i: (*sorted(d), STRIDES) if i in self.views else tuple(sorted(d))
+                self.views.add(name)
+        views = {i for name, (i, _) in zip(names, shapes) if name in self.views}
+        found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
         return found

@@ -21,7 +21,9 @@ not reach that input from the outputs used (a VJP is linear in its cotangent, so
 from a used output never folds to zero). So does one that, folded or not, reads none of the
 used cotangents (`_reached`): a zero materialized on its way (a zero sliced along the last
 dimension, an opaque op's VJP) leaves it all zeros, and eager leaves it None, which an
-optimizer then skips (AdamW's weight decay included). Dead statements then go. Where folding or compiling a
+optimizer then skips (AdamW's weight decay included). One that reads no cotangent at all,
+used or not, stays: its path to a used output crosses an empty tensor (`h[:, 0:-1]` of one
+row: the VJP pads nothing into zeros), and eager, which reaches the input, gives zeros. Dead statements then go. Where folding or compiling a
 pattern fails, the pipeline builds it with `fold=False`: zeros materialized first, as before.
 """
 
@@ -158,8 +160,10 @@ def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool
 
     output = map_proxies(rename, trace.output)
     reached = _reached(kept, {c.name for c, flag in zip(cotangents, unused) if not flag})
-    output = tuple(None if isinstance(g, Proxy) and (g.name in zero or g.name not in reached)
-                   else g for g in output)
+    from_unused = _reached(kept, set(known))
+    output = tuple(None if isinstance(g, Proxy) and (
+        g.name in zero or (g.name not in reached and g.name in from_unused)) else g
+        for g in output)
     args = tuple(a for a in trace.args[:len(trace.args) - count]) + tuple(
         c for c, flag in zip(cotangents, unused) if not flag)
     bsyms = live_bsyms(kept, output)

@@ -678,4 +678,10 @@ MUTANTS: list[Mutant] = [
            "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])",
            "*[(t.shape, t.dtype, t.is_cpu) for t in inputs])",
            ("tests/executors/test_codegen_calls.py",)),
+    Mutant("layout_size_one_strides_as_row_major", "layout", "tracer/layout.py",
+           "if not all(p.is_contiguous() and _size_one_strides_row_major(p) for p in inputs):",
+           "if not all(p.is_contiguous() for p in inputs):", LAYOUT),
+    Mutant("unused_cotangents_empty_path_grad_as_none", "passes", "transforms/unused_cotangents.py",
+           "(g.name not in reached and g.name in from_unused)", "(g.name not in reached)",
+           ("tests/transforms/test_unused_cotangents.py",)),
 ]

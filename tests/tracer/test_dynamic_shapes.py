@@ -402,3 +402,21 @@ def test_an_op_run_for_real_with_a_symbolic_size_argument_equals_eager():
         x = torch.randn(rows, 6)
         torch.testing.assert_close(jfn(x), _pad_by_length(x))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _encode_or_decode(x, memory=None):
+    if memory is None:
+        return torch.tanh(x).sum(-1)
+    return (x * memory.mean(-1)).sum(-1)
+
+
+def test_a_size_that_changed_under_another_call_structure_becomes_symbolic():
+    # an encoder-decoder's generate: the call with a memory (each decode step) follows a call
+    # without one (the encoder); the memory's length changes only between generates, never
+    # between two calls of the same structure, and must still become symbolic
+    jfn = fulmen.jit(_encode_or_decode)
+    for length in (7, 9, 11, 13, 5):
+        x, token, memory = torch.randn(2, length), torch.randn(2, 1), torch.randn(2, length, 3)
+        torch.testing.assert_close(jfn(x), _encode_or_decode(x))
+        torch.testing.assert_close(jfn(token, memory), _encode_or_decode(token, memory))
+    assert fulmen.cache_misses(jfn) == 4  # each structure: its first length, then symbolic

@@ -139,3 +139,22 @@ def test_type_as_is_laid_out_by_its_input_alone(other):
     actual, strides = fulmen.jit(fn)(mask, query)
     torch.testing.assert_close(actual, expected)
     assert strides == expected_strides and actual.stride() == expected.stride()
+
+
+def _upsampled_dropout(b, w):
+    # SegFormer's decode head: a projection of a 1x1 feature map viewed back as (n, c, 1, 1)
+    # keeps strides (c, 1, c, c) at its size-1 dims, so eager's bilinear upsample of it is
+    # channels-last, and the dropout after it draws its mask in that memory order
+    t = F.linear(b.flatten(2).transpose(1, 2), w).transpose(1, 2).reshape(2, -1, 1, 1)
+    up = F.interpolate(t, size=(4, 4), mode="bilinear", align_corners=False)
+    return F.dropout(up, 0.5), t.stride()
+
+
+def test_a_view_keeps_eagers_strides_at_size_one_dims():
+    b, w = torch.randn(2, 6, 1, 1), torch.randn(8, 6, requires_grad=True)
+    torch.manual_seed(0)
+    want, want_strides = _upsampled_dropout(b, w)
+    torch.manual_seed(0)
+    got, got_strides = fulmen.jit(_upsampled_dropout)(b, w)
+    assert got_strides == want_strides == (8, 1, 8, 8)
+    torch.testing.assert_close(got, want)  # the same mask

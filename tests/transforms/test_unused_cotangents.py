@@ -102,6 +102,25 @@ def test_an_input_reached_only_through_an_unused_output_and_unfolded_zeros_gets_
     assert ew.grad is None and fw.grad is None  # zeros would be stepped by AdamW's decay
 
 
+def _loss_through_an_empty_slice(x, w):
+    # HF CANINE's downsampling: a 7-character input gives one molecule, which `[:, 0:-1]`
+    # drops, so the convolution reaches the loss only through an empty tensor (the second
+    # output, unused, stands for the logits next to the loss)
+    h = torch.cat([x[:, :1], (x @ w)[:, 0:-1]], 1)
+    return h.sum(), h * 2
+
+
+def test_an_input_reached_through_an_empty_tensor_gets_zeros_as_in_eager():
+    x, w = torch.randn(2, 3), torch.randn(3, 1)
+    jfn = fulmen.jit(_loss_through_an_empty_slice)
+    fx, fw, ex, ew = _leaves(x, w, x, w)
+    jfn(fx, fw)[0].backward()
+    _loss_through_an_empty_slice(ex, ew)[0].backward()
+    torch.testing.assert_close(fx.grad, ex.grad)
+    assert ew.grad is not None and fw.grad is not None  # zeros: AdamW decays it
+    torch.testing.assert_close(fw.grad, ew.grad)
+
+
 def test_outputs_used_through_a_view_and_in_turns_with_retain_graph_equal_eager():
     x, w, labels = _inputs(1)
     jfn = fulmen.jit(_loss_and_logits)
