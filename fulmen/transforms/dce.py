@@ -71,9 +71,13 @@ def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
             break
         held: set = set()
         _symbols(candidate, held)
-        if held & missing:
+        if not held & missing:
+            continue
+        # what the candidate makes bindable (a size `s0*s1` of a flattened value binds neither)
+        gained = missing & bindable_symbols((*inputs, *needed, candidate), missing)
+        if gained:
             needed.append(candidate)
-            missing -= held
+            missing -= gained
     return needed
 
 

@@ -684,4 +684,7 @@ MUTANTS: list[Mutant] = [
     Mutant("unused_cotangents_empty_path_grad_as_none", "passes", "transforms/unused_cotangents.py",
            "(g.name not in reached and g.name in from_unused)", "(g.name not in reached)",
            ("tests/transforms/test_unused_cotangents.py",)),
+    Mutant("size_sources_take_products", "dynamic", "transforms/dce.py",
+           "gained = missing & bindable_symbols((*inputs, *needed, candidate), missing)",
+           "gained = missing & held", DYNAMIC_EDGES),
 ]

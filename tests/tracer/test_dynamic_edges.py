@@ -6,8 +6,10 @@ run a trace with symbolic sizes)."""
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 import fulmen
+from fulmen.transforms.dce import size_sources
 
 SIZES = (5, 6, 7, 9)
 
@@ -186,3 +188,23 @@ def test_an_input_contiguous_but_for_a_size_one_strides_reads_eagers_strides():
     for a in (torch.randn(1, 4).t(), torch.randn(1, 6).t(), torch.randn(6, 1),
               torch.randn(1, 5).t()):
         torch.testing.assert_close(jitted(a), f(a))
+
+
+def test_a_flattened_residual_does_not_stand_for_the_sizes_it_multiplies():
+    """A backward needing s0 and s1 (to shape a `(s0, s1, V)` gradient) whose inputs hold them
+    only as the product of a flattened residual (`(s0*s1, V)`, from which no binding solves
+    either): the size source must be a candidate that binds them, not another flattened value
+    (rematerialization took one, and printing the backward raised 'the symbolic sizes [...]
+    are not a size of any input'; the model fuzzer, `make fuzz` models: torch seed 2, met it as
+    cross-entropy of flattened logits after a graph break)."""
+    from fulmen.proxies import TensorProxy
+    from fulmen.tracer.symbolic import SymbolicSizes
+
+    sizes = SymbolicSizes()
+    shape, strides = sizes.symbolize(torch.empty(2, 3, 19), "logits", dims=(0, 1))
+    logits = TensorProxy("logits", shape, torch.float32, "cpu", strides=strides)
+    flat = TensorProxy("flat", (shape[0] * shape[1], 19), torch.float32, "cpu")
+    labels = TensorProxy("labels", (shape[0] * shape[1],), torch.int64, "cpu")
+    grad = TensorProxy("grad", shape, torch.float32, "cpu", strides=strides)
+    found = size_sources((), (grad,), (flat,), (labels, logits))
+    assert [p.name for p in found] == ["logits"]
