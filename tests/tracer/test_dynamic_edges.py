@@ -6,7 +6,6 @@ run a trace with symbolic sizes)."""
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import fulmen
 from fulmen.transforms.dce import size_sources
