@@ -14,15 +14,25 @@ call runs, compiled by fulmen, between Dynamo's graphs.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
-_lock = threading.Lock()
-_active = 0  # traces (in any thread) inside the stance
-_restore = None  # the `set_stance` object that puts back the stance found by the first trace
+from fulmen.tracer.process_switch import ProcessSwitch
+
+_stance = []  # the `set_stance` object that puts back the stance found by the first trace
+
+
+def _force_eager() -> None:
+    _stance.append(torch.compiler.set_stance("force_eager"))
+
+
+def _put_back() -> None:
+    _stance.pop().__exit__(None, None, None)
+
+
+_SWITCH = ProcessSwitch(_force_eager, _put_back)
 
 
 @contextlib.contextmanager
@@ -31,23 +41,12 @@ def compiled_code_runs_eagerly() -> Iterator[None]:
     process-wide; it is put back when the last trace in any thread ends, also after an error).
     Inside an active Dynamo frame callback (a `torch._dynamo.optimize` context entered by hand)
     the stance cannot change; the trace then runs as it comes."""
-    global _active, _restore
     callback = get_eval_frame_callback()
     if callback is not None and callback is not False:
         yield
         return
-    with _lock:
-        if _active == 0:
-            _restore = torch.compiler.set_stance("force_eager")
-        _active += 1
-    try:
+    with _SWITCH:
         yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _restore.__exit__(None, None, None)
-                _restore = None
 
 
 @torch.compiler.disable(recursive=True)

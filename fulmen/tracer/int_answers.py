@@ -15,19 +15,15 @@ cannot answer] in `fulmen.tracer.shape_policy` says what is still different (`ty
 from __future__ import annotations
 
 import builtins
-import contextlib
 import sys
-import threading
-from collections.abc import Iterator
 
 import torch
 
 from fulmen.core.source import is_internal
 from fulmen.tracer.formatting import SHAPE_ENV_MARK
+from fulmen.tracer.process_switch import ProcessSwitch
 
 _builtin_isinstance = builtins.isinstance
-_lock = threading.Lock()
-_active = 0  # traces (in any thread) with the replacement installed
 
 
 _SymInt = torch.SymInt
@@ -46,20 +42,21 @@ def _isinstance(obj, classinfo) -> bool:
     return as_number
 
 
-@contextlib.contextmanager
-def symbolic_ints_are_ints() -> Iterator[None]:
-    """Around a trace with symbolic sizes: user code's `isinstance` on fulmen's SymInts answers
-    as for an `int` (see the module docstring); the builtin is put back after the last such
-    trace ends, also after an error."""
-    global _active
-    with _lock:
-        if _active == 0:
-            builtins.isinstance = _isinstance
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                builtins.isinstance = _builtin_isinstance
+def _replace() -> None:
+    builtins.isinstance = _isinstance
+
+
+def _restore() -> None:
+    builtins.isinstance = _builtin_isinstance
+
+
+# Around a trace with symbolic sizes: user code's `isinstance` on fulmen's SymInts answers as for
+# an `int` (see the module docstring); the builtin is put back after the last such trace ends,
+# also after an error.
+_SWITCH = ProcessSwitch(_replace, _restore)
+
+
+def symbolic_ints_are_ints() -> ProcessSwitch:
+    """The context manager replacing `isinstance` around a trace with symbolic sizes (see the
+    module docstring)."""
+    return _SWITCH

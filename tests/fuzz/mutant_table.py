@@ -670,8 +670,8 @@ MUTANTS: list[Mutant] = [
            "if free or not tensor.is_contiguous() or not _row_major(tensor):",
            "if free or not tensor.is_contiguous():", DYNAMIC_EDGES),
     Mutant("compiled_callees_compile_inside_traces", "tracer", "tracer/compiled_callees.py",
-           '_restore = torch.compiler.set_stance("force_eager")',
-           '_restore = torch.compiler.set_stance("default")',
+           '_stance.append(torch.compiler.set_stance("force_eager"))',
+           '_stance.append(torch.compiler.set_stance("default"))',
            ("tests/tracer/test_torch_compile_interplay.py",)),
     # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
     Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
