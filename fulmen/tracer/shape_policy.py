@@ -119,9 +119,13 @@ class DynamicDims:
         self.dynamic = dynamic
         # argument name (`label` of `dims_for`) -> dims seen to change
         self.varying: dict[str, set[int]] = {}
-        # names of tensor arguments seen as views (not contiguous): traced with free strides
-        # once their sizes vary (NOTE [strides of a view input])
+        # names of tensor arguments seen as views (not contiguous) at some calls and contiguous
+        # at others (a cache cropped at some decoding steps only): traced with free strides
+        # once their sizes vary (NOTE [strides of a view input]); one always a view keeps
+        # strides written with its sizes, which layout rules can order (SDPA's output follows
+        # a transposed query's layout)
         self.views: set[str] = set()
+        self.contiguous: set[str] = set()
         # argument name -> dims of size 1 generalised (not specialised to 1) when traced
         self.ones: dict[str, set[int]] = {}
         self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
@@ -176,9 +180,9 @@ class DynamicDims:
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
             if chosen:
                 dims[i] = chosen
-            if not leaf.is_contiguous():
-                self.views.add(name)
-        views = {i for name, (i, _) in zip(names, shapes) if name in self.views}
+            (self.contiguous if leaf.is_contiguous() else self.views).add(name)
+        views = {i for name, (i, _) in zip(names, shapes)
+                 if name in self.views and name in self.contiguous}
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
@@ -225,6 +229,7 @@ class DynamicDims:
         self.varying.clear()
         self.ones.clear()
         self.views.clear()
+        self.contiguous.clear()
         self.varying_ints.clear()
         self.ints_broken = True
 

@@ -687,4 +687,7 @@ MUTANTS: list[Mutant] = [
     Mutant("size_sources_take_products", "dynamic", "transforms/dce.py",
            "gained = missing & bindable_symbols((*inputs, *needed, candidate), missing)",
            "gained = missing & held", DYNAMIC_EDGES),
+    Mutant("free_strides_for_every_view", "dynamic", "tracer/shape_policy.py",
+           "if name in self.views and name in self.contiguous}", "if name in self.views}",
+           ("tests/ops/test_attention.py",)),
 ]
