@@ -46,6 +46,12 @@ def _symbols(value, found: set, depth: int = 0, seen: set | None = None) -> None
         _symbols((value.start, value.stop, value.step), found, depth + 1, seen)
 
 
+def _bare_sizes(proxy) -> set:
+    """The symbols that are themselves a size of `proxy`."""
+    return {size.node.expr for size in getattr(proxy, "shape", ())
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol}
+
+
 def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
     """The proxies among `candidates` that a function of `inputs` running `bsyms` and returning
     `outputs` needs besides them for the symbolic sizes it uses (printed traces bind a symbol
@@ -73,8 +79,11 @@ def size_sources(bsyms, outputs, inputs: tuple, candidates) -> list[Proxy]:
         _symbols(candidate, held)
         if not held & missing:
             continue
-        # what the candidate makes bindable (a size `s0*s1` of a flattened value binds neither)
-        gained = missing & bindable_symbols((*inputs, *needed, candidate), missing)
+        # what the candidate makes bindable: a size that is a symbol binds it; one such as
+        # `s0*s1` (a flattened value) binds neither, so the printer's rule decides the rest
+        gained = held & missing & _bare_sizes(candidate)
+        if gained != held & missing:
+            gained = missing & bindable_symbols((*inputs, *needed, candidate), missing)
         if gained:
             needed.append(candidate)
             missing -= gained
