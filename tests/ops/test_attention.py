@@ -81,9 +81,12 @@ def test_sdpa_with_dropout_draws_eagers_mask(index, order, grad):
         assert actual.stride() == expected.stride()
         if grad:
             cotangent = torch.randn_like(expected)
+            # float32 gradients summed in another order (a fused kernel's, or torch's before
+            # the kernel is built): a clean-clone `make test` saw 1.4e-5 off in 1 of 160
+            # elements (8e-6 relative); another mask would be off by O(1)
             for a, e in zip(torch.autograd.grad(actual, (q, k, v), cotangent),
                             torch.autograd.grad(expected, (q, k, v), cotangent)):
-                torch.testing.assert_close(a, e)
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=3e-5)
     trace = str(fulmen.last_traces(jfn)[0])
     assert "opaque" not in trace and "bernoulli" in trace
 
