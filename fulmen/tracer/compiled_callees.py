@@ -14,6 +14,7 @@ call runs, compiled by fulmen, between Dynamo's graphs.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -42,18 +43,27 @@ def compiled_code_runs_eagerly() -> Iterator[None]:
     Inside an active Dynamo frame callback (a `torch._dynamo.optimize` context entered by hand)
     the stance cannot change; the trace then runs as it comes."""
     callback = get_eval_frame_callback()
-    if callback is not None and callback is not False:
-        yield
-        return
+    if "torch._dynamo" not in sys.modules or (callback is not None and callback is not False):
+        yield  # no `torch.compile` yet (its import costs a second: never made here), or no
+        return  # stance can change
     with _SWITCH:
         yield
 
 
-@torch.compiler.disable(recursive=True)
 def outside_dynamo(call, *args, **kwargs):
     """`call(*args, **kwargs)` as a graph break for Dynamo: a fulmen-compiled call reached
-    while `torch.compile` traces runs here, with Dynamo's frame callback off."""
+    while `torch.compile` traces runs here, with Dynamo's frame callback off (Dynamo is
+    imported then; the `torch.compiler.disable`d runner is made at the first such call)."""
+    if not _RUNNER:
+        _RUNNER.append(torch.compiler.disable(_run, recursive=True))
+    return _RUNNER[0](call, *args, **kwargs)
+
+
+def _run(call, *args, **kwargs):
     return call(*args, **kwargs)
+
+
+_RUNNER: list = []
 
 
 __all__ = ["compiled_code_runs_eagerly", "outside_dynamo"]

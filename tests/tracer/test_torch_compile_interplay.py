@@ -72,6 +72,7 @@ def test_torch_compile_of_a_jitted_module_runs_fulmens_call():
 
 
 def test_the_stance_is_put_back_after_an_error_and_nested_traces():
+    import torch._dynamo  # noqa: F401 - the stance is set only once Dynamo is imported
     with pytest.raises(RuntimeError, match="boom"):
         with compiled_code_runs_eagerly():
             with compiled_code_runs_eagerly():
@@ -83,3 +84,18 @@ def test_the_stance_is_put_back_after_an_error_and_nested_traces():
     with torch.compiler.set_stance("eager_on_recompile"):  # a user's own stance survives
         fulmen.jit(model)(torch.randn(2, 4))
         assert torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
+
+
+def test_tracing_without_torch_compile_does_not_import_dynamo():
+    """Importing Dynamo costs about a second: a process that never called torch.compile does
+    not pay it for fulmen's guard against compiled callees."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, fulmen\n"
+            "f = fulmen.jit(lambda x: x.sin() * 2)\n"
+            "torch.testing.assert_close(f(torch.ones(3)), torch.ones(3).sin() * 2)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert result.stdout.strip() == "False"
