@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import linecache
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from fulmen.core.source import user_source_location
 from fulmen.core.symbol import _TRACECTX, BoundSymbol, Symbol
 
 _callable_ids = itertools.count()
+_COMPILE_LOCK = threading.Lock()  # see `Trace.python_callable`
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,7 +80,11 @@ class Trace:
         source, namespace = print_trace(self)
         filename = f"<fulmen {self.name} #{next(_callable_ids)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        code = compile(bind_callables(ast.parse(source, filename), namespace), filename, "exec")
+        with _COMPILE_LOCK:  # CPython 3.11 checks the recursion depth of an AST it compiles
+            # in state shared by threads: two at once raise "AST constructor recursion depth
+            # mismatch" (SystemError), seen with two threads compiling a jitted function
+            code = compile(bind_callables(ast.parse(source, filename), namespace), filename,
+                           "exec")
         exec(code, namespace)
         fn = namespace[self.name]
         fn.__fulmen_trace__ = self
