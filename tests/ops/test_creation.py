@@ -85,6 +85,7 @@ CASES = {
     "arange start end": lambda x: torch.arange(-2, 3),
     "arange step": lambda x: torch.arange(1, 10, 3),
     "arange negative step": lambda x: torch.arange(10, -3, -3),
+    "arange negative step, end not reached": lambda x: torch.arange(10, 1, -3),
     "arange float end": lambda x: torch.arange(4.5),
     "arange float step": lambda x: torch.arange(0, 1, 0.1),
     "arange float negative": lambda x: torch.arange(1.0, -1.0, -0.25),
@@ -217,3 +218,26 @@ def test_random_factories_follow_torch_generator(mode):
 
 def test_random_factories_on_the_first_call():
     _assert_same_stream(fulmen.jit(_random), 0)
+
+
+
+@pytest.mark.parametrize("executors", [None, ["codegen", "torch"]], ids=["torch", "codegen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bounds", [(0, 1, 5), (-3.5, 11, 9), (1e-3, 7.7, 17), (5, -2.25, 33),
+                                    (0.1, 0.7, 7), (-1.3, 2.9, 12)], ids=str)
+def test_linspace_ends_exactly_at_its_bounds(bounds, dtype, executors):
+    """linspace's decomposition is eager's two-sided formula (the second half counts back from
+    `end`), so, as eager's, it starts exactly at `start` and ends exactly at `end`, fused or
+    not; a one-sided `start + i * step` misses `end` in the last bits. (The values in between
+    may differ from eager's by an ulp: eager's CPU kernel rounds `start + step * i` as one
+    fused multiply-add.)"""
+    start, end, steps = bounds
+    zero = torch.zeros((), dtype=dtype)
+
+    def fn(x):
+        return torch.linspace(start, end, steps, dtype=dtype) + x
+
+    out = fulmen.jit(fn, transforms=[decompose_to_prims], executors=executors)(zero)
+    expected = fn(zero)
+    assert out[0] == expected[0] and out[-1] == expected[-1]
+    torch.testing.assert_close(out, expected)

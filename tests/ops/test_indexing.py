@@ -36,6 +36,22 @@ def test_indexing(index, mode):
     assert_traced_like_eager(fn, x, mode)
 
 
+def test_scatter_add_of_a_larger_src_adds_and_differentiates_its_leading_block():
+    """Only the leading `index.shape` block of a larger `src` is added (eager's rule), and only
+    that block gets gradients. Eager's own backward rejects this call (ScatterAddBackward0
+    returns an index-shaped gradient for the larger src), so the gradient is compared with
+    eager's for the explicitly sliced src."""
+    x = torch.randn(3, 5, requires_grad=True)
+    jfn = fulmen.jit(lambda t: torch.scatter_add(t, 1, IDX, t[:, :4] * 3))
+    out = jfn(x)
+    weights = torch.randn(3, 5)
+    (grad,) = torch.autograd.grad((out * weights).sum(), x)
+    sliced = lambda t: torch.scatter_add(t, 1, IDX, (t[:, :4] * 3)[:2, :3])  # noqa: E731
+    torch.testing.assert_close(out, sliced(x))
+    (expected,) = torch.autograd.grad((sliced(x) * weights).sum(), x)
+    torch.testing.assert_close(grad, expected)
+
+
 def test_one_hot():
     labels = torch.tensor([[0, 3], [2, 1]])
     jfn = fulmen.jit(lambda t: F.one_hot(t, 5), transforms=[decompose_to_prims])

@@ -17,6 +17,10 @@ W4, W6, B6 = torch.randn(4), torch.randn(6), torch.randn(6)
 
 CASES = [
     lambda x: torch.addmm(BIAS, x[0], C[:4, :3], beta=0.5, alpha=2),
+    lambda x: torch.addmm(torch.full((3,), float("nan")), x[0], C[:4, :3], beta=0),  # NaN unread
+    lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1),
+    lambda x: torch.linalg.vector_norm(x * (x > 0), 0, dim=2) + x[..., 0],  # counts nonzeros
+    lambda x: F.rms_norm(x, (3, 4)),  # over two dims
     lambda x: torch.baddbmm(ZERO, x, B, alpha=0.5),
     lambda x: torch.outer(x[0, 0], x[1, 1]),
     lambda x: torch.einsum("bij,bjk,kl->bil", x, B, C),

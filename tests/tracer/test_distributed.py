@@ -82,10 +82,17 @@ def _worker(rank: int, port: int, out_dir: str, spelling: str) -> None:
             return total
 
         losses = _train(ddp, step_fn)
-        torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses,
-                    "cache_hits": fulmen.cache_hits(compiled),
-                    "misses": fulmen.cache_misses(compiled),
-                    "eager_calls": fulmen.compile_stats(compiled).eager_calls},
+        params = [p.detach().clone() for p in model.parameters()]
+        stats = {"cache_hits": fulmen.cache_hits(compiled), "misses": fulmen.cache_misses(compiled),
+                 "eager_calls": fulmen.compile_stats(compiled).eager_calls}
+        replaced = None
+        if spelling == "jit_of_ddp":  # `ddp.module = other`: the compiled call runs `other`
+            other = torch.nn.Sequential(torch.nn.Linear(8, 4))
+            ddp.module = other
+            with torch.no_grad():
+                x = _batch(0)[0]
+                replaced = bool(torch.equal(compiled(x), other(x)))
+        torch.save({"params": params, "losses": losses, "replaced": replaced, **stats},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -119,6 +126,7 @@ def test_ddp_and_jit_equal_single_process_eager(tmp_path, spelling):
         if spelling == "jit_of_loss_of_ddp":  # was compiled, and skipped the all-reduce
             assert rank["eager_calls"] == STEPS + 1
         else:
+            assert rank["replaced"] is not False  # None where not tried
             assert rank["cache_hits"] >= STEPS - 1  # compiled once, then served from the cache
             assert rank["misses"] == 1
         for actual, expected in zip(rank["params"], model.parameters()):
