@@ -775,4 +775,11 @@ MUTANTS: list[Mutant] = [
     Mutant("linalg_norm_zero_counts_all", "decomposition", "ops/torch/linalg.py",
            "prims.convert_element_type(prims.ne(x, 0), x.dtype)",
            "prims.convert_element_type(prims.ne(x, x), x.dtype)", ("tests/ops/test_linalg.py",)),
+    Mutant("meta_inputs_row_major", "layout", "ops/meta.py",
+           "tuple(leaf.shape), tuple(leaf.stride()), dtype=leaf.dtype, device=\"meta\"",
+           "tuple(leaf.shape), contiguous_strides(tuple(leaf.shape)), dtype=leaf.dtype, "
+           "device=\"meta\"", LAYOUT),
+    Mutant("meta_outputs_row_major", "layout", "ops/meta.py",
+           "proxy = TensorProxy(None, leaf.shape, leaf.dtype, device, strides=leaf.stride())",
+           "proxy = TensorProxy(None, leaf.shape, leaf.dtype, device)", LAYOUT),
 ]
