@@ -690,4 +690,11 @@ MUTANTS: list[Mutant] = [
     Mutant("free_strides_for_every_view", "dynamic", "tracer/shape_policy.py",
            "if name in self.views and name in self.contiguous}", "if name in self.views}",
            ("tests/ops/test_attention.py",)),
+    Mutant("vjp_group_norm_statistics_swapped", "vjp", "transforms/autodiff/rules_nn.py",
+           "NATIVE_GROUP_NORM_BACKWARD(grad, input, mean, rstd, weight",
+           "NATIVE_GROUP_NORM_BACKWARD(grad, input, rstd, mean, weight",
+           ("tests/fuzz/test_found_bugs.py",)),
+    Mutant("vjp_group_norm_grad_in_another_layout", "vjp", "transforms/autodiff/rules_nn.py",
+           "if not grad.is_contiguous(memory_format=layout):", "if False:",
+           ("tests/fuzz/test_found_bugs.py",)),
 ]
