@@ -83,10 +83,10 @@ CONTIGUOUS = opaque_symbol(torch.Tensor.contiguous)
 
 
 def _eager_memory_format(input) -> torch.memory_format | None:
-    """The layout eager's `group_norm` hands its kernels (`suggest_memory_format`), when
-    `input` already has it (else eager copies it first); None otherwise and for rank 5, whose
-    channels-last-3d rule is not written here."""
-    if input.ndim == 5:
+    """The layout eager's `group_norm` hands its CPU kernels (`suggest_memory_format`), when
+    `input` already has it (else eager copies it first); None otherwise, off the CPU, and for
+    rank 5, whose channels-last-3d rule is not written here."""
+    if input.ndim == 5 or input.device.type != "cpu":  # CUDA's kernels take row-major only
         return None
     layout = torch.contiguous_format
     if input.ndim == 4 and _channels_last_like(input):
@@ -105,8 +105,8 @@ def _group_norm_vjp(grad, out, input, groups, weight, bias, eps):
     recomputed, not saved by the forward: a forward keeping them (two `(N, groups)` tensors)
     would run the opaque `native_group_norm`, which the rematerialization never recomputes, so
     the group norm's output would be saved too (a conv / GroupNorm / SiLU model saved 1.8x the
-    bytes). Symbolic sizes and inputs not already in the layout eager's kernels take run
-    torch.autograd on the op (eager's kernels as well)."""
+    bytes). Symbolic sizes, devices other than the CPU and inputs not already in the layout
+    eager's kernels take run torch.autograd on the op (eager's kernels as well)."""
     sizes = tuple(input.shape)
     layout = _eager_memory_format(input)
     if not all(type(s) is int for s in sizes) or layout is None:
