@@ -55,6 +55,13 @@ _STORAGE_OFFSET = _T.storage_offset
 _IS_CONTIGUOUS = _T.is_contiguous
 
 
+def differentiable_value(value) -> bool:
+    """Whether `value` is a tensor proxy whose dtype autograd differentiates (floating or
+    complex): `differentiable_value(x)` for an f32 `x` is True, for an index tensor False."""
+    return isinstance(value, TensorProxy) and (value.dtype.is_floating_point
+                                               or value.dtype.is_complex)
+
+
 def dtype_short_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `'f32'` (the notation of type comments)."""
     return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))

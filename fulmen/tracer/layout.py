@@ -127,7 +127,7 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
             (sub.args, sub.kwargs))}
         operands = [proxy for proxy in inputs if proxy.name in read]
         shape = tuple(outputs[0].shape)
-        if any(_size_one_strides_only(proxy) for proxy in operands) \
+        if any(_odd_size_one_strides(proxy) for proxy in operands) \
                 and _fast_setup(func, args, kwargs, operands, shape):
             return [(outputs[0].shape, contiguous_strides(shape))]
         return [(outputs[0].shape, elementwise_strides(operands, shape))]
@@ -137,12 +137,12 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         if not all(p.is_contiguous() for p in inputs):
             return None
     if len(outputs) == 1 and "elementwise" in producers[0].sym.tags \
-            and any(_size_one_strides_only(p) for p in inputs) \
+            and any(_odd_size_one_strides(p) for p in inputs) \
             and _fast_setup(func, args, kwargs, inputs, tuple(outputs[0].shape)):
         return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]  # `torch.where(c, x, y)`
     with torch._C.DisableTorchFunctionSubclass():
-        if not all(_size_one_strides_row_major(p) for p in inputs):
-            return None  # the meta kernel answers (`_size_one_strides_row_major`)
+        if any(_odd_size_one_strides(p) for p in inputs):
+            return None  # the meta kernel answers (`_odd_size_one_strides`)
     names = {p.name for p in inputs}
     if all(p.sym.tags & _MAPS or _reshapes_or_cats_inputs(bsym, p, names)
            or _keeps_reduced_dims(bsym, p) for p in producers):
@@ -161,17 +161,18 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
 # here (meta `relu` keeps the stride, meta `x * 2` drops it). So the op itself runs once on
 # two-element stand-ins of its operands (same size-1 dims and their strides, contiguous): a
 # row-major result means the fast setup.
-def _size_one_strides_only(t: TensorProxy) -> bool:
-    """Whether `t` is contiguous as eager asks it while its strides differ from row-major ones
-    in a dim of size 1 (decided without a guard: symbolic sizes are never 1)."""
+def _odd_size_one_strides(t: TensorProxy) -> bool:
+    """Whether a static size-1 dim of `t` has a stride not known to be its row-major one.
+    A contiguous tensor may have others there (`x.transpose(1, 2)` of a `(2, 1, 8)` tensor has
+    strides `(8, 1, 8)`), and eager keeps them through views and elementwise maps
+    (`.reshape(2, -1, 1, 1)` gives `(8, 1, 8, 8)`, not `(8, 1, 1, 1)`), which decides the
+    memory format a later op suggests (channels-last for `F.interpolate`, and so the order in
+    which a dropout mask is drawn) and whether an elementwise kernel takes the fast setup.
+    Decided without a guard: a symbolic stride there counts as odd (symbolic sizes are never
+    1, so neither is such a stride)."""
     sizes, strides = tuple(t.shape), t.stride()
-    if not any(type(size) is int and size == 1 for size in sizes) \
-            or any(type(size) is int and size == 0 for size in sizes):
-        return False
-    canonical = contiguous_strides(sizes)
-    if known_same_shape(strides, canonical):
-        return False
-    return _contiguous_beside_size_one(sizes, strides, canonical)
+    return any(type(size) is int and size == 1 and not known_same_shape((stride,), (row,))
+               for size, stride, row in zip(sizes, strides, contiguous_strides(sizes)))
 
 
 def _contiguous_beside_size_one(sizes, strides, canonical) -> bool:
@@ -194,7 +195,9 @@ def _stand_in(t: TensorProxy) -> torch.Tensor:
 def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     """Whether eager's kernel for `func` takes the fast setup with these operands (NOTE
     [size-1 strides]); False when it cannot be told (operands that broadcast or are not
-    contiguous never take it)."""
+    contiguous never take it) and for empty results (the meta kernel's rule answers)."""
+    if any(type(size) is int and size == 0 for size in shape):
+        return False
     with torch._C.DisableTorchFunctionSubclass():
         if not all(p.dim() == 0 or (known_same_shape(tuple(p.shape), shape)
                                     and _contiguous_beside_size_one(
@@ -216,20 +219,6 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     except Exception:  # an op the stand-ins do not suit: PyTorch's rule answers
         return False
     return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
-
-
-def _size_one_strides_row_major(p: TensorProxy) -> bool:
-    """Whether `p`'s strides at its (static) dimensions of size 1 are the row-major ones. A
-    contiguous tensor may have others there (`x.transpose(1, 2)` of a `(2, 1, 8)` tensor has
-    strides `(8, 1, 8)`), and eager keeps them through views and elementwise maps
-    (`.reshape(2, -1, 1, 1)` gives `(8, 1, 8, 8)`, not `(8, 1, 1, 1)`), which decides the
-    memory format a later op suggests (channels-last for `F.interpolate`, and so the order in
-    which a dropout mask is drawn): the meta kernel answers for such inputs."""
-    for size, stride, row in zip(p.shape, p.stride(), contiguous_strides(p.shape)):
-        if type(size) is int and size == 1 and type(stride) is int and type(row) is int \
-                and stride != row:
-            return False
-    return True
 
 
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest

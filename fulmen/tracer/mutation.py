@@ -62,7 +62,7 @@ from fulmen.ops.functionalized import (
     view_of_written,
     view_scatter,
 )
-from fulmen.proxies import TensorProxy
+from fulmen.proxies import TensorProxy, differentiable_value
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
 from fulmen.tracer.fresh_leaves import (
     check_fresh_update,
@@ -265,8 +265,7 @@ class Functionalizer:
         """
         if not self.no_grad_updates or not torch.is_grad_enabled():
             return
-        if not any(isinstance(p, TensorProxy) and (p.dtype.is_floating_point or p.dtype.is_complex)
-                   for p in iter_proxies(out)):
+        if not any(map(differentiable_value, iter_proxies(out))):
             return
         updated = {name: (op, where) for name, op, where in self.no_grad_updates}
         for proxy in iter_proxies(tree):

@@ -13,6 +13,7 @@ from torch import nn
 
 import fulmen
 from fulmen.transforms import decompose_to_prims
+from tests.fresh_process import imports_module
 
 MODES = {"whole": {}, "decomposed": {"transforms": [decompose_to_prims]}}
 
@@ -333,13 +334,6 @@ def test_linear_shape_errors_name_the_op():
 def test_first_linear_trace_does_not_import_dynamo():
     # PyTorch's meta path for linear with a bias (addmm's Python decomposition) imports
     # torch._dynamo, about a second; the linear prim describes the common case itself
-    import subprocess
-    import sys
-
-    code = ("import sys, torch, fulmen\n"
-            "m, x = torch.nn.Linear(8, 4), torch.randn(2, 8)\n"
-            "torch.testing.assert_close(fulmen.jit(m)(x), m(x))\n"
-            "print('torch._dynamo' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, check=True)
-    assert result.stdout.strip() == "False"
+    assert not imports_module("import torch, fulmen\n"
+                              "m, x = torch.nn.Linear(8, 4), torch.randn(2, 8)\n"
+                              "torch.testing.assert_close(fulmen.jit(m)(x), m(x))")

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import BoundSymbol, FulmenError, Tag, Trace, TraceCtx, flatten, tracing
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.ops import prims
-from fulmen.proxies import TensorProxy
+from fulmen.proxies import TensorProxy, differentiable_value
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for, saving_forward_for
 from fulmen.transforms.autodiff.rules import (
@@ -58,16 +58,12 @@ class ForwardBackward:
     differentiable_outputs: tuple[bool, ...]
 
 
-def _differentiable_dtype(proxy: Proxy) -> bool:
-    return isinstance(proxy, TensorProxy) and (proxy.dtype.is_floating_point or proxy.dtype.is_complex)
-
-
 def _has_rule(bsym: BoundSymbol) -> bool:
     return rule_for(bsym.sym) is not None or "opaque" in bsym.sym.tags
 
 
 def _is_differentiable(bsym: BoundSymbol) -> bool:
-    return any(map(_differentiable_dtype, bsym.proxy_outputs))
+    return any(map(differentiable_value, bsym.proxy_outputs))
 
 
 def _is_complex(bsym: BoundSymbol) -> bool:
@@ -119,7 +115,7 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
         for sub in bsym.subsymbols:
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
-    produced = {p.name for p in bsym.proxy_outputs if _differentiable_dtype(p)}
+    produced = {p.name for p in bsym.proxy_outputs if differentiable_value(p)}
     saved = _saving_forward(bsym, requires, names)
     if saved is not None:
         statements, graphs[id(bsym)] = saved
@@ -281,7 +277,7 @@ def _accumulate_results(bsym: BoundSymbol, results, values: list, grads: dict) -
         value_leaves = list(iter_proxies(value))
         grad_leaves = list(iter_proxies(grad)) if isinstance(value, (tuple, list)) else [grad]
         for primal, g in zip(value_leaves, grad_leaves):
-            if g is not None and _differentiable_dtype(primal):
+            if g is not None and differentiable_value(primal):
                 grads[primal.name] = accumulate(grads.get(primal.name), g)
 
 
@@ -298,7 +294,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     """
     if wrt is None:
         wrt = {p.name for p in trace.args if p.requires_grad}
-    requires = {p.name for p in trace.args if p.name in wrt and _differentiable_dtype(p)}
+    requires = {p.name for p in trace.args if p.name in wrt and differentiable_value(p)}
     wanted = set(requires)
     forward_bsyms: list[BoundSymbol] = []
     differentiable: list[BoundSymbol] = []
