@@ -65,6 +65,47 @@ def test_attention_output_is_read_back_from_its_contiguous_copy():
     assert (2, 4, 6) in shapes  # the log-sum-exp
 
 
+@pytest.mark.parametrize("rearrange", [
+    lambda o: o.permute(2, 0, 3, 1).contiguous().reshape(6, -1),  # a 3-cycle: not self-inverse
+    lambda o: o.permute(0, 2, 3, 1).reshape(2, 6, 32),
+], ids=["permute-cycle", "permute-reshape"])
+def test_attention_output_read_back_through_a_permutation(rearrange):
+    """NOTE [values kept under another layout] with a permutation that is not its own inverse:
+    undoing it must apply the inverse permutation, else the backward reads another tensor's
+    values as attention's output."""
+    q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+    w = torch.randn(64, 5, requires_grad=True)
+
+    def fn(q, k, v, w):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return rearrange(out) @ w[: rearrange(out).shape[-1]]
+
+    jfn = fulmen.jit(fn)
+    expected, cotangent, expected_grads = _grads(fn, (q, k, v, w))
+    actual, _, actual_grads = _grads(jfn, (q, k, v, w), cotangent)
+    torch.testing.assert_close(actual, expected)
+    for a, e in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(a, e)
+
+
+def test_attention_output_viewed_as_another_dtype_is_no_layout_twin():
+    """A `view(torch.int32)` of attention's output has its element count but not its values:
+    the backward must not read the output back from it."""
+    q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+
+    def fn(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v)
+        return out * 2.0, out.view(torch.int32)
+
+    jfn = fulmen.jit(fn)
+    (expected, expected_bits), (actual, actual_bits) = fn(q, k, v), jfn(q, k, v)
+    assert torch.equal(actual_bits, expected_bits)
+    cotangent = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), cotangent)
+    for a, e in zip(torch.autograd.grad(actual, (q, k, v), cotangent), expected_grads):
+        torch.testing.assert_close(a, e)
+
+
 def test_mask_requiring_grad_declines_and_matches_eager():
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
     bias = torch.randn(1, 2, 4, 4, requires_grad=True)

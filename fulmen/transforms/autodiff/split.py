@@ -196,7 +196,11 @@ def _same_values(proxy: Proxy, readers: dict[str, list[BoundSymbol]]):
     unless the backward can get it back. When the forward only rearranges it (attention's
     output, transposed, made contiguous and reshaped for the output projection, whose
     backward saves that copy anyway), the same values are read back from the end of that chain
-    through views, so keeping them costs no bytes. Returns `proxy` when there is no chain."""
+    through views, so keeping them costs no bytes. Returns `proxy` when there is no chain, or
+    when the view read back would not have a unit innermost stride, as eager's output has:
+    PyTorch's CPU flash-attention backward reads `out` as if its last dim were innermost, and
+    gave wrong query and key gradients for a view through a permutation that moves it
+    (`out.permute(2, 0, 3, 1).contiguous().reshape(...)`); the output is saved then."""
     chain = []
     current = proxy
     while isinstance(current, TensorProxy):
@@ -208,7 +212,17 @@ def _same_values(proxy: Proxy, readers: dict[str, list[BoundSymbol]]):
     value = current
     for step in reversed(chain):
         value = _undo(step, value)
+    if value is not proxy and not _unit_innermost(value):
+        return proxy
     return value
+
+
+def _unit_innermost(tensor: TensorProxy) -> bool:
+    """Whether `tensor`'s last dim is known to be innermost (stride 1, or a size of 1)."""
+    if tensor.ndim == 0:
+        return True
+    size, stride = tensor.shape[-1], tensor.stride()[-1]
+    return (type(size) is int and size == 1) or (type(stride) is int and stride == 1)
 
 
 def zip_proxies(new, old) -> list[tuple[str, Proxy]]:
