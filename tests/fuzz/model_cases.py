@@ -208,7 +208,8 @@ def _attn(draw, dim):
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
                      checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes,
                      mask=st.sampled_from(["bool", "bool", "float", "bert"]),
-                     positions_from_mask=st.booleans()))
+                     positions_from_mask=st.booleans(),
+                     merge=st.sampled_from(["transpose", "transpose", "permute"])))
 
 
 _mlp = st.builds(Mlp, act=st.sampled_from(["gelu", "silu", "swiglu", "relu"]),
@@ -432,6 +433,10 @@ PATTERNS = (
     Case(SeqModel(vocab=8, dim=8, blocks=(Attn(heads=2), Moe(experts=2, top_k=1)), loss="ce"),
          Context(training=True, grad=True, ddp=True, optimizer="sgd"),
          (Call(2, 4), Call(2, 4, (1,))), seed=12),
+    # attention's output merged through a permutation that moves the head dim innermost: its
+    # backward must not read the output back from that view (a wrong q/k gradient before)
+    Case(SeqModel(vocab=8, dim=8, blocks=(Attn(heads=2, merge="permute"), Mlp()), loss="ce"),
+         Context(training=True, grad=True), (Call(2, 4), Call(2, 4, (1,))), seed=16),
     Case(SeqModel(vocab=8, dim=8, blocks=(Memory(), Mlp())), Context(training=True, grad=True),
          (Call(2, 3), Call(2, 3), Call(3, 3), Call(2, 3)), seed=13),
     # fulmen.jit(loss_fn)(model, batch) with a jitted AdamW step: the model is an argument

@@ -46,6 +46,9 @@ class Attn:
     positions_from_mask: bool = False  # rotary positions counted over unpadded tokens (HF:
     #                                    mask.cumsum(-1) - 1), per row: left padding's positions
     mask: str = "bool"  # bool | float (additive: 0 or finfo.min) | bert ((1 - m) * -1e4 + causal)
+    # how the heads' outputs are merged before the projection: transpose (b, t, h, hd) as HF,
+    # or permute to (b, t, hd, h): a view chain that moves the head dim innermost
+    merge: str = "transpose"  # transpose | permute
 
 
 @dataclass(frozen=True)
@@ -302,7 +305,8 @@ class Attention(nn.Module):
             elif keep is not None:
                 scores = scores + keep
             out = F.dropout(scores.softmax(-1), dropout, self.training) @ v
-        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+        merged = out.transpose(1, 2) if spec.merge == "transpose" else out.permute(0, 2, 3, 1)
+        return self.proj(merged.reshape(b, t, d))
 
     def forward(self, x, mask, cache=None, layer=0):
         h = self.norm(x)
