@@ -25,6 +25,7 @@ from fulmen.ops.meta import (
     run_meta,
     with_strides,
 )
+from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, row_major
@@ -202,7 +203,8 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.polar: _polar_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
-                                                 _attention_meta}
+                                                 _attention_meta,
+                                             **SYMBOLIC_METAS}
 
 
 # Ops that draw from the global generator for some arguments only: fn -> whether a call does.

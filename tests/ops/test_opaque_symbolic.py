@@ -1,0 +1,92 @@
+"""The opaque aten ops of fulmen's gradient rules described without fake tensors when sizes are
+symbolic (`fulmen.ops.opaque_symbolic`): each description equals PyTorch's meta kernel's, the
+fake-tensor path is not taken, and results and gradients equal eager over varying sizes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.ops import meta, opaque
+from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
+from fulmen.proxies.tensor import known_same_shape, size_hints
+
+
+def _loss_step(x, labels, table, w):
+    h = F.embedding(x, table)  # (b, s, 8)
+    q = (h @ w).view(h.shape[0], h.shape[1], 2, 4).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, q * 0.5, q + 1.0, is_causal=True)
+    logits = a.transpose(1, 2).reshape(h.shape[0] * h.shape[1], 8) @ table.T
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=3)
+
+
+def _inputs(batch, seq):
+    g = torch.Generator().manual_seed(batch * 100 + seq)
+    x = torch.randint(0, 12, (batch, seq), generator=g)
+    return x, torch.randint(0, 12, (batch, seq), generator=g)
+
+
+def _same(a, b) -> bool:
+    return known_same_shape(tuple(a), tuple(b)) or size_hints(tuple(a)) == size_hints(tuple(b))
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_descriptions_equal_pytorchs_meta_kernels(monkeypatch, dynamic):
+    """Each rule's outputs (shape, strides, dtype) equal those of PyTorch's meta kernel run on
+    fake tensors of the same symbolic proxies."""
+    compared = set()
+
+    def checked(rule):
+        def check(fn, *args, **kwargs):
+            ours = rule(fn, *args, **kwargs)
+            want = meta.run_meta(fn, *args, **kwargs)
+            for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (ours, want))):
+                assert a.dtype == b.dtype and _same(a.shape, b.shape), (fn, a, b)
+                assert _same(a.stride(), b.stride()), (fn, a.stride(), b.stride())
+            if any(isinstance(v, torch.SymInt) for a in args if isinstance(a, torch.Tensor)
+                   for v in a.shape):
+                compared.add(fn)
+            return ours
+        return check
+
+    for fn, rule in SYMBOLIC_METAS.items():
+        monkeypatch.setitem(opaque._META_OVERRIDES, fn, checked(rule))
+    table = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    jfn = fulmen.jit(_loss_step, dynamic=dynamic)
+    for batch, seq in ((1, 5), (1, 7), (2, 9)):
+        jfn(*_inputs(batch, seq), table, w).backward()
+    assert compared == set(SYMBOLIC_METAS)
+
+
+def test_a_symbolic_training_step_runs_no_fake_tensor_for_them(monkeypatch):
+    """With symbolic sizes the five ops are described by rule: PyTorch's fake tensors, which run
+    `_log_softmax`'s and `nll_loss_forward`'s decompositions op by op, are not asked."""
+    asked = []
+    original = meta.call_on_meta
+
+    def recording(fn, args, kwargs):
+        asked.append(fn)
+        return original(fn, args, kwargs)
+
+    monkeypatch.setattr(meta, "call_on_meta", recording)
+    table = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    jfn = fulmen.jit(_loss_step, dynamic=True)
+    jfn(*_inputs(2, 6), table, w).backward()
+    assert not set(asked) & set(SYMBOLIC_METAS)
+
+
+def test_values_and_gradients_equal_eager_over_sizes():
+    table = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    jfn = fulmen.jit(_loss_step)
+    for batch, seq in ((1, 5), (1, 8), (2, 5), (3, 11), (1, 3)):
+        x, labels = _inputs(batch, seq)
+        got = jfn(x, labels, table, w)
+        grads = torch.autograd.grad(got, (table, w))
+        want = _loss_step(x, labels, table, w)
+        torch.testing.assert_close(got, want)
+        for g, e in zip(grads, torch.autograd.grad(want, (table, w))):
+            torch.testing.assert_close(g, e)
+    assert fulmen.cache_misses(jfn) == 2
