@@ -12,12 +12,13 @@ from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.proxies.tensor import known_same_shape, size_hints
 
 
-def _loss_step(x, labels, table, w):
+def _loss_step(x, labels, table, w, reduction="mean"):
     h = F.embedding(x, table)  # (b, s, 8)
     q = (h @ w).view(h.shape[0], h.shape[1], 2, 4).transpose(1, 2)
     a = F.scaled_dot_product_attention(q, q * 0.5, q + 1.0, is_causal=True)
     logits = a.transpose(1, 2).reshape(h.shape[0] * h.shape[1], 8) @ table.T
-    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=3)
+    loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=3, reduction=reduction)
+    return loss if reduction != "none" else (loss * torch.arange(loss.shape[0])).sum()
 
 
 def _inputs(batch, seq):
@@ -34,28 +35,33 @@ def _same(a, b) -> bool:
 def test_descriptions_equal_pytorchs_meta_kernels(monkeypatch, dynamic):
     """Each rule's outputs (shape, strides, dtype) equal those of PyTorch's meta kernel run on
     fake tensors of the same symbolic proxies."""
-    compared = set()
+    compared, differ = set(), []
 
     def checked(rule):
         def check(fn, *args, **kwargs):
             ours = rule(fn, *args, **kwargs)
             want = meta.run_meta(fn, *args, **kwargs)
-            for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (ours, want))):
-                assert a.dtype == b.dtype and _same(a.shape, b.shape), (fn, a, b)
-                assert _same(a.stride(), b.stride()), (fn, a.stride(), b.stride())
+            # recorded, not raised: a failed symbolic trace is retraced for exact shapes
+            ours, want = (o if isinstance(o, tuple) else (o,) for o in (ours, want))
+            if len(ours) != len(want) or not all(
+                    a.dtype == b.dtype and _same(a.shape, b.shape)
+                    and _same(a.stride(), b.stride()) for a, b in zip(ours, want)):
+                differ.append((fn, ours, want))
             if any(isinstance(v, torch.SymInt) for a in args if isinstance(a, torch.Tensor)
                    for v in a.shape):
                 compared.add(fn)
-            return ours
+            return ours if len(ours) > 1 else ours[0]
         return check
 
     for fn, rule in SYMBOLIC_METAS.items():
         monkeypatch.setitem(opaque._META_OVERRIDES, fn, checked(rule))
     table = torch.randn(12, 8, requires_grad=True)
     w = torch.randn(8, 8, requires_grad=True)
-    jfn = fulmen.jit(_loss_step, dynamic=dynamic)
-    for batch, seq in ((1, 5), (1, 7), (2, 9)):
-        jfn(*_inputs(batch, seq), table, w).backward()
+    for reduction in ("mean", "none"):
+        jfn = fulmen.jit(_loss_step, dynamic=dynamic)
+        for batch, seq in ((1, 5), (1, 7), (2, 9)):
+            jfn(*_inputs(batch, seq), table, w, reduction).backward()
+    assert not differ
     assert compared == set(SYMBOLIC_METAS)
 
 
@@ -83,10 +89,12 @@ def test_values_and_gradients_equal_eager_over_sizes():
     jfn = fulmen.jit(_loss_step)
     for batch, seq in ((1, 5), (1, 8), (2, 5), (3, 11), (1, 3)):
         x, labels = _inputs(batch, seq)
-        got = jfn(x, labels, table, w)
+        got = jfn(x, labels, table, w, "none")
         grads = torch.autograd.grad(got, (table, w))
-        want = _loss_step(x, labels, table, w)
+        want = _loss_step(x, labels, table, w, "none")
         torch.testing.assert_close(got, want)
         for g, e in zip(grads, torch.autograd.grad(want, (table, w))):
-            torch.testing.assert_close(g, e)
+            # float32 reordering: fused and torch regions mix by kernel-build timing (the
+            # weighted per-row losses reach ~40); a wrong gradient is off by O(1)
+            torch.testing.assert_close(g, e, rtol=2e-5, atol=3e-4)
     assert fulmen.cache_misses(jfn) == 2
