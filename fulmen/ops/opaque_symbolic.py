@@ -1,5 +1,5 @@
-"""Outputs of the opaque aten ops that fulmen's own gradient rules call, described without fake
-tensors where a size or stride is symbolic.
+"""Outputs of the opaque aten ops that fulmen's own gradient rules call (and of `torch.arange`
+over a symbolic range), described without fake tensors where a size or stride is symbolic.
 
 NOTE [opaque aten ops with symbolic sizes]: `run_meta` describes an opaque op with symbolic
 sizes by running it on fake tensors of the trace's ShapeEnv, and for `_log_softmax` and
@@ -135,8 +135,29 @@ def _flash_backward_meta(fn, grad, query, key, value, out, logsumexp, dropout_p,
     return tuple(grads)
 
 
-# aten op -> its description with symbolic sizes (`opaque._META_OVERRIDES` merges these)
+def _arange_meta(fn, *args, **kwargs):
+    """`torch.arange(end)` / `torch.arange(start, end)` of integers, one of them symbolic
+    (HF's `cache_position`, `arange(past, past + length)`): `end - start` int64 elements,
+    where that is known positive without a guard; other calls go to the meta kernel."""
+    if not 1 <= len(args) <= 2 or not set(kwargs) <= {"device", "dtype"} \
+            or kwargs.get("dtype") not in (None, torch.int64) \
+            or not all(type(v) is int or isinstance(v, torch.SymInt) for v in args) \
+            or not any(isinstance(v, torch.SymInt) for v in args):
+        return run_meta(fn, *args, **kwargs)
+    start, end = (0, *args) if len(args) == 1 else args
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    length = end - start
+    if not statically_known_true(length >= 1):
+        return run_meta(fn, *args, **kwargs)
+    device = kwargs.get("device")
+    device = torch.get_default_device() if device is None else torch.device(device)
+    return _proxy((length,), torch.int64, device)
+
+
+# op -> its description with symbolic sizes (`opaque._META_OVERRIDES` merges these)
 SYMBOLIC_METAS: dict[Callable, Callable] = {
+    torch.arange: _arange_meta,
     aten._log_softmax.default: _log_softmax_meta,
     aten.nll_loss_forward.default: _nll_loss_forward_meta,
     aten.embedding_dense_backward.default: _embedding_dense_backward_meta,
