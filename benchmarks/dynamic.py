@@ -13,14 +13,21 @@ compared with eager; the compilations of the jitted forward are counted, and the
 `REPEATS` more generates (everything compiled; the kinds interleaved, so that a shared host's
 load weighs on each alike) gives the per-token time.
 
+Breakdown (`--breakdown`): where fulmen's first pass goes, in CPU milliseconds of this
+process: each call that compiled (with its stages' wall seconds from `fulmen.compile_stats`, the
+backward's stages included), the collector's full collections, and the other calls beside
+eager's time for the same calls.
+
 Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2,gemma2] [--tokens 64] [--no-compile]
-[--skip-sweep] [--skip-decode] [--caches dynamic,static]`
+[--skip-sweep] [--skip-decode] [--caches dynamic,static] [--breakdown]`
+(with `PYTHONPATH=.` from a checkout: a script's own folder comes first on `sys.path`).
 Times are seconds (sweep) and ms per token (decode); ratios are fulmen or torch.compile / eager.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -109,6 +116,57 @@ def sweep(name: str, use_compile: bool) -> None:
                   f" {steady_cpu / eager_steady_cpu:5.2f}x)  compiles {compiles}")
 
 
+def breakdown(name: str) -> None:
+    """Print where fulmen's first pass over the sweep goes (module docstring)."""
+    collections: list[float] = []
+
+    def timed(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                timed.start = time.process_time()
+            else:
+                collections.append(time.process_time() - timed.start)
+
+    for train in (False, True):
+        torch.manual_seed(0)
+        model = _model(name).train(train)
+        jitted = fulmen.jit(model)
+        eager_cpu, other, compiles = 0.0, 0.0, []
+        collections.clear()
+        gc.callbacks.append(timed)
+        try:
+            for batch in BATCHES:
+                for length in LENGTHS:
+                    ids = torch.randint(0, VOCAB, (batch, length))
+                    for kind, call in (("eager", model), ("fulmen", jitted)):
+                        misses, full = fulmen.cache_misses(jitted), len(collections)
+                        start = time.process_time()
+                        if train:
+                            call(ids, labels=ids).loss.backward()
+                        else:
+                            with torch.no_grad():
+                                call(ids)
+                        cpu = time.process_time() - start
+                        if kind == "eager":
+                            eager_cpu += cpu
+                        elif fulmen.cache_misses(jitted) != misses:
+                            stages = fulmen.compile_stats(jitted).stage_seconds
+                            compiles.append((batch, length, cpu, dict(stages)))
+                        else:
+                            other += cpu - sum(collections[full:])
+        finally:
+            gc.callbacks.remove(timed)
+        label = f"{name} {'train' if train else 'forward'}"
+        total = other + sum(c[2] for c in compiles) + sum(collections)
+        print(f"{label}: fulmen first pass {total * 1e3:.0f} ms cpu, eager {eager_cpu * 1e3:.0f}"
+              f" ms ({total / eager_cpu:.1f}x)")
+        for batch, length, cpu, stages in compiles:
+            parts = ", ".join(f"{stage} {seconds * 1e3:.0f}" for stage, seconds in stages.items())
+            print(f"  compile at ({batch}, {length}): {cpu * 1e3:.0f} ms cpu ({parts})")
+        print(f"  full collections: {len(collections)}, {sum(collections) * 1e3:.0f} ms;"
+              f" the other {36 - len(compiles)} calls: {other * 1e3:.0f} ms")
+
+
 def _reset_torch_compile() -> None:
     from torch._dynamo.utils import counters
 
@@ -168,10 +226,15 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--caches", default="dynamic,static",
                         help="KV caches to decode with: dynamic (DynamicCache), static")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="where fulmen's first pass goes (module docstring), then stop")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
     for name in args.models.split(","):
+        if args.breakdown:
+            breakdown(name)
+            continue
         if not args.skip_sweep:
             sweep(name, not args.no_compile)
         if not args.skip_decode:

@@ -19,12 +19,14 @@ from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.ops.meta import (
     _ATTENTION_ARGUMENTS,
+    _row_major_strides,
     attention_arguments,
     attention_strides,
     elementwise_strides,
     run_meta,
     with_strides,
 )
+from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, row_major
@@ -104,6 +106,17 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
                              strides=tuple(reversed(strides)))
         result._fulmen_layout_undecided = True
         return result
+    if memory_format is torch.contiguous_format and isinstance(self, TensorProxy) and any(
+            isinstance(v, torch.SymInt) for v in (*self.shape, *self.stride())):
+        # the meta kernel's answer, known without fake tensors (milliseconds each with
+        # symbolic sizes): `self` where it is row-major, else a row-major copy
+        layout = row_major(self)
+        if layout is not None:
+            strides = self.stride() if layout else _row_major_strides(self.shape)
+            result = TensorProxy(None, self.shape, self.dtype, self.device,
+                                 strides=tuple(strides))
+            result._fulmen_exact_strides = True  # as `run_meta` marks its outputs
+            return result
     return run_meta(fn, self, memory_format=memory_format)
 
 
@@ -202,7 +215,8 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.polar: _polar_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
-                                                 _attention_meta}
+                                                 _attention_meta,
+                                             **SYMBOLIC_METAS}
 
 
 # Ops that draw from the global generator for some arguments only: fn -> whether a call does.

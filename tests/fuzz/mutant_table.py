@@ -630,7 +630,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_dynamic_edges.py",)),
     # --- dropout masks in the input's memory order with symbolic sizes (ops/torch/nn.py) ---
     Mutant("symbolic_dropout_mask_row_major", "layout", "ops/torch/nn.py",
-           "return strides if dense and row_major(a) is False else None", "return None",
+           "return strides if is_non_overlapping_and_dense_or_false(a) else None", "return None",
            ("tests/ops/test_nn.py",)),
     # --- end-to-end speed levers (issue 21) ------------------------------------------------
     Mutant("cross_entropy_saving_forward_sum_as_mean", "vjp", "transforms/autodiff/rules_losses.py",
@@ -809,4 +809,11 @@ MUTANTS: list[Mutant] = [
     Mutant("split_attention_output_read_back_through_any_view", "vjp", "transforms/autodiff/split.py",
            "if value is not proxy and not _unit_innermost(value):", "if False:",
            ("tests/transforms/test_saving_forward.py",)),
+    # --- opaque aten ops described by rule with symbolic sizes (issue 16) ----------------------
+    Mutant("flash_logsumexp_row_major", "symbolic", "ops/opaque_symbolic.py",
+           "(lse_strides[0], lse_strides[2], lse_strides[1])", "lse_strides",
+           ("tests/ops/test_opaque_symbolic.py",)),
+    Mutant("nll_loss_none_as_scalar", "symbolic", "ops/opaque_symbolic.py",
+           "shape = (input.shape[0],) if reduction == 0 and input.ndim == 2 else ()",
+           "shape = ()", ("tests/ops/test_opaque_symbolic.py",)),
 ]

@@ -97,3 +97,33 @@ def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch():
         torch.testing.assert_close(got, want)
         assert [g.stride() for g in got] == [w.stride() for w in want], shape
     assert fulmen.cache_misses(jfn) == 2
+
+
+def test_contiguous_with_symbolic_sizes_asks_no_fake_tensor(monkeypatch):
+    """`contiguous()` of a transposed tensor (a copy) and of a row-major one (itself) with
+    symbolic sizes is described without PyTorch's fake tensors (milliseconds each: GPT-2's
+    attention output); values, strides and aliasing are eager's."""
+    from fulmen.ops import meta
+
+    asked = []
+    original = meta.call_on_meta
+
+    def recording(fn, args, kwargs):
+        asked.append(fn)
+        return original(fn, args, kwargs)
+
+    monkeypatch.setattr(meta, "call_on_meta", recording)
+
+    def fn(x):
+        copied = (x * 2).transpose(1, 2).contiguous()
+        same = x.contiguous()
+        return copied + 1, same, copied.stride()
+
+    jfn = fulmen.jit(fn, dynamic=True)
+    for shape in ((2, 5, 3), (3, 7, 4), (2, 9, 3)):
+        x = torch.randn(shape)
+        got, want = jfn(x), fn(x)
+        torch.testing.assert_close(got[0], want[0])
+        assert got[0].stride() == want[0].stride() and got[2] == want[2]
+        assert got[1] is x or got[1].data_ptr() == x.data_ptr()
+    assert torch.Tensor.contiguous not in asked

@@ -207,3 +207,26 @@ def test_a_flattened_residual_does_not_stand_for_the_sizes_it_multiplies():
     grad = TensorProxy("grad", shape, torch.float32, "cpu", strides=strides)
     found = size_sources((), (grad,), (flat,), (labels, logits))
     assert [p.name for p in found] == ["logits"]
+
+
+def test_dropout_keeps_a_generalised_batch_of_one():
+    """Dropout on `(1, s, 8)` hidden states whose length varies: describing the mask's layout
+    must not pin the batch of 1 (PyTorch's density check asked whether it is 1), so later
+    batches reuse the symbolic entry (GPT-2's training sweep compiled 3 times); the masks are
+    eager's draws."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return (torch.nn.functional.dropout(x @ w, 0.3, training=True) * 2).sum()
+
+    jfn = fulmen.jit(fn)
+    for batch, seq in ((1, 5), (1, 8), (2, 5), (4, 11), (1, 3)):
+        x = torch.randn(batch, seq, 8)
+        torch.manual_seed(batch * 100 + seq)
+        got = jfn(x)
+        (grad,) = torch.autograd.grad(got, w)
+        torch.manual_seed(batch * 100 + seq)
+        want = fn(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(grad, torch.autograd.grad(want, w)[0])
+    assert fulmen.cache_misses(jfn) == 2

@@ -384,8 +384,12 @@ def _like_strides(a) -> tuple[int, ...] | None:
     with torch._C.DisableTorchFunctionSubclass():  # fulmen's own read, not the user's
         shape, strides = tuple(a.shape), tuple(a.stride())
         if not all(type(n) is int for n in (*shape, *strides)):  # (asks no guard)
-            dense = is_non_overlapping_and_dense_or_false(a)
-            return strides if dense and row_major(a) is False else None
+            # row-major first: PyTorch's density check asks whether a batch of 1 traced with
+            # a symbol is 1, which specialises it (GPT-2's dropout on `(s0, s1, 32)` hidden
+            # states pinned the batch: a length x batch training sweep compiled 3 times)
+            if row_major(a) is not False:
+                return None
+            return strides if is_non_overlapping_and_dense_or_false(a) else None
     like = torch.empty_like(torch.empty_strided(shape, strides, dtype=a.dtype, device="meta"))
     return None if like.is_contiguous() else tuple(like.stride())
 
