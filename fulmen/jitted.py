@@ -29,11 +29,10 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.tracer.explain import describe_call, explain_change
 from fulmen.tracer.guards import (
     GlobalStore,
     changed_classes,
-    describe_call,
-    explain_change,
     restore_classes,
     stored_proxies,
 )
