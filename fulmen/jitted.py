@@ -10,6 +10,7 @@ reports.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import warnings
@@ -28,11 +29,10 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.tracer.explain import describe_call, explain_change
 from fulmen.tracer.guards import (
     GlobalStore,
     changed_classes,
-    describe_call,
-    explain_change,
     restore_classes,
     stored_proxies,
 )
@@ -62,6 +62,7 @@ from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
+_getitem = operator.getitem
 _functorch_active = torch._C._are_functorch_transforms_active
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
@@ -180,6 +181,9 @@ class _Jitted:
         modules = tuple(module.modules()) if module is not None else ()
         self._guard = CacheKeyBuilder(modules, fn if module is None else module.forward)
         self._state_slots = state_slots(module) if module is not None else []
+        # where each slot's tensor is read on every call (`_call`), in one C-level `map`
+        self._state_owners = tuple(slot.owner for slot in self._state_slots)
+        self._state_keys = tuple(slot.key for slot in self._state_slots)
         self._last_described: dict | None = None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
@@ -202,7 +206,8 @@ class _Jitted:
                 _RECOMPILES.info("a module the function reaches changed its hooks, submodules, "
                                  "parameters or buffers; compiling anew")
                 self.forget_compiled()
-            state = [slot.get() for slot in self._state_slots] if self._state_slots else ()
+            state = list(map(_getitem, self._state_owners, self._state_keys)) \
+                if self._state_slots else ()
             key, leaves = self._guard.key(args, kwargs, state)
             stats = self._stats
             stats.calls += 1

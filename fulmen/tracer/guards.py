@@ -40,12 +40,11 @@ from fulmen.tracer.objects import (
     has_argument_grad,
     is_plain_object,
     object_key,
-    path_text,
     restore,
     snapshot,
     unchanged,
-    walk,
 )
+from fulmen.tracer.source_reads import source_reader
 from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
@@ -59,7 +58,6 @@ from fulmen.tracer.sources import (
     scalar_sources,
 )
 from fulmen.tracer.symbolic import INT, STRIDES
-from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
@@ -364,7 +362,6 @@ class CacheKeyBuilder:
         self.modules = modules
         self._source_fn = fn
         self._argument_functions: list = []  # `add_functions`
-        self._module_dicts = [vars(module) for module in modules]
         # module attributes `(module, name)` stored by a call (`watch_attributes`); those
         # (`(id(module), name)`) that programs store traced tensors into and never read as
         # tensors are written (`_written_key`), those a program read are never written again
@@ -415,7 +412,9 @@ class CacheKeyBuilder:
         self._class_sources = frozenset(index for index, (_, read) in
                                         enumerate(self.scalar_sources)
                                         if is_user_class(read()))
+        self._module_dicts = [vars(module) for module in self.modules]
         self._attribute_counts = tuple(map(len, self._module_dicts))
+        self._read_sources = source_reader(self.modules, self.scalar_sources)
 
     def note_module_writes(self, writes: frozenset, captured: tuple, fresh: bool) -> None:
         """After a trace: `writes` are the `(id(module), attribute)` it stored traced tensors
@@ -450,7 +449,6 @@ class CacheKeyBuilder:
         if not new or len(self.modules) >= _MAX_HELD_MODULES:
             return
         self.modules = (*self.modules, *new[:_MAX_HELD_MODULES - len(self.modules)])
-        self._module_dicts = [vars(module) for module in self.modules]
         self._set_sources()
         self._stale = True
 
@@ -515,27 +513,41 @@ class CacheKeyBuilder:
             _is_grad_enabled(),
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
-            tuple(map(_training, self.modules)) if self.modules else (),
-            self._sources_key() if tuple(map(len, self._module_dicts)) == self._attribute_counts
-            else self._added_attributes(),
+            self._sources_key(),
             self._fn_roots_key(),
         )
 
-    def _added_attributes(self) -> HashedKey:
-        """A module gained or lost attributes (`model.temperature = 0.5` after jitting, read by
-        `getattr(self, "temperature", 1.0)`): collect the sources again, then key them."""
+    def _source_values(self) -> list:
+        """`[m.training for m in self.modules]` and the value of each source, read by one
+        generated function (`source_reader`). A module that gained, lost or swapped attributes
+        (`model.temperature = 0.5` after jitting, read by `getattr(self, "temperature", 1.0)`):
+        the sources are collected again first. (A module whose `__dict__` is replaced as a
+        whole is not followed, here or by `state_slots`.)"""
+        if tuple(map(len, self._module_dicts)) == self._attribute_counts:
+            values = self._read_sources()
+            if values is not None:
+                return values
         self._set_sources()
-        return self._sources_key()
+        values = self._read_sources()
+        if values is None:  # (cannot be: the reader was made from these very dicts)
+            values = [*map(_training, self.modules), *[read() for _, read in
+                                                       self.scalar_sources]]
+        return values
 
     def _sources_key(self) -> HashedKey:
-        values = [read() for _, read in self.scalar_sources]
+        """The key of the modules' training flags and of the sources' values, reused while
+        nothing it was computed from changed (`KeyMemo`)."""
+        values = self._source_values()
         memo = self._sources_memo.lookup(values)  # nothing they hold changed: the same key
         if memo is not None:
             return memo
+        count = len(self.modules)
+        flags = tuple(values[:count])
         keys, objects = [], {}  # a config object many modules hold is keyed once
         snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
         written = self.written
-        for index, (value, object_type) in enumerate(zip(values, self._object_types)):
+        for index, (value, object_type) in enumerate(zip(values[count:],
+                                                         self._object_types)):
             kind = type(value)
             if index in self._class_sources and isinstance(value, type):
                 keys.append(class_source_key(value))
@@ -566,7 +578,7 @@ class CacheKeyBuilder:
                         snapshots += _container_snapshots(value)
                 elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS, *ATOMS)):
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
-        key = HashedKey(tuple(keys))
+        key = HashedKey((flags, tuple(keys)))
         self._sources_memo.store(values, key, snapshots)
         return key
 
@@ -631,62 +643,3 @@ class CacheKeyBuilder:
         for root, paths in masks.items():
             leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves
-
-
-def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
-                  module_names=(), sources=()) -> dict[str, object]:
-    """What a call was specialised on, by name (`x.shape`, `scale`, `grad mode`, ...), for
-    explaining retraces in words. Names follow the trace's input names."""
-    described: dict[str, object] = {
-        "grad mode": _is_grad_enabled(),
-        "default dtype": _get_default_dtype(),
-        "autocast": autocast_key() or "off",
-    }
-    for name, module in zip(module_names, modules):
-        described[f"{name or 'model'}.training"] = module.training
-    for name, read in sources:
-        value = read()
-        if isinstance(value, Tensor):  # compared by identity, as keyed
-            value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
-        elif type(value) in CONTAINERS:
-            value = source_key(value)
-        elif is_plain_object(value):
-            value = object_source_key(value)
-        described[name] = value
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        name = _path_name(path, param_names)
-        if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds, and
-            for steps, value in walk(leaf):  # the numbers it keys by value (`cumulative_length`)
-                if isinstance(value, Tensor):
-                    described[f"{name}{path_text(steps)}.shape"] = tuple(value.shape)
-                elif type(value) in (int, float, bool):
-                    described[f"{name}{path_text(steps)}"] = value
-            continue
-        if isinstance(leaf, Tensor):
-            described[f"{name}.shape"] = tuple(leaf.shape)
-            described[f"{name}.dtype"] = leaf.dtype
-            described[f"{name}.device"] = leaf.device
-            described[f"{name}.requires_grad"] = leaf.requires_grad
-            described[f"{name}.stride()"] = "contiguous" if leaf.is_contiguous() else leaf.stride()
-        else:
-            described[name] = leaf
-    return described
-
-
-def _differs(old: object, new: object) -> bool:
-    if isinstance(old, float) and isinstance(new, float):
-        return _float_key(old) != _float_key(new)
-    return old != new and not (old != old and new != new)
-
-
-def explain_change(old: dict[str, object], new: dict[str, object]) -> list[str]:
-    """`['x.shape changed from (4, 4) to (8, 4)', ...]`: why `new` missed the cache."""
-    reasons = []
-    for key in dict.fromkeys([*old, *new]):
-        if key not in old:
-            reasons.append(f"{key} is new ({new[key]!r})")
-        elif key not in new:
-            reasons.append(f"{key} is gone (was {old[key]!r})")
-        elif _differs(old[key], new[key]):
-            reasons.append(f"{key} changed from {old[key]!r} to {new[key]!r}")
-    return reasons or ["the input structure changed"]

@@ -21,12 +21,14 @@ strides, dtype, device and requires_grad it had.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
 import torch
 
 _is = operator.is_
+_chain = itertools.chain.from_iterable
 
 
 class HashedKey:
@@ -58,7 +60,7 @@ def _contents(holder: Any, kind: type) -> tuple[Any, Any]:
     if kind is list or kind is tuple:
         return None, holder
     mapping = holder if kind is dict else vars(holder)
-    return tuple(mapping), mapping.values()
+    return mapping.keys(), mapping.values()
 
 
 def holder_snapshot(holder: Any) -> tuple:
@@ -67,7 +69,7 @@ def holder_snapshot(holder: Any) -> tuple:
     kind = type(holder)
     names, items = _contents(holder, kind)
     items = tuple(items)
-    return holder, kind, names, items, tuple(map(type, items))
+    return holder, kind, None if names is None else tuple(names), items, tuple(map(type, items))
 
 
 def typed_snapshot(value: Any) -> tuple:
@@ -75,24 +77,19 @@ def typed_snapshot(value: Any) -> tuple:
     return value, type(value), None, None, None
 
 
-def _unchanged(snapshot: tuple) -> bool:
-    holder, kind, names, items, types = snapshot
-    if type(holder) is not kind:
-        return False
-    if items is None:
-        return True
-    now_names, now_items = _contents(holder, kind)
-    if len(now_items) != len(items):
-        return False
-    if names is not None and not all(map(_is, now_names, names)):
-        return False
-    return all(map(_is, now_items, items)) and all(map(_is, map(type, now_items), types))
-
-
 class KeyMemo:
-    """The last key computed from a list of values (see the module docstring)."""
+    """The last key computed from a list of values (see the module docstring).
 
-    __slots__ = ("values", "key", "snapshots")
+    `store` flattens the snapshots so that `lookup` compares everything with a few C-level
+    passes (`map(operator.is_, ...)`) instead of a Python loop per holder: the holders' types;
+    the `__dict__` of each plain object (a replaced `__dict__` is another object); the number of
+    items of each holder (an item moved from one list to another keeps the total); then every
+    item, its type, and every name, in one sequence each, read through live views
+    (`dict.values()`, the list itself) made when the key was stored.
+    """
+
+    __slots__ = ("values", "key", "snapshots", "_holders", "_kinds", "_owners", "_dicts",
+                 "_item_views", "_name_views", "_counts", "_items", "_types", "_names")
 
     def __init__(self) -> None:
         self.values: list | None = None
@@ -104,9 +101,21 @@ class KeyMemo:
         old = self.values
         if old is None or len(values) != len(old) or not all(map(_is, values, old)):
             return None
-        for snapshot in self.snapshots:
-            if not _unchanged(snapshot):
-                return None
+        if not self._holders:
+            return self.key
+        if not all(map(_is, map(type, self._holders), self._kinds)):
+            return None  # (first: `vars` below needs each object to still have a `__dict__`)
+        if self._owners and not all(map(_is, map(vars, self._owners), self._dicts)):
+            return None
+        views = self._item_views
+        if tuple(map(len, views)) != self._counts:
+            return None
+        items = tuple(_chain(views))
+        if not (all(map(_is, items, self._items)) and all(map(_is, map(type, items),
+                                                               self._types))):
+            return None
+        if self._names and not all(map(_is, _chain(self._name_views), self._names)):
+            return None
         return self.key
 
     def store(self, values: list, key: HashedKey, snapshots: list[tuple] | None) -> None:
@@ -114,8 +123,30 @@ class KeyMemo:
         the snapshots cover, so nothing is remembered."""
         if snapshots is None:
             self.values, self.key, self.snapshots = None, None, []
-        else:
-            self.values, self.key, self.snapshots = values, key, snapshots
+            return
+        self.values, self.key, self.snapshots = values, key, snapshots
+        self._holders = tuple([s[0] for s in snapshots])
+        self._kinds = tuple([s[1] for s in snapshots])
+        owners, item_views, name_views, names, items, types = [], [], [], [], [], []
+        for holder, kind, saved_names, saved_items, saved_types in snapshots:
+            if saved_items is None:  # keyed by identity and type only
+                continue
+            if saved_names is None:  # a list or tuple: the holder is its own view
+                item_views.append(holder)
+            else:
+                mapping = holder if kind is dict else vars(holder)
+                if kind is not dict and not isinstance(holder, type):  # (a class's cannot be
+                    owners.append((holder, mapping))  # replaced; `vars` makes a new proxy)
+                item_views.append(mapping.values())
+                name_views.append(mapping.keys())
+                names += saved_names
+            items += saved_items
+            types += saved_types
+        self._owners = tuple([holder for holder, _ in owners])
+        self._dicts = tuple([mapping for _, mapping in owners])
+        self._item_views, self._name_views = tuple(item_views), tuple(name_views)
+        self._counts = tuple([len(s[3]) for s in snapshots if s[3] is not None])
+        self._items, self._types, self._names = tuple(items), tuple(types), tuple(names)
 
 
 try:  # PyTorch's C++ check of tensor metadata (what Dynamo's tensor guards were built on)

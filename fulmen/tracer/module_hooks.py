@@ -107,6 +107,8 @@ class StructureWatch:
         _count_registrations()
         holders = [getattr(sub, kind) for sub in module.modules() for kind in self._HOLDERS]
         self._held = [(holder, tuple(holder.values())) for holder in holders if holder]
+        self._held_dicts = tuple(holder for holder, _ in self._held)
+        self._held_counts = tuple(len(values) for _, values in self._held)
         self._empty = [holder for holder in holders if not holder]
         self._seen = _registrations[0]
         # `m.bias = None` calls no registration hook and keeps the dict's length: with
@@ -120,8 +122,8 @@ class StructureWatch:
 
     def changed(self) -> bool:
         """Whether anything was added, removed or replaced since the watch was made."""
-        if self._seen == _registrations[0] and all([len(holder) == len(values)
-                                                    for holder, values in self._held]) \
+        if self._seen == _registrations[0] \
+                and tuple(map(len, self._held_dicts)) == self._held_counts \
                 and all([tuple(map(id, holder.values())) == ids
                          for holder, ids in self._parameter_ids]):
             return False

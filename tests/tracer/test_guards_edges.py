@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.tracer.guards import _leaf_key, explain_change
+from fulmen.tracer.explain import explain_change
+from fulmen.tracer.guards import _leaf_key
 
 SIGN = 0.0
 

@@ -1,0 +1,79 @@
+"""Why a call missed the cache, in words: `describe_call` names what a call was specialised
+on (`x.shape`, `model.training`, a module attribute's value, ...), `explain_change` compares two
+descriptions (`['x.shape changed from (4, 4) to (8, 4)']`) for `fulmen.compile_stats` and the
+`fulmen.recompiles` log. Only misses pay for it; the key itself is `fulmen.tracer.guards`'.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core.ambient import autocast_key
+from fulmen.tracer.guards import _float_key, object_source_key, source_key
+from fulmen.tracer.objects import is_plain_object, path_text, walk
+from fulmen.tracer.sources import CONTAINERS
+from fulmen.tracer.tracer import _path_name
+
+Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_get_default_dtype = torch.get_default_dtype
+
+
+def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
+                  module_names=(), sources=()) -> dict[str, object]:
+    """What a call was specialised on, by name (`x.shape`, `scale`, `grad mode`, ...), for
+    explaining retraces in words. Names follow the trace's input names."""
+    described: dict[str, object] = {
+        "grad mode": _is_grad_enabled(),
+        "default dtype": _get_default_dtype(),
+        "autocast": autocast_key() or "off",
+    }
+    for name, module in zip(module_names, modules):
+        described[f"{name or 'model'}.training"] = module.training
+    for name, read in sources:
+        value = read()
+        if isinstance(value, Tensor):  # compared by identity, as keyed
+            value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
+        elif type(value) in CONTAINERS:
+            value = source_key(value)
+        elif is_plain_object(value):
+            value = object_source_key(value)
+        described[name] = value
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        name = _path_name(path, param_names)
+        if is_plain_object(leaf):  # an HF cache: the shapes of the tensors it holds, and
+            for steps, value in walk(leaf):  # the numbers it keys by value (`cumulative_length`)
+                if isinstance(value, Tensor):
+                    described[f"{name}{path_text(steps)}.shape"] = tuple(value.shape)
+                elif type(value) in (int, float, bool):
+                    described[f"{name}{path_text(steps)}"] = value
+            continue
+        if isinstance(leaf, Tensor):
+            described[f"{name}.shape"] = tuple(leaf.shape)
+            described[f"{name}.dtype"] = leaf.dtype
+            described[f"{name}.device"] = leaf.device
+            described[f"{name}.requires_grad"] = leaf.requires_grad
+            described[f"{name}.stride()"] = "contiguous" if leaf.is_contiguous() else leaf.stride()
+        else:
+            described[name] = leaf
+    return described
+
+
+def _differs(old: object, new: object) -> bool:
+    if isinstance(old, float) and isinstance(new, float):
+        return _float_key(old) != _float_key(new)
+    return old != new and not (old != old and new != new)
+
+
+def explain_change(old: dict[str, object], new: dict[str, object]) -> list[str]:
+    """`['x.shape changed from (4, 4) to (8, 4)', ...]`: why `new` missed the cache."""
+    reasons = []
+    for key in dict.fromkeys([*old, *new]):
+        if key not in old:
+            reasons.append(f"{key} is new ({new[key]!r})")
+        elif key not in new:
+            reasons.append(f"{key} is gone (was {old[key]!r})")
+        elif _differs(old[key], new[key]):
+            reasons.append(f"{key} changed from {old[key]!r} to {new[key]!r}")
+    return reasons or ["the input structure changed"]
