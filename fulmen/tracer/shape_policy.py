@@ -129,6 +129,8 @@ class DynamicDims:
         # argument name -> dims of size 1 generalised (not specialised to 1) when traced
         self.ones: dict[str, set[int]] = {}
         self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
+        # whether the last `dims_for` generalised a size 1 of a dim already seen to vary
+        self.generalised_known_one = False
         # argument name -> its shape at the last call that missed the cache
         self.seen: dict[str, tuple[int, ...]] = {}
         self.entries: list = []
@@ -151,6 +153,11 @@ class DynamicDims:
         encoder's length change, and would compile each decode step again for each length."""
         shapes = _tensor_shapes(leaves)
         names = [label(i) for i, _ in shapes]
+        # the dims seen to vary before this call: one of size 1 now is generalised (a cache
+        # at its first decoding step after another prompt length), not one that became 1 now
+        known = {name: set(dims) for name, dims in self.varying.items()} \
+            if self.dynamic is None and self.generalise_ones else {}
+        self.generalised_known_one = False
         if self.dynamic is None and not self.broken:
             for name, (_, new) in zip(names, shapes):
                 old = self.seen.get(name)
@@ -177,7 +184,11 @@ class DynamicDims:
             chosen |= set(getattr(leaf, "_dynamo_dynamic_indices", ()))
             chosen -= getattr(leaf, "_fulmen_static_dims", set())
             ones = self.ones.get(name, set())
-            chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
+            known_ones = {d for d in known.get(name, ()) if d < len(shape) and shape[d] == 1
+                          and d in chosen}
+            self.generalised_known_one |= bool(known_ones)
+            chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)} \
+                | known_ones
             if chosen:
                 dims[i] = chosen
             (self.contiguous if leaf.is_contiguous() else self.views).add(name)
@@ -215,7 +226,7 @@ class DynamicDims:
     def drop_ones(self) -> bool:
         """A symbolic trace with generalised sizes of 1 failed: specialise them from now on
         (they stay out of `varying` until they change); whether there were any."""
-        if not self.ones:
+        if not self.ones and not self.generalised_known_one:
             return False
         for i, dims in self.ones.items():
             self.varying[i] -= dims
