@@ -420,3 +420,25 @@ def test_a_size_that_changed_under_another_call_structure_becomes_symbolic():
         torch.testing.assert_close(jfn(x), _encode_or_decode(x))
         torch.testing.assert_close(jfn(token, memory), _encode_or_decode(token, memory))
     assert fulmen.cache_misses(jfn) == 4  # each structure: its first length, then symbolic
+
+
+def test_a_size_already_seen_to_vary_is_generalised_at_1():
+    """A cache whose length goes 1, 2, 3 once per memory length (a decoder's self-attention
+    cache beside its cross-attention memory): at the second memory length, the cache length 1
+    was seen to vary already, so it is traced with a symbol and the entry serves the lengths
+    2 and 3 too (three compilations; four when the 1 was specialised)."""
+    torch.manual_seed(0)
+
+    def step(token, cache, memory):
+        keys = torch.cat([cache, token], dim=2)  # (b, h, n + 1, d)
+        scores = keys @ memory.transpose(-1, -2)  # (b, h, n + 1, m)
+        return (scores.softmax(-1) @ memory).sum(2)
+
+    jfn = fulmen.jit(step)
+    for memory_length in (5, 7, 9):
+        memory = torch.randn(2, 4, memory_length, 8)
+        for length in (1, 2, 3):
+            token, cache = torch.randn(2, 4, 1, 8), torch.randn(2, 4, length, 8)
+            torch.testing.assert_close(jfn(token, cache, memory), step(token, cache, memory))
+    stats = fulmen.compile_stats(jfn)
+    assert stats.eager_calls == 0 and stats.cache_misses == 3, stats.recompile_reasons
