@@ -422,11 +422,12 @@ def test_a_size_that_changed_under_another_call_structure_becomes_symbolic():
     assert fulmen.cache_misses(jfn) == 4  # each structure: its first length, then symbolic
 
 
-def test_a_size_already_seen_to_vary_is_generalised_at_1():
+def test_a_cache_length_back_at_1_is_generalised():
     """A cache whose length goes 1, 2, 3 once per memory length (a decoder's self-attention
     cache beside its cross-attention memory): at the second memory length, the cache length 1
-    was seen to vary already, so it is traced with a symbol and the entry serves the lengths
-    2 and 3 too (three compilations; four when the 1 was specialised)."""
+    was seen to grow from 1 already, so it is traced with a symbol and the entry serves the
+    lengths 2 and 3 too (three compilations; four when the 1 was specialised: NOTE [a varying
+    size back at 1])."""
     torch.manual_seed(0)
 
     def step(token, cache, memory):
