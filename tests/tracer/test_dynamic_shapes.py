@@ -443,3 +443,19 @@ def test_a_cache_length_back_at_1_is_generalised():
             torch.testing.assert_close(jfn(token, cache, memory), step(token, cache, memory))
     stats = fulmen.compile_stats(jfn)
     assert stats.eager_calls == 0 and stats.cache_misses == 3, stats.recompile_reasons
+
+
+def test_a_failed_trace_with_a_cache_length_at_1_drops_only_that():
+    """The policy's fallback (`DynamicDims.drop_ones`): a trace with a restarted cache length
+    generalised at 1 failed, so that 1 is specialised from then on, while the batch of 1 beside
+    a varying size stays generalised."""
+    from fulmen.tracer.shape_policy import DynamicDims
+
+    policy, names = DynamicDims(None), ["token", "cache"]
+    label = names.__getitem__
+    calls = [(torch.empty(1, 1), torch.empty(1, 4, n)) for n in (1, 2, 1)]
+    assert policy.dims_for(list(calls[0]), label) == {}
+    assert policy.dims_for(list(calls[1]), label) == {1: (0, 2)}  # grown from 1; the batch
+    assert policy.dims_for(list(calls[2]), label) == {1: (0, 2)}  # back at 1: generalised
+    assert policy.drop_ones()
+    assert policy.dims_for(list(calls[2]), label) == {1: (0,)}
