@@ -16,7 +16,9 @@ not change (the batch of 1 of `(1, seq)` token ids whose length varies) are trac
 symbols too, not specialised to 1. Every decision the trace makes about such a size is a guard
 evaluated at 1, so the entry serves a batch of 4 only when no branch depended on the 1; then a
 sweep over lengths and batches compiles twice (torch.compile's automatic dynamic, which
-specialises the 1, compiles three times). An entry with symbolic sizes is
+specialises the 1, compiles three times). A size seen to vary that drops back to 1 (a decoder's
+cache at the first step of another `generate`) is generalised the same way (NOTE [a varying
+size back at 1]). An entry with symbolic sizes is
 found by a key that leaves those sizes out, then checked with its shape guard.
 
 Integer arguments (litgpt's `input_pos_maxp1`, HF's `logits_to_keep`) and integers held by an
@@ -108,6 +110,23 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
     return found
 
 
+# NOTE [a varying size back at 1]
+# A decoder's self-attention cache grows 1, 2, 3... at each `generate`; at the second prompt
+# length the encoder's (cross-attention) length varies too, so the first decoding step misses
+# the cache with a self-attention length of 1. Specialised to 1, that entry serves no later
+# step, each of which misses again (T5: past `cache_size_limit`, eagerly). A dim seen to vary
+# that was seen to grow from 1 between two misses of the same structure (consecutive decoding
+# steps) and whose size dropped back to 1 since the last miss is traced with a symbol instead,
+# as the
+# batch of 1 beside a varying length is: every decision about it is a guard evaluated at 1, so
+# the entry serves the lengths >= 2 that follow only where no branch depended on the 1. Token
+# ids keep their 1: their length goes prompt -> 1 -> another prompt across calls of other
+# structures (prefill without a cache, decoding with one), never 1 -> 2 within one, and a query
+# length generalised at 1 would fail anyway where HF passes SDPA `is_causal=q_len > 1` (a
+# symbolic bool it does not take). A trace that fails with such a 1 turns this off
+# (`drop_ones`), before the batch-of-1 generalisation.
+
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -129,6 +148,15 @@ class DynamicDims:
         # argument name -> dims of size 1 generalised (not specialised to 1) when traced
         self.ones: dict[str, set[int]] = {}
         self.generalise_ones = True  # off once a trace with them failed (`drop_ones`)
+        # a size that was seen to vary and has just dropped back to 1 (a decoder's cache at the
+        # first step of another `generate`) is generalised too, until a trace with such a 1
+        # fails (`drop_ones`); whether the last `dims_for` generalised one
+        self.generalise_restarts = True
+        self.generalised_restart = False
+        # argument name -> dims seen to grow from 1 between two misses of the same structure
+        # (a cache at consecutive decoding steps), and the names of the last miss
+        self.grown: dict[str, set[int]] = {}
+        self.last_names: list[str] | None = None
         # argument name -> its shape at the last call that missed the cache
         self.seen: dict[str, tuple[int, ...]] = {}
         self.entries: list = []
@@ -151,12 +179,23 @@ class DynamicDims:
         encoder's length change, and would compile each decode step again for each length."""
         shapes = _tensor_shapes(leaves)
         names = [label(i) for i, _ in shapes]
+        # argument name -> its dims seen to grow from 1 that are 1 again now, having been
+        # larger at the last miss: generalised (NOTE [a varying size back at 1])
+        restarts: dict[str, set[int]] = {}
+        self.generalised_restart = False
+        same_structure, self.last_names = names == self.last_names, names
         if self.dynamic is None and not self.broken:
             for name, (_, new) in zip(names, shapes):
                 old = self.seen.get(name)
                 if old is None or len(old) != len(new):
                     continue
                 changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
+                if same_structure:
+                    self.grown.setdefault(name, set()).update(
+                        d for d in changed if old[d] == 1 and new[d] > 1)
+                if self.generalise_ones and self.generalise_restarts:
+                    restarts[name] = {d for d in changed & self.grown.get(name, set())
+                                      if new[d] == 1}
                 if changed - self.varying.get(name, set()):
                     _RECOMPILES.info("%s: size %s varies; tracing it symbolically", name,
                                      ", ".join(f"{d} ({old[d]} -> {new[d]})" for d in sorted(changed)))
@@ -177,7 +216,10 @@ class DynamicDims:
             chosen |= set(getattr(leaf, "_dynamo_dynamic_indices", ()))
             chosen -= getattr(leaf, "_fulmen_static_dims", set())
             ones = self.ones.get(name, set())
-            chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)}
+            restarted = restarts.get(name, set()) & chosen
+            self.generalised_restart |= bool(restarted)
+            chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)} \
+                | restarted
             if chosen:
                 dims[i] = chosen
             (self.contiguous if leaf.is_contiguous() else self.views).add(name)
@@ -215,6 +257,9 @@ class DynamicDims:
     def drop_ones(self) -> bool:
         """A symbolic trace with generalised sizes of 1 failed: specialise them from now on
         (they stay out of `varying` until they change); whether there were any."""
+        if self.generalised_restart:  # those first (`attention(is_causal=q_len > 1)` fails)
+            self.generalise_restarts = False
+            return True
         if not self.ones:
             return False
         for i, dims in self.ones.items():

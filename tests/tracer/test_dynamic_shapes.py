@@ -420,3 +420,42 @@ def test_a_size_that_changed_under_another_call_structure_becomes_symbolic():
         torch.testing.assert_close(jfn(x), _encode_or_decode(x))
         torch.testing.assert_close(jfn(token, memory), _encode_or_decode(token, memory))
     assert fulmen.cache_misses(jfn) == 4  # each structure: its first length, then symbolic
+
+
+def test_a_cache_length_back_at_1_is_generalised():
+    """A cache whose length goes 1, 2, 3 once per memory length (a decoder's self-attention
+    cache beside its cross-attention memory): at the second memory length, the cache length 1
+    was seen to grow from 1 already, so it is traced with a symbol and the entry serves the
+    lengths 2 and 3 too (three compilations; four when the 1 was specialised: NOTE [a varying
+    size back at 1])."""
+    torch.manual_seed(0)
+
+    def step(token, cache, memory):
+        keys = torch.cat([cache, token], dim=2)  # (b, h, n + 1, d)
+        scores = keys @ memory.transpose(-1, -2)  # (b, h, n + 1, m)
+        return (scores.softmax(-1) @ memory).sum(2)
+
+    jfn = fulmen.jit(step)
+    for memory_length in (5, 7, 9):
+        memory = torch.randn(2, 4, memory_length, 8)
+        for length in (1, 2, 3):
+            token, cache = torch.randn(2, 4, 1, 8), torch.randn(2, 4, length, 8)
+            torch.testing.assert_close(jfn(token, cache, memory), step(token, cache, memory))
+    stats = fulmen.compile_stats(jfn)
+    assert stats.eager_calls == 0 and stats.cache_misses == 3, stats.recompile_reasons
+
+
+def test_a_failed_trace_with_a_cache_length_at_1_drops_only_that():
+    """The policy's fallback (`DynamicDims.drop_ones`): a trace with a restarted cache length
+    generalised at 1 failed, so that 1 is specialised from then on, while the batch of 1 beside
+    a varying size stays generalised."""
+    from fulmen.tracer.shape_policy import DynamicDims
+
+    policy, names = DynamicDims(None), ["token", "cache"]
+    label = names.__getitem__
+    calls = [(torch.empty(1, 1), torch.empty(1, 4, n)) for n in (1, 2, 1)]
+    assert policy.dims_for(list(calls[0]), label) == {}
+    assert policy.dims_for(list(calls[1]), label) == {1: (0, 2)}  # grown from 1; the batch
+    assert policy.dims_for(list(calls[2]), label) == {1: (0, 2)}  # back at 1: generalised
+    assert policy.drop_ones()
+    assert policy.dims_for(list(calls[2]), label) == {1: (0,)}
