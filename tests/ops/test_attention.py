@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.transforms import decompose_to_prims
 from tests.ops.opinfo_harness import assert_traced_like_eager
+from tests.spies import record_calls
 
 MASK = torch.rand(3, 5) > 0.4
 MASK[1] = False  # a fully masked query row: zeros, as eager
@@ -251,14 +252,7 @@ def test_dropout_attention_with_symbolic_sizes_is_laid_out_without_the_meta_kern
     stay eager's (`test_attention_with_dropout_over_symbolic_lengths_equals_eager`)."""
     from fulmen.tracer import dispatch
 
-    asked = []
-    real = dispatch.eager_layouts
-
-    def spy(func, args, kwargs):
-        asked.append(func)
-        return real(func, args, kwargs)
-
-    monkeypatch.setattr(dispatch, "eager_layouts", spy)
+    asked = record_calls(monkeypatch, dispatch, "eager_layouts")
 
     def fn(x, k, v):
         q = _LAYOUTS[query](x)

@@ -10,6 +10,7 @@ import fulmen
 from fulmen.ops import meta, opaque
 from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.proxies.tensor import known_same_shape, size_hints
+from tests.spies import record_calls
 
 
 def _loss_step(x, labels, table, w, reduction="mean"):
@@ -69,14 +70,7 @@ def test_descriptions_equal_pytorchs_meta_kernels(monkeypatch, dynamic):
 def test_a_symbolic_training_step_runs_no_fake_tensor_for_them(monkeypatch):
     """With symbolic sizes the five ops are described by rule: PyTorch's fake tensors, which run
     `_log_softmax`'s and `nll_loss_forward`'s decompositions op by op, are not asked."""
-    asked = []
-    original = meta.call_on_meta
-
-    def recording(fn, args, kwargs):
-        asked.append(fn)
-        return original(fn, args, kwargs)
-
-    monkeypatch.setattr(meta, "call_on_meta", recording)
+    asked = record_calls(monkeypatch, meta, "call_on_meta")
     table = torch.randn(12, 8, requires_grad=True)
     w = torch.randn(8, 8, requires_grad=True)
     jfn = fulmen.jit(_loss_step, dynamic=True)

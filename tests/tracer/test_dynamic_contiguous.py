@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from tests.spies import record_calls
 
 SHAPES = ((1, 5), (1, 8), (2, 5), (4, 11), (1, 3), (3, 2), (1, 9))
 
@@ -105,14 +106,7 @@ def test_contiguous_with_symbolic_sizes_asks_no_fake_tensor(monkeypatch):
     attention output); values, strides and aliasing are eager's."""
     from fulmen.ops import meta
 
-    asked = []
-    original = meta.call_on_meta
-
-    def recording(fn, args, kwargs):
-        asked.append(fn)
-        return original(fn, args, kwargs)
-
-    monkeypatch.setattr(meta, "call_on_meta", recording)
+    asked = record_calls(monkeypatch, meta, "call_on_meta")
 
     def fn(x):
         copied = (x * 2).transpose(1, 2).contiguous()
