@@ -7,19 +7,7 @@ import warnings
 import torch
 
 import fulmen
-import fulmen.jitted
-
-
-def _count_traces(monkeypatch):
-    calls = []
-    original = fulmen.jitted.trace_program
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fulmen.jitted, "trace_program", counting)
-    return calls
+from tests.spies import count_traces
 
 
 def _train_step(model, optimizer, x, y):
@@ -37,7 +25,7 @@ def test_a_whole_training_step_with_a_scheduler_is_not_traced_on_every_call(monk
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (eager_model, model)]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9) for o in optimizers]
     step = fulmen.jit(_train_step)
-    traces = _count_traces(monkeypatch)
+    traces = count_traces(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(40):  # the learning rate, part of the key, changes on every call

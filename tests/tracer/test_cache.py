@@ -1,32 +1,19 @@
 """Caching under guards: hits do no tracing; every guarded property retraces."""
 
-import sys
 
 import pytest
 import torch
 
 import fulmen
+from tests.spies import count_traces
 
 
 def f(x, y):
     return x * y + 1
 
 
-def _count_traces(monkeypatch):
-    jit_module = sys.modules["fulmen.jitted"]  # the module whose _Jitted traces on a miss
-    calls = []
-    original = jit_module.trace_program
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(jit_module, "trace_program", counting)
-    return calls
-
-
 def test_same_metadata_hits_and_does_not_trace(monkeypatch):
-    traced = _count_traces(monkeypatch)
+    traced = count_traces(monkeypatch)
     jfn = fulmen.jit(f)
     jfn(torch.randn(4, 4), torch.randn(4, 4))
     jfn(torch.randn(4, 4), torch.randn(4, 4))

@@ -3,13 +3,13 @@ part of the key (`fulmen.tracer.source_reads`) and the flat memo (`KeyMemo`) mus
 change the full key sees, and a change back must hit the entry made before."""
 
 import functools
-import sys
 
 import pytest
 import torch
 
 import fulmen
 from fulmen.tracer.source_reads import reads_dict_entry, source_reader
+from tests.spies import count_traces
 
 
 class _Block(torch.nn.Module):
@@ -28,19 +28,6 @@ class _Block(torch.nn.Module):
         if self.training:
             y = y + 1
         return y + getattr(self, "extra", 0.0)
-
-
-def _traces(monkeypatch) -> list:
-    jitted = sys.modules["fulmen.jitted"]
-    calls: list = []
-    original = jitted.trace_program
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(jitted, "trace_program", counting)
-    return calls
 
 
 def _swap_attributes(m):
@@ -73,7 +60,7 @@ def test_a_change_after_hits_traces_again_and_follows_eager(change, monkeypatch)
     x = torch.randn(3, 4)
     for _ in range(3):
         torch.testing.assert_close(jmodel(x), model(x))
-    traced = _traces(monkeypatch)
+    traced = count_traces(monkeypatch)
     how, retraces = CHANGES[change]
     how(model)
     if change == "parameter dtype changed in place":
@@ -96,7 +83,7 @@ def test_a_change_back_hits_the_entry_made_before(how, monkeypatch):
     for change in (first, second):
         change()
         torch.testing.assert_close(jmodel(x), model(x))
-    traced = _traces(monkeypatch)
+    traced = count_traces(monkeypatch)
     for change in (first, second, first, second):
         change()
         torch.testing.assert_close(jmodel(x), model(x))
