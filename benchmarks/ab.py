@@ -50,17 +50,7 @@ def worker(case: str, rounds: int, number: int) -> dict:
         spec = e2e.make_cases("tiny", [name])[0]
         model = spec.model
         jmodel = fulmen.jit(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-        def train(fn):
-            optimizer.zero_grad(set_to_none=True)
-            spec.call(fn).backward()
-            optimizer.step()
-
-        def infer(fn):
-            with torch.no_grad():
-                spec.infer(fn)
-
+        train, infer = e2e.step_functions(spec)
         step = train if mode == "train" else infer
         model.train(mode == "train")
         steps = {"eager": lambda: step(model), "fulmen": lambda: step(jmodel)}

@@ -146,6 +146,24 @@ def _warm(fn, step, calls: int = 6) -> None:
     step()
 
 
+def step_functions(case: Case):
+    """`(train_step, infer_step)` for `case`, each taking the callable to run (the model, or it
+    jitted or compiled): a training step (forward, loss, backward, an AdamW step on the
+    model's parameters) and a no-grad forward."""
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4, foreach=True)
+
+    def train_step(fn):
+        optimizer.zero_grad(set_to_none=True)
+        case.call(fn).backward()
+        optimizer.step()
+
+    def infer_step(fn):
+        with torch.no_grad():
+            case.infer(fn)
+
+    return train_step, infer_step
+
+
 def measure(case: Case, threads_list: list[int], number: int, repeat: int,
             compile_too: bool) -> list[dict]:
     """Rows `{model, mode, threads, eager, fulmen, torch.compile}` in ms per step."""
@@ -158,17 +176,7 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
     candidates = {"eager": model, "fulmen": fulmen.jit(model)}
     if compile_too:
         candidates["torch.compile"] = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def train_step(fn):
-        optimizer.zero_grad(set_to_none=True)
-        case.call(fn).backward()
-        optimizer.step()
-
-    def infer_step(fn):
-        with torch.no_grad():
-            case.infer(fn)
-
+    train_step, infer_step = step_functions(case)
     model.eval()
     with torch.no_grad():  # the compiled callables agree with eager before anything is timed
         expected = case.infer(model)
