@@ -352,13 +352,11 @@ def _row_major_broadcasts(tensors, shape: tuple, canonical: tuple) -> bool:
     for size in shape[1:]:
         if (size < 2) if type(size) is int else not _known_not_one(size):
             return False
+    operands = _broadcast_operands(tensors, shape)
+    if operands is None:
+        return False
     full = False
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            continue
-        operand = _broadcast(tensor, shape)
-        if operand is None:
-            return False
+    for operand in operands:
         zeros = 0
         for stride, expected in zip(operand.strides, canonical):
             if type(stride) is int and stride == 0:
@@ -404,6 +402,20 @@ class _Broadcast:
 
     def numel(self):
         return math.prod(self.shape)
+
+
+def _broadcast_operands(tensors, shape: tuple) -> list[_Broadcast] | None:
+    """The layouts of `tensors` (0-dim ones take no part) broadcast to `shape`, or None where
+    one is not known without a guard (`_broadcast`)."""
+    operands = []
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            continue
+        operand = _broadcast(tensor, shape)
+        if operand is None:
+            return None
+        operands.append(operand)
+    return operands
 
 
 def _broadcast(tensor, shape: tuple) -> _Broadcast | None:
@@ -453,14 +465,7 @@ def _symbolic_strides(tensors, shape: tuple):
             break
     if env is None:
         return None
-    operands = []
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            continue
-        operand = _broadcast(tensor, shape)
-        if operand is None:
-            return None
-        operands.append(operand)
+    operands = _broadcast_operands(tensors, shape)
     if not operands or len(shape) == 1:
         return None
     from torch._prims_common import (
