@@ -117,13 +117,12 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
 # step, each of which misses again (T5: past `cache_size_limit`, eagerly). A dim seen to vary
 # that was seen to grow from 1 between two misses of the same structure (consecutive decoding
 # steps) and whose size dropped back to 1 since the last miss is traced with a symbol instead,
-# as the
-# batch of 1 beside a varying length is: every decision about it is a guard evaluated at 1, so
-# the entry serves the lengths >= 2 that follow only where no branch depended on the 1. Token
-# ids keep their 1: their length goes prompt -> 1 -> another prompt across calls of other
-# structures (prefill without a cache, decoding with one), never 1 -> 2 within one, and a query
-# length generalised at 1 would fail anyway where HF passes SDPA `is_causal=q_len > 1` (a
-# symbolic bool it does not take). A trace that fails with such a 1 turns this off
+# as the batch of 1 beside a varying length is: every decision about it is a guard evaluated
+# at 1, so the entry serves the lengths >= 2 that follow only where no branch depended on the
+# 1. Token ids keep their 1: their length goes prompt -> 1 -> another prompt across calls of
+# other structures (prefill without a cache, decoding with one), never 1 -> 2 within one, and a
+# query length generalised at 1 would fail anyway where HF passes SDPA `is_causal=q_len > 1`
+# (a symbolic bool it does not take). A trace that fails with such a 1 turns this off
 # (`drop_ones`), before the batch-of-1 generalisation.
 
 
