@@ -3,8 +3,8 @@
 The text is the Python standard library's own source (found with `sysconfig`, so every machine
 has it), tokenised by bytes. The model is litgpt's GPT with a tiny config. The script prints the
 forward execution trace and the backward trace, trains with a progress bar, compares the first
-steps' losses with an eager run from the same seed, prints time per step for both, and saves a
-loss plot.
+steps' losses with an eager run from the same seed, times both models' steps taking turns on
+the same batches, and saves a loss plot.
 
     python examples/train_gpt.py --steps 200 --executors torch
 """
@@ -57,8 +57,27 @@ def batches(tokens: torch.Tensor, batch: int, context: int, seed: int):
         yield rows[:, :-1], rows[:, 1:]
 
 
-def train(model, steps: int, data, lr: float, progress: bool, label: str):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+class Trainer:
+    """One model with its AdamW optimizer; `step` runs one timed training step."""
+
+    def __init__(self, model, lr: float):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+        """Forward, cross-entropy, backward and optimizer step on one batch of (batch, context)
+        int64 tokens. Returns (loss, wall time of the step in seconds)."""
+        start = time.perf_counter()
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        seconds = time.perf_counter() - start
+        return loss.item(), seconds
+
+
+def train(trainer: Trainer, steps: int, data, progress: bool, label: str):
     losses, times = [], []
     iterator = range(steps)
     bar = None
@@ -68,18 +87,23 @@ def train(model, steps: int, data, lr: float, progress: bool, label: str):
         bar = iterator = tqdm(iterator, desc=label, unit="step")
     for _ in iterator:
         inputs, targets = next(data)
-        start = time.perf_counter()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        loss, seconds = trainer.step(inputs, targets)
+        losses.append(loss)
+        times.append(seconds)
         if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                            tok_s=f"{inputs.numel() / times[-1]:,.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{inputs.numel() / seconds:,.0f}")
     return losses, times
+
+
+def interleaved_times(trainers: list[Trainer], data, rounds: int) -> list[list[float]]:
+    """Step times in seconds of each trainer over `rounds` batches, the trainers taking turns on
+    each batch, so that every one of them is timed under the same machine load."""
+    times: list[list[float]] = [[] for _ in trainers]
+    for _ in range(rounds):
+        inputs, targets = next(data)
+        for trainer, record in zip(trainers, times):
+            record.append(trainer.step(inputs, targets)[1])
+    return times
 
 
 def print_head(title: str, source: str, lines: int) -> None:
@@ -101,6 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--check-steps", type=int, default=10,
                         help="steps also run eagerly to compare losses and time")
+    parser.add_argument("--timed-steps", type=int, default=30,
+                        help="steps timed at the end, eager and fulmen taking turns")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
@@ -133,11 +159,13 @@ def main() -> None:
     jmodel = fulmen.jit(model, executors=executors)
     print(f"model: litgpt GPT, {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    eager_losses, eager_times = train(eager_model, opts.check_steps,
-                                      batches(tokens, opts.batch, opts.context, 1), opts.lr,
-                                      False, "eager")
-    losses, times = train(jmodel, opts.steps, batches(tokens, opts.batch, opts.context, 1),
-                          opts.lr, True, "fulmen")
+    eager, compiled = Trainer(eager_model, opts.lr), Trainer(jmodel, opts.lr)
+    eager_losses, _ = train(eager, opts.check_steps, batches(tokens, opts.batch, opts.context, 1),
+                            False, "eager")
+    losses, times = train(compiled, opts.steps, batches(tokens, opts.batch, opts.context, 1),
+                          True, "fulmen")
+    eager_times, fulmen_times = interleaved_times(
+        [eager, compiled], batches(tokens, opts.batch, opts.context, 2), opts.timed_steps)
 
     print_head("forward execution trace", str(fulmen.last_traces(jmodel)[-1]), opts.trace_lines)
     print_head("backward trace", str(fulmen.last_backward_traces(jmodel)[-1]), opts.trace_lines)
@@ -146,12 +174,12 @@ def main() -> None:
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:checked], eager_losses[:checked]))
     print(f"\nfirst {checked} losses, fulmen vs eager (same seed): worst relative difference "
           f"{worst:.2e} -> {'agree' if worst < 1e-3 else 'DISAGREE'}")
-    # medians after warm-up: fulmen's last steps (kernels compiled), eager's checked steps
-    fulmen_ms = 1e3 * statistics.median(times[-min(20, len(times)):])
-    eager_ms = 1e3 * statistics.median(eager_times[min(2, len(eager_times) - 1):])
-    print(f"time per step (median after warm-up): fulmen {fulmen_ms:.1f} ms, eager "
-          f"{eager_ms:.1f} ms (ratio {fulmen_ms / eager_ms:.2f}); first fulmen step (traces and "
-          f"compiles) {times[0]:.2f} s")
+    # both warmed up (eager by its checked steps, fulmen by its training), then timed in turns
+    fulmen_ms = 1e3 * statistics.median(fulmen_times)
+    eager_ms = 1e3 * statistics.median(eager_times)
+    print(f"time per step (median of {opts.timed_steps} steps each, taking turns): fulmen "
+          f"{fulmen_ms:.1f} ms, eager {eager_ms:.1f} ms (ratio {fulmen_ms / eager_ms:.2f}); first "
+          f"fulmen step (traces and compiles) {times[0]:.2f} s")
     print(f"loss: {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} "
           f"(mean of the last 10 steps)")
 
