@@ -294,7 +294,8 @@ class SymbolicSizes:
         An argument's storage offset is checked only where the program read it (its position
         in `offsets_read`, `TracedProgram.offset_reads`) or the tensor sits inside an object
         argument (always keyed by its offset): the micro-batch `x[i:j]` of a batch whose size
-        varies has another offset at each size, which the compiled program never reads."""
+        varies has another offset at each size, which the compiled program never reads. Sizes
+        at which a guard cannot be evaluated (a divisor that is 0 there) fail the check."""
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
@@ -315,7 +316,10 @@ class SymbolicSizes:
 
         def check(leaves: list) -> bool:
             scope = {f"t{i}": tensor_at(leaves, p) for i, p in enumerate(positions)}
-            return bool(eval(compiled, SYMPY_INTERP, {"L": scope}))
+            try:
+                return bool(eval(compiled, SYMPY_INTERP, {"L": scope}))
+            except ZeroDivisionError:  # a divisor the trace had nonzero (`n // ((1 + s) // 4)`)
+                return False  # is 0 at these sizes: they are outside what the trace covers
 
         check.source = code
         return check

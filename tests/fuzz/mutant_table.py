@@ -824,4 +824,7 @@ MUTANTS: list[Mutant] = [
     Mutant("source_attribute_counts_unchecked", "guards", "tracer/guards.py",
            "if tuple(map(len, self._module_dicts)) == self._attribute_counts:", "if True:",
            ("tests/tracer/test_per_call_checks.py",)),
+    Mutant("shape_guard_division_by_zero_raises", "symbolic", "tracer/symbolic.py",
+           "except ZeroDivisionError:  # a divisor", "except KeyError:  # a divisor",
+           ("tests/tracer/test_dynamic_edges.py",)),
 ]

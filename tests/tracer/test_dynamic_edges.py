@@ -230,3 +230,18 @@ def test_dropout_keeps_a_generalised_batch_of_one():
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(grad, torch.autograd.grad(want, w)[0])
     assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_guard_that_divides_by_a_size_expression_misses_where_the_divisor_is_zero():
+    # the symbolic entry's guards hold `(64 + 64*s) % (8*((1 + s) // 4)) == 0`; at s = 1 the
+    # divisor is 0 (HF DeepSeek-V4's decode step): the entry does not apply, the call retraces
+    def fn(x):
+        n = x.shape[1]
+        if n < 3:
+            return x * 2
+        return x.reshape(x.shape[0], -1, 8 * ((n + 1) // 4)).sum(-1)
+
+    jfn = fulmen.jit(fn)
+    for n in (7, 11, 15, 1, 2, 7, 1):
+        x = torch.randn(2, n, 8 * max(1, (n + 1) // 4))
+        torch.testing.assert_close(jfn(x), fn(x))
