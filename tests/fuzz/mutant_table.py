@@ -824,4 +824,11 @@ MUTANTS: list[Mutant] = [
     Mutant("source_attribute_counts_unchecked", "guards", "tracer/guards.py",
            "if tuple(map(len, self._module_dicts)) == self._attribute_counts:", "if True:",
            ("tests/tracer/test_per_call_checks.py",)),
+    # --- static entries a later symbolic entry takes (issue 16, session 36) ------------------
+    Mutant("subsumed_without_shape_guard", "guards", "tracer/subsumed.py",
+           "return bool(shape_guard(sizes))", "return True",
+           ("tests/tracer/test_dynamic_subsumed.py",)),
+    Mutant("subsumed_ignores_contiguity", "guards", "tracer/subsumed.py",
+           "None if free else _contiguous(tuple(shape), strides)", "None",
+           ("tests/tracer/test_dynamic_subsumed.py",)),
 ]
