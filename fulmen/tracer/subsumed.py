@@ -58,19 +58,21 @@ class _Sizes:
 class _Held:
     """An object argument's integers and tensor sizes at their paths (`objects.follow`)."""
 
+    __slots__ = ("_steps",)  # (a path through an attribute `_steps` finds this: kept, safely)
+
     def __init__(self) -> None:
-        self.steps: dict = {}
+        self._steps: dict = {}
 
     def __getattr__(self, name: str):
         try:
-            return self.__dict__["steps"][("attr", name)]
+            return object.__getattribute__(self, "_steps")[("attr", name)]
         except KeyError:
             raise AttributeError(name) from None
 
     def __getitem__(self, key):
         for kind in ("item", "key"):
-            if (kind, key) in self.steps:
-                return self.steps[(kind, key)]
+            if (kind, key) in self._steps:
+                return self._steps[(kind, key)]
         raise KeyError(key)
 
 
@@ -103,10 +105,10 @@ def _put(root: _Held, path: tuple, value) -> None:
     if any(isinstance(key, torch.Tensor) for _, key in path):
         return
     for step in path[:-1]:
-        root = root.steps.setdefault(step, _Held())
+        root = root._steps.setdefault(step, _Held())
         if not isinstance(root, _Held):
             return
-    root.steps.setdefault(path[-1], value)
+    root._steps.setdefault(path[-1], value)
 
 
 def accepts(shape_guard, sizes: list) -> bool:
