@@ -50,6 +50,7 @@ from fulmen.tracer.module_stores import (
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.shape_policy import DynamicDims
+from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.symbolic import carrier, tensor_at
 from fulmen.tracer.tracer import (
     AliasedInputs,
@@ -95,6 +96,8 @@ class CacheEntry:
     captured_attributes: tuple = ()
     # integers traced as symbols: passed as carriers after the object tensors
     int_positions: tuple = ()
+    # a static entry: the sizes of the call it was compiled for (`subsumed.call_sizes`)
+    sizes: list | None = None
 
     def captured_now(self) -> tuple:
         """The captured tensors for this call (module tensor attributes as they are now)."""
@@ -237,7 +240,9 @@ class _Jitted:
                     key, leaves = self._guard.key(args, kwargs, state)
                 if entry.shape_guard is not None:
                     self._shapes.add(entry, self._guard, args, kwargs, state)
+                    self._drop_subsumed(entry, key)
                 else:
+                    entry.sizes = call_sizes(leaves, self._guard.offset_positions)
                     self._cache[key] = entry
             else:
                 stats.cache_hits += 1
@@ -295,6 +300,21 @@ class _Jitted:
         if entry.grad_specs is not None:
             out = _restructure_grads(out, entry.grad_specs, self._grad_argnums)
         return out
+
+    def _drop_subsumed(self, entry: CacheEntry, key: tuple) -> None:
+        """Drop the static entries whose every call the new symbolic `entry` (made for a call
+        whose static key is `key`) takes: NOTE [subsumed entries]."""
+        dims = dict(entry.symbolic_dims)
+        offsets = self._guard.offset_positions
+        erased = erased_key(key, dims, offsets)
+        if erased is None:
+            return
+        for old_key, old in list(self._cache.items()):
+            if old.sizes is not None and erased_key(old_key, dims, offsets) == erased \
+                    and accepts(entry.shape_guard, old.sizes):
+                del self._cache[old_key]
+                _RECOMPILES.info("an entry with symbolic sizes takes the calls of an entry "
+                                 "for exact sizes; dropped that entry")
 
     def _explain_miss(self, args: tuple, kwargs: dict) -> list[str]:
         """Record (and log to `fulmen.recompiles`) why this call missed the cache."""

@@ -24,6 +24,10 @@ from fulmen.proxies.tensor import contiguous_strides, known_same_shape
 
 T = torch.Tensor
 
+# the op itself, as imported (during a symbolic trace `F.scaled_dot_product_attention` is a wrapper
+# deciding symbolic bools: `fulmen.tracer.bool_args`)
+_ATTENTION = F.scaled_dot_product_attention
+
 _MAPS = frozenset({"elementwise", "reduction"})
 
 
@@ -103,7 +107,7 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     inputs = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
     if func in _CONVOLUTIONS and len(outputs) == 1:
         return _conv_layouts(func, args, kwargs, tuple(outputs[0].shape))
-    if func is F.scaled_dot_product_attention and len(outputs) == 1:
+    if func is _ATTENTION and len(outputs) == 1:
         return _attention_layouts(args, kwargs, outputs[0])
     if func in _ROW_MAJOR_RESULTS:
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]

@@ -121,9 +121,9 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
 # at 1, so the entry serves the lengths >= 2 that follow only where no branch depended on the
 # 1. Token ids keep their 1: their length goes prompt -> 1 -> another prompt across calls of
 # other structures (prefill without a cache, decoding with one), never 1 -> 2 within one, and a
-# query length generalised at 1 would fail anyway where HF passes SDPA `is_causal=q_len > 1`
-# (a symbolic bool it does not take). A trace that fails with such a 1 turns this off
-# (`drop_ones`), before the batch-of-1 generalisation.
+# query length generalised at 1 would gain nothing where HF passes SDPA `is_causal=q_len > 1`
+# (decided with a guard `q_len <= 1`: `fulmen.tracer.bool_args`). A trace that fails with such
+# a 1 turns this off (`drop_ones`), before the batch-of-1 generalisation.
 
 
 class DynamicDims:
@@ -256,7 +256,7 @@ class DynamicDims:
     def drop_ones(self) -> bool:
         """A symbolic trace with generalised sizes of 1 failed: specialise them from now on
         (they stay out of `varying` until they change); whether there were any."""
-        if self.generalised_restart:  # those first (`attention(is_causal=q_len > 1)` fails)
+        if self.generalised_restart:  # those first: the newest generalisation
             self.generalise_restarts = False
             return True
         if not self.ones:

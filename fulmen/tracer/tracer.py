@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import NotYetSupportedError, RunsEagerly, Trace, tracing
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
@@ -526,6 +527,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
+                symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed
             held_found = [held_stores.enter_context(module_stores(other, ctx.capture, ctx.captured))

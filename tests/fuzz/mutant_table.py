@@ -827,4 +827,11 @@ MUTANTS: list[Mutant] = [
     Mutant("shape_guard_division_by_zero_raises", "symbolic", "tracer/symbolic.py",
            "except ZeroDivisionError:  # a divisor", "except KeyError:  # a divisor",
            ("tests/tracer/test_dynamic_edges.py",)),
+    # --- static entries a later symbolic entry takes (issue 16, session 36) ------------------
+    Mutant("subsumed_without_shape_guard", "guards", "tracer/subsumed.py",
+           "return bool(shape_guard(sizes))", "return True",
+           ("tests/tracer/test_dynamic_subsumed.py",)),
+    Mutant("subsumed_ignores_contiguity", "guards", "tracer/subsumed.py",
+           "None if free else _contiguous(tuple(shape), strides)", "None",
+           ("tests/tracer/test_dynamic_subsumed.py",)),
 ]

@@ -236,6 +236,60 @@ def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
     assert gc.isenabled()
 
 
+def test_a_compiles_survivors_set_off_no_full_collection_and_nothing_stays_frozen():
+    """NOTE [a compile's survivors are long-lived] in fulmen/pipeline.py: what survives a
+    compile (with the collector paused) is moved to the oldest generation without counting
+    toward the next full collection (before: survivors of a third of the process's objects set
+    one off within ~11 young collections), and nothing is left frozen, so a dropped entry is
+    still collected; objects the program froze itself stay frozen."""
+    import gc
+    import weakref
+
+    from fulmen.pipeline import collector_paused
+
+    full = []
+
+    def count(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        with collector_paused():
+            kept = [[i] for i in range(len(gc.get_objects()) // 3)]  # a compile's survivors
+        for _ in range(200_000):  # young garbage: ~28 young, ~2 middle collections
+            cycle = []
+            cycle.append(cycle)
+        assert not full
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    del kept
+    assert gc.get_freeze_count() == 0
+
+    def g(x):
+        return x * 2 + 1
+
+    jfn = fulmen.jit(g)
+    x = torch.randn(3)
+    torch.testing.assert_close(jfn(x), g(x))
+    dropped = weakref.ref(next(iter(fulmen.compile_stats(jfn).cache.values())))
+    del jfn
+    gc.collect()
+    assert dropped() is None
+
+    gc.freeze()  # the program's own frozen objects: left as they are
+    try:
+        frozen = gc.get_freeze_count()
+        fulmen.jit(g)(torch.randn(4))
+        assert gc.get_freeze_count() > frozen // 2  # (a few freed meanwhile)
+    finally:
+        gc.unfreeze()
+
+
 def test_the_backward_for_unused_outputs_compiles_with_the_collector_paused(monkeypatch):
     """A step that returns its logits beside the loss and calls `loss.backward()` compiles the
     backward without the logits' cotangent at that first backward, outside the miss: it too
