@@ -824,4 +824,8 @@ MUTANTS: list[Mutant] = [
     Mutant("source_attribute_counts_unchecked", "guards", "tracer/guards.py",
            "if tuple(map(len, self._module_dicts)) == self._attribute_counts:", "if True:",
            ("tests/tracer/test_per_call_checks.py",)),
+    # --- large float32 linears on oneDNN (executors/torch/onednn_linear.py, session 36) ------
+    Mutant("onednn_linear_under_recorded_grad", "passes", "executors/torch/onednn_linear.py",
+           "or (torch.is_grad_enabled() and (", "or (False and (",
+           ("tests/executors/test_onednn_linear.py",)),
 ]
