@@ -3,6 +3,7 @@
     dce -> cse -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
+        -> large float32 CPU linears on oneDNN (`executors/torch/onednn_linear.py`)
         -> in-place relu on a dying matrix product, index_copy into a written input
            (`executors/torch/inplace.py`, `inplace_index.py`)
         -> Python compilation of the printed trace
@@ -35,6 +36,7 @@ from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
 from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.executors.torch.inplace_index import index_copy_in_place
+from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.logs import get_logger
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -47,8 +49,9 @@ from fulmen.tree import CompiledSegment
 _PASSES = get_logger("passes")
 
 
-# after claiming: `del` insertion, then the in-place rewrites that read where values die
-_AFTER_CLAIMING = (delete_last_used, relu_in_place, index_copy_in_place)
+# after claiming: `del` insertion, large float32 linears on oneDNN, then the in-place rewrites
+# that read where values die
+_AFTER_CLAIMING = (delete_last_used, onednn_linear, relu_in_place, index_copy_in_place)
 
 
 def _claimed_stages(trace: Trace, executors: Sequence[Executor]) -> list[Trace]:

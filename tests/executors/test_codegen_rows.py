@@ -128,16 +128,22 @@ def test_normalisations_forward_and_backward(name):
     torch.testing.assert_close(x.grad, xe.grad)
     forward = _trace(jfn)
     backward = str(fulmen.last_backward_traces(jfn)[-1])
-    assert "codegen.fusion" in forward and "codegen.fusion" in backward
+    if name == "layer_norm":  # eager's kernels on the CPU (NOTE [layer norm backward])
+        assert "native_layer_norm_backward" in backward
+        backward = ""
+    assert "codegen.fusion" in forward and (not backward or "codegen.fusion" in backward)
     for trace in (forward, backward):  # every reduction is fused
         assert "torchex.sum" not in trace and "torchex.amax" not in trace
 
 
 def test_layer_norm_is_one_kernel_per_direction():
+    """With symbolic sizes: on the CPU, static sizes differentiate by eager's kernels (NOTE
+    [layer norm backward])."""
     w, b = torch.randn(64), torch.randn(64)
-    x = torch.randn(16, 64, requires_grad=True)
-    jfn = fulmen.jit(lambda a: F.layer_norm(a, (64,), w, b), executors=EXECUTORS)
-    jfn(x).sum().backward()
+    jfn = fulmen.jit(lambda a: F.layer_norm(a, (64,), w, b), executors=EXECUTORS, dynamic=True)
+    for rows in (16, 9):
+        x = torch.randn(rows, 64, requires_grad=True)
+        jfn(x).sum().backward()
     assert _trace(jfn).count("codegen.fusion") == 1
     backward = str(fulmen.last_backward_traces(jfn)[-1])
     assert backward.count("codegen.fusion") == 1 and "torchex.sum" not in backward

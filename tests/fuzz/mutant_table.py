@@ -834,4 +834,11 @@ MUTANTS: list[Mutant] = [
     Mutant("subsumed_ignores_contiguity", "guards", "tracer/subsumed.py",
            "None if free else _contiguous(tuple(shape), strides)", "None",
            ("tests/tracer/test_dynamic_subsumed.py",)),
+    # --- large float32 linears on oneDNN (executors/torch/onednn_linear.py, session 36) ------
+    Mutant("onednn_linear_under_recorded_grad", "passes", "executors/torch/onednn_linear.py",
+           "or (torch.is_grad_enabled() and (", "or (False and (",
+           ("tests/executors/test_onednn_linear.py",)),
+    Mutant("vjp_layer_norm_native_drops_bias", "vjp", "transforms/autodiff/rules_composite.py",
+           "mask = [True, weight is not None, bias is not None]",
+           "mask = [True, weight is not None, False]", ("tests/fuzz/test_found_bugs.py",)),
 ]

@@ -38,9 +38,9 @@ BINARY_DOMAINS = {
 }  # fmt: skip
 
 
-def _gradcheck(fn, *inputs, executors=None):
+def _gradcheck(fn, *inputs, executors=None, **options):
     inputs = [t.requires_grad_() for t in inputs]
-    jfn = fulmen.jit(fn, executors=executors)
+    jfn = fulmen.jit(fn, executors=executors, **options)
     assert torch.autograd.gradcheck(jfn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
     return jfn
 
@@ -259,6 +259,17 @@ def test_composite_rules_gradcheck_and_keep_the_op_whole(name):
     jfn = _gradcheck(fn, _any(*shape), executors=["torch"])  # no fusion: the op stays whole
     forward = str(fulmen.last_traces(jfn)[-1])
     assert "prims" not in forward and "torchex.amax" not in forward
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_layer_norm_rule_runs_eagers_kernels_on_static_cpu_sizes(dynamic):
+    """Static CPU sizes: eager's `native_layer_norm_backward`; symbolic sizes: the composite
+    formula (NOTE [layer norm backward])."""
+    weight, bias = _any(4), _any(4)
+    jfn = _gradcheck(lambda x, w, b: torch.nn.functional.layer_norm(x, (4,), w, b),
+                     _any(2, 3, 4), weight, bias, dynamic=dynamic)
+    backward = str(fulmen.last_backward_traces(jfn)[-1])
+    assert ("native_layer_norm_backward" in backward) is not dynamic
 
 
 def test_layer_norm_and_embedding_rules_with_weights():
