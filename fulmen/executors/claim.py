@@ -55,11 +55,14 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
     bsyms = []
     eager_layout: set[str] = set()  # outputs of torch-level and opaque ops torch runs whole
     fused: set[str] = set()
+    relayout = _Relayout(trace)
     for bsym in trace.bsyms:
         if bsym.is_del or isinstance(bsym.sym.executor, FusionExecutor):
             bsyms.append(bsym)
             fused |= bsym.output_names
         else:
+            if fused and _draws_random(bsym):  # NOTE [random draws read their input's layout]
+                bsym = relayout.inputs_of(bsym, fused, bsyms)
             claimed = _claim(bsym, operator_executors)
             if (len(claimed) == 1 and not bsym.sym.is_prim
                     and claimed[0].sym.executor is torch_ex):
@@ -106,6 +109,45 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
         bsyms.append(BoundSymbol(AS_LAYOUT, (proxy, tuple(proxy.stride())), {}, relaid[name]))
     output = _replace_proxies(trace.output, relaid)
     return trace.replace(bsyms=tuple(bsyms), output=output)
+
+
+def _draws_random(bsym: BoundSymbol) -> bool:
+    return "random" in bsym.sym.tags or any(map(_draws_random, bsym.subsymbols))
+
+
+class _Relayout:
+    """NOTE [random draws read their input's layout]: `F.dropout`, `bernoulli`, `rand_like`
+    draw into a tensor laid out as their input and fill it in memory order, so the mask eager
+    draws for a transposed input is not the one drawn for a row-major copy of it. A fusion
+    writes row-major outputs whatever eager's layout (NOTE [output layout]), so the input of a
+    random op that a fusion computed goes through `torchex.as_layout` first (a copy exactly
+    where eager's layout is dense and not row-major; `F.dropout(x.t() * 2)` with a fused
+    `x.t() * 2` drew another mask than eager once its kernel was ready)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self._trace = trace
+        self._names: NameAllocator | None = None
+
+    def inputs_of(self, bsym: BoundSymbol, fused: set[str], bsyms: list) -> BoundSymbol:
+        """`bsym` reading its fused inputs in eager's layout; the `as_layout` statements are
+        appended to `bsyms`."""
+        targets = {p.name: p for p in bsym.proxy_inputs
+                   if p.name in fused and isinstance(p, TensorProxy)
+                   and _needs_layout(p, row_major_ok=True)}
+        if not targets:
+            return bsym
+        if self._names is None:
+            self._names = NameAllocator()
+            for name in _all_names(self._trace.args, self._trace.bsyms):
+                self._names.reserve(name)
+        relaid = {}
+        for name, proxy in targets.items():
+            with tracing(_NamingCtx(self._names)):
+                relaid[name] = AS_LAYOUT(proxy, tuple(proxy.stride()))
+            bsyms.append(BoundSymbol(AS_LAYOUT, (proxy, tuple(proxy.stride())), {},
+                                     relaid[name]))
+        return bsym.replace(args=_replace_proxies(bsym.args, relaid),
+                            kwargs=_replace_proxies(bsym.kwargs, relaid))
 
 
 def _needs_layout(proxy: TensorProxy, row_major_ok: bool) -> bool:

@@ -210,9 +210,26 @@ def _polar_meta(fn, abs, angle, **kwargs):
                        strides=elementwise_strides([abs, angle], shape))
 
 
+BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+
+
+def _batch_norm_functional_meta(fn, input, weight, bias, running_mean, running_var, *args,
+                                **kwargs):
+    """`aten._native_batch_norm_legit_functional`: PyTorch's meta kernel gives its four
+    statistics (saved mean and inverse std, new running mean and variance) in float32 for a
+    float16/bfloat16 input, as the cuda kernel does; the CPU kernel returns them in the running
+    statistics' dtype (a bfloat16 model's are bfloat16). NOTE [batch norm running statistics]
+    in `tracer/batch_norm.py`."""
+    out = run_meta(fn, input, weight, bias, running_mean, running_var, *args, **kwargs)
+    if input.device.type != "cpu":
+        return out
+    return (out[0], *(TensorProxy.like(stat, dtype=running_mean.dtype) for stat in out[1:]))
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
+                                             BATCH_NORM_FUNCTIONAL: _batch_norm_functional_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,

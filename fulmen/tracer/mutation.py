@@ -64,6 +64,7 @@ from fulmen.ops.functionalized import (
 )
 from fulmen.proxies import TensorProxy, differentiable_value
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
+from fulmen.tracer.batch_norm import functionalize_batch_norm
 from fulmen.tracer.fresh_leaves import (
     check_fresh_update,
     is_requires_grad_set,
@@ -727,51 +728,10 @@ class Functionalizer:
         return outs
 
     def _batch_norm(self, func, args, kwargs, start: int):
-        """Training-mode batch norm with running statistics: normalise with the batch
-        statistics, and update `running_mean`/`running_var` functionally (unbiased variance,
-        as eager's kernel; see NOTE [batch norm precision])."""
+        """Training-mode batch norm with running statistics (`tracer/batch_norm.py`)."""
         bound = signature_of(func).bind(*args, **kwargs)
         bound.apply_defaults()
-        values = dict(bound.arguments)
-        running_mean, running_var = values["running_mean"], values["running_var"]
-        momentum = values["momentum"]
-        values["running_mean"] = values["running_var"] = None
-        r_values = self.resolve_tree(values)
-        x = r_values["input"]
-        stats = [self.resolve(t) for t in (running_mean, running_var) if t is not None]
-        with self.ctx.internal():
-            if values["weight"] is None and stats and stats[0].dtype != x.dtype:
-                r_values["weight"] = torch.ones(x.shape[1], dtype=stats[0].dtype,
-                                                device=x.device)
-            out = func(**r_values)
-        if not stats:
-            return out
-        dims = [0, *range(2, x.ndim)]
-        with self.ctx.internal():
-            detached = x.detach()
-            if detached.dtype in (torch.float16, torch.bfloat16):
-                detached = detached.float()
-            mean = detached.mean(dims)
-            count = x.numel() // x.shape[1]
-            var = detached.var(dims, correction=1 if count > 1 else 0)
-            for target, stat in ((running_mean, mean), (running_var, var)):
-                if target is None:
-                    continue
-                current = self.resolve(target)
-                new = current.to(stat.dtype) * (1 - momentum) + stat * momentum
-                self.mutate(target, new.to(current.dtype), "batch_norm (running statistics)",
-                            start)
-        return out
-
-
-# NOTE [batch norm precision]
-# Eager's CPU kernel computes the batch statistics of a float16/bfloat16 input in float32 and
-# rounds the running statistics once. It also normalises in float32 ("mixed type") when a
-# parameter's dtype differs from the input's: under autocast a float32 BatchNorm gets bfloat16
-# activations, and with affine=False the only such parameters are the running statistics.
-# Called without them, the kernel would see no parameter and normalise in bfloat16 (outputs
-# and gradients a bfloat16 ulp off eager's), so a float32 weight of ones stands in for them
-# (times one: exact). Statistics computed in bfloat16 were 4e-4 off eager's.
+        return functionalize_batch_norm(self, func, dict(bound.arguments), start)
 
 
 __all__ = ["Functionalizer", "VIEW_FUNCTIONS", "signature_of"]

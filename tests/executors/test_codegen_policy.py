@@ -97,3 +97,21 @@ def test_policy_arguments_are_checked():
         set_compile_policy("sometimes")
     with pytest.raises(ValueError, match="hot_calls"):
         set_compile_policy(hot_calls=0)
+
+
+def test_a_failed_build_is_started_again_by_the_next_caller():
+    """Builds are shared by key while they run; one that failed (a compiler killed, a full
+    disk) must not keep its error for every later caller of that key."""
+    key = ("test: a build failing once", id(object()))
+    attempts = []
+
+    def flaky():
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise OSError("the first build fails")
+        return "built"
+
+    with pytest.raises(OSError):
+        policy.submit(key, flaky).result()
+    assert policy.submit(key, flaky).result() == "built"
+    assert len(attempts) == 2

@@ -91,6 +91,34 @@ def test_seeding_inside_the_function_runs_eagerly():
     assert torch.equal(after_jitted, torch.random.get_rng_state())
 
 
+_SAVED_STATE = torch.random.get_rng_state()
+_RESEEDS = {  # every spelling of setting the generator's state, each a different entry point
+    "torch.random.manual_seed": lambda: torch.random.manual_seed(3),
+    "torch.set_rng_state": lambda: torch.set_rng_state(_SAVED_STATE),
+    "torch.random.set_rng_state": lambda: torch.random.set_rng_state(_SAVED_STATE),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_RESEEDS))
+def test_every_spelling_of_reseeding_inside_the_function_runs_eagerly(spelling):
+    """A compiled call would not repeat the reseed, so every call after the first would draw
+    other numbers than eager's (each spelling is its own Python entry point)."""
+    reseed = _RESEEDS[spelling]
+
+    def fn(x):
+        reseed()
+        return x + torch.rand(3)
+
+    with pytest.raises(fulmen.NotYetSupportedError, match=spelling.rsplit(".", 1)[-1]):
+        fulmen.jit(fn, fullgraph=True)(torch.zeros(3))
+    jfn = fulmen.jit(fn)
+    with pytest.warns(UserWarning):
+        first = jfn(torch.zeros(3))
+    for _ in range(2):
+        torch.testing.assert_close(jfn(torch.zeros(3)), first)
+    torch.testing.assert_close(first, fn(torch.zeros(3)))
+
+
 def test_enable_grad_inside_a_call_made_without_grad_runs_eagerly():
     # an energy model: the input gradient computed under enable_grad even when the caller
     # evaluates under no_grad

@@ -75,3 +75,17 @@ def test_memory_estimate_of_a_mutation_through_a_view():
         ("del", 4),  # the new y
     ]
     assert freed.peak == 2112
+
+
+def test_a_view_run_by_an_executor_costs_nothing():
+    """An executor's implementation of a view op is a view too (the torch executor's `view`,
+    registered with `register_implementation(..., fn=...)`): the execution trace's estimate
+    charges it nothing, as the traced one does."""
+    jfn = fulmen.jit(f, executors=["torch"])
+    jfn(torch.randn(64))
+    final = fulmen.last_traces(jfn)[-1]
+    estimate = fulmen.memory_estimate(final)
+    views = [i for i, bsym in enumerate(final.bsyms, 1) if bsym.sym.name == "view"]
+    assert views
+    for i in views:
+        assert estimate.timeline[i] == estimate.timeline[i - 1]

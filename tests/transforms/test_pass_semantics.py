@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fulmen
-from fulmen.transforms import decompose_to_prims
+from fulmen.ops.torch import symbol_for
+from fulmen.transforms import decompose_to_prims, transform
 
 CODEGEN = ["codegen", "torch"]
 
@@ -84,6 +85,22 @@ def test_reads_of_an_input_stay_before_its_write_back():
         torch.testing.assert_close(x, x_eager)
 
 
+def test_a_dropout_of_a_fused_transposed_value_draws_eagers_mask(codegen_eager):
+    """The kernel of `x.t() * 2` writes a row-major output where eager's is transposed, and
+    dropout draws its mask in its input's memory order: with the kernel (not torch's fallback
+    of a region not yet hot) the mask was another (NOTE [random draws read their input's
+    layout] in `executors/claim.py`)."""
+    x = torch.randn(6, 8)
+    torch.manual_seed(11)
+    expected = _dropout_of_strided(x)
+    jfn = fulmen.jit(_dropout_of_strided, executors=CODEGEN)
+    for _ in range(2):
+        torch.manual_seed(11)
+        actual = jfn(x)
+        torch.testing.assert_close(actual, expected)
+        assert [a.stride() for a in actual] == [e.stride() for e in expected]
+
+
 class _CheckpointedDropout(torch.nn.Module):
     """Dropout of an activation (decomposed in the forward, so its mask is a value) and of a
     tensor that needs no gradient (kept whole) inside one checkpoint region."""
@@ -135,3 +152,22 @@ def test_a_dropout_mask_is_drawn_in_the_layout_of_its_input(executors, decompose
     actual = jfn(x)
     torch.testing.assert_close(actual, expected)
     assert [a.stride() for a in actual] == [e.stride() for e in expected]
+
+
+def _sin_plus_one(x):
+    return torch.sin(x) + 1
+
+
+def test_a_user_transform_runs_and_its_trace_is_what_runs():
+    """`jit(transforms=[...])`: the user's pass runs before the executors claim, and the trace it
+    returns is the one compiled (a pass rewriting sin to cos changes the answer)."""
+    sin, cos = symbol_for(torch.sin), symbol_for(torch.cos)
+
+    @transform("sin to cos")
+    def sin_to_cos(trace):
+        return trace.replace(bsyms=tuple(b.replace(sym=cos, subsymbols=()) if b.sym is sin else b
+                                         for b in trace.bsyms))
+
+    x = torch.randn(5)
+    jfn = fulmen.jit(_sin_plus_one, executors=["torch"], transforms=[sin_to_cos])
+    torch.testing.assert_close(jfn(x), torch.cos(x) + 1)
