@@ -786,7 +786,7 @@ MUTANTS: list[Mutant] = [
            "NATIVE_GROUP_NORM_BACKWARD(grad, input, rstd, mean, weight",
            ("tests/fuzz/test_found_bugs.py",)),
     Mutant("vjp_group_norm_grad_in_another_layout", "vjp", "transforms/autodiff/rules_nn.py",
-           "if not grad.is_contiguous(memory_format=layout):", "if False:",
+           "    grad = IN_LAYOUT(grad, layout)", "    grad = grad",
            ("tests/fuzz/test_found_bugs.py",)),
     # --- the forward/backward split (transforms/autodiff/split.py) ---
     Mutant("split_random_decomposition_recomputed", "vjp", "transforms/autodiff/split.py",
