@@ -49,6 +49,7 @@ from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
     FUNCTIONS,
+    HOOK_LABEL,
     NUMPY_SCALARS,
     SCALARS,
     functions_of,
@@ -468,6 +469,12 @@ class CacheKeyBuilder:
             self._set_sources()
             self._stale = True
 
+    def hooks_changed(self) -> None:
+        """Collect the sources again: the modules' forward hooks changed, and what the hooks
+        read (their globals and closure cells, `scalar_sources`) is read by the programs."""
+        self._set_sources()
+        self._stale = True
+
     def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
         """Key the module attributes `(module, name)` from now on (ones a call stored, which
         may not have existed when the key was set up); keys computed before are stale."""
@@ -484,7 +491,7 @@ class CacheKeyBuilder:
         proxy there (`stored_proxies`)."""
         found: dict[int, Any] = {}
         bindings = []  # `global LAST; LAST = y` rebinds the name itself
-        for _, read in self.scalar_sources:
+        for name, read in self.scalar_sources:
             # `global LAST; LAST = y`; `nonlocal last; last = y`, `holder["y"] = y`
             cell = reads_cell(read)
             binding = (cell, None) if cell is not None else reads_global(read)
@@ -492,6 +499,10 @@ class CacheKeyBuilder:
                 value = read()
                 bindings.append((binding, value))
                 _collect_holders(value, found, _NESTED_DEPTH)
+            elif name.startswith(HOOK_LABEL):  # a hook's object or default arguments
+                value = read()
+                for item in value if type(value) is tuple else (value,):
+                    _collect_holders(item, found, _NESTED_DEPTH)
         return bindings + [(holder, snapshot(holder)) for holder in found.values()]
 
     def class_snapshots(self) -> list[tuple[type, dict]]:
