@@ -305,18 +305,19 @@ class GlobalStore(RunsEagerly):
 
 def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
     """Put back the holders and names of `global_snapshots` that now hold a proxy; return
-    what each was ("the global name 'LAST'", "a global dict")."""
+    what each was ("the global name 'LAST'", "a global dict"). Where one does, the call runs
+    eagerly, which makes the trace's other stores again: every holder is put back then
+    (`counter[0] += 1; feats.append(y)` would count twice)."""
     leaked = []
+    changed = []
     for holder, saved in snapshots:
         if type(holder) is tuple:  # (a module's globals, a name) or (a closure cell, None)
-            owner, name = holder
-            if name is None:
-                if isinstance(owner.cell_contents, TensorProxy):
-                    owner.cell_contents = saved
-                    leaked.append("a variable of an enclosing function")
-            elif isinstance(owner.get(name), TensorProxy):
-                owner[name] = saved
-                leaked.append(f"the global name {name!r}")
+            now = _bound(holder)
+            if isinstance(now, TensorProxy):
+                leaked.append("a variable of an enclosing function" if holder[1] is None
+                              else f"the global name {holder[1]!r}")
+            if now is not saved:
+                changed.append((holder, saved))
             continue
         if unchanged(holder, saved):
             continue
@@ -325,7 +326,21 @@ def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
                for item in (now.values() if isinstance(now, dict) else now)):
             restore(holder, saved)
             leaked.append(f"a global {type(holder).__name__}")
+        else:
+            changed.append((holder, saved))
+    for holder, saved in changed if leaked else ():
+        if type(holder) is not tuple:
+            restore(holder, saved)
+        elif holder[1] is None:
+            holder[0].cell_contents = saved
+        else:
+            holder[0][holder[1]] = saved
     return leaked
+
+
+def _bound(binding: tuple) -> Any:
+    owner, name = binding
+    return owner.cell_contents if name is None else owner.get(name)
 
 
 def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
