@@ -824,4 +824,14 @@ MUTANTS: list[Mutant] = [
     Mutant("source_attribute_counts_unchecked", "guards", "tracer/guards.py",
            "if tuple(map(len, self._module_dicts)) == self._attribute_counts:", "if True:",
            ("tests/tracer/test_per_call_checks.py",)),
+    # --- user patterns (session 36): hooks of submodules, stores put back, 0-d tensor bounds --
+    Mutant("hook_reads_not_keyed", "guards", "tracer/sources.py",
+           "    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure",
+           "    for hook in ():  # `feats[name] = out` in a closure",
+           ("tests/tracer/test_hook_state.py",)),
+    Mutant("leak_puts_back_only_proxies", "guards", "tracer/guards.py",
+           "for holder, saved in changed if leaked else ():", "for holder, saved in ():",
+           ("tests/tracer/test_guards_edges.py",)),
+    Mutant("random_bounds_kept_as_tensors", "mutation", "tracer/mutation.py",
+           "rest = tuple(_as_number(value) for value in rest)", "rest = rest", INPLACE),
 ]
