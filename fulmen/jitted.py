@@ -583,11 +583,13 @@ class _Jitted:
 
     def forget_compiled(self) -> None:
         """Drop every compiled entry (those with symbolic sizes too) and the keys remembered to
-        run eagerly: what they were made for changed (a hook, a submodule)."""
+        run eagerly: what they were made for changed (a hook, a submodule). The sources of the
+        key are collected again (a new hook reads its own globals and closure cells)."""
         self._cache.clear()
         self._shapes.clear()
         self._eager_keys.clear()
         self._eager_streak.end()
+        self._guard.hooks_changed()  # what the hooks read is keyed
 
     def _eagerly_or_raise(self, args: tuple, kwargs: dict, error: NotYetSupportedError,
                           key=None, streak: bool = False):

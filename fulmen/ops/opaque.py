@@ -120,6 +120,22 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
     return run_meta(fn, self, memory_format=memory_format)
 
 
+def in_layout(tensor: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """`tensor` itself where it already has `memory_format`, else a copy in it (eager's
+    `contiguous`), decided when it runs: for an argument whose layout is known only then, such
+    as a cotangent (`y.sum().backward()` hands an expanded one, stride 0), handed to a kernel
+    that reads one layout. `Tensor.contiguous` traced on a proxy that looks contiguous
+    records nothing."""
+    return tensor.contiguous(memory_format=memory_format)
+
+
+def _in_layout_meta(fn, tensor, memory_format):
+    """A new proxy in `memory_format` (never `tensor` itself, so the call is recorded)."""
+    strides = torch.empty(tuple(tensor.shape), device="meta",
+                          memory_format=memory_format).stride()
+    return TensorProxy(None, tensor.shape, tensor.dtype, tensor.device, strides=strides)
+
+
 def _attention_meta(fn, *args, **kwargs):
     """`F.scaled_dot_product_attention` run whole (dropout, symbolic head counts): PyTorch's
     meta kernel describes the math backend; where eager runs the CPU flash kernel, its output
@@ -231,6 +247,7 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.polar: _polar_meta,
                                              BATCH_NORM_FUNCTIONAL: _batch_norm_functional_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
+                                             in_layout: _in_layout_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
                                              **SYMBOLIC_METAS}

@@ -49,6 +49,7 @@ from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
     FUNCTIONS,
+    HOOK_LABEL,
     NUMPY_SCALARS,
     SCALARS,
     functions_of,
@@ -304,18 +305,19 @@ class GlobalStore(RunsEagerly):
 
 def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
     """Put back the holders and names of `global_snapshots` that now hold a proxy; return
-    what each was ("the global name 'LAST'", "a global dict")."""
+    what each was ("the global name 'LAST'", "a global dict"). Where one does, the call runs
+    eagerly, which makes the trace's other stores again: every holder is put back then
+    (`counter[0] += 1; feats.append(y)` would count twice)."""
     leaked = []
+    changed = []
     for holder, saved in snapshots:
         if type(holder) is tuple:  # (a module's globals, a name) or (a closure cell, None)
-            owner, name = holder
-            if name is None:
-                if isinstance(owner.cell_contents, TensorProxy):
-                    owner.cell_contents = saved
-                    leaked.append("a variable of an enclosing function")
-            elif isinstance(owner.get(name), TensorProxy):
-                owner[name] = saved
-                leaked.append(f"the global name {name!r}")
+            now = _bound(holder)
+            if isinstance(now, TensorProxy):
+                leaked.append("a variable of an enclosing function" if holder[1] is None
+                              else f"the global name {holder[1]!r}")
+            if now is not saved:
+                changed.append((holder, saved))
             continue
         if unchanged(holder, saved):
             continue
@@ -324,7 +326,21 @@ def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
                for item in (now.values() if isinstance(now, dict) else now)):
             restore(holder, saved)
             leaked.append(f"a global {type(holder).__name__}")
+        else:
+            changed.append((holder, saved))
+    for holder, saved in changed if leaked else ():
+        if type(holder) is not tuple:
+            restore(holder, saved)
+        elif holder[1] is None:
+            holder[0].cell_contents = saved
+        else:
+            holder[0][holder[1]] = saved
     return leaked
+
+
+def _bound(binding: tuple) -> Any:
+    owner, name = binding
+    return owner.cell_contents if name is None else owner.get(name)
 
 
 def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
@@ -468,6 +484,12 @@ class CacheKeyBuilder:
             self._set_sources()
             self._stale = True
 
+    def hooks_changed(self) -> None:
+        """Collect the sources again: the modules' forward hooks changed, and what the hooks
+        read (their globals and closure cells, `scalar_sources`) is read by the programs."""
+        self._set_sources()
+        self._stale = True
+
     def watch_attributes(self, pairs: list[tuple[torch.nn.Module, str]]) -> None:
         """Key the module attributes `(module, name)` from now on (ones a call stored, which
         may not have existed when the key was set up); keys computed before are stale."""
@@ -484,7 +506,7 @@ class CacheKeyBuilder:
         proxy there (`stored_proxies`)."""
         found: dict[int, Any] = {}
         bindings = []  # `global LAST; LAST = y` rebinds the name itself
-        for _, read in self.scalar_sources:
+        for name, read in self.scalar_sources:
             # `global LAST; LAST = y`; `nonlocal last; last = y`, `holder["y"] = y`
             cell = reads_cell(read)
             binding = (cell, None) if cell is not None else reads_global(read)
@@ -492,6 +514,10 @@ class CacheKeyBuilder:
                 value = read()
                 bindings.append((binding, value))
                 _collect_holders(value, found, _NESTED_DEPTH)
+            elif name.startswith(HOOK_LABEL):  # a hook's object or default arguments
+                value = read()
+                for item in value if type(value) is tuple else (value,):
+                    _collect_holders(item, found, _NESTED_DEPTH)
         return bindings + [(holder, snapshot(holder)) for holder in found.values()]
 
     def class_snapshots(self) -> list[tuple[type, dict]]:

@@ -165,6 +165,13 @@ _INPLACE_DUNDER_TO_OUT = {
 }  # fmt: skip
 
 
+
+def _as_number(value):
+    """A 0-d tensor given where a Python number is expected, as its number (`.item()`)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value.item()
+    return value
+
 def _is_basic_index(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return all(item is None or item is Ellipsis or isinstance(item, (int, slice))
@@ -662,6 +669,11 @@ class Functionalizer:
             return self._overwrite(self_value, torch.full_like(self_value, value))
         out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
         out_fn = getattr(T, out_name, None)
+        if name in _RANDOM_INPLACE and name != "bernoulli_":  # (bernoulli_ takes a tensor p)
+            # their bounds and parameters are Python numbers, which eager also reads from a 0-d
+            # tensor (`uniform_(-mag, mag)`, HF's NEFTune): its value, a graph break here
+            rest = tuple(_as_number(value) for value in rest)
+            kwargs = {key: _as_number(value) for key, value in kwargs.items()}
         if name in _RANDOM_INPLACE or out_fn is None or name == "fill_":
             sym = apply_inplace_random if name in _RANDOM_INPLACE else apply_inplace
             return self.ctx.call(sym, name, self_value, *rest, **kwargs)

@@ -105,6 +105,53 @@ _MAX_CONTAINER_ITEMS = 64  # containers scanned for the functions they hold
 _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+HOOK_LABEL = "hook "  # how the names of the sources a hook reads start
+_GLOBAL_FORWARD_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
+
+
+def forward_hooks(modules) -> list:
+    """The forward hooks and pre-hooks registered on `modules` and globally, except PyTorch's
+    and fulmen's own: they run inside the trace, so what they read (a global `SCALE`, a
+    closure's `factor`) is read by the program, and what they store into (`feats.append(o)`)
+    is a store of the program."""
+    hooks = [hook for name in _GLOBAL_FORWARD_HOOK_DICTS
+             for hook in getattr(torch.nn.modules.module, name, {}).values()]
+    hooks += [hook for module in modules for name in _FORWARD_HOOK_DICTS
+              for hook in getattr(module, name, {}).values()]
+    return [hook for hook in hooks if not _library_code(getattr(hook, "__func__", hook))]
+
+
+def _library_code(function) -> bool:
+    """Whether `function` is PyTorch's or fulmen's (never keyed nor scanned)."""
+    module_name = getattr(function, "__globals__", {}).get("__name__") \
+        or getattr(function, "__module__", None) or ""
+    return module_name.split(".")[0] in ("torch", "fulmen")
+
+
+def _closure_sources(fn, label: str = "") -> list[tuple[str, object]]:
+    """A source for each keyed value in the closure cells of `fn` (a function or a bound
+    method), for its default arguments, and for the object of a bound method
+    (`self.activations = out` in a hook method)."""
+    sources = []
+    bound = getattr(fn, "__self__", None)
+    if bound is not None and is_plain_object(bound):
+        sources.append((f"{label}self", functools.partial(getattr, fn, "__self__")))
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return sources
+    if getattr(fn, "__defaults__", None):  # `lambda m, i, out, feats=feats: ...`
+        sources.append((f"{label}__defaults__", functools.partial(getattr, fn, "__defaults__")))
+    for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            if _is_keyed(cell.cell_contents):
+                sources.append((label + cell_name, _cell_reader(cell)))
+        except ValueError:  # an empty cell
+            continue
+    return sources
+
+
 def _own_functions(fn, modules, functions=()) -> list:
     """The traced function and the functions whose globals its program may read: the
     forward and other methods of each module's own class, the methods of the user's objects
@@ -117,6 +164,8 @@ def _own_functions(fn, modules, functions=()) -> list:
     frontier += [function for module in modules for value in vars(module).values()
                  for function in functions_of(value)]
     frontier += [function for value in functions for function in functions_of(value)]
+    frontier += [function for hook in forward_hooks(modules)
+                 for function in functions_of(getattr(hook, "__func__", hook))]
     for _ in range(_SCAN_DEPTH + 1):
         next_frontier = []
         for candidate in frontier:
@@ -124,10 +173,7 @@ def _own_functions(fn, modules, functions=()) -> list:
             code = getattr(candidate, "__code__", None)
             # the module whose globals the code reads: `__module__` is copied by
             # `functools.wraps` (fulmen's own wrapper of a forward says `transformers...`)
-            module_name = getattr(candidate, "__globals__", {}).get("__name__") \
-                or getattr(candidate, "__module__", None) or ""
-            if code is None or id(candidate) in found or module_name.split(".")[0] in (
-                    "torch", "fulmen"):
+            if code is None or id(candidate) in found or _library_code(candidate):
                 continue
             found[id(candidate)] = candidate
             namespace = getattr(candidate, "__globals__", {})
@@ -259,14 +305,16 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     of the cache key, so changing one retraces instead of reusing a stale constant or
     tensor."""
     fn, sources = _unwrap_partial(fn)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-            try:
-                if _is_keyed(cell.cell_contents):
-                    sources.append((cell_name, _cell_reader(cell)))
-            except ValueError:  # an empty cell
-                continue
+    if getattr(fn, "__code__", None) is not None:
+        sources += _closure_sources(getattr(fn, "__func__", fn))
+    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
+        hook, partial_sources = _unwrap_partial(hook)
+        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
+        sources += [(label + name, read) for name, read in partial_sources]
+        sources += _closure_sources(hook, label)
+        if not isinstance(hook, (types.FunctionType, types.MethodType)) \
+                and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
+            sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules, functions):
         names = sorted(code_names(function.__code__))  # co_names holds attributes too

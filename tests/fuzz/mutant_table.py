@@ -790,7 +790,7 @@ MUTANTS: list[Mutant] = [
            "NATIVE_GROUP_NORM_BACKWARD(grad, input, rstd, mean, weight",
            ("tests/fuzz/test_found_bugs.py",)),
     Mutant("vjp_group_norm_grad_in_another_layout", "vjp", "transforms/autodiff/rules_nn.py",
-           "if not grad.is_contiguous(memory_format=layout):", "if False:",
+           "    grad = IN_LAYOUT(grad, layout)", "    grad = grad",
            ("tests/fuzz/test_found_bugs.py",)),
     # --- the forward/backward split (transforms/autodiff/split.py) ---
     Mutant("split_random_decomposition_recomputed", "vjp", "transforms/autodiff/split.py",
@@ -910,4 +910,14 @@ MUTANTS: list[Mutant] = [
     Mutant("seeding_set_rng_state_unguarded", "guards", "tracer/seeding.py",
            '_ENTRY_POINTS = ("manual_seed", "seed", "set_rng_state")',
            '_ENTRY_POINTS = ("manual_seed", "seed")', SHARP),
+    # --- user patterns (session 36): hooks of submodules, stores put back, 0-d tensor bounds --
+    Mutant("hook_reads_not_keyed", "guards", "tracer/sources.py",
+           "    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure",
+           "    for hook in ():  # `feats[name] = out` in a closure",
+           ("tests/tracer/test_hook_state.py",)),
+    Mutant("leak_puts_back_only_proxies", "guards", "tracer/guards.py",
+           "for holder, saved in changed if leaked else ():", "for holder, saved in ():",
+           ("tests/tracer/test_guards_edges.py",)),
+    Mutant("random_bounds_kept_as_tensors", "mutation", "tracer/mutation.py",
+           "rest = tuple(_as_number(value) for value in rest)", "rest = rest", INPLACE),
 ]

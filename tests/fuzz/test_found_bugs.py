@@ -331,4 +331,30 @@ def test_layer_norm_gradients_are_eagers_bit_for_bit(case):
     cotangent = torch.randn(expected.shape, generator=generator).to(dtype)
     for a, e in zip(torch.autograd.grad(actual, inputs, cotangent),
                     torch.autograd.grad(expected, inputs, cotangent)):
+@pytest.mark.parametrize("cotangent", ["expanded", "transposed", "channels_last",
+                                       "row_major_into_channels_last"])
+def test_group_norm_gradients_whatever_the_cotangents_layout(cotangent):
+    """Found probing user patterns: `nn.GroupNorm(...)(x).sum().backward()` hands the backward
+    an expanded cotangent (stride 0), which eager's kernel read as a row-major one: gradients
+    of 1e38 or NaN. The cotangent's layout is known only at run time (fixed: `in_layout` in
+    NOTE [group norm backward])."""
+    channels_last = cotangent == "row_major_into_channels_last"
+    x = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    weight = torch.linspace(0.5, 1.5, 4, requires_grad=True)
+    bias = torch.linspace(-1, 1, 4, requires_grad=True)
+    seed = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(1))
+    grad = {"expanded": torch.ones(()).expand(2, 4, 3, 3), "transposed": seed.transpose(2, 3),
+            "channels_last": seed.to(memory_format=torch.channels_last),
+            "row_major_into_channels_last": seed}[cotangent]
+
+    def fn(x, weight, bias):
+        return F.group_norm(x, 2, weight, bias)
+
+    actual = fulmen.jit(fn)(x, weight, bias)
+    expected = fn(x, weight, bias)
+    for a, e in zip(torch.autograd.grad(actual, (x, weight, bias), grad),
+                    torch.autograd.grad(expected, (x, weight, bias), grad)):
         assert torch.equal(a, e)

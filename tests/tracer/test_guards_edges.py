@@ -609,6 +609,26 @@ def test_a_closure_variable_or_dict_given_a_traced_tensor_runs_eagerly():
     assert type(holder["y"]) is torch.Tensor and holder["y"].tolist() == [4.0, 4.0]
 
 
+
+def test_a_call_run_eagerly_for_a_kept_tensor_makes_the_other_stores_once():
+    """The trace's other stores (a counter, a rebound global) are put back with the kept
+    tensor, since the eager run makes them again: the counter counted twice per call."""
+    calls, kept = [0], []
+    step = {"n": 0}
+
+    def fn(x):
+        calls[0] += 1
+        step["n"] = step["n"] + 1
+        kept.append(x * 2)
+        return x + 1
+
+    jfn = fulmen.jit(fn)
+    with pytest.warns(UserWarning, match="global list"):
+        jfn(torch.ones(2))
+    for _ in range(2):
+        jfn(torch.ones(2))
+    assert calls == [3] and step == {"n": 3} and len(kept) == 3
+
 GAIN32 = np.float32(2.0)
 OFFSET64 = np.int64(3)
 

@@ -423,6 +423,22 @@ def test_random_inplace_matches_eager_stream():
     torch.testing.assert_close(actual, expected)
 
 
+
+def test_random_inplace_bounds_given_as_0d_tensors_as_eager():
+    """HF's NEFTune hook: `zeros_like(out).uniform_(-mag, mag)` with `mag` a 0-d tensor, whose
+    number eager reads; the trace crashed (`.item()` on a meta tensor)."""
+    def fn(x):
+        mag = 5.0 / torch.sqrt(torch.tensor(x.size(0) * x.size(1)))
+        return x + torch.zeros_like(x).uniform_(-mag, mag), torch.empty(3).normal_(mag, mag * 2)
+
+    x = torch.randn(4, 6)
+    jfn = fulmen.jit(fn)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = fn(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(jfn(x), expected)
+
 def test_mutation_of_a_captured_tensor():
     state = torch.zeros(3)
 

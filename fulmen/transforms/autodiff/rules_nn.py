@@ -18,7 +18,7 @@ import math
 import torch
 
 from fulmen.ops import ltorch, prims
-from fulmen.ops.opaque import opaque_symbol
+from fulmen.ops.opaque import in_layout, opaque_symbol
 from fulmen.tracer.layout import _channels_last_like
 from fulmen.transforms.autodiff.registry import vjp_rule
 from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents
@@ -79,7 +79,8 @@ def _norm_vjp(grad, out, input, p, dim, keepdim, out_, dtype):
 
 NATIVE_GROUP_NORM = opaque_symbol(torch.ops.aten.native_group_norm.default)
 NATIVE_GROUP_NORM_BACKWARD = opaque_symbol(torch.ops.aten.native_group_norm_backward.default)
-CONTIGUOUS = opaque_symbol(torch.Tensor.contiguous)
+
+IN_LAYOUT = opaque_symbol(in_layout)
 
 
 def _eager_memory_format(input) -> torch.memory_format | None:
@@ -106,7 +107,9 @@ def _group_norm_vjp(grad, out, input, groups, weight, bias, eps):
     would run the opaque `native_group_norm`, which the rematerialization never recomputes, so
     the group norm's output would be saved too (a conv / GroupNorm / SiLU model saved 1.8x the
     bytes). Symbolic sizes, devices other than the CPU and inputs not already in the layout
-    eager's kernels take run torch.autograd on the op (eager's kernels as well)."""
+    eager's kernels take run torch.autograd on the op (eager's kernels as well). The cotangent
+    goes through `in_layout`, decided at run time: its traced layout need not be its layout
+    then (`y.sum().backward()` hands an expanded one, which the kernel read as row-major)."""
     sizes = tuple(input.shape)
     layout = _eager_memory_format(input)
     if not all(type(s) is int for s in sizes) or layout is None:
@@ -114,8 +117,7 @@ def _group_norm_vjp(grad, out, input, groups, weight, bias, eps):
     batch, channels, spatial = sizes[0], sizes[1], math.prod(sizes[2:])
     _, mean, rstd = NATIVE_GROUP_NORM(input, weight, bias, batch, channels, spatial, groups,
                                       float(eps))
-    if not grad.is_contiguous(memory_format=layout):  # the kernel takes the input's layout
-        grad = CONTIGUOUS(grad, memory_format=layout)
+    grad = IN_LAYOUT(grad, layout)  # the kernel reads the input's layout, whatever grad's is
     mask = [True, weight is not None, bias is not None]
     grads = NATIVE_GROUP_NORM_BACKWARD(grad, input, mean, rstd, weight, batch, channels,
                                        spatial, groups, mask)
