@@ -331,6 +331,9 @@ def test_layer_norm_gradients_are_eagers_bit_for_bit(case):
     cotangent = torch.randn(expected.shape, generator=generator).to(dtype)
     for a, e in zip(torch.autograd.grad(actual, inputs, cotangent),
                     torch.autograd.grad(expected, inputs, cotangent)):
+        assert torch.equal(a, e)
+
+
 @pytest.mark.parametrize("cotangent", ["expanded", "transposed", "channels_last",
                                        "row_major_into_channels_last"])
 def test_group_norm_gradients_whatever_the_cotangents_layout(cotangent):
