@@ -27,3 +27,20 @@ def test_outputs_of_ops_decomposed_to_prims_have_eagers_strides(case):
         actual = jfn(x)
         torch.testing.assert_close(actual, expected)
         assert actual.stride() == expected.stride()
+
+
+def _layer_norm_of_transposed(x):
+    return F.layer_norm(x, (64,)) * 2
+
+
+def test_a_fusions_torch_fallback_returns_eagers_layout():
+    """Before its kernel is ready (the lazy compile policy: the first calls), a codegen region
+    runs its prims with torch, which lay the normalised transposed input out transposed; eager
+    returns it row-major, as the kernel does (NOTE [the fallback's layouts])."""
+    x = torch.randn(64, 32).T
+    expected = _layer_norm_of_transposed(x)
+    jfn = fulmen.jit(_layer_norm_of_transposed, executors=["codegen", "torch"])
+    for call in range(2):
+        actual = jfn(x)
+        torch.testing.assert_close(actual, expected)
+        assert actual.stride() == expected.stride(), call
