@@ -12,6 +12,8 @@ from fulmen.transforms import decompose_to_prims
 _CASES = {
     "layer_norm of a transposed input": (lambda x: F.layer_norm(x, (5,)),
                                          torch.randn(5, 4).T),
+    "log_softmax over the outer dim of a transposed input": (lambda x: F.log_softmax(x, 0),
+                                                             torch.randn(5, 4).T),
     "softmax over channels, channels_last": (lambda x: torch.softmax(x, 1),
                                              torch.randn(2, 3, 4, 5).to(
                                                  memory_format=torch.channels_last)),
