@@ -58,6 +58,10 @@ def _is_map(bsym) -> bool:
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill, F.one_hot,
                                 F.nll_loss, F.cross_entropy, F.embedding})
+# softmax and log_softmax on CPU normalise a contiguous copy into a new contiguous result
+# (checked for transposed, channels_last, permuted, sliced and expanded inputs, any dim)
+_ROW_MAJOR_ON_CPU = frozenset({F.softmax, torch.softmax, T.softmax, F.log_softmax,
+                               torch.log_softmax, T.log_softmax})
 
 
 def _conv_layouts(func, args, kwargs, shape):
@@ -93,9 +97,10 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     - `F.linear` of a contiguous input: row-major (eager multiplies the input flattened to
       2-d into a new matrix);
     - `F.layer_norm`, `masked_fill`, `F.one_hot`, `F.nll_loss`, `F.cross_entropy`,
-      `F.embedding`: row-major (eager normalises a contiguous copy into a contiguous result;
-      masked_fill fills a copy made with `resize_as_`; one_hot scatters into new zeros; the
-      losses allocate theirs; embedding views a new `index_select` result);
+      `F.embedding`, and on CPU `softmax`/`log_softmax`: row-major (eager normalises a
+      contiguous copy into a contiguous result; masked_fill fills a copy made with
+      `resize_as_`; one_hot scatters into new zeros; the losses allocate theirs; embedding
+      views a new `index_select` result);
     - a reduction with `keepdim=True` of contiguous tensors: row-major, as without it;
     - 1-3-d convolutions on CPU: the memory format eager's backend picks;
     - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
@@ -109,7 +114,8 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         return _conv_layouts(func, args, kwargs, tuple(outputs[0].shape))
     if func is _ATTENTION and len(outputs) == 1:
         return _attention_layouts(args, kwargs, outputs[0])
-    if func in _ROW_MAJOR_RESULTS:
+    if func in _ROW_MAJOR_RESULTS or (func in _ROW_MAJOR_ON_CPU and all(
+            leaf.device.type == "cpu" for leaf in outputs)):
         return [(leaf.shape, contiguous_strides(leaf.shape)) for leaf in outputs]
     if func is T.__getitem__ and len(outputs) == 1 and len(args) == 2 and not kwargs:
         strides = basic_index_strides(args[0], args[1])

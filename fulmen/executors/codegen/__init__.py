@@ -41,6 +41,7 @@ from fulmen.executors.codegen.region import RegionCallable
 from fulmen.executors.codegen.rows import RowChecks, lower_any
 from fulmen.executors.codegen.target import Target
 from fulmen.executors.registry import get_executor, register_executor
+from fulmen.executors.torch import AS_LAYOUT
 
 __all__ = ["CodegenExecutor", "codegen_ex", "kernel_sources", "set_compile_policy",
            "target_of", "wait_for_kernels"]
@@ -73,8 +74,44 @@ def _cat_of_views(region: list[BoundSymbol]) -> bool:
 
 
 def _on_torch(body: Trace):
-    """The fallback of a codegen fusion: its region's own trace run by the torch executor."""
-    return FusionExecutor.fallback_callable(body, get_executor("torch"))
+    """The fallback of a codegen fusion: its region's own trace run by the torch executor.
+
+    NOTE [the fallback's layouts]: torch's ops follow their operands' layout where eager's
+    whole op may not (a layer norm of a transposed input is row-major in eager, its prims run
+    one by one give a transposed result), and the claim pass takes a fusion's outputs to be
+    laid out as its kernel writes them. So an output whose eager layout the trace knows (exact,
+    dense, static strides) comes back in that layout: `F.layer_norm(x.T)` returned transposed
+    strides for the calls before its kernel was ready (the lazy compile policy), eager's after.
+    """
+    run = FusionExecutor.fallback_callable(body, get_executor("torch"))
+    single = not isinstance(body.output, tuple)
+    layouts = [_known_layout(p) for p in ((body.output,) if single else body.output)]
+    if not any(layouts):
+        return run
+
+    def relaid(*inputs):
+        results = run(*inputs)
+        listed = [results] if single else list(results)
+        listed = [t if s is None else AS_LAYOUT.impl(t, s) for t, s in zip(listed, layouts)]
+        return listed[0] if single else tuple(listed)
+
+    return relaid
+
+
+def _known_layout(proxy) -> tuple[int, ...] | None:
+    """`proxy`'s strides when they are eager's (exact), static, dense and non-overlapping."""
+    if not getattr(proxy, "_fulmen_exact_strides", False):
+        return None
+    shape, strides = tuple(proxy.shape), tuple(proxy.stride())
+    if not all(type(v) is int for v in (*shape, *strides)):
+        return None
+    expected = 1
+    for size, stride in sorted((p for p in zip(shape, strides) if p[0] > 1),
+                               key=lambda p: p[1]):
+        if stride != expected:
+            return None
+        expected *= size
+    return strides
 
 
 class CodegenExecutor(FusionExecutor):
