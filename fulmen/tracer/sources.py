@@ -334,10 +334,15 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     for given in functions:  # an argument object's class: `o.SCALE` from `class Opts`
         if isinstance(given, type):
             sources += _class_sources(given, classes)
+    forwards: set[type] = set()
     for module in modules:
         # `self.scale` read from `class Block: scale = 2.0` or `class Base(nn.Module): ...`
         sources += _class_sources(type(module), classes,
                                   functools.partial(getattr, module, "__class__"))
+        if type(module) not in forwards:  # `LlamaRMSNorm.forward = patched` after jitting
+            forwards.add(type(module))
+            sources.append((f"{type(module).__name__}.forward (class)",
+                            functools.partial(getattr, type(module), "forward")))
         # private attributes of the user's own modules (`self._scale`); a library's are its
         # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
         private = is_user_class(type(module))

@@ -133,3 +133,31 @@ def test_a_submodule_forward_replaced_after_jitting_is_used_and_its_reads_keyed(
     torch.testing.assert_close(jmodel(x), model(x))
     del model[1].forward
     torch.testing.assert_close(jmodel(x), model(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_a_class_forward_patched_after_jitting_is_used():
+    """`LlamaRMSNorm.forward = patched` (or a user class's, or torch's own `nn.GELU.forward`)
+    after jitting: the compiled program kept the old forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), torch.nn.GELU(), _Block())
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(jmodel(x), model(x))
+    original, gelu = _Block.forward, torch.nn.GELU.forward
+    try:
+        _Block.forward = lambda self, x: original(self, x) * 3.0
+        torch.testing.assert_close(jmodel(x), model(x))
+        torch.nn.GELU.forward = lambda self, x: torch.tanh(x)
+        torch.testing.assert_close(jmodel(x), model(x))
+    finally:
+        _Block.forward, torch.nn.GELU.forward = original, gelu
+    torch.testing.assert_close(jmodel(x), model(x))
