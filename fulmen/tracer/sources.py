@@ -309,14 +309,6 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     fn, sources = _unwrap_partial(fn)
     if getattr(fn, "__code__", None) is not None:
         sources += _closure_sources(getattr(fn, "__func__", fn))
-    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
-        hook, partial_sources = _unwrap_partial(hook)
-        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
-        sources += [(label + name, read) for name, read in partial_sources]
-        sources += _closure_sources(hook, label)
-        if not isinstance(hook, (types.FunctionType, types.MethodType)) \
-                and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
-            sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules, functions):
         names = sorted(code_names(function.__code__))  # co_names holds attributes too
@@ -361,4 +353,13 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
                     private or not attr.startswith("_") or type(value) is Tensor):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))
+    # last, so that the cap drops these before the forward's own reads
+    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
+        hook, partial_sources = _unwrap_partial(hook)
+        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
+        sources += [(label + name, read) for name, read in partial_sources]
+        sources += _closure_sources(hook, label)
+        if not isinstance(hook, (types.FunctionType, types.MethodType)) \
+                and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
+            sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))
     return sources[:_MAX_SOURCES]
