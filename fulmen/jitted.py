@@ -227,6 +227,7 @@ class _Jitted:
                     return self._run_eagerly(args, kwargs, kind, warning)
                 if self._eager_streak.skip_trace():
                     return self._run_eagerly(args, kwargs, *self._eager_streak.reason)
+                self._guard.functions_swapped()
                 try:
                     with collector_paused():
                         entry = self._compile_call(args, kwargs, leaves)

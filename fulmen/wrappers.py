@@ -25,6 +25,7 @@ from fulmen.tracer.module_hooks import (
     strip_wrapper_prefix,
 )
 from fulmen.tracer.module_stores import UnreplayableStore
+from fulmen.tracer.sources import COMPILED_FORWARD
 from fulmen.tracer.tracer import state_slots
 
 
@@ -257,6 +258,7 @@ class JittedModule(torch.nn.Module):
         # `generate` reads the forward's signature to choose what to pass (GPT-2 gets
         # `position_ids` from a padded mask only if its forward takes them)
         functools.update_wrapper(forward, original)
+        setattr(forward, COMPILED_FORWARD, True)  # not a replaced forward to key
         module.forward = forward
         try:
             return method(*args, **kwargs)

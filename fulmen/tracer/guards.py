@@ -415,9 +415,14 @@ class CacheKeyBuilder:
         for module, name in self._watched:
             self.scalar_sources.append((f"{type(module).__name__}.{name}",
                                         functools.partial(getattr, module, name, None)))
+        values = [read() for _, read in self.scalar_sources]
         # per source, the type of the plain object it held (keyed by its attributes), or None
         self._object_types = [type(value) if is_plain_object(value) else None
-                              for value in (read() for _, read in self.scalar_sources)]
+                              for value in values]
+        # the functions held (`layer.forward = patched`, `self.act = my_act`): another one
+        # reads other globals and closure cells (`functions_swapped`)
+        self._functions = [(read, value) for (_, read), value in zip(self.scalar_sources, values)
+                           if isinstance(value, FUNCTIONS)]
         self._sources_memo = KeyMemo()
         # module attributes among the sources: (id(module), name) -> source index
         self._attributes = {(id(read.args[0]), read.args[1]): index for index, (_, read)
@@ -481,6 +486,14 @@ class CacheKeyBuilder:
                 and is_user_class(type(leaf)) and id(type(leaf)) not in known]
         if new and len(self._argument_functions) < _MAX_ARGUMENT_CODE:
             self._argument_functions += list({id(f): f for f in new}.values())
+            self._set_sources()
+            self._stale = True
+
+    def functions_swapped(self) -> None:
+        """Collect the sources again where a function a source held was replaced by another
+        (`layer.forward = patched` twice, `self.act = my_act`): the new one's globals and
+        closure cells become sources (called on a cache miss, before tracing)."""
+        if any(read() is not value for read, value in self._functions):
             self._set_sources()
             self._stale = True
 

@@ -106,7 +106,9 @@ _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
-HOOK_LABEL = "hook "  # how the names of the sources a hook reads start
+HOOK_LABEL = "hook "  # how the names of the sources a hook (or a replaced forward) reads start
+# set on the forward `JittedModule.generate` puts on the wrapped module meanwhile (not keyed)
+COMPILED_FORWARD = "_fulmen_compiled_forward"
 _GLOBAL_FORWARD_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
 
@@ -162,7 +164,7 @@ def _own_functions(fn, modules, functions=()) -> list:
     frontier = [fn] + [value for module in modules for value in vars(type(module)).values()
                        if isinstance(value, types.FunctionType)]
     frontier += [function for module in modules for value in vars(module).values()
-                 for function in functions_of(value)]
+                 for function in functions_of(getattr(value, "__func__", value))]
     frontier += [function for value in functions for function in functions_of(value)]
     frontier += [function for hook in forward_hooks(modules)
                  for function in functions_of(getattr(hook, "__func__", hook))]
@@ -307,14 +309,6 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     fn, sources = _unwrap_partial(fn)
     if getattr(fn, "__code__", None) is not None:
         sources += _closure_sources(getattr(fn, "__func__", fn))
-    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
-        hook, partial_sources = _unwrap_partial(hook)
-        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
-        sources += [(label + name, read) for name, read in partial_sources]
-        sources += _closure_sources(hook, label)
-        if not isinstance(hook, (types.FunctionType, types.MethodType)) \
-                and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
-            sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules, functions):
         names = sorted(code_names(function.__code__))  # co_names holds attributes too
@@ -332,17 +326,40 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
     for given in functions:  # an argument object's class: `o.SCALE` from `class Opts`
         if isinstance(given, type):
             sources += _class_sources(given, classes)
+    forwards: set[type] = set()
     for module in modules:
         # `self.scale` read from `class Block: scale = 2.0` or `class Base(nn.Module): ...`
         sources += _class_sources(type(module), classes,
                                   functools.partial(getattr, module, "__class__"))
+        if type(module) not in forwards:  # `LlamaRMSNorm.forward = patched` after jitting
+            forwards.add(type(module))
+            sources.append((f"{type(module).__name__}.forward (class)",
+                            functools.partial(getattr, type(module), "forward")))
         # private attributes of the user's own modules (`self._scale`); a library's are its
         # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
         private = is_user_class(type(module))
+        replaced = vars(module).get("forward")
+        if replaced is not None and not getattr(replaced, COMPILED_FORWARD, False):
+            # a forward replaced on the instance (`layer.forward = patched`, accelerate's
+            # wrappers): keyed by identity, what it reads as a hook's reads are
+            label = f"{HOOK_LABEL}{type(module).__name__}.forward."
+            sources.append((label[:-1], functools.partial(getattr, module, "forward")))
+            replaced, partial_sources = _unwrap_partial(replaced)
+            sources += [(label + name, read) for name, read in partial_sources]
+            sources += _closure_sources(replaced, label)
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
             if _is_keyed(value) and attr not in _NOT_KEYED and (
                     private or not attr.startswith("_") or type(value) is Tensor):
                 label = f"{type(module).__name__}.{attr}"
                 sources.append((label, functools.partial(getattr, module, attr)))
+    # last, so that the cap drops these before the forward's own reads
+    for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
+        hook, partial_sources = _unwrap_partial(hook)
+        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
+        sources += [(label + name, read) for name, read in partial_sources]
+        sources += _closure_sources(hook, label)
+        if not isinstance(hook, (types.FunctionType, types.MethodType)) \
+                and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
+            sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))
     return sources[:_MAX_SOURCES]

@@ -5,6 +5,7 @@ one explicit case per pattern of issue 18."""
 
 import contextlib
 import dataclasses
+import weakref
 
 import torch
 from hypothesis import strategies as st
@@ -59,8 +60,14 @@ def make_inputs(case: Case, index: int, dtype) -> tuple:
     return images, labels
 
 
-def _halve_output(module, args, output):
-    return output * 0.5
+_HOOK_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [scale]
+
+
+def _scaled_by(scale: list):
+    def hook(module, args, output):
+        return output * scale[0]
+
+    return hook
 
 
 def _double(grad):
@@ -76,9 +83,13 @@ def _change_state(model: nn.Module, change: str, index: int) -> None:
         for module in model.modules():
             if hasattr(module, "early_exit"):
                 module.early_exit = not module.early_exit
-    elif change == "hook":  # a forward hook on the first submodule with parameters
+    elif change == "hook":  # a forward hook on the first submodule with parameters, scaling
+        # by a value in its closure; the next "hook" change changes that value
         first = next(m for m in model.modules() if m is not model and m._parameters)
-        first.register_forward_hook(_halve_output)
+        if first not in _HOOK_SCALES:
+            _HOOK_SCALES[first] = scale = [0.5]
+            first.register_forward_hook(_scaled_by(scale))
+        _HOOK_SCALES[first][0] = 0.5 * (index + 1)
     elif change == "grad_hook":
         first = next(model.parameters())
         if first.requires_grad:
@@ -377,7 +388,7 @@ PATTERNS = (
         (Call(2, 4, (1,)), Call(2, 4, (2,), change="temperature"), Call(2, 5, (0, 1),
                                                                          change="freeze"),
          Call(2, 4, (1,), change="freeze"), Call(2, 4, (1,), change="hook"),
-         Call(2, 4, (), change="grad_hook")), seed=7),
+         Call(2, 4, (), change="grad_hook"), Call(2, 4, (1,), change="hook")), seed=7),
     # evaluation without grad: mask-dependent `if` takes both answers, early exit by a flag
     # flipped between calls, train/eval switches
     Case(SeqModel(vocab=9, dim=12, blocks=(

@@ -926,4 +926,13 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_guards_edges.py",)),
     Mutant("random_bounds_kept_as_tensors", "mutation", "tracer/mutation.py",
            "rest = tuple(_as_number(value) for value in rest)", "rest = rest", INPLACE),
+    Mutant("replaced_forward_not_keyed", "guards", "tracer/sources.py",
+           'if replaced is not None and not getattr(replaced, COMPILED_FORWARD, False):',
+           "if False:", ("tests/tracer/test_hook_state.py",)),
+    Mutant("class_forward_not_keyed", "guards", "tracer/sources.py",
+           "if type(module) not in forwards:  # `LlamaRMSNorm.forward = patched` after jitting",
+           "if False:", ("tests/tracer/test_hook_state.py",)),
+    Mutant("swapped_functions_not_collected", "guards", "tracer/guards.py",
+           "if any(read() is not value for read, value in self._functions):", "if False:",
+           ("tests/tracer/test_hook_state.py",)),
 ]

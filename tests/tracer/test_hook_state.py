@@ -87,3 +87,77 @@ def test_hooks_keeping_activations_leave_real_tensors_as_eager_does():
     torch.testing.assert_close(recorder.activation, twin_recorder.activation)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+GAIN = 2.0
+
+
+def _tanh_times_gain(self, x):
+    return torch.tanh(x) * GAIN
+
+
+def test_a_submodule_forward_replaced_after_jitting_is_used_and_its_reads_keyed():
+    """`layer.forward = patched` after jitting (a closure, a bound method, accelerate's
+    `partial(new_forward, module)` wrapper): the compiled program kept the old forward, and
+    a value the new one reads changed nothing."""
+    global GAIN
+    import functools
+    import types
+
+    model = _model()
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    jmodel(x)
+    scale = [2.0]
+    original = model[1].forward
+    model[1].forward = lambda inputs: original(inputs) * scale[0]
+    torch.testing.assert_close(jmodel(x), model(x))
+    scale[0] = 5.0
+    torch.testing.assert_close(jmodel(x), model(x))
+    model[1].forward = types.MethodType(_tanh_times_gain, model[1])
+    try:
+        torch.testing.assert_close(jmodel(x), model(x))
+        GAIN = 4.0
+        torch.testing.assert_close(jmodel(x), model(x))
+    finally:
+        GAIN = 2.0
+
+    def new_forward(module, inputs, shift):
+        return original(inputs) + shift[0]
+
+    shift = [1.0]
+    model[1].forward = functools.update_wrapper(functools.partial(new_forward, model[1],
+                                                                  shift=shift), original)
+    torch.testing.assert_close(jmodel(x), model(x))
+    shift[0] = -3.0
+    torch.testing.assert_close(jmodel(x), model(x))
+    del model[1].forward
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_a_class_forward_patched_after_jitting_is_used():
+    """`LlamaRMSNorm.forward = patched` (or a user class's, or torch's own `nn.GELU.forward`)
+    after jitting: the compiled program kept the old forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), torch.nn.GELU(), _Block())
+    jmodel = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(jmodel(x), model(x))
+    original, gelu = _Block.forward, torch.nn.GELU.forward
+    try:
+        _Block.forward = lambda self, x: original(self, x) * 3.0
+        torch.testing.assert_close(jmodel(x), model(x))
+        torch.nn.GELU.forward = lambda self, x: torch.tanh(x)
+        torch.testing.assert_close(jmodel(x), model(x))
+    finally:
+        _Block.forward, torch.nn.GELU.forward = original, gelu
+    torch.testing.assert_close(jmodel(x), model(x))

@@ -70,8 +70,10 @@ def test_forward_pre_and_post_hooks_run():
     x = torch.randn(2, 3)
     torch.testing.assert_close(jmodel(x), eager(x))
     assert calls == ["pre", "post", "pre", "post"]  # eager once, tracing once
-    jmodel(x)
-    assert calls == ["pre", "post", "pre", "post"]  # a cache hit runs the compiled hooks
+    torch.testing.assert_close(jmodel(x), eager(x))
+    # the list the hooks append to is part of the key (a closure cell of the hooks): a call
+    # after it changed is traced anew, so the hooks' Python runs on every call, as in eager
+    assert calls == ["pre", "post"] * 4
 
 
 def _no_grad_blocks(x, w):
