@@ -831,4 +831,7 @@ MUTANTS: list[Mutant] = [
     Mutant("vjp_layer_norm_native_drops_bias", "vjp", "transforms/autodiff/rules_composite.py",
            "mask = [True, weight is not None, bias is not None]",
            "mask = [True, weight is not None, False]", ("tests/fuzz/test_found_bugs.py",)),
+    Mutant("fusion_broadcast_joins_its_producer", "passes", "transforms/fusion.py",
+           "if not node.fusible or _expands(node.bsym):", "if not node.fusible:",
+           ("tests/transforms/test_fusion.py",)),
 ]
