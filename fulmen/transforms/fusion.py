@@ -14,7 +14,9 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    the first refused), then regions reading a common input are
    merged horizontally. A merge happens only if it creates no cycle (no path between the two
    regions through a third node), the region stays under `max_region_size` statements, and
-   `executor.can_fuse_region` accepts the union.
+   `executor.can_fuse_region` accepts the union. A broadcast that makes more elements than
+   it reads joins its consumers' region, never its producer's (NOTE [a broadcast joins its
+   consumers]).
 3. Emit: regions in a topological order of the region graph (ties by first statement);
    `executor.fuse(region, outputs)` returns the fused bound symbol, or None to keep the
    statements. A tiny CPU region is not offered (`is_tiny_region`): one region call costs
@@ -47,6 +49,7 @@ import torch
 from fulmen import config
 from fulmen.core import BoundSymbol, Tag, Trace, flatten
 from fulmen.core.proxy import iter_proxies
+from fulmen.ops import prims
 from fulmen.proxies.tensor import shape_env_memo
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
@@ -297,6 +300,19 @@ class _Partition:
         self.members[keep] = members
         return True
 
+    def _producers(self, names, i: int) -> list[int]:
+        """The statements before `i` producing `names`, each followed, when it is a broadcast
+        that expands (NOTE [a broadcast joins its consumers]), by its own producers: those
+        join the consumer's region together with the broadcast, or not at all."""
+        found = []
+        for name in names:
+            producer = self.producer.get(name)
+            if producer is not None and producer < i:
+                found.append(producer)
+                if _expands(self.nodes[producer].bsym):
+                    found += self._producers(self.nodes[producer].bsym.input_names, producer)
+        return found
+
     def merge_all(self) -> None:
         # a second pass takes the merges the first refused for its order: a statement reading
         # two regions (a `cat` of a slice and of a negated slice) first met the one that would
@@ -304,12 +320,10 @@ class _Partition:
         for _ in range(2):
             merged = False
             for i, node in enumerate(self.nodes):
-                if not node.fusible:
+                if not node.fusible or _expands(node.bsym):
                     continue
-                for name in node.bsym.input_names:
-                    producer = self.producer.get(name)
-                    if producer is not None and producer < i:
-                        merged |= self.try_merge(producer, i)
+                for producer in self._producers(node.bsym.input_names, i):
+                    merged |= self.try_merge(producer, i)
             if not merged:
                 break
         for readers in self.consumers.values():
@@ -331,6 +345,27 @@ class _Partition:
         graph.add_nodes_from(self.succ)
         graph.add_edges_from((a, b) for a, nexts in self.succ.items() for b in nexts)
         return list(nx.lexicographical_topological_sort(graph, key=lambda r: r))
+
+
+def _expands(bsym: BoundSymbol) -> bool:
+    """Whether `bsym` is a broadcast that makes more elements than it reads, with static sizes.
+
+    NOTE [a broadcast joins its consumers]: such a broadcast is not merged into the region
+    of its producer; it joins a region only as the producer of a statement reading it, that
+    is with its consumers. Merged into the producer's region, a broadcast read by another
+    region is an output of the producer's kernel, written at full size: tiny HF Llama's
+    rotary cos and sin, (1, 1, 64, 16), went out of the query's rotary kernel as six
+    (2, 4|2, 64, 16) copies for the keys of layer 0 and the queries and keys of layer 1 (in
+    the backward likewise); now each of those kernels broadcasts the small tensor itself.
+    A broadcast read by no fused region runs on its own, as `expand`, a view.
+    """
+    if bsym.sym is not prims.broadcast_in_dim:
+        return False
+    source, out = bsym.args[0], bsym.output
+    shapes = (*getattr(source, "shape", (None,)), *out.shape)
+    if not all(type(size) is int for size in shapes):
+        return False
+    return math.prod(out.shape) > math.prod(source.shape)
 
 
 def partition_for_fusion(

@@ -935,4 +935,7 @@ MUTANTS: list[Mutant] = [
     Mutant("swapped_functions_not_collected", "guards", "tracer/guards.py",
            "if any(read() is not value for read, value in self._functions):", "if False:",
            ("tests/tracer/test_hook_state.py",)),
+    Mutant("fusion_broadcast_joins_its_producer", "passes", "transforms/fusion.py",
+           "if not node.fusible or _expands(node.bsym):", "if not node.fusible:",
+           ("tests/transforms/test_fusion.py",)),
 ]

@@ -277,3 +277,22 @@ def test_statements_reordered_for_their_inputs_keep_the_order_of_draws():
     mul, rand_like, rand, add = fulmen.last_traces(jfn)[0].bsyms
     order = [bsym.sym.name for bsym in _defined_before_use([rand_like, rand, mul, add])]
     assert order == ["mul", "rand_like", "rand", "add"]
+
+
+def _rotary_like(q, k, c):
+    c2 = (c * 2).reshape(1, 1, 8, 4)  # broadcast against both: as HF Llama's cos and sin
+    return (q * c2).sin(), (k.transpose(1, 2) * c2).cos()
+
+
+def test_a_broadcast_read_by_another_region_is_not_written_at_full_size():
+    """NOTE [a broadcast joins its consumers]: the key's kernel broadcasts the (1, 1, 8, 4)
+    tensor itself; the query's kernel used to write it out as a (2, 2, 8, 4) copy."""
+    q, k, c = torch.randn(2, 4, 8, 4), torch.randn(2, 8, 2, 4), torch.randn(8, 4)
+    jfn = fulmen.jit(_rotary_like, executors=EXECUTORS)
+    for actual, expected in zip(jfn(q, k, c), _rotary_like(q, k, c)):
+        torch.testing.assert_close(actual, expected)
+    trace = fulmen.last_traces(jfn)[-1]
+    fused = [b for b in trace.bsyms if b.sym.name.startswith("fusion")]
+    read = {p.name for b in fused for p in b.proxy_inputs}
+    between = [p for b in fused for p in b.proxy_outputs if p.name in read]
+    assert between and all(p.numel() <= 8 * 4 for p in between), between
