@@ -35,6 +35,7 @@ import fulmen
 from fulmen.executors.codegen.cuda import CUDA, nvrtc
 from fulmen.executors.codegen.cuda import rows as cuda_rows
 from fulmen.executors.codegen.cuda import runtime as cuda_runtime
+from fulmen.transforms.autodiff import rules_composite
 
 RUNTIME = r"""
 #include <barrier>
@@ -197,8 +198,10 @@ def emulate(monkeypatch):
         def wait(self) -> None:
             pass
 
-    # CPU tensors are fused as the CUDA target fuses and run as CUDA regions
+    # CPU tensors are fused as the CUDA target fuses and run as CUDA regions, and get CUDA's
+    # gradient rules (layer_norm's composite backward, which the row kernels fuse)
     monkeypatch.setitem(codegen.TARGETS, "cpu", (CUDA, Emulated))
+    monkeypatch.setattr(rules_composite, "EAGER_LAYER_NORM_BACKWARD_DEVICES", ())
     with emulated(monkeypatch) as launches:
         yield launches
 

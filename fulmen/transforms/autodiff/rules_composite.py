@@ -81,6 +81,8 @@ _softmax_family(ltorch.safe_softmax, _softmax_input_grad)  # y = 0 on all -inf r
 # --- layer norm -------------------------------------------------------------------------------
 
 
+# the devices whose layer_norm backward is eager's kernels (NOTE [layer norm backward])
+EAGER_LAYER_NORM_BACKWARD_DEVICES = ("cpu",)
 NATIVE_LAYER_NORM = opaque_symbol(torch.ops.aten.native_layer_norm.default)
 NATIVE_LAYER_NORM_BACKWARD = opaque_symbol(torch.ops.aten.native_layer_norm_backward.default)
 
@@ -114,7 +116,8 @@ def _layer_norm_vjp(grad, out, input, normalized_shape, weight, bias, eps):
     if count == 0 or input.numel() == 0:
         return autograd_cotangents(ltorch.layer_norm, (input, normalized_shape, weight, bias, eps),
                                    grad)
-    if input.device.type == "cpu" and all(type(s) is int for s in input.shape):
+    if input.device.type in EAGER_LAYER_NORM_BACKWARD_DEVICES \
+            and all(type(s) is int for s in input.shape):
         return _native_layer_norm_grads(grad, input, normalized_shape, weight, bias, eps)
     norm_dims = tuple(range(input.ndim - len(normalized_shape), input.ndim))
     batch_dims = tuple(range(input.ndim - len(normalized_shape)))
