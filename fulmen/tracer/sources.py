@@ -253,6 +253,14 @@ def _unwrap_partial(fn) -> tuple[Any, list[tuple[str, object]]]:
     return fn, sources
 
 
+def _callable_sources(fn, label: str) -> list[tuple[str, object]]:
+    """The sources of a callable that runs beside the traced program (a hook, a forward
+    replaced on the instance), each name prefixed by `label`: its `functools.partial` layers'
+    bound arguments, then its closure cells, defaults and bound object (`_closure_sources`)."""
+    fn, partial_sources = _unwrap_partial(fn)
+    return [(label + name, read) for name, read in partial_sources] + _closure_sources(fn, label)
+
+
 # The readers of globals (a module's namespace or a user module's attributes) and of closure
 # cells; `GlobalStore` finds them among the sources by their shape (`reads_global`,
 # `reads_cell`).
@@ -344,9 +352,7 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
             # wrappers): keyed by identity, what it reads as a hook's reads are
             label = f"{HOOK_LABEL}{type(module).__name__}.forward."
             sources.append((label[:-1], functools.partial(getattr, module, "forward")))
-            replaced, partial_sources = _unwrap_partial(replaced)
-            sources += [(label + name, read) for name, read in partial_sources]
-            sources += _closure_sources(replaced, label)
+            sources += _callable_sources(replaced, label)
         for attr, value in vars(module).items():  # `self.config.scale` too (`object_source_key`)
             # (`forward`: `JittedModule.generate` points it at the compiled forward meanwhile)
             if _is_keyed(value) and attr not in _NOT_KEYED and (
@@ -355,10 +361,10 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
                 sources.append((label, functools.partial(getattr, module, attr)))
     # last, so that the cap drops these before the forward's own reads
     for hook in forward_hooks(modules):  # `feats[name] = out` in a closure, `SCALE` read
-        hook, partial_sources = _unwrap_partial(hook)
-        label = f"{HOOK_LABEL}{getattr(hook, '__qualname__', type(hook).__name__)}."
-        sources += [(label + name, read) for name, read in partial_sources]
-        sources += _closure_sources(hook, label)
+        inner = _unwrap_partial(hook)[0]
+        label = f"{HOOK_LABEL}{getattr(inner, '__qualname__', type(inner).__name__)}."
+        sources += _callable_sources(hook, label)
+        hook = inner
         if not isinstance(hook, (types.FunctionType, types.MethodType)) \
                 and is_plain_object(hook):  # a callable object (`torch.nn.utils.prune`)
             sources.append((label + "self", functools.partial(operator.getitem, (hook,), 0)))

@@ -121,16 +121,8 @@ def accepts(shape_guard, sizes: list) -> bool:
 
 
 def _contiguous(shape: tuple, strides: tuple) -> bool:
-    """`Tensor.is_contiguous()` from sizes and strides (size-1 dims ignored, empty: True)."""
-    if 0 in shape:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
+    """`Tensor.is_contiguous()` of a tensor with these sizes and strides (a meta tensor's)."""
+    return torch.empty_strided(shape, strides, device="meta").is_contiguous()
 
 
 def _erased_tensor(key: Any, dims: tuple, has_grad: bool | None) -> tuple | None:
