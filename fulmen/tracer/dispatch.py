@@ -50,8 +50,10 @@ from fulmen.tracer.autograd_function import (
     backward_refusal,
     intercept_function_apply,
 )
+from fulmen.tracer.breaks import concrete_sizes
 from fulmen.tracer.layout import rule_layouts
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
+from fulmen.tracer.objects import TRACED_NUMBERS
 
 T = torch.Tensor
 
@@ -559,4 +561,29 @@ class FactoryMode(TorchFunctionMode):
         sym = symbol_for(func)
         if sym is not None and "factory" in sym.tags:
             return self.ctx.handle(func, types, args, kwargs)
+        return _call_with_numbers(func, args, kwargs)
+
+
+def _call_with_numbers(func, args: tuple, kwargs: dict):
+    """`func(*args, **kwargs)` for a torch call with no tensor argument. A symbolic size given
+    where the op reads a Scalar is read by PyTorch as garbage (`torch.div(s0, 4,
+    rounding_mode="trunc")` gave `tensor(1944444)` for s0 = 8, Longformer's and LED's chunk
+    count): where the call makes a tensor, its symbolic numbers are specialised first (`int(s0)`,
+    a guard), as `torch.tensor(s0)` is. Calls that compute with symbolic numbers and return
+    numbers (`torch.sym_max`) keep them."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(isinstance(leaf, TRACED_NUMBERS) for leaf in leaves):
         return func(*args, **kwargs)
+    probe = func(*concrete_sizes(args), **concrete_sizes(kwargs))  # the hints: no guard
+    if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(probe)):
+        return func(*args, **kwargs)
+    args, kwargs = pytree.tree_map(_specialised, (args, kwargs))
+    return func(*args, **kwargs)
+
+
+def _specialised(value):
+    """A symbolic number's value in this call, guarded (`int(s0)` records `Eq(s0, 8)`)."""
+    for kind in (torch.SymBool, torch.SymInt, torch.SymFloat):
+        if isinstance(value, kind):
+            return {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}[kind](value)
+    return value

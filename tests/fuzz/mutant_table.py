@@ -938,4 +938,7 @@ MUTANTS: list[Mutant] = [
     Mutant("fusion_broadcast_joins_its_producer", "passes", "transforms/fusion.py",
            "if not node.fusible or _expands(node.bsym):", "if not node.fusible:",
            ("tests/transforms/test_fusion.py",)),
+    Mutant("symbolic_scalar_argument_not_specialised", "symbolic", "tracer/dispatch.py",
+           "args, kwargs = pytree.tree_map(_specialised, (args, kwargs))", "pass",
+           DYNAMIC_EDGES),
 ]

@@ -245,3 +245,21 @@ def test_a_guard_that_divides_by_a_size_expression_misses_where_the_divisor_is_z
     for n in (7, 11, 15, 1, 2, 7, 1):
         x = torch.randn(2, n, 8 * max(1, (n + 1) // 4))
         torch.testing.assert_close(jfn(x), fn(x))
+
+
+def test_a_torch_op_on_a_symbolic_size_alone_is_eagers_number():
+    # Longformer and LED chunk a sequence with `torch.div(seq_len, w, rounding_mode="trunc")`.
+    # PyTorch read a symbolic size passed as its Scalar as garbage (tensor(1944444) for 8 // 4)
+    # and the trace captured it as a constant: every call after the first was wrong.
+    def count(x):
+        return x * torch.div(x.size(1), 4, rounding_mode="trunc") + torch.div(x.size(1), 3)
+
+    def chunks(x):
+        n = torch.div(x.size(1), 4, rounding_mode="floor")
+        return x.view(x.size(0), n, 4).sum(-1)
+
+    for fn in (count, chunks):
+        jfn = fulmen.jit(fn, dynamic=True)
+        for length in (8, 12, 16, 12):
+            x = torch.randn(2, length)
+            torch.testing.assert_close(jfn(x), fn(x), rtol=0, atol=0)
