@@ -26,7 +26,13 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _CastLog(TorchDispatchMode):
-    """Records `_to_copy(arg, dtype=...)` calls made on the watched tensors."""
+    """Records `_to_copy(arg, dtype=...)` calls made on the watched tensors.
+
+    Autocast casts an op's arguments to one dtype (the low-precision one, float32, or the
+    widest), before the op's kernel runs; a cast to another dtype comes from the kernel itself
+    and is not recorded (CPU attention with dropout runs its math backend, which upcasts a
+    bfloat16 value to float32 internally: taken for autocast's, it cast the value of an
+    attention whose query and key autocast casts to bfloat16 back to float32)."""
 
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
@@ -37,7 +43,8 @@ class _CastLog(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _TO_COPY and args and id(args[0]) in self.watched:
             dtype = kwargs.get("dtype")
-            if dtype is not None and dtype != args[0].dtype:
+            first = next(iter(self.casts.values()), dtype)
+            if dtype is not None and dtype != args[0].dtype and dtype == first:
                 self.casts.setdefault(self.watched[id(args[0])], dtype)
         return func(*args, **kwargs)
 

@@ -941,4 +941,8 @@ MUTANTS: list[Mutant] = [
     Mutant("symbolic_scalar_argument_not_specialised", "symbolic", "tracer/dispatch.py",
            "args, kwargs = pytree.tree_map(_specialised, (args, kwargs))", "pass",
            DYNAMIC_EDGES),
+    Mutant("autocast_records_a_kernels_own_cast", "dtype", "tracer/autocast.py",
+           "if dtype is not None and dtype != args[0].dtype and dtype == first:",
+           "if dtype is not None and dtype != args[0].dtype:",
+           ("tests/tracer/test_autocast_casts.py",)),
 ]

@@ -31,3 +31,29 @@ def test_float32_ops_under_autocast_match_eager(name, dtype):
     for e, a in zip(leaves(expected), leaves(actual), strict=True):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_with_dropout_of_mixed_dtypes_under_autocast_is_eagers():
+    # HF Llama training under CPU autocast with attention dropout: the rotary embedding leaves
+    # query and key in float32, the value is bfloat16 from its linear. The CPU math backend
+    # that runs dropout upcasts a bfloat16 value internally; that cast was taken for
+    # autocast's, the value went back to float32 and the call failed to trace.
+    def attend(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, F.linear(v, w), dropout_p=0.25)
+
+    w = torch.randn(8, 8)
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    torch.manual_seed(0)
+    expected = attend(q, k, v)
+    expected.float().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.manual_seed(0)
+    out = fulmen.jit(attend)(q, k, v)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected)
+    out.float().sum().backward()
+    for t, grad in zip((q, k, v), grads):
+        torch.testing.assert_close(t.grad, grad)
