@@ -263,6 +263,13 @@ _DRAWS_WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
 }
 
 
+def meta_overridden(fn: Callable) -> bool:
+    """Whether fulmen describes `fn`'s output itself because PyTorch's meta kernel does not
+    describe every call eager accepts (`_META_OVERRIDES`: `torch._grouped_mm` on float32 CPU
+    tensors, which its meta kernel refuses)."""
+    return fn in _META_OVERRIDES
+
+
 def draws_random(fn: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether the call `fn(*args, **kwargs)` draws from torch's global generator."""
     return _is_random(fn) or (fn in _DRAWS_WHEN and bool(_DRAWS_WHEN[fn](args, kwargs)))

@@ -12,7 +12,9 @@ needs no autocast state to run. An op PyTorch cannot run on fake tensors raises
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.core.source import user_source_location
+from fulmen.ops.opaque import meta_overridden
 from fulmen.proxies import TensorProxy
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -49,7 +52,12 @@ class _CastLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _casts(func, args, kwargs, device_type: str, enabled: bool) -> dict[str, torch.dtype]:
+def _casts(func, args, kwargs, device_type: str, enabled: bool,
+           kernel_may_fail: bool = False) -> dict[str, torch.dtype]:
+    """The casts of the call's arguments logged while it runs on fake tensors, with autocast
+    `enabled` or not. With `kernel_may_fail` (an op whose meta kernel refuses calls eager
+    accepts), a failure of the call gives the casts logged before it: autocast casts the
+    arguments before the call reaches the (meta) kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch._C.DisableTorchFunction(), FakeTensorMode():
@@ -66,22 +74,35 @@ def _casts(func, args, kwargs, device_type: str, enabled: bool) -> dict[str, tor
         fake_args, fake_kwargs = pytree.tree_map(fake, (args, kwargs))
         log = _CastLog({id(t): name for name, t in fakes.items()})
         with torch.autocast(device_type, enabled=enabled), log:
-            func(*fake_args, **fake_kwargs)
+            try:
+                func(*fake_args, **fake_kwargs)
+            except Exception:
+                if not kernel_may_fail:
+                    raise
     return log.casts
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """The fake tensor module's error log off: it logs each meta kernel failure, which here
+    is an expected answer."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _own_casts(func, args, kwargs, device_type: str) -> dict[str, torch.dtype]:
     """The casts `func` makes without autocast; none when it cannot run without autocast's
     casts (mixed dtypes such as a float32 bias with bfloat16 operands: eager runs it only
     because autocast casts them alike)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the failure
-    disabled, logger.disabled = logger.disabled, True
-    try:
-        return _casts(func, args, kwargs, device_type, False)
-    except Exception:
-        return {}
-    finally:
-        logger.disabled = disabled
+    with _quiet_fake_tensors():
+        try:
+            return _casts(func, args, kwargs, device_type, False)
+        except Exception:
+            return {}
 
 
 def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -102,7 +123,11 @@ def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                                    op=getattr(func, "__name__", str(func)),
                                    where=user_source_location())
     try:
-        with_autocast = _casts(func, args, kwargs, active[0], True)
+        if meta_overridden(func):
+            with _quiet_fake_tensors():
+                with_autocast = _casts(func, args, kwargs, active[0], True, True)
+        else:
+            with_autocast = _casts(func, args, kwargs, active[0], True)
         without = _own_casts(func, args, kwargs, active[0]) if with_autocast else {}
     except FulmenError:
         raise

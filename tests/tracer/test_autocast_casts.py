@@ -57,3 +57,24 @@ def test_attention_with_dropout_of_mixed_dtypes_under_autocast_is_eagers():
     out.float().sum().backward()
     for t, grad in zip((q, k, v), grads):
         torch.testing.assert_close(t.grad, grad)
+
+
+def test_grouped_mm_under_autocast_is_eagers():
+    # HF's MoE layers (Mixtral, Qwen3-MoE) call `F.grouped_mm` on float32 CPU tensors; autocast
+    # leaves it alone, but its meta kernel refuses float32, so the autocast probe on fake
+    # tensors failed and MoE training under CPU autocast could not trace.
+    def experts(x, w, offs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = F.linear(x, torch.eye(8))  # bfloat16
+            return F.grouped_mm(x, w, offs=offs), torch._grouped_mm(hidden.to(w.dtype), w, offs=offs)
+
+    x = torch.randn(6, 8)
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    offs = torch.tensor([3, 6], dtype=torch.int32)
+    expected = experts(x, w, offs)
+    (grad,) = torch.autograd.grad(sum((t * t).sum() for t in expected), w)
+    out = fulmen.jit(experts)(x, w, offs)
+    for got, want in zip(out, expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(sum((t * t).sum() for t in out), w)[0], grad)
