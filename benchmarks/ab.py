@@ -10,6 +10,9 @@ Cases: `ten` (the 10-op elementwise function on 8x8, no grad), `mod` (8 x (Linea
 ReLU) on (4, 16), no grad), and `MODEL:train` / `MODEL:infer` for the models of
 `benchmarks/e2e.py` (tiny configs: llama, gpt2, bert, t5, pythia-14m, linear-relu). 1 thread.
 
+`--steady-heap`: the workers run with glibc's heap kept (`STEADY_HEAP`; why in
+`benchmarks/e2e.py`), so page faults from memory given back do not decide pythia-14m's ratios.
+
 Run: `python benchmarks/ab.py OLD_TREE NEW_TREE --cases ten,mod,llama:train --procs 2`
 (a tree is a checkout's root, e.g. one made by `git worktree add` or `git archive | tar -x`).
 """
@@ -23,6 +26,11 @@ import statistics
 import subprocess
 import sys
 import time
+
+# glibc's tunables, read at process start: a heap never trimmed and an mmap threshold that stays
+# at 32 MiB (setting only one of them fixes the threshold at its 128 KiB default: every large
+# block then comes from mmap, faulting each time)
+STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 def worker(case: str, rounds: int, number: int) -> dict:
@@ -83,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--number", type=int, default=0,
                         help="calls per round (default: 1000 for ten/mod, 10 for models)")
+    parser.add_argument("--steady-heap", action="store_true",
+                        help="workers keep glibc's heap (no trimming, fixed mmap threshold)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
@@ -99,6 +109,8 @@ def main() -> None:
             order = (("old", opts.old), ("new", opts.new))
             for label, tree in order if p % 2 == 0 else order[::-1]:
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS="1")
+                if opts.steady_heap:
+                    env.update(STEADY_HEAP)
                 script = os.path.join(os.path.abspath(tree), "benchmarks", "ab.py")
                 if not os.path.exists(script):  # an old tree without this file: use ours
                     script = os.path.abspath(__file__)

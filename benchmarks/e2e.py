@@ -18,7 +18,19 @@ Times are ms per step; ratios below 1 mean fulmen is faster. The table also give
 process CPU time (`time.process_time`), which other load on a shared machine disturbs far less
 than wall time.
 
-Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]`
+`--steady-heap` runs with glibc's heap kept (`ab.STEADY_HEAP`: no trimming of its top, a fixed mmap
+threshold of 32 MiB). By default glibc gives freed memory back to the system and moves its mmap
+threshold as blocks are freed, so a large block (pythia-14m's 25 MiB logits, their gradient, the
+lm_head and embedding gradients, AdamW's temporaries) comes back as fresh pages that fault on
+first touch: 6,000-40,000 page faults per training step, how many depending on the order of
+earlier allocations and frees, which differs between eager and fulmen and between runs
+(pythia-14m's lm_head weight gradient: 22 ms with no faults, 28-48 ms with 6,288). Eager and
+fulmen pay them alike, but not equally often: pythia-14m's training ratio was 0.82-0.86 by
+default and 0.98-1.01 with a steady heap in the same session. The steady heap compares the
+computations; the default, what a user gets.
+
+Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]
+[--steady-heap]`
 """
 
 from __future__ import annotations
@@ -260,7 +272,14 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=3, help="steps per timed sample")
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (median)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--steady-heap", action="store_true",
+                        help="keep glibc's heap: no page faults from memory given back")
     opts = parser.parse_args()
+    from ab import STEADY_HEAP  # benchmarks/ is the script directory
+
+    if opts.steady_heap and any(os.environ.get(k) != v for k, v in STEADY_HEAP.items()):
+        # glibc reads them at process start: run again in a process that has them
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_HEAP})
     threads_list = [int(t) for t in opts.threads.split(",")]
     initial_threads = torch.get_num_threads()
     start = time.perf_counter()
@@ -271,7 +290,8 @@ def main() -> None:
     print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} at the end, "
           f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
-          f"{opts.number} steps; fulmen from {Path(fulmen.__file__).parent}\n")
+          f"{opts.number} steps; fulmen from {Path(fulmen.__file__).parent}"
+          f"{'; steady heap' if opts.steady_heap else ''}\n")
     print_table(rows)
 
 

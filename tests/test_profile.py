@@ -1,6 +1,7 @@
 """fulmen.profile: a row per statement of the execution traces, totals that add up (no timing
 asserts), and the jitted function left as it was."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -89,3 +90,58 @@ def test_profile_lists_only_what_the_call_runs():
     prof = fulmen.profile(jfn, torch.randn(5, 2), steps=2, warmup=1)
     trace = fulmen.last_traces(jfn)[-1]
     assert sorted(row.statement for row in prof.rows) == sorted(_statement_lines(trace))
+
+
+def test_profile_of_a_whole_training_step_with_its_loss_and_optimizer():
+    torch.manual_seed(0)
+    jmodel = fulmen.jit(Net())
+    optimizer = torch.optim.SGD(jmodel.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    calls = []
+
+    def train_step():
+        calls.append(1)
+        optimizer.zero_grad()
+        F.mse_loss(jmodel(x), y).backward()  # the loss and the optimizer run outside the traces
+        optimizer.step()
+
+    before = jmodel.up.weight.detach().clone()
+    prof = fulmen.profile(jmodel, step=train_step, steps=2, warmup=1)
+    assert len(calls) == 1 + 1 + 2 * 2  # warm-up, the step after the kernels, plain + timed
+    assert not torch.equal(before, jmodel.up.weight)  # the optimizer stepped
+    forward = fulmen.last_traces(jmodel)[-1]
+    backward = fulmen.last_backward_traces(jmodel)[-1]
+    for phase, trace in (("forward", forward), ("backward", backward)):
+        rows = sorted(row.statement for row in prof.rows if row.phase == phase)
+        assert rows == sorted(_statement_lines(trace)), phase
+    assert prof.clock == "wall" and "wall time" in str(prof)
+    assert abs(sum(prof.totals.values()) - prof.step_seconds) <= 1e-9 + 1e-6 * prof.step_seconds
+    assert all("_fulmen_clock" not in fn.__code__.co_names
+               for fn in _compiled_functions(jmodel._jit))
+
+
+def test_profile_in_cpu_time_leaves_out_waiting():
+    import time
+
+    jfn = fulmen.jit(lambda x: (x * 2).sin() + x.cos())
+    x = torch.randn(4, 4)
+
+    def step():
+        jfn(x)
+        time.sleep(0.05)  # waiting: wall time, not CPU time
+
+    wall = fulmen.profile(jfn, step=step, steps=1, warmup=1)
+    cpu = fulmen.profile(jfn, step=step, steps=1, warmup=1, clock="cpu")
+    assert wall.step_seconds >= 0.05 and wall.totals["host overhead"] >= 0.05
+    assert cpu.step_seconds < 0.05 and cpu.clock == "cpu" and "CPU time" in cpu.table()
+    assert sorted(row.statement for row in cpu.rows) == sorted(row.statement for row in wall.rows)
+    assert cpu.rows and all(row.seconds >= 0 for row in cpu.rows)
+
+
+def test_profile_arguments_are_checked():
+    jfn = fulmen.jit(lambda x: x + 1)
+    x = torch.randn(3)
+    with pytest.raises(ValueError, match="clock"):
+        fulmen.profile(jfn, x, clock="gpu")
+    with pytest.raises(ValueError, match="step="):
+        fulmen.profile(jfn, x, step=lambda: jfn(x))

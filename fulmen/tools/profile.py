@@ -2,6 +2,7 @@
 
     prof = fulmen.profile(jmodel, x)      # forward, and backward when the output requires grad
     print(prof)                           # the table; prof.rows / prof.totals for code
+    fulmen.profile(jmodel, step=train_step, clock="cpu")   # a whole step, in CPU time
 
 The compiled callables of a jitted function are the printed execution traces. For the profile,
 each one's code object is swapped (for the duration of the measured steps only) for a copy whose
@@ -14,15 +15,28 @@ named as the trace prints it (`t12 = codegen.fusion4(t9, w)`), in a category:
 - `opaque`: ops run under `torch.autograd` (`autograd_forward`/`autograd_backward`/`autograd_vjp`);
 - `torch op`: every other statement that calls something (views, copies, `full`, ...);
 - `free (del)`: `del` statements (a tensor's storage may be released there);
-- `host overhead`: the step's wall time minus all statement times: the jitted call (cache key,
-  guards, autograd.Function, trace tree), the loss sum and the autograd engine, and the timers'
-  own cost (about 0.1 µs per statement).
+- `host overhead`: the step's time minus all statement times: the jitted call (cache key,
+  guards, autograd.Function, trace tree), the loss and the autograd engine (and whatever else a
+  `step` runs: an optimizer), and the timers' own cost.
 
 On CPU a statement's time is its host dispatch plus its kernel, measured together. Times are
 seconds per step: the median over `steps` steps (taken after `warmup` steps, which also wait for
 the lazily compiled codegen kernels) of each statement and of the whole step, so a preemption on
 a shared machine does not land on one statement; host overhead is the median step minus the sum
-of the statement medians.
+of the statement medians. Each statement's time leaves out what reading the clock twice costs
+with no statement between (measured before the steps): 0.05 µs for the wall clock, about 1 µs
+for the CPU clock, which would otherwise swell a trace of hundreds of views and `del`s.
+
+The clock (`clock=`): `"wall"` (`time.perf_counter`, the default) or `"cpu"` (`time.process_time`:
+the CPU time of this process, all its threads). On a machine shared with other work, wall time
+also counts the time other processes hold the cores (a step measured twice can differ by 2x),
+CPU time far less; it leaves out time spent waiting (sleeps, I/O, a thread waiting for another).
+
+A whole step (`step=`): by default a step is `jfn(*args, **kwargs)` and the backward of the sum
+of its outputs that require grad. A training step with its loss and optimizer is profiled as
+`fulmen.profile(jfn, step=train_step)`, `train_step()` calling `jfn` itself; the statements of
+the traces `jfn` runs get their rows, and the rest of the step (the loss computed outside, the
+optimizer, `zero_grad`) is in host overhead.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import re
 import statistics
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +63,7 @@ from fulmen.executors.codegen import wait_for_kernels
 from fulmen.jit import _jitted
 
 CATEGORIES = ("fused kernel", "matmul", "opaque", "torch op", "free (del)", "host overhead")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _MATMUL = re.compile(r"(^|[._])(matmul|linear|mm|bmm|addmm|addmv|baddbmm|addbmm|einsum|"
                      r"conv\w*|_addmm_activation)$")
 
@@ -74,9 +90,10 @@ class Profile:
     Attributes:
         rows: one per statement of every execution trace run, slowest first.
         totals: seconds per step by category (`CATEGORIES`), host overhead included.
-        step_seconds: median wall time of one instrumented step.
-        plain_step_seconds: median wall time of one step without instrumentation (same run).
+        step_seconds: median time of one instrumented step.
+        plain_step_seconds: median time of one step without instrumentation (same run).
         steps: how many steps were measured (statement and step times are medians).
+        clock: `"wall"` or `"cpu"`, what the times are (module docstring).
     """
 
     rows: tuple[ProfileRow, ...]
@@ -84,12 +101,15 @@ class Profile:
     step_seconds: float
     plain_step_seconds: float
     steps: int
+    clock: str = "wall"
 
     def table(self, limit: int | None = 40, width: int = 90) -> str:
         """The profile as markdown: totals per category, then the `limit` slowest statements."""
         step = self.step_seconds
+        kind = "wall time" if self.clock == "wall" else "CPU time"
         lines = [f"fulmen.profile: {self.steps} steps, {step * 1e3:.3f} ms per instrumented step "
-                 f"({self.plain_step_seconds * 1e3:.3f} ms without instrumentation)", "",
+                 f"({self.plain_step_seconds * 1e3:.3f} ms without instrumentation), {kind}",
+                 "",
                  "| category | ms per step | share | statements |", "| --- | ---: | ---: | ---: |"]
         counts = {c: sum(row.category == c for row in self.rows) for c in CATEGORIES}
         for category in CATEGORIES:
@@ -140,27 +160,43 @@ class Profile:
         printer.text(self.table())
 
 
-def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
+def profile(jfn, *args, steps: int = 10, warmup: int = 3, step: Callable[[], Any] | None = None,
+            clock: str = "wall", **kwargs) -> Profile:
     """Run `jfn(*args, **kwargs)` (and, when an output requires grad, the backward of the sum of
-    the outputs) and attribute the time of a step to each statement of the execution traces.
+    the outputs), or `step()` when given, and attribute the time of a step to each statement of
+    the execution traces of `jfn`.
 
-    `steps` and `warmup` are taken by the profile, every other keyword goes to `jfn`. Gradients
-    accumulate into `.grad` as in repeated eager steps.
+    `steps`, `warmup`, `step` and `clock` are taken by the profile, every other keyword goes to
+    `jfn`. `step`: a callable of no arguments that runs one step calling `jfn` itself (a training
+    step with its loss and optimizer); then `args` and `kwargs` must be empty. `clock`: `"wall"`
+    or `"cpu"` (module docstring). Gradients accumulate into `.grad` as in repeated eager steps.
 
     Example:
         >>> jmodel = fulmen.jit(model)
         >>> print(fulmen.profile(jmodel, x))      # ms per step by category and by statement
+        >>> def train_step():
+        ...     optimizer.zero_grad()
+        ...     F.cross_entropy(jmodel(x), y).backward()
+        ...     optimizer.step()
+        >>> print(fulmen.profile(jmodel, step=train_step, clock="cpu"))
 
     Returns:
         A `Profile`; times in seconds per step (the table prints milliseconds).
     """
-    def step():
-        out = jfn(*args, **kwargs)
-        leaves = [leaf for leaf in pytree.tree_leaves(out)
-                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if leaves and torch.is_grad_enabled():
-            sum(leaf.sum() for leaf in leaves).backward()
-        return out
+    if clock not in CLOCKS:
+        raise ValueError(f"fulmen.profile: clock must be one of {sorted(CLOCKS)}, not {clock!r}")
+    if step is not None and (args or kwargs):
+        raise ValueError("fulmen.profile: with step=, the step calls jfn itself; pass no "
+                         "arguments for jfn")
+    now = CLOCKS[clock]
+    if step is None:
+        def step():
+            out = jfn(*args, **kwargs)
+            leaves = [leaf for leaf in pytree.tree_leaves(out)
+                      if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+            if leaves and torch.is_grad_enabled():
+                sum(leaf.sum() for leaf in leaves).backward()
+            return out
 
     for _ in range(max(warmup, 1)):
         step()
@@ -171,25 +207,26 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
     swaps = [_Instrumented(fn) for fn in compiled]
     plain, timed = [], []
     for _ in range(steps):  # alternate: a change in the machine's load hits both alike
-        start = time.perf_counter()
+        start = now()
         step()
-        plain.append(time.perf_counter() - start)
+        plain.append(now() - start)
         for swap in swaps:
-            swap.install()
+            swap.install(now)
         try:
-            start = time.perf_counter()
+            start = now()
             step()
-            timed.append(time.perf_counter() - start)
+            timed.append(now() - start)
         finally:
             for swap in swaps:
                 swap.remove()
 
     total = statistics.median(timed)
+    reading = _clock_cost(now)
     rows = []
     for swap in swaps:
         if not any(any(times) for times in swap.steps):
             continue  # another specialisation or branch, not run by this call
-        for label, category, seconds, source in swap.results():
+        for label, category, seconds, source in swap.results(reading):
             rows.append(ProfileRow(swap.phase, swap.trace.name, label, category, seconds,
                                    seconds / total, source))
     rows.sort(key=lambda row: -row.seconds)
@@ -197,7 +234,17 @@ def profile(jfn, *args, steps: int = 10, warmup: int = 3, **kwargs) -> Profile:
     for row in rows:
         totals[row.category] += row.seconds
     totals["host overhead"] = total - sum(row.seconds for row in rows)
-    return Profile(tuple(rows), totals, total, statistics.median(plain), steps)
+    return Profile(tuple(rows), totals, total, statistics.median(plain), steps, clock)
+
+
+def _clock_cost(now: Callable[[], float], samples: int = 201) -> float:
+    """What `now() - start` measures around no statement at all (the instrumented code's
+    `_fulmen_t = now()` then `... += now() - _fulmen_t`): the median of `samples` readings."""
+    readings = []
+    for _ in range(samples):
+        start = now()
+        readings.append(now() - start)
+    return statistics.median(readings)
 
 
 class _Instrumented:
@@ -235,8 +282,8 @@ class _Instrumented:
         self.timed_code = next(const for const in code.co_consts
                                if isinstance(const, types.CodeType) and const.co_name == func.name)
 
-    def install(self) -> None:
-        self.fn.__globals__["_fulmen_clock"] = time.perf_counter
+    def install(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.fn.__globals__["_fulmen_clock"] = now
         self.steps.append([0.0] * len(self.labels))
         self.fn.__globals__["_fulmen_times"] = self.steps[-1]
         self.fn.__code__ = self.timed_code
@@ -244,10 +291,11 @@ class _Instrumented:
     def remove(self) -> None:
         self.fn.__code__ = self.plain_code
 
-    def results(self) -> list[tuple[str, str, float, str]]:
-        """`(statement, category, median seconds over the steps, source)` per statement."""
-        medians = [statistics.median(times) for times in zip(*self.steps)] if self.steps \
-            else [0.0] * len(self.labels)
+    def results(self, reading: float = 0.0) -> list[tuple[str, str, float, str]]:
+        """`(statement, category, median seconds over the steps, source)` per statement, less
+        `reading` (the clock's own cost within each statement's time), never below 0."""
+        medians = [max(statistics.median(times) - reading, 0.0)
+                   for times in zip(*self.steps)] if self.steps else [0.0] * len(self.labels)
         return list(zip(self.labels, self.categories, medians, self.sources))
 
 
@@ -310,4 +358,4 @@ def _compiled_functions(jitted) -> list[types.FunctionType]:
     return list(found.values())
 
 
-__all__ = ["CATEGORIES", "Profile", "ProfileRow", "execution_traces", "profile"]
+__all__ = ["CATEGORIES", "CLOCKS", "Profile", "ProfileRow", "execution_traces", "profile"]
