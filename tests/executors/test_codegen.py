@@ -99,8 +99,11 @@ def test_int_and_bool_dtypes(dtype):
     y = torch.randint(-100, 100, (300,)).to(dtype)
     if dtype == torch.bool:
         _check(lambda a, b: (a & b) | ~a, x, y)
+        # minimum and maximum of bools are `and` and `or`; `^` is exclusive
+        _check(lambda a, b: (torch.minimum(a, b) | ~b, torch.maximum(a, ~b) ^ b), x, y)
     else:
-        _check(lambda a, b: (torch.maximum(a * b, a + 3) & 0x5F, a < b, a.float() / 7), x, y)
+        _check(lambda a, b: (torch.maximum(a * b, a + 3) & 0x5F, a < b, a.float() / 7,
+                             (a ^ b) + 1), x, y)
 
 
 def test_layouts_without_copies():
