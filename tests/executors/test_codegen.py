@@ -16,7 +16,10 @@ import fulmen
 from fulmen.executors.codegen import kernel_sources
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
-pytestmark = pytest.mark.usefixtures("codegen_eager")
+# a kernel that fails to build warns and runs the torch fallback (eager's values): here that is
+# an error, so a miscompiled kernel source cannot hide behind the fallback
+pytestmark = [pytest.mark.usefixtures("codegen_eager"), pytest.mark.filterwarnings(
+    "error:fulmen codegen.*runs on the torch executor:RuntimeWarning")]
 
 EXECUTORS = ["codegen", "torch"]
 # Elementwise OpInfos whose decomposition codegen does not fuse (yet), with the reason.

@@ -8,7 +8,6 @@ fixture of test_codegen.py is repeated here)."""
 import os
 import platform
 import subprocess
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,10 @@ from fulmen.executors.codegen.cpu.compiler import CXX_FLAGS, compiler
 from fulmen.tools.accuracy import assert_accurate
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
-pytestmark = pytest.mark.usefixtures("codegen_eager")
+# a kernel that fails to build warns and runs the torch fallback (eager's values): here that is
+# an error, so a miscompiled kernel source cannot hide behind the fallback
+pytestmark = [pytest.mark.usefixtures("codegen_eager"), pytest.mark.filterwarnings(
+    "error:fulmen codegen.*runs on the torch executor:RuntimeWarning")]
 
 EXECUTORS = ["codegen", "torch"]
 
@@ -224,11 +226,9 @@ def _scaled_norm(x, w):
 def test_row_values_of_a_statistic_and_a_per_row_input_build(fn):
     # a row-level op reading a row statistic and a per-row input (`w`, one value per row) is
     # computed after the reduction (the stage of its latest argument): the kernel builds
-    # (a failed build warns and runs the torch fallback) and gives eager's values
+    # (a failed build is an error here, see pytestmark) and gives eager's values
     x, w = torch.randn(8, 32), torch.rand(8, 1) + 0.5
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        _check(fn, x, w, atol=1e-5, rtol=1e-5)
+    _check(fn, x, w, atol=1e-5, rtol=1e-5)
 
 
 def test_column_sums():
