@@ -989,4 +989,7 @@ MUTANTS: list[Mutant] = [
     Mutant("returned_input_is_the_functions_output", "bridge", "pipeline.py",
            "            outputs[k] = inputs[position]", "            pass",
            ("tests/transforms/test_grad_edges.py",)),
+    Mutant("as_tensor_of_a_list_run_at_trace_time", "mutation", "tracer/dispatch.py",
+           "_DATA_FACTORIES = frozenset([torch.as_tensor, torch.asarray])",
+           "_DATA_FACTORIES = frozenset([torch.asarray])", ("tests/tracer/test_numpy_inputs.py",)),
 ]

@@ -1,6 +1,7 @@
-"""NumPy arrays a compiled program reads: as arguments, globals or after a graph break
-(`.numpy()`). The program bakes in what it computes from an array, so the cache key holds each
-array by identity and by value (`tracer/sources.py` `array_key`)."""
+"""NumPy arrays and Python data a compiled program reads: as arguments, globals or after a graph
+break (`.numpy()`). The program bakes in what it computes from an array, so the cache key holds
+each array by identity and by value (`tracer/sources.py` `array_key`); a tensor made from a list
+inside the function is made anew by every call (`tracer/dispatch.py` `_DATA_FACTORIES`)."""
 
 import numpy as np
 import torch
@@ -63,3 +64,33 @@ def test_a_tensor_made_from_numpy_after_a_break_is_returned():
         x.grad = None
         want[0].sum().backward()
         torch.testing.assert_close(want_grad, x.grad)
+
+
+BUFFER = np.ones(2)
+
+
+def _from_python_data(x):
+    t = torch.as_tensor([1.0, 2.0])
+    t.add_(x)  # a new tensor each call: the update does not carry over
+    u = torch.asarray([[0.0, 0.0]])
+    u += x
+    shared = torch.as_tensor(BUFFER)  # shares the global array's memory: updates it
+    shared.mul_(2)
+    return t * 1, u.clone(), x * shared
+
+
+def test_a_tensor_made_from_a_list_is_new_each_call():
+    jfn = fulmen.jit(_from_python_data)
+    try:
+        for _ in range(3):
+            x = torch.ones(2, dtype=torch.float64)
+            BUFFER[:] = 1.0
+            got = jfn(x)
+            after = BUFFER.copy()
+            BUFFER[:] = 1.0
+            want = _from_python_data(x)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert (after == BUFFER).all()
+    finally:
+        BUFFER[:] = 1.0
