@@ -992,4 +992,10 @@ MUTANTS: list[Mutant] = [
     Mutant("as_tensor_of_a_list_run_at_trace_time", "mutation", "tracer/dispatch.py",
            "_DATA_FACTORIES = frozenset([torch.as_tensor, torch.asarray])",
            "_DATA_FACTORIES = frozenset([torch.asarray])", ("tests/tracer/test_numpy_inputs.py",)),
+    Mutant("vjp_grads_placed_by_tensor_index", "vjp", "functional.py",
+           "per_leaf[position] = grads[index]", "per_leaf[index] = grads[index]", AUTODIFF),
+    Mutant("index_copy_earlier_readers_ignored", "mutation", "executors/torch/inplace_index.py",
+           "if not read or read[0] < i or not _is_write_back(bsyms[read[0]], dst, result):",
+           "if not read or not _is_write_back(bsyms[read[-1]], dst, result):",
+           ("tests/executors/test_index_copy_in_place.py",)),
 ]
