@@ -38,6 +38,7 @@ from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.logs import get_logger
+from fulmen.proxies import TensorProxy
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -102,6 +103,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
                   and any(p.requires_grad for p in traces[-1].args))
     if needs_grad:
+        returned_inputs = _returned_inputs(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
         seconds["autodiff"] = time.perf_counter() - start
@@ -136,7 +138,7 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants))
-        fn = functools.partial(_call_with_autograd, pair, split.output_spec)
+        fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned_inputs)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 
 
@@ -258,8 +260,23 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     return build
 
 
-def _call_with_autograd(pair: CompiledPair, output_spec, *inputs):
+def _returned_inputs(trace: Trace) -> tuple[tuple[int, int], ...]:
+    """`(output leaf, input position)` for each output leaf that is an input returned as it
+    is (`return x, y * 2`; not updated in place: that is a new value written back)."""
+    positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
+    leaves = pytree.tree_leaves(trace.output)
+    return tuple((k, positions[leaf.name]) for k, leaf in enumerate(leaves)
+                 if isinstance(leaf, TensorProxy) and leaf.name in positions)
+
+
+def _call_with_autograd(pair: CompiledPair, output_spec, returned_inputs, *inputs):
     outputs = run_with_autograd(pair, inputs)
+    if returned_inputs:
+        # NOTE [an input returned as it is]: eager returns the argument itself (a leaf, its
+        # own `.grad`), not an output of the Function (a view of it, a non-leaf)
+        outputs = list(outputs)
+        for k, position in returned_inputs:
+            outputs[k] = inputs[position]
     if output_spec.is_leaf():
         return outputs[0]
     return pytree.tree_unflatten(list(outputs), output_spec)

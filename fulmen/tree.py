@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.interpret import bind_outputs
-from fulmen.core.proxy import map_proxies
+from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.ops.breaks import answer_key
 from fulmen.tracer.breaks import no_autocast
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
@@ -177,6 +177,11 @@ class TraceTree:
             path.append(node)
             if segment.guard is None:
                 node.output, node.output_spec = output, output_spec
+                # a captured tensor returned as it is (`torch.from_numpy(t.numpy())` after a
+                # break): no segment reads it, the leaf does
+                node.constants = {**node.constants, **{
+                    p.name: constants[p.name] for p in iter_proxies(output)
+                    if p.name in constants}}
                 break
             parent, key = node, answer_key(segment.answer)
             old = node.children.get(key)

@@ -521,6 +521,20 @@ def _restore_identities(out, user, resolved):
     return pytree.tree_map(lambda leaf: originals.get(id(leaf), leaf), out)
 
 
+# factories of tensors from Python data with no decomposition: on lists and numbers they are
+# recorded (opaque), so each call makes a new tensor as eager does; run at trace time, the
+# result would be one captured tensor that every call returns and updates in place. On a NumPy
+# array they run at trace time: the captured tensor shares the array's memory, as eager's does
+# (the array is in the cache key, `sources.array_key`)
+_DATA_FACTORIES = frozenset([torch.as_tensor, torch.asarray])
+_PYTHON_DATA = (list, tuple, bool, int, float, complex)
+
+
+def _python_data(args: tuple, kwargs: dict) -> bool:
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    return isinstance(data, _PYTHON_DATA)
+
+
 class FactoryMode(TorchFunctionMode):
     """Active while tracing, it sees every torch call. Calls on tensors (proxies, or real tensors
     the function closes over, which become inputs) and factories with a fulmen decomposition go
@@ -559,7 +573,8 @@ class FactoryMode(TorchFunctionMode):
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):
             return self.ctx.handle(func, types, args, kwargs)
         sym = symbol_for(func)
-        if sym is not None and "factory" in sym.tags:
+        if (sym is not None and "factory" in sym.tags) or (
+                func in _DATA_FACTORIES and _python_data(args, kwargs)):
             return self.ctx.handle(func, types, args, kwargs)
         return _call_with_numbers(func, args, kwargs)
 

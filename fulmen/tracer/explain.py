@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from fulmen.core.ambient import autocast_key
 from fulmen.tracer.guards import _float_key, object_source_key, source_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
-from fulmen.tracer.sources import CONTAINERS
+from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -37,6 +37,8 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             value = f"<tensor {tuple(value.shape)} at {id(value):#x}>"
         elif type(value) in CONTAINERS:
             value = source_key(value)
+        elif isinstance(value, NUMPY_ARRAYS):  # compared by identity and value, as keyed
+            value = array_key(value)
         elif is_plain_object(value):
             value = object_source_key(value)
         described[name] = value
@@ -55,6 +57,8 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             described[f"{name}.device"] = leaf.device
             described[f"{name}.requires_grad"] = leaf.requires_grad
             described[f"{name}.stride()"] = "contiguous" if leaf.is_contiguous() else leaf.stride()
+        elif isinstance(leaf, NUMPY_ARRAYS):
+            described[name] = array_key(leaf)
         else:
             described[name] = leaf
     return described

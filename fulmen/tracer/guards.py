@@ -50,8 +50,10 @@ from fulmen.tracer.sources import (
     CONTAINERS,
     FUNCTIONS,
     HOOK_LABEL,
+    NUMPY_ARRAYS,
     NUMPY_SCALARS,
     SCALARS,
+    array_key,
     functions_of,
     is_user_class,
     reads_cell,
@@ -110,6 +112,8 @@ def _leaf_key(leaf: Any) -> Any:
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
         return (type(leaf), _leaf_key(leaf.item()))
+    if isinstance(leaf, NUMPY_ARRAYS):
+        return array_key(leaf)
     if isinstance(leaf, complex):
         return (complex, _float_key(leaf.real), _float_key(leaf.imag))
     if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded
@@ -352,7 +356,7 @@ def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
         return (kind, value)
     if isinstance(value, Tensor):
         return ("tensor", id(value))
-    if isinstance(value, SCALARS):
+    if isinstance(value, (*SCALARS, *NUMPY_ARRAYS)):
         return _leaf_key(value)
     items = _nested_items(value, depth)
     if items is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import operator
 import os
 import sys
@@ -23,8 +24,43 @@ try:  # NumPy scalars (`SCALE = np.float32(2.0)`) are values too
     import numpy
 
     NUMPY_SCALARS: tuple[type, ...] = (numpy.generic,)
+    NUMPY_ARRAYS: tuple[type, ...] = (numpy.ndarray,)
 except ImportError:  # pragma: no cover - torch runs without NumPy
-    NUMPY_SCALARS = ()
+    NUMPY_SCALARS = NUMPY_ARRAYS = ()
+
+
+class _Held:
+    """An object in a cache key by identity, kept alive by the key (so its id is not reused)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__name__} at {id(self.value):#x}>"
+
+
+_ARRAY_BYTES_KEPT = 256  # larger arrays are keyed by a digest of their bytes
+
+
+def array_key(value: Any) -> tuple:
+    """The key of a NumPy array (an argument, a global, a closure cell): by identity and by
+    value. A program bakes in what it computes from an array (`float(a.sum())`,
+    `torch.from_numpy(a * 2)`), and a tensor made by `torch.from_numpy(a)` is captured with
+    that array's memory: another array, or this one changed in place, retraces."""
+    if value.dtype.hasobject:
+        return ("ndarray", _Held(value))
+    data = value.tobytes()
+    if len(data) > _ARRAY_BYTES_KEPT:
+        data = hashlib.blake2b(data, digest_size=16).digest()
+    return ("ndarray", _Held(value), value.dtype.str, value.shape, value.strides, data)
 
 Tensor = torch.Tensor
 SCALARS = (bool, int, float, str, type(None))
@@ -58,7 +94,7 @@ def _is_keyed(value: Any) -> bool:
     """Whether a value read from a closure cell, a global or a module attribute is part of the
     cache key: a source (`source_key`), an atom (`ATOMS`), a function (`ACT = F.relu`, keyed
     by identity), a plain object (`object_source_key`) or a user class (`class_source_key`)."""
-    return _is_source(value) or isinstance(value, (*ATOMS, *FUNCTIONS)) \
+    return _is_source(value) or isinstance(value, (*ATOMS, *FUNCTIONS, *NUMPY_ARRAYS)) \
         or is_plain_object(value) or is_user_class(value)
 
 

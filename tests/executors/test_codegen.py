@@ -16,7 +16,10 @@ import fulmen
 from fulmen.executors.codegen import kernel_sources
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
-pytestmark = pytest.mark.usefixtures("codegen_eager")
+# a kernel that fails to build warns and runs the torch fallback (eager's values): here that is
+# an error, so a miscompiled kernel source cannot hide behind the fallback
+pytestmark = [pytest.mark.usefixtures("codegen_eager"), pytest.mark.filterwarnings(
+    "error:fulmen codegen.*runs on the torch executor:RuntimeWarning")]
 
 EXECUTORS = ["codegen", "torch"]
 # Elementwise OpInfos whose decomposition codegen does not fuse (yet), with the reason.
@@ -99,8 +102,11 @@ def test_int_and_bool_dtypes(dtype):
     y = torch.randint(-100, 100, (300,)).to(dtype)
     if dtype == torch.bool:
         _check(lambda a, b: (a & b) | ~a, x, y)
+        # minimum and maximum of bools are `and` and `or`; `^` is exclusive
+        _check(lambda a, b: (torch.minimum(a, b) | ~b, torch.maximum(a, ~b) ^ b), x, y)
     else:
-        _check(lambda a, b: (torch.maximum(a * b, a + 3) & 0x5F, a < b, a.float() / 7), x, y)
+        _check(lambda a, b: (torch.maximum(a * b, a + 3) & 0x5F, a < b, a.float() / 7,
+                             (a ^ b) + 1), x, y)
 
 
 def test_layouts_without_copies():

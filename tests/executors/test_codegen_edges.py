@@ -14,7 +14,10 @@ import torch
 
 import fulmen
 
-pytestmark = pytest.mark.usefixtures("codegen_eager")
+# a kernel that fails to build warns and runs the torch fallback (eager's values): here that is
+# an error, so a miscompiled kernel source cannot hide behind the fallback
+pytestmark = [pytest.mark.usefixtures("codegen_eager"), pytest.mark.filterwarnings(
+    "error:fulmen codegen.*runs on the torch executor:RuntimeWarning")]
 
 EXECUTORS = ["codegen", "torch"]
 

@@ -19,7 +19,10 @@ from fulmen.executors.codegen.cpu.compiler import CXX_FLAGS, compiler
 from fulmen.tools.accuracy import assert_accurate
 from tests.ops.opinfo_harness import assert_same, matched_opinfos, samples
 
-pytestmark = pytest.mark.usefixtures("codegen_eager")
+# a kernel that fails to build warns and runs the torch fallback (eager's values): here that is
+# an error, so a miscompiled kernel source cannot hide behind the fallback
+pytestmark = [pytest.mark.usefixtures("codegen_eager"), pytest.mark.filterwarnings(
+    "error:fulmen codegen.*runs on the torch executor:RuntimeWarning")]
 
 EXECUTORS = ["codegen", "torch"]
 
@@ -203,6 +206,29 @@ def test_ops_on_a_broadcast_row_value_run_once_per_row():
         for actual, expected in zip(*(r if isinstance(r, tuple) else (r,)
                                       for r in (jfn(x), fn(x)))):
             assert actual.stride() == expected.stride(), name
+
+
+
+def _scaled_softmax(x, w):
+    m = x.amax(-1, keepdim=True)
+    e = (x - m).exp()
+    s = e.sum(-1, keepdim=True) * w + m * w
+    return e / s, s
+
+
+def _scaled_norm(x, w):
+    d = x - x.mean(-1, keepdim=True) * w
+    v = (d * d).mean(-1, keepdim=True)
+    return d * (v * w + 1e-5).rsqrt(), v * w
+
+
+@pytest.mark.parametrize("fn", [_scaled_softmax, _scaled_norm])
+def test_row_values_of_a_statistic_and_a_per_row_input_build(fn):
+    # a row-level op reading a row statistic and a per-row input (`w`, one value per row) is
+    # computed after the reduction (the stage of its latest argument): the kernel builds
+    # (a failed build is an error here, see pytestmark) and gives eager's values
+    x, w = torch.randn(8, 32), torch.rand(8, 1) + 0.5
+    _check(fn, x, w, atol=1e-5, rtol=1e-5)
 
 
 def test_column_sums():

@@ -228,6 +228,23 @@ def test_vjp_matches_autograd():
     torch.testing.assert_close(gw, we.grad)
 
 
+
+def test_vjp_gives_each_primal_its_gradient_after_a_number():
+    # a number before the tensors: its gradient is None and each tensor keeps its own
+    def fn(scale, x, w):
+        return torch.sin(x) * w * scale
+
+    x, w = torch.randn(3), torch.randn(3)
+    out, vjp_fn = fulmen.vjp(fn, 2.0, x, w)
+    cotangent = torch.randn(3)
+    g_scale, gx, gw = vjp_fn(cotangent)
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fn(2.0, xe, we).backward(cotangent)
+    assert g_scale is None
+    torch.testing.assert_close(gx, xe.grad)
+    torch.testing.assert_close(gw, we.grad)
+
+
 def test_dropout_in_training_reuses_its_mask_in_backward():
     import torch.nn.functional as F
 

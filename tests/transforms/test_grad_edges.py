@@ -241,3 +241,20 @@ SELECTIONS = {
 def test_max_min_gradients_go_to_the_selected_element(case, executors):
     fn, values = SELECTIONS[case]
     _check(fn, values, executors)
+
+
+def _passes_through(x, y, mask):
+    return x, y * 2, mask
+
+
+def test_an_input_returned_as_it_is_is_the_argument_itself():
+    # eager returns the argument (a leaf with its own .grad), not a view made by the compiled
+    # program's autograd node (NOTE [an input returned as it is], pipeline.py)
+    jfn = fulmen.jit(_passes_through)
+    x, y, mask = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True), \
+        torch.ones(3, dtype=torch.bool)
+    got = jfn(x, y, mask)
+    assert got[0] is x and got[0].is_leaf and got[2] is mask
+    (got[0] * 3 + got[1]).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+    torch.testing.assert_close(y.grad, torch.full((3,), 2.0))
