@@ -255,3 +255,30 @@ def test_a_symbolic_trace_builds_each_operation_once(monkeypatch):
     y = torch.randn(3, 9)
     torch.testing.assert_close(jfn(y), fn(y))
     assert fulmen.cache_misses(jfn) == 1
+
+
+def test_the_text_of_a_symbolic_size_is_printed_once(monkeypatch):
+    """NOTE [the text of a symbolic size]: printing a trace writes its sizes through sympy's
+    printer; the text of an expression is made once, and is PyTorch's."""
+    from torch.fx.experimental.sym_node import SymNode
+
+    import fulmen  # noqa: F401  (installs fulmen's SymInt formatting)
+    from fulmen.tracer import formatting
+
+    printed = []
+    original = SymNode.str
+
+    def counting(self):
+        printed.append(self.expr)
+        return original(self)
+
+    monkeypatch.setattr(SymNode, "str", counting)
+    monkeypatch.setattr(formatting, "_TEXTS", {})  # (another test may have printed it)
+    sizes = SymbolicSizes()
+    shape, _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    product = shape[0] * shape[1] + 3
+    texts = [str(product), repr(product), str(product), f"{product!r}"]
+    assert texts == [original(product.node)] * 4
+    assert len(printed) == 1
+    proxy = TensorProxy("p", (product, 4), torch.float32, "cpu")
+    assert proxy.type_string() == f"cpu f32[{texts[0]}, 4]" and len(printed) == 1
