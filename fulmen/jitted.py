@@ -51,6 +51,7 @@ from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
+from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import carrier, tensor_at
 from fulmen.tracer.tracer import (
     AliasedInputs,
@@ -229,7 +230,7 @@ class _Jitted:
                     return self._run_eagerly(args, kwargs, *self._eager_streak.reason)
                 self._guard.functions_swapped()
                 try:
-                    with collector_paused():
+                    with collector_paused(), memoized_symbolic_ops():
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
                     return self._eagerly_or_raise(
@@ -557,7 +558,7 @@ class _Jitted:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
-                with _TRACING, collector_paused():
+                with _TRACING, collector_paused(), memoized_symbolic_ops():
                     try:
                         program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly

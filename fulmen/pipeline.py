@@ -39,6 +39,7 @@ from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -86,6 +87,12 @@ def compile_trace(trace: Trace, executors: Sequence[Executor], *, transforms=(),
     When grad mode is on and an input requires grad, the callable runs the forward and
     backward traces inside one `torch.autograd.Function` (`fulmen.autograd_bridge`).
     """
+    with memoized_symbolic_ops():  # NOTE [symbolic arithmetic kept by the ShapeEnv]
+        return _compile_trace(trace, executors, transforms, wrt, rematerialize)
+
+
+def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
+                   rematerialize: bool) -> tuple[CompiledSegment, dict[str, float]]:
     seconds: dict[str, float] = {}
     traces = [trace]
     backward_traces: list[Trace] = []
@@ -169,7 +176,7 @@ class _Backward:
 
     def build(self) -> Callable:
         """Claim, finish and compile the backward once (its stages appended); the callable."""
-        with self._lock, collector_paused():
+        with self._lock, collector_paused(), memoized_symbolic_ops():
             if self._fn is None:
                 _record(self._stages, claim_executors(self._stages[-1], self._executors),
                         self._seconds, True)
@@ -240,7 +247,7 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
         return None
 
     def build(unused: tuple[bool, ...], fold: bool = True) -> Callable:
-        with collector_paused():
+        with collector_paused(), memoized_symbolic_ops():
             return _build(unused, fold)
 
     def _build(unused: tuple[bool, ...], fold: bool) -> Callable:

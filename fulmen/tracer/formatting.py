@@ -33,6 +33,29 @@ def _from_user_code(value: torch.SymInt) -> bool:
     return not is_internal(caller)
 
 
+# NOTE [the text of a symbolic size]: PyTorch prints a SymInt as its sympy expression (`str` and
+# `repr` alike), through sympy's printer: 20-40 us a size. A printed trace writes every size of
+# every proxy in its type comments and of every view in its arguments (tiny HF Llama's
+# symbolic training step: about 550 sizes per forward and backward print, a quarter of their
+# Python compilation), and the expressions repeat; the text of an expression never changes, so
+# it is kept (a bounded table, emptied when full).
+_TEXTS: dict = {}
+_TEXTS_LIMIT = 4096
+
+
+def _text(value: torch.SymInt, original) -> str:
+    """`original(value)` (PyTorch's `str` or `repr` of a SymInt: the same text), kept by the
+    expression (NOTE [the text of a symbolic size])."""
+    key = value.node.expr
+    text = _TEXTS.get(key)
+    if text is None:
+        text = original(value)
+        if len(_TEXTS) >= _TEXTS_LIMIT:
+            _TEXTS.clear()
+        _TEXTS[key] = text
+    return text
+
+
 def install() -> None:
     """Wrap `torch.SymInt`'s string conversions (idempotent)."""
     global _installed
@@ -45,12 +68,12 @@ def install() -> None:
     def __str__(self) -> str:
         if _from_user_code(self):
             return str(int(self))
-        return original_str(self)
+        return _text(self, original_str)
 
     def __repr__(self) -> str:
         if _from_user_code(self):
             return repr(int(self))
-        return original_repr(self)
+        return _text(self, original_repr)
 
     def __format__(self, spec: str) -> str:
         if _from_user_code(self):

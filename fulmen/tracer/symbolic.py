@@ -35,6 +35,7 @@ from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.formatting import SHAPE_ENV_MARK
 from fulmen.tracer.objects import follow
+from fulmen.tracer.sym_ops import keep_symbolic_ops
 
 
 def is_symbolic(value) -> bool:
@@ -160,6 +161,7 @@ class SymbolicSizes:
                                       allow_scalar_outputs=False,
                                       allow_dynamic_output_shape_ops=False)
         setattr(self.env, SHAPE_ENV_MARK, True)  # user code formatting its sizes gets numbers
+        keep_symbolic_ops(self.env)  # NOTE [symbolic arithmetic kept by the ShapeEnv]
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
         self.free_strides: set[str] = set()  # inputs with a stride symbol of its own, by name
         self.positions: list[int] = []  # the flattened-argument position of each

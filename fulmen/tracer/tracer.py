@@ -50,6 +50,7 @@ from fulmen.tracer.objects import (
     is_plain_object,
     walk,
 )
+from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier, number_function
 
 
@@ -527,6 +528,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
+                memoized_symbolic_ops() if symbolic is not None else contextlib.nullcontext(), \
                 symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
             # stores on the other modules it reaches: put back, constants replayed

@@ -186,3 +186,99 @@ def test_size_sources_look_at_each_proxy_once(monkeypatch):
     assert size_sources(bsyms, outs[-1], (), (x,)) == [x]
     # x: once among the statements (8 read it), once as the candidate carrier
     assert sorted(asked) == sorted(["x", "x", *(out.name for out in outs)])
+
+
+def _counting_mul(monkeypatch) -> list:
+    """Spy on PyTorch's implementation of `SymNode.mul` (what builds the sympy product)."""
+    from torch.fx.experimental.sym_node import SymNode
+
+    built = []
+    implementation = SymNode._mul
+
+    def counting(self, other):
+        built.append((self.expr, other.expr))
+        return implementation(self, other)
+
+    monkeypatch.setattr(SymNode, "_mul", counting)
+    return built
+
+
+def test_symbolic_arithmetic_is_built_once_per_shape_env(monkeypatch):
+    """NOTE [symbolic arithmetic kept by the ShapeEnv]: while a trace or its passes run, the
+    same operation on the same sizes of one of fulmen's ShapeEnvs is built once; the answer is
+    the same node, with PyTorch's expression and hint. Another ShapeEnv (torch.compile's)
+    gets PyTorch's own operations, as does everything outside the switch."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fulmen.tracer.sym_ops import memoized_symbolic_ops
+
+    built = _counting_mul(monkeypatch)
+    sizes = SymbolicSizes()
+    shape, _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    built.clear()  # (the strides of the symbolized input)
+    a, b = shape[0].node.expr, shape[1].node.expr
+    with memoized_symbolic_ops():
+        products = [shape[0] * shape[1] for _ in range(5)] + [shape[0] * 4, shape[0] * 4]
+        assert len(built) == 2  # s0*s1 and 4*s0, each once
+        assert len({id(p.node) for p in products}) == 2
+        assert [p.node.hint for p in products] == [30] * 5 + [24, 24]
+        assert products[0].node.expr == a * b and products[-1].node.expr == 4 * a
+        assert shape[0] * 4.0 is not None and len(built) == 3  # a float operand: its own
+        other = ShapeEnv()
+        n = other.create_symintnode(other.create_symbol(6, LocalSource("n")), hint=6)
+        before = len(built)
+        for _ in range(3):
+            n * 4
+        assert len(built) == before + 3  # not fulmen's ShapeEnv: built each time
+    before = len(built)
+    shape[0] * shape[1]
+    assert len(built) == before + 1  # switched off: PyTorch's operation
+
+
+def test_a_symbolic_trace_builds_each_operation_once(monkeypatch):
+    """A traced program with many ops on the same symbolic shapes (the row-major strides of
+    each new proxy, each shape compared with another) builds each product of sizes once;
+    results stay eager's."""
+    import fulmen
+
+    def fn(x):
+        for _ in range(6):
+            x = (x * 2).transpose(0, 1).contiguous().transpose(0, 1) + 1
+        return x.reshape(-1)
+
+    built = _counting_mul(monkeypatch)
+    jfn = fulmen.jit(fn, dynamic=True)
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(jfn(x), fn(x))
+    assert len(built) == len(set(built)), built
+    y = torch.randn(3, 9)
+    torch.testing.assert_close(jfn(y), fn(y))
+    assert fulmen.cache_misses(jfn) == 1
+
+
+def test_the_text_of_a_symbolic_size_is_printed_once(monkeypatch):
+    """NOTE [the text of a symbolic size]: printing a trace writes its sizes through sympy's
+    printer; the text of an expression is made once, and is PyTorch's."""
+    from torch.fx.experimental.sym_node import SymNode
+
+    import fulmen  # noqa: F401  (installs fulmen's SymInt formatting)
+    from fulmen.tracer import formatting
+
+    printed = []
+    original = SymNode.str
+
+    def counting(self):
+        printed.append(self.expr)
+        return original(self)
+
+    monkeypatch.setattr(SymNode, "str", counting)
+    monkeypatch.setattr(formatting, "_TEXTS", {})  # (another test may have printed it)
+    sizes = SymbolicSizes()
+    shape, _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    product = shape[0] * shape[1] + 3
+    texts = [str(product), repr(product), str(product), f"{product!r}"]
+    assert texts == [original(product.node)] * 4
+    assert len(printed) == 1
+    proxy = TensorProxy("p", (product, 4), torch.float32, "cpu")
+    assert proxy.type_string() == f"cpu f32[{texts[0]}, 4]" and len(printed) == 1

@@ -204,5 +204,14 @@ def concrete(lowered, binder: Binder, values: Iterable[int]):
     sizes `values` (from `binder`) in place of its `SymSize`s."""
     table = dict(zip(binder.exprs, values))
     shape, accesses, outputs = binder.substitute(table)
-    kernel = dataclasses.replace(lowered.kernel, accesses=accesses)
-    return dataclasses.replace(lowered, kernel=kernel, shape=shape, outputs=outputs)
+    kernel = _replaced(lowered.kernel, accesses=accesses)
+    return _replaced(lowered, kernel=kernel, shape=shape, outputs=outputs)
+
+
+def _replaced(value, **changes):
+    """`dataclasses.replace(value, **changes)` for a frozen dataclass without `__post_init__`
+    (the IR and lowered regions): its fields copied, without the per-field checks of
+    `replace` (two of them were a third of binding a region to a new size)."""
+    new = object.__new__(type(value))
+    new.__dict__.update(value.__dict__, **changes)
+    return new

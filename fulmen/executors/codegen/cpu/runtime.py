@@ -94,6 +94,7 @@ class FusedRegion(RegionCallable):
         self.sources: dict[tuple, str] = {}
         self.calls = 0
         self._kernels: dict[tuple, Future] = {}
+        self._ready: dict[tuple, object] = {}  # the loaded kernel of each layout, once done
         self._plans: dict[tuple, tuple] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
         if isinstance(self.kernel, RowKernel):  # kept-shape pointers do not move along a row
@@ -119,13 +120,17 @@ class FusedRegion(RegionCallable):
 
     def _kernel_for(self, layout: tuple):
         """The compiled kernel for `layout`; raises Fallback while it is not ready (lazy)."""
+        fn = self._ready.get(layout)
+        if fn is not None:
+            return fn
         if layout not in self._kernels and policy.mode == "lazy" \
                 and self.calls < policy.hot_calls:
             raise Fallback
         future = self._start(layout)
         if policy.mode == "lazy" and not future.done():
             raise Fallback
-        return future.result()
+        fn = self._ready[layout] = future.result()
+        return fn
 
     def ready(self) -> bool:
         """Whether every kernel started so far is compiled (waits for none)."""
