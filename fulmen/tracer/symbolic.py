@@ -19,8 +19,9 @@ an HF cache layer's `cumulative_length`) that changed between calls gets a symbo
 are guards, and the trace reads its value from a *carrier*, an empty tensor of shape `(0, n)`
 made for each call (`carrier`), so printed traces bind it like any size (`s3 =
 n_carrier.shape[1]`). Only values from 2 to 2**62 get one (0 and 1 are specialised, as sizes
-are; negative numbers and larger ones stay constants). Two dynamic dimensions of equal size
-share one symbol (duck sizing) until a call shows them different. A compiled entry is valid for a call when the ShapeEnv's guards hold
+are; negative numbers and larger ones stay constants). Each dynamic dimension gets a symbol of
+its own (`DimDynamic.DYNAMIC`: no duck sizing, even for equal sizes); an equality the program
+relies on (`x + y` of two inputs) becomes a guard. A compiled entry is valid for a call when the ShapeEnv's guards hold
 on the call's sizes (`SymbolicSizes.guard`); otherwise the call is traced again.
 """
 
