@@ -95,18 +95,23 @@ class CacheEntry:
     module_stores: tuple = ()
     # `(index, module, attribute)`: captured tensors read afresh from the module on each call
     captured_attributes: tuple = ()
+    # indices of captured tensors the traced call made itself: copied for each call
+    captured_fresh: tuple = ()
     # integers traced as symbols: passed as carriers after the object tensors
     int_positions: tuple = ()
     # a static entry: the sizes of the call it was compiled for (`subsumed.call_sizes`)
     sizes: list | None = None
 
     def captured_now(self) -> tuple:
-        """The captured tensors for this call (module tensor attributes as they are now)."""
-        if not self.captured_attributes:
+        """The captured tensors for this call (module tensor attributes as they are now, a new
+        copy of each tensor the traced call made itself: `TracedProgram.captured_fresh`)."""
+        if not self.captured_attributes and not self.captured_fresh:
             return self.captured
         values = list(self.captured)
         for index, owner, name in self.captured_attributes:
             values[index] = vars(owner)[name]
+        for index in self.captured_fresh:
+            values[index] = values[index].clone()
         return tuple(values)
 
 
@@ -495,6 +500,7 @@ class _Jitted:
                           offset_reads=program.offset_reads,
                           module_stores=program.module_stores,
                           captured_attributes=program.captured_attributes,
+                          captured_fresh=program.captured_fresh,
                           int_positions=program.int_positions,
                           **self._shapes.entry_fields(program))
 

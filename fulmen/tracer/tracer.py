@@ -27,6 +27,7 @@ from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
+from fulmen.tracer.call_constants import made_during_the_call
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
@@ -82,6 +83,9 @@ class TracedProgram:
             replay after each call (`fulmen.tracer.module_stores`).
         module_writes: `(id(module), attribute)` of each traced tensor the forward stored on a
             module (an epilogue store of `objects`).
+        captured_fresh: indices of the captured tensors the call made itself, from data no
+            torch function sees (NOTE [tensors made during the call], `call_constants.py`):
+            the runtime passes a copy of each on every call.
         captured_attributes: `(index, module, attribute)` of each captured tensor that is a
             plain tensor attribute of a module (`self.h`): the runtime reads it afresh from
             the module on every call (`fulmen.jit`), keyed by its metadata.
@@ -109,8 +113,26 @@ class TracedProgram:
     module_stores: tuple[ModuleStore, ...] = ()
     module_writes: frozenset[tuple[int, str]] = frozenset()
     captured_attributes: tuple[tuple[int, torch.nn.Module, str], ...] = ()
+    captured_fresh: tuple[int, ...] = ()
     int_positions: tuple = ()
     held_modules: tuple[torch.nn.Module, ...] = ()
+
+
+def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
+                    mutated: tuple[int, ...]) -> tuple[int, ...]:
+    """The indices of the captured tensors the call made itself (NOTE [tensors made during the
+    call]) among those the trace mutates or returns."""
+    first = len(trace.args) - len(captured)
+    returned = {leaf.name for leaf in pytree.tree_leaves(trace.output)
+                if isinstance(leaf, TensorProxy)}
+    candidates = [index - first for index in mutated if index >= first]
+    candidates += [index for index, proxy in enumerate(proxies) if proxy.name in returned]
+    if not candidates:
+        return ()
+    internal = [*ctx.captured.values()]
+    if ctx.breaks is not None:
+        internal.append(ctx.breaks.env)
+    return made_during_the_call(captured, candidates, internal)
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
@@ -588,6 +610,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             objects.epilogue.numbers, list(trace.args[:len(trace.args) - len(captured)]))
     arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
     mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
+    out = None  # the call's own output refers to a tensor it made and returns
+    captured_fresh = _captured_fresh(ctx, captured, captured_proxies, trace, mutated)
+    for index in captured_fresh:  # NOTE [tensors made during the call]: its value when made
+        captured[index] = captured[index].clone()
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
                          output_spec, seconds, mutated_inputs=mutated,
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
@@ -597,5 +623,6 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          symbolic=symbolic, module_stores=tuple(stores),
                          module_writes=frozenset(writes),
                          captured_attributes=captured_attributes,
+                         captured_fresh=captured_fresh,
                          int_positions=tuple(position for position, *_ in numbers),
                          held_modules=tuple(held))

@@ -1005,4 +1005,10 @@ MUTANTS: list[Mutant] = [
            "if not read or read[0] < i or not _is_write_back(bsyms[read[0]], dst, result):",
            "if not read or not _is_write_back(bsyms[read[-1]], dst, result):",
            ("tests/executors/test_index_copy_in_place.py",)),
+    Mutant("call_constant_not_copied_per_call", "guards", "jitted.py",
+           "values[index] = values[index].clone()", "pass",
+           ("tests/tracer/test_numpy_inputs.py",)),
+    Mutant("call_constant_ignores_outside_referrers", "guards", "tracer/call_constants.py",
+           "if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):",
+           "if True:", ("tests/tracer/test_numpy_inputs.py",)),
 ]

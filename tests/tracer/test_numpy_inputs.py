@@ -97,15 +97,14 @@ def test_a_tensor_made_from_a_list_is_new_each_call():
         BUFFER[:] = 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="open: torch.from_numpy, torch.frombuffer and "
-                   "torch.Tensor(list) reach no TorchFunctionMode; their tensor, made while "
-                   "tracing, is captured, so every call returns and updates the same one")
+@pytest.mark.xfail(strict=True, reason="open: torch.from_numpy and torch.frombuffer reach "
+                   "no TorchFunctionMode; their tensor, made while tracing over memory torch "
+                   "does not own, is captured, so every call returns and updates the same one")
 @pytest.mark.parametrize("make", [
     lambda: torch.from_numpy(np.ones(3, dtype=np.float32)),
     lambda: torch.frombuffer(bytearray(np.ones(3, dtype=np.float32).tobytes()),
                              dtype=torch.float32),
-    lambda: torch.Tensor([1.0, 1.0, 1.0]),
-], ids=["from_numpy", "frombuffer", "Tensor"])
+], ids=["from_numpy", "frombuffer"])
 def test_a_tensor_made_by_an_untraced_constructor_is_new_each_call(make):
     def fn(x):
         return make().add_(x)
@@ -114,3 +113,50 @@ def test_a_tensor_made_by_an_untraced_constructor_is_new_each_call(make):
     for _ in range(3):
         x = torch.arange(3.0)
         torch.testing.assert_close(jfn(x), fn(x), rtol=0, atol=0)
+
+
+GLOBAL_COUNT = torch.zeros(3)
+GLOBAL_LIST = [torch.zeros(3)]
+
+
+def test_a_tensor_made_by_the_legacy_constructor_is_new_each_call():
+    # NOTE [tensors made during the call]: `torch.Tensor(list)` reaches no TorchFunctionMode;
+    # its tensor was captured once, so each call updated and returned the same one
+    def update(x):
+        return torch.Tensor([1.0, 1.0, 1.0]).add_(x)
+
+    def fresh(x):
+        return x * 2, torch.Tensor([3.0, 4.0, 5.0])
+
+    jupdate, jfresh = fulmen.jit(update), fulmen.jit(fresh)
+    returned = []
+    for _ in range(3):
+        x = torch.arange(3.0)
+        torch.testing.assert_close(jupdate(x), update(x), rtol=0, atol=0)
+        got = jfresh(x)
+        torch.testing.assert_close(got, fresh(x), rtol=0, atol=0)
+        got[1].mul_(10)  # the caller's edit of one call's tensor reaches no other call
+        returned.append(got[1])
+    assert len({id(t) for t in returned}) == 3
+
+
+def test_global_tensors_updated_in_place_keep_their_updates():
+    # the tensors a trace captures that something outside refers to are globals: updated
+    # in place, the update persists as in eager (a cell, a module namespace, a list)
+    cell = torch.zeros(3)
+
+    def step(x):
+        cell.add_(x)
+        GLOBAL_COUNT.add_(x)
+        GLOBAL_LIST[0].add_(x)
+        return x * 1
+
+    jstep = fulmen.jit(step)
+    try:
+        for _ in range(3):
+            jstep(torch.ones(3))
+        for t in (cell, GLOBAL_COUNT, GLOBAL_LIST[0]):
+            torch.testing.assert_close(t, torch.full((3,), 3.0))
+    finally:
+        GLOBAL_COUNT.zero_()
+        GLOBAL_LIST[0].zero_()
