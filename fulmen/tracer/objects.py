@@ -47,6 +47,10 @@ _ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), to
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator,
            logging.Logger, logging.Manager, logging.LoggerAdapter)
+_NOT_PLAIN = _ATOMS + _OPAQUE
+# their exact types (and Parameter's): an instance of one is no plain object, known without
+# `isinstance` trying each of the classes above in turn (the common case of a walked value)
+_NOT_PLAIN_TYPES = frozenset([*_NOT_PLAIN, torch.nn.Parameter])
 _MAX_DEPTH = 6
 ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
@@ -69,7 +73,9 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
 def is_plain_object(value: Any) -> bool:
     """Whether fulmen looks inside `value`: an instance of a Python class with a `__dict__`
     (not a tensor, module, function, class or atom such as a number or dtype)."""
-    return not isinstance(value, _ATOMS + _OPAQUE) and hasattr(value, "__dict__")
+    if type(value) in _NOT_PLAIN_TYPES:
+        return False
+    return not isinstance(value, _NOT_PLAIN) and hasattr(value, "__dict__")
 
 
 def _children(value: Any) -> list[tuple[tuple, Any]]:

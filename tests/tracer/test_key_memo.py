@@ -187,3 +187,42 @@ def test_tensor_key_memo_checks_every_field():
     for name, tensors in others.items():
         memo.key(base)
         assert memo.key(tensors) != key, name
+
+
+class _Cache:
+    """An object argument holding tensors whose sizes grow from call to call (a KV cache)."""
+
+    def __init__(self, n, flag=True, dtype=torch.float32):
+        self.keys = torch.arange(float(n * 3), dtype=dtype).reshape(n, 3)
+        self.flag = flag
+
+
+def _read_cache(x, cache):
+    return x.sum(0) + cache.keys.sum(0) * (2.0 if cache.flag else 1.0)
+
+
+def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypatch):
+    """The symbolic entry's lookup keys again only the leaves with symbolic sizes: the object
+    argument is walked for the static key and once for its masked key, not a third time; and
+    the leaf keys it reuses are the call's own (a change of the object's flag or of a tensor's
+    dtype between calls still misses)."""
+    jfn = fulmen.jit(_read_cache, dynamic=True)
+    for n in (4, 5, 6):
+        cache = _Cache(n)
+        torch.testing.assert_close(jfn(torch.ones(n, 3), cache), _read_cache(torch.ones(n, 3),
+                                                                            cache))
+    stats = fulmen.compile_stats(jfn)
+    misses = stats.cache_misses
+    walks = []
+    original = guards.object_key
+    monkeypatch.setattr(guards, "object_key",
+                        lambda *args, **kwargs: walks.append(args[0]) or original(*args,
+                                                                                  **kwargs))
+    cache = _Cache(7)
+    torch.testing.assert_close(jfn(torch.ones(7, 3), cache), _read_cache(torch.ones(7, 3), cache))
+    assert stats.cache_misses == misses  # a hit of the symbolic entry
+    assert walks == [cache, cache]
+    for changed in (_Cache(8, flag=False), _Cache(8, dtype=torch.float64), _Cache(9)):
+        x = torch.ones(changed.keys.shape[0], 3)
+        torch.testing.assert_close(jfn(x, changed), _read_cache(x, changed))
+    assert stats.cache_misses == misses + 2  # the flag and the dtype; not the size
