@@ -153,6 +153,12 @@ def _object_leaf_key(leaf: Any) -> Any:
 _FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
 
 
+def _pytree_leaf(value: Any) -> bool:
+    """Whether pytree treats `value` as a leaf: its exact type is no registered node, and it is
+    no tuple (every namedtuple is a node). An object argument (a KV cache) is one."""
+    return type(value) not in pytree.SUPPORTED_NODES and not isinstance(value, tuple)
+
+
 _EXACT_SCALARS = frozenset([bool, int, str, type(None)])
 _MAX_ITEMS = 64  # containers longer than this are keyed by their length only
 _NESTED_DEPTH = 2  # levels of containers inside a container keyed by their items
@@ -670,7 +676,8 @@ class CacheKeyBuilder:
             spec, leaf_keys = self._last_leaf_keys
             leaf_keys = list(leaf_keys)
         else:
-            if all([type(value) in _FLAT_LEAVES for value in (*args, *kwargs.values())]):
+            if all([type(value) in _FLAT_LEAVES or _pytree_leaf(value)
+                    for value in (*args, *kwargs.values())]):
                 # no containers among the arguments: the leaves are the arguments, in
                 # pytree's order (positional, then keywords in call order), unflattened
                 leaves, spec = [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))

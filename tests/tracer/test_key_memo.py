@@ -226,3 +226,37 @@ def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypa
         x = torch.ones(changed.keys.shape[0], 3)
         torch.testing.assert_close(jfn(x, changed), _read_cache(x, changed))
     assert stats.cache_misses == misses + 2  # the flag and the dtype; not the size
+
+
+class _Held(dict):
+    """A dict subclass pytree has no node for: a leaf, as an object argument is."""
+
+
+def test_object_keyword_arguments_skip_flattening_like_pytree(monkeypatch):
+    """Keyword arguments that pytree treats as leaves (an object such as a KV cache, an
+    unregistered dict subclass) skip flattening, with pytree's leaves; a namedtuple or a dict
+    among them is still flattened."""
+    from collections import namedtuple
+
+    builder = CacheKeyBuilder(fn=_read_cache)
+    flattened = []
+    original = pytree.tree_flatten
+    monkeypatch.setattr(pytree, "tree_flatten",
+                        lambda tree, *rest, **options: flattened.append(tree)
+                        or original(tree, *rest, **options))
+    x = torch.ones(2, 3)
+    for kwargs in ({"cache": _Cache(2), "held": _Held(a=1), "dtype": torch.float32},):
+        _, leaves = builder.key((x,), kwargs)
+        assert leaves == original(((x,), kwargs))[0]
+    assert flattened == []
+    pair = namedtuple("Pair", "a b")
+    for kwargs in ({"cache": pair(x, x)}, {"cache": {"a": x}}):
+        _, leaves = builder.key((x,), kwargs)
+        assert leaves == original(((x,), kwargs))[0] and flattened[-1][1] is kwargs
+    monkeypatch.undo()
+    jfn = fulmen.jit(_read_cache)
+    for n in (2, 2, 3):
+        cache = _Cache(n)
+        torch.testing.assert_close(jfn(torch.ones(n, 3), cache=cache),
+                                   _read_cache(torch.ones(n, 3), cache))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
