@@ -217,6 +217,7 @@ class _Jitted:
             entry = self._cache.get(key)
             if entry is None and self._shapes.entries:
                 entry = self._shapes.lookup(self._guard, args, kwargs, state, leaves)
+            self._guard.forget_walks()
             if entry is None:
                 stats.cache_misses += 1
                 reasons = self._explain_miss(args, kwargs)

@@ -43,6 +43,7 @@ from fulmen.tracer.objects import (
     restore,
     snapshot,
     unchanged,
+    walk,
 )
 from fulmen.tracer.source_reads import source_reader
 from fulmen.tracer.sources import (
@@ -126,6 +127,19 @@ def _leaf_key(leaf: Any) -> Any:
         except TypeError:
             pass
     return (type(leaf), id(leaf))
+
+
+def _is_object_leaf(leaf: Any) -> bool:
+    """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
+    return type(leaf) not in _BY_VALUE and not isinstance(
+        leaf, (Tensor, float, complex, *NUMPY_SCALARS)) and is_plain_object(leaf)
+
+
+def _walked_key(leaf: Any, walks: dict[int, list], position: int) -> tuple:
+    """`_leaf_key` of an object argument, keeping its walk in `walks` for the masked key of
+    the same call (`CacheKeyBuilder.key`)."""
+    walked = walks[position] = walk(leaf)
+    return object_key(leaf, _object_leaf_key, walked=walked)
 
 
 def _masked_key(t: Tensor, dims: tuple) -> tuple:
@@ -400,6 +414,7 @@ class CacheKeyBuilder:
         self._stale = False  # the keying changed since `take_stale`
         self._last_parts: tuple = ((), ())  # the last call's global and state keys
         self._last_leaf_keys: tuple | None = None  # ... and its tree spec and static leaf keys
+        self._walks: dict[int, list] = {}  # ... and the walks of its object arguments
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
@@ -634,6 +649,11 @@ class CacheKeyBuilder:
         self._sources_memo.store(values, key, snapshots)
         return key
 
+    def forget_walks(self) -> None:
+        """Let go of the last call's object walks (they hold its tensors alive): called once
+        no symbolic lookup of the same call (`key(same_call=True)`) follows."""
+        self._walks = {}
+
     def _fn_roots_key(self) -> tuple:
         if self.fn is None:
             return ()
@@ -683,8 +703,10 @@ class CacheKeyBuilder:
                 leaves, spec = [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
             else:
                 leaves, spec = pytree.tree_flatten((args, kwargs))
-            leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
-                         for i, leaf in enumerate(leaves)]
+            self._walks = walks = {}  # object argument position -> its walk (`forget_walks`)
+            leaf_keys = [_object_leaf_key(leaf) if i in offsets else
+                         _walked_key(leaf, walks, i) if _is_object_leaf(leaf) else
+                         _leaf_key(leaf) for i, leaf in enumerate(leaves)]
             # (keys only: they name types, sizes and ids, and hold no tensor alive)
             self._last_leaf_keys = None if symbolic else (spec, tuple(leaf_keys))
         masks: dict[int, dict] = {}  # object arguments: tensor path -> its masked key
@@ -704,5 +726,6 @@ class CacheKeyBuilder:
                 return (), leaves  # a structure no symbolic entry was made for
             leaf_keys[position] = _masked_key(leaf, dims)
         for root, paths in masks.items():
-            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths)
+            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths,
+                                         self._walks.get(root) if same_call else None)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves

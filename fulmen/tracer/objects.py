@@ -173,14 +173,15 @@ def _store(owner: Any, step: tuple, value: Any) -> None:
         owner[key] = value
 
 
-def object_key(root: Any, leaf_key, masks: dict | None = None) -> tuple:
+def object_key(root: Any, leaf_key, masks: dict | None = None, walked: list | None = None
+               ) -> tuple:
     """The cache key of an object argument: each walked path with its value's key (`leaf_key`
     for tensors and Python values; the type for containers, whose contents are walked).
     `masks` maps tensor paths to `masked_key(tensor)` for tensors with symbolic sizes, and
     the paths of integers traced as symbols to `INT_KEY` (an integer there is keyed by its type
-    only)."""
+    only). `walked`: `walk(root)`, where the caller has it (of `root` as it is now)."""
     parts = [type(root)]
-    for path, value in walk(root):
+    for path, value in walk(root) if walked is None else walked:
         if isinstance(value, torch.Tensor):
             grad = _grad_of(value)
             key = masks[path](value) if masks and path in masks and masks[path] is not INT_KEY \

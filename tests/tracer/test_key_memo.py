@@ -6,7 +6,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fulmen
-from fulmen.tracer import guards
+from fulmen.tracer import guards, objects
 from fulmen.tracer.guards import CacheKeyBuilder
 from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot
 
@@ -203,7 +203,8 @@ def _read_cache(x, cache):
 
 def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypatch):
     """The symbolic entry's lookup keys again only the leaves with symbolic sizes: the object
-    argument is walked for the static key and once for its masked key, not a third time; and
+    argument is keyed for the static key and once for its masked key, not a third time, from
+    one walk; and
     the leaf keys it reuses are the call's own (a change of the object's flag or of a tensor's
     dtype between calls still misses)."""
     jfn = fulmen.jit(_read_cache, dynamic=True)
@@ -218,10 +219,17 @@ def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypa
     monkeypatch.setattr(guards, "object_key",
                         lambda *args, **kwargs: walks.append(args[0]) or original(*args,
                                                                                   **kwargs))
+    walked = []
+    for module in (guards, objects):  # the static key's walk, and object_key's own
+        original_walk = module.walk
+        monkeypatch.setattr(module, "walk", lambda root, original_walk=original_walk:
+                            walked.append(root) or original_walk(root))
     cache = _Cache(7)
     torch.testing.assert_close(jfn(torch.ones(7, 3), cache), _read_cache(torch.ones(7, 3), cache))
     assert stats.cache_misses == misses  # a hit of the symbolic entry
-    assert walks == [cache, cache]
+    assert walks == [cache, cache]  # its static key and its masked key ...
+    assert walked == [cache]  # ... from one walk
+    assert jfn._guard._walks == {}  # (not held past the call)
     for changed in (_Cache(8, flag=False), _Cache(8, dtype=torch.float64), _Cache(9)):
         x = torch.ones(changed.keys.shape[0], 3)
         torch.testing.assert_close(jfn(x, changed), _read_cache(x, changed))
