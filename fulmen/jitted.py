@@ -246,6 +246,7 @@ class _Jitted:
                 else:
                     entry.sizes = call_sizes(leaves, self._guard.offset_positions)
                     self._cache[key] = entry
+                self._guard.forget_walks()  # (the keys just computed walked the objects again)
             else:
                 stats.cache_hits += 1
             objects = entry.objects

@@ -212,6 +212,7 @@ def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypa
         cache = _Cache(n)
         torch.testing.assert_close(jfn(torch.ones(n, 3), cache), _read_cache(torch.ones(n, 3),
                                                                             cache))
+        assert jfn._guard._walks == {}  # the call's objects are not held past it, miss or hit
     stats = fulmen.compile_stats(jfn)
     misses = stats.cache_misses
     walks = []
