@@ -223,6 +223,7 @@ class _Jitted:
             entry = self._cache.get(key)
             if entry is None and self._shapes.entries:
                 entry = self._shapes.lookup(self._guard, args, kwargs, state, leaves)
+            self._guard.forget_walks()
             if entry is None:
                 stats.cache_misses += 1
                 reasons = self._explain_miss(args, kwargs)
@@ -251,6 +252,7 @@ class _Jitted:
                 else:
                     entry.sizes = call_sizes(leaves, self._guard.offset_positions)
                     self._cache[key] = entry
+                self._guard.forget_walks()  # (the keys just computed walked the objects again)
             else:
                 stats.cache_hits += 1
             objects = entry.objects

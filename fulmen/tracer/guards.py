@@ -43,6 +43,7 @@ from fulmen.tracer.objects import (
     restore,
     snapshot,
     unchanged,
+    walk,
 )
 from fulmen.tracer.source_reads import source_reader
 from fulmen.tracer.sources import (
@@ -105,7 +106,13 @@ def _float_key(value: float) -> Any:
     return value
 
 
+# leaves keyed by their type and value (`_leaf_key`'s last case), found by their exact type
+_BY_VALUE = frozenset([bool, int, str, type(None), torch.device, torch.dtype])
+
+
 def _leaf_key(leaf: Any) -> Any:
+    if type(leaf) in _BY_VALUE:  # (what the last case below gives them, without the tests)
+        return (type(leaf), leaf)
     if isinstance(leaf, Tensor):
         return _argument_tensor_key(leaf)
     if isinstance(leaf, float):
@@ -124,6 +131,19 @@ def _leaf_key(leaf: Any) -> Any:
         except TypeError:
             pass
     return (type(leaf), id(leaf))
+
+
+def _is_object_leaf(leaf: Any) -> bool:
+    """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
+    return type(leaf) not in _BY_VALUE and not isinstance(
+        leaf, (Tensor, float, complex, *NUMPY_SCALARS)) and is_plain_object(leaf)
+
+
+def _walked_key(leaf: Any, walks: dict[int, list], position: int) -> tuple:
+    """`_leaf_key` of an object argument, keeping its walk in `walks` for the masked key of
+    the same call (`CacheKeyBuilder.key`)."""
+    walked = walks[position] = walk(leaf)
+    return object_key(leaf, _object_leaf_key, walked=walked)
 
 
 def _masked_key(t: Tensor, dims: tuple) -> tuple:
@@ -149,6 +169,12 @@ def _object_leaf_key(leaf: Any) -> Any:
 
 # argument types pytree treats as leaves, exactly (subclasses may be registered as nodes)
 _FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
+
+
+def _pytree_leaf(value: Any) -> bool:
+    """Whether pytree treats `value` as a leaf: its exact type is no registered node, and it is
+    no tuple (every namedtuple is a node). An object argument (a KV cache) is one."""
+    return type(value) not in pytree.SUPPORTED_NODES and not isinstance(value, tuple)
 
 
 _EXACT_SCALARS = frozenset([bool, int, str, type(None)])
@@ -391,6 +417,8 @@ class CacheKeyBuilder:
         self._fresh: set[tuple[int, str]] = set()  # tensor attributes programs read afresh
         self._stale = False  # the keying changed since `take_stale`
         self._last_parts: tuple = ((), ())  # the last call's global and state keys
+        self._last_leaf_keys: tuple | None = None  # ... and its tree spec and static leaf keys
+        self._walks: dict[int, list] = {}  # ... and the walks of its object arguments
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
@@ -625,6 +653,11 @@ class CacheKeyBuilder:
         self._sources_memo.store(values, key, snapshots)
         return key
 
+    def forget_walks(self) -> None:
+        """Let go of the last call's object walks (they hold its tensors alive): called once
+        no symbolic lookup of the same call (`key(same_call=True)`) follows."""
+        self._walks = {}
+
     def _fn_roots_key(self) -> tuple:
         if self.fn is None:
             return ()
@@ -633,12 +666,13 @@ class CacheKeyBuilder:
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = (),
             symbolic: dict[int, tuple[int, ...]] | None = None,
-            same_call: bool = False) -> tuple[tuple, list]:
+            same_call: bool = False, leaves: list | None = None) -> tuple[tuple, list]:
         """The key of a call; with `symbolic` (argument position -> dimensions with symbolic
         sizes), those sizes are left out (the entry's shape guard checks them) and those
         tensors are keyed by contiguity, not strides (an integer traced as a symbol, `INT`,
         by its type). `same_call`: the previous `key` was of
-        this very call, so its global and state parts are reused."""
+        this very call, so its global and state parts are reused, and (given the `leaves` it
+        returned) the keys of the leaves whose sizes are all static."""
         offsets = self.offset_positions
         if same_call:
             global_key, state_key = self._last_parts
@@ -650,6 +684,7 @@ class CacheKeyBuilder:
             if offsets and -1 in offsets:
                 state_key = (state_key, tuple([t.storage_offset() for t in state]))
             self._last_parts = (global_key, state_key)
+            self._last_leaf_keys = None
         if not kwargs and not offsets:
             tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args):  # fast path: positional plain tensors
@@ -659,14 +694,25 @@ class CacheKeyBuilder:
                     for position, dims in symbolic.items():
                         tensor_keys[position] = _masked_key(args[position], dims)
                 return (len(args), global_key, state_key, *tensor_keys), args
-        if all([type(value) in _FLAT_LEAVES for value in (*args, *kwargs.values())]):
-            # no containers among the arguments: the leaves are the arguments, in pytree's
-            # order (positional, then keywords in call order), without flattening
-            leaves, spec = [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+        if same_call and leaves is not None and self._last_leaf_keys is not None:
+            # the static key of this very call flattened it and keyed every leaf: only the
+            # symbolic positions below are keyed anew (an object argument's walk is the cost)
+            spec, leaf_keys = self._last_leaf_keys
+            leaf_keys = list(leaf_keys)
         else:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-        leaf_keys = [_object_leaf_key(leaf) if i in offsets else _leaf_key(leaf)
-                     for i, leaf in enumerate(leaves)]
+            if all([type(value) in _FLAT_LEAVES or _pytree_leaf(value)
+                    for value in (*args, *kwargs.values())]):
+                # no containers among the arguments: the leaves are the arguments, in
+                # pytree's order (positional, then keywords in call order), unflattened
+                leaves, spec = [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+            else:
+                leaves, spec = pytree.tree_flatten((args, kwargs))
+            self._walks = walks = {}  # object argument position -> its walk (`forget_walks`)
+            leaf_keys = [_object_leaf_key(leaf) if i in offsets else
+                         _walked_key(leaf, walks, i) if _is_object_leaf(leaf) else
+                         _leaf_key(leaf) for i, leaf in enumerate(leaves)]
+            # (keys only: they name types, sizes and ids, and hold no tensor alive)
+            self._last_leaf_keys = None if symbolic else (spec, tuple(leaf_keys))
         masks: dict[int, dict] = {}  # object arguments: tensor path -> its masked key
         for position, dims in (symbolic or {}).items():
             if isinstance(position, tuple):  # (object argument, path) of a tensor inside it
@@ -684,5 +730,6 @@ class CacheKeyBuilder:
                 return (), leaves  # a structure no symbolic entry was made for
             leaf_keys[position] = _masked_key(leaf, dims)
         for root, paths in masks.items():
-            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths)
+            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths,
+                                         self._walks.get(root) if same_call else None)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves

@@ -47,6 +47,10 @@ _ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), to
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator,
            logging.Logger, logging.Manager, logging.LoggerAdapter)
+_NOT_PLAIN = _ATOMS + _OPAQUE
+# their exact types (and Parameter's): an instance of one is no plain object, known without
+# `isinstance` trying each of the classes above in turn (the common case of a walked value)
+_NOT_PLAIN_TYPES = frozenset([*_NOT_PLAIN, torch.nn.Parameter])
 _MAX_DEPTH = 6
 ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the call's (args, kwargs)
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
@@ -69,7 +73,9 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
 def is_plain_object(value: Any) -> bool:
     """Whether fulmen looks inside `value`: an instance of a Python class with a `__dict__`
     (not a tensor, module, function, class or atom such as a number or dtype)."""
-    return not isinstance(value, _ATOMS + _OPAQUE) and hasattr(value, "__dict__")
+    if type(value) in _NOT_PLAIN_TYPES:
+        return False
+    return not isinstance(value, _NOT_PLAIN) and hasattr(value, "__dict__")
 
 
 def _children(value: Any) -> list[tuple[tuple, Any]]:
@@ -167,14 +173,15 @@ def _store(owner: Any, step: tuple, value: Any) -> None:
         owner[key] = value
 
 
-def object_key(root: Any, leaf_key, masks: dict | None = None) -> tuple:
+def object_key(root: Any, leaf_key, masks: dict | None = None, walked: list | None = None
+               ) -> tuple:
     """The cache key of an object argument: each walked path with its value's key (`leaf_key`
     for tensors and Python values; the type for containers, whose contents are walked).
     `masks` maps tensor paths to `masked_key(tensor)` for tensors with symbolic sizes, and
     the paths of integers traced as symbols to `INT_KEY` (an integer there is keyed by its type
-    only)."""
+    only). `walked`: `walk(root)`, where the caller has it (of `root` as it is now)."""
     parts = [type(root)]
-    for path, value in walk(root):
+    for path, value in walk(root) if walked is None else walked:
         if isinstance(value, torch.Tensor):
             grad = _grad_of(value)
             key = masks[path](value) if masks and path in masks and masks[path] is not INT_KEY \

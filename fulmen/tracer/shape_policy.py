@@ -329,7 +329,7 @@ class DynamicDims:
         """The symbolic entry whose key and shape guard match the call (whose static key
         `guard` has just computed), or None."""
         for dims in dict.fromkeys(entry.symbolic_dims for entry in self.entries):
-            key, _ = guard.key(args, kwargs, state, dict(dims), same_call=True)
+            key, _ = guard.key(args, kwargs, state, dict(dims), same_call=True, leaves=leaves)
             for entry in self.by_key.get((dims, key), ()):
                 if entry.shape_guard(leaves):
                     return entry

@@ -6,7 +6,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fulmen
-from fulmen.tracer import guards
+from fulmen.tracer import guards, objects
 from fulmen.tracer.guards import CacheKeyBuilder
 from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot
 
@@ -187,3 +187,85 @@ def test_tensor_key_memo_checks_every_field():
     for name, tensors in others.items():
         memo.key(base)
         assert memo.key(tensors) != key, name
+
+
+class _Cache:
+    """An object argument holding tensors whose sizes grow from call to call (a KV cache)."""
+
+    def __init__(self, n, flag=True, dtype=torch.float32):
+        self.keys = torch.arange(float(n * 3), dtype=dtype).reshape(n, 3)
+        self.flag = flag
+
+
+def _read_cache(x, cache):
+    return x.sum(0) + cache.keys.sum(0) * (2.0 if cache.flag else 1.0)
+
+
+def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypatch):
+    """The symbolic entry's lookup keys again only the leaves with symbolic sizes: the object
+    argument is keyed for the static key and once for its masked key, not a third time, from
+    one walk; and
+    the leaf keys it reuses are the call's own (a change of the object's flag or of a tensor's
+    dtype between calls still misses)."""
+    jfn = fulmen.jit(_read_cache, dynamic=True)
+    for n in (4, 5, 6):
+        cache = _Cache(n)
+        torch.testing.assert_close(jfn(torch.ones(n, 3), cache), _read_cache(torch.ones(n, 3),
+                                                                            cache))
+        assert jfn._guard._walks == {}  # the call's objects are not held past it, miss or hit
+    stats = fulmen.compile_stats(jfn)
+    misses = stats.cache_misses
+    walks = []
+    original = guards.object_key
+    monkeypatch.setattr(guards, "object_key",
+                        lambda *args, **kwargs: walks.append(args[0]) or original(*args,
+                                                                                  **kwargs))
+    walked = []
+    for module in (guards, objects):  # the static key's walk, and object_key's own
+        original_walk = module.walk
+        monkeypatch.setattr(module, "walk", lambda root, original_walk=original_walk:
+                            walked.append(root) or original_walk(root))
+    cache = _Cache(7)
+    torch.testing.assert_close(jfn(torch.ones(7, 3), cache), _read_cache(torch.ones(7, 3), cache))
+    assert stats.cache_misses == misses  # a hit of the symbolic entry
+    assert walks == [cache, cache]  # its static key and its masked key ...
+    assert walked == [cache]  # ... from one walk
+    assert jfn._guard._walks == {}  # (not held past the call)
+    for changed in (_Cache(8, flag=False), _Cache(8, dtype=torch.float64), _Cache(9)):
+        x = torch.ones(changed.keys.shape[0], 3)
+        torch.testing.assert_close(jfn(x, changed), _read_cache(x, changed))
+    assert stats.cache_misses == misses + 2  # the flag and the dtype; not the size
+
+
+class _Held(dict):
+    """A dict subclass pytree has no node for: a leaf, as an object argument is."""
+
+
+def test_object_keyword_arguments_skip_flattening_like_pytree(monkeypatch):
+    """Keyword arguments that pytree treats as leaves (an object such as a KV cache, an
+    unregistered dict subclass) skip flattening, with pytree's leaves; a namedtuple or a dict
+    among them is still flattened."""
+    from collections import namedtuple
+
+    builder = CacheKeyBuilder(fn=_read_cache)
+    flattened = []
+    original = pytree.tree_flatten
+    monkeypatch.setattr(pytree, "tree_flatten",
+                        lambda tree, *rest, **options: flattened.append(tree)
+                        or original(tree, *rest, **options))
+    x = torch.ones(2, 3)
+    for kwargs in ({"cache": _Cache(2), "held": _Held(a=1), "dtype": torch.float32},):
+        _, leaves = builder.key((x,), kwargs)
+        assert leaves == original(((x,), kwargs))[0]
+    assert flattened == []
+    pair = namedtuple("Pair", "a b")
+    for kwargs in ({"cache": pair(x, x)}, {"cache": {"a": x}}):
+        _, leaves = builder.key((x,), kwargs)
+        assert leaves == original(((x,), kwargs))[0] and flattened[-1][1] is kwargs
+    monkeypatch.undo()
+    jfn = fulmen.jit(_read_cache)
+    for n in (2, 2, 3):
+        cache = _Cache(n)
+        torch.testing.assert_close(jfn(torch.ones(n, 3), cache=cache),
+                                   _read_cache(torch.ones(n, 3), cache))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
