@@ -29,6 +29,7 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
+from fulmen.tracer.call_constants import copy_of
 from fulmen.tracer.explain import describe_call, explain_change
 from fulmen.tracer.guards import (
     GlobalStore,
@@ -111,7 +112,7 @@ class CacheEntry:
         for index, owner, name in self.captured_attributes:
             values[index] = vars(owner)[name]
         for index in self.captured_fresh:
-            values[index] = values[index].clone()
+            values[index] = copy_of(values[index])
         return tuple(values)
 
 

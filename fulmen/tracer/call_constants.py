@@ -45,3 +45,12 @@ def made_during_the_call(tensors: Sequence[torch.Tensor], candidates: Iterable[i
         finally:
             del referrers
     return tuple(found)
+
+
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over a copy of `tensor`'s storage with its sizes, strides and offset (an
+    expanded tensor stays self-overlapping, so an in-place op on it raises as eager's would;
+    `clone()` would make it contiguous)."""
+    copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage().clone(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return copy.requires_grad_(tensor.requires_grad)

@@ -27,7 +27,7 @@ from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
-from fulmen.tracer.call_constants import made_during_the_call
+from fulmen.tracer.call_constants import copy_of, made_during_the_call
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
@@ -613,7 +613,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     out = None  # the call's own output refers to a tensor it made and returns
     captured_fresh = _captured_fresh(ctx, captured, captured_proxies, trace, mutated)
     for index in captured_fresh:  # NOTE [tensors made during the call]: its value when made
-        captured[index] = captured[index].clone()
+        captured[index] = copy_of(captured[index])
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
                          output_spec, seconds, mutated_inputs=mutated,
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),

@@ -1006,7 +1006,7 @@ MUTANTS: list[Mutant] = [
            "if not read or not _is_write_back(bsyms[read[-1]], dst, result):",
            ("tests/executors/test_index_copy_in_place.py",)),
     Mutant("call_constant_not_copied_per_call", "guards", "jitted.py",
-           "values[index] = values[index].clone()", "pass",
+           "values[index] = copy_of(values[index])", "pass",
            ("tests/tracer/test_numpy_inputs.py",)),
     Mutant("call_constant_ignores_outside_referrers", "guards", "tracer/call_constants.py",
            "if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):",
