@@ -181,7 +181,10 @@ def program_of(jfn, *args, **kwargs) -> tuple[Trace, list] | None:
     program has graph breaks (a tree of segments, not one trace)."""
     jfn(*args, **kwargs)
     machinery = _jitted(jfn)
-    entry = list(machinery._cache.values())[-1]
+    entries = list(machinery._cache.values()) or machinery._shapes.entries  # symbolic ones
+    if not entries:
+        return None
+    entry = entries[-1]
     if entry.tree or entry.objects:
         return None
     leaves = pytree.tree_leaves((args, kwargs))
@@ -262,11 +265,13 @@ def shrink(trace: Trace, inputs: list, failure: Failure, options: dict,
 
 
 def minimize_program(fn, *args, executors=None, transforms=None, against=None,
-                     max_runs: int = 200) -> Minimized | None:
-    """Trace `fn` on `args`, check it (`failure_of`) and shrink a failure; None when the
-    program agrees with its reference or cannot be taken as one trace (graph breaks)."""
+                     dynamic: bool | None = None, max_runs: int = 200) -> Minimized | None:
+    """Trace `fn` on `args` (with symbolic sizes where `dynamic=True`, as `fulmen.jit`), check
+    it (`failure_of`) and shrink a failure; None when the program agrees with its reference or
+    cannot be taken as one trace (graph breaks)."""
     options = {"executors": executors, "transforms": transforms, "against": against}
-    program = program_of(jit(fn, executors=executors, transforms=transforms), *args)
+    program = program_of(jit(fn, executors=executors, transforms=transforms, dynamic=dynamic),
+                         *args)
     if program is None:
         return None
     trace, inputs = program

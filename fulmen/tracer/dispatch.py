@@ -51,7 +51,7 @@ from fulmen.tracer.autograd_function import (
     intercept_function_apply,
 )
 from fulmen.tracer.breaks import concrete_sizes
-from fulmen.tracer.layout import rule_layouts
+from fulmen.tracer.layout import rule_layouts, stand_in_layouts
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 from fulmen.tracer.objects import TRACED_NUMBERS
 
@@ -324,9 +324,12 @@ class TracerCtx(TraceCtx):
             else:
                 out = self._eager_layout(func, args, kwargs, out, start)
         if sym is None:
-            sym = opaque_symbol(func, random=draws_random(func, args, kwargs))
+            random = draws_random(func, args, kwargs)
+            sym, start = opaque_symbol(func, random=random), self.names.serial
             try:
                 out = sym(*args, **kwargs)
+                if not random:
+                    out = self._eager_layout(func, args, kwargs, out, start, whole=True)
             except FulmenError as error:
                 # PyTorch cannot describe the output without values (`nonzero`, `x[mask]`):
                 # with graph breaks, run it on the real values and guard the shapes it gave
@@ -344,7 +347,7 @@ class TracerCtx(TraceCtx):
             out = self._track_grad(func, args, kwargs, out)
         return out
 
-    def _eager_layout(self, func, args, kwargs, out, start: int):
+    def _eager_layout(self, func, args, kwargs, out, start: int, whole: bool = False):
         """`out` (a decomposition's result) with eager's strides on the proxies it created.
 
         NOTE [layout truth]: a decomposition gives the right shapes and values, but the strides
@@ -361,6 +364,9 @@ class TracerCtx(TraceCtx):
         ShapeEnv (`fulmen.ops.meta`), so strides are SymInt expressions (`12*s0`), and each
         decision PyTorch's layout code takes about sizes (a stride order, a size-1 dim) is
         recorded as a shape guard: the entry serves only sizes that eager lays out alike.
+
+        An op recorded `whole` (an opaque symbol, laid out by its meta kernel) is corrected only
+        where the meta and CPU kernels disagree (`stand_in_layouts`).
         """
         leaves, spec = pytree.tree_flatten(out)
         serial_of = self.names.serial_of
@@ -370,7 +376,12 @@ class TracerCtx(TraceCtx):
             return out  # nothing new (an identity such as `x.float()` on a float tensor)
         scope = self.scopes[-1]
         bsym = scope[-1] if scope and scope[-1].output is out else None
-        layouts = rule_layouts(func, bsym, args, kwargs, leaves)
+        if whole:
+            layouts = stand_in_layouts(func, args, kwargs, leaves)
+            if layouts is None:
+                return out
+        else:
+            layouts = rule_layouts(func, bsym, args, kwargs, leaves)
         if layouts is None:
             layouts = eager_layouts(func, args, kwargs)
         if layouts is None and func in _STRIDED_VIEWS:

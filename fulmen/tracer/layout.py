@@ -231,6 +231,85 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
 
 
+_HINTED = {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}
+
+
+def _hinted(value):
+    """A symbolic number's value in the traced call, read without a guard (the stand-in run of
+    `stand_in_layouts` decides no value); other leaves as they are."""
+    kind = _HINTED.get(type(value))
+    return value if kind is None else kind(value.node.hint)
+
+
+def stand_in_layouts(func, args, kwargs, leaves):
+    """Eager's (shape, strides) for each tensor output of an op recorded whole (an opaque
+    symbol: `x * (1.0 + s0)` with a symbolic number) whose operands have odd size-1 strides,
+    where PyTorch's meta kernel, which described it, and the CPU kernel disagree (NOTE [size-1
+    strides]): the op runs once on stand-ins of its operands (`_stand_in`) on the CPU and on
+    the meta device; where the two lay the results out alike, the meta kernel's answer holds
+    (None); else each output is laid out densely in the dim order of the CPU result
+    (`_dense_strides_alike`). None too where an output cannot be told so, for random ops (the
+    caller's check) and where a real tensor is among the arguments."""
+    outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    operands = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
+    with torch._C.DisableTorchFunctionSubclass():
+        if not outputs or not all(isinstance(leaf, TensorProxy) and leaf.device.type == "cpu"
+                                  for leaf in outputs) \
+                or not any(_odd_size_one_strides(p) for p in operands) \
+                or not all(p.dim() == 0 or _contiguous_beside_size_one(
+                    tuple(p.shape), p.stride(), contiguous_strides(p.shape)) for p in operands):
+            return None
+        stand_ins = {p.name: _stand_in(p) for p in operands}
+    call_args, call_kwargs = pytree.tree_map(
+        lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy)
+        else _hinted(leaf), (args, kwargs))
+    mine = {id(t) for t in stand_ins.values()}
+    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
+           for leaf in pytree.tree_leaves((call_args, call_kwargs))):
+        return None  # never run an op on the user's data
+    on_meta = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+               for t in stand_ins.values()}
+    meta_args, meta_kwargs = pytree.tree_map(
+        lambda leaf: on_meta.get(id(leaf), leaf), (call_args, call_kwargs))
+    try:
+        with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = [leaf for leaf in pytree.tree_leaves(func(*call_args, **call_kwargs))
+                       if isinstance(leaf, torch.Tensor)]
+            described = [leaf for leaf in pytree.tree_leaves(func(*meta_args, **meta_kwargs))
+                         if isinstance(leaf, torch.Tensor)]
+    except Exception:  # an op the stand-ins do not suit
+        return None
+    if len(results) != len(outputs) or [r.stride() for r in results] == [
+            d.stride() for d in described]:
+        return None  # the meta kernel lays the stand-ins out as the CPU kernel: its answer holds
+    layouts = []
+    for out, result in zip(outputs, results):
+        shape = tuple(out.shape)
+        if result.shape != tuple(1 if type(size) is int and size == 1 else 2 for size in shape):
+            return None
+        strides = _dense_strides_alike(shape, result)
+        if strides is None:
+            return None
+        layouts.append((out.shape, strides))
+    return layouts
+
+
+def _dense_strides_alike(shape: tuple, result: torch.Tensor) -> tuple | None:
+    """Strides for `shape` that lay it out densely in the dim order of `result`'s strides (a
+    stand-in of the same rank), or None where `result` is not dense in any order (an expand, a
+    gap). Equal strides order a size-1 dim inside the other dim (each size-1 dim's stride is the
+    product of the sizes inside it, as eager allocates)."""
+    sizes, got = tuple(result.shape), result.stride()
+    order = sorted(range(len(sizes)), key=lambda d: (-got[d], sizes[d] == 1))
+    expected, strides = [0] * len(sizes), [0] * len(sizes)
+    inner_size, inner = 1, 1
+    for d in reversed(order):
+        expected[d], strides[d] = inner_size, inner
+        inner_size, inner = inner_size * sizes[d], inner * shape[d]
+    return tuple(strides) if tuple(expected) == tuple(got) else None
+
+
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest
 # (`cat_compute_output_memory_format`, over every input, the skipped 1-d empty ones of a fresh
 # KV cache included): contiguous as soon as one input suggests contiguous. A tensor suggests

@@ -1011,4 +1011,7 @@ MUTANTS: list[Mutant] = [
     Mutant("call_constant_ignores_outside_referrers", "guards", "tracer/call_constants.py",
            "if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):",
            "if True:", ("tests/tracer/test_numpy_inputs.py",)),
+    Mutant("whole_op_keeps_meta_size_one_strides", "layout", "tracer/dispatch.py",
+           "out = self._eager_layout(func, args, kwargs, out, start, whole=True)", "pass",
+           ("tests/tracer/test_dynamic_edges.py",)),
 ]

@@ -263,3 +263,20 @@ def test_a_torch_op_on_a_symbolic_size_alone_is_eagers_number():
         for length in (8, 12, 16, 12):
             x = torch.randn(2, length)
             torch.testing.assert_close(jfn(x), fn(x), rtol=0, atol=0)
+
+
+def test_an_op_on_a_symbolic_number_keeps_eagers_size_one_strides():
+    # `x * (1.0 + 0.01 * s0)` is recorded whole (its number is symbolic) and PyTorch's meta kernel
+    # laid the result out row-major, `(1, 1)` for a `(n, 1)` input with strides `(1, n)`, where
+    # the CPU kernel keeps `(1, n)`: code reading the result's layout read another answer than
+    # eager's. Found by the op fuzzer (`make fuzz`, dynamic=True).
+    def f(a):
+        scaled = a * (1.0 + 0.01 * a.transpose(0, 1).stride(0))
+        return scaled, scaled.stride(), scaled.transpose(0, 1).is_contiguous()
+
+    jitted = fulmen.jit(f, dynamic=True)
+    for a in (torch.randn(1, 4).t(), torch.randn(1, 6).t(), torch.randn(1, 5).t()):
+        got, want = jitted(a), f(a)
+        assert got[1:] == want[1:]
+        assert got[0].stride() == want[0].stride()
+        torch.testing.assert_close(got[0], want[0])
