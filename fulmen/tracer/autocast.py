@@ -125,7 +125,7 @@ def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     try:
         if meta_overridden(func):
             with _quiet_fake_tensors():
-                with_autocast = _casts(func, args, kwargs, active[0], True, True)
+                with_autocast = _casts(func, args, kwargs, active[0], True, kernel_may_fail=True)
         else:
             with_autocast = _casts(func, args, kwargs, active[0], True)
         without = _own_casts(func, args, kwargs, active[0]) if with_autocast else {}

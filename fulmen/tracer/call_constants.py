@@ -38,12 +38,9 @@ def made_during_the_call(tensors: Sequence[torch.Tensor], candidates: Iterable[i
     for index in sorted(set(candidates)):
         if not tensors[index].untyped_storage().resizable():  # NumPy's or a buffer's memory
             continue
-        referrers = gc.get_referrers(tensors[index])
-        try:
-            if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):
-                found.append(index)
-        finally:
-            del referrers
+        if all(id(r) in internal_ids or isinstance(r, types.FrameType)
+               for r in gc.get_referrers(tensors[index])):
+            found.append(index)
     return tuple(found)
 
 

@@ -50,10 +50,9 @@ from fulmen.tracer.autograd_function import (
     backward_refusal,
     intercept_function_apply,
 )
-from fulmen.tracer.breaks import concrete_sizes
 from fulmen.tracer.layout import rule_layouts, stand_in_layouts
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
-from fulmen.tracer.objects import TRACED_NUMBERS
+from fulmen.tracer.objects import PLAIN_NUMBER
 
 T = torch.Tensor
 
@@ -590,18 +589,19 @@ class FactoryMode(TorchFunctionMode):
         return _call_with_numbers(func, args, kwargs)
 
 
+# torch's functions of symbolic numbers that return numbers (`torch.sym_max(s0, 1)`), by name
+_NUMBER_FUNCTIONS = frozenset(
+    getattr(torch, name) for name in dir(torch) if name.startswith(("sym_", "_sym_")))
+
+
 def _call_with_numbers(func, args: tuple, kwargs: dict):
     """`func(*args, **kwargs)` for a torch call with no tensor argument. A symbolic size given
     where the op reads a Scalar is read by PyTorch as garbage (`torch.div(s0, 4,
     rounding_mode="trunc")` gave `tensor(1944444)` for s0 = 8, Longformer's and LED's chunk
-    count): where the call makes a tensor, its symbolic numbers are specialised first (`int(s0)`,
-    a guard), as `torch.tensor(s0)` is. Calls that compute with symbolic numbers and return
-    numbers (`torch.sym_max`) keep them."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    if not any(isinstance(leaf, TRACED_NUMBERS) for leaf in leaves):
-        return func(*args, **kwargs)
-    probe = func(*concrete_sizes(args), **concrete_sizes(kwargs))  # the hints: no guard
-    if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(probe)):
+    count): except for torch's functions of numbers (`torch.sym_max`: `_NUMBER_FUNCTIONS`), the
+    call's symbolic numbers are specialised first (`int(s0)`, a guard), as `torch.tensor(s0)`
+    is."""
+    if func in _NUMBER_FUNCTIONS:
         return func(*args, **kwargs)
     args, kwargs = pytree.tree_map(_specialised, (args, kwargs))
     return func(*args, **kwargs)
@@ -609,7 +609,5 @@ def _call_with_numbers(func, args: tuple, kwargs: dict):
 
 def _specialised(value):
     """A symbolic number's value in this call, guarded (`int(s0)` records `Eq(s0, 8)`)."""
-    for kind in (torch.SymBool, torch.SymInt, torch.SymFloat):
-        if isinstance(value, kind):
-            return {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}[kind](value)
-    return value
+    kind = PLAIN_NUMBER.get(type(value))
+    return value if kind is None else kind(value)

@@ -21,6 +21,7 @@ from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_
 from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import contiguous_strides, known_same_shape
+from fulmen.tracer.objects import PLAIN_NUMBER
 
 T = torch.Tensor
 
@@ -231,13 +232,10 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
     return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
 
 
-_HINTED = {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}
-
-
 def _hinted(value):
     """A symbolic number's value in the traced call, read without a guard (the stand-in run of
     `stand_in_layouts` decides no value); other leaves as they are."""
-    kind = _HINTED.get(type(value))
+    kind = PLAIN_NUMBER.get(type(value))
     return value if kind is None else kind(value.node.hint)
 
 

@@ -40,6 +40,8 @@ from fulmen.core import NotYetSupportedError, RunsEagerly
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# the Python type of each symbolic number's value (`int(s0)`)
+PLAIN_NUMBER = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype,
           torch.device, torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format,
           torch.layout)
