@@ -542,7 +542,7 @@ MUTANTS: list[Mutant] = [
            "        if isinstance(tensor, TensorProxy):",
            "        if tensor is not None:", ("tests/tracer/test_library_flags.py",)),
     # --- exp past its overflow point, differentiated prim by prim (decompose_to_prims) -------
-    Mutant("ops_sigmoid_exp_unsaturated", "decomposition", "ops/torch/elementwise.py",
+    Mutant("ops_sigmoid_exp_unsaturated", "decomposition", "ops/torch/unary.py",
            "prims.reciprocal(prims.add(exp_saturating(prims.neg(a)), 1))",
            "prims.reciprocal(prims.add(prims.exp(prims.neg(a)), 1))", ACTIVATIONS),
     Mutant("ops_silu_exp_unsaturated", "decomposition", "ops/torch/nn.py",

@@ -12,10 +12,12 @@ from fulmen.ops.torch import (  # noqa: F401  (importing registers the ops)
     elementwise,
     indexing,
     linalg,
+    logical,
     losses,
     nn,
     reductions,
     shape,
+    unary,
 )
 from fulmen.ops.torch.base import (
     LTORCH_NAMESPACE,

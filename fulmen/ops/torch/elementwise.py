@@ -1,4 +1,6 @@
-"""Elementwise torch-level ops: arithmetic, math, comparisons, `where`, `clamp`.
+"""Elementwise torch-level ops: arithmetic (binary and ternary), `atan2`, `copysign`, `maximum`,
+`minimum`, and the helpers the other elementwise families share (`unary`: math with a prim of
+the same meaning; `logical`: comparisons, logical and bitwise ops, `where`, `clamp`).
 
 Every op here promotes and broadcasts its operands exactly as eager does (see `utils`), computes
 in the computation dtype (float16/bfloat16 in float32) and converts to the result dtype. Ops
@@ -18,7 +20,6 @@ op, since `x + 2` and `2 + x` are the same IEEE operation.
 from __future__ import annotations
 
 import builtins
-import math
 from collections.abc import Callable
 from numbers import Number
 
@@ -34,7 +35,6 @@ from fulmen.ops.torch.utils import (
     check_like_eager,
     check_uint64_operands,
     elementwise,
-    exp_saturating,
     promote,
     to_dtype,
 )
@@ -239,12 +239,6 @@ def div(input: TensorLike, other: TensorLike, *, rounding_mode: str | None = Non
     return _map(_ROUNDED_DIVISION[rounding_mode], input, other, exact=True)
 
 
-@torch_op(T.__rtruediv__)
-def rtruediv(self: torch.Tensor, other: TensorLike) -> torch.Tensor:
-    """`other / self`, computed like eager as `self.reciprocal() * other`."""
-    return mul(reciprocal(self), other)
-
-
 @torch_op(torch.floor_divide, methods=("floor_divide", "__floordiv__"))
 def floor_divide(input: TensorLike, other: TensorLike) -> torch.Tensor:
     """`input // other`: the quotient rounded toward minus infinity."""
@@ -331,126 +325,6 @@ def abs(input: torch.Tensor) -> torch.Tensor:
     if isinstance(input, torch.Tensor) and input.dtype.is_complex:
         raise _unsupported("abs", "complex abs")  # prims.abs keeps the operand's dtype
     return _map(prims.abs, input, exact=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Unary math with a prim of the same meaning
-# ---------------------------------------------------------------------------------------------
-
-
-def _unary(
-    name: str,
-    prim: Symbol,
-    torch_fn: Callable,
-    *aliases: Callable,
-    methods: tuple[str, ...] = (),
-    kind: Promotion = Promotion.INT_TO_FLOAT,
-    exact: bool = False,
-) -> Symbol:
-    def decomposition(input):
-        if not isinstance(input, torch.Tensor):
-            raise _unsupported(name, "needs a tensor")
-        return _map(prim, input, kind=kind, exact=exact)
-
-    decomposition.__name__ = name
-    decomposition.__doc__ = f"Elementwise {name} (`prims.{prim.name}` after promotion)."
-    return torch_op(torch_fn, *aliases, methods=methods or (name,), name=name)(decomposition)
-
-
-# fmt: off
-_S = torch.special
-exp = _unary("exp", prims.exp, torch.exp)
-exp2 = _unary("exp2", prims.exp2, torch.exp2, _S.exp2)
-expm1 = _unary("expm1", prims.expm1, torch.expm1, _S.expm1)
-log = _unary("log", prims.log, torch.log)
-log1p = _unary("log1p", prims.log1p, torch.log1p, _S.log1p)
-log2 = _unary("log2", prims.log2, torch.log2)
-log10 = _unary("log10", prims.log10, torch.log10)
-sqrt = _unary("sqrt", prims.sqrt, torch.sqrt)
-rsqrt = _unary("rsqrt", prims.rsqrt, torch.rsqrt)
-sin = _unary("sin", prims.sin, torch.sin)
-cos = _unary("cos", prims.cos, torch.cos)
-tan = _unary("tan", prims.tan, torch.tan)
-asin = _unary("asin", prims.asin, torch.asin, torch.arcsin, methods=("asin", "arcsin"))
-acos = _unary("acos", prims.acos, torch.acos, torch.arccos, methods=("acos", "arccos"))
-atan = _unary("atan", prims.atan, torch.atan, torch.arctan, methods=("atan", "arctan"))
-sinh = _unary("sinh", prims.sinh, torch.sinh)
-cosh = _unary("cosh", prims.cosh, torch.cosh)
-tanh = _unary("tanh", prims.tanh, torch.tanh)
-asinh = _unary("asinh", prims.asinh, torch.asinh, torch.arcsinh, methods=("asinh", "arcsinh"))
-acosh = _unary("acosh", prims.acosh, torch.acosh, torch.arccosh, methods=("acosh", "arccosh"))
-atanh = _unary("atanh", prims.atanh, torch.atanh, torch.arctanh, methods=("atanh", "arctanh"))
-erf = _unary("erf", prims.erf, torch.erf, _S.erf)
-erfc = _unary("erfc", prims.erfc, torch.erfc, _S.erfc)
-erfinv = _unary("erfinv", prims.erfinv, torch.erfinv, _S.erfinv)
-lgamma = _unary("lgamma", prims.lgamma, torch.lgamma, _S.gammaln)
-digamma = _unary("digamma", prims.digamma, torch.digamma, _S.digamma, _S.psi)
-reciprocal = _unary("reciprocal", prims.reciprocal, torch.reciprocal)
-floor = _unary("floor", prims.floor, torch.floor, kind=Promotion.DEFAULT, exact=True)
-ceil = _unary("ceil", prims.ceil, torch.ceil, kind=Promotion.DEFAULT, exact=True)
-trunc = _unary("trunc", prims.trunc, torch.trunc, torch.fix, methods=("trunc", "fix"),
-               kind=Promotion.DEFAULT, exact=True)
-sign = _unary("sign", prims.sign, torch.sign, kind=Promotion.DEFAULT, exact=True)
-signbit = _unary("signbit", prims.signbit, torch.signbit, kind=Promotion.ALWAYS_BOOL, exact=True)
-isnan = _unary("isnan", prims.isnan, torch.isnan, kind=Promotion.ALWAYS_BOOL, exact=True)
-isinf = _unary("isinf", prims.isinf, torch.isinf, kind=Promotion.ALWAYS_BOOL, exact=True)
-isfinite = _unary("isfinite", prims.isfinite, torch.isfinite, kind=Promotion.ALWAYS_BOOL,
-                  exact=True)
-logical_not = _unary("logical_not", prims.logical_not, torch.logical_not,
-                     kind=Promotion.ALWAYS_BOOL, exact=True)
-# fmt: on
-
-
-@torch_op(torch.round, _S.round, methods=("round",))
-def round(input: torch.Tensor, *, decimals: int = 0) -> torch.Tensor:
-    """Round half to even; `decimals != 0` runs as the opaque op."""
-    if decimals != 0:
-        raise _unsupported("round", "decimals != 0")
-    return _map(prims.round, input, exact=True)
-
-
-@torch_op(torch.sigmoid, _S.expit, methods=("sigmoid",))
-def sigmoid(input: torch.Tensor) -> torch.Tensor:
-    """`1 / (1 + exp(-input))`, in eager's order of operations (`exp` saturating: NOTE [exp
-    past overflow] in utils.py)."""
-
-    def fn(a):
-        return prims.reciprocal(prims.add(exp_saturating(prims.neg(a)), 1))
-
-    return _composite("sigmoid", fn, input, kind=Promotion.INT_TO_FLOAT)
-
-
-def _special_inf(name: str, value: float):
-    def decomposition(input):
-        if not isinstance(input, torch.Tensor) or input.dtype.is_complex:
-            raise _unsupported(name, "needs a real tensor")
-        return _map(prims.eq, input, value, kind=Promotion.ALWAYS_BOOL, exact=True)
-
-    decomposition.__name__ = name
-    decomposition.__doc__ = f"`input == {value}` (all false for integral tensors)."
-    return torch_op(getattr(torch, name), methods=(name,), name=name)(decomposition)
-
-
-isposinf = _special_inf("isposinf", math.inf)
-isneginf = _special_inf("isneginf", -math.inf)
-
-
-@torch_op(torch.nan_to_num, methods=("nan_to_num",))
-def nan_to_num(
-    input: torch.Tensor, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None
-) -> torch.Tensor:
-    """NaN, +inf and -inf replaced by `nan`, `posinf` (default: the dtype's max) and `neginf`
-    (default: its lowest). Integral tensors run as the opaque op (eager returns a copy)."""
-    if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
-        raise _unsupported("nan_to_num", "needs a floating tensor")
-    info = torch.finfo(input.dtype)
-    posinf = info.max if posinf is None else posinf
-    neginf = info.min if neginf is None else neginf
-    if nan is None:
-        nan = 0.0
-    out = prims.where(prims.isnan(input), nan, input)
-    out = prims.where(prims.eq(input, math.inf), posinf, out)
-    return prims.where(prims.eq(input, -math.inf), neginf, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,179 +426,3 @@ def minimum(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """Elementwise minimum; NaN where either operand is NaN."""
     _both_tensors("minimum", input, other)
     return _map(prims.minimum, input, other, exact=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Comparisons and logical ops
-# ---------------------------------------------------------------------------------------------
-
-
-def _comparison(
-    name: str, prim: Symbol, torch_fn: Callable, *aliases: Callable, methods: tuple[str, ...]
-) -> Symbol:
-    def decomposition(input, other):
-        if not isinstance(input, torch.Tensor):
-            raise _unsupported(name, "input must be a tensor")
-        return _map(prim, input, other, kind=Promotion.ALWAYS_BOOL, exact=True)
-
-    decomposition.__name__ = name
-    decomposition.__doc__ = f"Elementwise `{name}` after promotion to a common dtype; bool result."
-    return torch_op(torch_fn, *aliases, methods=methods, name=name)(decomposition)
-
-
-eq = _comparison("eq", prims.eq, torch.eq, methods=("eq", "__eq__"))
-ne = _comparison("ne", prims.ne, torch.ne, torch.not_equal, methods=("ne", "not_equal", "__ne__"))
-lt = _comparison("lt", prims.lt, torch.lt, torch.less, methods=("lt", "less", "__lt__"))
-le = _comparison("le", prims.le, torch.le, torch.less_equal, methods=("le", "less_equal", "__le__"))
-gt = _comparison("gt", prims.gt, torch.gt, torch.greater, methods=("gt", "greater", "__gt__"))
-ge = _comparison(
-    "ge", prims.ge, torch.ge, torch.greater_equal, methods=("ge", "greater_equal", "__ge__")
-)
-
-
-def _logical(name: str, prim: Symbol) -> Symbol:
-    def decomposition(input, other):
-        _both_tensors(name, input, other)
-        _check_operands(name, (input, other))
-        shape = broadcast_shapes(input.shape, other.shape)
-        a = broadcast_to(to_dtype(input, torch.bool), shape)
-        b = broadcast_to(to_dtype(other, torch.bool), shape)
-        return prim(a, b)
-
-    decomposition.__name__ = name
-    decomposition.__doc__ = f"`{name}` of the operands' truth values (nonzero is true)."
-    torch_fn = getattr(torch, name)
-    return torch_op(torch_fn, methods=(name,), name=name)(decomposition)
-
-
-logical_and = _logical("logical_and", prims.bitwise_and)
-logical_or = _logical("logical_or", prims.bitwise_or)
-logical_xor = _logical("logical_xor", prims.bitwise_xor)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bitwise ops
-# ---------------------------------------------------------------------------------------------
-
-
-def _bitwise(op: str, prim: Symbol, a, b):
-    if _is_integral(_result_dtype(op, a, b)):
-        return _map(prim, a, b)
-    raise _unsupported(op, "bitwise ops need integral or bool operands")
-
-
-def _bitwise_op(name: str, prim: Symbol, methods: tuple[str, ...]) -> Symbol:
-    def decomposition(input, other):
-        return _bitwise(name, prim, input, other)
-
-    decomposition.__name__ = name
-    decomposition.__doc__ = f"Elementwise `{name}` of integral or bool operands."
-    return torch_op(getattr(torch, name), methods=methods, name=name)(decomposition)
-
-
-bitwise_and = _bitwise_op("bitwise_and", prims.bitwise_and, ("bitwise_and", "__and__", "__rand__"))
-bitwise_or = _bitwise_op("bitwise_or", prims.bitwise_or, ("bitwise_or", "__or__", "__ror__"))
-bitwise_xor = _bitwise_op("bitwise_xor", prims.bitwise_xor, ("bitwise_xor", "__xor__", "__rxor__"))
-bitwise_left_shift = _bitwise_op(
-    "bitwise_left_shift", prims.bitwise_left_shift, ("bitwise_left_shift", "__lshift__")
-)
-bitwise_right_shift = _bitwise_op(
-    "bitwise_right_shift", prims.bitwise_right_shift, ("bitwise_right_shift", "__rshift__")
-)
-
-
-@torch_op(T.__rlshift__)
-def rlshift(self: torch.Tensor, other: TensorLike) -> torch.Tensor:
-    """`other << self`."""
-    return _bitwise("rlshift", prims.bitwise_left_shift, other, self)
-
-
-@torch_op(T.__rrshift__)
-def rrshift(self: torch.Tensor, other: TensorLike) -> torch.Tensor:
-    """`other >> self`."""
-    return _bitwise("rrshift", prims.bitwise_right_shift, other, self)
-
-
-@torch_op(torch.bitwise_not, methods=("bitwise_not", "__invert__"))
-def bitwise_not(input: torch.Tensor) -> torch.Tensor:
-    """`~input` (logical not for bool tensors)."""
-    if not isinstance(input, torch.Tensor) or not _is_integral(input.dtype):
-        raise _unsupported("bitwise_not", "needs an integral or bool tensor")
-    return prims.bitwise_not(input)
-
-
-# ---------------------------------------------------------------------------------------------
-# where and clamp
-# ---------------------------------------------------------------------------------------------
-
-
-@torch_op(torch.where)
-def where(condition: torch.Tensor, input: TensorLike = None, other: TensorLike = None):
-    """`input` where `condition` holds, else `other`; either may be a number.
-
-    The one-argument form (`torch.where(condition)`, a data-dependent shape) is the opaque op.
-    """
-    if input is None or other is None:
-        raise _unsupported("where", "the one-argument form")
-    if not isinstance(condition, torch.Tensor) or condition.dtype != torch.bool:
-        raise _unsupported("where", "condition must be a bool tensor")
-    for value in (input, other):
-        if not isinstance(value, (torch.Tensor, *_SCALAR_TYPES)):
-            raise _unsupported("where", "values must be tensors or numbers")
-    values = [v for v in (input, other) if isinstance(v, torch.Tensor)]
-    if len({t.device for t in (condition, *values)}) > 1:
-        raise _unsupported("where", "operands on different devices")
-    if len(values) < 2:  # a number that does not fit the result dtype: eager raises
-        check_like_eager("where", torch.where, condition, input, other)
-    dtype = promote(input, other)[1]
-    shape = broadcast_shapes(condition.shape, *[v.shape for v in values])
-    pred = broadcast_to(condition, shape)
-    a, b = (broadcast_to(to_dtype(v, dtype), shape) for v in (input, other))
-    if not values:  # two numbers: materialise one, as the prim needs a tensor value
-        a = prims.full(tuple(shape), a, dtype, condition.device)
-    return prims.where(pred, a, b)
-
-
-@torch_op(T.where)
-def tensor_where(self: torch.Tensor, condition: torch.Tensor, other: TensorLike) -> torch.Tensor:
-    """`self.where(condition, other)`: `torch.where(condition, self, other)`."""
-    return where(condition, self, other)
-
-
-@torch_op(torch.clamp, torch.clip, methods=("clamp", "clip"))
-def clamp(
-    input: torch.Tensor,
-    min: TensorLike | None = None,
-    max: TensorLike | None = None,
-) -> torch.Tensor:
-    """`minimum(maximum(input, min), max)`: NaN in any operand gives NaN, and `max` wins where
-    `min > max`, as in eager. `min`/`max` are numbers or tensors."""
-    if min is None and max is None:
-        raise _unsupported("clamp", "needs min or max")
-    if not isinstance(input, torch.Tensor):
-        raise _unsupported("clamp", "input must be a tensor")
-    if len({isinstance(bound, torch.Tensor) for bound in (min, max) if bound is not None}) > 1:
-        raise _unsupported("clamp", "one tensor bound and one number bound")  # eager rejects it
-    if not any(isinstance(bound, torch.Tensor) for bound in (min, max)):
-        check_like_eager("clamp", torch.clamp, input, min, max)  # a bound the dtype cannot hold
-
-    def fn(a, low, high):
-        if low is not None:
-            a = prims.maximum(a, low)
-        if high is not None:
-            a = prims.minimum(a, high)
-        return a
-
-    return _composite("clamp", fn, input, min, max, exact=True)
-
-
-@torch_op(torch.clamp_min, methods=("clamp_min",))
-def clamp_min(input: torch.Tensor, min: TensorLike) -> torch.Tensor:
-    """`clamp(input, min=min)`."""
-    return clamp(input, min, None)
-
-
-@torch_op(torch.clamp_max, methods=("clamp_max",))
-def clamp_max(input: torch.Tensor, max: TensorLike) -> torch.Tensor:
-    """`clamp(input, max=max)`."""
-    return clamp(input, None, max)
