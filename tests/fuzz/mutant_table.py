@@ -71,12 +71,12 @@ MUTANTS: list[Mutant] = [
            "        pieces.append(slice_dim(a, dim, start, start + size))\n        start += size",
            "        pieces.append(slice_dim(a, dim, start, start + size))\n"
            "        start += size - 1 if size > 1 else size", SHAPE),
-    Mutant("ops_narrow_off_by_one", "decomposition", "ops/torch/shape.py",
+    Mutant("ops_narrow_off_by_one", "decomposition", "ops/torch/joins.py",
            "return slice_dim(input, dim, start, start + length)",
            "shift = int(start + length < size)\n"
            "    return slice_dim(input, dim, start + shift, start + length + shift)",
            SHAPE),
-    Mutant("ops_getitem_step_size", "decomposition", "ops/torch/shape.py",
+    Mutant("ops_getitem_step_size", "decomposition", "ops/torch/joins.py",
            "sizes = [(end - start + step - 1) // step",
            "sizes = [(end - start) // step", SHAPE),
     Mutant("ops_layer_norm_no_eps", "decomposition", "ops/torch/nn.py",

@@ -11,6 +11,7 @@ from fulmen.ops.torch import (  # noqa: F401  (importing registers the ops)
     creation,
     elementwise,
     indexing,
+    joins,
     linalg,
     logical,
     losses,
