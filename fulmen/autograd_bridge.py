@@ -2,8 +2,18 @@
 
 The compiled forward and backward traces sit inside one `torch.autograd.Function`, so
 `loss.backward()`, `torch.autograd.grad`, gradient accumulation into `.grad`, parameter hooks,
-optimizers and `retain_graph=True` behave as in eager. Double backward (`create_graph=True`)
-raises: the saved residuals were computed without recording a graph.
+optimizers and `retain_graph=True` behave as in eager.
+
+NOTE [double backward by recomputation]: the saved residuals were computed without recording
+a graph, and the compiled backward's kernels are not differentiable. A backward run with
+`create_graph=True` (a gradient penalty, a PINN's derivative of the output by the input,
+Hessian-vector products) recomputes the program's outputs from its inputs with the
+computation trace's torch ops, recording a graph, and differentiates them with
+`torch.autograd.grad(create_graph=True)`, as activation checkpointing does: the gradients it
+returns carry a graph to the inputs. An input updated in place since the forward (its
+version moved) makes it raise, and so does a program that draws random numbers, writes into
+its inputs or has side effects (`CompiledPair.recompute` is None): its recomputation would not
+be the forward that ran.
 """
 
 from __future__ import annotations
@@ -25,6 +35,10 @@ class CompiledPair:
     `backward_without`, when set, compiles the backward for calls in which the cotangents
     flagged True (one flag per cotangent) are unused: it takes only the others
     (`fulmen.transforms.unused_cotangents`); `variants` caches them by flags.
+
+    `recompute`, when set, runs the program's computation trace (`inputs -> outputs`) with
+    torch's differentiable ops, for a backward with `create_graph=True` (NOTE [double
+    backward by recomputation]).
     """
 
     forward: Callable
@@ -33,6 +47,7 @@ class CompiledPair:
     has_object_residuals: bool = True
     backward_without: Callable | None = None
     variants: dict = field(default_factory=dict, compare=False)
+    recompute: Callable | None = None
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -46,6 +61,9 @@ class FulmenAutogradFunction(torch.autograd.Function):
     def forward(ctx, pair: CompiledPair, *inputs):
         outputs, residuals = pair.forward(*inputs)
         ctx.pair = pair
+        if pair.recompute is not None:  # NOTE [double backward by recomputation]
+            ctx.inputs = inputs
+            ctx.versions = [getattr(x, "_version", None) for x in inputs]
         if pair.backward_without is not None:  # unused outputs get None, not zeros
             ctx.set_materialize_grads(False)
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
@@ -66,11 +84,7 @@ class FulmenAutogradFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if torch.is_grad_enabled():
-            raise NotYetSupportedError(
-                "double backward (create_graph=True) through a fulmen-compiled function",
-                op="torch.autograd.backward",
-                hint="compute higher-order gradients eagerly, or use create_graph=False",
-            )
+            return (None, *_recomputed_grads(ctx, grads))
         pair: CompiledPair = ctx.pair
         cotangents = [g for g, flag in zip(grads, pair.differentiable_outputs) if flag]
         residuals = list(ctx.saved_tensors)
@@ -85,6 +99,28 @@ class FulmenAutogradFunction(torch.autograd.Function):
             cotangents = [g for g in cotangents if g is not None]
         input_grads = backward(*residuals, *cotangents)
         return (None, *input_grads)
+
+
+def _recomputed_grads(ctx, grads) -> tuple:
+    """The input gradients of a backward run with `create_graph=True`, with their graph (NOTE
+    [double backward by recomputation])."""
+    pair: CompiledPair = ctx.pair
+    inputs = getattr(ctx, "inputs", None)
+    if pair.recompute is None or inputs is None or any(
+            getattr(x, "_version", None) != version for x, version in zip(inputs, ctx.versions)):
+        why = ("an input was updated in place after the forward" if inputs is not None else
+               "the program draws random numbers, updates its inputs or has side effects")
+        raise NotYetSupportedError(
+            f"double backward (create_graph=True) through a fulmen-compiled function: {why}",
+            op="torch.autograd.backward",
+            hint="compute higher-order gradients eagerly, or use create_graph=False")
+    wrt = [x for x, needed in zip(inputs, ctx.needs_input_grad[1:]) if needed]
+    pairs = [(out, g) for out, g in zip(pair.recompute(*inputs), grads)
+             if isinstance(out, torch.Tensor) and g is not None and out.requires_grad]
+    found = iter(torch.autograd.grad([out for out, _ in pairs], wrt, [g for _, g in pairs],
+                                     create_graph=True, allow_unused=True) if pairs and wrt
+                 else [None] * len(wrt))
+    return tuple(next(found) if needed else None for needed in ctx.needs_input_grad[1:])
 
 
 # The C++ apply under `Function.apply`, whose Python wrapper only adds functorch handling.

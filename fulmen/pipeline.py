@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.autograd_bridge import CompiledPair, run_with_autograd
-from fulmen.core import Trace
+from fulmen.core import Tag, Trace
 from fulmen.core.ambient import without_autocast
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
@@ -111,6 +111,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                   and any(p.requires_grad for p in traces[-1].args))
     if needs_grad:
         returned_inputs = _returned_inputs(traces[-1])
+        recompute = _recompute(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
         seconds["autodiff"] = time.perf_counter() - start
@@ -144,9 +145,34 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         pair = CompiledPair(fn, backward, split.differentiable_outputs,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
-                                             executors, variants))
+                                             executors, variants), recompute=recompute)
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned_inputs)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
+
+
+_NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})
+
+
+def _recompute(computation: Trace) -> Callable | None:
+    """`inputs -> output leaves` of `computation` with torch's differentiable ops, for a
+    backward with `create_graph=True` (NOTE [double backward by recomputation] in
+    `fulmen.autograd_bridge`); None when running it again would not repeat the forward (random
+    draws, writes into inputs, side effects)."""
+    if _any_tagged(computation.bsyms, _NOT_RECOMPUTABLE):
+        return None
+    compiled = []
+
+    def recompute(*inputs):
+        if not compiled:  # compiled at the first double backward only
+            compiled.append(without_autocast(computation.python_callable()))
+        return pytree.tree_leaves(compiled[0](*inputs))
+
+    return recompute
+
+
+def _any_tagged(bsyms, tags: frozenset) -> bool:
+    """Whether a statement among `bsyms` or inside their decompositions has one of `tags`."""
+    return any(bsym.sym.tags & tags or _any_tagged(bsym.subsymbols, tags) for bsym in bsyms)
 
 
 def _record(stages: list[Trace], result: Trace, seconds: dict, backward: bool) -> None:

@@ -1015,4 +1015,12 @@ MUTANTS: list[Mutant] = [
     Mutant("whole_op_keeps_meta_size_one_strides", "layout", "tracer/dispatch.py",
            "out = self._eager_layout(func, args, kwargs, out, start, whole=True)", "pass",
            ("tests/tracer/test_dynamic_edges.py",)),
+    Mutant("double_backward_ignores_input_versions", "bridge", "autograd_bridge.py",
+           'getattr(x, "_version", None) != version for x, version in zip(inputs, ctx.versions))',
+           "False for x, version in zip(inputs, ctx.versions))",
+           ("tests/transforms/test_double_backward.py",)),
+    Mutant("double_backward_random_inside_decomposition", "bridge", "pipeline.py",
+           "return any(bsym.sym.tags & tags or _any_tagged(bsym.subsymbols, tags) for bsym in bsyms)",
+           "return any(bsym.sym.tags & tags for bsym in bsyms)",
+           ("tests/transforms/test_double_backward.py",)),
 ]

@@ -173,13 +173,6 @@ def test_unused_output_cotangent_and_torch_autograd_grad():
     torch.testing.assert_close(grad, x.exp().detach())
 
 
-def test_double_backward_raises_clearly():
-    x = torch.randn(3, requires_grad=True)
-    y = fulmen.jit(lambda t: (t * t).sum())(x)
-    with pytest.raises(fulmen.NotYetSupportedError, match="double backward"):
-        torch.autograd.grad(y, x, create_graph=True)
-
-
 def test_grad_and_value_and_grad_are_one_trace():
     def loss(x, w):
         return (torch.tanh(x @ w) ** 2).mean()
