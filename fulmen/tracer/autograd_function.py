@@ -56,6 +56,10 @@ def _apply(cls, *args, **kwargs):
     args, kwargs = ctx.mutation.resolve_tree((args, kwargs))
     if cls is CheckpointFunction:
         return _reentrant_checkpoint(*args)
+    if ctx.vmap_emulation is not None and ctx.vmap_emulation.checking():
+        mapped = ctx.vmap_emulation.apply(ctx, cls, args, kwargs)
+        if mapped is not None:
+            return mapped
     if not _traced_whole(ctx):
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     return ctx.call(function_symbol(cls, autocast_state()), *args, **kwargs)

@@ -196,6 +196,7 @@ class TracerCtx(TraceCtx):
         super().__init__(name)
         self.captured: dict[int, tuple[torch.Tensor, TensorProxy]] = {}
         self.torch_function = self.handle
+        self.vmap_emulation = None  # `fulmen.tracer.vmap.Emulation` once a vmap is emulated
         self.mutation = Functionalizer(self)
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
@@ -252,7 +253,13 @@ class TracerCtx(TraceCtx):
         return frozenset()
 
     def handle(self, func, types, args, kwargs):
-        """Record one torch call on proxies (see the module docstring for the route)."""
+        """Record one torch call on proxies (see the module docstring for the route); inside
+        a function `torch.vmap` maps, checked by the emulation (`fulmen.tracer.vmap`)."""
+        if self.vmap_emulation is not None and self.vmap_emulation.checking():
+            return self.vmap_emulation.call(self, self._handle, func, types, args, kwargs)
+        return self._handle(func, types, args, kwargs)
+
+    def _handle(self, func, types, args, kwargs):
         if func in BACKWARD_CALLS:
             raise backward_refusal(func)
         if func in _TENSOR_HOOKS:
@@ -566,6 +573,8 @@ class FactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA_FUNCTIONS:
+            if self.ctx.vmap_emulation is not None and self.ctx.vmap_emulation.checking():
+                self.ctx.vmap_emulation.metadata(func, args, sys._getframe(1))
             if func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
                 what = f"the tensor argument {args[0].name}" if isinstance(
                     args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"

@@ -40,7 +40,7 @@ def _producer(bsym, name: str):
     return None
 
 
-def _is_map(bsym) -> bool:
+def is_elementwise_map(bsym) -> bool:
     """Whether a decomposition is an elementwise map: elementwise prims and broadcasts of
     trailing dimensions (numpy's rule, as TensorIterator broadcasts) only."""
     for sub in bsym.subsymbols:
@@ -51,7 +51,7 @@ def _is_map(bsym) -> bool:
                     return False
             elif "elementwise" not in sub.sym.tags:
                 return False
-        elif not _is_map(sub):
+        elif not is_elementwise_map(sub):
             return False
     return bool(bsym.subsymbols)
 
@@ -132,7 +132,7 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     producers = [_producer(bsym, leaf.name) for leaf in outputs]
     if any(p is None for p in producers):
         return None
-    if len(outputs) == 1 and "elementwise" in producers[0].sym.tags and _is_map(bsym):
+    if len(outputs) == 1 and "elementwise" in producers[0].sym.tags and is_elementwise_map(bsym):
         # the operands are the tensors the map reads (`x.type_as(y)` reads only x)
         read = {proxy.name for sub in bsym.subsymbols for proxy in iter_proxies(
             (sub.args, sub.kwargs))}

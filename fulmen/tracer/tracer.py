@@ -53,6 +53,7 @@ from fulmen.tracer.objects import (
 )
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier, number_function
+from fulmen.tracer.vmap import vmap_emulated
 
 
 @dataclass
@@ -549,6 +550,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     refuse_held(held)
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
+                vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 memoized_symbolic_ops() if symbolic is not None else contextlib.nullcontext(), \
                 symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \

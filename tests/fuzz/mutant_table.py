@@ -1023,4 +1023,14 @@ MUTANTS: list[Mutant] = [
            "return any(bsym.sym.tags & tags or _any_tagged(bsym.subsymbols, tags) for bsym in bsyms)",
            "return any(bsym.sym.tags & tags for bsym in bsyms)",
            ("tests/transforms/test_double_backward.py",)),
+    Mutant("vmap_wider_unmapped_operand_allowed", "tracer", "tracer/vmap.py",
+           "if any(t.ndim > logical and not (isinstance(t, TensorProxy) and t.name in self.depth)",
+           "if False and any(t.ndim > logical and not (isinstance(t, TensorProxy)\n"
+           "                 and t.name in self.depth)",
+           ("tests/tracer/test_vmap.py",)),
+    Mutant("vmap_unbatched_result_not_broadcast", "tracer", "tracer/vmap.py",
+           "    leaf = leaf.expand(sizes)\n", "    pass\n", ("tests/tracer/test_vmap.py",)),
+    Mutant("vmap_shape_read_allowed", "tracer", "tracer/vmap.py",
+           "if get_tracectx() is not None and not _is_fulmen(sys._getframe(1).f_code.co_filename):",
+           "if False:", ("tests/tracer/test_vmap.py",)),
 ]

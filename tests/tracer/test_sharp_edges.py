@@ -2,6 +2,7 @@
 
 import random
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -235,23 +236,29 @@ def test_generator_arguments_are_compiled_and_drawn_at_run_time():
     assert fulmen.compile_stats(jitted).eager_calls == 0
 
 
-def test_vmap_inside_runs_the_call_eagerly():
+def test_vmap_inside_is_emulated_or_runs_the_call_eagerly():
     """HF's mask utilities vmap a mask function over index tensors when a model adds its own
-    (T5Gemma2's sliding bidirectional window): functorch's batching lives below
-    __torch_function__, so such a call runs eagerly, with eager's values, and raises under
-    fullgraph=True."""
+    (T5Gemma2's sliding bidirectional window): an elementwise mapped function is emulated by
+    broadcasting (`fulmen.tracer.vmap`); one broadcasting would get wrong (a reduction of the
+    mapped row) runs eagerly, with eager's values, and raises under fullgraph=True."""
 
     def masked(x, padding):
         keep = torch.vmap(lambda row, pad: (row > 0) & pad, in_dims=(0, 0))(x, padding)
         return torch.where(keep, x, x.sum()), keep
 
+    def centred(x):
+        return torch.vmap(lambda row: row - row.mean())(x)
+
     x, padding = torch.randn(4, 5), torch.rand(4, 5) > 0.3
-    with pytest.warns(UserWarning, match="torch.func"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(2):
             for actual, expected in zip(fulmen.jit(masked)(x, padding), masked(x, padding)):
                 torch.testing.assert_close(actual, expected)
-    with pytest.raises(fulmen.NotYetSupportedError, match="function transforms"):
-        fulmen.jit(masked, fullgraph=True)(x, padding)
+    with pytest.warns(UserWarning, match="torch.vmap over traced tensors"):
+        torch.testing.assert_close(fulmen.jit(centred)(x), centred(x))
+    with pytest.raises(fulmen.NotYetSupportedError, match="not elementwise"):
+        fulmen.jit(centred, fullgraph=True)(x)
 
 
 def test_formatting_a_traced_tensor_gives_eagers_text():
