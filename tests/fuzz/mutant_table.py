@@ -1011,4 +1011,10 @@ MUTANTS: list[Mutant] = [
     Mutant("call_constant_ignores_outside_referrers", "guards", "tracer/call_constants.py",
            "if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):",
            "if True:", ("tests/tracer/test_numpy_inputs.py",)),
+    Mutant("repeat_interleave_tiles", "decomposition", "ops/torch/shape.py",
+           "wide = prims.broadcast_in_dim(input, (*shape[:d + 1], repeats, *shape[d + 1:]),\n"
+           "                                  (*range(d + 1), *range(d + 2, len(shape) + 1)))",
+           "wide = prims.broadcast_in_dim(input, (*shape[:d], repeats, *shape[d:]),\n"
+           "                                  (*range(d), *range(d + 1, len(shape) + 1)))",
+           ("tests/ops/test_shape.py",)),
 ]
