@@ -3,8 +3,9 @@ torch.compile, all in the same run, on 1 and 2 threads (issue 21).
 
 Models (tiny configs by default, `--size small` for larger ones; random weights, no downloads):
 HF Llama, HF GPT-2, HF BERT and HF T5 (the installed transformers, called with `labels=` and
-an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt pythia-14m (its own config, a short sequence),
-and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
+an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt
+pythia-14m (its own config, a short sequence), litgpt's Llama architecture at the tiny sizes
+(litgpt-llama), and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
 
 - training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
   cross entropy / mean square on the output), `backward`, `AdamW.step` - the optimizer is eager
@@ -117,6 +118,7 @@ def make_cases(size_name: str, names: list[str]) -> list[Case]:
             d_model=h, d_kv=h // heads, d_ff=inter, num_layers=n, num_heads=heads,
             vocab_size=vocab, decoder_start_token_id=0)), size),
         "pythia-14m": lambda: _pythia(size),
+        "litgpt-llama": lambda: _litgpt_llama(size),
         "linear-relu": _linear_relu,
     }
     cases = []
@@ -139,6 +141,26 @@ def _pythia(size: dict) -> Case:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
 
     return Case("pythia-14m", model, call, lambda fn: fn(ids))
+
+
+def _litgpt_llama(size: dict) -> Case:
+    """litgpt's Llama architecture (RMSNorm, rotary, grouped queries, SwiGLU MLP) at the tiny
+    sizes of the HF models."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config.from_name(
+        "Llama-2-7b-hf", n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
+        n_query_groups=size["heads"] // 2, intermediate_size=size["inter"],
+        vocab_size=size["vocab"], padded_vocab_size=size["vocab"], block_size=512)
+    model = GPT(config)
+    ids = torch.randint(0, config.padded_vocab_size, (size["batch"], size["seq"]))
+
+    def call(fn):
+        logits = fn(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+    return Case("litgpt-llama", model, call, lambda fn: fn(ids))
 
 
 def _linear_relu() -> Case:
@@ -259,7 +281,7 @@ def print_table(rows: list[dict]) -> None:
               f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
-MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "linear-relu")
+MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "litgpt-llama", "linear-relu")
 
 
 def main() -> None:

@@ -1033,4 +1033,10 @@ MUTANTS: list[Mutant] = [
     Mutant("vmap_shape_read_allowed", "tracer", "tracer/vmap.py",
            "if get_tracectx() is not None and not _is_fulmen(sys._getframe(1).f_code.co_filename):",
            "if False:", ("tests/tracer/test_vmap.py",)),
+    Mutant("repeat_interleave_tiles", "decomposition", "ops/torch/shape.py",
+           "wide = prims.broadcast_in_dim(input, (*shape[:d + 1], repeats, *shape[d + 1:]),\n"
+           "                                  (*range(d + 1), *range(d + 2, len(shape) + 1)))",
+           "wide = prims.broadcast_in_dim(input, (*shape[:d], repeats, *shape[d:]),\n"
+           "                                  (*range(d), *range(d + 1, len(shape) + 1)))",
+           ("tests/ops/test_shape.py",)),
 ]

@@ -41,8 +41,16 @@ def pythia():
     return litgpt_model.GPT(config)
 
 
+def litgpt_llama():
+    """litgpt's Llama architecture with grouped queries (`k.repeat_interleave(2, dim=1)`)."""
+    config = litgpt_config.Config.from_name(
+        "Llama-2-7b-hf", n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
+        intermediate_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=64)
+    return litgpt_model.GPT(config)
+
+
 MODELS = {"gpt2": (gpt2, "modeling_gpt2.py"), "llama": (llama, "modeling_llama.py"),
-          "pythia-14m": (pythia, "model.py")}
+          "pythia-14m": (pythia, "model.py"), "litgpt-llama": (litgpt_llama, "model.py")}
 
 
 def _logits(out):

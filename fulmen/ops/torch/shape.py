@@ -477,6 +477,29 @@ def repeat(self, *repeats, **kwargs):
     return repeat_to(self, _varargs(repeats, kwargs, "repeats", "repeat"))
 
 
+@torch_op(torch.repeat_interleave, methods=("repeat_interleave",))
+def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    """Each element `repeats` times in a row along `dim` (the flattened input when `dim` is
+    None): a broadcast over a new axis after `dim`, merged into it, so the gradient is a sum
+    over that axis. Eager returns a new contiguous tensor, as the merge of a broadcast does.
+
+    Only a Python int `repeats` of at least 1 without `output_size` decomposes (litgpt's
+    grouped-query `k.repeat_interleave(q_per_kv, dim=1)`); a tensor of repeats (sizes that
+    depend on its values), 0, a symbolic count or `output_size` record eager's op."""
+    if not isinstance(input, torch.Tensor) or type(repeats) is not int or repeats < 1 \
+            or output_size is not None or (dim is not None and input.ndim == 0):
+        raise NotYetSupportedError("repeat_interleave with repeats other than an int >= 1, or "
+                                   "output_size", op="repeat_interleave")
+    if dim is None:
+        input, d = prims.reshape(input, (math.prod(input.shape),)), 0
+    else:
+        d = wrap_dim(dim, input.ndim, "repeat_interleave")
+    shape = tuple(input.shape)
+    wide = prims.broadcast_in_dim(input, (*shape[:d + 1], repeats, *shape[d + 1:]),
+                                  (*range(d + 1), *range(d + 2, len(shape) + 1)))
+    return prims.reshape(wide, (*shape[:d], shape[d] * repeats, *shape[d + 1:]))
+
+
 @torch_op(T.tile, torch.tile)
 def tile(self, *dims, **kwargs):
     dims = _varargs(dims, kwargs, "dims", "tile")
