@@ -160,6 +160,11 @@ class BoundSymbol:
     subsymbols: tuple[BoundSymbol, ...] = ()
     source: SourceLocation | None = None
     tags: frozenset[str] = frozenset()
+    # NOTE [names of a statement, kept]: the names it reads and writes, computed at the first
+    # question (passes ask tens of thousands of times per compile) and kept. A statement is
+    # frozen and its arguments are not changed after it is recorded; the kept sets are
+    # frozensets, so code that tried to change one would raise, not corrupt the statement.
+    _names: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def replace(self, **changes) -> BoundSymbol:
         return dataclasses.replace(self, **changes)
@@ -188,12 +193,20 @@ class BoundSymbol:
         return list(iter_proxies(self.output))
 
     @property
-    def input_names(self) -> set[str]:
-        return {proxy.name for proxy in iter_proxies((self.args, self.kwargs))}
+    def input_names(self) -> frozenset[str]:
+        """The names of the proxies it reads (kept: NOTE [names of a statement, kept])."""
+        return (self._names or self._keep_names())[0]
 
     @property
-    def output_names(self) -> set[str]:
-        return {proxy.name for proxy in iter_proxies(self.output)}
+    def output_names(self) -> frozenset[str]:
+        """The names of the proxies it writes (kept: NOTE [names of a statement, kept])."""
+        return (self._names or self._keep_names())[1]
+
+    def _keep_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        names = (frozenset(proxy.name for proxy in iter_proxies((self.args, self.kwargs))),
+                 frozenset(proxy.name for proxy in iter_proxies(self.output)))
+        object.__setattr__(self, "_names", names)
+        return names
 
     @property
     def has_side_effects(self) -> bool:

@@ -86,6 +86,12 @@ def _rounds_a_gradient(bsym: BoundSymbol) -> bool:
                for p in iter_proxies((bsym.args, bsym.kwargs)))
 
 
+def _reads_any(bsym: BoundSymbol, names) -> bool:
+    """Whether `bsym` or a statement of its decomposition reads one of `names`."""
+    return not bsym.input_names.isdisjoint(names) or \
+        any(_reads_any(sub, names) for sub in bsym.subsymbols)
+
+
 def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
     """`bsym` reading renamed values, its decomposition too."""
     return bsym.replace(args=map_proxies(rename, bsym.args),
@@ -134,7 +140,7 @@ def cse(trace: Trace) -> Trace:
 
     kept: list[BoundSymbol] = []
     for bsym in trace.bsyms:
-        if replaced:
+        if replaced and _reads_any(bsym, replaced.keys()):  # else nothing to rename: kept
             bsym = _renamed(bsym, rename)
         source = _identity_view(bsym)
         if source is not None and not bsym.output_names & returned:

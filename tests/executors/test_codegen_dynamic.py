@@ -164,12 +164,13 @@ def test_a_region_is_made_concrete_rebuilding_only_its_symbolic_parts():
     parts = ((sym(s0), 8),
              (Access(0, (ViewStep("slice", ((0, 0), (sym(s0 * s1), 8), (1, 1))),)), static),
              (("kernel", 0), ("view", Access(0, (ViewStep("reshape", ((sym(s1 + 2), 4),)),)))))
-    rebuilt = codegen_sizes._substituter(parts)({s0: 3, s1: 5, s0 * s1: 15, s1 + 2: 7})
+    index = {s0: 0, s1: 1, s0 * s1: 2, s1 + 2: 3}
+    rebuilt = codegen_sizes._substituter(parts, index)((3, 5, 15, 7))
     assert rebuilt == ((3, 8),
                        (Access(0, (ViewStep("slice", ((0, 0), (15, 8), (1, 1))),)), static),
                        (("kernel", 0), ("view", Access(0, (ViewStep("reshape", ((7, 4),)),)))))
     assert rebuilt[1][1] is static and rebuilt[2][0] is parts[2][0]
-    assert codegen_sizes._substituter((static, (1, 2))) is None
+    assert codegen_sizes._substituter((static, (1, 2)), index) is None
 
 
 def test_a_sweep_over_sizes_keeps_few_concrete_regions(monkeypatch):

@@ -115,3 +115,25 @@ def test_a_failed_build_is_started_again_by_the_next_caller():
         policy.submit(key, flaky).result()
     assert policy.submit(key, flaky).result() == "built"
     assert len(attempts) == 2
+
+
+def test_lazy_runs_a_cached_kernel_of_a_new_layout_on_its_first_call(lazy, monkeypatch):
+    """NOTE [a cached kernel is loaded at once]: a layout whose kernel is in the disk cache
+    runs that kernel on the region's first call, not torch (a fallback per cold layout)."""
+    x, y = torch.randn(33, 64).t(), torch.randn(64, 33)  # x strided: not the contiguous layout
+    set_compile_policy("eager")
+    fulmen.jit(fn, executors=EXECUTORS)(x, y)  # builds this region's kernels for both layouts
+    built = len(lazy)
+    set_compile_policy("lazy")
+    monkeypatch.setattr(cg_build, "_loaded", {})  # only the disk cache has them
+    fallbacks = []
+    real = runtime.FusedRegion._run_fallback
+
+    def spy(self, inputs):
+        fallbacks.append(self.name)
+        return real(self, inputs)
+
+    monkeypatch.setattr(runtime.FusedRegion, "_run_fallback", spy)
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    assert fallbacks == [] and len(lazy) == built  # loaded from the disk, nothing compiled

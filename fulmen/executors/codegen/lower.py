@@ -44,7 +44,19 @@ def cast_scalar(value, dtype: torch.dtype):
         if dtype != torch.uint8 and value >= 1 << (bits - 1):
             value -= 1 << bits
         return value
-    return torch.tensor(value, dtype=dtype).item()
+    # rounding through a tensor costs ~10 µs, and lowering asks again for every candidate
+    # region (the partitioner's checks): answers are kept by the number as written (type and
+    # repr, so 0.0 and -0.0, 1 and 1.0 and True stay apart) and the dtype
+    key = (dtype, type(value), repr(value))
+    found = _CAST.get(key)
+    if found is None:
+        if len(_CAST) >= 4096:
+            _CAST.clear()
+        found = _CAST[key] = torch.tensor(value, dtype=dtype).item()
+    return found
+
+
+_CAST: dict[tuple, object] = {}
 
 
 def number_dtype(name: str, position: int, dtype: torch.dtype) -> torch.dtype:

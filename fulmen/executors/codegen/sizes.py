@@ -117,35 +117,60 @@ def _exprs(value, found: dict) -> None:
         _exprs(value.params, found)
 
 
-def _substituter(value):
-    """A function of a table {expression: size} giving `value` with each `SymSize` replaced by
-    its size, rebuilding only the tuples and IR objects that hold one (the rest is shared);
-    None when `value` holds none. Built once per region: a new size of a symbolic region
-    (every shape of a sweep's first pass) then costs a walk of its symbolic parts only, not of
-    every access and view parameter (0.4 s of a tiny HF llama's first training sweep)."""
-    if isinstance(value, SymSize):
-        expr = value.expr
-        return lambda table: table[expr]
-    if isinstance(value, tuple):
-        parts = [(i, f) for i, f in enumerate(map(_substituter, value)) if f is not None]
-        if not parts:
-            return None
-        items = list(value)
+def _substituter(value, index: dict):
+    """A function of the values of a region's sizes (a tuple, in the order of `index`, a dict
+    {expression: position}) giving `value` with each `SymSize` replaced by its size, rebuilding
+    only the tuples and IR objects that hold one (the rest is shared); None when `value` holds
+    none. Built once per region as one generated Python expression (NOTE [a region made
+    concrete by generated code]): a new size of a symbolic region (every shape of a sweep's
+    first pass) then costs one call building its symbolic parts, not a walk of every access
+    and view parameter."""
+    scope: dict = {"_access": _maker(Access, ("input", "steps")),
+                   "_view": _maker(ViewStep, ("name", "params"))}
 
-        def rebuild(table):
-            out = items.copy()
-            for i, f in parts:
-                out[i] = f(table)
-            return tuple(out)
+    def const(item) -> str:
+        name = f"_c{len(scope)}"
+        scope[name] = item
+        return name
 
-        return rebuild
-    if isinstance(value, Access):
-        steps = _substituter(value.steps)
-        return None if steps is None else lambda table: Access(value.input, steps(table))
-    if isinstance(value, ViewStep):
-        params = _substituter(value.params)
-        return None if params is None else lambda table: ViewStep(value.name, params(table))
-    return None
+    def emit(item) -> str | None:
+        if isinstance(item, SymSize):
+            return f"v[{index[item.expr]}]"
+        if isinstance(item, tuple):
+            parts = [emit(part) for part in item]
+            if all(part is None for part in parts):
+                return None
+            return "(" + "".join(f"{const(part) if text is None else text}, "
+                                 for part, text in zip(item, parts)) + ")"
+        if isinstance(item, Access):
+            steps = emit(item.steps)
+            return None if steps is None else f"_access({const(item.input)}, {steps})"
+        if isinstance(item, ViewStep):
+            params = emit(item.params)
+            return None if params is None else f"_view({const(item.name)}, {params})"
+        return None
+
+    # NOTE [a region made concrete by generated code]: closures per tuple and IR object cost
+    # a Python call each (about 20 per region of tiny HF Llama), and the frozen dataclasses'
+    # constructors a checked attribute write per field; the generated expression builds the
+    # same values (plain tuples, the same IR objects) in one call.
+    expression = emit(value)
+    if expression is None:
+        return None
+    exec(compile(f"def _substitute(v):\n    return {expression}\n",
+                 "<fulmen codegen concrete sizes>", "exec"), scope)
+    return scope["_substitute"]
+
+
+def _maker(cls, fields: tuple[str, ...]):
+    """A constructor of the frozen dataclass `cls` without the per-field checked writes of its
+    own (the IR classes have no `__post_init__`), as `_replaced` copies one."""
+    def make(*values):
+        new = object.__new__(cls)
+        new.__dict__.update(zip(fields, values))
+        return new
+
+    return make
 
 
 def _parts(lowered) -> tuple:
@@ -185,7 +210,8 @@ class Binder:
         self.source = source
         self._sizes = scope["_sizes"]
         parts = _parts(lowered)
-        self.substitute = _substituter(parts) or (lambda table: parts)
+        index = {expr: i for i, expr in enumerate(self.exprs)}
+        self.substitute = _substituter(parts, index) or (lambda values: parts)
 
     def __call__(self, inputs) -> tuple[int, ...]:
         return self._sizes(*inputs)
@@ -202,8 +228,7 @@ class _Named:
 def concrete(lowered, binder: Binder, values: Iterable[int]):
     """`lowered` (a `LoweredRegion` or `LoweredRows`, the one `binder` was made for) with the
     sizes `values` (from `binder`) in place of its `SymSize`s."""
-    table = dict(zip(binder.exprs, values))
-    shape, accesses, outputs = binder.substitute(table)
+    shape, accesses, outputs = binder.substitute(tuple(values))
     kernel = _replaced(lowered.kernel, accesses=accesses)
     return _replaced(lowered, kernel=kernel, shape=shape, outputs=outputs)
 

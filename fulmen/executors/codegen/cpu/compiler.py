@@ -183,6 +183,35 @@ def load_entry(source: str):
     return fn
 
 
+def load_cached_entry(source: str):
+    """The `fulmen_call` entry of kernel `source` (as `load_entry`) when its library is loaded
+    already or its disk cache entry verifies; None otherwise: this never runs the compiler.
+
+    Raises:
+        CompileError: the verified library could not be loaded.
+    """
+    cxx = compiler()
+    if cxx is None:
+        return None
+    source = with_entry(source)
+    key = cache_key(source, cxx)
+    with _lock:
+        lib = _loaded.get(key)
+    if lib is None:
+        try:
+            path = cache.lookup(KIND, key, _OBJECT)
+            if path is None:
+                return None
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise CompileError(f"the kernel cache failed: {error}") from error
+        with _lock:
+            lib = _loaded.setdefault(key, lib)
+    fn = lib.fulmen_call
+    fn.restype = None
+    return fn
+
+
 def _build(source: str, cxx: str, key: str) -> Path:
     """Compile `source` into the cache entry `key`; its object's path. When the cache
     directory fails while in use, the build is redone in a private temporary one."""

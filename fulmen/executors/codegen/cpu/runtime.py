@@ -119,13 +119,25 @@ class FusedRegion(RegionCallable):
         return future
 
     def _kernel_for(self, layout: tuple):
-        """The compiled kernel for `layout`; raises Fallback while it is not ready (lazy)."""
+        """The compiled kernel for `layout`; raises Fallback while it is not ready (lazy).
+
+        NOTE [a cached kernel is loaded at once]: a kernel for `layout` already loaded by this
+        process or in the disk cache is loaded here, in the calling thread (lazy too): no
+        compiler runs, and the region runs its kernel from its first call. A new size of a
+        symbolic region can need a layout the region has not used (a size that makes a
+        strided dim contiguous), and tiny HF Llama's first training sweep ran 31 region calls
+        on torch, each building its fallback, while such kernels waited for `hot_calls` or
+        for the background thread that loads them."""
         fn = self._ready.get(layout)
         if fn is not None:
             return fn
-        if layout not in self._kernels and policy.mode == "lazy" \
-                and self.calls < policy.hot_calls:
-            raise Fallback
+        if policy.mode == "lazy":
+            fn = compiler.load_cached_entry(self._source(layout))
+            if fn is not None:
+                self._ready[layout] = fn
+                return fn
+            if layout not in self._kernels and self.calls < policy.hot_calls:
+                raise Fallback
         future = self._start(layout)
         if policy.mode == "lazy" and not future.done():
             raise Fallback
