@@ -1082,4 +1082,13 @@ MUTANTS: list[Mutant] = [
     Mutant("segments_eager_op_inputs_not_kept", "breaks", "transforms/segments.py",
            "reads = (reads - op.output_names) | op.input_names",
            "reads = reads - op.output_names", BREAKS),
+    Mutant("optimizer_step_by_name_and_closure", "bridge", "wrappers.py",
+           'lr_wrapper = owner is None and getattr(fn, "_wrapped_by_lr_sched", False)',
+           "lr_wrapper = owner is None",
+           ("tests/tracer/test_training_calls.py", "tests/tracer/test_objects.py")),
+    Mutant("optimizer_step_of_a_scheduler_with_grad", "bridge", "wrappers.py",
+           'lr_wrapper = owner is None and getattr(fn, "_wrapped_by_lr_sched", False)',
+           "lr_wrapper = False",
+           ("tests/tracer/test_training_calls.py", "tests/tracer/test_objects.py",
+            "tests/test_eager_streak.py")),
 ]
