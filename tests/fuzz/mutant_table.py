@@ -1091,4 +1091,7 @@ MUTANTS: list[Mutant] = [
            "lr_wrapper = False",
            ("tests/tracer/test_training_calls.py", "tests/tracer/test_objects.py",
             "tests/test_eager_streak.py")),
+    Mutant("checkpointed_update_compiled", "mutation", "tracer/mutation.py",
+           'and "checkpoint" in self.ctx.call_site_tags():', "and False:",
+           ("tests/tracer/test_batch_norm_paths.py",)),
 ]
