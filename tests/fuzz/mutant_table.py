@@ -1089,11 +1089,4 @@ MUTANTS: list[Mutant] = [
     Mutant("checkpointed_update_compiled", "mutation", "tracer/mutation.py",
            'and "checkpoint" in self.ctx.call_site_tags():', "and False:",
            ("tests/tracer/test_batch_norm_paths.py",)),
-    Mutant("prims_var_complex_dtype", "dtype", "ops/prims/reductions.py",
-           "real = a.dtype.to_real() if a.dtype.is_complex else a.dtype", "real = a.dtype",
-           REDUCTIONS),
-    Mutant("prims_elementwise_layout_of_first_operand", "layout", "ops/prims/elementwise.py",
-           "isinstance(arg, torch.Tensor) and arg.stride() != strides for arg in args)",
-           "isinstance(arg, torch.Tensor) and arg.stride() != strides for arg in args[:1])",
-           (*LAYOUT, "tests/tracer/test_layout_guards.py")),
 ]
