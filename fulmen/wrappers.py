@@ -60,8 +60,12 @@ def _is_optimizer_step(fn) -> bool:
     if getattr(fn, "__name__", "") != "step":
         return False
     owner = getattr(fn, "__self__", None)
-    # an LR scheduler replaces `optimizer.step` by a wrapper holding the optimizer weakly
-    cells = (getattr(fn, "__closure__", None) or ()) if owner is None else ()
+    # an LR scheduler replaces `optimizer.step` by a wrapper holding the optimizer weakly,
+    # marked `_wrapped_by_lr_sched`; a user's own function named `step` that closes over an
+    # optimizer (a training step: forward, backward, `opt.step()`) is not one, and runs with
+    # the caller's grad mode as eager's
+    lr_wrapper = owner is None and getattr(fn, "_wrapped_by_lr_sched", False)
+    cells = (getattr(fn, "__closure__", None) or ()) if lr_wrapper else ()
     for cell in cells:
         value = cell.cell_contents
         value = value() if isinstance(value, weakref.ref) else value

@@ -141,6 +141,13 @@ class InputRequiringGradModified(RunsEagerly):
     tensors instead, so the call runs eagerly and answers as eager does."""
 
 
+class CheckpointedUpdate(RunsEagerly):
+    """An argument or buffer is modified in place inside a `torch.utils.checkpoint` region
+    with grad on (a BatchNorm's running statistics and `num_batches_tracked`): eager's backward
+    recomputes the region and modifies it a second time, a compiled call once (its backward
+    recomputes values, not updates), so the call runs eagerly and updates as eager does."""
+
+
 class MetadataMutation(RunsEagerly):
     """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
     `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
@@ -416,6 +423,11 @@ class Functionalizer:
             view = None
         root = self.roots[view.root] if view is not None else self._root(target)
         self._check_grad(root, op)
+        if root.proxy.name in self.inputs and torch.is_grad_enabled() \
+                and "checkpoint" in self.ctx.call_site_tags():
+            raise CheckpointedUpdate(f"{root.proxy.name} is modified in place inside a "
+                                     "torch.utils.checkpoint region, which eager's backward "
+                                     "runs again", op=op, where=user_source_location())
         keeps_fresh = check_fresh_update(self, root.proxy.name, target, value, op)
         with self.ctx.internal():
             if view is None:

@@ -41,6 +41,20 @@ def test_comparisons_at_ties_match_eager(dtype):
     assert _fused(jfn)
 
 
+def _integer_predicates(a):
+    return (torch.signbit(a), torch.sign(a), a.abs(), torch.logical_not(a), a * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8], ids=str)
+def test_integer_predicates_at_zero_match_eager(dtype):
+    """Integer spellings at 0 (`signbit(0)` is False: `<` spelled `<=` differs only there)."""
+    a = torch.tensor([[-3, -1, 0, 1, 2, 0, -2, 5]] * 4).to(dtype)
+    jfn = fulmen.jit(_integer_predicates, executors=EXECUTORS)
+    for actual, expected in zip(jfn(a), _integer_predicates(a), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert _fused(jfn)
+
+
 # the constants codegen spells without pow (codegen/ops.py POW_CONSTANT), and two it does not
 EXPONENTS = (-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0, -3.0, 1.7)
 

@@ -672,11 +672,10 @@ class Stage(nn.Module):
         return self.act(self.norm(self.conv(x)))
 
     def forward(self, x):
-        # excluded: batch norm's running stats in a checkpointed region. Eager's recomputation
-        # in backward updates them a second time (num_batches_tracked += 2), fulmen once
-        # (reported as a divergence from eager, see the report of issue 18)
-        recomputes_stats = self.spec.norm.startswith("batch") and self.training
-        if self.spec.checkpoint and torch.is_grad_enabled() and not recomputes_stats:
+        # batch norm's running stats in a checkpointed region: eager's recomputation in
+        # backward updates them a second time (num_batches_tracked += 2); such calls run
+        # eagerly (`tracer/mutation.py` CheckpointedUpdate)
+        if self.spec.checkpoint and torch.is_grad_enabled():
             h = checkpoint(self.core, x, use_reentrant=False)
         else:
             h = self.core(x)

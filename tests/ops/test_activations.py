@@ -16,6 +16,7 @@ CASES = [
     lambda x: F.leaky_relu(x, 0.2),
     lambda x: F.elu(x, alpha=1.5),
     lambda x: F.glu(x, dim=0),
+    lambda x: F.gelu(x, approximate="tanh"),  # gelu_backward's decomposition, decomposed
 ]
 
 
@@ -24,6 +25,27 @@ CASES = [
 def test_activation(index, mode):
     fn = CASES[index]
     x = (torch.randn(4, 6) * 5).requires_grad_()
+    assert_traced_like_eager(fn, x, mode)
+
+
+# decomposed to prims before autodiff, `minimum(maximum(x, low), high)` splits the gradient
+# at a bound evenly (the prims' tie rule, eager's for torch.maximum), where eager's hardtanh
+# gives 0 there (relu at 0 and clamp at its bounds alike); the default pipeline differentiates
+# the torch-level ops by their own rules and is exact
+_KINK_XFAIL = pytest.mark.xfail(strict=True, reason="decomposed hardtanh at its bounds: 0.5")
+KINKS = [pytest.param(index, mode, id=f"{index}-{name}",
+                      marks=[_KINK_XFAIL] if index == 2 and mode else [])
+         for index in range(len(CASES))
+         for name, mode in (("torch", []), ("decomposed", [decompose_to_prims]))]
+
+
+@pytest.mark.parametrize(("index", "mode"), KINKS)
+def test_activation_gradients_at_kinks_are_eagers(index, mode):
+    """Inputs exactly at 0 and at hardtanh's bounds: random inputs never hold them, and there
+    a `>` written `>=` in a decomposition changes the gradient (eager's leaky_relu passes
+    `slope * grad` at 0), not the value."""
+    fn = CASES[index]
+    x = torch.tensor([[-2.0, -0.5, 0.0, 0.7, 1.5, 0.0]] * 2, requires_grad=True)
     assert_traced_like_eager(fn, x, mode)
 
 

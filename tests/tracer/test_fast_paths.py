@@ -13,8 +13,11 @@ import fulmen
 def _encoder(norm: bool) -> torch.nn.TransformerEncoder:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
-    return torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(8) if norm else None,
-                                       enable_nested_tensor=True)
+    final = None
+    if norm:  # a trained norm: the padded positions hold its bias (0 for a fresh LayerNorm)
+        final = torch.nn.LayerNorm(8)
+        torch.nn.init.normal_(final.bias)
+    return torch.nn.TransformerEncoder(layer, 2, norm=final, enable_nested_tensor=True)
 
 
 class _Classifier(torch.nn.Module):

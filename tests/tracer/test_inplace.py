@@ -639,3 +639,32 @@ def test_out_argument_with_an_input_requiring_grad_raises_eagers_error():
         fulmen.jit(f)(p)
     with torch.no_grad():  # no autograd: eager and fulmen write the result
         torch.testing.assert_close(fulmen.jit(f)(p), p.detach() + 1)
+
+
+def _overwritten(kind):
+    def fn(x, z):
+        y = x * 2
+        h = x.sum()  # x has another use: its gradient is defined either way
+        if kind == "zero_":
+            y.zero_()
+        elif kind == "fill_":
+            y.fill_(3.0)
+        else:
+            y.copy_(z)
+        return y, h
+    return fn
+
+
+@pytest.mark.parametrize("kind", ["zero_", "fill_", "copy_"])
+def test_a_value_overwritten_in_place_still_requires_grad_as_in_eager(kind):
+    # eager's Fill/Zero/CopyBackward keep the overwritten tensor in the graph: the result
+    # requires grad and gives the tensor it replaced a zero gradient, not none
+    fn = _overwritten(kind)
+    x = torch.randn(3, 4, requires_grad=True)
+    z = torch.randn(3, 4)
+    expected, actual = fn(x, z), fulmen.jit(fn)(x, z)
+    assert [t.requires_grad for t in actual] == [t.requires_grad for t in expected]
+    torch.testing.assert_close(actual, expected)
+    cotangents = (torch.randn(3, 4), torch.randn(()))
+    torch.testing.assert_close(torch.autograd.grad(actual, x, cotangents),
+                               torch.autograd.grad(expected, x, cotangents))

@@ -317,6 +317,21 @@ def test_rms_norm_composite_rule():
     _gradcheck(lambda x: torch.nn.functional.rms_norm(x, (3, 4)), _any(2, 3, 4))
 
 
+def test_rms_norm_default_eps_gradient_of_small_activations_is_eagers():
+    # nn.RMSNorm's default eps=None is float32's machine epsilon (1.2e-7 for float32 and
+    # half inputs); with activations of 1e-4 (mean square 1e-8) it is most of the
+    # denominator, in the backward rule as in the forward
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(8)
+    x = (torch.randn(3, 8) * 1e-4).requires_grad_()
+    jnorm = fulmen.jit(norm)
+    expected, actual = norm(x), jnorm(x)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, (x, norm.weight), cotangent),
+                               torch.autograd.grad(expected, (x, norm.weight), cotangent))
+
+
 @pytest.mark.parametrize("op", ["mul", "div", "exp", "sum"])
 def test_complex_intermediates_differentiate_as_eager(op):
     # the prim rules are for real values; complex ones (HF Llama 4's rotary embedding) go
