@@ -52,6 +52,7 @@ from fulmen.tracer.autograd_function import (
 )
 from fulmen.tracer.breaks import concrete_sizes
 from fulmen.tracer.layout import rule_layouts
+from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 from fulmen.tracer.objects import TRACED_NUMBERS
 
@@ -565,6 +566,9 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
+            if type(args[0]) is StaleTensorProxy and not is_internal(
+                    sys._getframe(1).f_code.co_filename):  # NOTE [in-place metadata changes]
+                raise stale_use(args[0], _func_name(func))
             if func is T.stride and self.ctx.undecided_layouts and isinstance(
                     args[0], TensorProxy):
                 self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))

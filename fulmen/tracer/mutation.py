@@ -71,6 +71,12 @@ from fulmen.tracer.fresh_leaves import (
     make_fresh_leaf,
     mark_fresh,
 )
+from fulmen.tracer.metadata_inplace import (
+    MetadataMutation,
+    StaleTensorProxy,
+    stale_use,
+    trace_metadata_change,
+)
 
 T = torch.Tensor
 
@@ -139,11 +145,6 @@ class InputRequiringGradModified(RunsEagerly):
     update in the argument's own autograd history (its `grad_fn` and version change, and
     gradients flow through the update), or raises for a leaf; a compiled call returns new
     tensors instead, so the call runs eagerly and answers as eager does."""
-
-
-class MetadataMutation(RunsEagerly):
-    """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
-    `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
 
 
 _METADATA_INPLACE = {
@@ -243,6 +244,8 @@ class Functionalizer:
 
     def resolve(self, proxy: TensorProxy) -> TensorProxy:
         """The current value of the tensor the user holds as `proxy`."""
+        if type(proxy) is StaleTensorProxy:  # NOTE [in-place metadata changes]
+            raise stale_use(proxy, "read")
         view = self.views.get(proxy.name)
         if view is None:
             if self.poisoned and proxy.name in self.poisoned:
@@ -583,6 +586,10 @@ class Functionalizer:
             return None
         if name == "__set__" and len(args) == 2 and self._same_value(args[0], args[1]):
             return None  # `p.data = p.to(p.dtype)` (nn.Module._apply of a no-op `.to`)
+        if name in _METADATA_INPLACE and args and not kwargs.get("out"):
+            new = trace_metadata_change(self, name, args, kwargs)  # NOTE [in-place metadata ...]
+            if new is not None:
+                return new
         if name in _METADATA_INPLACE or func is F.embedding:
             raise MetadataMutation("in-place changes of tensor metadata (and F.embedding's "
                                    "max_norm renormalisation) are not supported yet",
