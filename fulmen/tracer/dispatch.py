@@ -280,6 +280,9 @@ class TracerCtx(TraceCtx):
             return iter(args[0].unbind(0))
         user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
+        dtype = kwargs.get("dtype")
+        if isinstance(dtype, type) and dtype in _PYTHON_DTYPES:  # `ones(n, dtype=int)`: BigBird
+            kwargs = {**kwargs, "dtype": _PYTHON_DTYPES[dtype]}
         if self._internal:
             return self._dispatch(func, args, kwargs)
         if _is_inplace(func, args, kwargs):
@@ -581,6 +584,11 @@ class FactoryMode(TorchFunctionMode):
                 func in _DATA_FACTORIES and _python_data(args, kwargs)):
             return self.ctx.handle(func, types, args, kwargs)
         return _call_with_numbers(func, args, kwargs)
+
+
+# a Python type given as a dtype means what PyTorch's argument parser makes of it
+_PYTHON_DTYPES = {int: torch.int64, float: torch.float64, bool: torch.bool,
+                  complex: torch.complex128}
 
 
 def _call_with_numbers(func, args: tuple, kwargs: dict):
