@@ -299,6 +299,8 @@ class TracerCtx(TraceCtx):
         except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
             _name_the_call(error, func)
             raise
+        if kwargs.get("requires_grad") is True:  # `torch.zeros(n, requires_grad=True)`
+            self.mutation.grad_leaves.update(p.name for p in iter_proxies(out))
         if r_args is not args or r_kwargs is not kwargs:
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
             self.mutation.refuse_grad_reads((args, kwargs), out)

@@ -81,7 +81,7 @@ def trace_metadata_change(functionalizer, name: str, args: tuple, kwargs: dict):
     ctx = functionalizer.ctx
     if target.name not in ctx.requires_grad_names and (
             target.requires_grad or target.name in ctx.fresh_grad_names
-            or _made_requiring_grad(ctx, root)):
+            or root in functionalizer.grad_leaves):
         return None  # a leaf made to require grad inside the call (or computed from one)
     new = ctx.handle(VIEW_FOR_METADATA_OP[name], (T,), args, kwargs)
     if new is target:
@@ -90,15 +90,6 @@ def trace_metadata_change(functionalizer, name: str, args: tuple, kwargs: dict):
     target.__class__ = StaleTensorProxy
     functionalizer.mutated = True  # reads resolve (and refuse) stale proxies from here on
     return new
-
-
-def _made_requiring_grad(ctx, name: str) -> bool:
-    """Whether `name` was made by a factory called with `requires_grad=True`
-    (`torch.zeros(3, requires_grad=True)`: an autograd leaf in eager)."""
-    for bsym in reversed(ctx.bsyms):
-        if name in bsym.output_names:
-            return bool(bsym.kwargs.get("requires_grad"))
-    return False
 
 
 def _rebind_locals(old, new) -> None:

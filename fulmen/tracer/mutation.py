@@ -129,6 +129,12 @@ _DETACHES = (torch.detach, T.detach)
 _GRAD_SET = T.grad.__set__
 
 
+class LeafModified(RunsEagerly):
+    """An in-place update, with grad on, of a tensor the call made with `requires_grad=True`
+    (`w = torch.zeros(3, requires_grad=True); w.add_(1)`), or of a view of it: eager raises (a
+    leaf requiring grad), so the call runs eagerly and raises as eager does."""
+
+
 class NoGradUpdate(RunsEagerly):
     """NOTE [no_grad updates of tensors requiring grad]: `with torch.no_grad(): p -= lr *
     p.grad` (a hand-written SGD step, an EMA update, `torch._foreach_lerp_`) is eager's way to
@@ -227,6 +233,8 @@ class Functionalizer:
         # tracer makes them epilogue stores (`fulmen.tracer.objects`)
         self.grad_clears: list[TensorProxy] = []
         self.fresh_roots: set[str] = set()  # roots of the fresh leaves (NOTE [fresh leaves])
+        # tensors made by a factory called with requires_grad=True: autograd leaves in eager
+        self.grad_leaves: set[str] = set()
         # roots whose value is unknown: a tensor that may alias them was modified in place
         # (NOTE [writes through a tensor that may alias]); name -> that tensor's view record
         self.poisoned: dict[str, _View] = {}
@@ -418,6 +426,9 @@ class Functionalizer:
             del self.views[target.name]
             view = None
         root = self.roots[view.root] if view is not None else self._root(target)
+        if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():
+            raise LeafModified(f"{root.proxy.name}, made with requires_grad=True, (or a view of "
+                               "it) is modified in place", op=op, where=user_source_location())
         self._check_grad(root, op)
         keeps_fresh = check_fresh_update(self, root.proxy.name, target, value, op)
         with self.ctx.internal():
