@@ -51,6 +51,7 @@ from fulmen.tracer.autograd_function import (
     intercept_function_apply,
 )
 from fulmen.tracer.layout import rule_layouts, stand_in_layouts
+from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
 from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
 from fulmen.tracer.objects import PLAIN_NUMBER
 
@@ -285,6 +286,9 @@ class TracerCtx(TraceCtx):
             return iter(args[0].unbind(0))
         user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
+        dtype = kwargs.get("dtype")
+        if isinstance(dtype, type) and dtype in _PYTHON_DTYPES:  # `ones(n, dtype=int)`: BigBird
+            kwargs = {**kwargs, "dtype": _PYTHON_DTYPES[dtype]}
         if self._internal:
             return self._dispatch(func, args, kwargs)
         if _is_inplace(func, args, kwargs):
@@ -301,6 +305,8 @@ class TracerCtx(TraceCtx):
         except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
             _name_the_call(error, func)
             raise
+        if kwargs.get("requires_grad") is True:  # `torch.zeros(n, requires_grad=True)`
+            self.mutation.grad_leaves.update(p.name for p in iter_proxies(out))
         if r_args is not args or r_kwargs is not kwargs:
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
             self.mutation.refuse_grad_reads((args, kwargs), out)
@@ -584,6 +590,9 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
+            if type(args[0]) is StaleTensorProxy and not is_internal(
+                    sys._getframe(1).f_code.co_filename):  # NOTE [in-place metadata changes]
+                raise stale_use(args[0], _func_name(func))
             if func is T.stride and self.ctx.undecided_layouts and isinstance(
                     args[0], TensorProxy):
                 self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))
@@ -596,6 +605,11 @@ class FactoryMode(TorchFunctionMode):
                 func in _DATA_FACTORIES and _python_data(args, kwargs)):
             return self.ctx.handle(func, types, args, kwargs)
         return _call_with_numbers(func, args, kwargs)
+
+
+# a Python type given as a dtype means what PyTorch's argument parser makes of it
+_PYTHON_DTYPES = {int: torch.int64, float: torch.float64, bool: torch.bool,
+                  complex: torch.complex128}
 
 
 # torch's functions of symbolic numbers that return numbers (`torch.sym_max(s0, 1)`), by name

@@ -71,6 +71,12 @@ from fulmen.tracer.fresh_leaves import (
     make_fresh_leaf,
     mark_fresh,
 )
+from fulmen.tracer.metadata_inplace import (
+    MetadataMutation,
+    StaleTensorProxy,
+    stale_use,
+    trace_metadata_change,
+)
 
 T = torch.Tensor
 
@@ -123,6 +129,12 @@ _DETACHES = (torch.detach, T.detach)
 _GRAD_SET = T.grad.__set__
 
 
+class LeafModified(RunsEagerly):
+    """An in-place update, with grad on, of a tensor the call made with `requires_grad=True`
+    (`w = torch.zeros(3, requires_grad=True); w.add_(1)`), or of a view of it: eager raises (a
+    leaf requiring grad), so the call runs eagerly and raises as eager does."""
+
+
 class NoGradUpdate(RunsEagerly):
     """NOTE [no_grad updates of tensors requiring grad]: `with torch.no_grad(): p -= lr *
     p.grad` (a hand-written SGD step, an EMA update, `torch._foreach_lerp_`) is eager's way to
@@ -146,11 +158,6 @@ class CheckpointedUpdate(RunsEagerly):
     with grad on (a BatchNorm's running statistics and `num_batches_tracked`): eager's backward
     recomputes the region and modifies it a second time, a compiled call once (its backward
     recomputes values, not updates), so the call runs eagerly and updates as eager does."""
-
-
-class MetadataMutation(RunsEagerly):
-    """An in-place change of a tensor's metadata (`x.t_()`, `requires_grad_()` on a new tensor,
-    `resize_`) or F.embedding's `max_norm` renormalisation: the call runs eagerly."""
 
 
 _METADATA_INPLACE = {
@@ -233,6 +240,8 @@ class Functionalizer:
         # tracer makes them epilogue stores (`fulmen.tracer.objects`)
         self.grad_clears: list[TensorProxy] = []
         self.fresh_roots: set[str] = set()  # roots of the fresh leaves (NOTE [fresh leaves])
+        # tensors made by a factory called with requires_grad=True: autograd leaves in eager
+        self.grad_leaves: set[str] = set()
         # roots whose value is unknown: a tensor that may alias them was modified in place
         # (NOTE [writes through a tensor that may alias]); name -> that tensor's view record
         self.poisoned: dict[str, _View] = {}
@@ -250,6 +259,8 @@ class Functionalizer:
 
     def resolve(self, proxy: TensorProxy) -> TensorProxy:
         """The current value of the tensor the user holds as `proxy`."""
+        if type(proxy) is StaleTensorProxy:  # NOTE [in-place metadata changes]
+            raise stale_use(proxy, "read")
         view = self.views.get(proxy.name)
         if view is None:
             if self.poisoned and proxy.name in self.poisoned:
@@ -422,6 +433,9 @@ class Functionalizer:
             del self.views[target.name]
             view = None
         root = self.roots[view.root] if view is not None else self._root(target)
+        if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():
+            raise LeafModified(f"{root.proxy.name}, made with requires_grad=True, (or a view of "
+                               "it) is modified in place", op=op, where=user_source_location())
         self._check_grad(root, op)
         if root.proxy.name in self.inputs and torch.is_grad_enabled() \
                 and "checkpoint" in self.ctx.call_site_tags():
@@ -595,6 +609,10 @@ class Functionalizer:
             return None
         if name == "__set__" and len(args) == 2 and self._same_value(args[0], args[1]):
             return None  # `p.data = p.to(p.dtype)` (nn.Module._apply of a no-op `.to`)
+        if name in _METADATA_INPLACE and args and not kwargs.get("out"):
+            new = trace_metadata_change(self, name, args, kwargs)  # NOTE [in-place metadata ...]
+            if new is not None:
+                return new
         if name in _METADATA_INPLACE or func is F.embedding:
             raise MetadataMutation("in-place changes of tensor metadata (and F.embedding's "
                                    "max_norm renormalisation) are not supported yet",

@@ -668,3 +668,32 @@ def test_a_value_overwritten_in_place_still_requires_grad_as_in_eager(kind):
     cotangents = (torch.randn(3, 4), torch.randn(()))
     torch.testing.assert_close(torch.autograd.grad(actual, x, cotangents),
                                torch.autograd.grad(expected, x, cotangents))
+
+
+@pytest.mark.parametrize("update", [
+    lambda w: w.add_(1), lambda w: w[0].mul_(2), lambda w: w.unsqueeze_(0),
+], ids=["add_", "view_mul_", "unsqueeze_"])
+def test_in_place_update_of_a_new_leaf_requiring_grad_raises_as_eager(update):
+    def fn(a):
+        w = torch.ones(3, requires_grad=True)
+        update(w)
+        return a * w
+
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        fn(torch.ones(3))
+    with pytest.raises(RuntimeError, match="leaf Variable"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the call runs eagerly
+        fulmen.jit(fn)(torch.ones(3))
+
+
+def test_no_grad_update_of_a_new_leaf_requiring_grad_compiles():
+    def fn(a):
+        w = torch.ones(3, requires_grad=True)
+        with torch.no_grad():
+            w.mul_(2)  # eager allows this under no_grad
+        return (a * w).sum()
+
+    a = torch.randn(3)
+    out = fulmen.jit(fn)(a)
+    torch.testing.assert_close(out, fn(a))
+    assert out.requires_grad

@@ -324,3 +324,23 @@ def test_an_attribute_stored_on_a_tensor_runs_the_call_eagerly():
     with pytest.warns(UserWarning, match="'last_input'"):
         fulmen.jit(fn)(torch.full((2,), 3.0), w)
     assert type(w.last_input) is torch.Tensor and w.last_input.tolist() == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: torch.ones(x.size(), dtype=int) - x,  # HF BigBird's question mask
+    lambda x: torch.zeros(3, dtype=float) + x,
+    lambda x: torch.full((3,), 1, dtype=bool) & (x > 0),
+    lambda x: x.new_ones(3, dtype=int) * x,
+    lambda x: torch.ones_like(x, dtype=complex) * 2,
+    lambda x: torch.arange(3, dtype=float) + x,
+    lambda x: (torch.zeros(3, dtype=int).dtype, x + 1),
+], ids=["ones", "zeros", "full", "new_ones", "ones_like", "arange", "dtype_read"])
+def test_a_python_type_as_dtype_means_what_torch_makes_of_it(make):
+    x = torch.arange(3)
+    expected = make(x)
+    actual = fulmen.jit(make)(x)
+    if isinstance(expected, tuple):
+        assert actual[0] is expected[0]
+        expected, actual = expected[1], actual[1]
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected)
