@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fulmen
+from tests.models.test_hf_vision_audio import _train_step_matches
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T = pytest.importorskip("transformers")
@@ -33,23 +34,6 @@ def _ids(shape, seed, pad=None):
     if pad is not None:
         ids[pad] = 0
     return ids, (ids != 0).long()
-
-
-def _train_step_matches(model, jitted, twin, inputs):
-    """A training step of `model` eagerly and of `jitted` (wrapping `twin`, a copy): the loss,
-    the logits and every gradient agree."""
-    torch.manual_seed(0)
-    expected = model(**inputs)
-    torch.manual_seed(0)
-    actual = jitted(**inputs)
-    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-4, atol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
 def _no_fallback(jitted):
