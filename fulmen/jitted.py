@@ -419,9 +419,13 @@ class _Jitted:
             if isinstance(error, RunsEagerly) and self._eager_allowed:
                 raise  # the call runs eagerly: no report to write
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
+        except BaseException:
+            host_random.restore()  # the generators left at their sentinel states otherwise
+            raise
         leaked = stored_proxies(global_holders)
         if leaked:
             restore_classes(classes)
+            host_random.restore()
             raise GlobalStore(
                 f"the function stores a traced tensor into {leaked[0]}; a compiled call would "
                 "leave a placeholder there", op="store",

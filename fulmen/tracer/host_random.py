@@ -26,36 +26,46 @@ class HostRandomness(RunsEagerly):
 
 
 class HostRandomState:
-    """The states of Python's `random` and (when imported) NumPy's global generator."""
+    """The states of Python's `random` and (when imported) NumPy's global generator, taken
+    before tracing; the trace runs from sentinel states (one draw further), so that code that
+    seeds a generator and draws (HF BigBird's `np.random.seed(...)` on every call) is seen even
+    when it ends where the generator already was (right after an eager call did the same)."""
 
     def __init__(self) -> None:
         self._python = random.getstate()
+        random.random()
+        self._python_sentinel = random.getstate()
         numpy = sys.modules.get("numpy")
-        self._numpy = numpy.random.get_state() if numpy is not None else None
+        self._numpy = self._numpy_sentinel = None
+        if numpy is not None:
+            self._numpy = numpy.random.get_state()
+            numpy.random.random()
+            self._numpy_sentinel = numpy.random.get_state()
 
     def drawn(self) -> bool:
-        """Whether either generator moved since the states were taken."""
-        if random.getstate() != self._python:
+        """Whether either generator moved from its sentinel state."""
+        if random.getstate() != self._python_sentinel:
             return True
         if self._numpy is None:
             return False
-        now = sys.modules["numpy"].random.get_state()
-        return now[2:] != self._numpy[2:] or not (now[1] == self._numpy[1]).all()
+        now, then = sys.modules["numpy"].random.get_state(), self._numpy_sentinel
+        return now[2:] != then[2:] or not (now[1] == then[1]).all()
 
     def restore(self) -> None:
-        """Put both generators back as they were."""
+        """Put both generators back as they were before tracing."""
         random.setstate(self._python)
         if self._numpy is not None:
             sys.modules["numpy"].random.set_state(self._numpy)
 
     def refuse_draws(self) -> None:
-        """Raise `HostRandomness` (after putting the generators back) if the code drew.
+        """Put the generators back; raise `HostRandomness` if the code drew.
 
         Raises:
             HostRandomness: the traced code drew from `random` or `numpy.random`.
         """
-        if self.drawn():
-            self.restore()
+        drawn = self.drawn()
+        self.restore()
+        if drawn:
             raise HostRandomness(
                 "the function draws from Python's or NumPy's random generator (random.random(), "
                 "np.random...); a compiled call would repeat the numbers drawn while tracing",

@@ -1130,4 +1130,7 @@ MUTANTS: list[Mutant] = [
     Mutant("new_leaf_updated_in_place_compiles", "mutation", "tracer/mutation.py",
            "if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():",
            "if False:", ("tests/tracer/test_inplace.py",)),
+    Mutant("host_random_traced_without_sentinel", "guards", "tracer/host_random.py",
+           "            numpy.random.random()\n", "            pass\n",
+           ("tests/tracer/test_sharp_edges.py",)),
 ]

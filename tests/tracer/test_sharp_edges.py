@@ -190,6 +190,30 @@ def test_draws_from_python_and_numpy_generators_are_not_baked_in(seed, draw):
     assert fulmen.compile_stats(jitted).eager_calls == 12
 
 
+@pytest.mark.parametrize("seed, draw", [(random.seed, random.random),
+                                        (np.random.seed, np.random.random)])
+def test_a_call_that_seeds_a_host_generator_keeps_eagers_state(seed, draw):
+    # HF BigBird seeds NumPy's generator and draws on every call: traced right after an eager
+    # call, the generator ended where it started, the draw went unseen and the compiled calls
+    # left the generator alone, so the user's later draws differed from eager's
+    def fn(x):
+        seed(3)
+        return x * (1 + draw())
+
+    x = torch.randn(3)
+    fn(x)
+    jitted = fulmen.jit(fn)
+    with pytest.warns(UserWarning, match="random generator"):
+        jitted(x)
+    draw()
+    jitted(x)
+    got = draw()
+    fn(x)
+    draw()
+    fn(x)
+    assert got == draw()
+
+
 def _fresh_generator_noise(x):
     generator = torch.Generator().manual_seed(0)  # the same noise on every eager call
     return x + torch.randn(x.shape, generator=generator)
