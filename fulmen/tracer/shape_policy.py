@@ -23,7 +23,8 @@ found by a key that leaves those sizes out, then checked with its shape guard.
 
 Integer arguments (litgpt's `input_pos_maxp1`, HF's `logits_to_keep`) and integers held by an
 object argument (an HF cache layer's `cumulative_length`) follow the same policy: one that
-changed between two calls of the same structure is traced as a symbol
+changed between two calls (named by its argument path, whatever the call's structure) is
+traced as a symbol
 (`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard
 (NOTE [what a symbolic int cannot answer]).
 """
@@ -161,10 +162,11 @@ class DynamicDims:
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
-        # integers: the last call's, those seen to change (`dims_for`), and whether a trace
-        # with symbolic integers failed (then they stay constants)
-        self.last_ints: list[tuple[Any, int]] | None = None
-        self.varying_ints: set = set()
+        # integers, by argument path: the value at the last call that missed the cache, the
+        # names of those seen to change (`dims_for`), and whether a trace with symbolic
+        # integers failed (then they stay constants)
+        self.last_ints: dict[str, int] = {}
+        self.varying_ints: set[str] = set()
         self.ints_broken = False
 
     def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
@@ -231,18 +233,26 @@ class DynamicDims:
 
     def _ints_for(self, leaves: list, label) -> list:
         """The positions of the call's integers to trace as symbols: those seen to change
-        between two calls with the same integer positions (values of at least 2 only)."""
+        between two calls that missed the cache (values of at least 2 only).
+
+        An integer is named by its argument path (`label`), as a tensor's sizes are, so one
+        that changes between calls of different structures is seen to vary: HF's
+        classifier-free guidance alternates the model's decoding step (with `position_ids`)
+        and the unconditional one (without), and the cache's `cumulative_length` sits at
+        another argument position in each; compared only within one structure it never varied
+        and every step compiled."""
         ints = _int_values(leaves)
-        if self.dynamic is not False and not self.ints_broken and self.last_ints is not None \
-                and [p for p, _ in ints] == [p for p, _ in self.last_ints]:
-            for (position, new), (_, old) in zip(ints, self.last_ints):
-                if new != old and position not in self.varying_ints:
+        names = [label(position) for position, _ in ints]
+        if self.dynamic is not False and not self.ints_broken:
+            for name, (_, new) in zip(names, ints):
+                old = self.last_ints.get(name)
+                if old is not None and new != old and name not in self.varying_ints:
                     _RECOMPILES.info("%s: integer varies (%s -> %s); tracing it symbolically",
-                                     label(position), old, new)
-                    self.varying_ints.add(position)
-        self.last_ints = ints
-        return [position for position, value in ints
-                if position in self.varying_ints and value >= 2]
+                                     name, old, new)
+                    self.varying_ints.add(name)
+        self.last_ints.update(zip(names, (value for _, value in ints)))
+        return [position for name, (position, value) in zip(names, ints)
+                if name in self.varying_ints and value >= 2]
 
     def drop_ints(self, dynamic: dict) -> bool:
         """A symbolic trace with the integers of `dynamic` failed: keep integers constant
