@@ -127,6 +127,16 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
 # a 1 turns this off (`drop_ones`), before the batch-of-1 generalisation.
 
 
+# NOTE [strides that vary under fixed sizes]
+# A decoding loop that feeds `generated[:, -1:]` (HF classifier-free guidance's unconditional
+# step, hand-written loops) passes a (1, 1) view whose row stride is the length of `generated`:
+# the sizes never change, the strides change at every call. Keyed by its exact strides (eager's
+# `clone`/`empty_like` copy them, size-1 dims included), such a view compiled once per step. An
+# argument whose strides changed between two misses while its sizes did not is traced with free
+# strides (`STRIDES` alone in its dims): each stride that is no product of the others gets a
+# symbol of its own (NOTE [strides of a view input]), which the shape guard checks, and the key
+# leaves the strides out (`guards._masked_key`).
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -157,8 +167,12 @@ class DynamicDims:
         # (a cache at consecutive decoding steps), and the names of the last miss
         self.grown: dict[str, set[int]] = {}
         self.last_names: list[str] | None = None
-        # argument name -> its shape at the last call that missed the cache
+        # argument name -> its shape at the last call that missed the cache, and its strides
         self.seen: dict[str, tuple[int, ...]] = {}
+        self.seen_strides: dict[str, tuple[int, ...]] = {}
+        # names of tensor arguments whose strides changed while their sizes did not (NOTE
+        # [strides that vary under fixed sizes]): traced with free strides
+        self.strides_vary: set[str] = set()
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
@@ -186,10 +200,16 @@ class DynamicDims:
         self.generalised_restart = False
         same_structure, self.last_names = names == self.last_names, names
         if self.dynamic is None and not self.broken:
-            for name, (_, new) in zip(names, shapes):
+            for name, (i, new) in zip(names, shapes):
                 old = self.seen.get(name)
                 if old is None or len(old) != len(new):
                     continue
+                strides = tensor_at(leaves, i).stride()
+                if old == new and self.seen_strides.get(name, strides) != strides \
+                        and name not in self.strides_vary:
+                    _RECOMPILES.info("%s: strides vary (%s -> %s) at fixed sizes; tracing them "
+                                     "symbolically", name, self.seen_strides[name], strides)
+                    self.strides_vary.add(name)
                 changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
                 if same_structure:
                     self.grown.setdefault(name, set()).update(
@@ -208,6 +228,8 @@ class DynamicDims:
                         self.ones.setdefault(name, set()).update(ones)
                         self.varying[name] |= ones
         self.seen.update(zip(names, (shape for _, shape in shapes)))
+        self.seen_strides.update((name, tensor_at(leaves, i).stride())
+                                 for name, (i, _) in zip(names, shapes))
         dims: dict[int, set[int]] = {}
         for name, (i, shape) in zip(names, shapes):
             leaf = tensor_at(leaves, i)
@@ -221,11 +243,11 @@ class DynamicDims:
             self.generalised_restart |= bool(restarted)
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)} \
                 | restarted
-            if chosen:
+            if chosen or name in self.strides_vary:
                 dims[i] = chosen
             (self.contiguous if leaf.is_contiguous() else self.views).add(name)
         views = {i for name, (i, _) in zip(names, shapes)
-                 if name in self.views and name in self.contiguous}
+                 if name in self.views and name in self.contiguous or name in self.strides_vary}
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
@@ -284,6 +306,7 @@ class DynamicDims:
         self.ones.clear()
         self.views.clear()
         self.contiguous.clear()
+        self.strides_vary.clear()
         self.varying_ints.clear()
         self.ints_broken = True
 
@@ -301,7 +324,7 @@ class DynamicDims:
                     dims[position] = INT
                 continue
             found = tuple(d for d, size in enumerate(proxy.shape) if is_symbolic(size))
-            if found:
+            if found or proxy.name in symbolic.free_strides:
                 dims[position] = (*found, STRIDES) if proxy.name in symbolic.free_strides \
                     else found
         if not dims:
