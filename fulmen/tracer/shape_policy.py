@@ -247,7 +247,8 @@ class DynamicDims:
                 dims[i] = chosen
             (self.contiguous if leaf.is_contiguous() else self.views).add(name)
         views = {i for name, (i, _) in zip(names, shapes)
-                 if name in self.views and name in self.contiguous or name in self.strides_vary}
+                 if name in self.views and name in self.contiguous}
+        views |= {i for name, (i, _) in zip(names, shapes) if name in self.strides_vary}
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})

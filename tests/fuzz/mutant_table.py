@@ -1011,4 +1011,7 @@ MUTANTS: list[Mutant] = [
     Mutant("call_constant_ignores_outside_referrers", "guards", "tracer/call_constants.py",
            "if all(id(r) in internal_ids or isinstance(r, types.FrameType) for r in referrers):",
            "if True:", ("tests/tracer/test_numpy_inputs.py",)),
+    Mutant("strides_varying_under_fixed_sizes_stay_keyed", "dynamic", "tracer/shape_policy.py",
+           "self.strides_vary.add(name)", "pass",
+           ("tests/tracer/test_dynamic_view_layouts.py",)),
 ]
