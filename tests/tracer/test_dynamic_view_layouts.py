@@ -85,4 +85,7 @@ def test_a_view_whose_strides_alone_vary_gets_one_entry():
                     torch.testing.assert_close(got, want)
             else:
                 assert got == want
-    assert fulmen.cache_misses(jfn) <= 2 and fulmen.compile_stats(jfn).eager_calls == 0
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0
+    # the reason names the strides (it said "the input structure changed")
+    assert stats.recompile_reasons[0] == ["tokens.stride() changed from (4, 1) to (5, 1)"]
