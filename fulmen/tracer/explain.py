@@ -13,6 +13,7 @@ from fulmen.core.ambient import autocast_key
 from fulmen.tracer.guards import _float_key, object_source_key, source_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
 from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key
+from fulmen.tracer.symbolic import _row_major
 from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
@@ -56,7 +57,8 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
             described[f"{name}.dtype"] = leaf.dtype
             described[f"{name}.device"] = leaf.device
             described[f"{name}.requires_grad"] = leaf.requires_grad
-            described[f"{name}.stride()"] = "contiguous" if leaf.is_contiguous() else leaf.stride()
+            # (the key has the exact strides: a size-1 dim's too, which `is_contiguous` ignores)
+            described[f"{name}.stride()"] = "contiguous" if _row_major(leaf) else leaf.stride()
         elif isinstance(leaf, NUMPY_ARRAYS):
             described[name] = array_key(leaf)
         else:

@@ -23,7 +23,8 @@ found by a key that leaves those sizes out, then checked with its shape guard.
 
 Integer arguments (litgpt's `input_pos_maxp1`, HF's `logits_to_keep`) and integers held by an
 object argument (an HF cache layer's `cumulative_length`) follow the same policy: one that
-changed between two calls of the same structure is traced as a symbol
+changed between two calls (named by its argument path, whatever the call's structure) is
+traced as a symbol
 (`SymbolicSizes.symbolize_int`), its value left out of the key and checked by the shape guard
 (NOTE [what a symbolic int cannot answer]).
 """
@@ -126,6 +127,16 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
 # a 1 turns this off (`drop_ones`), before the batch-of-1 generalisation.
 
 
+# NOTE [strides that vary under fixed sizes]
+# A decoding loop that feeds `generated[:, -1:]` (HF classifier-free guidance's unconditional
+# step, hand-written loops) passes a (1, 1) view whose row stride is the length of `generated`:
+# the sizes never change, the strides change at every call. Keyed by its exact strides (eager's
+# `clone`/`empty_like` copy them, size-1 dims included), such a view compiled once per step. An
+# argument whose strides changed between two misses while its sizes did not is traced with free
+# strides (`STRIDES` alone in its dims): each stride that is no product of the others gets a
+# symbol of its own (NOTE [strides of a view input]), which the shape guard checks, and the key
+# leaves the strides out (`guards._masked_key`).
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -156,15 +167,20 @@ class DynamicDims:
         # (a cache at consecutive decoding steps), and the names of the last miss
         self.grown: dict[str, set[int]] = {}
         self.last_names: list[str] | None = None
-        # argument name -> its shape at the last call that missed the cache
+        # argument name -> its shape at the last call that missed the cache, and its strides
         self.seen: dict[str, tuple[int, ...]] = {}
+        self.seen_strides: dict[str, tuple[int, ...]] = {}
+        # names of tensor arguments whose strides changed while their sizes did not (NOTE
+        # [strides that vary under fixed sizes]): traced with free strides
+        self.strides_vary: set[str] = set()
         self.entries: list = []
         self.by_key: dict[tuple, list] = {}
         self.broken = False  # a symbolic trace failed: automatic dynamic is off
-        # integers: the last call's, those seen to change (`dims_for`), and whether a trace
-        # with symbolic integers failed (then they stay constants)
-        self.last_ints: list[tuple[Any, int]] | None = None
-        self.varying_ints: set = set()
+        # integers, by argument path: the value at the last call that missed the cache, the
+        # names of those seen to change (`dims_for`), and whether a trace with symbolic
+        # integers failed (then they stay constants)
+        self.last_ints: dict[str, int] = {}
+        self.varying_ints: set[str] = set()
         self.ints_broken = False
 
     def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
@@ -184,10 +200,16 @@ class DynamicDims:
         self.generalised_restart = False
         same_structure, self.last_names = names == self.last_names, names
         if self.dynamic is None and not self.broken:
-            for name, (_, new) in zip(names, shapes):
+            for name, (i, new) in zip(names, shapes):
                 old = self.seen.get(name)
                 if old is None or len(old) != len(new):
                     continue
+                strides = tensor_at(leaves, i).stride()
+                if old == new and self.seen_strides.get(name, strides) != strides \
+                        and name not in self.strides_vary:
+                    _RECOMPILES.info("%s: strides vary (%s -> %s) at fixed sizes; tracing them "
+                                     "symbolically", name, self.seen_strides[name], strides)
+                    self.strides_vary.add(name)
                 changed = {d for d, (a, b) in enumerate(zip(new, old)) if a != b}
                 if same_structure:
                     self.grown.setdefault(name, set()).update(
@@ -206,6 +228,8 @@ class DynamicDims:
                         self.ones.setdefault(name, set()).update(ones)
                         self.varying[name] |= ones
         self.seen.update(zip(names, (shape for _, shape in shapes)))
+        self.seen_strides.update((name, tensor_at(leaves, i).stride())
+                                 for name, (i, _) in zip(names, shapes))
         dims: dict[int, set[int]] = {}
         for name, (i, shape) in zip(names, shapes):
             leaf = tensor_at(leaves, i)
@@ -219,11 +243,12 @@ class DynamicDims:
             self.generalised_restart |= bool(restarted)
             chosen = {d for d in chosen if shape[d] > 1 or (shape[d] == 1 and d in ones)} \
                 | restarted
-            if chosen:
+            if chosen or name in self.strides_vary:
                 dims[i] = chosen
             (self.contiguous if leaf.is_contiguous() else self.views).add(name)
         views = {i for name, (i, _) in zip(names, shapes)
                  if name in self.views and name in self.contiguous}
+        views |= {i for name, (i, _) in zip(names, shapes) if name in self.strides_vary}
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
@@ -231,18 +256,26 @@ class DynamicDims:
 
     def _ints_for(self, leaves: list, label) -> list:
         """The positions of the call's integers to trace as symbols: those seen to change
-        between two calls with the same integer positions (values of at least 2 only)."""
+        between two calls that missed the cache (values of at least 2 only).
+
+        An integer is named by its argument path (`label`), as a tensor's sizes are, so one
+        that changes between calls of different structures is seen to vary: HF's
+        classifier-free guidance alternates the model's decoding step (with `position_ids`)
+        and the unconditional one (without), and the cache's `cumulative_length` sits at
+        another argument position in each; compared only within one structure it never varied
+        and every step compiled."""
         ints = _int_values(leaves)
-        if self.dynamic is not False and not self.ints_broken and self.last_ints is not None \
-                and [p for p, _ in ints] == [p for p, _ in self.last_ints]:
-            for (position, new), (_, old) in zip(ints, self.last_ints):
-                if new != old and position not in self.varying_ints:
+        names = [label(position) for position, _ in ints]
+        if self.dynamic is not False and not self.ints_broken:
+            for name, (_, new) in zip(names, ints):
+                old = self.last_ints.get(name)
+                if old is not None and new != old and name not in self.varying_ints:
                     _RECOMPILES.info("%s: integer varies (%s -> %s); tracing it symbolically",
-                                     label(position), old, new)
-                    self.varying_ints.add(position)
-        self.last_ints = ints
-        return [position for position, value in ints
-                if position in self.varying_ints and value >= 2]
+                                     name, old, new)
+                    self.varying_ints.add(name)
+        self.last_ints.update(zip(names, (value for _, value in ints)))
+        return [position for name, (position, value) in zip(names, ints)
+                if name in self.varying_ints and value >= 2]
 
     def drop_ints(self, dynamic: dict) -> bool:
         """A symbolic trace with the integers of `dynamic` failed: keep integers constant
@@ -274,6 +307,7 @@ class DynamicDims:
         self.ones.clear()
         self.views.clear()
         self.contiguous.clear()
+        self.strides_vary.clear()
         self.varying_ints.clear()
         self.ints_broken = True
 
@@ -291,7 +325,7 @@ class DynamicDims:
                     dims[position] = INT
                 continue
             found = tuple(d for d, size in enumerate(proxy.shape) if is_symbolic(size))
-            if found:
+            if found or proxy.name in symbolic.free_strides:
                 dims[position] = (*found, STRIDES) if proxy.name in symbolic.free_strides \
                     else found
         if not dims:

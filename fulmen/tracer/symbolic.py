@@ -178,7 +178,7 @@ class SymbolicSizes:
         shape = list(tensor.shape)
         free = STRIDES in dims
         dims = [d for d in dims if d != STRIDES]
-        if not dims:
+        if not dims and not free:
             return tuple(shape), tuple(tensor.stride())
         bounds = getattr(tensor, "_fulmen_dynamic_dims", {})  # fulmen.mark_dynamic(min=, max=)
         for dim in dims:
@@ -285,7 +285,8 @@ class SymbolicSizes:
     def add_input(self, proxy: TensorProxy | torch.SymInt, position) -> None:
         """Declare `proxy` (at flattened-argument `position`, see `tensor_at`) an input with
         symbolic sizes, or the SymInt of an integer input (`symbolize_int`)."""
-        if isinstance(proxy, torch.SymInt) or has_symbolic_shape(proxy):
+        if isinstance(proxy, torch.SymInt) or has_symbolic_shape(proxy) \
+                or proxy.name in self.free_strides:  # (strides alone vary: `shape_policy`)
             self.proxies.append(proxy)
             self.positions.append(position)
 

@@ -1133,4 +1133,7 @@ MUTANTS: list[Mutant] = [
     Mutant("host_random_traced_without_sentinel", "guards", "tracer/host_random.py",
            "            numpy.random.random()\n", "            pass\n",
            ("tests/tracer/test_sharp_edges.py",)),
+    Mutant("strides_varying_under_fixed_sizes_stay_keyed", "dynamic", "tracer/shape_policy.py",
+           "self.strides_vary.add(name)", "pass",
+           ("tests/tracer/test_dynamic_view_layouts.py",)),
 ]

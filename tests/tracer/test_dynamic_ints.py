@@ -268,3 +268,24 @@ def test_sizes_and_ints_formatted_by_user_code_are_their_numbers():
         x = torch.zeros(n)
         torch.testing.assert_close(jfn(x, _Box(n)), _formats_sizes(x, _Box(n)), msg=str(n))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _two_kinds(x, scale=None, box=None):
+    y = x[:, :box.n]
+    return y * scale if scale is not None else y + box.n
+
+
+def test_an_int_varying_across_calls_of_alternating_structures_is_traced_once_as_a_symbol():
+    """Two kinds of call alternate (HF classifier-free guidance: the model's decoding step with
+    `position_ids`, then the unconditional one without, each with a cache whose counter grows);
+    the object's integer sits at another argument position in each kind. It is named by its
+    path (`box.n`), as a tensor's sizes are, so it goes symbolic once per kind; compared only
+    with the last call of the same positions it never did, and every call compiled (past
+    `cache_size_limit`, eagerly)."""
+    jfn = fulmen.jit(_two_kinds)
+    x, scale = torch.randn(2, 16), torch.randn(1)
+    for n in range(2, 14):
+        assert _same(_two_kinds(x, scale, _Box(n)), jfn(x, scale, box=_Box(n))), n
+        assert _same(_two_kinds(x, box=_Box(n)), jfn(x, box=_Box(n))), n
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 4 and stats.eager_calls == 0, stats.recompile_reasons

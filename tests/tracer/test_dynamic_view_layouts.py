@@ -59,3 +59,33 @@ def test_decisions_about_strides_keep_the_layouts_apart(fn):
         torch.testing.assert_close(out, expected)
         assert out.stride() == expected.stride(), (n, view)
     assert fulmen.cache_misses(jfn) <= 3
+
+
+def _last_token(tokens, table):
+    picked = table[tokens]  # an embedding of the last token
+    return picked * 2, tokens.clone(), tokens.stride(0) > 0, torch.empty_like(tokens)
+
+
+def test_a_view_whose_strides_alone_vary_gets_one_entry():
+    """A decoding loop feeding `generated[:, -1:]` (HF classifier-free guidance, hand-written
+    loops): the (1, 1) token view keeps its sizes while its row stride grows with `generated`
+    at every call. Its strides go symbolic (NOTE [strides that vary under fixed sizes]), so one
+    entry serves every step (before: one compile per step, past `cache_size_limit` eagerly),
+    and outputs laid out from the input (`clone`, `empty_like`) keep eager's strides."""
+    jfn = fulmen.jit(_last_token)
+    table, generated = torch.randn(10, 4), torch.tensor([[3, 1, 4]])
+    for step in range(12):
+        generated = torch.cat([generated, torch.tensor([[step % 10]])], dim=1)
+        tokens = generated[:, -1:]
+        out, expected = jfn(tokens, table), _last_token(tokens, table)
+        for got, want in zip(out, expected):
+            if isinstance(want, torch.Tensor):
+                assert got.stride() == want.stride(), step
+                if want is not expected[3]:
+                    torch.testing.assert_close(got, want)
+            else:
+                assert got == want
+    stats = fulmen.compile_stats(jfn)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0
+    # the reason names the strides (it said "the input structure changed")
+    assert stats.recompile_reasons[0] == ["tokens.stride() changed from (4, 1) to (5, 1)"]
