@@ -218,7 +218,7 @@ def _attn(draw, dim):
     return draw(st.builds(Attn, heads=st.just(heads), kv_heads=st.just(kv_heads), causal=st.booleans(), rotary=st.booleans(),
                      sdpa=st.booleans(), norm=_norms, mask_if=st.booleans(),
                      checkpoint=st.booleans(), autocast_inside=_sometimes, dropout=_sometimes,
-                     mask=st.sampled_from(["bool", "bool", "float", "bert"]),
+                     mask=st.sampled_from(["bool", "bool", "float", "bert", "vmap"]),
                      positions_from_mask=st.booleans(),
                      merge=st.sampled_from(["transpose", "transpose", "permute"])))
 
@@ -366,6 +366,14 @@ def smaller(case: Case):
 # every pattern at least once: explicit examples that `make test` always runs
 
 PATTERNS = (
+    # HF-style masks built with nested torch.vmap (an or/and mask function): causal with
+    # padding, and padding alone; lengths change (symbolic sizes), training with gradients
+    Case(SeqModel(vocab=11, dim=8, blocks=(
+        Attn(heads=2, causal=True, rotary=True, sdpa=True, mask="vmap", mask_if=False),
+        Attn(heads=2, causal=False, sdpa=False, mask="vmap", mask_if=False),
+        Mlp(act="silu")), head="lm", loss="ce_tokens"),
+        Context(training=True, grad=True),
+        (Call(2, 5, (0,)), Call(2, 7, (1,)), Call(3, 6, ())), seed=3),
     # LM training in float32: causal + padding masks, rotary, checkpoint, SwiGLU, MoE top-2,
     # custom autograd.Function, buffer updates, dropout; shapes change, a buffer written from
     # outside, gradients accumulated over the calls

@@ -46,6 +46,8 @@ class Attn:
     positions_from_mask: bool = False  # rotary positions counted over unpadded tokens (HF:
     #                                    mask.cumsum(-1) - 1), per row: left padding's positions
     mask: str = "bool"  # bool | float (additive: 0 or finfo.min) | bert ((1 - m) * -1e4 + causal)
+    #                     | vmap (bool, built as HF's masks with an or/and function: four nested
+    #                     torch.vmap of an index function, `padding[b, kv]` indexed inside)
     # how the heads' outputs are merged before the projection: transpose (b, t, h, hd) as HF,
     # or permute to (b, t, hd, h): a view chain that moves the head dim innermost
     merge: str = "transpose"  # transpose | permute
@@ -241,6 +243,27 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _vmapped_keep(b, t, s, past, causal, mask, device):
+    """`[b, 1, t, s]` bool: which keys each query may see, built as HF's `sdpa_mask(...,
+    use_vmap=True)` builds it (an index function vmapped over batch, head, query and key)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    def allowed(bi, hi, qi, ki):
+        ok = qi.new_ones((), dtype=torch.bool)
+        if causal:
+            ok = ok & (ki <= qi + past)
+        if mask is not None:
+            ok = ok & mask[bi, ki].bool()
+        return ok
+
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
+                 (0, None, None, None)):
+        allowed = torch.vmap(allowed, in_dims=dims)
+    with TransformGetItemToIndex():
+        return allowed(torch.arange(b, device=device), torch.arange(1, device=device),
+                       torch.arange(t, device=device), torch.arange(s, device=device))
+
+
 class Attention(nn.Module):
     def __init__(self, spec: Attn, dim):
         super().__init__()
@@ -280,9 +303,11 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(b, kv, spec.heads // kv, s, hd).reshape(b, -1, s, hd)
             v = v[:, :, None].expand(b, kv, spec.heads // kv, s, hd).reshape(b, -1, s, hd)
         keep = None  # [b, 1, t, s] bool: which keys each query may see
-        if spec.causal:
+        if spec.mask == "vmap" and (spec.causal or mask is not None):
+            keep = _vmapped_keep(b, t, s, past, spec.causal, mask, x.device)
+        elif spec.causal:
             keep = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(past)[None, None]
-        if mask is not None and (not spec.mask_if or not mask.all()):
+        if mask is not None and spec.mask != "vmap" and (not spec.mask_if or not mask.all()):
             padding = mask[:, None, None, :]
             keep = padding if keep is None else keep & padding
         if spec.mask == "bert" and mask is not None:  # HF BERT's extended attention mask
@@ -290,7 +315,7 @@ class Attention(nn.Module):
             if spec.causal:
                 additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)
             keep = additive
-        elif spec.mask != "bool" and keep is not None:  # additive float mask
+        elif spec.mask not in ("bool", "vmap") and keep is not None:  # additive float mask
             keep = torch.zeros(keep.shape, dtype=q.dtype, device=x.device).masked_fill(
                 ~keep, torch.finfo(q.dtype).min)
         scale = 1.0 / (math.sqrt(q.shape[-1]) * self.temperature)
