@@ -26,17 +26,19 @@ from it costs less than saving `q`, `k` and `v`.) `reshape`/`flatten` may copy, 
 are charged their own bytes; an executor that materializes a view makes this an upper bound.
 
 Host time. Recomputing a statement costs the backward one more statement to run from Python,
-whatever the bytes of its output. Values computed from the forward's inputs alone (an attention
-mask built from `arange`, index views, comparisons, `full` and `where`; rotary cos/sin tables;
-position ids) are typically small, their statements form chains of their own that no backward
-kernel absorbs, and rebuilding them on every backward costs more host time than keeping a few
-KiB. So every recomputable statement that is not a view and reads only forward inputs and such
-values (`input_derived`) is also charged `STATEMENT_BYTES` (NOTE [remat statement cost]): it
-is a node fed from the source by an edge of that capacity, which the cut crosses exactly when
-the statement is recomputed, once however many of its outputs the backward needs. Statements
-downstream of a matmul or a gather (activations) are not charged: their recomputation sits
-next to backward kernels that fuse it, at no host cost, and at real sizes they are far larger
-than the charge anyway.
+whatever the bytes of its output. Values computed only from forward inputs that need no
+gradient (an attention mask built from `arange`, index views, comparisons, `full` and `where`
+over an integer padding mask; rotary cos/sin tables from a buffer; position ids) are typically
+small, their statements form chains of their own that no backward kernel absorbs, and
+rebuilding them on every backward costs more host time than keeping a few KiB. So every
+recomputable statement that is not a view and reads only such inputs and values
+(`input_derived`) is also charged `STATEMENT_BYTES` (NOTE [remat statement cost]): it is a node
+fed from the source by an edge of that capacity, which the cut crosses exactly when the
+statement is recomputed, once however many of its outputs the backward needs. Statements on a
+gradient's path (activations: RMSNorm's statistic of an input that requires grad, anything
+after a matmul or a gather) are not charged: their recomputation sits next to the backward
+kernels that fuse it, at no host cost (charging it split RMSNorm's backward into five more
+statements), and at real sizes they are far larger than the charge anyway.
 
 The cut is exact for this objective (bytes of distinct storages saved, plus the statement
 charge). Among the cuts of minimum cost, `networkx.minimum_cut` returns the one closest to the
@@ -129,9 +131,10 @@ def nbytes(proxy: Proxy) -> int:
 
 def input_derived(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol]) -> set[int]:
     """The ids of the recomputable, non-view statements outside checkpoint regions that read
-    only forward inputs and outputs of recomputable statements that do (masks, rotary tables,
-    position ids): those `choose_saved` charges `STATEMENT_BYTES` for recomputing."""
-    derived = {p.name for p in forward_inputs}
+    only forward inputs that do not require grad and outputs of recomputable statements that
+    do the same (masks, rotary tables, position ids): those `choose_saved` charges
+    `STATEMENT_BYTES` for recomputing."""
+    derived = {p.name for p in forward_inputs if not getattr(p, "requires_grad", False)}
     charged = set()
     for bsym in bsyms:
         if not is_recomputable(bsym) or not all(p.name in derived for p in bsym.proxy_inputs):
