@@ -56,8 +56,6 @@ def target_of(bsym: BoundSymbol) -> Target | None:
     target can build kernels here; else None (`bsym` is not fused)."""
     args = [*bsym.args[0], *bsym.args[1:]] if bsym.sym.name == "cat" else bsym.args
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-    if bsym.sym.name == "full":  # no tensor operand: the device it fills on
-        devices = {bsym.output.device}
     if len(devices) != 1:
         return None
     target = TARGETS.get(next(iter(devices)).type, (None, None))[0]

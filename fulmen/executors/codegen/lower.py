@@ -17,13 +17,6 @@ the operand lies (a mask access, `ir.MASK_INPUT`), so nothing is read outside an
 `pad(a, v)` is `where(in_a, a', v)`. Rotary embeddings' `cat((-x2, x1))` and its backward's
 pads then fuse with the multiplies around them. Refused: a pad or cat inside another one's
 operand, a lazy value leaving the region, views of pad or cat outputs (views read inputs only).
-
-NOTE [full in kernels]: `full(shape, v)` is the constant `v` (in its dtype) at every point, so
-it and every view of it (a broadcast of `new_ones(())`, a reshape) are lowered to `Const(v)`
-where they are read, whatever their shape: attention masks' `where(mask, full(0.0), -inf)`
-fuses with the comparisons that make `mask`. `full` takes no part in choosing the iteration
-shape; a region that returns a constant (or a view of one) is refused. The row schedule
-(`rows.py`) reads constants the same way.
 """
 
 from __future__ import annotations
@@ -91,8 +84,7 @@ def _iteration_shape(region: list[BoundSymbol]):
                 raise Unsupported("pad or cat outputs of different shapes")
             shape = tuple(bsym.output.shape)
     if shape is None:
-        shape = next((tuple(b.output.shape) for b in region
-                      if b.sym.name not in VIEWS and b.sym.name != "full"), None)
+        shape = next((tuple(b.output.shape) for b in region if b.sym.name not in VIEWS), None)
     return shape
 
 
@@ -109,18 +101,12 @@ def fits_pointwise(region: list[BoundSymbol]) -> bool:
     views: set[str] = set()  # the lazy values that are views of computed values
     selected: set[str] = set()  # values that are, or read, a pad/cat output
     read: set[str] = set()
-    constants: set[str] = set()  # full outputs and views of them (NOTE [full in kernels])
     try:
         shape = _iteration_shape(region)
         for bsym in region:
             name, out = bsym.sym.name, bsym.output
             inputs = bsym.input_names
             read |= inputs
-            if name == "full" or (name in VIEWS and inputs <= constants and inputs):
-                constants.add(out.name)
-                continue
-            if name in SELECTS and inputs & constants:
-                return False  # a constant inside a pad/cat operand: not lowered
             if name in VIEWS:
                 if inputs & (selected | (lazy - views)):
                     return False  # a view of a pad/cat output or of a lazy computed value
@@ -192,9 +178,6 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             values.append(Const(value, dtype))
             return len(values) - 1
         kind = view_of(arg)
-        if kind[0] == "const":
-            values.append(Const(kind[1], arg.dtype))
-            return len(values) - 1
         if kind[0] == "view":
             if place is None:
                 return load(kind[1], arg.dtype)
@@ -218,8 +201,6 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         if name in SELECTS:
             if place is not None:
                 raise Unsupported("a pad or cat inside another one's operand")
-            if any(view_of(a)[0] == "const" for a in _select_operands(bsym)):
-                raise Unsupported("a constant pad or cat operand")
             built[key] = select(bsym)
             return built[key]
         if name == "convert_element_type":
@@ -276,16 +257,9 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
 
     for bsym in region:
         name = bsym.sym.name
-        if name == "full":
-            _, fill, dtype, _ = bsym.args
-            env[bsym.output.name] = ("const", cast_scalar(fill, dtype))
-            continue
         if name in VIEWS:
             kind = view_of(bsym.args[0])
             step = ViewStep(name, freeze(bsym.args[1:]))
-            if kind[0] == "const":  # every view of a constant is that constant
-                env[bsym.output.name] = kind
-                continue
             if kind[0] == "view":
                 access = Access(kind[1].input, kind[1].steps + (step,))
                 env[bsym.output.name] = ("view", access, bsym.output.dtype)
@@ -318,8 +292,6 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         kind = env[proxy.name]
         if kind[0] in ("lazy", "lazyview"):
             raise Unsupported(f"the lazy value {proxy.name} leaves the kernel")
-        if kind[0] == "const":
-            raise Unsupported(f"the constant {proxy.name} leaves the kernel")
         if kind[0] == "value":
             if kind[1] in kernel_outputs:
                 raise Unsupported("one value returned twice")
@@ -329,11 +301,6 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             plan.append(("view", kind[1]))
     kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs))
     return LoweredRegion(kernel, freeze(shape), tuple(inputs), tuple(plan))
-
-
-def _select_operands(bsym: BoundSymbol) -> list:
-    """The tensors a pad or cat reads."""
-    return list(bsym.args[0]) if bsym.sym.name == "cat" else [bsym.args[0]]
 
 
 def _known_le(size, bound: int) -> bool:

@@ -156,9 +156,6 @@ def fusible(bsym: BoundSymbol, target) -> bool:
         return isinstance(bsym.args[0], torch.Tensor) and bsym.args[0].dtype in ALL
     if sym.name in SELECTS:
         return target.selects and _fusible_select(bsym)
-    if sym.name == "full":  # a constant: NOTE [full in kernels] in lower.py
-        _, fill, dtype, _ = bsym.args
-        return dtype in ALL and type(fill) in (bool, int, float) and _number_fits(fill, dtype)
     op = OPS.get(sym.name)
     if op is None or not op.arity:
         return False

@@ -210,8 +210,6 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
         if not isinstance(arg, torch.Tensor):
             return add(Const(cast_scalar(arg, dtype), dtype), True)
         kind = view_of(arg)
-        if kind[0] == "const":
-            return add(Const(kind[1], arg.dtype), True)
         if kind[0] != "row" or not fits_keep(kind[2]):
             raise Unsupported("a keepdim-shaped statement reading other than a row value")
         return kind[1]
@@ -220,8 +218,6 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
         if not isinstance(arg, torch.Tensor):
             return add(Const(cast_scalar(arg, dtype), dtype), True)
         kind = view_of(arg)
-        if kind[0] == "const":  # NOTE [full in kernels] in lower.py
-            return add(Const(kind[1], arg.dtype), True)
         if kind[0] == "column":
             raise Unsupported("a column sum used inside its kernel")
         if kind[0] == "value":
@@ -247,15 +243,8 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
         out = bsym.output
         if name in SELECTS:
             raise Unsupported(f"{name} in a row kernel")  # pointwise kernels only (lower.py)
-        if name == "full":  # a constant wherever it is read (NOTE [full in kernels], lower.py)
-            _, fill, dtype, _ = bsym.args
-            env[out.name] = ("const", cast_scalar(fill, dtype))
-            return
         if name in VIEWS:
             kind = view_of(bsym.args[0])
-            if kind[0] == "const":
-                env[out.name] = kind
-                return
             if kind[0] == "column":
                 raise Unsupported("a view of a column sum")
             step = ViewStep(name, freeze(bsym.args[1:]))
@@ -339,8 +328,6 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
 
         for proxy in outputs:
             kind = env[proxy.name]
-            if kind[0] == "const":
-                raise Unsupported(f"the constant {proxy.name} leaves the kernel")
             if kind[0] in ("value", "column"):
                 plan.append(("kernel", kernel_output(kind[1])))
             elif kind[0] == "row":
