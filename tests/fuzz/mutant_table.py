@@ -1017,4 +1017,11 @@ MUTANTS: list[Mutant] = [
            "wide = prims.broadcast_in_dim(input, (*shape[:d], repeats, *shape[d:]),\n"
            "                                  (*range(d), *range(d + 1, len(shape) + 1)))",
            ("tests/ops/test_shape.py",)),
+    Mutant("remat_charges_gradient_path", "passes", "transforms/remat.py",
+           'derived = {p.name for p in forward_inputs if not getattr(p, "requires_grad", False)}',
+           "derived = {p.name for p in forward_inputs}",
+           ("tests/executors/test_codegen_rows.py", *REMAT_ONLY)),
+    Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
+           'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
+           'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
 ]
