@@ -25,10 +25,25 @@ saving `v` keeps all of `qkv` alive, so saving `qkv` and recomputing rotary-embe
 from it costs less than saving `q`, `k` and `v`.) `reshape`/`flatten` may copy, so their outputs
 are charged their own bytes; an executor that materializes a view makes this an upper bound.
 
-The cut is exact for this objective (bytes of distinct storages saved). Among the cuts of
-minimum bytes, `networkx.minimum_cut` returns the one closest to the sink (its sink side is the
-set of nodes that still reach the sink in the max-flow residual network), whose recomputed set is
-contained in that of every other minimum cut: on a tie in bytes (saving `exp(a)` or its input
+Host time. Recomputing a statement costs the backward one more statement to run from Python,
+whatever the bytes of its output. Values computed only from forward inputs that need no
+gradient (an attention mask built from `arange`, index views, comparisons, `full` and `where`
+over an integer padding mask; rotary cos/sin tables from a buffer; position ids) are typically
+small, their statements form chains of their own that no backward kernel absorbs, and
+rebuilding them on every backward costs more host time than keeping a few KiB. So every
+recomputable statement that is not a view and reads only such inputs and values
+(`input_derived`) is also charged `STATEMENT_BYTES` (NOTE [remat statement cost]): it is a node
+fed from the source by an edge of that capacity, which the cut crosses exactly when the
+statement is recomputed, once however many of its outputs the backward needs. Statements on a
+gradient's path (activations: RMSNorm's statistic of an input that requires grad, anything
+after a matmul or a gather) are not charged: their recomputation sits next to the backward
+kernels that fuse it, at no host cost (charging it split RMSNorm's backward into five more
+statements), and at real sizes they are far larger than the charge anyway.
+
+The cut is exact for this objective (bytes of distinct storages saved, plus the statement
+charge). Among the cuts of minimum cost, `networkx.minimum_cut` returns the one closest to the
+sink (its sink side is the set of nodes that still reach the sink in the max-flow residual
+network), whose recomputed set is contained in that of every other minimum cut: on a tie in bytes (saving `exp(a)` or its input
 `a`), the backward is given the value it reads rather than recomputing it.
 
 From the saved values, the backward recomputes each value it needs just before its first use
@@ -57,6 +72,12 @@ _CHEAP_TAGS = {"elementwise", "shape"}
 CHECKPOINT_WEIGHT = 10**6
 # a reduction is recomputed only when each output element reads at most this many elements
 MAX_RECOMPUTED_REDUCTION = 4096
+# NOTE [remat statement cost]: what recomputing one statement of `input_derived` costs the
+# backward, counted in saved bytes. A statement run from Python costs a few µs of host time on
+# CPU; at 2 KiB, such a value is saved rather than rebuilt when rebuilding it takes more
+# statements than its size in KiB over two (tiny HF Llama: the attention mask and the rotary
+# cos/sin, rebuilt by ~20 torch statements per backward, are saved instead: 4.2 KiB).
+STATEMENT_BYTES = 2048
 
 
 def _numel_hint(proxy: TensorProxy) -> int:
@@ -108,6 +129,22 @@ def nbytes(proxy: Proxy) -> int:
     return 0
 
 
+def input_derived(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol]) -> set[int]:
+    """The ids of the recomputable, non-view statements outside checkpoint regions that read
+    only forward inputs that do not require grad and outputs of recomputable statements that
+    do the same (masks, rotary tables, position ids): those `choose_saved` charges
+    `STATEMENT_BYTES` for recomputing."""
+    derived = {p.name for p in forward_inputs if not getattr(p, "requires_grad", False)}
+    charged = set()
+    for bsym in bsyms:
+        if not is_recomputable(bsym) or not all(p.name in derived for p in bsym.proxy_inputs):
+            continue
+        derived |= bsym.output_names
+        if not is_view(bsym) and "checkpoint" not in bsym.tags and bsym.proxy_outputs:
+            charged.add(id(bsym))
+    return charged
+
+
 def _in(name: str) -> str:
     return f"{name}:in"
 
@@ -119,8 +156,11 @@ def _out(name: str) -> str:
 def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
                  needed: Iterable[Proxy]) -> list[Proxy]:
     """The set of values of fewest saved bytes (distinct storages: a recomputable view costs
-    its base) from which every `needed` value can be recomputed, and among those the one that
-    recomputes least (see the module docstring). Forward inputs in the result cost nothing."""
+    its base) plus `STATEMENT_BYTES` per recomputed statement of `input_derived`, from which
+    every `needed` value can be recomputed, and among those the one that recomputes least (see
+    the module docstring). Forward inputs in the result cost nothing."""
+    bsyms, forward_inputs = list(bsyms), list(forward_inputs)
+    charged_ids = input_derived(forward_inputs, bsyms)
     graph = nx.DiGraph()
     values: dict[str, Proxy] = {}
 
@@ -136,13 +176,20 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
         view = recomputable and is_view(bsym)
         # the user asked for a checkpoint region's values to be recomputed: saving them costs
         # far more than their bytes (finite, so a region with an opaque op stays feasible)
-        weight = CHECKPOINT_WEIGHT if recomputable and "checkpoint" in bsym.tags else 1
+        checkpoint = recomputable and "checkpoint" in bsym.tags
+        weight = CHECKPOINT_WEIGHT if checkpoint else 1
+        statement = f"{id(bsym)}:statement"
+        charged = id(bsym) in charged_ids
+        if charged:
+            graph.add_edge("source", statement, capacity=STATEMENT_BYTES)
         for output in bsym.proxy_outputs:
             add_value(output, math.inf if view and isinstance(output, TensorProxy)
                       else nbytes(output) * weight)
             if not recomputable:
                 graph.add_edge("source", _in(output.name), capacity=math.inf)
                 continue
+            if charged:
+                graph.add_edge(statement, _in(output.name), capacity=math.inf)
             for proxy in bsym.proxy_inputs:
                 graph.add_edge(_out(proxy.name), _in(output.name), capacity=math.inf)
     for proxy in needed:
@@ -251,4 +298,4 @@ def saved_bytes(residuals: Iterable[Proxy], forward_inputs: Iterable[Proxy] = ()
     return sum(nbytes(p) for p in residuals if p.name not in inputs)
 
 
-__all__ = ["choose_saved", "is_recomputable", "is_view", "nbytes", "rematerialize", "saved_bytes"]
+__all__ = ["STATEMENT_BYTES", "choose_saved", "input_derived", "is_recomputable", "is_view", "nbytes", "rematerialize", "saved_bytes"]

@@ -1136,4 +1136,11 @@ MUTANTS: list[Mutant] = [
     Mutant("strides_varying_under_fixed_sizes_stay_keyed", "dynamic", "tracer/shape_policy.py",
            "self.strides_vary.add(name)", "pass",
            ("tests/tracer/test_dynamic_view_layouts.py",)),
+    Mutant("remat_charges_gradient_path", "passes", "transforms/remat.py",
+           'derived = {p.name for p in forward_inputs if not getattr(p, "requires_grad", False)}',
+           "derived = {p.name for p in forward_inputs}",
+           ("tests/executors/test_codegen_rows.py", *REMAT_ONLY)),
+    Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
+           'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
+           'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
 ]

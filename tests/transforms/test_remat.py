@@ -7,11 +7,13 @@ import torch
 
 import fulmen
 from fulmen.tracer import trace_program
-from fulmen.transforms import dce
+from fulmen.transforms import dce, remat
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.remat import (
     MAX_RECOMPUTED_REDUCTION,
+    STATEMENT_BYTES,
     choose_saved,
+    input_derived,
     is_recomputable,
     is_view,
     nbytes,
@@ -33,9 +35,10 @@ def _computable(target: str, available: set[str], producers: dict) -> bool:
     return all(_computable(p.name, available, producers) for p in bsym.proxy_inputs)
 
 
-def _recomputed(needed, available: set[str], producers: dict) -> int:
+def _recomputed(needed, available: set[str], producers: dict, charged=None) -> int:
     """How many values the backward computes again from `available` (re-taking a view of a
-    value it has costs nothing and is not counted)."""
+    value it has costs nothing and is not counted); only those made by the statements of ids
+    `charged` when given."""
     names, stack = set(), [p.name for p in needed]
     while stack:
         name = stack.pop()
@@ -43,7 +46,8 @@ def _recomputed(needed, available: set[str], producers: dict) -> int:
             continue
         names.add(name)
         stack.extend(p.name for p in producers[name].proxy_inputs)
-    return sum(not is_view(producers[name]) for name in names)
+    return sum(not is_view(producers[name]) and (charged is None or id(producers[name]) in charged)
+               for name in names)
 
 
 def _storage_bytes(saved, producers: dict, inputs: set[str]) -> int:
@@ -59,9 +63,17 @@ def _storage_bytes(saved, producers: dict, inputs: set[str]) -> int:
     return sum(nbytes(proxies[name]) for name in bases if name not in inputs)
 
 
+def _cost(forward, needed, available: set[str], bytes_: int) -> tuple[int, int]:
+    """The objective of the cut (bytes kept alive plus the host-time charge per recomputed
+    statement of `input_derived`), then the recomputation as the tie-break."""
+    producers = {name: b for b in forward.bsyms for name in b.output_names}
+    charged = input_derived(forward.args, forward.bsyms)
+    return (bytes_ + remat.STATEMENT_BYTES * _recomputed(needed, available, producers, charged),
+            _recomputed(needed, available, producers))
+
+
 def _brute_force(forward, needed) -> tuple[int, int]:
-    """(fewest bytes kept alive, fewest recomputed values at those bytes) over every set of
-    forward values the backward could be given."""
+    """The least `_cost` over every set of forward values the backward could be given."""
     producers = {name: b for b in forward.bsyms for name in b.output_names}
     inputs = {p.name for p in forward.args}
     candidates = [p for b in forward.bsyms for p in b.proxy_outputs]
@@ -70,8 +82,8 @@ def _brute_force(forward, needed) -> tuple[int, int]:
         for subset in itertools.combinations(candidates, size):
             available = inputs | {p.name for p in subset}
             if all(_computable(p.name, available, producers) for p in needed):
-                cost = (_storage_bytes(subset, producers, inputs),
-                        _recomputed(needed, available, producers))
+                cost = _cost(forward, needed, available,
+                             _storage_bytes(subset, producers, inputs))
                 best = cost if best is None else min(best, cost)
     return best
 
@@ -88,13 +100,20 @@ PROGRAMS = {
                     [(4, 5), (5, 6)]),
     "transposed views": (lambda x, w: (lambda q, v: (q.sin() * 2).transpose(0, 1) @ v)(
         *(x @ w).split(3, dim=1)), [(4, 5), (5, 6)]),
+    # a mask from arange (no gradient's path: its statements are charged), read by the
+    # backward: with the charge, saved; without, rebuilt
+    "mask": (lambda x: (x * torch.where(torch.arange(6)[None, :] <= torch.arange(6)[:, None],
+                                        x.new_ones(()), 0.5)).sin(), [(6, 6)]),
     # a tie in bytes: saving exp(x @ w) or x @ w (and recomputing exp)
     "tie": (lambda x, w: torch.exp(x @ w) @ w, [(4, 4), (4, 4)]),
 }
 
 
+@pytest.mark.parametrize("statement_bytes", [0, STATEMENT_BYTES])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_min_cut_matches_brute_force(name):
+def test_min_cut_matches_brute_force(name, statement_bytes, monkeypatch):
+    # with no charge the choice is by bytes alone
+    monkeypatch.setattr(remat, "STATEMENT_BYTES", statement_bytes)
     fn, shapes = PROGRAMS[name]
     split = _split(fn, *shapes)
     forward = split.forward
@@ -105,8 +124,8 @@ def test_min_cut_matches_brute_force(name):
     available = inputs | {p.name for p in saved}
     assert all(_computable(p.name, available, producers) for p in residuals)
     bytes_ = _storage_bytes(saved, producers, inputs)
-    # fewest bytes, and among the residual sets of fewest bytes, the least recomputation
-    assert (bytes_, _recomputed(residuals, available, producers)) == \
+    # fewest bytes plus statement charge, and among the cheapest, the least recomputation
+    assert _cost(forward, residuals, available, bytes_) == \
         _brute_force(forward, residuals)
 
 
@@ -240,3 +259,24 @@ def test_symbolic_sizes_choose_on_the_call_sizes_without_guards():
         torch.testing.assert_close(out, f(x_eager.detach()))
         torch.testing.assert_close(x.grad, x_eager.grad)
     assert fulmen.cache_misses(jfn) == 1
+
+
+def test_a_small_value_built_by_many_statements_is_saved_not_rebuilt():
+    # a causal mask as HF builds it: arange, index views, a comparison, `full` and `where`; the
+    # backward of `x * mask` needs the mask (4 KiB): rebuilding it takes more statements than
+    # saving it is worth (remat.STATEMENT_BYTES), so the forward saves it
+    def fn(x):
+        idx = torch.arange(32)
+        allowed = (idx[None, :] <= idx[:, None]) & torch.ones((), dtype=torch.bool)
+        mask = torch.where(allowed, torch.full((32, 32), 0.5), -1.0)
+        return (x * mask).sin()
+
+    split = _split(fn, (32, 32))
+    saved = choose_saved(split.forward.args, split.forward.bsyms, split.forward.output[1])
+    producers = {n: b.sym.name for b in split.forward.bsyms for n in b.output_names}
+    assert "where" in {producers.get(p.name) for p in saved}
+    jfn, x = fulmen.jit(fn), torch.randn(32, 32, requires_grad=True)
+    jfn(x).sum().backward()
+    expected = torch.autograd.grad(fn(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+    assert not any(b.sym.name == "arange" for b in fulmen.last_backward_traces(jfn)[-1].bsyms)
