@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from fulmen.autograd_bridge import CompiledPair, run_with_autograd
 from fulmen.core import Tag, Trace
 from fulmen.core.ambient import without_autocast
+from fulmen.core.proxy import iter_proxies
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
 from fulmen.executors.torch.inplace import relu_in_place
@@ -128,7 +129,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         run(backward_traces, dce)
         run(backward_traces, cse)
         unclaimed = backward_traces[-1]
-        run(traces, cse)  # statements the split added twice (attention's float masks)
+        # statements the split added twice (attention's float masks), residuals included
+        run(traces, cse, frozenset(p.name for p in iter_proxies(traces[-1].output[0])))
     run(traces, claim_executors, executors)
     for stage in _AFTER_CLAIMING:
         run(traces, stage)

@@ -125,13 +125,17 @@ def _identity_view(bsym: BoundSymbol) -> TensorProxy | None:
 
 
 @transform("common subexpression elimination")
-def cse(trace: Trace) -> Trace:
+def cse(trace: Trace, distinct: frozenset[str] | None = None) -> Trace:
     """Drop statements that repeat an earlier one; their readers read the first one's outputs.
 
     Example: in `t0 = ltorch.arange(8); t1 = ltorch.arange(8); t2 = ltorch.add(t0, t1)`, the
     second `arange` goes and `t2 = ltorch.add(t0, t0)`.
+
+    A statement whose output the trace returns is kept (eager returns distinct tensors), except
+    where `distinct` names the returned values that must stay apart: a split forward's user
+    outputs, while its residuals, read by the backward by position, may be one value twice.
     """
-    returned = trace.output_names
+    returned = trace.output_names if distinct is None else distinct
     first: dict[tuple, BoundSymbol] = {}
     replaced: dict[str, Proxy] = {}
 
