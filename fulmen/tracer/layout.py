@@ -215,21 +215,38 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
                                         tuple(p.shape), p.stride(), contiguous_strides(p.shape)))
                    for p in operands):
             return False
-        stand_ins = {p.name: _stand_in(p) for p in operands}
-    call_args, call_kwargs = pytree.tree_map(
-        lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
-        (args, kwargs))
-    mine = {id(t) for t in stand_ins.values()}
-    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
-           for leaf in pytree.tree_leaves((call_args, call_kwargs))):
-        return False  # a real tensor among the arguments: never run an op on the user's data
+    call = _on_stand_ins(args, kwargs, operands)
+    if call is None:
+        return False
     try:
-        with torch._C.DisableTorchFunction(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = func(*call_args, **call_kwargs)
+        out = _run_quietly(func, *call)
     except Exception:  # an op the stand-ins do not suit: PyTorch's rule answers
         return False
     return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)
+
+
+def _on_stand_ins(args, kwargs, operands, other=lambda leaf: leaf) -> tuple | None:
+    """`(args, kwargs)` with each of the proxies `operands` replaced by its stand-in
+    (`_stand_in`) and every other leaf by `other(leaf)`; None where a real tensor is among the
+    arguments (an op never runs on the user's data)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        stand_ins = {p.name: _stand_in(p) for p in operands}
+    call = pytree.tree_map(
+        lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy)
+        else other(leaf), (args, kwargs))
+    mine = {id(t) for t in stand_ins.values()}
+    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
+           for leaf in pytree.tree_leaves(call)):
+        return None
+    return call
+
+
+def _run_quietly(func, args, kwargs):
+    """`func(*args, **kwargs)` with torch function handling and warnings off; raises what
+    `func` raises."""
+    with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return func(*args, **kwargs)
 
 
 def _hinted(value):
@@ -257,25 +274,16 @@ def stand_in_layouts(func, args, kwargs, leaves):
                 or not all(p.dim() == 0 or _contiguous_beside_size_one(
                     tuple(p.shape), p.stride(), contiguous_strides(p.shape)) for p in operands):
             return None
-        stand_ins = {p.name: _stand_in(p) for p in operands}
-    call_args, call_kwargs = pytree.tree_map(
-        lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy)
-        else _hinted(leaf), (args, kwargs))
-    mine = {id(t) for t in stand_ins.values()}
-    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
-           for leaf in pytree.tree_leaves((call_args, call_kwargs))):
-        return None  # never run an op on the user's data
-    on_meta = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-               for t in stand_ins.values()}
-    meta_args, meta_kwargs = pytree.tree_map(
-        lambda leaf: on_meta.get(id(leaf), leaf), (call_args, call_kwargs))
+    call = _on_stand_ins(args, kwargs, operands, _hinted)
+    if call is None:
+        return None
+    on_meta = pytree.tree_map(
+        lambda leaf: torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype,
+                                         device="meta")
+        if isinstance(leaf, torch.Tensor) else leaf, call)
     try:
-        with torch._C.DisableTorchFunction(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            results = [leaf for leaf in pytree.tree_leaves(func(*call_args, **call_kwargs))
-                       if isinstance(leaf, torch.Tensor)]
-            described = [leaf for leaf in pytree.tree_leaves(func(*meta_args, **meta_kwargs))
-                         if isinstance(leaf, torch.Tensor)]
+        results, described = ([leaf for leaf in pytree.tree_leaves(_run_quietly(func, *each))
+                               if isinstance(leaf, torch.Tensor)] for each in (call, on_meta))
     except Exception:  # an op the stand-ins do not suit
         return None
     if len(results) != len(outputs) or [r.stride() for r in results] == [
