@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.autograd_bridge import CompiledPair, run_with_autograd
-from fulmen.core import Tag, Trace
+from fulmen.core import Tag, Trace, any_tagged
 from fulmen.core.ambient import without_autocast
 from fulmen.core.proxy import iter_proxies
 from fulmen.executors import Executor
@@ -160,7 +160,7 @@ def _recompute(computation: Trace) -> Callable | None:
     backward with `create_graph=True` (NOTE [double backward by recomputation] in
     `fulmen.autograd_bridge`); None when running it again would not repeat the forward (random
     draws, writes into inputs, side effects)."""
-    if _any_tagged(computation.bsyms, _NOT_RECOMPUTABLE):
+    if any_tagged(computation.bsyms, _NOT_RECOMPUTABLE):
         return None
     compiled = []
 
@@ -170,11 +170,6 @@ def _recompute(computation: Trace) -> Callable | None:
         return pytree.tree_leaves(compiled[0](*inputs))
 
     return recompute
-
-
-def _any_tagged(bsyms, tags: frozenset) -> bool:
-    """Whether a statement among `bsyms` or inside their decompositions has one of `tags`."""
-    return any(bsym.sym.tags & tags or _any_tagged(bsym.subsymbols, tags) for bsym in bsyms)
 
 
 def _record(stages: list[Trace], result: Trace, seconds: dict, backward: bool) -> None:

@@ -7,7 +7,7 @@ from fulmen.core.check import check_trace
 from fulmen.core.errors import FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, flatten
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, any_tagged, flatten
 from fulmen.core.trace import Trace, TraceCtx, get_tracectx, tracing
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Trace",
     "TraceCtx",
     "check_trace",
+    "any_tagged",
     "flatten",
     "get_tracectx",
     "tracing",

@@ -70,10 +70,15 @@ def is_internal(filename: str) -> bool:
     return found
 
 
+def is_fulmens_own(filename: str) -> bool:
+    """Whether `filename` lies in fulmen's package directory."""
+    return filename.startswith(_FULMEN_DIR + os.sep)
+
+
 def _is_internal(filename: str) -> bool:
     if filename.startswith(_SKIP_PREFIXES):
         return True
-    if filename.startswith(_FULMEN_DIR + os.sep) and os.sep + "tests" + os.sep not in filename:
+    if is_fulmens_own(filename) and os.sep + "tests" + os.sep not in filename:
         return True
     return filename.startswith(_torch_dir() + os.sep)
 

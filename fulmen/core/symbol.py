@@ -229,6 +229,16 @@ CORE_NAMESPACE = Namespace("fulmen_core", None, "")
 DEL = Symbol("del", None, namespace=CORE_NAMESPACE, python_name="del", tags={"side_effect"})
 
 
+def any_tagged(bsyms: Iterable[BoundSymbol], tags: Iterable[Tag | str]) -> bool:
+    """Whether a statement among `bsyms`, or inside their decompositions at any depth, carries
+    one of `tags` (random draws, write-backs, side effects)."""
+    return _any_tagged(bsyms, frozenset(map(Tag, tags)))
+
+
+def _any_tagged(bsyms: Iterable[BoundSymbol], tags: frozenset[Tag]) -> bool:
+    return any(bsym.sym.tags & tags or _any_tagged(bsym.subsymbols, tags) for bsym in bsyms)
+
+
 def flatten(bsym: BoundSymbol, stop: Callable[[BoundSymbol], bool] | None = None,
             ) -> list[BoundSymbol]:
     """`bsym` as the statements of its decomposition, recursively, in order: a statement

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import SymInt
 
-from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx
+from fulmen.core import BoundSymbol, FulmenError, Tag, Trace, TraceCtx, any_tagged
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.trace import tracing
@@ -61,7 +61,8 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
             bsyms.append(bsym)
             fused |= bsym.output_names
         else:
-            if fused and _draws_random(bsym):  # NOTE [random draws read their input's layout]
+            # NOTE [random draws read their input's layout]
+            if fused and any_tagged((bsym,), {Tag.RANDOM}):
                 bsym = relayout.inputs_of(bsym, fused, bsyms)
             claimed = _claim(bsym, operator_executors)
             if (len(claimed) == 1 and not bsym.sym.is_prim
@@ -109,10 +110,6 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
         bsyms.append(BoundSymbol(AS_LAYOUT, (proxy, tuple(proxy.stride())), {}, relaid[name]))
     output = _replace_proxies(trace.output, relaid)
     return trace.replace(bsyms=tuple(bsyms), output=output)
-
-
-def _draws_random(bsym: BoundSymbol) -> bool:
-    return "random" in bsym.sym.tags or any(map(_draws_random, bsym.subsymbols))
 
 
 class _Relayout:

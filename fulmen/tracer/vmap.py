@@ -32,15 +32,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import sys
 
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import FulmenError, RunsEagerly, Tag, get_tracectx
+from fulmen.core import FulmenError, RunsEagerly, Tag, any_tagged, get_tracectx
 from fulmen.core.proxy import iter_proxies
-from fulmen.core.source import user_source_location
+from fulmen.core.source import is_fulmens_own, user_source_location
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape
 from fulmen.tracer.layout import is_elementwise_map
@@ -68,7 +67,7 @@ class MappedProxy(TensorProxy):
 
     @property
     def shape(self) -> torch.Size:
-        if get_tracectx() is not None and not _is_fulmen(sys._getframe(1).f_code.co_filename):
+        if get_tracectx() is not None and not is_fulmens_own(sys._getframe(1).f_code.co_filename):
             raise _refused("the mapped function reads a mapped tensor's shape", "Tensor.shape")
         return self._fulmen_meta[0]
 
@@ -119,7 +118,7 @@ class Emulation:
         """Refuse a shape read of a batched value (its stand-in's shape is not vmap's) by code
         other than fulmen's (`caller`: the reading frame)."""
         if func not in _SHAPE_FREE_METADATA and args and isinstance(args[0], TensorProxy) \
-                and args[0].name in self.depth and not _is_fulmen(caller.f_code.co_filename):
+                and args[0].name in self.depth and not is_fulmens_own(caller.f_code.co_filename):
             raise _refused("the mapped function reads a mapped tensor's shape",
                            op=getattr(func, "__name__", str(func)))
 
@@ -148,7 +147,7 @@ class Emulation:
             # the stand-ins may fail where vmap's values would not: eager decides
             raise _refused(f"the op fails on the broadcast stand-ins ({error})", op) from error
         recorded = scope[start:]
-        if any(_draws_random(bsym) for bsym in recorded):
+        if any_tagged(recorded, {Tag.RANDOM}):
             raise _refused("the mapped function draws random numbers", op)
         if not batched:
             return out
@@ -192,17 +191,6 @@ def _integer_index(item, batched: dict, depth: int) -> bool:
     return isinstance(item, TensorProxy) and not item.dtype.is_floating_point \
         and not item.dtype.is_complex and item.dtype is not torch.bool \
         and item.ndim == (depth if item.name in batched else 0)
-
-
-_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _is_fulmen(filename: str) -> bool:
-    return filename.startswith(_FULMEN_DIR)
-
-
-def _draws_random(bsym) -> bool:
-    return Tag.RANDOM in bsym.sym.tags or any(_draws_random(sub) for sub in bsym.subsymbols)
 
 
 def _emulation(ctx) -> Emulation:

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, Tag, Trace, TraceCtx, flatten, tracing
+from fulmen.core import (
+    BoundSymbol,
+    FulmenError,
+    Tag,
+    Trace,
+    TraceCtx,
+    any_tagged,
+    flatten,
+    tracing,
+)
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy, differentiable_value
@@ -75,11 +84,6 @@ def _is_complex(bsym: BoundSymbol) -> bool:
     return any(isinstance(p, TensorProxy) and p.dtype.is_complex for p in proxies)
 
 
-def _draws_random(bsym: BoundSymbol) -> bool:
-    """Whether a decomposition of `bsym` draws random numbers (a `random` prim inside)."""
-    return any("random" in sub.sym.tags or _draws_random(sub) for sub in bsym.subsymbols)
-
-
 def _by_autograd(bsym: BoundSymbol) -> bool:
     """Whether the forward runs `bsym` under torch.autograd and keeps its graph for the
     backward: an opaque op without a rule, or an op on complex values (NOTE [complex values])."""
@@ -111,7 +115,8 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     if not _has_rule(bsym) and not bsym.subsymbols:
         raise FulmenError("has no VJP rule, so gradients cannot flow through it",
                           op=bsym.sym.id, where=bsym.source)
-    if (not _has_rule(bsym) and bsym.has_side_effects) or _draws_random(bsym):
+    if (not _has_rule(bsym) and bsym.has_side_effects) \
+            or any_tagged(bsym.subsymbols, {Tag.RANDOM}):
         for sub in bsym.subsymbols:
             _augment(sub.replace(source=bsym.source), requires, out, differentiable, graphs, names)
         return
