@@ -54,6 +54,22 @@ class CompiledPair:
         return all(self.differentiable_outputs)
 
 
+def _version(x) -> int | None:
+    """`x`'s version counter; None for non-tensors and inference tensors, which have none (and
+    cannot be written outside inference mode)."""
+    if not isinstance(x, torch.Tensor) or x.is_inference():
+        return None
+    return x._version
+
+
+def _savable(residual: torch.Tensor) -> torch.Tensor:
+    """`residual`, or a copy of it where it is an inference tensor, which autograd refuses to
+    save: such a residual is an input made under `torch.inference_mode()` that eager reads in
+    the forward only (eager saves what it computes from it, `a + b` for `(a + b).sin()`), kept
+    by rematerialization because it is cheaper to save than a result."""
+    return residual.clone() if residual.is_inference() else residual
+
+
 class FulmenAutogradFunction(torch.autograd.Function):
     """One node in the autograd graph for a whole compiled program."""
 
@@ -63,7 +79,7 @@ class FulmenAutogradFunction(torch.autograd.Function):
         ctx.pair = pair
         if pair.recompute is not None:  # NOTE [double backward by recomputation]
             ctx.inputs = inputs
-            ctx.versions = [getattr(x, "_version", None) for x in inputs]
+            ctx.versions = [_version(x) for x in inputs]
         if pair.backward_without is not None:  # unused outputs get None, not zeros
             ctx.set_materialize_grads(False)
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
@@ -72,7 +88,7 @@ class FulmenAutogradFunction(torch.autograd.Function):
         if pair.has_object_residuals:
             objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
             residuals = [r for r in residuals if isinstance(r, torch.Tensor)]
-        ctx.save_for_backward(*residuals)
+        ctx.save_for_backward(*map(_savable, residuals))
         ctx.objects = objects
         if not pair.all_outputs_differentiable:
             ctx.mark_non_differentiable(*[
@@ -107,7 +123,7 @@ def _recomputed_grads(ctx, grads) -> tuple:
     pair: CompiledPair = ctx.pair
     inputs = getattr(ctx, "inputs", None)
     if pair.recompute is None or inputs is None or any(
-            getattr(x, "_version", None) != version for x, version in zip(inputs, ctx.versions)):
+            _version(x) != version for x, version in zip(inputs, ctx.versions)):
         why = ("an input was updated in place after the forward" if inputs is not None else
                "the program draws random numbers, updates its inputs or has side effects")
         raise NotYetSupportedError(

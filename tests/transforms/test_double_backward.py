@@ -82,3 +82,17 @@ def test_double_backward_of_a_program_that_draws_random_numbers_raises():
     out = fulmen.jit(lambda t: torch.nn.functional.dropout(t, 0.5).pow(3).sum())(x)
     (grad,) = torch.autograd.grad(out, x)
     assert grad.shape == x.shape
+
+
+def test_an_inference_tensor_beside_a_parameter_is_eagers():
+    """An inference tensor may join autograd where eager does not save it. Two failures before:
+    reading its version for the double-backward check raised "Inference tensors do not track
+    version counter", and rematerialization saved the input itself (cheaper than `a + b`),
+    which autograd refuses for an inference tensor."""
+    with torch.inference_mode():
+        offset = torch.randn(3)
+    w = torch.randn(3, requires_grad=True)
+    y = fulmen.jit(lambda a, b: (a + b).sin())(w, offset)
+    y.sum().backward()
+    torch.testing.assert_close(y, (w + offset).sin())
+    torch.testing.assert_close(w.grad, (w + offset).cos())
