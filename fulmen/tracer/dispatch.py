@@ -50,10 +50,12 @@ from fulmen.tracer.autograd_function import (
     backward_refusal,
     intercept_function_apply,
 )
+from fulmen.tracer.inplace_calls import signature_of
 from fulmen.tracer.layout import rule_layouts, stand_in_layouts
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
-from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
+from fulmen.tracer.mutation import Functionalizer
 from fulmen.tracer.objects import PLAIN_NUMBER
+from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 
 T = torch.Tensor
 

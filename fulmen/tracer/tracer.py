@@ -34,13 +34,13 @@ from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
+from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import (
     ModuleStore,
     held_modules,
     module_stores,
     refuse_held,
 )
-from fulmen.tracer.mutation import MetadataMutation
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
