@@ -31,12 +31,6 @@ from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import CacheKeyBuilder, trace_program
 from fulmen.tracer.call_constants import copy_of
 from fulmen.tracer.explain import describe_call, explain_change
-from fulmen.tracer.guards import (
-    GlobalStore,
-    changed_classes,
-    restore_classes,
-    stored_proxies,
-)
 from fulmen.tracer.host_random import (
     HostRandomState,
     refuse_private_generators,
@@ -51,6 +45,12 @@ from fulmen.tracer.module_stores import (
 from fulmen.tracer.objects import ARGUMENTS, MODULE, ObjectInputs, path_text
 from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.shape_policy import DynamicDims
+from fulmen.tracer.source_keys import (
+    GlobalStore,
+    changed_classes,
+    restore_classes,
+    stored_proxies,
+)
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import carrier, tensor_at

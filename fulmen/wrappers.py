@@ -17,7 +17,7 @@ from fulmen.core import get_tracectx
 from fulmen.executors import Executor, get_executor
 from fulmen.jitted import _RECOMPILES, _Jitted
 from fulmen.tracer.compiled_callees import outside_dynamo
-from fulmen.tracer.guards import StateRemoved
+from fulmen.tracer.leaf_keys import StateRemoved
 from fulmen.tracer.module_hooks import (
     HookWatch,
     StructureWatch,
