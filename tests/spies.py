@@ -7,7 +7,7 @@ import sys
 
 def record_calls(monkeypatch, owner, name: str) -> list:
     """Replace the function `owner.name` by one that appends its first positional argument
-    (`fn` of `meta.call_on_meta(fn, args, kwargs)` or `dispatch.eager_layouts`) to the
+    (`fn` of `meta.call_on_meta(fn, args, kwargs)` or `layout_truth.eager_layouts`) to the
     returned list and then calls the original; `monkeypatch` restores it after the test.
 
         asked = record_calls(monkeypatch, meta, "call_on_meta")

@@ -189,7 +189,7 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     order, from PyTorch's meta kernel; None when the meta kernel cannot describe the call.
 
     Used where fulmen's decomposition gives the shape but PyTorch decides the layout (see
-    NOTE [layout truth] in `fulmen.tracer.dispatch`). Answers are cached by the arguments'
+    NOTE [layout truth] in `fulmen.tracer.layout_truth`). Answers are cached by the arguments'
     metadata and values (meta kernels see nothing else). Warnings are silenced: the op is
     described here, not run.
     """
