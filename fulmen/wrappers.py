@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from fulmen.compile_miss import _RECOMPILES
 from fulmen.core import get_tracectx
 from fulmen.executors import Executor, get_executor
-from fulmen.jitted import _RECOMPILES, _Jitted
+from fulmen.jitted import _Jitted
 from fulmen.tracer.compiled_callees import outside_dynamo
 from fulmen.tracer.leaf_keys import StateRemoved
 from fulmen.tracer.module_hooks import (

@@ -25,5 +25,5 @@ def record_calls(monkeypatch, owner, name: str) -> list:
 
 def count_traces(monkeypatch) -> list:
     """A list that grows by one entry each time a jitted callable traces (a cache miss:
-    `fulmen.jitted.trace_program`); compare its length."""
-    return record_calls(monkeypatch, sys.modules["fulmen.jitted"], "trace_program")
+    `fulmen.compile_miss.trace_program`); compare its length."""
+    return record_calls(monkeypatch, sys.modules["fulmen.compile_miss"], "trace_program")
