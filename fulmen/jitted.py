@@ -33,6 +33,8 @@ from fulmen.executors import resolve_executors
 from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
 from fulmen.tracer.explain import describe_call, explain_change
+from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
+from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.module_hooks import (
     HeldModulesWatch,
 )
@@ -44,13 +46,6 @@ from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import carrier, tensor_at
-from fulmen.tracer.tracer import (
-    AliasedInputs,
-    _path_name,
-    _positional_names,
-    check_no_input_aliasing,
-    state_slots,
-)
 
 _getitem = operator.getitem
 _functorch_active = torch._C._are_functorch_transforms_active

@@ -562,7 +562,7 @@ MUTANTS: list[Mutant] = [
     Mutant("view_output_of_written_input_copied", "mutation", "tracer/mutation.py",
            "            if view is None or not view.exact or view.root not in self.inputs:",
            "            if True:", INPLACE),
-    Mutant("aliased_inputs_compiled_anyway", "mutation", "tracer/tracer.py",
+    Mutant("aliased_inputs_compiled_anyway", "mutation", "tracer/input_aliasing.py",
            "        if len(cluster) > 1 and not changed.isdisjoint(cluster):",
            "        if False:", INPLACE),
     Mutant("two_norm_vector_dim_wrapped", "vjp", "transforms/autodiff/rules_nn.py",
