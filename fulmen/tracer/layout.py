@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fulmen.core.proxy import iter_proxies
-from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_strides
+from fulmen.ops.elementwise_layout import elementwise_strides
+from fulmen.ops.kernel_layouts import attention_strides, convolution_strides
 from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import contiguous_strides, known_same_shape
