@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fulmen.cache_entry import CompileStats
 from fulmen.core import NotYetSupportedError, Trace
 from fulmen.executors import Executor
-from fulmen.jitted import CompileStats, _Jitted
+from fulmen.jitted import _Jitted
 from fulmen.wrappers import JittedDDP, JittedFunction, JittedModule, _fsdp_sharded
 
 

@@ -13,11 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from fulmen.compile_miss import _RECOMPILES
 from fulmen.core import get_tracectx
 from fulmen.executors import Executor, get_executor
-from fulmen.jitted import _RECOMPILES, _Jitted
+from fulmen.jitted import _Jitted
 from fulmen.tracer.compiled_callees import outside_dynamo
-from fulmen.tracer.guards import StateRemoved
+from fulmen.tracer.input_names import state_slots
+from fulmen.tracer.leaf_keys import StateRemoved
 from fulmen.tracer.module_hooks import (
     HookWatch,
     StructureWatch,
@@ -26,7 +28,6 @@ from fulmen.tracer.module_hooks import (
 )
 from fulmen.tracer.module_stores import UnreplayableStore
 from fulmen.tracer.sources import COMPILED_FORWARD
-from fulmen.tracer.tracer import state_slots
 
 
 class JittedFunction(_Jitted):

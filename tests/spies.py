@@ -7,7 +7,7 @@ import sys
 
 def record_calls(monkeypatch, owner, name: str) -> list:
     """Replace the function `owner.name` by one that appends its first positional argument
-    (`fn` of `meta.call_on_meta(fn, args, kwargs)` or `dispatch.eager_layouts`) to the
+    (`fn` of `meta.call_on_meta(fn, args, kwargs)` or `layout_truth.eager_layouts`) to the
     returned list and then calls the original; `monkeypatch` restores it after the test.
 
         asked = record_calls(monkeypatch, meta, "call_on_meta")
@@ -25,5 +25,5 @@ def record_calls(monkeypatch, owner, name: str) -> list:
 
 def count_traces(monkeypatch) -> list:
     """A list that grows by one entry each time a jitted callable traces (a cache miss:
-    `fulmen.jitted.trace_program`); compare its length."""
-    return record_calls(monkeypatch, sys.modules["fulmen.jitted"], "trace_program")
+    `fulmen.compile_miss.trace_program`); compare its length."""
+    return record_calls(monkeypatch, sys.modules["fulmen.compile_miss"], "trace_program")

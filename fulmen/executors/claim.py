@@ -76,7 +76,7 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
                          fused: set[str]) -> Trace:
     """NOTE [output layout]: the tensors a program returns have eager's strides.
 
-    Traced proxies report eager's strides (NOTE [layout truth] in `fulmen.tracer.dispatch`),
+    Traced proxies report eager's strides (NOTE [layout truth] in `fulmen.tracer.layout_truth`),
     and torch running an op whole produces them; a fusion (whose kernels write contiguous
     outputs) or an op's prims run one by one may not. So each returned tensor with a dense
     eager layout that is not computed by torch running its op whole goes through

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import threading
 import warnings
@@ -18,10 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import contiguous_strides, known_same_shape, size_hints
 
 
 def to_meta(value: Any) -> Any:
@@ -189,7 +186,7 @@ def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] 
     order, from PyTorch's meta kernel; None when the meta kernel cannot describe the call.
 
     Used where fulmen's decomposition gives the shape but PyTorch decides the layout (see
-    NOTE [layout truth] in `fulmen.tracer.dispatch`). Answers are cached by the arguments'
+    NOTE [layout truth] in `fulmen.tracer.layout_truth`). Answers are cached by the arguments'
     metadata and values (meta kernels see nothing else). Warnings are silenced: the op is
     described here, not run.
     """
@@ -311,224 +308,6 @@ def _without_dynamo_import():
         sys.meta_path.remove(blocker)
 
 
-def elementwise_strides(tensors, shape) -> tuple[int, ...]:
-    """Eager's output strides for an elementwise map of `tensors` broadcast to `shape`: the
-    TensorIterator rule (operand layouts in order, broadcast dims ignored), as PyTorch's
-    `compute_elementwise_output_strides` states it. 0-dim tensors take no part, as in eager."""
-    shape = tuple(shape)
-    canonical = _row_major_strides(shape)
-    if all(known_same_shape(tuple(t.shape), shape) and known_same_shape(t.stride(), canonical)
-           for t in tensors if t.dim() != 0):
-        # TensorIterator's fast setup: operands of the output's shape, all contiguous, give a
-        # contiguous output (decided here without the fake tensors symbolic sizes need)
-        return canonical
-    if _row_major_broadcasts(tensors, shape, canonical):
-        return canonical
-    envs: list = []
-    try:
-        key = ("elementwise", _layout_key(tuple(t for t in tensors if t.dim() != 0), envs),
-               _layout_key(shape, envs))
-    except _Uncacheable:
-        envs = []
-    if not envs or any(env is not envs[0] for env in envs):
-        return _elementwise_strides(tensors, shape)
-    cache = envs[0].__dict__.setdefault("_fulmen_layouts", {})  # as in `eager_layouts`
-    if key not in cache:
-        cache[key] = _elementwise_strides(tensors, shape)
-    return cache[key]
-
-
-def _row_major_broadcasts(tensors, shape: tuple, canonical: tuple) -> bool:
-    """Whether every operand broadcast to `shape` (known without a guard: `_broadcast`) has,
-    on each dim, stride 0 or the row-major stride of `shape`, and at least one has no stride
-    0: the weight of `x * w` or the rotary table of `q * cos` beside a contiguous activation.
-    TensorIterator's permutation then keeps every dim in place (a stride 0 never decides an
-    order; every other pair is ordered as row-major), so the output is row-major, as the fake
-    tensors of `_elementwise_strides` would say, without them. Only where every size inside
-    the outermost is known not to be 1 (nor 0): row-major strides are then strictly ordered,
-    with no tie for PyTorch's rule to break by sizes (a size-1 dim's stride)."""
-    if not any(isinstance(v, torch.SymInt) for v in shape):
-        return False  # static sizes: plain meta tensors are cheap, and their cache is shared
-    for size in shape[1:]:
-        if (size < 2) if type(size) is int else not _known_not_one(size):
-            return False
-    operands = _broadcast_operands(tensors, shape)
-    if operands is None:
-        return False
-    full = False
-    for operand in operands:
-        zeros = 0
-        for stride, expected in zip(operand.strides, canonical):
-            if type(stride) is int and stride == 0:
-                zeros += 1
-            elif not known_same_shape((stride,), (expected,)):
-                return False
-        full |= zeros == 0
-    return full
-
-
-def _elementwise_strides(tensors, shape: tuple) -> tuple:
-    symbolic = _symbolic_strides(tensors, shape)
-    if symbolic is not None:
-        return symbolic
-    operands = []
-    with _fake_mode((tensors, shape)), torch._C.DisableTorchFunction():
-        for tensor in tensors:
-            if tensor.dim() == 0:
-                continue
-            meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
-                                       dtype=tensor.dtype, device="meta")
-            operands.append(meta.expand(shape))
-        if not operands:
-            return contiguous_strides(shape)
-        return tuple(compute_elementwise_output_strides(*operands))
-
-
-class _Broadcast:
-    """A tensor's layout broadcast to an elementwise op's shape: the metadata PyTorch's
-    `compute_elementwise_output_logical_to_physical_perm` reads, without a fake tensor."""
-
-    __slots__ = ("shape", "strides", "ndim")
-    is_sparse = False
-
-    def __init__(self, shape: tuple, strides: tuple) -> None:
-        self.shape, self.strides, self.ndim = shape, strides, len(shape)
-
-    def stride(self) -> tuple:
-        return self.strides
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def numel(self):
-        return math.prod(self.shape)
-
-
-def _broadcast_operands(tensors, shape: tuple) -> list[_Broadcast] | None:
-    """The layouts of `tensors` (0-dim ones take no part) broadcast to `shape`, or None where
-    one is not known without a guard (`_broadcast`)."""
-    operands = []
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            continue
-        operand = _broadcast(tensor, shape)
-        if operand is None:
-            return None
-        operands.append(operand)
-    return operands
-
-
-def _broadcast(tensor, shape: tuple) -> _Broadcast | None:
-    """`tensor.expand(shape)`'s layout where it is known without a guard (each size equals the
-    output's, or is 1 against a size known not to be 1, or against a generalised 1: stride 0),
-    else None."""
-    strides = [0] * (len(shape) - tensor.dim())
-    for size, stride, target in zip(tensor.shape, tensor.stride(), shape[len(strides):]):
-        if size is target or known_same_shape((size,), (target,)):
-            strides.append(stride)
-        elif isinstance(size, int) and size == 1 and (_known_not_one(target)
-                                                      or _generalised_symbol(target)):
-            strides.append(0)
-        else:
-            return None
-    return _Broadcast(shape, tuple(strides))
-
-
-def _generalised_symbol(size) -> bool:
-    """Whether `size` is a lone symbol of a ShapeEnv that holds generalised 1s: a size 1
-    expanded to it gets stride 0 with no guard, as the fake `expand` that `_elementwise_strides`
-    would otherwise run (size-oblivious there, `_size_oblivious`) decides: the general path,
-    which a size 1 shares (a size-1 dim's stride changes no element's address)."""
-    if not isinstance(size, torch.SymInt):
-        return False
-    node = size.node
-    return node.expr.is_Symbol and getattr(node.shape_env, "_fulmen_generalised_ones", False)
-
-
-def _known_not_one(size) -> bool:
-    if isinstance(size, int):
-        return size != 1
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(size != 1)
-
-
-def _symbolic_strides(tensors, shape: tuple):
-    """`elementwise_strides` with symbolic sizes, by PyTorch's own rule on the broadcast
-    layouts (`_Broadcast`) instead of fake tensors (a fake tensor with symbolic sizes costs
-    milliseconds to make); None where a broadcast is not known without a guard, and for static
-    sizes (plain meta tensors are cheap)."""
-    env = None
-    for size in (*shape, *(v for t in tensors for v in (*t.shape, *t.stride()))):
-        if isinstance(size, torch.SymInt):
-            env = size.node.shape_env
-            break
-    if env is None:
-        return None
-    operands = _broadcast_operands(tensors, shape)
-    if not operands or len(shape) == 1:
-        return None
-    from torch._prims_common import (
-        compute_elementwise_output_logical_to_physical_perm,
-        is_non_overlapping_and_dense_or_false,
-        make_contiguous_strides_for,
-    )
-    from torch.fx.experimental import _config
-
-    oblivious = getattr(env, "_fulmen_generalised_ones", False)  # as `_size_oblivious`
-    with _config.patch(backed_size_oblivious=True) if oblivious else contextlib.nullcontext():
-        if len(operands) == 1 and is_non_overlapping_and_dense_or_false(operands[0]):
-            return operands[0].strides
-        # one operand with gaps or overlaps (a slice `x[..., :d]` negated): PyTorch's rule
-        # takes `empty_like` of it, whose preserved layout is this same permutation laid out
-        # densely (`torch._refs.empty_like`), as TensorIterator's for several operands
-        perm, _ = compute_elementwise_output_logical_to_physical_perm(*operands,
-                                                                      _skip_checks=True)
-    physical = make_contiguous_strides_for([shape[d] for d in perm])
-    strides = [0] * len(shape)
-    for position, dim in enumerate(perm):
-        strides[dim] = physical[position]
-    return tuple(strides)
-
-
-def _row_major_strides(shape) -> tuple:
-    """Row-major strides of `shape`, symbolic sizes included (no comparison, so no guard; a
-    size 0 or 1 multiplies the strides before it as PyTorch's do: `max(size, 1)`)."""
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc = acc * (size if isinstance(size, torch.SymInt) else max(size, 1))
-    return tuple(reversed(strides))
-
-
-def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int):
-    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere.
-
-    NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
-    contiguously, but eager picks a backend and the backend a memory format: on CPU
-    channels_last when the input *or the weight* suggests it (a model converted with
-    `.to(memory_format=...)` fed a contiguous batch). The same C++ functions eager calls
-    answer here, on uninitialised CPU tensors of the arguments' layouts (no page is touched).
-    """
-    if input.device.type != "cpu" or weight.dim() not in (4, 5):
-        return None
-    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
-    real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
-                                      dtype=weight.dtype)
-    if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
-        real_input = real_input.unsqueeze(0)
-    zeros = [0] * (weight.dim() - 2)
-    with torch._C.DisableTorchFunction():
-        backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
-                                                list(padding), list(dilation), False, zeros,
-                                                groups, None)
-        memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
-                                                                       backend)
-    batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
-    layout = torch.empty(batched, device="meta", memory_format=memory_format)
-    return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
-
-
 def with_strides(proxy: TensorProxy, strides, exact: bool = True) -> TensorProxy:
     """A proxy for the same value as `proxy` (same name and metadata) that reports `strides`,
     marked `exact` (eager's). Proxies keep their strides in C++ and cannot be restrided in
@@ -540,75 +319,3 @@ def with_strides(proxy: TensorProxy, strides, exact: bool = True) -> TensorProxy
     return new
 
 
-_ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                        "enable_gqa")
-
-
-def attention_arguments(args: tuple, kwargs: dict) -> dict:
-    """The arguments of a `F.scaled_dot_product_attention(*args, **kwargs)` call by name (those
-    not given are absent)."""
-    return dict(zip(_ATTENTION_ARGUMENTS, args)) | kwargs
-
-
-def attention_strides(args, kwargs, out) -> tuple | None:
-    """Eager's strides for the output `out` of `F.scaled_dot_product_attention(*args,
-    **kwargs)` where it runs the CPU flash kernel: the output is allocated like the query (`empty_like`: the query's strides when it is
-    non-overlapping and dense; checked against eager for every order of the batch, head and
-    sequence dims, sizes of 1 and grouped-query attention). PyTorch's meta kernel describes
-    the math backend instead (a contiguous result: wrong for a transposed query), and with
-    symbolic sizes runs that backend op by op. Elsewhere None (the meta kernel's answer stands).
-
-    The backend is PyTorch's own choice on stand-ins of the traced call's sizes, made with and
-    without grad: it reads the ranks, head counts, head sizes, last strides and mask of the
-    call and whether the batch sizes agree, never the sequence sizes (sizes 0 are
-    specialised); symbolic head counts are specialised, and symbolic batch and head sizes are
-    guarded equal (the flash kernel needs them equal)."""
-    bound = attention_arguments(args, kwargs)
-    query, key, value, mask = (bound.get(name) for name in ("query", "key", "value",
-                                                              "attn_mask"))
-    tensors = [t for t in (query, key, value, mask) if t is not None]
-    if (not all(isinstance(t, TensorProxy) and t.device.type == "cpu" for t in tensors)
-            or query.ndim != 4 or key.ndim != 4 or value.ndim != 4
-            or not all(isinstance(t.stride(-1), int) for t in tensors)):
-        return None
-    for t in (query, key, value):
-        int(t.shape[-3])  # a symbolic head count is specialised (guarded): the choice reads it
-    if not (query.shape[0] == key.shape[0] == value.shape[0]
-            and query.shape[-1] == key.shape[-1] == value.shape[-1]):  # guarded when symbolic
-        return None
-    if not known_same_shape(out.shape, query.shape) or not _dense(query):
-        return None
-    options = {"dropout_p": bound.get("dropout_p", 0.0), "is_causal": bound.get("is_causal",
-                                                                                   False),
-               "scale": bound.get("scale"), "enable_gqa": bound.get("enable_gqa", False)}
-    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-    for grad in (False, True):
-        stand_ins = [_stand_in(t, grad) for t in (query, key, value)]
-        stand_mask = _stand_in(mask, grad) if mask is not None else None
-        with torch._C.DisableTorchFunction():
-            if torch._fused_sdp_choice(*stand_ins, stand_mask, **options) != flash:
-                return None
-    return tuple(query.stride())
-
-
-def _stand_in(proxy: TensorProxy, grad: bool) -> torch.Tensor:
-    """An uninitialised CPU tensor with `proxy`'s metadata at the traced call's sizes (no page
-    is touched: the backend choice reads metadata only)."""
-    tensor = torch.empty_strided(size_hints(proxy.shape), size_hints(proxy.stride()),
-                                 dtype=proxy.dtype)
-    return tensor.requires_grad_(grad and proxy.dtype.is_floating_point)
-
-
-def _dense(tensor: TensorProxy) -> bool:
-    """Whether `tensor` is non-overlapping and dense, decided without a guard (False when
-    unknown): its dims of size other than 1, ordered by stride, have the strides of a row-major
-    layout in that order."""
-    dims = [d for d, size in enumerate(tensor.shape) if not (isinstance(size, int) and size == 1)]
-    strides = tensor.stride()
-    dims.sort(key=lambda d: size_hints((strides[d],))[0])
-    expected = 1
-    for d in dims:
-        if not known_same_shape((strides[d],), (expected,)):
-            return False
-        expected = expected * tensor.shape[d]
-    return True

@@ -17,15 +17,9 @@ import torch
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
-from fulmen.ops.meta import (
-    _ATTENTION_ARGUMENTS,
-    _row_major_strides,
-    attention_arguments,
-    attention_strides,
-    elementwise_strides,
-    run_meta,
-    with_strides,
-)
+from fulmen.ops.elementwise_layout import _row_major_strides, elementwise_strides
+from fulmen.ops.kernel_layouts import _ATTENTION_ARGUMENTS, attention_arguments, attention_strides
+from fulmen.ops.meta import run_meta, with_strides
 from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.ops.torch.base import torch_qualname
 from fulmen.proxies import TensorProxy

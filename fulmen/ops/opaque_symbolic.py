@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from fulmen.ops.meta import _row_major_strides, run_meta
+from fulmen.ops.elementwise_layout import _row_major_strides
+from fulmen.ops.meta import run_meta
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape
 

@@ -32,53 +32,36 @@ import contextlib
 import sys
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Tag, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
-from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.ops.opaque import draws_random, opaque_symbol
-from fulmen.ops.torch import symbol_for, torch_qualname
+from fulmen.ops.torch import symbol_for
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import METADATA_FUNCTIONS, known_same_shape
+from fulmen.proxies.tensor import METADATA_FUNCTIONS
 from fulmen.tracer.autocast import autocast_arguments
 from fulmen.tracer.autograd_function import (
     BACKWARD_CALLS,
     backward_refusal,
     intercept_function_apply,
 )
-from fulmen.tracer.layout import rule_layouts, stand_in_layouts
+from fulmen.tracer.call_kinds import (
+    _IDENTITY,
+    _VALUE_DEPENDENT,
+    _func_name,
+    _is_inplace,
+    _name_the_call,
+)
+from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
-from fulmen.tracer.mutation import VIEW_FUNCTIONS, Functionalizer, signature_of
+from fulmen.tracer.mutation import Functionalizer
 from fulmen.tracer.objects import PLAIN_NUMBER
+from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 
 T = torch.Tensor
-
-_VALUE_DEPENDENT = {
-    T.item: "Tensor.item()",
-    T.tolist: "Tensor.tolist()",
-    T.numpy: "Tensor.numpy()",
-    T.__bool__: "bool(tensor) (e.g. `if tensor:` or `while tensor:`)",
-    T.__int__: "int(tensor)",
-    T.__float__: "float(tensor)",
-    T.__index__: "using a tensor as an index or size",
-    T.__complex__: "complex(tensor)",
-    T.__array__: "converting a tensor to a numpy array",
-    T.data_ptr: "Tensor.data_ptr()",
-    T.untyped_storage: "Tensor.untyped_storage()",
-    T.equal: "Tensor.equal()",
-    torch.equal: "torch.equal()",
-    torch.allclose: "torch.allclose()",
-    T.allclose: "Tensor.allclose()",
-    torch.is_nonzero: "torch.is_nonzero()",
-    T.__contains__: "`element in tensor`",
-    T.__format__: "formatting a tensor (f\"{t}\", format(t))",
-}
-# Questions about a tensor's storage rather than its values: no graph break can answer them.
-_IDENTITY = frozenset({T.data_ptr, T.untyped_storage})
 
 _GRAD_GET = torch.Tensor.grad.__get__
 
@@ -114,68 +97,6 @@ def _unread_grad(tensor, caller) -> bool:
             and caller.f_code.co_filename != _MODULE_FILE)
 
 
-def _name_the_call(error: Exception, func) -> None:
-    """Say in `error` which op of the user's program raised it and on which line: a fulmen
-    error without a location gets it; PyTorch's own errors (a meta kernel's shape check) keep
-    their type and get a note."""
-    where = user_source_location()
-    if where is None:
-        return
-    if isinstance(error, FulmenError):
-        error.locate(where)
-    elif not any("fulmen: in " in note for note in getattr(error, "__notes__", ())):
-        error.add_note(f"fulmen: in {_func_name(func)} at {where}")
-
-
-def _func_name(func) -> str:
-    return torch_qualname(func) or getattr(func, "__qualname__", None) or repr(func)
-
-
-_INPLACE_DUNDERS = {
-    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__idiv__",
-}  # fmt: skip
-
-
-def _bound_flag(func, args, kwargs, name: str):
-    """The value passed for parameter `name` (by keyword or position), or None."""
-    if name in kwargs:
-        return kwargs[name]
-    signature = signature_of(func)
-    if signature is None or name not in signature.parameters:
-        return None
-    try:
-        return signature.bind_partial(*args, **kwargs).arguments.get(name)
-    except TypeError:
-        return None
-
-
-def _is_inplace(func, args, kwargs) -> bool:
-    """Whether the call mutates an argument: an `_`-suffixed method, an in-place dunder,
-    `out=`, `inplace=True`, or `F.embedding(..., max_norm=...)` (renormalises the weight)."""
-    if kwargs.get("out") is not None:
-        return True
-    schema = getattr(func, "_schema", None)  # an OpOverload: `torch.ops.aten.add_.Tensor`
-    if schema is not None:
-        return any(argument.alias_info is not None and argument.alias_info.is_write
-                   for argument in schema.arguments)
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return False
-    if name in ("__setitem__", "__set__", "__delitem__"):
-        return True
-    if name in _INPLACE_DUNDERS:
-        return True
-    if name.endswith("_") and not name.startswith("__"):  # also `torch._foreach_add_`
-        return True
-    if _bound_flag(func, args, kwargs, "inplace") is True:
-        return True
-    if func is F.batch_norm and _bound_flag(func, args, kwargs, "training") is True:
-        return any(_bound_flag(func, args, kwargs, stat) is not None
-                   for stat in ("running_mean", "running_var"))
-    return func is F.embedding and _bound_flag(func, args, kwargs, "max_norm") is not None
-
-
 _DETACH = (T.detach, torch.detach, T.data.__get__)  # (`x.data`: detached, as in eager)
 _REQUIRES_GRAD_ = T.requires_grad_
 # (`retain_grad` is a hook too: it keeps the gradient autograd computes for that tensor)
@@ -183,7 +104,7 @@ _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook
                            T.retain_grad})
 
 
-class TracerCtx(TraceCtx):
+class TracerCtx(LayoutTruth, TraceCtx):
     """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
 
     `differentiable` (grad mode when tracing started) says whether the trace may be
@@ -359,104 +280,6 @@ class TracerCtx(TraceCtx):
             out = self._track_grad(func, args, kwargs, out)
         return out
 
-    def _eager_layout(self, func, args, kwargs, out, start: int, whole: bool = False):
-        """`out` (a decomposition's result) with eager's strides on the proxies it created.
-
-        NOTE [layout truth]: a decomposition gives the right shapes and values, but the strides
-        of the proxies its prims create are the prims' (mostly contiguous), while eager's output
-        of `func` may be a transposed view, keep a channels_last input's layout, or be an expand.
-        User code reads them (`x.stride()`, `is_contiguous(memory_format=...)`, `view`, which
-        fails or succeeds on eager's strides), so each new output proxy is replaced by one that
-        reports eager's strides: by a rule where one is cheap and certain (`fulmen.tracer.layout`),
-        else from PyTorch's meta kernel for `func` on the same arguments (`eager_layouts`).
-        It is marked exact (`_fulmen_exact_strides`) when every tensor argument was. When
-        neither can describe the call, the decomposition's strides are kept, unmarked.
-
-        With symbolic sizes the same rules and meta kernels run on fake tensors of the trace's
-        ShapeEnv (`fulmen.ops.meta`), so strides are SymInt expressions (`12*s0`), and each
-        decision PyTorch's layout code takes about sizes (a stride order, a size-1 dim) is
-        recorded as a shape guard: the entry serves only sizes that eager lays out alike.
-
-        An op recorded `whole` (an opaque symbol, laid out by its meta kernel) is corrected only
-        where the meta and CPU kernels disagree (`stand_in_layouts`).
-        """
-        leaves, spec = pytree.tree_flatten(out)
-        serial_of = self.names.serial_of
-        fresh = [leaf for leaf in leaves
-                 if isinstance(leaf, TensorProxy) and serial_of(leaf.name) >= start]
-        if not fresh:
-            return out  # nothing new (an identity such as `x.float()` on a float tensor)
-        scope = self.scopes[-1]
-        bsym = scope[-1] if scope and scope[-1].output is out else None
-        if whole:
-            layouts = stand_in_layouts(func, args, kwargs, leaves)
-            if layouts is None:
-                return out
-        else:
-            layouts = rule_layouts(func, bsym, args, kwargs, leaves)
-        if layouts is None:
-            layouts = eager_layouts(func, args, kwargs)
-        if layouts is None and func in _STRIDED_VIEWS:
-            self._check_view(func, args, kwargs, bsym)
-        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if layouts is None or len(layouts) != len(tensors):
-            return out
-        replaced: dict[str, TensorProxy] = {}
-        exact = all(p.name in self.mutation.inputs or getattr(p, "_fulmen_exact_strides", False)
-                    for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy))
-        for i, (shape, strides) in zip(tensors, layouts):
-            leaf = leaves[i]
-            if (not isinstance(leaf, TensorProxy) or serial_of(leaf.name) < start
-                    or not _same_shape(leaf.shape, shape)):
-                continue
-            if leaf.name in replaced:  # one proxy returned twice: keep the first layout
-                leaves[i] = replaced[leaf.name]
-            elif not known_same_shape(leaf.stride(), strides):  # no guard: see its docstring
-                leaves[i] = replaced[leaf.name] = with_strides(leaf, strides, exact)
-            elif exact:
-                leaf._fulmen_exact_strides = True
-        if not replaced:
-            return out
-        new_out = pytree.tree_unflatten(leaves, spec)
-        if bsym is not None:  # the statement the decomposition recorded
-            scope[-1] = bsym.replace(output=new_out)
-        return new_out
-
-    def _check_view(self, func, args, kwargs, bsym) -> None:
-        """Raise eager's error for a `view` its input's strides cannot give (the decomposition,
-        a reshape, does not look at strides), when those strides are known to be eager's."""
-        source = args[0] if args else None
-        if not isinstance(source, TensorProxy) or not (
-                source.name in self.mutation.inputs
-                or getattr(source, "_fulmen_exact_strides", False)):
-            return
-        try:
-            call_on_meta(func, args, kwargs)  # symbolic sizes: guards what eager decides
-        except (RuntimeError, ValueError) as error:
-            # eager's C++ check, or the same check in PyTorch's fake kernel (symbolic sizes)
-            if not any(text in str(error) for text in _VIEW_ERRORS):
-                return
-            if bsym is not None and self.scopes[-1] and self.scopes[-1][-1] is bsym:
-                self.scopes[-1].pop()
-            message = str(error).splitlines()[0]
-            if _VIEW_ERRORS[0] not in message:  # eager's wording for the fake kernel's
-                message = ("view size is not compatible with input tensor's size and stride "
-                           f"({message})")
-            raise FulmenError(message, op=_func_name(func), where=user_source_location()) from None
-
-    def check_layout_read(self, proxy, what: str, caller) -> None:
-        """Raise when user code (`caller` is a frame outside fulmen and torch) reads the strides
-        or storage offset of a proxy computed from a `contiguous()` whose aliasing eager
-        decides at run time: the strides of its size-1 dimensions and its offset are those of
-        the copy (NOTE [contiguous of a batch of 1] in `fulmen.ops.opaque`). The symbolic
-        trace then fails and is retraced with the size of 1 specialised."""
-        if proxy.name not in self.undecided_layouts or is_internal(caller.f_code.co_filename):
-            return
-        raise NotYetSupportedError(
-            f"{what} of a tensor made by contiguous() of a tensor that is contiguous only for a "
-            "batch of 1: eager's answer depends on that size", op=f"Tensor.{what}",
-            where=user_source_location())
-
     def call(self, sym, *args, **kwargs):
         """Record fulmen symbol `sym` (not a torch callable) with grad bookkeeping."""
         out = sym(*args, **kwargs)
@@ -510,26 +333,6 @@ def _require_grad(names: set[str], proxies: list[TensorProxy]) -> None:
         for p in proxies:
             if not p.requires_grad:
                 _REQUIRES_GRAD_(p)
-
-
-_STRIDED_VIEWS = frozenset({T.view, T.view_as})
-_VIEW_ERRORS = ("view size is not compatible", "Cannot view a tensor with shape")
-
-
-def _same_shape(ours, eagers) -> bool:
-    """Whether the decomposition's shape is eager's: decided without a guard where the sizes
-    settle it (`known_same_shape`); two symbolic spellings of one size that PyTorch's engine
-    cannot prove equal (`-(-s0 // 5)` and `(s0 + 4) // 5`) but that agree at this call's sizes
-    are compared with a guard, so the entry is used only where they agree."""
-    if known_same_shape(ours, eagers):
-        return True
-    if len(ours) != len(eagers) or [_hint(a) for a in ours] != [_hint(b) for b in eagers]:
-        return False
-    return all(bool(a == b) for a, b in zip(ours, eagers))
-
-
-def _hint(size):
-    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def _restore_identities(out, user, resolved):

@@ -10,11 +10,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core.ambient import autocast_key
-from fulmen.tracer.guards import _float_key, object_source_key, source_key
+from fulmen.tracer.input_names import _path_name
+from fulmen.tracer.leaf_keys import _float_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
+from fulmen.tracer.source_keys import object_source_key, source_key
 from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key
 from fulmen.tracer.symbolic import _row_major
-from fulmen.tracer.tracer import _path_name
 
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled

@@ -12,21 +12,14 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
-import math
 import operator
-import types
-from collections.abc import Hashable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import RunsEagerly
 from fulmen.core.ambient import autocast_key
-from fulmen.proxies import TensorProxy
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -34,16 +27,35 @@ from fulmen.tracer.key_memo import (
     holder_snapshot,
     typed_snapshot,
 )
+from fulmen.tracer.leaf_keys import (
+    _FLAT_LEAVES,
+    _argument_tensor_key,
+    _is_object_leaf,
+    _leaf_key,
+    _masked_key,
+    _object_leaf_key,
+    _pytree_leaf,
+    _state_key,
+    _walked_key,
+)
 from fulmen.tracer.objects import (
     INT_KEY,
     function_roots,
-    has_argument_grad,
     is_plain_object,
     object_key,
-    restore,
     snapshot,
-    unchanged,
-    walk,
+)
+from fulmen.tracer.source_keys import (
+    _EXACT_SCALARS,
+    _NESTED_DEPTH,
+    _collect_holders,
+    _container_snapshots,
+    _is_data_object,
+    _tensors_in,
+    _written_key,
+    class_source_key,
+    object_source_key,
+    source_key,
 )
 from fulmen.tracer.source_reads import source_reader
 from fulmen.tracer.sources import (
@@ -51,344 +63,20 @@ from fulmen.tracer.sources import (
     CONTAINERS,
     FUNCTIONS,
     HOOK_LABEL,
-    NUMPY_ARRAYS,
-    NUMPY_SCALARS,
     SCALARS,
-    array_key,
     functions_of,
     is_user_class,
     reads_cell,
     reads_global,
     scalar_sources,
 )
-from fulmen.tracer.symbolic import INT, STRIDES
+from fulmen.tracer.symbolic import INT
 
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
 _any_autocast = torch._C._is_any_autocast_enabled
 _training = operator.attrgetter("training")
-
-
-def _tensor_key(t: Tensor) -> tuple:
-    # the strides, not only contiguity: code reads `x.stride(0)` and
-    # `is_contiguous(memory_format=...)`, and in-place updates of views depend on them
-    return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
-
-
-class StateRemoved(Exception):
-    """A parameter or buffer the compiled calls read was set to None in place (`m.bias = None`
-    replaces no dict entry, so `StructureWatch`'s O(1) check cannot see it)."""
-
-
-def _state_key(t: Tensor) -> tuple:
-    if t is None:
-        raise StateRemoved
-    return _tensor_key(t)
-
-
-def _argument_tensor_key(t: Tensor) -> tuple:
-    key = _tensor_key(t)
-    return (*key, _tensor_key(t.grad)) if has_argument_grad(t) else key
-
-
-def _object_tensor_key(t: Tensor) -> tuple:
-    return (*_tensor_key(t), t.storage_offset())
-
-
-def _float_key(value: float) -> Any:
-    """NaN equals itself, and -0.0 differs from 0.0 (`x * math.copysign(1, s)` bakes the sign
-    in), though Python's `==` says otherwise for both."""
-    if value != value:
-        return "nan"
-    if value == 0:
-        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
-    return value
-
-
-# leaves keyed by their type and value (`_leaf_key`'s last case), found by their exact type
-_BY_VALUE = frozenset([bool, int, str, type(None), torch.device, torch.dtype])
-
-
-def _leaf_key(leaf: Any) -> Any:
-    if type(leaf) in _BY_VALUE:  # (what the last case below gives them, without the tests)
-        return (type(leaf), leaf)
-    if isinstance(leaf, Tensor):
-        return _argument_tensor_key(leaf)
-    if isinstance(leaf, float):
-        return (type(leaf), _float_key(leaf))
-    if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
-        return (type(leaf), _leaf_key(leaf.item()))
-    if isinstance(leaf, NUMPY_ARRAYS):
-        return array_key(leaf)
-    if isinstance(leaf, complex):
-        return (complex, _float_key(leaf.real), _float_key(leaf.imag))
-    if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded
-        return object_key(leaf, _object_leaf_key)
-    if isinstance(leaf, Hashable):
-        try:
-            return (type(leaf), leaf)
-        except TypeError:
-            pass
-    return (type(leaf), id(leaf))
-
-
-def _is_object_leaf(leaf: Any) -> bool:
-    """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
-    return type(leaf) not in _BY_VALUE and not isinstance(
-        leaf, (Tensor, float, complex, *NUMPY_SCALARS)) and is_plain_object(leaf)
-
-
-def _walked_key(leaf: Any, walks: dict[int, list], position: int) -> tuple:
-    """`_leaf_key` of an object argument, keeping its walk in `walks` for the masked key of
-    the same call (`CacheKeyBuilder.key`)."""
-    walked = walks[position] = walk(leaf)
-    return object_key(leaf, _object_leaf_key, walked=walked)
-
-
-def _masked_key(t: Tensor, dims: tuple) -> tuple:
-    """The key of a tensor whose sizes in `dims` are symbolic: those sizes left out (the entry's
-    shape guard checks them), contiguity instead of strides (left out too where `dims` ends
-    with `STRIDES`: the strides have symbols of their own, checked by the shape guard);
-    whether it has a `.grad`, as `_argument_tensor_key` says."""
-    shape = list(t.shape)
-    free = dims[-1] == STRIDES
-    if free:
-        dims = dims[:-1]
-    if any(d >= len(shape) for d in dims):
-        return ("symbolic", "rank", len(shape))
-    for dim in dims:
-        shape[dim] = None
-    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
-            None if free else t.is_contiguous(), has_argument_grad(t))
-
-
-def _object_leaf_key(leaf: Any) -> Any:
-    return _object_tensor_key(leaf) if isinstance(leaf, Tensor) else _leaf_key(leaf)
-
-
-# argument types pytree treats as leaves, exactly (subclasses may be registered as nodes)
-_FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
-
-
-def _pytree_leaf(value: Any) -> bool:
-    """Whether pytree treats `value` as a leaf: its exact type is no registered node, and it is
-    no tuple (every namedtuple is a node). An object argument (a KV cache) is one."""
-    return type(value) not in pytree.SUPPORTED_NODES and not isinstance(value, tuple)
-
-
-_EXACT_SCALARS = frozenset([bool, int, str, type(None)])
-_MAX_ITEMS = 64  # containers longer than this are keyed by their length only
-_NESTED_DEPTH = 2  # levels of containers inside a container keyed by their items
-
-
-def source_key(value: Any) -> Any:
-    """The key of a value read from a global, a closure cell or a module attribute: scalars by
-    value; tensors by identity (the program captured that tensor object: its in-place updates
-    are seen, a new tensor bound to the name is not; the entry keeps the old one alive, so the
-    id cannot be reused while it matters); lists, tuples and dicts by their items, one level
-    deep (`CONFIG["scale"]`, `self.sizes[0]`)."""
-    kind = type(value)
-    if kind in _EXACT_SCALARS:  # the common case, without `_leaf_key`'s isinstance chain
-        return (kind, value)
-    if kind is float:
-        return (float, _float_key(value))
-    if isinstance(value, Tensor):
-        return ("tensor", id(value))
-    if isinstance(value, FUNCTIONS):  # held in the key: its id cannot be reused meanwhile
-        try:
-            return ("function", value, hash(value))
-        except TypeError:  # a method of an unhashable object
-            return ("function", id(value.__self__), value.__func__)
-    if kind in CONTAINERS:
-        if len(value) > _MAX_ITEMS:
-            return (kind, len(value))
-        items = value.items() if kind is dict else enumerate(value)
-        return (kind, tuple([(k, _item_key(v)) for k, v in items]))
-    return _leaf_key(value)
-
-
-def _written_key(value: Any) -> Any:
-    """The key of a module attribute that compiled programs store traced tensors into and never
-    read as a tensor (`self.aux_loss = loss`): tensors by metadata, not identity (each call
-    stores a new one), so Python that reads `self.aux_loss is None` or its shape is still
-    guarded; containers one level deep."""
-    if isinstance(value, Tensor):
-        return ("tensor", _tensor_key(value))
-    if type(value) in CONTAINERS and len(value) <= _MAX_ITEMS:
-        items = value.items() if type(value) is dict else enumerate(value)
-        return (type(value), tuple([(k, ("tensor", _tensor_key(v)) if isinstance(v, Tensor)
-                                     else _item_key(v)) for k, v in items]))
-    return source_key(value)
-
-
-def _tensors_in(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if type(value) in CONTAINERS:
-        return [v for v in (value.values() if type(value) is dict else value)
-                if isinstance(v, Tensor)]
-    return []
-
-
-_MAX_ATTRIBUTES = 512
-
-
-def class_source_key(cls: type) -> Any:
-    """The key of a user class the code reads (`CFG.lr`, `self.scale` from the module's class):
-    the class and its data attributes (numbers, strings, tensors, containers), as
-    `object_source_key` keys a plain object's."""
-    return (cls, tuple([(k, _item_key(v)) for k, v in vars(cls).items()
-                        if not k.startswith("__") and _is_data(v)]))
-
-
-def _is_data(value: Any) -> bool:
-    return isinstance(value, (*SCALARS, Tensor)) or type(value) in CONTAINERS
-
-
-def changed_classes(before: list[tuple[type, dict]]) -> list[type]:
-    """The classes among `(class, dict(vars(class)))` snapshots whose attributes were stored
-    or deleted since (compared by identity)."""
-    return [cls for cls, saved in before if len(vars(cls)) != len(saved) or any(
-        vars(cls).get(k, before) is not v for k, v in saved.items())]
-
-
-def restore_classes(before: list[tuple[type, dict]]) -> None:
-    """Put the classes of `changed_classes` snapshots back as they were."""
-    for cls, saved in before:
-        for k in [k for k in vars(cls) if k not in saved]:
-            delattr(cls, k)
-        for k, v in saved.items():
-            if vars(cls).get(k, before) is not v:
-                setattr(cls, k, v)
-
-
-def object_source_key(value: Any) -> Any:
-    """The key of a plain object a module holds (`self.config`): its type and its attributes,
-    as `source_key` keys a dict's items; containers and data objects inside a data object
-    (`_is_data_object`: a config) by their items too, inside another object (a logger, whose
-    `_cache` fills as it is used) by identity."""
-    state = vars(value)
-    if len(state) > _MAX_ATTRIBUTES:
-        return (type(value), id(value), len(state))
-    depth = _NESTED_DEPTH if _is_data_object(value) else 0
-    return (type(value), tuple([(k, _item_key(v, depth)) for k, v in state.items()]))
-
-
-_DATA_OBJECTS = (types.SimpleNamespace, argparse.Namespace)
-
-
-def _is_data_object(value: Any) -> bool:
-    """A configuration object whose attributes `_item_key` keys when it is nested in a keyed
-    value (`CFG.attention.dropout`): a dataclass, a namespace, an instance of a user class. Not
-    any object with a `__dict__`: a logger nested in a config would key every logger."""
-    return (type(value) in _DATA_OBJECTS or dataclasses.is_dataclass(value)
-            and not isinstance(value, type)) or (
-        is_user_class(type(value)) and is_plain_object(value))
-
-
-def _nested_items(value: Any, depth: int) -> Any:
-    """The items `_item_key` keys inside `value` (a container or data object), or None when it
-    keys `value` by identity (too deep, too many)."""
-    if depth <= 0:
-        return None
-    if type(value) in CONTAINERS:
-        return value if len(value) <= _MAX_ITEMS else None
-    if _is_data_object(value):
-        state = vars(value)
-        return state if len(state) <= _MAX_ATTRIBUTES else None
-    return None
-
-
-def _container_snapshots(value: Any, depth: int = _NESTED_DEPTH) -> list[tuple]:
-    """Snapshots (`KeyMemo`) of a container or plain object and of the containers and data
-    objects `_item_key` keys by their items inside it, so that changing a nested one recomputes
-    the key."""
-    snapshots = [holder_snapshot(value)]
-    if type(value) in CONTAINERS:
-        items = value if len(value) <= _MAX_ITEMS else ()  # (longer: keyed by length only)
-    else:
-        items = vars(value) if len(vars(value)) <= _MAX_ATTRIBUTES else ()
-    if depth > 0:
-        for item in (items.values() if isinstance(items, dict) else items):
-            if _nested_items(item, depth) is not None:
-                snapshots += _container_snapshots(item, depth - 1)
-    return snapshots
-
-
-def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
-    if id(value) in found or not (type(value) in (list, dict) or is_plain_object(value)):
-        return
-    found[id(value)] = value
-    items = snapshot(value)
-    if depth > 0 and items is not None and len(items) <= _MAX_ITEMS:
-        for item in (items.values() if isinstance(items, dict) else items):
-            _collect_holders(item, found, depth - 1)
-
-
-class GlobalStore(RunsEagerly):
-    """The traced code stores a traced tensor into a global or a closure variable, or into a
-    container or object held by one (`STATS["loss"] = loss`, `nonlocal last; last = y`):
-    a compiled call would leave a proxy there, so the call runs eagerly (and what it stored
-    into is put back as it was before tracing)."""
-
-
-def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
-    """Put back the holders and names of `global_snapshots` that now hold a proxy; return
-    what each was ("the global name 'LAST'", "a global dict"). Where one does, the call runs
-    eagerly, which makes the trace's other stores again: every holder is put back then
-    (`counter[0] += 1; feats.append(y)` would count twice)."""
-    leaked = []
-    changed = []
-    for holder, saved in snapshots:
-        if type(holder) is tuple:  # (a module's globals, a name) or (a closure cell, None)
-            now = _bound(holder)
-            if isinstance(now, TensorProxy):
-                leaked.append("a variable of an enclosing function" if holder[1] is None
-                              else f"the global name {holder[1]!r}")
-            if now is not saved:
-                changed.append((holder, saved))
-            continue
-        if unchanged(holder, saved):
-            continue
-        now = snapshot(holder)
-        if any(isinstance(item, TensorProxy)
-               for item in (now.values() if isinstance(now, dict) else now)):
-            restore(holder, saved)
-            leaked.append(f"a global {type(holder).__name__}")
-        else:
-            changed.append((holder, saved))
-    for holder, saved in changed if leaked else ():
-        if type(holder) is not tuple:
-            restore(holder, saved)
-        elif holder[1] is None:
-            holder[0].cell_contents = saved
-        else:
-            holder[0][holder[1]] = saved
-    return leaked
-
-
-def _bound(binding: tuple) -> Any:
-    owner, name = binding
-    return owner.cell_contents if name is None else owner.get(name)
-
-
-def _item_key(value: Any, depth: int = _NESTED_DEPTH) -> Any:
-    """The key of an item of a container `source_key` reads: as `source_key`'s for scalars and
-    tensors; nested containers by their items too, `depth` more levels (`CFG["model"]["act"]`
-    changed in place), then by identity."""
-    kind = type(value)
-    if kind in _EXACT_SCALARS:
-        return (kind, value)
-    if isinstance(value, Tensor):
-        return ("tensor", id(value))
-    if isinstance(value, (*SCALARS, *NUMPY_ARRAYS)):
-        return _leaf_key(value)
-    items = _nested_items(value, depth)
-    if items is not None:
-        items = items.items() if isinstance(items, dict) else enumerate(items)
-        return (kind, tuple([(k, _item_key(v, depth - 1)) for k, v in items]))
-    return (type(value), id(value))
 
 
 _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)

@@ -1,7 +1,7 @@
 """Eager's output layouts of torch-level ops by rule, without a meta kernel.
 
 NOTE [layout queries stay cheap]: the tracer gives each output proxy of a decomposed op eager's
-strides (NOTE [layout truth] in `fulmen.tracer.dispatch`). Asking PyTorch's meta kernel costs a
+strides (NOTE [layout truth] in `fulmen.tracer.layout_truth`). Asking PyTorch's meta kernel costs a
 Python call per op, and many meta kernels are Python references whose first call imports
 `torch._dynamo` (seconds); the common ops need neither: `rule_layouts` answers for elementwise
 maps, ops on contiguous tensors, lone permutes, basic indexing, low-rank cats, layer norm and
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fulmen.core.proxy import iter_proxies
-from fulmen.ops.meta import attention_strides, convolution_strides, elementwise_strides
+from fulmen.ops.elementwise_layout import elementwise_strides
+from fulmen.ops.kernel_layouts import attention_strides, convolution_strides
 from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import contiguous_strides, known_same_shape

@@ -40,93 +40,20 @@ plain SSA and differentiates like any other op.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
-from fulmen.ops.functionalized import (
-    WRITE_BACK,
-    apply_init,
-    apply_inplace,
-    apply_inplace_random,
-    replay,
-    setitem,
-    snapshot,
-    view_of_written,
-    view_scatter,
-)
+from fulmen.ops.functionalized import WRITE_BACK, replay, snapshot, view_of_written, view_scatter
 from fulmen.proxies import TensorProxy, differentiable_value
-from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
-from fulmen.tracer.batch_norm import functionalize_batch_norm
-from fulmen.tracer.fresh_leaves import (
-    check_fresh_update,
-    is_requires_grad_set,
-    make_fresh_leaf,
-    mark_fresh,
-)
-from fulmen.tracer.metadata_inplace import (
-    MetadataMutation,
-    StaleTensorProxy,
-    stale_use,
-    trace_metadata_change,
-)
-
-T = torch.Tensor
-
-
-@functools.cache
-def signature_of(func) -> inspect.Signature | None:
-    """`inspect.signature(func)`, or None for builtins without one."""
-    try:
-        return inspect.signature(func)
-    except (TypeError, ValueError):
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Which calls are views
-# ---------------------------------------------------------------------------------------------
-
-_VIEW_METHODS = (
-    "view", "view_as", "__getitem__", "select", "narrow", "transpose", "t", "permute", "squeeze",
-    "unsqueeze", "expand", "expand_as", "unflatten", "movedim", "moveaxis", "swapaxes",
-    "swapdims", "diagonal", "unfold", "unbind", "split", "split_with_sizes", "chunk",
-    "tensor_split", "hsplit", "vsplit", "dsplit", "detach", "broadcast_to", "adjoint", "alias",
-    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "atleast_1d",
-    "atleast_2d", "atleast_3d",
-)  # fmt: skip
-_MAYBE_VIEW_METHODS = ("reshape", "reshape_as", "flatten", "ravel")
-_VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
-# Views whose element mapping depends on strides (or that mutating is an error for): reading
-# them after their base changed, or mutating them, raises.
-_UNREPLAYABLE = ("as_strided", "expand", "expand_as", "broadcast_to", "unfold")
-
-
-def _view_table() -> dict:
-    table: dict = {}
-    for names, maybe in ((_VIEW_METHODS, False), (_MAYBE_VIEW_METHODS, True)):
-        for name in names:
-            for space in (T, torch, torch.functional):
-                fn = getattr(space, name, None)
-                if callable(fn):
-                    table.setdefault(fn, ("method", name, maybe))
-    for name in _VIEW_ATTRS:
-        table[getattr(T, name).__get__] = ("attr", name, False)
-    table[T.as_strided] = table[torch.as_strided] = ("method", "as_strided", False)
-    return table
-
-
-VIEW_FUNCTIONS = _view_table()
-
-_DETACHES = (torch.detach, T.detach)
-_GRAD_SET = T.grad.__set__
+from fulmen.tracer.fresh_leaves import check_fresh_update, mark_fresh
+from fulmen.tracer.inplace_calls import InplaceCalls
+from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
+from fulmen.tracer.view_calls import _UNREPLAYABLE, VIEW_FUNCTIONS, _is_basic_index
 
 
 class LeafModified(RunsEagerly):
@@ -158,38 +85,6 @@ class CheckpointedUpdate(RunsEagerly):
     with grad on (a BatchNorm's running statistics and `num_batches_tracked`): eager's backward
     recomputes the region and modifies it a second time, a compiled call once (its backward
     recomputes values, not updates), so the call runs eagerly and updates as eager does."""
-
-
-_METADATA_INPLACE = {
-    "requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_",
-    "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "share_memory_", "map_",
-    "apply_", "map2_", "retain_grad", "rename_", "refine_names", "align_to", "__set__",
-    "__delitem__",
-}  # fmt: skip
-_RANDOM_INPLACE = {
-    "uniform_", "normal_", "bernoulli_", "exponential_", "random_", "geometric_", "cauchy_",
-    "log_normal_",
-}  # fmt: skip
-_INPLACE_DUNDER_TO_OUT = {
-    "__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__",
-    "__itruediv__": "__truediv__", "__idiv__": "__truediv__", "__ifloordiv__": "__floordiv__",
-    "__imod__": "__mod__", "__ipow__": "__pow__", "__iand__": "__and__", "__ior__": "__or__",
-    "__ixor__": "__xor__", "__ilshift__": "__lshift__", "__irshift__": "__rshift__",
-    "__imatmul__": "__matmul__",
-}  # fmt: skip
-
-
-
-def _as_number(value):
-    """A 0-d tensor given where a Python number is expected, as its number (`.item()`)."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0:
-        return value.item()
-    return value
-
-def _is_basic_index(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return all(item is None or item is Ellipsis or isinstance(item, (int, slice))
-               and not isinstance(item, bool) for item in items)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +120,7 @@ class _View:
     undecided: bool = False
 
 
-class Functionalizer:
+class Functionalizer(InplaceCalls):
     """Per-trace state of functionalization (see the module docstring)."""
 
     def __init__(self, ctx) -> None:
@@ -555,225 +450,5 @@ class Functionalizer:
         body = self.ctx.scopes[0]
         body[:] = [*snapshots, *(rename(bsym) for bsym in body)]
 
-    def _same_value(self, target, value) -> bool:
-        """Whether `value` is `target` itself, or its detach (under no_grad, as `nn.Module.
-        _apply` makes it): storing it into `target.data` changes nothing."""
-        if not (isinstance(target, TensorProxy) and isinstance(value, TensorProxy)):
-            return False
-        target, value = self.resolve(target), self.resolve(value)
-        if target is value:
-            return True
-        for bsym in reversed(self.ctx.bsyms[-4:]):
-            if value.name in bsym.output_names:
-                return bsym.sym.torch_fn in _DETACHES and bool(bsym.args) and isinstance(
-                    bsym.args[0], TensorProxy) and self.resolve(bsym.args[0]) is target
-        return False
 
-    def _requires_grad_unchanged(self, args: tuple, kwargs: dict) -> bool:
-        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`."""
-        target = args[0]
-        flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-        if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
-            return False
-        return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)
-
-    # -- routing of one in-place call -----------------------------------------------------------
-
-    def functionalize(self, func, args: tuple, kwargs: dict):
-        """Record the in-place call `func(*args, **kwargs)` functionally; return what eager
-        returns (the mutated tensor object itself, or None for `__setitem__`)."""
-        ctx = self.ctx
-        start = ctx.names.serial
-        name = getattr(func, "__name__", "")
-        label = f"Tensor.{name}" if getattr(T, name, None) is func else name
-        if isinstance(func, torch._ops.OpOverload):  # `torch.ops.aten.add_.Tensor(x, y)`
-            name, label = func.overloadpacket.__name__, str(func)
-            if not name.endswith("_") or kwargs.get("out") is not None:
-                raise NotYetSupportedError(
-                    "an ATen op that writes its arguments (out= or a mutable argument), called "
-                    "through torch.ops", op=label, where=user_source_location(),
-                    hint="call the in-place method (x.add_(y)) or the op without out=")
-        if kwargs.get("out") is not None:
-            return self._out_variant(func, args, kwargs, label, start)
-        if func in (F.batch_norm, torch.batch_norm):
-            return self._batch_norm(func, args, kwargs, start)
-        if name == "requires_grad_" and self._requires_grad_unchanged(args, kwargs):
-            return args[0]  # asks for what it already has (HF gradient checkpointing's hook)
-        if is_requires_grad_set(func, name) and make_fresh_leaf(self, func, args, kwargs):
-            return None if name == "__set__" else args[0]  # NOTE [fresh leaves]
-        if func == _GRAD_SET and len(args) == 2 and args[1] is None and isinstance(
-                args[0], TensorProxy):  # `p.grad = None` (`optimizer.zero_grad()`)
-            with torch._C.DisableTorchFunctionSubclass():
-                args[0].grad = None
-            self.grad_clears.append(args[0])
-            return None
-        if name == "__set__" and len(args) == 2 and self._same_value(args[0], args[1]):
-            return None  # `p.data = p.to(p.dtype)` (nn.Module._apply of a no-op `.to`)
-        if name in _METADATA_INPLACE and args and not kwargs.get("out"):
-            new = trace_metadata_change(self, name, args, kwargs)  # NOTE [in-place metadata ...]
-            if new is not None:
-                return new
-        if name in _METADATA_INPLACE or func is F.embedding:
-            raise MetadataMutation("in-place changes of tensor metadata (and F.embedding's "
-                                   "max_norm renormalisation) are not supported yet",
-                                   op=label, where=user_source_location())
-        if name == "__setitem__":
-            target, index, value = args
-            r_target, r_index, r_value = self.resolve_tree((target, index, value))
-            with ctx.internal():
-                new = ctx.call(setitem, r_target, r_index, r_value)
-            self.mutate(target, new, label, start)
-            return None
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return self._init(func, args, kwargs, f"nn.init.{name}", start)
-        if name.startswith("_") and not name.startswith("__") and name.endswith("_"):
-            return self._aten_inplace(name, args, kwargs, label, start)
-        if not name.endswith("_") and name not in _INPLACE_DUNDER_TO_OUT:
-            return self._inplace_flag(func, args, kwargs, label, start)
-        target = args[0] if args else None
-        if not isinstance(target, TensorProxy):
-            raise NotYetSupportedError("in-place call on a non-tensor (or on a tensor passed by "
-                                       "keyword)", op=label, where=user_source_location())
-        r_args, r_kwargs = self.resolve_tree((args, kwargs))
-        with ctx.internal():
-            value = self._out_of_place(name, r_args, r_kwargs, label)
-        self.mutate(target, value, label, start)
-        return target
-
-    def _init(self, func, args: tuple, kwargs: dict, label: str, start: int):
-        """`nn.init.kaiming_uniform_(w, a=...)` (which hands every argument over by keyword):
-        the functional fill, recorded under no_grad, as nn.init runs."""
-        bound = signature_of(func).bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        target = arguments.pop(next(iter(bound.signature.parameters)))
-        if not isinstance(target, TensorProxy):
-            raise NotYetSupportedError("nn.init of a non-tensor", op=label,
-                                       where=user_source_location())
-        with torch.no_grad():
-            with self.ctx.internal():
-                value = self.ctx.call(apply_init, func.__name__, self.resolve(target),
-                                      **arguments)
-            self.mutate(target, value, label, start)
-        return target
-
-    def _aten_inplace(self, name: str, args: tuple, kwargs: dict, label: str, start: int):
-        """`torch._foreach_mul_(xs, 0.9)`, `torch._fused_adamw_(params, grads, ...)`: the
-        functional ATen op, then every tensor it writes takes its new value (`aten_inplace`)."""
-        written = written_arguments(name)
-        functional = functional_variant(name)
-        if not written or functional is None:
-            raise NotYetSupportedError(f"in-place op {name} has no functional form to record",
-                                       op=label, where=user_source_location())
-        targets = [args[position] if position < len(args) else kwargs.get(argument)
-                   for position, argument in written]
-        r_args, r_kwargs = self.resolve_tree((args, kwargs))
-        with self.ctx.internal():
-            values = functional(*r_args, **r_kwargs)
-        if len(written) == 1:
-            values = (values,)
-        for target, value in zip(targets, values, strict=True):
-            many = isinstance(target, (list, tuple))
-            for each, new in zip(target, value, strict=True) if many else [(target, value)]:
-                if not isinstance(each, TensorProxy):
-                    raise NotYetSupportedError("in-place call on a non-tensor", op=label,
-                                               where=user_source_location())
-                self.mutate(each, self._fit(new, each, label), label, start)
-        if returns_nothing(name):
-            return None
-        return targets[0] if len(targets) == 1 else tuple(targets)
-
-    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str) -> TensorProxy:
-        self_value, rest = args[0], args[1:]
-        if name == "copy_":
-            src = rest[0] if rest else kwargs["src"]
-            if not isinstance(src, torch.Tensor):
-                src = torch.tensor(src)
-            value = src.to(self_value.dtype) if src.dtype != self_value.dtype else src
-            if tuple(value.shape) != tuple(self_value.shape):
-                value = value.expand(self_value.shape).clone()
-            return self._overwrite(self_value, value)
-        if name == "zero_":
-            return self._overwrite(self_value, torch.zeros_like(self_value))
-        if name == "fill_" and isinstance(rest[0] if rest else kwargs.get("value"), (int, float, bool)):
-            value = rest[0] if rest else kwargs["value"]
-            return self._overwrite(self_value, torch.full_like(self_value, value))
-        out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
-        out_fn = getattr(T, out_name, None)
-        if name in _RANDOM_INPLACE and name != "bernoulli_":  # (bernoulli_ takes a tensor p)
-            # their bounds and parameters are Python numbers, which eager also reads from a 0-d
-            # tensor (`uniform_(-mag, mag)`, HF's NEFTune): its value, a graph break here
-            rest = tuple(_as_number(value) for value in rest)
-            kwargs = {key: _as_number(value) for key, value in kwargs.items()}
-        if name in _RANDOM_INPLACE or out_fn is None or name == "fill_":
-            sym = apply_inplace_random if name in _RANDOM_INPLACE else apply_inplace
-            return self.ctx.call(sym, name, self_value, *rest, **kwargs)
-        result = out_fn(self_value, *rest, **kwargs)
-        return self._fit(result, self_value, label)
-
-    def _overwrite(self, target: TensorProxy, value: TensorProxy) -> TensorProxy:
-        """`value` (of `target`'s shape and dtype) replacing `target`. When `target` depends on
-        an input requiring grad it stays an operand (`where(True, value, target)`), so that
-        input gets zeros as its gradient, as from eager's Fill/Zero/CopyBackward, not None."""
-        if target.name not in self.ctx.requires_grad_names:
-            return value
-        return torch.where(torch.ones_like(target, dtype=torch.bool), value, target)
-
-    def _fit(self, result, target: TensorProxy, label: str) -> TensorProxy:
-        """`result` checked and cast to the mutated tensor's shape and dtype, as eager does."""
-        if not isinstance(result, TensorProxy):
-            raise NotYetSupportedError("the out-of-place form does not return one tensor",
-                                       op=label, where=user_source_location())
-        if tuple(result.shape) != tuple(target.shape):
-            raise FulmenError(f"output with shape {list(target.shape)} doesn't match the "
-                              f"broadcast shape {list(result.shape)}", op=label,
-                              where=user_source_location())
-        if result.dtype != target.dtype:
-            if not torch.can_cast(result.dtype, target.dtype):
-                raise FulmenError(f"result type {result.dtype} can't be cast to the desired "
-                                  f"output type {target.dtype}", op=label,
-                                  where=user_source_location())
-            result = result.to(target.dtype)
-        return result
-
-    def _inplace_flag(self, func, args, kwargs, label: str, start: int):
-        """`F.relu(x, inplace=True)` and friends: the op with inplace=False, then the update."""
-        signature = signature_of(func)
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["inplace"] = False
-        target = next(iter(bound.arguments.values()))
-        r_args, r_kwargs = self.resolve_tree((bound.args, bound.kwargs))
-        with self.ctx.internal():
-            value = self._fit(func(*r_args, **r_kwargs), self.resolve(target), label)
-        self.mutate(target, value, label, start)
-        return target
-
-    def _out_variant(self, func, args, kwargs, label: str, start: int):
-        kwargs = dict(kwargs)
-        outs = kwargs.pop("out")
-        r_args, r_kwargs = self.resolve_tree((args, kwargs))
-        with self.ctx.internal():
-            result = func(*r_args, **r_kwargs)
-            targets = outs if isinstance(outs, (tuple, list)) else (outs,)
-            results = result if isinstance(result, (tuple, list)) else (result,)
-            if len(targets) != len(results):
-                raise NotYetSupportedError("out= with this op", op=label,
-                                           where=user_source_location())
-            values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
-        if torch.is_grad_enabled() and any(isinstance(r, TensorProxy) and r.name in
-                                           self.ctx.requires_grad_names for r in results):
-            raise FulmenError(  # eager's own error: `out=` results carry no autograd history
-                f"{label}(): functions with out=... arguments don't support automatic "
-                "differentiation, but one of the arguments requires grad", op=label,
-                where=user_source_location(), hint="call it without out=, or under torch.no_grad()")
-        for target, value in zip(targets, values):
-            self.mutate(target, value, label, start)
-        return outs
-
-    def _batch_norm(self, func, args, kwargs, start: int):
-        """Training-mode batch norm with running statistics (`tracer/batch_norm.py`)."""
-        bound = signature_of(func).bind(*args, **kwargs)
-        bound.apply_defaults()
-        return functionalize_batch_norm(self, func, dict(bound.arguments), start)
-
-
-__all__ = ["Functionalizer", "VIEW_FUNCTIONS", "signature_of"]
+__all__ = ["Functionalizer"]

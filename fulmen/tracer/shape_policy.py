@@ -135,7 +135,7 @@ def _int_values(leaves: list) -> list[tuple[Any, int]]:
 # argument whose strides changed between two misses while its sizes did not is traced with free
 # strides (`STRIDES` alone in its dims): each stride that is no product of the others gets a
 # symbol of its own (NOTE [strides of a view input]), which the shape guard checks, and the key
-# leaves the strides out (`guards._masked_key`).
+# leaves the strides out (`leaf_keys._masked_key`).
 
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.

@@ -128,7 +128,7 @@ def _contiguous(shape: tuple, strides: tuple) -> bool:
 def _erased_tensor(key: Any, dims: tuple, has_grad: bool | None) -> tuple | None:
     """A tensor's key (shape, dtype, device, requires_grad, strides, ...) with the sizes in
     `dims` erased and contiguity in place of the strides (none where `dims` ends with
-    `STRIDES`), as `guards._masked_key` keys it; `has_grad` None: from the key's length."""
+    `STRIDES`), as `leaf_keys._masked_key` keys it; `has_grad` None: from the key's length."""
     if not isinstance(key, tuple) or len(key) < 5 or not isinstance(key[0], torch.Size) \
             or dims == INT:
         return None

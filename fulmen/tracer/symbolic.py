@@ -222,7 +222,7 @@ class SymbolicSizes:
     # steps only) is traced with *free* strides (`STRIDES` in its dims, `shape_policy`): no
     # stride is written as a symbolic size times another, so the stride outside the cache's
     # length is a symbol of its own even when the traced call's cache was contiguous, and one
-    # entry serves both layouts (its key leaves contiguity out: `guards._masked_key`).
+    # entry serves both layouts (its key leaves contiguity out: `leaf_keys._masked_key`).
 
     def view_strides(self, tensor: torch.Tensor, shape: list, label: str,
                      free: bool = False) -> tuple:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError, RunsEagerly, Trace, tracing
+from fulmen.core import NotYetSupportedError, Trace, tracing
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.bool_args import symbolic_bools_decided
@@ -32,15 +30,16 @@ from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
+from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
+from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import (
     ModuleStore,
     held_modules,
     module_stores,
     refuse_held,
 )
-from fulmen.tracer.mutation import MetadataMutation
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
@@ -144,171 +143,6 @@ def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[i
     state_names = {proxy.name for proxy in state.values()}
     return frozenset([at[name] for name in read if name in at]
                      + [-1 for name in read if name in state_names])
-
-
-def _memory_span(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes `[start, end)` (on its device) that `tensor`'s elements lie in, or None when it
-    has no elements. Strides are never negative, so the last element is at the sum of
-    `(size - 1) * stride`."""
-    if tensor.is_contiguous():
-        start, nbytes = tensor.data_ptr(), tensor.nbytes
-        return (start, start + nbytes) if nbytes else None
-    shape, strides = tensor.shape, tensor.stride()
-    if 0 in shape:
-        return None
-    last = sum((size - 1) * stride for size, stride in zip(shape, strides))
-    start = tensor.data_ptr()
-    return start, start + (last + 1) * tensor.element_size()
-
-
-def _describe_input(index: int, tensor: torch.Tensor) -> str:
-    return (f"input {index} ({str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}, "
-            f"strides {tensor.stride()}, storage offset {tensor.storage_offset()})")
-
-
-class AliasedInputs(RunsEagerly):
-    """Two inputs of a call share memory and the compiled program modifies one of them in
-    place: the program treats its inputs as independent, so such a call runs eagerly (eager's
-    effects through the alias are the answer), or raises under `fullgraph=True`."""
-
-
-def _refuse_overlap(inputs, cluster: list[int], mutated: set[int]) -> None:
-    """Raise for the first two inputs of `cluster` (whose ranges overlap as a chain) that share
-    bytes on one device, one of them mutated."""
-    spans = {index: _memory_span(inputs[index]) for index in cluster}
-    for a, b in itertools.combinations(sorted(cluster), 2):
-        if a not in mutated and b not in mutated:
-            continue
-        (start_a, end_a), (start_b, end_b) = spans[a], spans[b]
-        if start_a < end_b and start_b < end_a and inputs[a].device == inputs[b].device:
-            changed = a if a in mutated else b
-            raise AliasedInputs(
-                f"trace {_describe_input(a, inputs[a])} and {_describe_input(b, inputs[b])} "
-                f"may share memory, and input {changed} is modified in place: the compiled "
-                "program treats them as independent", op="in-place update",
-                hint="pass tensors that do not overlap (clone one of them)")
-
-
-def _refuse_self_overlap(inputs, mutated: tuple[int, ...]) -> None:
-    for index in mutated:
-        tensor = inputs[index]
-        if tensor.is_contiguous():
-            continue
-        if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
-            raise NotYetSupportedError(
-                f"trace {_describe_input(index, tensor)} is modified in place, but more than one "
-                "element of the written-to tensor refers to a single memory location (a "
-                "stride-0 dimension, as expand makes); eager raises 'unsupported operation' "
-                "for in-place ops on it", op="in-place update",
-                hint="clone() the tensor before passing it")
-
-
-def check_no_input_aliasing(inputs, mutated: tuple[int, ...]) -> None:
-    """Raise if an input the trace mutates may share memory with another input, or with itself:
-    the trace treats inputs as independent, so eager's effects through the alias would be lost.
-    The check runs before the call, so a refused call changes nothing (eager may have updated
-    some inputs before failing).
-
-    Inputs share memory when the byte ranges their elements span overlap: tensors without
-    elements and disjoint views of one storage (`buf[:4]`, `buf[4:]`) are independent. Views
-    whose ranges overlap without sharing an element (`buf[0::2]`, `buf[1::2]`) are refused too.
-    One sort of the ranges finds the overlapping ones (O(n log n) for n inputs, every call).
-
-    Raises:
-        NotYetSupportedError: naming the two inputs (position, shape, strides, offset), or the
-            mutated input with a stride-0 dimension.
-    """
-    _refuse_self_overlap(inputs, mutated)
-    spans: list[tuple[int, int, int]] = []  # (start, end, input index)
-    for index, tensor in enumerate(inputs):
-        if tensor.is_contiguous():  # the common case, made cheap: spans are taken every call
-            nbytes = tensor.nbytes
-            if nbytes:
-                start = tensor.data_ptr()
-                spans.append((start, start + nbytes, index))
-        else:
-            span = _memory_span(tensor)
-            if span is not None:
-                spans.append((*span, index))
-    spans.sort()
-    end = 0
-    for start, stop, _ in spans:
-        if start < end:
-            break
-        end = stop
-    else:
-        return  # no two inputs overlap (every call of a program that mutates its inputs)
-    changed = set(mutated)
-    cluster: list[int] = []
-    end = 0
-    for start, stop, index in [*spans, (float("inf"), 0, -1)]:
-        if start < end:  # overlaps a range of the cluster
-            cluster.append(index)
-            end = max(end, stop)
-            continue
-        if len(cluster) > 1 and not changed.isdisjoint(cluster):
-            _refuse_overlap(inputs, cluster, changed)
-        cluster, end = [index], stop
-
-
-@dataclass(frozen=True)
-class StateSlot:
-    """Where a module keeps one parameter or buffer: `owner[key]`, first reached as `qualname`."""
-
-    owner: dict
-    key: str
-    qualname: str
-
-    def get(self) -> torch.Tensor:
-        return self.owner[self.key]
-
-
-def state_slots(module: torch.nn.Module) -> list[StateSlot]:
-    """One slot per distinct parameter/buffer tensor of `module` (tied tensors once), parameters
-    first, in `named_parameters()` order then `named_buffers()` order."""
-    slots: list[StateSlot] = []
-    seen: set[int] = set()
-    modules = list(module.named_modules())
-    for kind in ("_parameters", "_buffers"):
-        for prefix, sub in modules:
-            owner = getattr(sub, kind)
-            for key, tensor in owner.items():
-                if tensor is None or id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
-                slots.append(StateSlot(owner, key, f"{prefix}.{key}" if prefix else key))
-    return slots
-
-
-def _path_name(path, param_names: list[str]) -> str:
-    """`(SequenceKey(0), SequenceKey(1), MappingKey('a'))` -> `w_a` for parameter `w`."""
-    top, rest = path[0], path[1:]
-    parts = []
-    if top.idx == 0:  # positional argument
-        index = rest[0].idx
-        parts.append(param_names[index] if index < len(param_names) else f"arg{index}")
-    else:  # keyword argument
-        parts.append(str(rest[0].key))
-    for key in rest[1:]:
-        for attr in ("idx", "key", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return "_".join(parts)
-
-
-def _positional_names(fn: Callable) -> list[str]:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    names = []
-    for param in params:
-        if param.kind == param.VAR_POSITIONAL:
-            break
-        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            names.append(param.name)
-    return names
 
 
 def _is_printable_spec(spec) -> bool:

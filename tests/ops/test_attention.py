@@ -250,9 +250,9 @@ def test_dropout_attention_with_symbolic_sizes_is_laid_out_without_the_meta_kern
     `layout._attention_layouts` where its sizes are symbolic, not by PyTorch's meta kernel
     (`eager_layouts`, which runs the math backend op by op on fake tensors); strides and values
     stay eager's (`test_attention_with_dropout_over_symbolic_lengths_equals_eager`)."""
-    from fulmen.tracer import dispatch
+    from fulmen.tracer import layout_truth
 
-    asked = record_calls(monkeypatch, dispatch, "eager_layouts")
+    asked = record_calls(monkeypatch, layout_truth, "eager_layouts")
 
     def fn(x, k, v):
         q = _LAYOUTS[query](x)

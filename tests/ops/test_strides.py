@@ -177,12 +177,13 @@ def test_a_generalised_one_broadcasting_takes_the_layout_rule(other_shape, monke
     batch is 1: the expand's stride is 0 with no guard, as the fake `expand` decides it, so
     the elementwise layout rule answers (no fake tensor, which cost tens of milliseconds per
     new question), with eager's strides at the traced sizes and at a batch of 3."""
-    import fulmen.ops.meta as meta
+    import fulmen.ops.elementwise_layout as elementwise_layout
 
     def no_fake_tensors(*tensors):
         raise AssertionError("the fake-tensor path ran")
 
-    monkeypatch.setattr(meta, "compute_elementwise_output_strides", no_fake_tensors)
+    monkeypatch.setattr(elementwise_layout, "compute_elementwise_output_strides",
+                        no_fake_tensors)
 
     def fn(x, y):
         return x * y

@@ -9,7 +9,7 @@ import fulmen
 from fulmen.core import Tag, flatten
 from fulmen.ops import prims
 from fulmen.ops.torch.base import all_torch_ops
-from fulmen.tracer.mutation import VIEW_FUNCTIONS
+from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 
 # one call per torch-level op declared a view (a new declaration needs a sample here)
 SAMPLES = {

@@ -19,12 +19,12 @@ def _positional(q, k, v):  # `is_causal` as the fifth positional argument
 
 
 def test_a_symbolic_is_causal_is_decided_with_a_guard(monkeypatch):
-    from fulmen.tracer import dispatch
+    from fulmen.tracer import layout_truth
 
     original = F.scaled_dot_product_attention
     # the layout rule still knows the op while the module holds the wrapper (else PyTorch's
     # meta kernel runs the math backend on fake tensors: ~5x the symbolic trace of tiny Llama)
-    asked = record_calls(monkeypatch, dispatch, "eager_layouts")
+    asked = record_calls(monkeypatch, layout_truth, "eager_layouts")
     for fn in (_attention, _positional):
         jfn = fulmen.jit(fn, dynamic=True)
         for length in (4, 8, 3, 9, 2, 12):  # non-causal at <= 5, causal above

@@ -9,23 +9,23 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.ops import meta
+from fulmen.ops import elementwise_layout
 
 
 @pytest.fixture
 def fake_modes(monkeypatch):
-    """The values `fulmen.ops.meta._fake_mode` was asked about by the elementwise layout query:
+    """The values `fulmen.ops.elementwise_layout._fake_mode` was asked about by the elementwise layout query:
     one per elementwise op whose layout PyTorch's kernels computed on fake tensors (other ops,
     `expand`, have meta kernels of their own)."""
     asked = []
-    original = meta._fake_mode
+    original = elementwise_layout._fake_mode
 
     def counting(value):
         if sys._getframe(1).f_code.co_name == "_elementwise_strides":
             asked.append(value)
         return original(value)
 
-    monkeypatch.setattr(meta, "_fake_mode", counting)
+    monkeypatch.setattr(elementwise_layout, "_fake_mode", counting)
     return asked
 
 

@@ -16,7 +16,7 @@ import torch
 
 import fulmen
 from fulmen.tracer.explain import explain_change
-from fulmen.tracer.guards import _leaf_key
+from fulmen.tracer.leaf_keys import _leaf_key
 
 SIGN = 0.0
 

@@ -6,7 +6,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fulmen
-from fulmen.tracer import guards, objects
+from fulmen.tracer import guards, leaf_keys, objects
 from fulmen.tracer.guards import CacheKeyBuilder
 from fulmen.tracer.key_memo import HashedKey, KeyMemo, holder_snapshot
 
@@ -169,8 +169,8 @@ def test_a_parameter_changed_in_place_after_cache_hits_retraces(change):
 
 
 def test_tensor_key_memo_checks_every_field():
-    from fulmen.tracer.guards import _tensor_key
     from fulmen.tracer.key_memo import TensorKeyMemo
+    from fulmen.tracer.leaf_keys import _tensor_key
 
     memo = TensorKeyMemo(_tensor_key)
     base = [torch.randn(4, 4), torch.randn(3, requires_grad=True)]
@@ -217,11 +217,12 @@ def test_a_symbolic_lookup_reuses_the_static_leaf_keys_of_the_same_call(monkeypa
     misses = stats.cache_misses
     walks = []
     original = guards.object_key
-    monkeypatch.setattr(guards, "object_key",
-                        lambda *args, **kwargs: walks.append(args[0]) or original(*args,
-                                                                                  **kwargs))
+    for module in (guards, leaf_keys):  # the masked key's object_key, the static key's
+        monkeypatch.setattr(module, "object_key",
+                            lambda *args, **kwargs: walks.append(args[0]) or original(*args,
+                                                                                      **kwargs))
     walked = []
-    for module in (guards, objects):  # the static key's walk, and object_key's own
+    for module in (leaf_keys, objects):  # the static key's walk, and object_key's own
         original_walk = module.walk
         monkeypatch.setattr(module, "walk", lambda root, original_walk=original_walk:
                             walked.append(root) or original_walk(root))

@@ -83,11 +83,11 @@ def test_symbolic_slices_cats_and_keepdim_reductions_ask_no_meta_kernel(monkeypa
     rotary `rotate_half` of a transposed query, a fresh KV cache's empty tensor), `keepdim`
     reductions and embeddings are laid out by rule, with eager's strides; a cat of
     channels-last tensors still asks the meta kernel and gets eager's layout."""
-    import fulmen.tracer.dispatch as dispatch
+    import fulmen.tracer.layout_truth as layout_truth
 
     asked = []
-    real = dispatch.eager_layouts
-    monkeypatch.setattr(dispatch, "eager_layouts",
+    real = layout_truth.eager_layouts
+    monkeypatch.setattr(layout_truth, "eager_layouts",
                         lambda fn, *a: asked.append(fn) or real(fn, *a))
 
     def fn(x):

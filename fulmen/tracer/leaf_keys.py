@@ -1,0 +1,138 @@
+"""Cache keys of argument leaves (`fulmen.tracer.guards`): a tensor by its metadata, a number
+by value (NaN equal to itself, -0.0 apart from 0.0), a plain object by what it holds
+(`objects.object_key`), a tensor with symbolic sizes by the rest (`_masked_key`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fulmen.tracer.objects import (
+    has_argument_grad,
+    is_plain_object,
+    object_key,
+    walk,
+)
+from fulmen.tracer.sources import (
+    NUMPY_ARRAYS,
+    NUMPY_SCALARS,
+    array_key,
+)
+from fulmen.tracer.symbolic import STRIDES
+
+Tensor = torch.Tensor
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    # the strides, not only contiguity: code reads `x.stride(0)` and
+    # `is_contiguous(memory_format=...)`, and in-place updates of views depend on them
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
+
+
+class StateRemoved(Exception):
+    """A parameter or buffer the compiled calls read was set to None in place (`m.bias = None`
+    replaces no dict entry, so `StructureWatch`'s O(1) check cannot see it)."""
+
+
+def _state_key(t: Tensor) -> tuple:
+    if t is None:
+        raise StateRemoved
+    return _tensor_key(t)
+
+
+def _argument_tensor_key(t: Tensor) -> tuple:
+    key = _tensor_key(t)
+    return (*key, _tensor_key(t.grad)) if has_argument_grad(t) else key
+
+
+def _object_tensor_key(t: Tensor) -> tuple:
+    return (*_tensor_key(t), t.storage_offset())
+
+
+def _float_key(value: float) -> Any:
+    """NaN equals itself, and -0.0 differs from 0.0 (`x * math.copysign(1, s)` bakes the sign
+    in), though Python's `==` says otherwise for both."""
+    if value != value:
+        return "nan"
+    if value == 0:
+        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
+    return value
+
+
+# leaves keyed by their type and value (`_leaf_key`'s last case), found by their exact type
+_BY_VALUE = frozenset([bool, int, str, type(None), torch.device, torch.dtype])
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if type(leaf) in _BY_VALUE:  # (what the last case below gives them, without the tests)
+        return (type(leaf), leaf)
+    if isinstance(leaf, Tensor):
+        return _argument_tensor_key(leaf)
+    if isinstance(leaf, float):
+        return (type(leaf), _float_key(leaf))
+    if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
+        return (type(leaf), _leaf_key(leaf.item()))
+    if isinstance(leaf, NUMPY_ARRAYS):
+        return array_key(leaf)
+    if isinstance(leaf, complex):
+        return (complex, _float_key(leaf.real), _float_key(leaf.imag))
+    if is_plain_object(leaf):  # its tensors are inputs, the rest of what it holds is guarded
+        return object_key(leaf, _object_leaf_key)
+    if isinstance(leaf, Hashable):
+        try:
+            return (type(leaf), leaf)
+        except TypeError:
+            pass
+    return (type(leaf), id(leaf))
+
+
+def _is_object_leaf(leaf: Any) -> bool:
+    """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
+    return type(leaf) not in _BY_VALUE and not isinstance(
+        leaf, (Tensor, float, complex, *NUMPY_SCALARS)) and is_plain_object(leaf)
+
+
+def _walked_key(leaf: Any, walks: dict[int, list], position: int) -> tuple:
+    """`_leaf_key` of an object argument, keeping its walk in `walks` for the masked key of
+    the same call (`CacheKeyBuilder.key`)."""
+    walked = walks[position] = walk(leaf)
+    return object_key(leaf, _object_leaf_key, walked=walked)
+
+
+def _masked_key(t: Tensor, dims: tuple) -> tuple:
+    """The key of a tensor whose sizes in `dims` are symbolic: those sizes left out (the entry's
+    shape guard checks them), contiguity instead of strides (left out too where `dims` ends
+    with `STRIDES`: the strides have symbols of their own, checked by the shape guard);
+    whether it has a `.grad`, as `_argument_tensor_key` says."""
+    shape = list(t.shape)
+    free = dims[-1] == STRIDES
+    if free:
+        dims = dims[:-1]
+    if any(d >= len(shape) for d in dims):
+        return ("symbolic", "rank", len(shape))
+    for dim in dims:
+        shape[dim] = None
+    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
+            None if free else t.is_contiguous(), has_argument_grad(t))
+
+
+def _object_leaf_key(leaf: Any) -> Any:
+    return _object_tensor_key(leaf) if isinstance(leaf, Tensor) else _leaf_key(leaf)
+
+
+# argument types pytree treats as leaves, exactly (subclasses may be registered as nodes)
+_FLAT_LEAVES = frozenset([Tensor, torch.nn.Parameter, bool, int, float, str, type(None)])
+
+
+def _pytree_leaf(value: Any) -> bool:
+    """Whether pytree treats `value` as a leaf: its exact type is no registered node, and it is
+    no tuple (every namedtuple is a node). An object argument (a KV cache) is one."""
+    return type(value) not in pytree.SUPPORTED_NODES and not isinstance(value, tuple)
+
+
+
+__all__ = ["StateRemoved"]

@@ -1,0 +1,52 @@
+"""Which torch calls return views of their input (`VIEW_FUNCTIONS`: call -> how to replay it),
+read by the dispatcher and by the mutation tracker (`fulmen.tracer.mutation`)."""
+
+from __future__ import annotations
+
+import torch
+
+T = torch.Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Which calls are views
+# ---------------------------------------------------------------------------------------------
+
+_VIEW_METHODS = (
+    "view", "view_as", "__getitem__", "select", "narrow", "transpose", "t", "permute", "squeeze",
+    "unsqueeze", "expand", "expand_as", "unflatten", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "diagonal", "unfold", "unbind", "split", "split_with_sizes", "chunk",
+    "tensor_split", "hsplit", "vsplit", "dsplit", "detach", "broadcast_to", "adjoint", "alias",
+    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "atleast_1d",
+    "atleast_2d", "atleast_3d",
+)  # fmt: skip
+_MAYBE_VIEW_METHODS = ("reshape", "reshape_as", "flatten", "ravel")
+_VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
+# Views whose element mapping depends on strides (or that mutating is an error for): reading
+# them after their base changed, or mutating them, raises.
+_UNREPLAYABLE = ("as_strided", "expand", "expand_as", "broadcast_to", "unfold")
+
+
+def _view_table() -> dict:
+    table: dict = {}
+    for names, maybe in ((_VIEW_METHODS, False), (_MAYBE_VIEW_METHODS, True)):
+        for name in names:
+            for space in (T, torch, torch.functional):
+                fn = getattr(space, name, None)
+                if callable(fn):
+                    table.setdefault(fn, ("method", name, maybe))
+    for name in _VIEW_ATTRS:
+        table[getattr(T, name).__get__] = ("attr", name, False)
+    table[T.as_strided] = table[torch.as_strided] = ("method", "as_strided", False)
+    return table
+
+
+VIEW_FUNCTIONS = _view_table()
+
+
+def _is_basic_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice))
+               and not isinstance(item, bool) for item in items)
+
+
+__all__ = ["VIEW_FUNCTIONS"]
