@@ -52,7 +52,8 @@ from fulmen.tracer.objects import (
     walk,
 )
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
-from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier, number_function
+from fulmen.tracer.host_floats import floats_read_at_run_time, read_float
+from fulmen.tracer.symbolic import FLOAT, INT, SymbolicSizes, carrier, number_function
 from fulmen.tracer.vmap import vmap_emulated
 
 
@@ -452,6 +453,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     numbers: list[tuple[Any, torch.SymInt, TensorProxy, int]] = []  # integers given symbols
 
     def make_int(position, label: str, value: int) -> torch.SymInt | None:
+        if symbolic is not None and dynamic.get(position) == FLOAT and type(value) is float:
+            made = read_float(ctx, value, ctx.names.named(f"{label}_carrier"))
+            numbers.append((position, made[0], made[1], value))
+            return made[0]
         made = symbolic.symbolize_int(value, ctx.names.named(f"{label}_carrier")) \
             if symbolic is not None and dynamic.get(position) == INT else None
         if made is None:
@@ -478,7 +483,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             ctx.add_input(proxy)
             positions.append(index)
             proxied_leaves.append(proxy)
-        elif type(leaf) is int and symbolic is not None and dynamic.get(index) == INT:
+        elif type(leaf) in (int, float) and symbolic is not None \
+                and dynamic.get(index) in (INT, FLOAT):
             number = make_int(index, _path_name(path, param_names), leaf)
             proxied_leaves.append(leaf if number is None else number)
         else:
@@ -510,7 +516,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             return proxy
 
         def make_object_int(root, path, value):
-            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else "self"
+            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else \
+                ("self" if root == -1 else f"object{-1 - root}")
             steps = "_".join(str(key) if isinstance(key, (str, int)) else "item"
                              for _, key in path)
             return make_int((root, path), f"{label}_{steps}", value)
@@ -552,6 +559,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
+                floats_read_at_run_time(ctx) if FLOAT in (dynamic or {}).values() \
+                else contextlib.nullcontext(), \
                 memoized_symbolic_ops() if symbolic is not None else contextlib.nullcontext(), \
                 symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
