@@ -111,6 +111,18 @@ def _int_values(leaves: list, kind: type = int) -> list[tuple[Any, int]]:
     return found
 
 
+def _in_tuple(leaves: list, roots, position) -> bool:
+    """Whether the number at `(root, path)` is an item of a tuple (which cannot be changed in
+    place to hold a proxy while tracing)."""
+    if not isinstance(position, tuple):
+        return False
+    root, path = position
+    owner = roots[-1 - root] if root < 0 else leaves[root]
+    for kind, key in path[:-1]:
+        owner = getattr(owner, key) if kind == "attr" else owner[key]
+    return isinstance(owner, tuple)
+
+
 def _root_floats(roots: list) -> list[tuple[Any, float]]:
     """`((root, path), value)` of each float inside the jitted function's own objects (a bound
     method's `self`, an LR scheduler's optimizer: `fulmen.tracer.sources.function_roots`), at
@@ -277,7 +289,11 @@ class DynamicDims:
         leaves their values out)."""
         if self.dynamic is False or self.floats_broken:
             return []
-        floats = _int_values(leaves, float) + _root_floats(list(roots))
+        # (a float inside a tuple, Adam's `betas` that OneCycleLR changes, is not swapped for
+        # a proxy by `ObjectInputs.swap_in`: it stays a constant, keyed by its value)
+        floats = [(position, value) for position, value in
+                  _int_values(leaves, float) + _root_floats(list(roots))
+                  if not _in_tuple(leaves, roots, position)]
         names = [label(position) if not isinstance(position, tuple) or position[0] >= 0
                  else f"self{-1 - position[0] or ''}{path_text(position[1])}"
                  for position, _ in floats]

@@ -32,6 +32,7 @@ from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
+from fulmen.tracer.host_floats import floats_read_at_run_time, read_float
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
@@ -52,7 +53,6 @@ from fulmen.tracer.objects import (
     walk,
 )
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
-from fulmen.tracer.host_floats import floats_read_at_run_time, read_float
 from fulmen.tracer.symbolic import FLOAT, INT, SymbolicSizes, carrier, number_function
 from fulmen.tracer.vmap import vmap_emulated
 

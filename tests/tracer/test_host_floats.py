@@ -1,0 +1,128 @@
+"""Floats that change between calls (an LR scheduler's learning rate, Adam's step count read
+with `.item()`) are read at run time, not compiled once per value (NOTE [floats read at run
+time] in `fulmen.ops.host_float`); results stay eager's bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+import fulmen
+
+SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 3, 0.5),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 20),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + i)),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=25,
+                                                                cycle_momentum=False),
+}
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def _train(make_opt, make_sched, jit: bool, steps: int = 20):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = make_opt(model.parameters())
+    sched = make_sched(opt)
+    step = fulmen.jit(opt.step) if jit else opt.step
+    x = torch.randn(7, 6)
+    for _ in range(steps):
+        model(x).square().sum().backward()
+        step()
+        opt.zero_grad()
+        sched.step()
+    state = [t for per_param in opt.state.values() for t in per_param.values()
+             if isinstance(t, torch.Tensor)]
+    return [p.detach() for p in model.parameters()] + state, step
+
+
+@pytest.mark.parametrize("sched", sorted(SCHEDULERS))
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_jitted_optimizer_step_under_a_scheduler_compiles_at_most_thrice(optimizer, sched, monkeypatch):
+    """Parameters and optimizer state equal eager's bit for bit over 20 steps (with tiny
+    regions left on torch, as by default: codegen's fused `lerp`/`addcmul` round otherwise)."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cache_size_limit warning: no eager fallback
+        got, step = _train(OPTIMIZERS[optimizer], SCHEDULERS[sched], True)
+    ref, _ = _train(OPTIMIZERS[optimizer], SCHEDULERS[sched], False)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    stats = fulmen.compile_stats(step)
+    # the first step creates the optimizer's state (a call of another structure), the next
+    # compiles for the state, and the first call with another learning rate reads it at run
+    # time from then on (before, every new rate compiled, and after 8 ran eagerly)
+    assert stats.cache_misses <= 3 and stats.eager_calls == 0
+
+
+def test_a_float_argument_that_changes_is_read_at_run_time():
+    def scale(x, factor):
+        return x * (factor / 3) + factor ** 0.5
+
+    jfn = fulmen.jit(scale)
+    x = torch.randn(4)
+    for factor in (0.5, 0.7, 1.3, 2.9, 0.1):
+        assert torch.equal(jfn(x, factor), scale(x, factor))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
+
+
+def test_a_decision_on_a_changing_float_keeps_it_a_constant():
+    """`if factor > 1` needs the value: the float is traced as a constant again (keyed by its
+    value), and every call still equals eager."""
+    def branchy(x, factor):
+        return x * factor if factor > 1 else x - factor
+
+    jfn = fulmen.jit(branchy)
+    x = torch.randn(4)
+    for factor in (0.5, 0.7, 1.3, 0.5, 1.3):
+        assert torch.equal(jfn(x, factor), branchy(x, factor))
+
+
+def test_a_changing_float_stored_into_an_object_is_not_replayed_stale():
+    class Holder:
+        def __init__(self):
+            self.lr = 0.1
+            self.seen = 0.0
+
+    def record(x, h):
+        h.seen = h.lr * 2
+        return x * h.lr
+
+    jfn = fulmen.jit(record)
+    h, ref = Holder(), Holder()
+    x = torch.randn(3)
+    for lr in (0.1, 0.2, 0.3, 0.4):
+        h.lr = ref.lr = lr
+        assert torch.equal(jfn(x, h), record(x, ref))
+        assert h.seen == ref.seen
+
+
+def test_math_on_a_changing_float_is_read_at_run_time():
+    import math
+
+    def fn(x, t):
+        return x * math.sqrt(t) + math.exp(-t)
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(5)
+    for t in (0.5, 1.5, 2.5, 3.5):
+        assert torch.equal(jfn(x, t), fn(x, t))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
+
+
+def test_a_changing_float_inside_a_tuple_is_keyed_by_its_value():
+    """OneCycleLR cycles Adam's `betas[0]`, a float inside a tuple, which stays a constant:
+    no call may reuse a program compiled for another beta (this was a wrong cache hit when the
+    key left the value out)."""
+    make_sched = lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=25)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # past cache_size_limit: eagerly
+        got, _ = _train(OPTIMIZERS["adam"], make_sched, True, steps=12)
+    ref, _ = _train(OPTIMIZERS["adam"], make_sched, False, steps=12)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
