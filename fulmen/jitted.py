@@ -37,6 +37,7 @@ from fulmen.tracer.guards import (
     restore_classes,
     stored_proxies,
 )
+from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.host_random import (
     HostRandomState,
     refuse_private_generators,
@@ -360,6 +361,18 @@ class _Jitted:
         """Compile a call that missed the cache: with symbolic sizes in the dimensions the
         policy makes dynamic (`DynamicDims`), else for its exact shapes. A symbolic trace that
         fails anywhere is logged and replaced by a static one (never an error of its own)."""
+        if self._shapes.items_at_run_time and not items_requested():
+            rng_state = torch.random.get_rng_state()
+            try:
+                with items_read_at_run_time():
+                    return self._compile_call(args, kwargs, leaves)
+            except (StoresDifferPerPath, RunsEagerly):
+                raise
+            except Exception as error:  # noqa: BLE001 - traced again with items as breaks
+                torch.random.set_rng_state(rng_state)
+                self._shapes.drop_items()
+                _RECOMPILES.info("items read at run time failed (%s: %s); tracing again "
+                                 "with graph breaks", type(error).__name__, error)
         dims = self._shapes.dims_for(leaves, lambda i: self._leaf_name(args, kwargs, i),
                                      self._guard.fn_roots)
         if dims:
@@ -575,6 +588,11 @@ class _Jitted:
             except PathMiss as error:
                 miss = error
                 torch.random.set_rng_state(rng_state)  # the next run draws the same numbers
+                if self._shapes.items_instead(miss.node.reason, miss.answer):
+                    for key in [k for k, e in self._cache.items() if e is entry]:
+                        del self._cache[key]
+                    self._shapes.remove(entry)
+                    return _RanEagerly(self._call(args, kwargs))  # (compiled, not eagerly)
                 if miss.node.closed or attempt == 1:
                     break
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -43,6 +46,27 @@ def floats_read_at_run_time(ctx: TraceCtx) -> ProcessSwitch:
     return _MATH_SWITCH
 
 
+_ITEMS = threading.local()
+
+
+@contextlib.contextmanager
+def items_read_at_run_time() -> Iterator[None]:
+    """Around a trace (in this thread) whose `t.item()` of floating tensors are read at run
+    time even without float inputs read so: Adam's step count under a constant learning rate,
+    whose graph break gave a new answer at every step (`fulmen.jit` asks for it then)."""
+    before = getattr(_ITEMS, "on", False)
+    _ITEMS.on = True
+    try:
+        yield
+    finally:
+        _ITEMS.on = before
+
+
+def items_requested() -> bool:
+    """Whether the trace being made reads `t.item()` at run time (`items_read_at_run_time`)."""
+    return getattr(_ITEMS, "on", False)
+
+
 def read_float(ctx: TraceCtx, value: float, name: str) -> tuple[FloatProxy, TensorProxy]:
     """`(x, carrier)` for a float input read at run time: `carrier` the trace input (a float64
     0-dim tensor, `symbolic.carrier`) called `name`, `x` its value read by the trace's first
@@ -77,4 +101,5 @@ def refuse_host_floats(func, args: tuple, kwargs: dict) -> None:
         raise FloatDecided(f"{getattr(func, '__name__', func)} without a tensor argument")
 
 
-__all__ = ["floats_read_at_run_time", "item_at_run_time", "read_float", "refuse_host_floats"]
+__all__ = ["floats_read_at_run_time", "item_at_run_time", "items_read_at_run_time",
+           "items_requested", "read_float", "refuse_host_floats"]

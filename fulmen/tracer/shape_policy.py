@@ -209,6 +209,11 @@ class DynamicDims:
         self.varying_floats: set[str] = set()
         self.float_positions: set = set()
         self.floats_broken = False
+        # `t.item()` of floating tensors read at run time in every trace (not a graph break),
+        # once such a break gave a new float answer (Adam's step count); off for good once a
+        # trace so failed
+        self.items_at_run_time = False
+        self.items_broken = False
 
     def dims_for(self, leaves: list, label=str, roots: list = ()) -> dict[Any, tuple[int, ...]]:
         """The dimensions of the call's tensor arguments to trace with symbolic sizes;
@@ -308,6 +313,31 @@ class DynamicDims:
                   if name in self.varying_floats or position in self.float_positions]
         self.float_positions.update(chosen)
         return chosen
+
+    def items_instead(self, reason: str, answer: Any) -> bool:
+        """A graph break (named `reason`) gave the new answer `answer`: whether calls should
+        now be traced with `t.item()` read at run time instead (a float answer of `item`, the
+        first time; the caller drops the entry and compiles the call again)."""
+        if self.items_at_run_time or self.items_broken or self.dynamic is False \
+                or not reason.startswith("item(") or type(answer) is not float:
+            return False
+        _RECOMPILES.info("%s: a new float answer (%s); reading such items at run time",
+                         reason, answer)
+        self.items_at_run_time = True
+        return True
+
+    def drop_items(self) -> None:
+        """A trace reading `t.item()` at run time failed: graph breaks again, for good."""
+        self.items_at_run_time = False
+        self.items_broken = True
+
+    def remove(self, entry) -> None:
+        """Forget the symbolic entry `entry` (if it is one)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+            for found in self.by_key.values():
+                if entry in found:
+                    found.remove(entry)
 
     def drop_floats(self, dynamic: dict) -> bool:
         """A trace with the floats of `dynamic` read at run time failed: keep floats constant

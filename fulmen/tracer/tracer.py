@@ -32,7 +32,7 @@ from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
-from fulmen.tracer.host_floats import floats_read_at_run_time, read_float
+from fulmen.tracer.host_floats import floats_read_at_run_time, items_requested, read_float
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
@@ -559,7 +559,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
-                floats_read_at_run_time(ctx) if FLOAT in (dynamic or {}).values() \
+                floats_read_at_run_time(ctx) if items_requested() \
+                or FLOAT in (dynamic or {}).values() \
                 else contextlib.nullcontext(), \
                 memoized_symbolic_ops() if symbolic is not None else contextlib.nullcontext(), \
                 symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \

@@ -126,3 +126,40 @@ def test_a_changing_float_inside_a_tuple_is_keyed_by_its_value():
     ref, _ = _train(OPTIMIZERS["adam"], make_sched, False, steps=12)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_under_a_constant_learning_rate_reads_its_step_count_at_run_time(optimizer,
+                                                                              monkeypatch):
+    """`state["step"].item()` gave a new graph-break answer at every step (8 paths, then
+    eagerly); after the first new float answer items are read at run time."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+    constant = lambda opt: torch.optim.lr_scheduler.ConstantLR(opt, 1.0, total_iters=0)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, step = _train(OPTIMIZERS[optimizer], constant, True)
+    ref, _ = _train(OPTIMIZERS[optimizer], constant, False)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    stats = fulmen.compile_stats(step)
+    assert stats.cache_misses <= 3 and stats.eager_calls == 0
+
+
+def test_an_item_that_decides_a_branch_stays_a_graph_break():
+    """With items read at run time, `if t.item() > 2` needs the value: traced again with
+    graph breaks, and every call equals eager."""
+    def fn(x, counter):
+        counter += 1
+        scale = counter.item()
+        y = x * scale
+        return (y + 1 if counter.item() > 4 else y - 1), counter
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(3)
+    counter, ref_counter = torch.tensor(0.0), torch.tensor(0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(8):
+            out, _ = jfn(x, counter)
+            ref, _ = fn(x, ref_counter)
+            assert torch.equal(out, ref) and torch.equal(counter, ref_counter)
