@@ -123,6 +123,18 @@ def _in_tuple(leaves: list, roots, position) -> bool:
     return isinstance(owner, tuple)
 
 
+def _is_learning_rate(leaves: list, roots, position) -> bool:
+    """Whether the float at `position` is a learning rate in a torch optimizer's
+    `param_groups` (`optimizer.param_groups[i]["lr"]`): read at run time from the first call,
+    since LR schedulers change it at every step (NOTE [floats read at run time])."""
+    if not isinstance(position, tuple) or len(position[1]) != 3:
+        return False
+    root, path = position
+    owner = roots[-1 - root] if root < 0 else leaves[root]
+    return path[0] == ("attr", "param_groups") and path[2] == ("key", "lr") \
+        and isinstance(owner, torch.optim.Optimizer)
+
+
 def _root_floats(roots: list) -> list[tuple[Any, float]]:
     """`((root, path), value)` of each float inside the jitted function's own objects (a bound
     method's `self`, an LR scheduler's optimizer: `fulmen.tracer.sources.function_roots`), at
@@ -310,7 +322,8 @@ class DynamicDims:
                 self.varying_floats.add(name)
         self.last_floats.update(zip(names, (value for _, value in floats)))
         chosen = [position for name, (position, _) in zip(names, floats)
-                  if name in self.varying_floats or position in self.float_positions]
+                  if name in self.varying_floats or position in self.float_positions
+                  or _is_learning_rate(leaves, roots, position)]
         self.float_positions.update(chosen)
         return chosen
 

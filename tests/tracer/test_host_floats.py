@@ -42,7 +42,7 @@ def _train(make_opt, make_sched, jit: bool, steps: int = 20):
 
 @pytest.mark.parametrize("sched", sorted(SCHEDULERS))
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_a_jitted_optimizer_step_under_a_scheduler_compiles_at_most_thrice(optimizer, sched, monkeypatch):
+def test_a_jitted_optimizer_step_under_a_scheduler_compiles_twice(optimizer, sched, monkeypatch):
     """Parameters and optimizer state equal eager's bit for bit over 20 steps (with tiny
     regions left on torch, as by default: codegen's fused `lerp`/`addcmul` round otherwise)."""
     monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
@@ -54,10 +54,10 @@ def test_a_jitted_optimizer_step_under_a_scheduler_compiles_at_most_thrice(optim
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     stats = fulmen.compile_stats(step)
-    # the first step creates the optimizer's state (a call of another structure), the next
-    # compiles for the state, and the first call with another learning rate reads it at run
-    # time from then on (before, every new rate compiled, and after 8 ran eagerly)
-    assert stats.cache_misses <= 3 and stats.eager_calls == 0
+    # the first step creates the optimizer's state (a call of another structure), the second
+    # compiles for the state; the learning rate is read at run time from the first call
+    # (before, every new rate compiled, and after 8 ran eagerly)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0
 
 
 def test_a_float_argument_that_changes_is_read_at_run_time():
@@ -142,7 +142,34 @@ def test_adam_under_a_constant_learning_rate_reads_its_step_count_at_run_time(op
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     stats = fulmen.compile_stats(step)
-    assert stats.cache_misses <= 3 and stats.eager_calls == 0
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0
+
+
+def test_a_step_function_given_the_optimizer_compiles_twice(monkeypatch):
+    """`fulmen.jit(step)(opt)` with `opt.step(); opt.zero_grad()` inside, under a scheduler."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+
+    def step(opt):
+        opt.step()
+        opt.zero_grad()
+
+    results = []
+    for jit in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)
+        call = fulmen.jit(step) if jit else step
+        for _ in range(10):
+            model(torch.ones(2, 4)).square().sum().backward()
+            call(opt)
+            sched.step()
+        results.append([p.detach() for p in model.parameters()])
+        if jit:
+            stats = fulmen.compile_stats(call)
+            assert stats.cache_misses <= 2 and stats.eager_calls == 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_an_item_that_decides_a_branch_stays_a_graph_break():
