@@ -1143,4 +1143,13 @@ MUTANTS: list[Mutant] = [
     Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
            'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
            'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
+    # a float the key leaves out but the trace keeps constant (inside a tuple: OneCycleLR's
+    # Adam betas): a wrong cache hit
+    Mutant("float_in_tuple_keyed_by_type", "guards", "tracer/shape_policy.py",
+           "if not _in_tuple(leaves, roots, position)]", "]",
+           ("tests/tracer/test_host_floats.py",)),
+    # a torch call taking a float read at run time decomposed (its scalar folded at trace time)
+    Mutant("host_float_call_decomposed", "guards", "tracer/dispatch.py",
+           "sym = None  # the exact torch op, with the float read at run time", "pass",
+           ("tests/tracer/test_host_floats.py",)),
 ]
