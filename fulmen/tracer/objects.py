@@ -170,6 +170,16 @@ def _key_text(key: Any) -> str:
     return repr(key)
 
 
+def float_in_tuple(root: Any, path: tuple) -> bool:
+    """Whether the number at `path` inside `root` is an item of a plain tuple held by a list,
+    dict or object (Adam's `param_groups[0]["betas"][0]`, which OneCycleLR changes): one read
+    at run time is traced in a copy of the tuple stored in its place."""
+    if len(path) < 2 or path[-1][0] != "item":
+        return False
+    owner, holder = follow(root, path[:-1]), follow(root, path[:-2])
+    return type(owner) is tuple and not isinstance(holder, tuple)
+
+
 def follow(root: Any, path: tuple) -> Any:
     """The value at `path` inside `root`."""
     for kind, key in path:
@@ -361,8 +371,17 @@ class ObjectInputs:
             for path, value in walk(root):
                 if type(value) in (int, float) and make_int is not None:
                     owner = follow(root, path[:-1])
-                    number = None if isinstance(owner, tuple) else make_int(root_index, path,
-                                                                             value)
+                    if isinstance(owner, tuple):  # a float in a plain tuple: the tuple rebuilt
+                        if type(value) is float and float_in_tuple(root, path):
+                            number = make_int(root_index, path, value)
+                            if number is not None:
+                                items = list(owner)
+                                items[path[-1][1]] = number
+                                holder = follow(root, path[:-2])
+                                self._saved.append((holder, path[-2], owner))
+                                _store(holder, path[-2], tuple(items))
+                        continue
+                    number = make_int(root_index, path, value)
                     if number is not None:
                         self._saved.append((owner, path[-1], value))
                         _store(owner, path[-1], number)
@@ -446,7 +465,7 @@ class ObjectInputs:
         for obj, saved in self._snapshots.values():
             if saved is not None:
                 restore(obj, saved)
-        for owner, step, tensor in self._saved:
+        for owner, step, tensor in reversed(self._saved):  # (a tuple rebuilt twice: its first)
             _store(owner, step, tensor)
         for container, items in self._rekeyed:
             container.clear()

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import is_plain_object, path_text, walk
+from fulmen.tracer.objects import float_in_tuple, follow, is_plain_object, path_text, walk
 from fulmen.tracer.symbolic import FLOAT, INT, STRIDES, is_symbolic, tensor_at
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
@@ -112,15 +112,15 @@ def _int_values(leaves: list, kind: type = int) -> list[tuple[Any, int]]:
 
 
 def _in_tuple(leaves: list, roots, position) -> bool:
-    """Whether the number at `(root, path)` is an item of a tuple (which cannot be changed in
-    place to hold a proxy while tracing)."""
+    """Whether the number at `(root, path)` is an item of a tuple that tracing cannot give a
+    proxy (`ObjectInputs.swap_in` rebuilds only a plain tuple held by a list, dict or object:
+    `objects.float_in_tuple`)."""
     if not isinstance(position, tuple):
         return False
     root, path = position
-    owner = roots[-1 - root] if root < 0 else leaves[root]
-    for kind, key in path[:-1]:
-        owner = getattr(owner, key) if kind == "attr" else owner[key]
-    return isinstance(owner, tuple)
+    root_object = roots[-1 - root] if root < 0 else leaves[root]
+    return isinstance(follow(root_object, path[:-1]), tuple) \
+        and not float_in_tuple(root_object, path)
 
 
 def _is_learning_rate(leaves: list, roots, position) -> bool:
@@ -306,8 +306,8 @@ class DynamicDims:
         leaves their values out)."""
         if self.dynamic is False or self.floats_broken:
             return []
-        # (a float inside a tuple, Adam's `betas` that OneCycleLR changes, is not swapped for
-        # a proxy by `ObjectInputs.swap_in`: it stays a constant, keyed by its value)
+        # (a float inside a tuple that `ObjectInputs.swap_in` cannot rebuild stays a
+        # constant, keyed by its value)
         floats = [(position, value) for position, value in
                   _int_values(leaves, float) + _root_floats(list(roots))
                   if not _in_tuple(leaves, roots, position)]

@@ -1143,8 +1143,8 @@ MUTANTS: list[Mutant] = [
     Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
            'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
            'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
-    # a float the key leaves out but the trace keeps constant (inside a tuple: OneCycleLR's
-    # Adam betas): a wrong cache hit
+    # a float the key leaves out but the trace keeps constant (inside a nested tuple): a wrong
+    # cache hit (killed by test_a_changing_float_in_a_nested_tuple_is_keyed_by_its_value)
     Mutant("float_in_tuple_keyed_by_type", "guards", "tracer/shape_policy.py",
            "if not _in_tuple(leaves, roots, position)]", "]",
            ("tests/tracer/test_host_floats.py",)),

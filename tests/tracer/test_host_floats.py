@@ -115,17 +115,36 @@ def test_math_on_a_changing_float_is_read_at_run_time():
     assert fulmen.compile_stats(jfn).cache_misses == 2
 
 
-def test_a_changing_float_inside_a_tuple_is_keyed_by_its_value():
-    """OneCycleLR cycles Adam's `betas[0]`, a float inside a tuple, which stays a constant:
-    no call may reuse a program compiled for another beta (this was a wrong cache hit when the
-    key left the value out)."""
+def test_one_cycle_momentum_reads_adams_betas_at_run_time(monkeypatch):
+    """OneCycleLR (cycle_momentum, its default) changes Adam's `betas[0]`, a float inside a
+    tuple, at every step too: the tuple is rebuilt around the float read at run time."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
     make_sched = lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=25)  # noqa: E731
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # past cache_size_limit: eagerly
-        got, _ = _train(OPTIMIZERS["adam"], make_sched, True, steps=12)
-    ref, _ = _train(OPTIMIZERS["adam"], make_sched, False, steps=12)
+        warnings.simplefilter("error")
+        got, step = _train(OPTIMIZERS["adam"], make_sched, True)
+    ref, _ = _train(OPTIMIZERS["adam"], make_sched, False)
     for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.equal(a, b)
+    stats = fulmen.compile_stats(step)
+    assert stats.cache_misses <= 2 and stats.eager_calls == 0
+
+
+def test_a_changing_float_in_a_nested_tuple_is_keyed_by_its_value():
+    """A float inside a tuple inside a tuple is not rebuilt for tracing: it stays a constant,
+    and no call may reuse a program compiled for another value (a wrong cache hit when the
+    key left the value out)."""
+    class Holder:
+        def __init__(self, value):
+            self.pairs = ((value, 2.0), (3.0, 4.0))
+
+    def fn(x, h):
+        return x * h.pairs[0][0]
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(3)
+    for value in (0.5, 1.5, 2.5, 3.5):
+        assert torch.equal(jfn(x, Holder(value)), x * value)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
