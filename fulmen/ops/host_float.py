@@ -18,6 +18,10 @@ Values stay eager's bit for bit because nothing is computed differently:
 - a torch call that receives a FloatProxy (`param.addcdiv_(a, b, value=-step_size)`) is
   recorded whole, as the exact torch op (opaque), never decomposed: no decomposition rounds or
   compares the number at trace time.
+As a C double a FloatProxy is NaN, and a trace in which a statement takes a NaN constant is
+refused (`tracer.host_floats.refuse_nan_constants`): code that reads the number past Python's
+protocols (`from math import sqrt` bound before tracing, a meta kernel sizing `arange`) never
+leaves a constant of one call's value in the program.
 Anything that needs the value itself while tracing raises `FloatDecided`: comparisons, `bool`,
 `int`, `round`, hashing, formatting, `float()`, other `math` functions, numpy, a torch call
 with no tensor argument that would compute with it, storing it into an object. The jitted
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import math
 import operator
-import threading
 from typing import Any
 
 import torch
@@ -53,12 +56,15 @@ class FloatDecided(FulmenError):
 class FloatProxy(float, Proxy):
     """A Python float whose value is known only at run time (NOTE [floats read at run time]).
 
-    Its float value while tracing is this call's, but no traced statement depends on it:
-    arithmetic records statements, and every question about the value raises `FloatDecided`.
+    No traced statement depends on its value: arithmetic records statements, and every
+    question about the value raises `FloatDecided`. As a C double it is NaN: code that reads
+    the number past Python's protocols (`from math import sqrt` bound before tracing, a meta
+    kernel sizing `arange` by it) gets NaN, which shows in the results or fails the trace,
+    never a plausible constant of this one call.
     """
 
-    def __new__(cls, name: str, value: float) -> FloatProxy:
-        proxy = super().__new__(cls, value)
+    def __new__(cls, name: str) -> FloatProxy:
+        proxy = super().__new__(cls, math.nan)
         proxy.name = name
         return proxy
 
@@ -92,33 +98,23 @@ for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__boo
     setattr(FloatProxy, _name, _decided(_name))
 
 
-def _new(value: Any) -> FloatProxy:
+def _new() -> FloatProxy:
     ctx = get_tracectx()
     if ctx is None:
         raise FloatDecided("a float computed outside tracing")
-    if type(value) is not float:  # a complex power, an overflow to int: not a float
-        raise FloatDecided(f"a result of type {type(value).__name__}")
-    return FloatProxy(ctx.names.new("f"), value)
-
-
-def _plain(value: Any) -> Any:
-    return float.__float__(value) if isinstance(value, FloatProxy) else value
+    return FloatProxy(ctx.names.new("f"))
 
 
 def _number(value: Any) -> bool:
     return type(value) in (int, float, bool) or isinstance(value, FloatProxy)
 
 
-def _binary_meta(fn):
-    def meta(a, b):
-        return _new(fn(_plain(a), _plain(b)))
-    return meta
+def _binary_meta(a, b) -> FloatProxy:
+    return _new()
 
 
-def _unary_meta(fn):
-    def meta(a):
-        return _new(fn(_plain(a)))
-    return meta
+def _unary_meta(a) -> FloatProxy:
+    return _new()
 
 
 def _symbol(name: str, fn, meta) -> Symbol:
@@ -133,12 +129,12 @@ _MATH = ("sqrt", "exp", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", 
          "atan", "fabs")  # one float in, one float out
 SYMBOLS: dict[str, Symbol] = {}
 for _name, _fn in _BINARY.items():
-    SYMBOLS[_name] = _symbol(_name, _fn, _binary_meta(_fn))
+    SYMBOLS[_name] = _symbol(_name, _fn, _binary_meta)
 for _name, _fn in _UNARY.items():
-    SYMBOLS[_name] = _symbol(_name, _fn, _unary_meta(_fn))
+    SYMBOLS[_name] = _symbol(_name, _fn, _unary_meta)
 for _name in _MATH:
     _fn = getattr(math, _name)
-    SYMBOLS[f"math_{_name}"] = _symbol(f"math_{_name}", _fn, _unary_meta(_fn))
+    SYMBOLS[f"math_{_name}"] = _symbol(f"math_{_name}", _fn, _unary_meta)
 
 
 def _binary(name: str, reflected: bool):
@@ -158,11 +154,8 @@ for _name in _UNARY:
     setattr(FloatProxy, f"__{_name}__", lambda self, _sym=SYMBOLS[_name]: _sym(self))
 
 
-_HINT = threading.local()  # the value `host_item` is recording (its meta reads it)
-
-
 def _item_meta(tensor: TensorProxy) -> FloatProxy:
-    return _new(getattr(_HINT, "value", math.nan))
+    return _new()
 
 
 def _item(tensor: torch.Tensor) -> float:
@@ -173,15 +166,10 @@ def _item(tensor: torch.Tensor) -> float:
 HOST_ITEM = Symbol("item", _item_meta, namespace=HOST, impl=_item, torch_fn=_item)
 
 
-def host_item(tensor: TensorProxy, value: float = math.nan) -> FloatProxy:
+def host_item(tensor: TensorProxy) -> FloatProxy:
     """Record `tensor.item()` (a float64 carrier, or a floating tensor of one element) as a
-    statement whose `FloatProxy` output is read at run time; `value` is the one this call
-    has (the proxy's float while tracing)."""
-    _HINT.value = float(value)
-    try:
-        return HOST_ITEM(tensor)
-    finally:
-        _HINT.value = math.nan
+    statement whose `FloatProxy` output is read at run time."""
+    return HOST_ITEM(tensor)
 
 
 def has_host_float(tree: Any) -> bool:

@@ -67,13 +67,13 @@ def items_requested() -> bool:
     return getattr(_ITEMS, "on", False)
 
 
-def read_float(ctx: TraceCtx, value: float, name: str) -> tuple[FloatProxy, TensorProxy]:
+def read_float(ctx: TraceCtx, name: str) -> tuple[FloatProxy, TensorProxy]:
     """`(x, carrier)` for a float input read at run time: `carrier` the trace input (a float64
     0-dim tensor, `symbolic.carrier`) called `name`, `x` its value read by the trace's first
     statement."""
     carrier = TensorProxy(name, (), torch.float64, "cpu")
     with tracing(ctx):
-        return host_item(carrier, value), carrier
+        return host_item(carrier), carrier
 
 
 def item_at_run_time(ctx: TraceCtx, func, args: tuple, kwargs: dict):
@@ -88,10 +88,29 @@ def item_at_run_time(ctx: TraceCtx, func, args: tuple, kwargs: dict):
             or tensor.dtype not in (torch.float32, torch.float64, torch.float16,
                                     torch.bfloat16) or tensor.numel() != 1:
         return None
-    value = math.nan
-    if ctx.breaks is not None:  # the value this call has (the proxy's float while tracing)
-        value = float(ctx.breaks.real(tensor))
-    return host_item(tensor, value)
+    return host_item(tensor)
+
+
+def refuse_nan_constants(ctx: TraceCtx) -> None:
+    """After a trace with floats read at run time: raise `FloatDecided` if a statement takes a
+    NaN constant, the mark of a `FloatProxy` read as a C double past Python's protocols (NOTE
+    [floats read at run time]; a program's own NaN constants only cost the floats' staying
+    constant)."""
+    if not getattr(ctx, "host_floats", False):
+        return
+    for bsym in ctx.bsyms:
+        if _holds_nan((bsym.args, bsym.kwargs)):
+            raise FloatDecided(f"{bsym.sym.id} (a NaN constant)")
+
+
+def _holds_nan(value) -> bool:
+    if type(value) is float:
+        return math.isnan(value)
+    if isinstance(value, (tuple, list)):
+        return any(_holds_nan(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_nan(item) for item in value.values())
+    return False
 
 
 def refuse_host_floats(func, args: tuple, kwargs: dict) -> None:
@@ -102,4 +121,4 @@ def refuse_host_floats(func, args: tuple, kwargs: dict) -> None:
 
 
 __all__ = ["floats_read_at_run_time", "item_at_run_time", "items_read_at_run_time",
-           "items_requested", "read_float", "refuse_host_floats"]
+           "items_requested", "read_float", "refuse_host_floats", "refuse_nan_constants"]

@@ -32,7 +32,12 @@ from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
-from fulmen.tracer.host_floats import floats_read_at_run_time, items_requested, read_float
+from fulmen.tracer.host_floats import (
+    floats_read_at_run_time,
+    items_requested,
+    read_float,
+    refuse_nan_constants,
+)
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
@@ -454,7 +459,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
     def make_int(position, label: str, value: int) -> torch.SymInt | None:
         if symbolic is not None and dynamic.get(position) == FLOAT and type(value) is float:
-            made = read_float(ctx, value, ctx.names.named(f"{label}_carrier"))
+            made = read_float(ctx, ctx.names.named(f"{label}_carrier"))
             numbers.append((position, made[0], made[1], value))
             return made[0]
         made = symbolic.symbolize_int(value, ctx.names.named(f"{label}_carrier")) \
@@ -615,6 +620,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     captured_attributes = tuple((index, *owners[id(tensor)]) for index, tensor
                                 in enumerate(captured) if id(tensor) in owners)
     seconds = time.perf_counter() - start
+    refuse_nan_constants(ctx)  # NOTE [floats read at run time]
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
     if objects.epilogue.numbers:  # evaluated from each call's inputs

@@ -1152,4 +1152,8 @@ MUTANTS: list[Mutant] = [
     Mutant("host_float_call_decomposed", "guards", "tracer/dispatch.py",
            "sym = None  # the exact torch op, with the float read at run time", "pass",
            ("tests/tracer/test_host_floats.py",)),
+    # a float read at run time, read as a C double (NaN) past Python's protocols, kept
+    Mutant("host_float_nan_constant_kept", "guards", "tracer/tracer.py",
+           "    refuse_nan_constants(ctx)  # NOTE [floats read at run time]\n", "",
+           ("tests/tracer/test_host_floats.py",)),
 ]

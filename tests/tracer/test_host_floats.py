@@ -209,3 +209,17 @@ def test_an_item_that_decides_a_branch_stays_a_graph_break():
             out, _ = jfn(x, counter)
             ref, _ = fn(x, ref_counter)
             assert torch.equal(out, ref) and torch.equal(counter, ref_counter)
+
+
+def test_a_changing_float_read_past_pythons_protocols_is_never_a_stale_constant():
+    """`from math import sqrt` bound before tracing reads the number as a C double: the
+    trace sees NaN and is made again with the float constant, so every call equals eager."""
+    from math import sqrt
+
+    def fn(x, t):
+        return x * sqrt(t) + torch.arange(0, t * 10).sum()
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(5)
+    for t in (0.5, 1.5, 2.5, 3.5):
+        assert torch.equal(jfn(x, t), fn(x, t))
