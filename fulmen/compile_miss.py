@@ -19,6 +19,7 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
+from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.module_stores import make_module_stores
 from fulmen.tracer.seeding import seeds_inside
@@ -214,6 +215,13 @@ class CompileMiss:
             except PathMiss as error:
                 miss = error
                 torch.random.set_rng_state(rng_state)  # the next run draws the same numbers
+                if self._shapes.items_instead(miss.node.reason, miss.answer) \
+                        and self._items_traceable(args, kwargs, entry):
+                    for key in [k for k, e in self._cache.items() if e is entry]:
+                        del self._cache[key]
+                    self._shapes.remove(entry)
+                    self._stats.calls -= 1  # (counted again)
+                    return _RanEagerly(self._call(args, kwargs))  # (compiled, not eagerly)
                 if miss.node.closed or attempt == 1:
                     break
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
@@ -237,6 +245,23 @@ class CompileMiss:
         return _RanEagerly(self._run_eagerly(args, kwargs, "branches", (
             f"fulmen: the graph break {miss.node.reason} gave more than {MAX_BRANCHES} "
             "different answers; calls taking a new answer run eagerly")))
+
+    def _items_traceable(self, args: tuple, kwargs: dict, entry: CacheEntry) -> bool:
+        """Whether the call traces with `t.item()` read at run time (no item deciding a
+        branch); if not, items stay graph breaks for good and `entry` keeps its paths."""
+        rng_state = torch.random.get_rng_state()
+        try:
+            with _TRACING, collector_paused(), memoized_symbolic_ops(), \
+                    items_read_at_run_time():
+                self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
+        except Exception as error:  # noqa: BLE001 - the graph breaks stay
+            self._shapes.drop_items()
+            _RECOMPILES.info("items read at run time failed (%s: %s); keeping graph breaks",
+                             type(error).__name__, error)
+            return False
+        finally:
+            torch.random.set_rng_state(rng_state)
+        return True
 
 
 

@@ -33,6 +33,7 @@ from fulmen.executors import resolve_executors
 from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
 from fulmen.tracer.explain import describe_call, explain_change
+from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.module_hooks import (
@@ -45,7 +46,7 @@ from fulmen.tracer.objects import ARGUMENTS, MODULE, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
-from fulmen.tracer.symbolic import carrier, tensor_at
+from fulmen.tracer.symbolic import carrier, number_at
 
 _getitem = operator.getitem
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -86,6 +87,7 @@ class _Jitted(CompileMiss):
         self._stats = CompileStats(cache=self._cache)
         modules = tuple(module.modules()) if module is not None else ()
         self._guard = CacheKeyBuilder(modules, fn if module is None else module.forward)
+        self._guard.float_positions = self._shapes.float_positions  # (one set, shared)
         self._state_slots = state_slots(module) if module is not None else []
         # where each slot's tensor is read on every call (`_call`), in one C-level `map`
         self._state_owners = tuple(slot.owner for slot in self._state_slots)
@@ -132,6 +134,7 @@ class _Jitted(CompileMiss):
                 if self._eager_streak.skip_trace():
                     return self._run_eagerly(args, kwargs, *self._eager_streak.reason)
                 self._guard.functions_swapped()
+                floats = frozenset(self._shapes.float_positions)
                 try:
                     with collector_paused(), memoized_symbolic_ops():
                         entry = self._compile_call(args, kwargs, leaves)
@@ -141,7 +144,8 @@ class _Jitted(CompileMiss):
                         streak=True)
                 self._eager_streak.end()
                 # offsets the program read, attributes it wrote: keyed from now on
-                if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale():
+                if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale() \
+                        or floats != self._shapes.float_positions:  # keyed by type from now
                     key, leaves = self._guard.key(args, kwargs, state)
                 if entry.shape_guard is not None:
                     self._shapes.add(entry, self._guard, args, kwargs, state)
@@ -159,7 +163,8 @@ class _Jitted(CompileMiss):
                          for i in objects.roots}
                 object_tensors = objects.read_tensors(roots)
             if entry.int_positions:  # (read before the epilogue stores new values)
-                carriers = [carrier(tensor_at(leaves, p)) for p in entry.int_positions]
+                carriers = [carrier(number_at(leaves, self._guard.fn_roots, p))
+                            for p in entry.int_positions]
         if objects is None and not entry.mutated_inputs and not entry.tree \
                 and not entry.int_positions:  # the common case
             if entry.all_leaves_are_inputs:
@@ -252,7 +257,20 @@ class _Jitted(CompileMiss):
         """Compile a call that missed the cache: with symbolic sizes in the dimensions the
         policy makes dynamic (`DynamicDims`), else for its exact shapes. A symbolic trace that
         fails anywhere is logged and replaced by a static one (never an error of its own)."""
-        dims = self._shapes.dims_for(leaves, lambda i: self._leaf_name(args, kwargs, i))
+        if self._shapes.items_at_run_time and not items_requested():
+            rng_state = torch.random.get_rng_state()
+            try:
+                with items_read_at_run_time():
+                    return self._compile_call(args, kwargs, leaves)
+            except (StoresDifferPerPath, RunsEagerly):
+                raise
+            except Exception as error:  # noqa: BLE001 - traced again with items as breaks
+                torch.random.set_rng_state(rng_state)
+                self._shapes.drop_items()
+                _RECOMPILES.info("items read at run time failed (%s: %s); tracing again "
+                                 "with graph breaks", type(error).__name__, error)
+        dims = self._shapes.dims_for(leaves, lambda i: self._leaf_name(args, kwargs, i),
+                                     self._guard.fn_roots)
         if dims:
             rng_state = torch.random.get_rng_state()
             try:
@@ -263,6 +281,10 @@ class _Jitted(CompileMiss):
                 if self._strict_dynamic:
                     raise
                 torch.random.set_rng_state(rng_state)
+                if self._shapes.drop_floats(dims):  # floats read at run time: constants again
+                    _RECOMPILES.info("floats read at run time failed (%s: %s); tracing again "
+                                     "with them constant", type(error).__name__, error)
+                    return self._compile_call(args, kwargs, leaves)
                 if self._shapes.drop_ints(dims):  # the integers given symbols: constants again
                     _RECOMPILES.info("symbolic integers failed (%s: %s); tracing again with "
                                      "them constant", type(error).__name__, error)

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Tag, TraceCtx
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
+from fulmen.ops.host_float import has_host_float
 from fulmen.ops.opaque import draws_random, opaque_symbol
 from fulmen.ops.torch import symbol_for
 from fulmen.proxies import TensorProxy
@@ -55,6 +56,7 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
+from fulmen.tracer.host_floats import item_at_run_time, refuse_host_floats
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
 from fulmen.tracer.mutation import Functionalizer
@@ -192,6 +194,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
                 op=_func_name(func), where=user_source_location(),
                 hint="register it outside the compiled function, on an input or parameter "
                 "(p.register_hook(...)) or on the compiled function's output")
+        if func is T.item and getattr(self, "host_floats", False):  # NOTE [floats read at run time]
+            out = item_at_run_time(self, func, *self.mutation.resolve_tree(
+                self._proxify((args, kwargs))))
+            if out is not None:
+                return out
         if func in _VALUE_DEPENDENT:
             if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
                 args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))
@@ -246,6 +253,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
     def _dispatch(self, func, args, kwargs):
         sym = symbol_for(func)
+        if sym is not None and getattr(self, "host_floats", False) \
+                and has_host_float((args, kwargs)):
+            sym = None  # the exact torch op, with the float read at run time (NOTE [floats...])
         differentiable = sym is None or Tag.NOT_DIFFERENTIABLE not in sym.tags
         out = None
         if sym is not None:
@@ -429,6 +439,7 @@ def _call_with_numbers(func, args: tuple, kwargs: dict):
     is."""
     if func in _NUMBER_FUNCTIONS:
         return func(*args, **kwargs)
+    refuse_host_floats(func, args, kwargs)
     args, kwargs = pytree.tree_map(_specialised, (args, kwargs))
     return func(*args, **kwargs)
 

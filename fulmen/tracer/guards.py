@@ -39,6 +39,7 @@ from fulmen.tracer.leaf_keys import (
     _walked_key,
 )
 from fulmen.tracer.objects import (
+    FLOAT_KEY,
     INT_KEY,
     function_roots,
     is_plain_object,
@@ -79,6 +80,25 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _training = operator.attrgetter("training")
 
 
+def _float_masks(positions) -> dict[int, dict]:
+    """Object root -> {path: FLOAT_KEY} for the floats read at run time at `positions`."""
+    masks: dict[int, dict] = {}
+    for position in positions:
+        if isinstance(position, tuple):
+            masks.setdefault(position[0], {})[position[1]] = FLOAT_KEY
+    return masks
+
+
+def _mask_floats(leaves: list, leaf_keys: list, positions, walks: dict) -> None:
+    """Key the floats read at run time (`positions`) among a call's leaves by their type."""
+    for root, paths in _float_masks(positions).items():
+        if 0 <= root < len(leaves) and is_plain_object(leaves[root]):
+            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths, walks.get(root))
+    for position in positions:
+        if type(position) is int and position < len(leaves) and type(leaves[position]) is float:
+            leaf_keys[position] = FLOAT_KEY
+
+
 _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)
 _MAX_ARGUMENT_CODE = 4096  # ... on the arguments' functions and classes scanned (`add_functions`)
 
@@ -116,6 +136,9 @@ class CacheKeyBuilder:
             getattr(inner, "__closure__", None))
         self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
+        # positions of the floats read at run time (`DynamicDims.float_positions`, the same
+        # set): keyed by their type, not their value
+        self.float_positions: set = set()
         # flattened-argument positions whose storage offsets a compiled program read (-1: the
         # module's parameters and buffers); `guard_offsets` adds them as traces reveal them
         self.offset_positions: frozenset[int] = frozenset()
@@ -350,7 +373,9 @@ class CacheKeyBuilder:
         if self.fn is None:
             return ()
         self.fn_roots = function_roots(self.fn)
-        return tuple([object_key(root, _leaf_key) for root in self.fn_roots])
+        masks = _float_masks(self.float_positions) if self.float_positions else {}
+        return tuple([object_key(root, _leaf_key, masks.get(-1 - i))
+                      for i, root in enumerate(self.fn_roots)])
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = (),
             symbolic: dict[int, tuple[int, ...]] | None = None,
@@ -399,15 +424,20 @@ class CacheKeyBuilder:
             leaf_keys = [_object_leaf_key(leaf) if i in offsets else
                          _walked_key(leaf, walks, i) if _is_object_leaf(leaf) else
                          _leaf_key(leaf) for i, leaf in enumerate(leaves)]
+            if self.float_positions:
+                _mask_floats(leaves, leaf_keys, self.float_positions, self._walks)
             # (keys only: they name types, sizes and ids, and hold no tensor alive)
             self._last_leaf_keys = None if symbolic else (spec, tuple(leaf_keys))
-        masks: dict[int, dict] = {}  # object arguments: tensor path -> its masked key
+        # object arguments: tensor path -> its masked key (and floats read at run time)
+        masks: dict[int, dict] = {}
+        floats = _float_masks(self.float_positions) if self.float_positions else {}
         for position, dims in (symbolic or {}).items():
             if isinstance(position, tuple):  # (object argument, path) of a tensor inside it
                 root, path = position
                 if root >= len(leaves) or not is_plain_object(leaves[root]):
                     return (), leaves
-                masks.setdefault(root, {})[path] = INT_KEY if dims == INT else \
+                masks.setdefault(root, dict(floats.get(root, {})))[path] = INT_KEY \
+                    if dims == INT else \
                     functools.partial(_masked_key, dims=dims)
                 continue
             leaf = leaves[position] if position < len(leaves) else None

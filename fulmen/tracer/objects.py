@@ -37,6 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError, RunsEagerly
+from fulmen.ops.host_float import FloatDecided, FloatProxy
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -58,6 +59,7 @@ ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the 
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
 _MAX_SLOTS = 4096
 INT_KEY = ("symbolic int",)  # the key of an integer traced as a symbol (its value left out)
+FLOAT_KEY = ("float read at run time",)  # the key of such a float (`fulmen.ops.host_float`)
 
 
 def has_argument_grad(t: torch.Tensor) -> bool:
@@ -90,6 +92,14 @@ def _children(value: Any) -> list[tuple[tuple, Any]]:
     if is_plain_object(value):
         return [(("attr", name), item) for name, item in vars(value).items()]
     return []
+
+
+def _holds_float_proxy(value: Any, depth: int) -> bool:
+    """Whether `value` is or holds (within `depth` levels) a float read at run time."""
+    if isinstance(value, FloatProxy):
+        return True
+    return depth > 0 and any(_holds_float_proxy(child, depth - 1)
+                             for _, child in _children(value))
 
 
 def _walkable(value: Any) -> bool:
@@ -160,6 +170,16 @@ def _key_text(key: Any) -> str:
     return repr(key)
 
 
+def float_in_tuple(root: Any, path: tuple) -> bool:
+    """Whether the number at `path` inside `root` is an item of a plain tuple held by a list,
+    dict or object (Adam's `param_groups[0]["betas"][0]`, which OneCycleLR changes): one read
+    at run time is traced in a copy of the tuple stored in its place."""
+    if len(path) < 2 or path[-1][0] != "item":
+        return False
+    owner, holder = follow(root, path[:-1]), follow(root, path[:-2])
+    return type(owner) is tuple and not isinstance(holder, tuple)
+
+
 def follow(root: Any, path: tuple) -> Any:
     """The value at `path` inside `root`."""
     for kind, key in path:
@@ -186,12 +206,14 @@ def object_key(root: Any, leaf_key, masks: dict | None = None, walked: list | No
     for path, value in walk(root) if walked is None else walked:
         if isinstance(value, torch.Tensor):
             grad = _grad_of(value)
-            key = masks[path](value) if masks and path in masks and masks[path] is not INT_KEY \
+            key = masks[path](value) if masks and path in masks and callable(masks[path]) \
                 else leaf_key(value)
             parts.append((path, key, None if grad is None else leaf_key(grad)))
         else:
             if masks and path in masks and type(value) is int and masks[path] is INT_KEY:
                 parts.append((path, INT_KEY))
+            elif masks and path in masks and type(value) is float and masks[path] is FLOAT_KEY:
+                parts.append((path, FLOAT_KEY))
             else:
                 parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
     return tuple(parts)
@@ -338,7 +360,8 @@ class ObjectInputs:
 
     def swap_in(self, make_proxy, make_int=None) -> list[tuple[TensorProxy, torch.Tensor]]:
         """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`, and each
-        integer for which `make_int(root, path, value)` gives a SymInt by it; return
+        integer or float for which `make_int(root, path, value)` gives a SymInt (a
+        `FloatProxy`) by it; return
         `(proxy, tensor)` pairs in input order."""
         pairs = []
         existing = self.epilogue.existing
@@ -346,10 +369,19 @@ class ObjectInputs:
             self._objects[id(root)] = root
             existing.setdefault(id(root), (root_index, ()))
             for path, value in walk(root):
-                if type(value) is int and make_int is not None:
+                if type(value) in (int, float) and make_int is not None:
                     owner = follow(root, path[:-1])
-                    number = None if isinstance(owner, tuple) else make_int(root_index, path,
-                                                                             value)
+                    if isinstance(owner, tuple):  # a float in a plain tuple: the tuple rebuilt
+                        if type(value) is float and float_in_tuple(root, path):
+                            number = make_int(root_index, path, value)
+                            if number is not None:
+                                items = list(owner)
+                                items[path[-1][1]] = number
+                                holder = follow(root, path[:-2])
+                                self._saved.append((holder, path[-2], owner))
+                                _store(holder, path[-2], tuple(items))
+                        continue
+                    number = make_int(root_index, path, value)
                     if number is not None:
                         self._saved.append((owner, path[-1], value))
                         _store(owner, path[-1], number)
@@ -413,6 +445,8 @@ class ObjectInputs:
     def _check_replayable(self, template: Any) -> None:
         """Raise `UnreplayableObjectStore` if a stored value cannot be rebuilt for later calls
         (`Epilogue.run` deep-copies what is new in it: a lock, a file, a C object cannot be)."""
+        if _holds_float_proxy(template, _MAX_DEPTH):  # its value changes per call
+            raise FloatDecided("storing it into an object")
         memo: dict[int, Any] = {}
         for value in [template, *(child for _, child in _children(template))]:
             if isinstance(value, _OPAQUE) or id(value) in self.epilogue.existing \
@@ -431,7 +465,7 @@ class ObjectInputs:
         for obj, saved in self._snapshots.values():
             if saved is not None:
                 restore(obj, saved)
-        for owner, step, tensor in self._saved:
+        for owner, step, tensor in reversed(self._saved):  # (a tuple rebuilt twice: its first)
             _store(owner, step, tensor)
         for container, items in self._rekeyed:
             container.clear()

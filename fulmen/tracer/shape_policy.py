@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import is_plain_object, walk
-from fulmen.tracer.symbolic import INT, STRIDES, is_symbolic, tensor_at
+from fulmen.tracer.objects import float_in_tuple, follow, is_plain_object, path_text, walk
+from fulmen.tracer.symbolic import FLOAT, INT, STRIDES, is_symbolic, tensor_at
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 
@@ -99,16 +99,48 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
 # and torch's own Python use `isinstance`).
 
 
-def _int_values(leaves: list) -> list[tuple[Any, int]]:
-    """`(position, value)` of each integer (not a bool) among the call's arguments (at its
-    index) and inside its object arguments (at `(index, path)`)."""
+def _int_values(leaves: list, kind: type = int) -> list[tuple[Any, int]]:
+    """`(position, value)` of each integer (not a bool; with `kind=float`, each float) among
+    the call's arguments (at its index) and inside its object arguments (at `(index, path)`)."""
     found = []
     for i, leaf in enumerate(leaves):
-        if type(leaf) is int:
+        if type(leaf) is kind:
             found.append((i, leaf))
         elif is_plain_object(leaf):
-            found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is int)
+            found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is kind)
     return found
+
+
+def _in_tuple(leaves: list, roots, position) -> bool:
+    """Whether the number at `(root, path)` is an item of a tuple that tracing cannot give a
+    proxy (`ObjectInputs.swap_in` rebuilds only a plain tuple held by a list, dict or object:
+    `objects.float_in_tuple`)."""
+    if not isinstance(position, tuple):
+        return False
+    root, path = position
+    root_object = roots[-1 - root] if root < 0 else leaves[root]
+    return isinstance(follow(root_object, path[:-1]), tuple) \
+        and not float_in_tuple(root_object, path)
+
+
+def _is_learning_rate(leaves: list, roots, position) -> bool:
+    """Whether the float at `position` is a learning rate in a torch optimizer's
+    `param_groups` (`optimizer.param_groups[i]["lr"]`): read at run time from the first call,
+    since LR schedulers change it at every step (NOTE [floats read at run time])."""
+    if not isinstance(position, tuple) or len(position[1]) != 3:
+        return False
+    root, path = position
+    owner = roots[-1 - root] if root < 0 else leaves[root]
+    return path[0] == ("attr", "param_groups") and path[2] == ("key", "lr") \
+        and isinstance(owner, torch.optim.Optimizer)
+
+
+def _root_floats(roots: list) -> list[tuple[Any, float]]:
+    """`((root, path), value)` of each float inside the jitted function's own objects (a bound
+    method's `self`, an LR scheduler's optimizer: `fulmen.tracer.sources.function_roots`), at
+    negative roots (`symbolic.number_at`)."""
+    return [((-1 - i, path), value) for i, root in enumerate(roots) if is_plain_object(root)
+            for path, value in walk(root) if type(value) is float]
 
 
 # NOTE [a varying size back at 1]
@@ -182,8 +214,20 @@ class DynamicDims:
         self.last_ints: dict[str, int] = {}
         self.varying_ints: set[str] = set()
         self.ints_broken = False
+        # floats, as integers: those seen to change are read at run time (NOTE [floats read
+        # at run time] in `fulmen.ops.host_float`); `float_positions`, every position traced
+        # so, is what the cache key leaves their values out of (`guards.CallGuard`)
+        self.last_floats: dict[str, float] = {}
+        self.varying_floats: set[str] = set()
+        self.float_positions: set = set()
+        self.floats_broken = False
+        # `t.item()` of floating tensors read at run time in every trace (not a graph break),
+        # once such a break gave a new float answer (Adam's step count); off for good once a
+        # trace so failed
+        self.items_at_run_time = False
+        self.items_broken = False
 
-    def dims_for(self, leaves: list, label=str) -> dict[Any, tuple[int, ...]]:
+    def dims_for(self, leaves: list, label=str, roots: list = ()) -> dict[Any, tuple[int, ...]]:
         """The dimensions of the call's tensor arguments to trace with symbolic sizes;
         `label(position)` names an argument (and the `recompiles` log).
 
@@ -252,7 +296,71 @@ class DynamicDims:
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
         found.update({position: INT for position in self._ints_for(leaves, label)})
+        found.update({position: FLOAT for position in self._floats_for(leaves, label, roots)})
         return found
+
+    def _floats_for(self, leaves: list, label, roots: list) -> list:
+        """The positions of the call's floats (arguments, inside object arguments and inside
+        the function's own objects `roots`) to read at run time: those seen to change between
+        two calls that missed the cache, and those read so by an earlier entry (the key
+        leaves their values out)."""
+        if self.dynamic is False or self.floats_broken:
+            return []
+        # (a float inside a tuple that `ObjectInputs.swap_in` cannot rebuild stays a
+        # constant, keyed by its value)
+        floats = [(position, value) for position, value in
+                  _int_values(leaves, float) + _root_floats(list(roots))
+                  if not _in_tuple(leaves, roots, position)]
+        names = [label(position) if not isinstance(position, tuple) or position[0] >= 0
+                 else f"self{-1 - position[0] or ''}{path_text(position[1])}"
+                 for position, _ in floats]
+        for name, (_, new) in zip(names, floats):
+            old = self.last_floats.get(name)
+            if old is not None and new != old and name not in self.varying_floats:
+                _RECOMPILES.info("%s: float varies (%s -> %s); reading it at run time",
+                                 name, old, new)
+                self.varying_floats.add(name)
+        self.last_floats.update(zip(names, (value for _, value in floats)))
+        chosen = [position for name, (position, _) in zip(names, floats)
+                  if name in self.varying_floats or position in self.float_positions
+                  or _is_learning_rate(leaves, roots, position)]
+        self.float_positions.update(chosen)
+        return chosen
+
+    def items_instead(self, reason: str, answer: Any) -> bool:
+        """A graph break (named `reason`) gave the new answer `answer`: whether calls should
+        now be traced with `t.item()` read at run time instead (a float answer of `item`, the
+        first time; the caller drops the entry and compiles the call again)."""
+        if self.items_at_run_time or self.items_broken or self.dynamic is False \
+                or not reason.startswith("item(") or type(answer) is not float:
+            return False
+        _RECOMPILES.info("%s: a new float answer (%s); reading such items at run time",
+                         reason, answer)
+        self.items_at_run_time = True
+        return True
+
+    def drop_items(self) -> None:
+        """A trace reading `t.item()` at run time failed: graph breaks again, for good."""
+        self.items_at_run_time = False
+        self.items_broken = True
+
+    def remove(self, entry) -> None:
+        """Forget the symbolic entry `entry` (if it is one)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+            for found in self.by_key.values():
+                if entry in found:
+                    found.remove(entry)
+
+    def drop_floats(self, dynamic: dict) -> bool:
+        """A trace with the floats of `dynamic` read at run time failed: keep floats constant
+        (keyed by value) from now on; whether there were any."""
+        if FLOAT not in dynamic.values():
+            return False
+        self.varying_floats.clear()
+        self.float_positions.clear()
+        self.floats_broken = True
+        return True
 
     def _ints_for(self, leaves: list, label) -> list:
         """The positions of the call's integers to trace as symbols: those seen to change

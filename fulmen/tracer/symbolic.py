@@ -47,6 +47,8 @@ def is_symbolic(value) -> bool:
 
 _MAX_CARRIED = 2**62  # the largest integer traced as a symbol (a size of an empty tensor)
 INT = "int"  # the `dims` of an integer given a symbol (`symbolize_int`), where a tensor has dims
+# the `dims` of a float read at run time (NOTE [floats read at run time] in `ops/host_float.py`)
+FLOAT = "float"
 # ends the `dims` of a tensor whose strides are free of its sizes (NOTE [strides of a view input])
 STRIDES = "strides"
 
@@ -62,9 +64,20 @@ def _row_major(tensor: torch.Tensor) -> bool:
     return True
 
 
-def carrier(value: int) -> torch.Tensor:
-    """The empty tensor whose size 1 carries the integer `value` into a compiled call."""
+def carrier(value: int | float) -> torch.Tensor:
+    """The empty tensor whose size 1 carries the integer `value` into a compiled call; for a
+    float, the float64 0-dim tensor holding it (exactly: a Python float is a float64)."""
+    if type(value) is float:
+        return torch.tensor(value, dtype=torch.float64)
     return torch.empty((0, value), dtype=torch.uint8)
+
+
+def number_at(leaves: list, fn_roots: list, position):
+    """The number at `position` of a call: as `tensor_at`, where a negative root is the
+    jitted function's own object (`fn_roots[-1 - root]`: a bound method's `self`)."""
+    if isinstance(position, tuple) and position[0] < 0:
+        return follow(fn_roots[-1 - position[0]], position[1])
+    return tensor_at(leaves, position)
 
 
 def number_function(numbers: list, proxies: list) -> Callable:

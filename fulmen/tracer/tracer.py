@@ -30,6 +30,12 @@ from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
+from fulmen.tracer.host_floats import (
+    floats_read_at_run_time,
+    items_requested,
+    read_float,
+    refuse_nan_constants,
+)
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
@@ -51,7 +57,7 @@ from fulmen.tracer.objects import (
     walk,
 )
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
-from fulmen.tracer.symbolic import INT, SymbolicSizes, carrier, number_function
+from fulmen.tracer.symbolic import FLOAT, INT, SymbolicSizes, carrier, number_function
 from fulmen.tracer.vmap import vmap_emulated
 
 
@@ -286,6 +292,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     numbers: list[tuple[Any, torch.SymInt, TensorProxy, int]] = []  # integers given symbols
 
     def make_int(position, label: str, value: int) -> torch.SymInt | None:
+        if symbolic is not None and dynamic.get(position) == FLOAT and type(value) is float:
+            made = read_float(ctx, ctx.names.named(f"{label}_carrier"))
+            numbers.append((position, made[0], made[1], value))
+            return made[0]
         made = symbolic.symbolize_int(value, ctx.names.named(f"{label}_carrier")) \
             if symbolic is not None and dynamic.get(position) == INT else None
         if made is None:
@@ -312,7 +322,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             ctx.add_input(proxy)
             positions.append(index)
             proxied_leaves.append(proxy)
-        elif type(leaf) is int and symbolic is not None and dynamic.get(index) == INT:
+        elif type(leaf) in (int, float) and symbolic is not None \
+                and dynamic.get(index) in (INT, FLOAT):
             number = make_int(index, _path_name(path, param_names), leaf)
             proxied_leaves.append(leaf if number is None else number)
         else:
@@ -344,7 +355,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             return proxy
 
         def make_object_int(root, path, value):
-            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else "self"
+            label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else \
+                ("self" if root == -1 else f"object{-1 - root}")
             steps = "_".join(str(key) if isinstance(key, (str, int)) else "item"
                              for _, key in path)
             return make_int((root, path), f"{label}_{steps}", value)
@@ -386,6 +398,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
+                floats_read_at_run_time(ctx) if items_requested() \
+                or FLOAT in (dynamic or {}).values() \
+                else contextlib.nullcontext(), \
                 memoized_symbolic_ops() if symbolic is not None else contextlib.nullcontext(), \
                 symbolic_bools_decided() if symbolic is not None else contextlib.nullcontext(), \
                 contextlib.ExitStack() as held_stores:
@@ -439,6 +454,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     captured_attributes = tuple((index, *owners[id(tensor)]) for index, tensor
                                 in enumerate(captured) if id(tensor) in owners)
     seconds = time.perf_counter() - start
+    refuse_nan_constants(ctx)  # NOTE [floats read at run time]
     trace = ctx.to_trace((*inputs, *state.values(), *captured_proxies), output,
                          provenance="constructed by tracing", seconds=seconds)
     if objects.epilogue.numbers:  # evaluated from each call's inputs

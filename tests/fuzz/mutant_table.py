@@ -1149,4 +1149,17 @@ MUTANTS: list[Mutant] = [
     Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
            'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
            'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
+    # a float the key leaves out but the trace keeps constant (inside a nested tuple): a wrong
+    # cache hit (killed by test_a_changing_float_in_a_nested_tuple_is_keyed_by_its_value)
+    Mutant("float_in_tuple_keyed_by_type", "guards", "tracer/shape_policy.py",
+           "if not _in_tuple(leaves, roots, position)]", "]",
+           ("tests/tracer/test_host_floats.py",)),
+    # a torch call taking a float read at run time decomposed (its scalar folded at trace time)
+    Mutant("host_float_call_decomposed", "guards", "tracer/dispatch.py",
+           "sym = None  # the exact torch op, with the float read at run time", "pass",
+           ("tests/tracer/test_host_floats.py",)),
+    # a float read at run time, read as a C double (NaN) past Python's protocols, kept
+    Mutant("host_float_nan_constant_kept", "guards", "tracer/tracer.py",
+           "    refuse_nan_constants(ctx)  # NOTE [floats read at run time]\n", "",
+           ("tests/tracer/test_host_floats.py",)),
 ]
