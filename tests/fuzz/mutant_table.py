@@ -626,8 +626,9 @@ MUTANTS: list[Mutant] = [
     Mutant("symbolic_int_not_an_int_to_isinstance", "dynamic", "tracer/int_answers.py",
            "    return as_number\n", "    return answer\n", ("tests/tracer/test_dynamic_ints.py",)),
     Mutant("int_arguments_stay_constants", "dynamic", "tracer/shape_policy.py",
-           "        if type(leaf) is int:\n            found.append((i, leaf))",
-           "        if False:\n            found.append((i, leaf))", ("tests/tracer/test_dynamic_ints.py",)),
+           "        if type(leaf) is kind:\n            found.append((i, leaf))",
+           "        if type(leaf) is kind and kind is not int:\n            found.append((i, leaf))",
+           ("tests/tracer/test_dynamic_ints.py",)),
     # --- storage offsets in symbolic shape guards only where read (tracer/symbolic.py) -----
     Mutant("symbolic_guard_drops_read_offsets", "dynamic", "tracer/symbolic.py",
            "if isinstance(p, int) and p not in offsets_read)", "if isinstance(p, int))",
