@@ -30,19 +30,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import Trace
 from fulmen.core.interpret import interpret
-from fulmen.core.printer import print_trace, statement_source
-from fulmen.core.proxy import iter_proxies
 from fulmen.jit import _jitted, jit
-from fulmen.tools.accuracy import check_accuracy
+from fulmen.tools.divergence import _locate
 from fulmen.tools.minimize import minimize_program, write_script
-from fulmen.tools.repro import fusion_preamble, portable_statement
-
-_TOLERANCES = {  # (rtol, atol), as torch.testing.assert_close
-    torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7),
-}  # fmt: skip
+from fulmen.tools.tolerances import _compare
 
 
 @dataclass
@@ -96,69 +89,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _tolerance(dtype, rtol, atol, scale=1.0) -> tuple[float, float]:
-    """(rtol, atol) for `dtype`: the given values or the dtype's defaults, and an rtol of at
-    least one ulp (`finfo.eps`) for floating dtypes; integers and bools compare exactly."""
-    if not (dtype.is_floating_point or dtype.is_complex):
-        return (rtol or 0.0, atol or 0.0)
-    eps = torch.finfo(dtype).eps
-    default = _TOLERANCES.get(dtype, (2 * eps, 1e-5))
-    chosen_rtol = rtol if rtol is not None else default[0] * scale
-    chosen_atol = atol if atol is not None else default[1] * scale
-    return max(chosen_rtol, eps), chosen_atol
-
-
-def _close(a: torch.Tensor, e: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
-    """Whether |a - e| <= atol + rtol * |e| everywhere (NaN matching NaN, infinities matching),
-    computed in float64 so low-precision dtypes do not round the check; and the worst error."""
-    if not a.numel():
-        return True, 0.0
-    a64, e64 = a.detach().to(torch.complex128 if a.is_complex() else torch.float64), \
-        e.detach().to(torch.complex128 if e.is_complex() else torch.float64)
-    diff = (a64 - e64).abs()
-    both_nan = torch.isnan(a64) & torch.isnan(e64)
-    same = (a64 == e64) | both_nan  # equal infinities too
-    diff = torch.where(same, 0, diff)
-    worst = float(diff.nan_to_num(float("inf")).max())
-    ok = bool(((diff <= atol + rtol * e64.abs()) | same).all())
-    return ok, worst
-
-
-def _as_accurate(a: torch.Tensor, e: torch.Tensor, reference) -> bool:
-    """Whether `a` is as accurate as eager's `e` by the float64 rule (`fulmen.accuracy`):
-    against the float64 `reference`, at most 2x eager's error (3x for float16/bfloat16) plus
-    a small floor. False without a usable reference."""
-    if not isinstance(reference, torch.Tensor) or not e.is_floating_point():
-        return False
-    return check_accuracy(a, e, reference).ok
-
-
-def _compare(actual, expected, rtol, atol, scale=1.0, reference=None) -> tuple[bool, float, str]:
-    """Compare two pytrees of tensors/values; return (ok, max error, detail). `reference`, when
-    given, is `expected` computed in float64 (see the module docstring)."""
-    act, exp = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
-    if len(act) != len(exp):
-        return False, float("inf"), f"{len(act)} outputs, expected {len(exp)}"
-    refs = pytree.tree_leaves(reference) if reference is not None else []
-    if len(refs) != len(exp):
-        refs = [None] * len(exp)
-    worst = 0.0
-    for index, (a, e) in enumerate(zip(act, exp)):
-        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
-            if a.shape != e.shape or a.dtype != e.dtype:
-                return False, float("inf"), f"output {index}: {a.dtype}{list(a.shape)} vs " \
-                                            f"{e.dtype}{list(e.shape)}"
-            r, t = _tolerance(e.dtype, rtol, atol, scale)
-            ok, error = _close(a, e, r, t)
-            worst = max(worst, error)
-            if not ok and not _as_accurate(a, e, refs[index]):
-                return False, worst, f"output {index} differs"
-        elif (e is None) != (a is None) or (e is not None and not isinstance(e, torch.Tensor)
-                                            and a != e):
-            return False, float("inf"), f"output {index}: {a!r} vs {e!r}"
-    return True, worst, ""
-
-
 def check_repro(actual, expected) -> int:
     """What a repro script ends with: print the largest difference between the region's and
     the reference's outputs; return the exit status (1 when they differ beyond the dtype's
@@ -179,101 +109,6 @@ def _clone(tree):
 
 def _stage_output(trace: Trace, value):
     return value[0] if trace.name == "forward" else value
-
-
-def _narrow(good: Trace, bad: Trace, inputs_for, rtol, atol) -> BoundSymbol | None:
-    """The first statement of `bad` whose outputs differ from `good`'s values of the same names
-    (or, for a statement without counterparts, from its own subsymbols run by torch)."""
-    _, good_env = interpret(good, *inputs_for(good))
-    _, bad_env = interpret(bad, *inputs_for(bad))
-    for bsym in bad.bsyms:
-        if bsym.is_del:
-            continue
-        outputs = list(iter_proxies(bsym.output))
-        known = [p for p in outputs if p.name in good_env]
-        if known:
-            ok, _, _ = _compare([bad_env[p.name] for p in known],
-                                [good_env[p.name] for p in known], rtol, atol)
-            if not ok:
-                return bsym
-        elif bsym.subsymbols:
-            region = Trace("region", tuple(bsym.proxy_inputs), bsym.subsymbols, bsym.output)
-            reference, _ = interpret(region, *[bad_env[p.name] for p in bsym.proxy_inputs])
-            actual = [bad_env[p.name] for p in outputs]
-            if not _compare(actual, pytree.tree_leaves(reference), rtol, atol)[0]:
-                return bsym
-    return None
-
-
-def _counterpart(good: Trace, bsym: BoundSymbol) -> BoundSymbol | None:
-    names = bsym.output_names
-    return next((b for b in good.bsyms if b.output_names & names), None)
-
-
-def _is_fusion(bsym: BoundSymbol) -> bool:
-    return "fusion" in bsym.sym.tags and bsym.sym.executor is not None and bool(bsym.subsymbols)
-
-
-def _write_repro(culprit: BoundSymbol, reference: BoundSymbol | None, directory: str) -> str:
-    """A script that runs the culprit and its reference on random inputs of the same metadata
-    and exits 1 when they disagree; it needs no state of this process (fusions are rebuilt).
-    A fusion's reference is its own region, run by torch."""
-    inputs = culprit.proxy_inputs
-    parts = []
-    statement = portable_statement(culprit)
-    reference = portable_statement(reference) if reference is not None else None
-    reference_call = None
-    if _is_fusion(culprit):
-        preamble, statement = fusion_preamble(culprit)
-        parts.append(preamble)
-        reference_call = f"{culprit.sym.name}_region"
-        reference_inputs = inputs
-    region = Trace("region", tuple(inputs), (statement,), culprit.output)
-    parts.insert(0, print_trace(region)[0])
-    if reference_call is None and reference is not None:
-        if _is_fusion(reference):
-            preamble, reference = fusion_preamble(reference)
-            parts.append(preamble)
-        ref_trace = Trace("reference", tuple(reference.proxy_inputs), (reference,),
-                          reference.output)
-        parts.append(print_trace(ref_trace)[0])
-        reference_call = "reference"
-        reference_inputs = reference.proxy_inputs
-    makers = []
-    for proxy in inputs:
-        dtype = str(proxy.dtype)
-        if proxy.dtype.is_floating_point or proxy.dtype.is_complex:
-            makers.append(f"torch.randn({tuple(proxy.shape)}, dtype={dtype})")
-        elif proxy.dtype == torch.bool:
-            makers.append(f"torch.rand({tuple(proxy.shape)}) > 0.5")
-        else:
-            makers.append(f"torch.randint(0, 8, {tuple(proxy.shape)}, dtype={dtype})")
-    by_name = ", ".join(f"{p.name!r}: {m}" for p, m in zip(inputs, makers))
-    ref_args = ", ".join(f"values[{p.name!r}]" for p in (reference_inputs if reference_call
-                                                         else ()))
-    main = f'''
-
-if __name__ == "__main__":
-    import sys
-
-    from fulmen.tools.verify import check_repro
-
-    torch.manual_seed(0)
-    values = {{{by_name}}}
-    actual = region(*values.values())
-    expected = {f"{reference_call}({ref_args})" if reference_call else "None"}
-    if expected is None:
-        print("no reference statement; actual:", actual)
-        sys.exit(0)
-    sys.exit(check_repro(actual, expected))
-'''
-    # the printed traces each carry their own header and imports; keep them as one module
-    source = "\n\n".join(parts) + main
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"fulmen_repro_{culprit.sym.name}.py")
-    with open(path, "w") as handle:
-        handle.write(source)
-    return path
 
 
 def _float64_run(fn, args, kwargs):
@@ -396,23 +231,6 @@ def _minimize(report, fn, args, executors, against, repro_dir) -> None:
 
 def _detached(tree):
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
-
-
-def _locate(report, good, bad, inputs_for, rtol, atol, repro_dir) -> None:
-    """Narrow a divergence of stage `bad` (vs the stage `good` before it) to one statement;
-    `inputs_for(trace)` gives a stage's arguments."""
-    if good is None:
-        return
-    culprit = _narrow(good, bad, inputs_for, rtol, atol)
-    if culprit is None:
-        return
-    report.culprit = statement_source(culprit)
-    report.culprit_op = culprit.sym.name
-    reference = _counterpart(good, culprit)
-    if reference is not None:
-        report.culprit_op = f"{culprit.sym.name} (replacing {reference.sym.python_name})"
-    directory = repro_dir or tempfile.mkdtemp(prefix="fulmen_verify_")
-    report.repro_path = _write_repro(culprit, reference, directory)
 
 
 def _verify_backward(report, machinery, forwards: list[Trace], inputs, expected, grad_inputs,

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import NotYetSupportedError, Trace, tracing
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.argument_containers import ArgumentContainers
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
@@ -49,7 +50,6 @@ from fulmen.tracer.module_stores import (
 from fulmen.tracer.objects import (
     MODULE,
     TRACED_NUMBERS,
-    ArgumentContainers,
     ObjectInputs,
     function_roots,
     has_argument_grad,
@@ -271,8 +271,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     object argument) to the dimensions that get symbolic sizes (`fulmen.tracer.symbolic`); the
     program's `symbolic` then guards them.
     With `replay_stores`, stores into the lists and dicts among the arguments become epilogue
-    stores (NOTE [argument container stores] in `fulmen.tracer.objects`) for a caller that
-    runs the epilogue (`fulmen.jit`); without, they are refused.
+    stores (NOTE [argument container stores] in `fulmen.tracer.argument_containers`) for a
+    caller that runs the epilogue (`fulmen.jit`); without, they are refused.
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent

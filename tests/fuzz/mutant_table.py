@@ -1040,7 +1040,7 @@ MUTANTS: list[Mutant] = [
     Mutant("vmap_shape_read_allowed", "tracer", "tracer/vmap.py",
            "if get_tracectx() is not None and not is_fulmens_own(sys._getframe(1).f_code.co_filename):",
            "if False:", ("tests/tracer/test_vmap.py",)),
-    Mutant("repeat_interleave_tiles", "decomposition", "ops/torch/shape.py",
+    Mutant("repeat_interleave_tiles", "decomposition", "ops/torch/permutations.py",
            "wide = prims.broadcast_in_dim(input, (*shape[:d + 1], repeats, *shape[d + 1:]),\n"
            "                                  (*range(d + 1), *range(d + 2, len(shape) + 1)))",
            "wide = prims.broadcast_in_dim(input, (*shape[:d], repeats, *shape[d:]),\n"

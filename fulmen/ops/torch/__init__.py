@@ -16,6 +16,7 @@ from fulmen.ops.torch import (  # noqa: F401  (importing registers the ops)
     logical,
     losses,
     nn,
+    permutations,
     reductions,
     shape,
     unary,
