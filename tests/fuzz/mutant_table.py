@@ -1286,4 +1286,10 @@ MUTANTS: list[Mutant] = [
     Mutant("returned_view_from_the_function", "bridge", "pipeline.py",
            "        returned_views = _returned_views(traces[-1])\n",
            "        returned_views = ()\n", ("tests/tracer/test_planted_patterns.py",)),
+    Mutant("cse_split_merges_user_outputs", "passes", "pipeline.py",
+           "run(traces, cse, frozenset(p.name for p in iter_proxies(traces[-1].output[0])))",
+           "run(traces, cse, frozenset())", ("tests/tracer/test_planted_patterns.py",)),
+    Mutant("cse_returned_identity_view_merged", "passes", "transforms/cse.py",
+           "if source is not None and not bsym.output_names & returned:",
+           "if source is not None:", CSE),
 ]

@@ -134,3 +134,22 @@ def test_a_returned_view_of_an_input_requiring_grad_updates_in_place_as_in_eager
             results.append((y.detach(), view.detach(), torch.autograd.grad(loss, x)[0]))
         for got, want in zip(results[1], results[0]):
             torch.testing.assert_close(got, want)
+
+
+def test_equal_outputs_of_a_training_call_stay_distinct_tensors():
+    """`return x * 2, x * 2` with grad: eager returns two tensors; an in-place update of one
+    leaves the other, and each gets its own gradient (kills cse_split_merges_user_outputs)."""
+    def fn(x):
+        h = x.sin()
+        return h * 2, h * 2, x.exp() * 3
+
+    results = []
+    x = torch.randn(4, 3, requires_grad=True)
+    for f in (fn, fulmen.jit(fn)):
+        a, b, c = f(x)
+        assert a.data_ptr() != b.data_ptr()
+        a.add_(1)
+        loss = (a * 2).sum() + (b ** 2).sum() + c.sum()
+        results.append((a.detach(), b.detach(), torch.autograd.grad(loss, x)[0]))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
