@@ -1292,4 +1292,17 @@ MUTANTS: list[Mutant] = [
     Mutant("cse_returned_identity_view_merged", "passes", "transforms/cse.py",
            "if source is not None and not bsym.output_names & returned:",
            "if source is not None:", CSE),
+    Mutant("subsumed_ignores_dtype", "guards", "tracer/subsumed.py",
+           'return ("erased", tuple(sizes), dtype, device, requires_grad,',
+           'return ("erased", tuple(sizes), device, requires_grad,',
+           ("tests/tracer/test_dynamic_subsumed.py",)),
+    Mutant("subsumed_ignores_requires_grad", "guards", "tracer/subsumed.py",
+           'return ("erased", tuple(sizes), dtype, device, requires_grad,',
+           'return ("erased", tuple(sizes), dtype, device,',
+           ("tests/tracer/test_dynamic_subsumed.py",)),
+    Mutant("subsumed_int_value_kept_as_any", "guards", "tracer/subsumed.py",
+           "            if not (isinstance(leaf, tuple) and len(leaf) == 2 and leaf[0] is int\n"
+           "                    and type(leaf[1]) is int):",
+           "            if not (isinstance(leaf, tuple) and len(leaf) == 2):",
+           ("tests/tracer/test_planted_patterns.py",)),
 ]

@@ -153,3 +153,22 @@ def test_equal_outputs_of_a_training_call_stay_distinct_tensors():
         results.append((a.detach(), b.detach(), torch.autograd.grad(loss, x)[0]))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want)
+
+
+def test_an_erased_key_never_takes_a_non_integer_for_a_symbolic_integer():
+    """A static entry keyed on a float or bool where the symbolic entry has an integer is not
+    served by it, so its erased key must not equal an integer call's (kills
+    subsumed_int_value_kept_as_any)."""
+    from fulmen.tracer.guards import CacheKeyBuilder
+    from fulmen.tracer.subsumed import erased_key
+
+    builder, x, symbolic = CacheKeyBuilder(), torch.randn(2, 3), {1: "int"}
+    keys = []
+    for n in (3, 5, 2.5, True, -1.0):
+        static, _ = builder.key((x,), {"n": n})
+        masked, _ = builder.key((x,), {"n": n}, (), symbolic)
+        keys.append((erased_key(static, symbolic, builder.offset_positions), masked))
+    for erased_a, masked_a in keys:
+        for erased_b, masked_b in keys:
+            if erased_a is not None and erased_a == erased_b:
+                assert masked_a and masked_a == masked_b
