@@ -1305,4 +1305,8 @@ MUTANTS: list[Mutant] = [
            "                    and type(leaf[1]) is int):",
            "            if not (isinstance(leaf, tuple) and len(leaf) == 2):",
            ("tests/tracer/test_planted_patterns.py",)),
+    Mutant("relu_in_place_of_an_input", "mutation", "executors/torch/inplace.py",
+           "if source is None or source.name not in fresh or len(readers[source.name]) != 1:",
+           "if source is None or len(readers[source.name]) != 1:",
+           ("tests/tracer/test_planted_patterns.py",)),
 ]

@@ -172,3 +172,20 @@ def test_an_erased_key_never_takes_a_non_integer_for_a_symbolic_integer():
         for erased_b, masked_b in keys:
             if erased_a is not None and erased_a == erased_b:
                 assert masked_a and masked_a == masked_b
+
+
+@pytest.mark.parametrize("fuse_tiny", ["0", "1"])
+def test_a_relu_of_an_argument_leaves_the_argument(fuse_tiny, monkeypatch):
+    """`relu(x)` reading an argument last: the in-place relu pass may only overwrite a product
+    the trace made, never the caller's tensor (kills relu_in_place_of_an_input)."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", fuse_tiny)
+    w = torch.randn(8, 8)
+
+    def fn(x, y):
+        return F.relu(x) * 2, F.relu(F.linear(y, w))
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    before = x.clone(), y.clone()
+    for got, want in zip(fulmen.jit(fn)(x, y), fn(*before)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close((x, y), before, rtol=0, atol=0)
