@@ -123,8 +123,10 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         strides = basic_index_strides(args[0], args[1])
         if strides is not None and len(strides) == outputs[0].ndim:
             return [(outputs[0].shape, strides)]
-    if func in _CATS and len(outputs) == 1 and _cat_is_row_major(args, kwargs):
-        return [(outputs[0].shape, contiguous_strides(outputs[0].shape))]
+    if func in _CATS and len(outputs) == 1:
+        strides = _cat_strides(args, kwargs, tuple(outputs[0].shape))
+        if strides is not None:
+            return [(outputs[0].shape, strides)]
     if func is F.linear and len(outputs) == 1:
         input = args[0] if args else kwargs.get("input")
         with torch._C.DisableTorchFunctionSubclass():
@@ -320,30 +322,42 @@ def _dense_strides_alike(shape: tuple, result: torch.Tensor) -> tuple | None:
 # NOTE [cat layout]: eager's `cat` allocates its result in a memory format its inputs suggest
 # (`cat_compute_output_memory_format`, over every input, the skipped 1-d empty ones of a fresh
 # KV cache included): contiguous as soon as one input suggests contiguous. A tensor suggests
-# channels-last only at rank 4 with channels-last-like strides (`_channels_last_like`) or at
-# rank 5; any other input makes the result row-major, whatever the strides (a fake `cat` with
-# symbolic sizes costs tens of milliseconds). Otherwise the meta kernel answers.
+# channels-last only at rank 4 and channels-last-3d only at rank 5, with strides of that order
+# (`_channels_last_like`); any other input makes the result row-major, whatever the strides.
+# Where every input suggests the channels-last format of its rank, the result is laid out densely
+# in that order. Neither asks the meta kernel: a fake `cat` with symbolic sizes costs tens of
+# milliseconds, and the rank-5 one imports `torch._dynamo` (NOTE [layout queries stay cheap]),
+# so it failed and left the decomposition's row-major strides where eager's are channels-last-3d.
 _CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
+_CHANNELS_LAST_ORDER = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}  # innermost dim first
 
 
-def _cat_is_row_major(args, kwargs) -> bool:
+def _cat_strides(args, kwargs, shape: tuple) -> tuple | None:
+    """Eager's strides for the result (of `shape`) of a `cat` of `args` (NOTE [cat layout]);
+    None where the tensors are not all proxies."""
     tensors = args[0] if args else kwargs.get("tensors")
-    if not isinstance(tensors, (tuple, list)) or not all(
+    if not isinstance(tensors, (tuple, list)) or not tensors or not all(
             isinstance(t, TensorProxy) for t in tensors):
-        return False
-    return any(t.ndim not in (4, 5) or (t.ndim == 4 and not _channels_last_like(t))
-               for t in tensors)
+        return None
+    if any(t.ndim not in _CHANNELS_LAST_ORDER or not _channels_last_like(t) for t in tensors):
+        return contiguous_strides(shape)
+    strides, inner = [0] * len(shape), 1
+    for d in _CHANNELS_LAST_ORDER[len(shape)]:
+        strides[d] = inner
+        inner = inner * shape[d]
+    return tuple(strides)
 
 
 def _channels_last_like(t: TensorProxy) -> bool:
-    """PyTorch's `is_channels_last_strides_2d` for a rank-4 tensor (what makes
-    `suggest_memory_format` channels-last), decision for decision: each comparison of a
-    symbolic size is a guard, as in the fake kernel."""
+    """PyTorch's `is_channels_last_strides_2d` for a rank-4 tensor and
+    `is_channels_last_strides_3d` for a rank-5 one (what makes `suggest_memory_format`
+    channels-last), decision for decision: each comparison of a symbolic size is a guard, as
+    in the fake kernel."""
     sizes, strides = t.shape, t.stride()
     if strides[1] == 0:
         return False
     low = 0
-    for d in (1, 3, 2, 0):
+    for d in _CHANNELS_LAST_ORDER[t.ndim]:
         if sizes[d] == 0 or strides[d] < low:
             return False
         if d == 0 and low == strides[1]:
