@@ -201,3 +201,20 @@ def test_a_row_split_into_blocks_among_threads_computes_its_last_element():
             assert _fused(jfn)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_threads_starting_mid_row_find_their_offsets():
+    """Each thread of a pointwise kernel works through a contiguous range of (row, block) tasks,
+    finding the offsets of its first task once and stepping to the next row as an odometer
+    (`cpu/render.py`). With 5 threads, 6 rows of 2 blocks each, threads start mid-row and
+    cross rows; a permuted input and a broadcast one have other strides on every dim."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        x = torch.randn(10001, 3, 2).permute(2, 1, 0)
+        y = torch.randn(3, 1)
+        jfn = fulmen.jit(lambda x, y: (x * y).exp() - x, executors=EXECUTORS)
+        torch.testing.assert_close(jfn(x, y), (x * y).exp() - x)
+        assert _fused(jfn)
+    finally:
+        torch.set_num_threads(previous)
