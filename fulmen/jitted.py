@@ -10,6 +10,7 @@ reports.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import threading
@@ -41,6 +42,7 @@ from fulmen.tracer.host_random import (
     HostRandomState,
     refuse_private_generators,
 )
+from fulmen.tracer.library_flags import answers_given, library_answers_off
 from fulmen.tracer.module_hooks import (
     HeldModulesWatch,
 )
@@ -179,6 +181,8 @@ class _Jitted:
         # generator): the kind of reason and its warning
         self._eager_keys: dict = {}
         self._eager_streak = EagerStreak()  # misses that keep running eagerly, new keys each
+        # False once a trace failed after libraries were told a proxy is traced (below)
+        self._library_answers = True
         self._running_eagerly = False
         self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize
@@ -408,16 +412,28 @@ class _Jitted:
         host_random = HostRandomState()
         classes = self._guard.class_snapshots()
         global_holders = self._guard.global_snapshots()
+        given = answers_given()
         try:
-            program = trace_program(self._fn, args, kwargs, module=self._module,
-                                    allow_breaks=self._eager_allowed,
-                                    dynamic=dynamic, replay_stores=True)
+            with contextlib.nullcontext() if self._library_answers else library_answers_off():
+                program = trace_program(self._fn, args, kwargs, module=self._module,
+                                        allow_breaks=self._eager_allowed,
+                                        dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             restore_classes(classes)
             stored_proxies(global_holders)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
             if isinstance(error, RunsEagerly) and self._eager_allowed:
                 raise  # the call runs eagerly: no report to write
+            if settle and answers_given() != given and self._library_answers:
+                # an answer led where eager does not go (library_flags.py): from now on the
+                # libraries read values, as eager does; entries traced with answers are dropped
+                # (a tree's new path must be traced as its old ones were)
+                _RECOMPILES.info("tracing failed after a library was told a tensor is traced "
+                                 "(%s); tracing again without such answers", error)
+                self._library_answers = False
+                self.forget_compiled()
+                torch.random.set_rng_state(rng_state)
+                return self._trace(args, kwargs, dynamic, settle=True)
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         except BaseException:
             host_random.restore()  # the generators left at their sentinel states otherwise

@@ -1143,4 +1143,9 @@ MUTANTS: list[Mutant] = [
     Mutant("remat_statement_charge_dropped", "passes", "transforms/remat.py",
            'graph.add_edge("source", statement, capacity=STATEMENT_BYTES)',
            'graph.add_edge("source", statement, capacity=0)', REMAT_ONLY),
+    Mutant("library_answers_kept_after_a_failed_trace", "guards", "jitted.py",
+           "if settle and answers_given() != given and self._library_answers:",
+           "if False:",
+           ("tests/models/test_hf_generate_variants.py::"
+            "test_encoder_decoder_guidance_without_negative_prompt_matches_eager",)),
 ]

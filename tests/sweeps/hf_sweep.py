@@ -213,7 +213,7 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     text = config.get_text_config(decoder=True)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < text_vocab(config) else 0
-    case = Case(model, mapping == "seq2seq" or config.is_encoder_decoder, text_vocab(config), pad)
+    case = Case(model, bool(getattr(config, "is_encoder_decoder", False)), text_vocab(config), pad)
     checks = [("train", case.train), ("eval-9", lambda: case.eval(9)),
               ("eval-14", lambda: case.eval(14)),
               ("generate-greedy", lambda: case.generate(False)),

@@ -32,7 +32,7 @@ SIZES = {
     "attention_head_size": HEAD_DIM,
     "qk_rope_head_dim": HEAD_DIM, "qk_nope_head_dim": HEAD_DIM, "v_head_dim": HEAD_DIM,
     "kv_lora_rank": 16, "q_lora_rank": 16,
-    "vocab_size": VOCAB,
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "rotary_dim": HEAD_DIM // 2,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "n_group": 1, "topk_group": 1,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
@@ -123,7 +123,11 @@ def tiny_config(model_type: str):
 
     default = AutoConfig.for_model(model_type)
     shrunk = _shrink(default.to_dict(), {})
-    return type(default).from_dict(shrunk)
+    config = type(default).from_dict(shrunk)
+    if getattr(config, "is_encoder_decoder", False) \
+            and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    return config
 
 
 def model_class(class_name):
