@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench conformance fuzz mutants clean
+.PHONY: test demo lint bench conformance fuzz mutants sweep clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,13 @@ fuzz: $(STAMP)
 # temporary copy of fulmen; writes tests/fuzz/MUTANTS.md. MUTANTS_ARGS="--only NAME" for some.
 mutants: $(STAMP)
 	nice -n 10 $(BIN)/python -m tests.fuzz.mutants --baseline --write tests/fuzz/MUTANTS.md $(MUTANTS_ARGS)
+
+# Every model type of transformers' causal and seq2seq LM mappings (tiny configs, random weights:
+# training step, eval at two lengths, greedy and sampled generate vs eager; hours on a laptop)
+# and one litgpt config per family. SWEEP_ARGS="--types gpt2,bart --jobs 2" for some.
+sweep: $(STAMP)
+	nice -n 10 $(BIN)/python -m tests.sweeps.hf_sweep $(SWEEP_ARGS)
+	nice -n 10 $(BIN)/python -m tests.sweeps.litgpt_sweep
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,6 +6,7 @@ where it has graph breaks, `_compile_tree`) and run a trace tree, grafting new p
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
+from fulmen.tracer.library_flags import answers_given, library_answers_off
 from fulmen.tracer.module_stores import make_module_stores
 from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_classes, stored_proxies
@@ -57,16 +59,28 @@ class CompileMiss:
         host_random = HostRandomState()
         classes = self._guard.class_snapshots()
         global_holders = self._guard.global_snapshots()
+        given = answers_given()
         try:
-            program = trace_program(self._fn, args, kwargs, module=self._module,
-                                    allow_breaks=self._eager_allowed,
-                                    dynamic=dynamic, replay_stores=True)
+            with contextlib.nullcontext() if self._library_answers else library_answers_off():
+                program = trace_program(self._fn, args, kwargs, module=self._module,
+                                        allow_breaks=self._eager_allowed,
+                                        dynamic=dynamic, replay_stores=True)
         except FulmenError as error:
             restore_classes(classes)
             stored_proxies(global_holders)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
             if isinstance(error, RunsEagerly) and self._eager_allowed:
                 raise  # the call runs eagerly: no report to write
+            if settle and answers_given() != given and self._library_answers:
+                # an answer led where eager does not go (library_flags.py): from now on the
+                # libraries read values, as eager does; entries traced with answers are dropped
+                # (a tree's new path must be traced as its old ones were)
+                _RECOMPILES.info("tracing failed after a library was told a tensor is traced "
+                                 "(%s); tracing again without such answers", error)
+                self._library_answers = False
+                self.forget_compiled()
+                torch.random.set_rng_state(rng_state)
+                return self._trace(args, kwargs, dynamic, settle=True)
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         except BaseException:
             host_random.restore()  # the generators left at their sentinel states otherwise

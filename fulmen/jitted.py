@@ -76,6 +76,8 @@ class _Jitted(CompileMiss):
         # generator): the kind of reason and its warning
         self._eager_keys: dict = {}
         self._eager_streak = EagerStreak()  # misses that keep running eagerly, new keys each
+        # False once a trace failed after libraries were told a proxy is traced (below)
+        self._library_answers = True
         self._running_eagerly = False
         self.after_buffer_stores = None  # called after a compiled call replaced module buffers
         self._rematerialize = rematerialize

@@ -25,11 +25,19 @@ what eager's computes; attention with an explicit mask instead of `is_causal` ma
 differently in the last bits (another kernel), as under torch.compile, where HF takes the same
 paths. The module is looked up in `sys.modules` (never imported here): a process that has not
 imported it has nothing to answer.
+
+An answer can still lead where eager does not go when the library's inputs disagree with each
+other: HF's classifier-free guidance calls an encoder-decoder with one token and an attention
+mask one longer each step; eager drops the all-ones mask, the traced path builds it as wide as
+the mask and SDPA refuses the widths. So `answers_given()` counts the answers, and a trace that
+raises after giving some is traced again inside `library_answers_off()` (`jitted.py`), where
+the library reads the mask's values (a graph break), as eager does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import sys
 from collections.abc import Iterator
@@ -41,6 +49,29 @@ _ASKERS = {"transformers.masking_utils": "is_tracing"}
 
 
 _WRAPPERS: dict = {}  # library function -> its wrapper (one per function, made once)
+_OFF = contextvars.ContextVar("fulmen_library_answers_off", default=False)
+_GIVEN = [0]  # answers given to proxies, ever (a trace compares it before and after)
+
+
+def answers_given() -> int:
+    """How many times a library was answered True for a proxy (a running count)."""
+    return _GIVEN[0]
+
+
+def answers_are_off() -> bool:
+    """Whether `library_answers_off()` is active."""
+    return _OFF.get()
+
+
+@contextlib.contextmanager
+def library_answers_off() -> Iterator[None]:
+    """While active, `answered_for_proxies()` answers nothing: the libraries ask their own
+    `is_tracing`, which is False for a fulmen proxy."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 def _answering(library_fn):
@@ -52,6 +83,7 @@ def _answering(library_fn):
     @functools.wraps(library_fn)
     def is_tracing(tensor=None, *args, **kwargs):
         if isinstance(tensor, TensorProxy):
+            _GIVEN[0] += 1
             return True
         return library_fn(tensor, *args, **kwargs)
 
@@ -65,7 +97,7 @@ def answered_for_proxies() -> Iterator[None]:
     """While active, the listed libraries' `is_tracing(tensor)` is True for fulmen proxies (the
     module globals are put back on leaving, also on an error)."""
     swapped = []
-    for module_name, name in _ASKERS.items():
+    for module_name, name in () if _OFF.get() else _ASKERS.items():
         module = sys.modules.get(module_name)
         original = getattr(module, name, None) if module is not None else None
         if callable(original) and not getattr(original, "fulmen_answers", False):

@@ -189,3 +189,22 @@ def test_a_hand_written_decoding_loop_compiles_three_times(kind):
         torch.testing.assert_close(a, b)
     stats = fulmen.compile_stats(jmodel)
     assert stats.eager_calls == 0 and stats.cache_misses <= 3, stats.recompile_reasons
+
+
+def test_encoder_decoder_guidance_without_negative_prompt_matches_eager():
+    """BART with `guidance_scale` and no negative prompt: the unconditional call passes the last
+    token as `input_ids` with an attention mask one longer each step, so the encoder's
+    bidirectional mask is as wide as the mask, not the keys. Eager drops the all-ones mask
+    after reading its values; the traced path (`is_tracing` answered True for proxies, NOTE
+    [traced-tensor answers]) built it and SDPA refused the widths. The call is traced again
+    without the library answers, reading the mask's values (a graph break) as eager does."""
+    model = _model("bart")
+    ids, mask = _prompt()
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True,
+                   guidance_scale=1.5, pad_token_id=0)
+    torch.manual_seed(5)
+    want = model.generate(**options)
+    jmodel = fulmen.jit(copy.deepcopy(model))
+    torch.manual_seed(5)
+    _same_output(jmodel.generate(**options), want)
+    assert fulmen.compile_stats(jmodel).eager_calls == 0

@@ -1,0 +1,277 @@
+"""Sweep of transformers' auto mappings through `fulmen.jit` (long-running; not part of `make test`).
+
+For every model type of a mapping (default: the causal LM and seq2seq LM mappings) it builds a
+tiny config with random weights (`tests/sweeps/tiny_config.py`; a type whose config cannot be
+built, whose model fails eagerly or has more than `--max-params` parameters is skipped with the
+reason) and, in a child process with a timeout, compares `fulmen.jit(model)` with eager:
+
+- train: one step with labels on a right-padded batch (attention_mask): the loss, the logits and
+  every parameter's gradient;
+- eval: logits under `no_grad` at two lengths (right padding);
+- generate: greedy and sampled (fixed seed) `generate` of a left-padded batch with `use_cache`:
+  the tokens equal eager's;
+
+counting compiles (`compile_stats(...).cache_misses`) and calls that ran eagerly
+(`eager_calls`). Values are compared with fulmen's float64 accuracy rule
+(`fulmen/tools/accuracy.py`: a result tightly equal to eager's passes, otherwise it must be as
+close to a float64 run of the same model as eager's is). A type is WRONG when any value or token
+differs, ERROR when fulmen raised where eager did not, SKIP when eager cannot run it at all.
+
+    python -m tests.sweeps.hf_sweep                           # both mappings, one job
+    python -m tests.sweeps.hf_sweep --types gpt2,bart --jobs 2
+    python -m tests.sweeps.hf_sweep --mapping causal --out /tmp/causal.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import traceback
+import warnings
+
+from tests.sweeps.runner import result_line, run_cases
+
+MAPPINGS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+GENERATED = 8  # new tokens per generate call
+
+
+def mapping_names(mapping: str) -> dict:
+    """The model-type -> class-name dict of `mapping` (a key of MAPPINGS or an attribute name of
+    `transformers.models.auto.modeling_auto`)."""
+    from transformers.models.auto import modeling_auto
+
+    return dict(getattr(modeling_auto, MAPPINGS.get(mapping, mapping)))
+
+
+def _ids(shape, seed: int, low: int, high: int):
+    import torch
+
+    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _padded(length: int, seed: int, vocab: int, pad: int, side: str):
+    """A batch of two rows of `length` ids; the second padded by a quarter on `side`."""
+    ids = _ids((2, length), seed, 3, min(vocab, 100))
+    mask = ids.new_ones(ids.shape)
+    cut = max(1, length // 4)
+    if side == "right":
+        mask[1, length - cut:] = 0
+    else:
+        mask[1, :cut] = 0
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+def _logits(out):
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[0] if isinstance(logits, (tuple, list)) else logits
+
+
+class Case:
+    """One model type: eager `model`, its jitted twin and a lazily built float64 copy."""
+
+    def __init__(self, model, seq2seq: bool, vocab: int, pad: int):
+        import fulmen
+
+        self.model, self.seq2seq, self.vocab, self.pad = model, seq2seq, vocab, pad
+        self.pristine = copy.deepcopy(model)
+        self.twin = copy.deepcopy(model)
+        self.jitted = fulmen.jit(self.twin)
+        self._reference = None
+
+    def reference(self):
+        from fulmen.tools.accuracy import to_float64
+
+        if self._reference is None:
+            self._reference = to_float64(copy.deepcopy(self.pristine))
+        return self._reference
+
+    # ---- the inputs of each check
+    def train_inputs(self):
+        ids, mask = _padded(12, 1, self.vocab, self.pad, "right")
+        if self.seq2seq:
+            labels, lmask = _padded(7, 2, self.vocab, self.pad, "right")
+            labels = labels.masked_fill(lmask == 0, -100)
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+        return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+    def eval_inputs(self, length: int):
+        ids, mask = _padded(length, 10 + length, self.vocab, self.pad, "right")
+        inputs = dict(input_ids=ids, attention_mask=mask)
+        if self.seq2seq:
+            inputs["decoder_input_ids"] = _ids((2, length // 2), 3, 3, min(self.vocab, 100))
+        return inputs
+
+    def generate_inputs(self, sample: bool):
+        ids, mask = _padded(6, 4, self.vocab, self.pad, "left")
+        return dict(input_ids=ids, attention_mask=mask, max_new_tokens=GENERATED,
+                    do_sample=sample, pad_token_id=self.pad, use_cache=True)
+
+    # ---- the checks: each returns (eager's values, a function giving fulmen's, a reference)
+    def train(self):
+        inputs = self.train_inputs()
+
+        def step(call, module, inputs):
+            import torch
+
+            module.train()
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            out = call(**inputs)
+            out.loss.backward()
+            grads = [p.grad if p.grad is not None else f"no grad: {name}"
+                     for name, p in module.named_parameters()]
+            return [out.loss.detach(), _logits(out).detach(), *grads]
+
+        from fulmen.tools.accuracy import to_float64
+
+        want = step(self.model, self.model, inputs)
+        return (want, lambda: step(self.jitted, self.twin, inputs),
+                lambda: step(self.reference(), self.reference(), to_float64(inputs)))
+
+    def eval(self, length: int):
+        import torch
+
+        inputs = self.eval_inputs(length)
+
+        def run(call, module):
+            module.eval()
+            with torch.no_grad():
+                return _logits(call(**inputs))
+
+        want = run(self.model, self.model)
+        return (want, lambda: run(self.jitted, self.twin),
+                lambda: run(self.reference(), self.reference()))
+
+    def generate(self, sample: bool):
+        import torch
+
+        kwargs = self.generate_inputs(sample)
+
+        def run(call, module):
+            module.eval()
+            torch.manual_seed(1)
+            return call.generate(**kwargs)
+
+        return run(self.model, self.model), lambda: run(self.jitted, self.twin), None
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()
+    return text[0][:160] if text else type(error).__name__
+
+
+def _check(case: Case, name: str, make) -> tuple[str, str]:
+    """Run one check: ('eager', why) when eager fails, ('error', why) when fulmen raises,
+    ('wrong', what) when a value differs, ('ok', '')."""
+    import torch
+
+    from fulmen.tools.accuracy import assert_accurate
+
+    try:
+        want, got_fn, reference = make()
+    except Exception as error:  # eager cannot run this check
+        return "eager", _short(error)
+    try:
+        got = got_fn()
+    except Exception as error:
+        if os.environ.get("SWEEP_TRACEBACK"):
+            traceback.print_exc()
+        return "error", _short(error)
+    try:
+        if reference is None:  # tokens
+            if not torch.equal(got, want):
+                return "wrong", f"tokens {got.tolist()} vs eager's {want.tolist()}"
+        else:
+            assert_accurate(got, want, reference, what=name)
+    except AssertionError as error:
+        return "wrong", str(error).splitlines()[0][:200]
+    return "ok", ""
+
+
+def check_type(model_type: str, mapping: str, max_params: float) -> str:
+    """The RESULT line of one model type (the child's work)."""
+    import torch
+
+    import fulmen
+    from tests.sweeps.tiny_config import model_class, text_vocab, tiny_config
+
+    class_name = mapping_names(mapping)[model_type]
+    try:
+        config = tiny_config(model_type)
+        cls = model_class(class_name)
+        torch.manual_seed(0)
+        model = cls(config)
+    except Exception as error:
+        return result_line("SKIP", f"config/model: {_short(error)}")
+    params = sum(p.numel() for p in model.parameters())
+    if params > max_params:
+        return result_line("SKIP", f"{params / 1e6:.1f}M parameters")
+    text = config.get_text_config(decoder=True)
+    pad = getattr(text, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < text_vocab(config) else 0
+    case = Case(model, bool(getattr(config, "is_encoder_decoder", False)), text_vocab(config), pad)
+    checks = [("train", case.train), ("eval-9", lambda: case.eval(9)),
+              ("eval-14", lambda: case.eval(14)),
+              ("generate-greedy", lambda: case.generate(False)),
+              ("generate-sampled", lambda: case.generate(True))]
+    outcomes = {}
+    fallbacks = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, make in checks:
+            outcomes[name] = _check(case, name, make)
+    fallbacks = sorted({str(w.message)[:160] for w in caught if str(w.message).startswith("fulmen")})
+    stats = fulmen.compile_stats(case.jitted)
+    counts = dict(compiles=stats.cache_misses, eager_calls=stats.eager_calls)
+    kinds = [kind for kind, _ in outcomes.values()]
+    notes = [f"{name}: {why}" for name, (kind, why) in outcomes.items() if kind != "ok"]
+    if stats.eager_calls:
+        notes += [f"fallback: {text}" for text in fallbacks[:2]]
+    if "wrong" in kinds:
+        status = "WRONG"
+    elif "error" in kinds:
+        status = "ERROR"
+    elif all(kind == "eager" for kind in kinds):
+        status = "SKIP"
+    else:
+        status = "OK"
+    return result_line(status, "; ".join(notes), **counts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mapping", default="causal,seq2seq",
+                        help="comma-separated: causal, seq2seq, or a *_MAPPING_NAMES attribute")
+    parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per type")
+    parser.add_argument("--max-params", type=float, default=3e6)
+    parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        print(check_type(args.one, args.mapping, args.max_params), flush=True)
+        return 0
+    wanted = [t for t in args.types.split(",") if t]
+    failed = False
+    for mapping in args.mapping.split(","):
+        names = mapping_names(mapping)
+        types = [t for t in names if not wanted or t in wanted]
+        if not types:
+            continue
+        print(f"\n## {mapping} ({len(types)} types)\n", flush=True)
+        out = f"{args.out}.{mapping}" if args.out and "," in args.mapping else args.out
+        results = run_cases("tests.sweeps.hf_sweep", types,
+                            ["--mapping", mapping, "--max-params", str(args.max_params)],
+                            args.jobs, args.timeout, out)
+        failed |= any(r["status"] in ("WRONG", "ERROR") for r in results.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
