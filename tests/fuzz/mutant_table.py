@@ -1328,7 +1328,7 @@ MUTANTS: list[Mutant] = [
            "if source is None or source.name not in fresh or len(readers[source.name]) != 1:",
            "if source is None or len(readers[source.name]) != 1:",
            ("tests/tracer/test_planted_patterns.py",)),
-    Mutant("library_answers_kept_after_a_failed_trace", "guards", "jitted.py",
+    Mutant("library_answers_kept_after_a_failed_trace", "guards", "compile_miss.py",
            "if settle and answers_given() != given and self._library_answers:",
            "if False:",
            ("tests/models/test_hf_generate_variants.py::"
