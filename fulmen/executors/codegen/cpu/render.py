@@ -5,13 +5,10 @@
 
 `strides` holds one row of `ndim` element strides per pointer (accesses, then outputs). The
 iteration space is split into rows (all dims but the last) and blocks of `block` elements of
-the last dim; each of `nthreads` OpenMP threads takes a contiguous range of (row, block)
-tasks, finds the offsets of its first task by division once and steps to the next row as
-an odometer (a few adds per pointer instead of a division per dim per row: tiny Llama's
-rotary kernels have rows of 16 elements, and the divisions were half the kernel's time).
-The inner loop is a `#pragma omp simd` loop; its addressing is specialised on each pointer's
-inner-stride class (`layout`: 1 contiguous, 0 broadcast, 2 any stride), so the compiled kernel
-serves every shape and stride of that layout.
+the last dim; OpenMP shares (row, block) tasks among `nthreads` threads. The inner loop is a
+`#pragma omp simd` loop; its addressing is specialised on each pointer's inner-stride class
+(`layout`: 1 contiguous, 0 broadcast, 2 any stride), so the compiled kernel serves every shape
+and stride of that layout.
 
 Values are spelled by the CPU target (`target.py`: storage and compute types, rounding of
 float16/bfloat16 after each op, the prelude's helpers). A Python number exponent of a float32
@@ -30,36 +27,24 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     """C++ source of `kernel` for inner-stride classes `layout` (one per access, then output)."""
     nptr = len(kernel.accesses) + len(kernel.outputs)
     assert len(layout) == nptr
-    lines = [PRELUDE, "#include <omp.h>", "#include <vector>", 'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
+    lines = [PRELUDE, 'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
              "const int64_t* strides, char* const* ptrs, int64_t block, int64_t nthreads) {",
              "  const int64_t inner = sizes[ndim - 1];",
              "  int64_t rows = 1;",
              "  for (int64_t d = 0; d + 1 < ndim; ++d) rows *= sizes[d];",
              "  const int64_t nblocks = (inner + block - 1) / block;",
-             "  const int64_t ntasks = rows * nblocks;",
-             "  #pragma omp parallel num_threads(nthreads) if(nthreads > 1)",
-             "  {",
-             "  const int64_t nt = omp_get_num_threads();",
-             "  const int64_t chunk = (ntasks + nt - 1) / nt;",
-             "  const int64_t t0 = omp_get_thread_num() * chunk;",
-             "  const int64_t t1 = ntasks < t0 + chunk ? ntasks : t0 + chunk;",
-             f"  int64_t off[{nptr}] = {{0}};",
-             "  int64_t small_idx[16];",
-             "  std::vector<int64_t> big_idx(ndim > 16 ? ndim : 0);",
-             "  int64_t* idx = ndim > 16 ? big_idx.data() : small_idx;",
-             "  int64_t b = 0;",
-             "  if (t0 < t1) {",
-             "    int64_t r = t0 / nblocks;",
-             "    b = t0 % nblocks;",
+             "  #pragma omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1)",
+             "  for (int64_t task = 0; task < rows * nblocks; ++task) {",
+             "    const int64_t row = task / nblocks;",
+             "    const int64_t j0 = (task % nblocks) * block;",
+             "    const int64_t j1 = inner < j0 + block ? inner : j0 + block;",
+             f"    int64_t off[{nptr}] = {{0}};",
+             "    int64_t r = row;",
              "    for (int64_t d = ndim - 2; d >= 0; --d) {",
-             "      idx[d] = r % sizes[d];",
+             "      const int64_t i = r % sizes[d];",
              "      r /= sizes[d];",
-             f"      for (int p = 0; p < {nptr}; ++p) off[p] += idx[d] * strides[p * ndim + d];",
-             "    }",
-             "  }",
-             "  for (int64_t task = t0; task < t1; ++task) {",
-             "    const int64_t j0 = b * block;",
-             "    const int64_t j1 = inner < j0 + block ? inner : j0 + block;"]
+             f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
+             "    }"]
     dtypes = list(kernel.access_dtypes) + list(kernel.output_dtypes)
     for p, dtype in enumerate(dtypes):
         const = "const " if p < len(kernel.accesses) else ""
@@ -89,17 +74,5 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
         dtype = kernel.values[v].dtype
         value = CPU.store(names[v], dtype)
         lines.append(f"      p{p}[{CPU.index(layout[p], p)}] = {value};")
-    # the next task: the next block of this row, else the first block of the next row (an
-    # odometer over the row's indices: no division per row)
-    lines += ["    }",
-              "    if (++b == nblocks) {",
-              "      b = 0;",
-              "      for (int64_t d = ndim - 2; d >= 0; --d) {",
-              f"        for (int p = 0; p < {nptr}; ++p) off[p] += strides[p * ndim + d];",
-              "        if (++idx[d] < sizes[d]) break;",
-              f"        for (int p = 0; p < {nptr}; ++p) off[p] -= sizes[d] * strides[p * ndim + d];",
-              "        idx[d] = 0;",
-              "      }",
-              "    }",
-              "  }", "  }", "}", ""]
+    lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)
