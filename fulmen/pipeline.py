@@ -111,8 +111,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
                   and any(p.requires_grad for p in traces[-1].args))
     if needs_grad:
-        returned_inputs = _returned_inputs(traces[-1])
-        returned_views = _returned_views(traces[-1])
+        returned = _returned_from_inputs(traces[-1])
         recompute = _recompute(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
@@ -149,8 +148,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants), recompute=recompute)
-        fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned_inputs,
-                               returned_views)
+        fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 
 
@@ -292,29 +290,23 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     return build
 
 
-def _returned_inputs(trace: Trace) -> tuple[tuple[int, int], ...]:
-    """`(output leaf, input position)` for each output leaf that is an input returned as it
-    is (`return x, y * 2`; not updated in place: that is a new value written back)."""
-    positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
-    leaves = pytree.tree_leaves(trace.output)
-    return tuple((k, positions[leaf.name]) for k, leaf in enumerate(leaves)
-                 if isinstance(leaf, TensorProxy) and leaf.name in positions)
+_UPDATES = frozenset({Tag.WRITE_BACK, Tag.SIDE_EFFECT})
 
 
-def _returned_views(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
-    """`(output leaf, input position, chain)` for each output leaf made from an input by view
-    ops alone (`return x[1:3].t()`), where `chain` is `((torch_fn, args, kwargs), ...)`, each
-    applied to the previous result (NOTE [a view of an input returned]). Only chains whose
-    other arguments are plain Python values, in traces that update no input."""
-    if any(Tag.WRITE_BACK in bsym.sym.tags or Tag.SIDE_EFFECT in bsym.sym.tags
-           for bsym in trace.bsyms):
-        return ()
+def _returned_from_inputs(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
+    """`(output leaf, input position, chain)` for each output leaf that is an input returned
+    as it is (`return x, y * 2`: chain `()`; not updated in place: that is a new value written
+    back) or made from an input by view ops alone (`return x[1:3].t()`), where `chain` is
+    `((torch_fn, args, kwargs), ...)`, each applied to the previous result (NOTE [a view of an
+    input returned]). Views only where the chain's other arguments are plain Python values, in
+    traces that update no input."""
+    updates = any_tagged(trace.bsyms, _UPDATES)
     positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
     producers = {p.name: bsym for bsym in trace.bsyms for p in bsym.proxy_outputs}
     found = []
     for k, leaf in enumerate(pytree.tree_leaves(trace.output)):
         chain, name = [], getattr(leaf, "name", None)
-        while isinstance(leaf, TensorProxy) and name not in positions:
+        while isinstance(leaf, TensorProxy) and name not in positions and not updates:
             bsym = producers.get(name)
             if bsym is None or Tag.VIEW not in bsym.sym.tags or bsym.sym.torch_fn is None \
                     or len(bsym.proxy_outputs) != 1 or not bsym.args \
@@ -325,25 +317,22 @@ def _returned_views(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
             chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs)))
             leaf = bsym.args[0]
             name = leaf.name
-        if chain and name in positions:
+        if chain is not None and isinstance(leaf, TensorProxy) and name in positions:
             found.append((k, positions[name], tuple(reversed(chain))))
     return tuple(found)
 
 
-def _call_with_autograd(pair: CompiledPair, output_spec, returned_inputs, returned_views,
-                        *inputs):
+def _call_with_autograd(pair: CompiledPair, output_spec, returned, *inputs):
     outputs = run_with_autograd(pair, inputs)
-    if returned_inputs or returned_views:
+    if returned:
         # NOTE [an input returned as it is]: eager returns the argument itself (a leaf, its
         # own `.grad`), not an output of the Function (a view of it, a non-leaf)
-        outputs = list(outputs)
-        for k, position in returned_inputs:
-            outputs[k] = inputs[position]
         # NOTE [a view of an input returned]: the Function's output would be a view made
         # inside a custom Function, which autograd forbids to update in place (`y = f(x);
         # y.mul_(2)` works in eager); the same view ops run on the argument, outside the
         # Function, give eager's view with eager's autograd (the Function's output goes unused)
-        for k, position, chain in returned_views:
+        outputs = list(outputs)
+        for k, position, chain in returned:
             view = inputs[position]
             for fn, args, kwargs in chain:
                 view = fn(view, *args, **kwargs)
