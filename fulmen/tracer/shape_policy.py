@@ -314,13 +314,8 @@ class DynamicDims:
         names = [label(position) if not isinstance(position, tuple) or position[0] >= 0
                  else f"self{-1 - position[0] or ''}{path_text(position[1])}"
                  for position, _ in floats]
-        for name, (_, new) in zip(names, floats):
-            old = self.last_floats.get(name)
-            if old is not None and new != old and name not in self.varying_floats:
-                _RECOMPILES.info("%s: float varies (%s -> %s); reading it at run time",
-                                 name, old, new)
-                self.varying_floats.add(name)
-        self.last_floats.update(zip(names, (value for _, value in floats)))
+        _note_changes(names, [value for _, value in floats], self.last_floats,
+                      self.varying_floats, "float", "reading it at run time")
         chosen = [position for name, (position, _) in zip(names, floats)
                   if name in self.varying_floats or position in self.float_positions
                   or _is_learning_rate(leaves, roots, position)]
@@ -374,14 +369,10 @@ class DynamicDims:
         and every step compiled."""
         ints = _int_values(leaves)
         names = [label(position) for position, _ in ints]
-        if self.dynamic is not False and not self.ints_broken:
-            for name, (_, new) in zip(names, ints):
-                old = self.last_ints.get(name)
-                if old is not None and new != old and name not in self.varying_ints:
-                    _RECOMPILES.info("%s: integer varies (%s -> %s); tracing it symbolically",
-                                     name, old, new)
-                    self.varying_ints.add(name)
-        self.last_ints.update(zip(names, (value for _, value in ints)))
+        watched = self.dynamic is not False and not self.ints_broken
+        _note_changes(names, [value for _, value in ints], self.last_ints,
+                      self.varying_ints if watched else None, "integer",
+                      "tracing it symbolically")
         return [position for name, (position, value) in zip(names, ints)
                 if name in self.varying_ints and value >= 2]
 
@@ -476,3 +467,17 @@ class DynamicDims:
                 if entry.shape_guard(leaves):
                     return entry
         return None
+
+
+def _note_changes(names: list[str], values: list, last: dict, varying: set | None, kind: str,
+                  remedy: str) -> None:
+    """Add to `varying` the names whose value differs from the one in `last` (the previous
+    call that missed the cache), logging each once; then remember `values` in `last`.
+    `varying` None: remember only."""
+    if varying is not None:
+        for name, new in zip(names, values):
+            old = last.get(name)
+            if old is not None and new != old and name not in varying:
+                _RECOMPILES.info("%s: %s varies (%s -> %s); %s", name, kind, old, new, remedy)
+                varying.add(name)
+    last.update(zip(names, values))
