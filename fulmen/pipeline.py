@@ -303,9 +303,12 @@ def _returned_inputs(trace: Trace) -> tuple[tuple[int, int], ...]:
 
 def _returned_views(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
     """`(output leaf, input position, chain)` for each output leaf made from an input by view
-    ops alone (`return x[1:3].t()`), where `chain` is `((torch_fn, args, kwargs), ...)`, each
-    applied to the previous result (NOTE [a view of an input returned]). Only chains whose
-    other arguments are plain Python values, in traces that update no input."""
+    ops alone (`return x[1:3].t()`), where `chain` is `((torch_fn, args, kwargs, no_grad),
+    ...)`, each applied to the previous result, under `torch.no_grad()` where `no_grad` holds
+    (NOTE [a view of an input returned]). The detach the tracer adds to a view made under
+    no_grad is left out: eager's view made there requires grad (its base does) with no grad_fn,
+    and so does the replayed one. Only chains whose other arguments are plain Python values,
+    in traces that update no input."""
     if any(Tag.WRITE_BACK in bsym.sym.tags or Tag.SIDE_EFFECT in bsym.sym.tags
            for bsym in trace.bsyms):
         return ()
@@ -316,13 +319,18 @@ def _returned_views(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
         chain, name = [], getattr(leaf, "name", None)
         while isinstance(leaf, TensorProxy) and name not in positions:
             bsym = producers.get(name)
+            if bsym is not None and "no_grad_detach" in bsym.tags:
+                leaf = bsym.args[0]
+                name = leaf.name
+                continue
             if bsym is None or Tag.VIEW not in bsym.sym.tags or bsym.sym.torch_fn is None \
                     or len(bsym.proxy_outputs) != 1 or not bsym.args \
                     or not isinstance(bsym.args[0], TensorProxy) \
                     or any(True for _ in iter_proxies((bsym.args[1:], bsym.kwargs))):
                 chain = None
                 break
-            chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs)))
+            chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs),
+                          "no_grad" in bsym.tags))
             leaf = bsym.args[0]
             name = leaf.name
         if chain and name in positions:
@@ -345,8 +353,9 @@ def _call_with_autograd(pair: CompiledPair, output_spec, returned_inputs, return
         # Function, give eager's view with eager's autograd (the Function's output goes unused)
         for k, position, chain in returned_views:
             view = inputs[position]
-            for fn, args, kwargs in chain:
-                view = fn(view, *args, **kwargs)
+            for fn, args, kwargs, no_grad in chain:
+                with torch.no_grad() if no_grad else contextlib.nullcontext():
+                    view = fn(view, *args, **kwargs)
             outputs[k] = view
     if output_spec.is_leaf():
         return outputs[0]
