@@ -148,10 +148,21 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         pair = CompiledPair(fn, backward, split.differentiable_outputs,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
-                                             executors, variants), recompute=recompute)
+                                             executors, variants), recompute=recompute,
+                            size_only=_size_only_residuals(unclaimed, len(residuals)))
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned_inputs,
                                returned_views)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
+
+
+def _size_only_residuals(backward: Trace, count: int) -> tuple[int, ...]:
+    """Positions among the first `count` arguments of `backward` (its residuals) of the
+    tensors no statement reads: kept only to bind symbolic sizes (NOTE [residuals read for
+    their sizes] in `autograd_bridge.py`)."""
+    read = {p.name for bsym in backward.bsyms if not bsym.is_del for p in bsym.proxy_inputs}
+    read |= {p.name for p in iter_proxies(backward.output)}
+    return tuple(i for i, p in enumerate(backward.args[:count])
+                 if isinstance(p, TensorProxy) and p.name not in read)
 
 
 _NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})

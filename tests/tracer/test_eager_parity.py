@@ -36,3 +36,20 @@ def test_in_place_on_a_view_taken_under_no_grad_raises_as_eager():
         _view_under_no_grad(x).add_(1)
     with pytest.raises(RuntimeError, match="created in no_grad mode"):
         fulmen.jit(_view_under_no_grad)(x).add_(1)
+
+
+def _total(y):
+    return y.sum()
+
+
+def test_input_updated_in_place_after_a_dynamic_sum_still_backpropagates():
+    # sum's backward needs only y's sizes: eager saves no tensor, so a later in-place update
+    # of y is fine; the symbolic sizes must not keep y itself saved
+    jf = fulmen.jit(_total, dynamic=True)
+    for rows in (5, 7):
+        x = torch.randn(rows, 3, requires_grad=True)
+        y = x * 1
+        total = jf(y)
+        y.mul_(3)
+        total.backward()
+        assert torch.equal(x.grad, torch.ones(rows, 3))
