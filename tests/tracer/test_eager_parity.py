@@ -53,3 +53,38 @@ def test_input_updated_in_place_after_a_dynamic_sum_still_backpropagates():
         y.mul_(3)
         total.backward()
         assert torch.equal(x.grad, torch.ones(rows, 3))
+
+
+n = 3  # a global that shares its name with `ctx.n` below
+SCALE = 2.0
+
+
+class _TimesFive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.n = 5
+        return x * 5
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.n
+
+
+def _times_five_scaled(x):
+    return _TimesFive.apply(x) * SCALE
+
+
+def test_a_ctx_attribute_named_like_a_global_does_not_key_the_cache():
+    global n, SCALE
+    jf = fulmen.jit(_times_five_scaled)
+    x = torch.randn(3, requires_grad=True)
+    try:
+        for value in (10, 11, 12):
+            n = value  # `ctx.n` reads no global: no retrace
+            jf(x)
+        assert fulmen.compile_stats(jf).cache_misses == 1
+        SCALE = 4.0  # a global the program reads: retraced, with its new value
+        assert torch.equal(jf(x), x.detach() * 20)
+        assert fulmen.compile_stats(jf).cache_misses == 2
+    finally:
+        n, SCALE = 3, 2.0
