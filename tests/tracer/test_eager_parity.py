@@ -88,3 +88,36 @@ def test_a_ctx_attribute_named_like_a_global_does_not_key_the_cache():
         assert fulmen.compile_stats(jf).cache_misses == 2
     finally:
         n, SCALE = 3, 2.0
+
+
+class _RunningMean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("avg", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.avg.mul_(0.9).add_(y.mean(0))
+        return y.sum() + self.avg.sum()
+
+
+def test_buffer_updated_in_place_with_a_value_requiring_grad_answers_as_eager():
+    torch.manual_seed(0)
+    eager, compiled = _RunningMean(), _RunningMean()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 3)
+    expected = eager(x)
+    with pytest.warns(UserWarning, match=r"add_.*avg.*requires grad"):
+        actual = fulmen.jit(compiled)(x)
+    torch.testing.assert_close(actual, expected)
+    assert compiled.avg.requires_grad and compiled.avg.grad_fn is not None  # as eager's buffer
+    torch.testing.assert_close(compiled.avg, eager.avg)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+
+
+def test_buffer_updated_with_a_value_requiring_grad_under_fullgraph_names_op_buffer_and_line():
+    with pytest.raises(fulmen.core.RunsEagerly, match=r"(?s)add_.*avg.*self\.avg\.mul_\(0\.9\)"):
+        fulmen.jit(_RunningMean(), fullgraph=True)(torch.randn(4, 3))
