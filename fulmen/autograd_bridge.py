@@ -48,6 +48,9 @@ class CompiledPair:
     backward_without: Callable | None = None
     variants: dict = field(default_factory=dict, compare=False)
     recompute: Callable | None = None
+    # positions of the residual tensors the backward reads only the sizes of (NOTE [residuals
+    # read for their sizes])
+    size_only: tuple[int, ...] = ()
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -70,6 +73,18 @@ def _savable(residual: torch.Tensor) -> torch.Tensor:
     return residual.clone() if residual.is_inference() else residual
 
 
+def _sizes_of(residual):
+    """NOTE [residuals read for their sizes]: a backward with symbolic sizes binds them from
+    its arguments' sizes and strides (`s0 = y.shape[0]`); one that needs nothing else of a
+    tensor (`y.sum()`'s backward) gets a meta tensor of its sizes and strides instead of the
+    tensor, so updating it in place before the backward works, as in eager (which saves only
+    the sizes), and the backward keeps no memory alive for it."""
+    if not isinstance(residual, torch.Tensor):
+        return residual
+    return torch.empty_strided(residual.shape, residual.stride(), dtype=residual.dtype,
+                               device="meta")
+
+
 class FulmenAutogradFunction(torch.autograd.Function):
     """One node in the autograd graph for a whole compiled program."""
 
@@ -77,6 +92,10 @@ class FulmenAutogradFunction(torch.autograd.Function):
     def forward(ctx, pair: CompiledPair, *inputs):
         outputs, residuals = pair.forward(*inputs)
         ctx.pair = pair
+        if pair.size_only:
+            residuals = list(residuals)
+            for position in pair.size_only:
+                residuals[position] = _sizes_of(residuals[position])
         if pair.recompute is not None:  # NOTE [double backward by recomputation]
             ctx.inputs = inputs
             ctx.versions = [_version(x) for x in inputs]

@@ -147,9 +147,20 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         pair = CompiledPair(fn, backward, split.differentiable_outputs,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
-                                             executors, variants), recompute=recompute)
+                                             executors, variants), recompute=recompute,
+                            size_only=_size_only_residuals(unclaimed, len(residuals)))
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
+
+
+def _size_only_residuals(backward: Trace, count: int) -> tuple[int, ...]:
+    """Positions among the first `count` arguments of `backward` (its residuals) of the
+    tensors no statement reads: kept only to bind symbolic sizes (NOTE [residuals read for
+    their sizes] in `autograd_bridge.py`)."""
+    read = {p.name for bsym in backward.bsyms if not bsym.is_del for p in bsym.proxy_inputs}
+    read |= {p.name for p in iter_proxies(backward.output)}
+    return tuple(i for i, p in enumerate(backward.args[:count])
+                 if isinstance(p, TensorProxy) and p.name not in read)
 
 
 _NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})
@@ -297,9 +308,11 @@ def _returned_from_inputs(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
     """`(output leaf, input position, chain)` for each output leaf that is an input returned
     as it is (`return x, y * 2`: chain `()`; not updated in place: that is a new value written
     back) or made from an input by view ops alone (`return x[1:3].t()`), where `chain` is
-    `((torch_fn, args, kwargs), ...)`, each applied to the previous result (NOTE [a view of an
-    input returned]). Views only where the chain's other arguments are plain Python values, in
-    traces that update no input."""
+    `((torch_fn, args, kwargs, no_grad), ...)`, each applied to the previous result, under
+    `torch.no_grad()` where `no_grad` holds (NOTE [a view of an input returned]). The detach the
+    tracer adds to a view made under no_grad is left out: eager's view made there requires grad
+    (its base does) with no grad_fn, and so does the replayed one. Views only where the chain's
+    other arguments are plain Python values, in traces that update no input."""
     updates = any_tagged(trace.bsyms, _UPDATES)
     positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
     producers = {p.name: bsym for bsym in trace.bsyms for p in bsym.proxy_outputs}
@@ -308,13 +321,18 @@ def _returned_from_inputs(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
         chain, name = [], getattr(leaf, "name", None)
         while isinstance(leaf, TensorProxy) and name not in positions and not updates:
             bsym = producers.get(name)
+            if bsym is not None and "no_grad_detach" in bsym.tags:
+                leaf = bsym.args[0]
+                name = leaf.name
+                continue
             if bsym is None or Tag.VIEW not in bsym.sym.tags or bsym.sym.torch_fn is None \
                     or len(bsym.proxy_outputs) != 1 or not bsym.args \
                     or not isinstance(bsym.args[0], TensorProxy) \
                     or any(True for _ in iter_proxies((bsym.args[1:], bsym.kwargs))):
                 chain = None
                 break
-            chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs)))
+            chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs),
+                          "no_grad" in bsym.tags))
             leaf = bsym.args[0]
             name = leaf.name
         if chain is not None and isinstance(leaf, TensorProxy) and name in positions:
@@ -334,8 +352,9 @@ def _call_with_autograd(pair: CompiledPair, output_spec, returned, *inputs):
         outputs = list(outputs)
         for k, position, chain in returned:
             view = inputs[position]
-            for fn, args, kwargs in chain:
-                view = fn(view, *args, **kwargs)
+            for fn, args, kwargs, no_grad in chain:
+                with torch.no_grad() if no_grad else contextlib.nullcontext():
+                    view = fn(view, *args, **kwargs)
             outputs[k] = view
     if output_spec.is_leaf():
         return outputs[0]

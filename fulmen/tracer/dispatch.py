@@ -126,6 +126,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.requires_grad_names: set[str] = set()
         self.fresh_grad_names: set[str] = set()
         self._internal = 0
+        self._detaching = False  # recording the detach `_track_grad` adds under no_grad
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
         self.breaks = None
         # id of each parameter/buffer of the traced module -> its input proxy
@@ -170,11 +171,19 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
     def call_site_tags(self) -> frozenset[str]:
         """`{"checkpoint"}` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
-        tensor hooks are active), so rematerialization recomputes the region's values."""
+        tensor hooks are active), so rematerialization recomputes the region's values;
+        `"no_grad"` for a statement recorded under `torch.no_grad()` in a differentiated trace,
+        `"no_grad_detach"` for the detach `_track_grad` adds there (NOTE [a view of an input
+        returned], which replays views made under no_grad as eager made them)."""
+        tags = set()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
-            return frozenset({"checkpoint"})
-        return frozenset()
+            tags.add("checkpoint")
+        if self.differentiable and not torch.is_grad_enabled():
+            tags.add("no_grad")
+        if self._detaching:
+            tags.add("no_grad_detach")
+        return frozenset(tags)
 
     def handle(self, func, types, args, kwargs):
         """Record one torch call on proxies (see the module docstring for the route); inside
@@ -317,7 +326,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
             return out
         if not self.differentiable or not floating:
             return out
-        detached = {p.name: T.detach(p) for p in floating}
+        self._detaching = True
+        try:
+            detached = {p.name: T.detach(p) for p in floating}
+        finally:
+            self._detaching = False
         return pytree.tree_map(
             lambda leaf: detached.get(leaf.name, leaf) if isinstance(leaf, TensorProxy) else leaf,
             out)

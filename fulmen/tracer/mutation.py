@@ -80,6 +80,14 @@ class InputRequiringGradModified(RunsEagerly):
     tensors instead, so the call runs eagerly and answers as eager does."""
 
 
+class GradValueWrittenBack(RunsEagerly):
+    """A tensor the call gets but does not differentiate (a registered buffer, an argument
+    that does not require grad) is updated in place, with grad on, with a value that requires
+    grad (`self.avg.mul_(0.9).add_(y.mean(0))`): eager records the update in the tensor's own
+    autograd history (it then requires grad, with a grad_fn), which a compiled call's
+    write-back, outside autograd, cannot, so the call runs eagerly and answers as eager does."""
+
+
 class CheckpointedUpdate(RunsEagerly):
     """An argument or buffer is modified in place inside a `torch.utils.checkpoint` region
     with grad on (a BatchNorm's running statistics and `num_batches_tracked`): eager's backward
@@ -100,6 +108,7 @@ class _Root:
     value: TensorProxy
     version: int = 0
     source: object = None  # the line of the last in-place update
+    op: str = "in-place update"  # the op of the last in-place update
 
 
 @dataclass
@@ -352,6 +361,7 @@ class Functionalizer(InplaceCalls):
                 mark_fresh(self.ctx, value)
         root.version += 1
         root.source = user_source_location()
+        root.op = op
         if view is not None:
             view.version = root.version
         self.mutated = True
@@ -396,10 +406,11 @@ class Functionalizer(InplaceCalls):
             if name not in self.inputs or root.value is root.proxy:
                 continue
             if self.ctx.differentiable and root.value.name in self.ctx.requires_grad_names:
-                raise NotYetSupportedError(
-                    f"{name} is updated in place with a value that requires grad",
-                    op="in-place update", where=root.source,
-                    hint="detach the value, or run under torch.no_grad()")
+                raise GradValueWrittenBack(
+                    f"{name}, which does not require grad (a buffer?), is updated in place with "
+                    "a value that requires grad", op=root.op, where=root.source,
+                    hint="detach the value (or update it under torch.no_grad()) to compile "
+                    "the call")
         if self.ctx.differentiable and self.ctx.requires_grad_names:
             self._snapshot_mutated_inputs()
         for name, root in self.roots.items():

@@ -6,6 +6,7 @@ constant or tensor.
 
 from __future__ import annotations
 
+import dis
 import enum
 import functools
 import hashlib
@@ -76,6 +77,23 @@ def code_names(code) -> set[str]:
         if hasattr(const, "co_names"):
             names |= code_names(const)
     return names
+
+
+_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code) -> frozenset[str]:
+    """The names `code` and the code objects nested in it read as globals (`LOAD_GLOBAL`),
+    unlike `code_names`, whose `co_names` also holds attribute names: `ctx.n = 5` in a custom
+    autograd Function reads no global `n`, and keying a global `n` would retrace the program at
+    each change of it."""
+    names = {instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in _GLOBAL_READS}
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= global_names(const)
+    return frozenset(names)
 
 
 def _is_source(value: Any) -> bool:
@@ -355,11 +373,13 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
         sources += _closure_sources(getattr(fn, "__func__", fn))
     seen: set[tuple[int, str]] = set()
     for function in _own_functions(fn, modules, functions):
-        names = sorted(code_names(function.__code__))  # co_names holds attributes too
-        # its globals, and the attributes of the user modules it reads (`config.SCALE`)
-        namespaces = [(function.__globals__, ""), *((vars(module), f"{module.__name__}.")
-                                                    for module in _user_modules(function))]
-        for namespace, prefix in namespaces:
+        # its globals (read as globals: `ctx.n` reads no global `n`), and the attributes of
+        # the user modules it reads (`config.SCALE`: co_names holds attributes too)
+        attributes = sorted(code_names(function.__code__))
+        namespaces = [(function.__globals__, "", sorted(global_names(function.__code__))),
+                      *((vars(module), f"{module.__name__}.", attributes)
+                        for module in _user_modules(function))]
+        for namespace, prefix, names in namespaces:
             for name in names:
                 if (id(namespace), name) in seen or name.startswith("__"):
                     continue

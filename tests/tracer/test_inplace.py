@@ -369,13 +369,19 @@ def test_mutated_input_in_a_differentiated_trace(mutate_first):
     assert "functionalized.snapshot(buf)" in str(fulmen.last_traces(jfn)[0])
 
 
-def test_updating_an_input_with_a_value_that_requires_grad_raises():
+def test_updating_an_input_with_a_value_that_requires_grad_answers_as_eager():
     def fn(cache, k):
         cache[0] = k * 2
         return cache.sum()
 
-    with pytest.raises(NotYetSupportedError, match="requires grad"):
-        fulmen.jit(fn)(torch.zeros(2, 3), torch.randn(3, requires_grad=True))
+    k = torch.randn(3, requires_grad=True)
+    eager_cache, cache = torch.zeros(2, 3), torch.zeros(2, 3)
+    fn(eager_cache, k)
+    with pytest.warns(UserWarning, match="requires grad"):  # the call runs eagerly
+        fulmen.jit(fn)(cache, k).backward()
+    assert cache.requires_grad and type(cache.grad_fn) is type(eager_cache.grad_fn)
+    torch.testing.assert_close(cache, eager_cache)
+    torch.testing.assert_close(k.grad, torch.full((3,), 2.0))
 
 
 def test_reshape_of_an_intermediate_is_decided_by_its_eager_strides():

@@ -1,0 +1,123 @@
+"""Divergences from eager PyTorch in requires_grad, aliasing and autograd behaviour, each found
+by a probe and fixed: the compiled call must answer as eager does."""
+
+import pytest
+import torch
+
+import fulmen
+
+
+def _view_under_no_grad(x):
+    with torch.no_grad():
+        v = x[1:].t()
+    return v
+
+
+def _view_under_no_grad_then_grad(x):
+    with torch.no_grad():
+        v = x[1:]
+    return v.t()
+
+
+@pytest.mark.parametrize("fn", [_view_under_no_grad, _view_under_no_grad_then_grad])
+def test_view_of_an_input_taken_under_no_grad_answers_as_eager(fn):
+    x = torch.randn(4, 3, requires_grad=True)
+    expected, actual = fn(x), fulmen.jit(fn)(x)
+    assert torch.equal(actual, expected)
+    assert actual.requires_grad == expected.requires_grad
+    assert actual._base is x and expected._base is x
+    assert type(actual.grad_fn) is type(expected.grad_fn)
+    assert actual.is_leaf == expected.is_leaf
+
+
+def test_in_place_on_a_view_taken_under_no_grad_raises_as_eager():
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="created in no_grad mode"):
+        _view_under_no_grad(x).add_(1)
+    with pytest.raises(RuntimeError, match="created in no_grad mode"):
+        fulmen.jit(_view_under_no_grad)(x).add_(1)
+
+
+def _total(y):
+    return y.sum()
+
+
+def test_input_updated_in_place_after_a_dynamic_sum_still_backpropagates():
+    # sum's backward needs only y's sizes: eager saves no tensor, so a later in-place update
+    # of y is fine; the symbolic sizes must not keep y itself saved
+    jf = fulmen.jit(_total, dynamic=True)
+    for rows in (5, 7):
+        x = torch.randn(rows, 3, requires_grad=True)
+        y = x * 1
+        total = jf(y)
+        y.mul_(3)
+        total.backward()
+        assert torch.equal(x.grad, torch.ones(rows, 3))
+
+
+n = 3  # a global that shares its name with `ctx.n` below
+SCALE = 2.0
+
+
+class _TimesFive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.n = 5
+        return x * 5
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.n
+
+
+def _times_five_scaled(x):
+    return _TimesFive.apply(x) * SCALE
+
+
+def test_a_ctx_attribute_named_like_a_global_does_not_key_the_cache():
+    global n, SCALE
+    jf = fulmen.jit(_times_five_scaled)
+    x = torch.randn(3, requires_grad=True)
+    try:
+        for value in (10, 11, 12):
+            n = value  # `ctx.n` reads no global: no retrace
+            jf(x)
+        assert fulmen.compile_stats(jf).cache_misses == 1
+        SCALE = 4.0  # a global the program reads: retraced, with its new value
+        assert torch.equal(jf(x), x.detach() * 20)
+        assert fulmen.compile_stats(jf).cache_misses == 2
+    finally:
+        n, SCALE = 3, 2.0
+
+
+class _RunningMean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("avg", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.avg.mul_(0.9).add_(y.mean(0))
+        return y.sum() + self.avg.sum()
+
+
+def test_buffer_updated_in_place_with_a_value_requiring_grad_answers_as_eager():
+    torch.manual_seed(0)
+    eager, compiled = _RunningMean(), _RunningMean()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 3)
+    expected = eager(x)
+    with pytest.warns(UserWarning, match=r"add_.*avg.*requires grad"):
+        actual = fulmen.jit(compiled)(x)
+    torch.testing.assert_close(actual, expected)
+    assert compiled.avg.requires_grad and compiled.avg.grad_fn is not None  # as eager's buffer
+    torch.testing.assert_close(compiled.avg, eager.avg)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+
+
+def test_buffer_updated_with_a_value_requiring_grad_under_fullgraph_names_op_buffer_and_line():
+    with pytest.raises(fulmen.core.RunsEagerly, match=r"(?s)add_.*avg.*self\.avg\.mul_\(0\.9\)"):
+        fulmen.jit(_RunningMean(), fullgraph=True)(torch.randn(4, 3))
