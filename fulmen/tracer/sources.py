@@ -79,12 +79,14 @@ def code_names(code) -> set[str]:
     return names
 
 
-_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+# the opcodes that read a name from the globals (Python 3.12 adds LOAD_FROM_DICT_OR_GLOBALS,
+# for class bodies inside functions); a read missed here would be a global left out of the key
+_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
 
 
 @functools.lru_cache(maxsize=4096)
 def global_names(code) -> frozenset[str]:
-    """The names `code` and the code objects nested in it read as globals (`LOAD_GLOBAL`),
+    """The names `code` and the code objects nested in it read as globals (`_GLOBAL_READS`),
     unlike `code_names`, whose `co_names` also holds attribute names: `ctx.n = 5` in a custom
     autograd Function reads no global `n`, and keying a global `n` would retrace the program at
     each change of it."""
