@@ -89,7 +89,13 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
     result is marked (`_fulmen_layout_undecided`); the tracer keeps the alias from being
     hidden (mutating either tensor raises, as does reading the result's strides or offset
     from user code: the strides of its size-1 dimensions and its offset differ), and the
-    symbolic trace is then retraced with the 1 specialised."""
+    symbolic trace is then retraced with the 1 specialised.
+
+    Its strides are eager's on every dimension of size other than 1 (those of the copy, and of
+    the tensor itself when it is returned), so the result is marked exact for the steps that
+    read only those (`torchex.as_layout`, NOTE [output layout] in `fulmen.executors.claim`): a
+    fused `shifted.permute(2, 0, 1).exp()` went back to the user row-major, where eager's
+    output keeps the permutation."""
     if memory_format is torch.contiguous_format and isinstance(self, TensorProxy) \
             and row_major(self) is None:
         strides, acc = [], 1
@@ -99,6 +105,7 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
         result = TensorProxy(None, self.shape, self.dtype, self.device,
                              strides=tuple(reversed(strides)))
         result._fulmen_layout_undecided = True
+        result._fulmen_exact_strides = True  # on the dimensions of size other than 1
         return result
     if memory_format is torch.contiguous_format and isinstance(self, TensorProxy) and any(
             isinstance(v, torch.SymInt) for v in (*self.shape, *self.stride())):

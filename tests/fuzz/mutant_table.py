@@ -1345,4 +1345,8 @@ MUTANTS: list[Mutant] = [
            "if False:",
            ("tests/models/test_hf_generate_variants.py::"
             "test_encoder_decoder_guidance_without_negative_prompt_matches_eager",)),
+    Mutant("contiguous_of_a_batch_of_one_not_exact", "layout", "ops/opaque.py",
+           "result._fulmen_exact_strides = True  # on the dimensions of size other than 1",
+           "pass", ("tests/tracer/test_dynamic_contiguous.py::"
+                    "test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch",)),
 ]

@@ -81,11 +81,23 @@ def test_reading_the_strides_of_a_contiguous_result_that_may_alias_is_eager():
         torch.testing.assert_close(jfn(x), fn(x))
 
 
-def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch():
+def _strides_where_not_one(tensor) -> tuple:
+    """The strides of the dimensions of size other than 1 (those of size 1 never change which
+    element is where; eager's own kernels disagree on them)."""
+    return tuple(s for n, s in zip(tensor.shape, tensor.stride()) if n != 1)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-fallback", "kernels"])
+def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch(kernels, request):
     """`x[:, 1:]` of a `(B, 4, n)` tensor is contiguous exactly for `B == 1`: the copy the trace
     sees is row-major (strides `(3n, n, 1)`), so the ops after it (elementwise, a permute, a
     reduction, a flatten) compile for every batch in the two entries of the rank-2 case and
-    return eager's values and strides."""
+    return eager's values and strides: exactly while regions run on torch (their first calls),
+    and on the dimensions of size other than 1 once their kernels run (a kernel that was in the
+    disk cache already wrote the permuted output row-major, and the test failed in whichever
+    order of test files had compiled that kernel before)."""
+    if kernels:
+        request.getfixturevalue("codegen_eager")
 
     def fn(x):
         shifted = (x + 1)[:, 1:].contiguous()
@@ -96,7 +108,11 @@ def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch():
         x = torch.randn(shape)
         got, want = jfn(x), fn(x)
         torch.testing.assert_close(got, want)
-        assert [g.stride() for g in got] == [w.stride() for w in want], shape
+        if kernels:
+            assert [_strides_where_not_one(g) for g in got] == [
+                _strides_where_not_one(w) for w in want], shape
+        else:
+            assert [g.stride() for g in got] == [w.stride() for w in want], shape
     assert fulmen.cache_misses(jfn) == 2
 
 

@@ -103,7 +103,10 @@ def registered_torch_callables() -> dict[Callable, Symbol]:
     return dict(_BY_TORCH_FN)
 
 
-_QUALNAMES: dict[int, str] | None = None
+# id -> (callable, name): the callable is kept so that an id reused by a later object (some
+# attributes, such as `torch.Tensor.__init_subclass__`, are made anew at each lookup) never
+# names that object
+_QUALNAMES: dict[int, tuple[Callable, str]] | None = None
 
 
 def torch_qualname(fn: Callable) -> str | None:
@@ -127,8 +130,10 @@ def torch_qualname(fn: Callable) -> str | None:
                 if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
                     continue
                 if callable(value) and not isinstance(value, type):
-                    _QUALNAMES.setdefault(id(value), f"{prefix}.{attr}")
-    name = _QUALNAMES.get(id(fn))
+                    _QUALNAMES.setdefault(id(value), (value, f"{prefix}.{attr}"))
+    known, name = _QUALNAMES.get(id(fn), (None, None))
+    if known is not fn:
+        name = None
     if name is None and getattr(fn, "__name__", None) == "__get__":  # a Tensor property getter
         owner = getattr(fn, "__self__", None)
         prop = getattr(owner, "__name__", None)
