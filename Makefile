@@ -12,8 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
+# one pytest worker per core (pytest-xdist); a file's tests stay on one worker (`loadfile`):
+# module fixtures, and test_distributed's process groups, run once and never side by side
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --timeout=900 tests
+	$(BIN)/python -m pytest -q -x --timeout=900 -n auto --dist loadfile tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
