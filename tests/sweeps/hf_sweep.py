@@ -11,6 +11,11 @@ reason) and, in a child process with a timeout, compares `fulmen.jit(model)` wit
 - generate: greedy and sampled (fixed seed) `generate` of a left-padded batch with `use_cache`:
   the tokens equal eager's;
 
+(`--mapping masked` / `classify`, the masked LM and sequence classification mappings: train with
+labels on every third real token / one label per row, then eval right-padded at 9 and
+left-padded at 14; a classifier's config without a pad token gets one, each row ends with the
+eos token when the config has one)
+
 counting compiles (`compile_stats(...).cache_misses`) and calls that ran eagerly
 (`eager_calls`). Values are compared with fulmen's float64 accuracy rule
 (`fulmen/tools/accuracy.py`: a result tightly equal to eager's passes, otherwise it must be as
@@ -20,6 +25,7 @@ differs, ERROR when fulmen raised where eager did not, SKIP when eager cannot ru
     python -m tests.sweeps.hf_sweep                           # both mappings, one job
     python -m tests.sweeps.hf_sweep --types gpt2,bart --jobs 2
     python -m tests.sweeps.hf_sweep --mapping causal --out /tmp/causal.md
+    python -m tests.sweeps.hf_sweep --mapping masked,classify --types bert,gpt2
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ import warnings
 from tests.sweeps.runner import result_line, run_cases
 
 MAPPINGS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-            "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+            "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+            "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            "classify": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
+# the checks a mapping's models get: "lm" (train, eval, generate), "masked" (masked-token labels;
+# train, eval right and left padded), "classify" (a label per row; the same checks)
+TASKS = {"masked": "masked", "classify": "classify"}
 GENERATED = 8  # new tokens per generate call
 
 
@@ -72,10 +83,12 @@ def _logits(out):
 class Case:
     """One model type: eager `model`, its jitted twin and a lazily built float64 copy."""
 
-    def __init__(self, model, seq2seq: bool, vocab: int, pad: int):
+    def __init__(self, model, seq2seq: bool, vocab: int, pad: int, task: str = "lm",
+                 eos: int | None = None):
         import fulmen
 
         self.model, self.seq2seq, self.vocab, self.pad = model, seq2seq, vocab, pad
+        self.task, self.eos = task, eos
         self.pristine = copy.deepcopy(model)
         self.twin = copy.deepcopy(model)
         self.jitted = fulmen.jit(self.twin)
@@ -89,8 +102,22 @@ class Case:
         return self._reference
 
     # ---- the inputs of each check
+    def _text(self, length: int, seed: int, side: str):
+        """Ids and mask; for classification each row's last real token is `eos` (encoder-decoder
+        classifiers pool at it and need one per row)."""
+        ids, mask = _padded(length, seed, self.vocab, self.pad, side)
+        if self.task == "classify" and self.eos is not None:
+            last = mask.cumsum(1).argmax(1) if side == "right" else ids.new_full((2,), length - 1)
+            ids[ids.new_tensor([0, 1]), last] = self.eos
+        return ids, mask
+
     def train_inputs(self):
-        ids, mask = _padded(12, 1, self.vocab, self.pad, "right")
+        ids, mask = self._text(12, 1, "right")
+        if self.task == "classify":
+            return dict(input_ids=ids, attention_mask=mask, labels=ids.new_tensor([1, 0]))
+        if self.task == "masked":  # every third real token is predicted
+            keep = (mask == 1) & (ids.new_tensor(range(12)) % 3 == 0)
+            return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~keep, -100))
         if self.seq2seq:
             labels, lmask = _padded(7, 2, self.vocab, self.pad, "right")
             labels = labels.masked_fill(lmask == 0, -100)
@@ -98,10 +125,10 @@ class Case:
             labels = ids.masked_fill(mask == 0, -100)
         return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
-    def eval_inputs(self, length: int):
-        ids, mask = _padded(length, 10 + length, self.vocab, self.pad, "right")
+    def eval_inputs(self, length: int, side: str = "right"):
+        ids, mask = self._text(length, 10 + length, side)
         inputs = dict(input_ids=ids, attention_mask=mask)
-        if self.seq2seq:
+        if self.seq2seq and self.task == "lm":
             inputs["decoder_input_ids"] = _ids((2, length // 2), 3, 3, min(self.vocab, 100))
         return inputs
 
@@ -132,10 +159,10 @@ class Case:
         return (want, lambda: step(self.jitted, self.twin, inputs),
                 lambda: step(self.reference(), self.reference(), to_float64(inputs)))
 
-    def eval(self, length: int):
+    def eval(self, length: int, side: str = "right"):
         import torch
 
-        inputs = self.eval_inputs(length)
+        inputs = self.eval_inputs(length, side)
 
         def run(call, module):
             module.eval()
@@ -213,11 +240,20 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     text = config.get_text_config(decoder=True)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < text_vocab(config) else 0
-    case = Case(model, bool(getattr(config, "is_encoder_decoder", False)), text_vocab(config), pad)
-    checks = [("train", case.train), ("eval-9", lambda: case.eval(9)),
-              ("eval-14", lambda: case.eval(14)),
-              ("generate-greedy", lambda: case.generate(False)),
-              ("generate-sampled", lambda: case.generate(True))]
+    task = TASKS.get(mapping, "lm")
+    if task == "classify" and getattr(text, "pad_token_id", None) is None:
+        text.pad_token_id = pad  # batched classification needs one (as its users set it)
+    eos = getattr(text, "eos_token_id", None)
+    eos = eos if isinstance(eos, int) and 0 <= eos < text_vocab(config) else None
+    case = Case(model, bool(getattr(config, "is_encoder_decoder", False)), text_vocab(config), pad,
+                task, eos)
+    checks = [("train", case.train), ("eval-9", lambda: case.eval(9))]
+    if task == "lm":
+        checks += [("eval-14", lambda: case.eval(14)),
+                   ("generate-greedy", lambda: case.generate(False)),
+                   ("generate-sampled", lambda: case.generate(True))]
+    else:
+        checks += [("eval-14-left", lambda: case.eval(14, "left"))]
     outcomes = {}
     fallbacks = []
     with warnings.catch_warnings(record=True) as caught:
@@ -245,7 +281,8 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mapping", default="causal,seq2seq",
-                        help="comma-separated: causal, seq2seq, or a *_MAPPING_NAMES attribute")
+                        help="comma-separated: causal, seq2seq, masked, classify, or a "
+                             "*_MAPPING_NAMES attribute (checked as a language model)")
     parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per type")

@@ -20,7 +20,8 @@ FFN = 64
 # config attribute -> its tiny value (only attributes the default config has are set)
 SIZES = {
     "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "n_embed": HIDDEN,
-    "embed_dim": HIDDEN, "word_embed_proj_dim": HIDDEN, "embedding_size": HIDDEN,
+    "embed_dim": HIDDEN, "word_embed_proj_dim": HIDDEN, "embedding_size": HIDDEN, "dim": HIDDEN,
+    "pooler_hidden_size": HIDDEN,
     "intermediate_size": FFN, "d_ff": FFN, "n_inner": FFN, "ffn_dim": FFN,
     "encoder_ffn_dim": FFN, "decoder_ffn_dim": FFN, "ffn_hidden_size": FFN,
     "num_hidden_layers": LAYERS, "num_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS,
