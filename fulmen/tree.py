@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.ops.breaks import answer_key
@@ -211,7 +211,7 @@ def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:
     """Run a data-dependent op eagerly (recording autograd as eager does, in the grad mode it
     was traced in, without autocast: its arguments were cast when it was traced)."""
     args, kwargs = map_proxies(_real(env), (op.args, op.kwargs))
-    with torch.set_grad_enabled("grad" in op.tags and torch.is_grad_enabled()), no_autocast():
+    with torch.set_grad_enabled(CallSiteTag.GRAD in op.tags and torch.is_grad_enabled()), no_autocast():
         out = op.sym.impl(*args, **kwargs)
     bind_outputs(op.output, out, env)
 

@@ -35,7 +35,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Tag, TraceCtx
+from fulmen.core import (
+    CallSiteTag,
+    FulmenError,
+    NotYetSupportedError,
+    RunsEagerly,
+    Tag,
+    TraceCtx,
+)
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.host_float import has_host_float
@@ -169,20 +176,20 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
         return pytree.tree_map(convert, tree)
 
-    def call_site_tags(self) -> frozenset[str]:
-        """`{"checkpoint"}` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
+    def call_site_tags(self) -> frozenset[CallSiteTag]:
+        """`CHECKPOINT` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
         tensor hooks are active), so rematerialization recomputes the region's values;
-        `"no_grad"` for a statement recorded under `torch.no_grad()` in a differentiated trace,
-        `"no_grad_detach"` for the detach `_track_grad` adds there (NOTE [a view of an input
+        `NO_GRAD` for a statement recorded under `torch.no_grad()` in a differentiated trace,
+        `NO_GRAD_DETACH` for the detach `_track_grad` adds there (NOTE [a view of an input
         returned], which replays views made under no_grad as eager made them)."""
         tags = set()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
-            tags.add("checkpoint")
+            tags.add(CallSiteTag.CHECKPOINT)
         if self.differentiable and not torch.is_grad_enabled():
-            tags.add("no_grad")
+            tags.add(CallSiteTag.NO_GRAD)
         if self._detaching:
-            tags.add("no_grad_detach")
+            tags.add(CallSiteTag.NO_GRAD_DETACH)
         return frozenset(tags)
 
     def handle(self, func, types, args, kwargs):
