@@ -1,0 +1,70 @@
+"""A view of an input returned from a differentiated program answers as eager's view: the
+same `requires_grad`, a real view (so an in-place update of it is seen by autograd, or refused
+as eager refuses it), and under `torch.no_grad()` the same answer as eager's view made there
+(NOTE [a view of an input returned] in `fulmen.pipeline`)."""
+
+import pytest
+import torch
+
+import fulmen
+
+# ops whose result eager returns as a view of the input (some only when they can: reshape)
+_VIEWS = {
+    "reshape": lambda x: x.reshape(16),
+    "flatten": lambda x: x.flatten(),
+    "ravel": lambda x: x.ravel(),
+    "reshape_as": lambda x: x.reshape_as(torch.empty(16)),
+    "diagonal": lambda x: x.diagonal(),
+    "unfold": lambda x: x.unfold(1, 2, 2),
+    "as_strided": lambda x: x.as_strided((2, 2), (1, 2)),
+    "unbind": lambda x: x.unbind(0)[1],
+    "chunk": lambda x: x.chunk(2, 1)[1],
+    "split": lambda x: x.split(1)[2],
+    "alias": lambda x: x[...],
+    "transposed_reshape": lambda x: x.t().reshape(16),  # a copy: eager's answer too
+}
+
+
+def _update_returned_view_then_backward(jit, op):
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = w * 1
+    out = jit(op)(x)
+    try:
+        out.mul_(2)
+    except RuntimeError as e:
+        return type(e)
+    (x * x).sum().backward()
+    return w.grad, x.detach()
+
+
+@pytest.mark.parametrize("name", sorted(_VIEWS))
+def test_a_returned_view_updated_in_place_changes_the_gradient_as_in_eager(name):
+    op = _VIEWS[name]
+    expected = _update_returned_view_then_backward(lambda f: f, op)
+    actual = _update_returned_view_then_backward(fulmen.jit, op)
+    if isinstance(expected, type):
+        assert actual is expected
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def _describe(t: torch.Tensor, x: torch.Tensor) -> tuple:
+    shares = t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return (t.shape, t.stride(), t.requires_grad, t.is_leaf, t.grad_fn is None, t._is_view(),
+            shares)
+
+
+# `x[...]` under no_grad gives x itself back (cse drops a view that gives its input back)
+@pytest.mark.parametrize("name", sorted(set(_VIEWS) - {"alias"}))
+def test_a_view_made_under_no_grad_answers_as_eager(name):
+    op = _VIEWS[name]
+
+    def fn(x):
+        with torch.no_grad():
+            return op(x)
+
+    x = torch.randn(4, 4, requires_grad=True)
+    expected, actual = fn(x), fulmen.jit(fn)(x)
+    assert torch.equal(actual, expected)
+    assert _describe(actual, x) == _describe(expected, x)
