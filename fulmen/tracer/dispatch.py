@@ -63,6 +63,7 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
+from fulmen.tracer.fresh_leaves import mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time, refuse_host_floats
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
@@ -132,6 +133,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
         self.fresh_grad_names: set[str] = set()
+        self.no_grad_views: set[str] = set()  # NOTE [a view made under no_grad]
         self._internal = 0
         self._detaching = False  # recording the detach `_track_grad` adds under no_grad
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
@@ -256,6 +258,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
             self.mutation.refuse_grad_reads((args, kwargs), out)
         if func in VIEW_FUNCTIONS:
             self.mutation.record_view(func, args, kwargs, out)
+            mark_no_grad_view(self, func, args, kwargs, out)  # NOTE [a view made under no_grad]
         if getattr(out, "_fulmen_layout_undecided", False) and isinstance(args[0], TensorProxy):
             # NOTE [contiguous of a batch of 1]: eager may return `args[0]` itself
             self.mutation.record_maybe_alias(args[0], out, "Tensor.contiguous")

@@ -429,7 +429,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             _clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
-            refuse_escaping_fresh(ctx, resolved)
+            refuse_escaping_fresh(ctx, resolved, len(out_leaves))
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()

@@ -1,6 +1,8 @@
 """Divergences from eager PyTorch in requires_grad, aliasing and autograd behaviour, each found
 by a probe and fixed: the compiled call must answer as eager does."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -121,3 +123,46 @@ def test_buffer_updated_in_place_with_a_value_requiring_grad_answers_as_eager():
 def test_buffer_updated_with_a_value_requiring_grad_under_fullgraph_names_op_buffer_and_line():
     with pytest.raises(fulmen.core.RunsEagerly, match=r"(?s)add_.*avg.*self\.avg\.mul_\(0\.9\)"):
         fulmen.jit(_RunningMean(), fullgraph=True)(torch.randn(4, 3))
+
+
+
+def _computed_from_a_view_made_under_no_grad(x):
+    with torch.no_grad():
+        v = x[1:]
+    return v * 2, v.requires_grad
+
+
+def _view_of_a_view_made_under_no_grad(x):
+    with torch.no_grad():
+        v = x[1:]
+        w = v.reshape(-1)
+    return w.t() if w.dim() > 1 else w[1:]
+
+
+def _same_tensor_answers(actual, expected):
+    assert torch.equal(actual, expected)
+    assert (actual.requires_grad, actual.is_leaf, actual.grad_fn is None, actual._is_view()) == (
+        expected.requires_grad, expected.is_leaf, expected.grad_fn is None, expected._is_view())
+
+
+def test_a_result_computed_from_a_view_made_under_no_grad_requires_grad_as_in_eager():
+    # eager's view of a tensor requiring grad made under no_grad is a new leaf that requires
+    # grad (NOTE [a view made under no_grad]): so is what is computed from it afterwards (the
+    # compiled call runs eagerly, as for any result of a leaf made inside the function)
+    x = torch.randn(4, 3, requires_grad=True)
+    expected = _computed_from_a_view_made_under_no_grad(x)
+    with pytest.warns(UserWarning, match="torch.no_grad"):
+        actual = fulmen.jit(_computed_from_a_view_made_under_no_grad)(x)
+    _same_tensor_answers(actual[0], expected[0])
+    assert actual[1] is expected[1] is True
+
+
+def test_a_view_of_a_view_made_under_no_grad_is_returned_compiled_as_eager_returns_it():
+    x = torch.randn(4, 3, requires_grad=True)
+    jf = fulmen.jit(_view_of_a_view_made_under_no_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        actual = jf(x)
+    _same_tensor_answers(actual, _view_of_a_view_made_under_no_grad(x))
+    assert actual._base is x
+    assert fulmen.compile_stats(jf).cache_misses == 1
