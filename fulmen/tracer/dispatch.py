@@ -133,7 +133,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
         self.fresh_grad_names: set[str] = set()
-        self.no_grad_views: set[str] = set()  # NOTE [a view made under no_grad]
+        self.no_grad_views: dict[str, bool] = {}  # NOTE [a view made under no_grad]
         self._internal = 0
         self._detaching = False  # recording the detach `_track_grad` adds under no_grad
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)

@@ -29,9 +29,10 @@ so `v * 2` computed after the block requires grad and has a grad_fn. The tracer 
 results made under no_grad (the `NO_GRAD_DETACH` statement) and, for a view, makes the detached
 value a fresh leaf (`mark_no_grad_view`), also a view taken of such a view: it answers
 `requires_grad` as eager's does, and a result computed from it (`v * 2`) runs eagerly as fresh
-leaves make it. Such a view returned, or a view of it returned, is exempt
-(`ctx.no_grad_views`): the compiled call gives it back by running the same views on the
-argument (NOTE [a view of an input returned] in `fulmen.pipeline`), which is eager's answer.
+leaves make it. Such a view returned, or a view of it returned, is exempt where its views have
+plain arguments (`ctx.no_grad_views`: name -> that): the compiled call gives it back by running
+the same views on the argument (NOTE [a view of an input returned] in `fulmen.pipeline`),
+which is eager's answer; so is one written into another tensor under no_grad.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, valu
             return True
     elif target.name in fresh:  # it keeps requiring grad (`y.add_(1)` under no_grad)
         return value.name not in ctx.requires_grad_names
-    elif value.name not in fresh:
-        return False
+    elif value.name not in fresh or (
+            value.name in ctx.no_grad_views and not torch.is_grad_enabled()):
+        return False  # (a view made under no_grad, written under no_grad: no graph to keep)
     raise FreshLeafGraph(
         "an in-place update of a tensor made to require grad inside the function (or of its "
         "base, or with a value computed from it)", op=op, where=user_source_location())
@@ -137,7 +139,7 @@ def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
         return
     maybe = VIEW_FUNCTIONS[func][2]  # reshape: a view only where the tracer decided it is
     # returned, it is replayed on the argument only with plain arguments (else: runs eagerly)
-    replayable = source in ctx.no_grad_views or source in ctx.mutation.inputs
+    replayable = ctx.no_grad_views.get(source, False) or source in ctx.mutation.inputs
     plain = args[1:] if func not in _SHAPE_OF_SECOND else ()  # `x.view_as(y)`: y's shape
     replayable = replayable and not any(
         isinstance(v, (TensorProxy, torch.SymInt, torch.SymFloat, torch.SymBool))
@@ -147,8 +149,7 @@ def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
         if isinstance(leaf, TensorProxy) and (leaf.dtype.is_floating_point
                                               or leaf.dtype.is_complex) \
                 and leaf.name in views and (not maybe or views[leaf.name].exact):
-            if replayable:
-                ctx.no_grad_views.add(leaf.name)
+            ctx.no_grad_views[leaf.name] = replayable
             mark_fresh(ctx, leaf)
 
 
@@ -160,7 +161,7 @@ def refuse_escaping_fresh(ctx, leaves: list, returned: int) -> None:
     if not ctx.fresh_grad_names:
         return
     for k, leaf in enumerate(leaves):
-        if not isinstance(leaf, TensorProxy) or k < returned and leaf.name in ctx.no_grad_views:
+        if not isinstance(leaf, TensorProxy) or k < returned and ctx.no_grad_views.get(leaf.name):
             continue
         if leaf.name in ctx.fresh_grad_names:
             raise FreshLeafGraph(

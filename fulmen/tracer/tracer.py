@@ -37,6 +37,7 @@ from fulmen.tracer.host_floats import (
     read_float,
     refuse_nan_constants,
 )
+from fulmen.tracer.inference_results import refuse_inference_results
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
@@ -430,6 +431,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             refuse_escaping_fresh(ctx, resolved, len(out_leaves))
+            refuse_inference_results(ctx, resolved)  # NOTE [inference tensors made inside]
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()

@@ -166,3 +166,69 @@ def test_a_view_of_a_view_made_under_no_grad_is_returned_compiled_as_eager_retur
     _same_tensor_answers(actual, _view_of_a_view_made_under_no_grad(x))
     assert actual._base is x
     assert fulmen.compile_stats(jf).cache_misses == 1
+
+
+class _CopiesItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("flat", torch.zeros(16))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.flat.copy_(self.lin.weight.view(-1))  # a view made under no_grad, written
+        return self.lin(x).sum() + self.flat.sum()
+
+
+def test_a_view_made_under_no_grad_written_into_a_buffer_stays_compiled():
+    eager, compiled = _CopiesItsWeight(), _CopiesItsWeight()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        actual = fulmen.jit(compiled)(x)
+    expected = eager(x)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(compiled.flat, eager.flat)
+    actual.backward()
+    expected.backward()
+    torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+
+
+def _doubled_under_inference_mode(x):
+    with torch.inference_mode():
+        y = x * 2
+    return y, y[1:]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_tensor_made_under_inference_mode_is_returned_as_an_inference_tensor(requires_grad):
+    # NOTE [inference tensors made inside]: updating it in place outside inference mode
+    # raises in eager, and must not silently work
+    x = torch.randn(3, requires_grad=requires_grad)
+    expected = _doubled_under_inference_mode(x)
+    with pytest.warns(UserWarning, match="inference_mode"):
+        actual = fulmen.jit(_doubled_under_inference_mode)(x)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+        assert a.is_inference() and e.is_inference()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        actual[0].add_(1)
+
+
+def _view_taken_under_inference_mode(x):
+    with torch.inference_mode():
+        v = x[1:]  # a view of an ordinary tensor: ordinary
+    return v, v * 3
+
+
+def test_a_view_of_an_ordinary_tensor_taken_under_inference_mode_stays_compiled():
+    x = torch.randn(3)
+    jf = fulmen.jit(_view_taken_under_inference_mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actual = jf(x)
+    expected = _view_taken_under_inference_mode(x)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+        assert a.is_inference() is e.is_inference() is False
