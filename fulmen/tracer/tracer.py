@@ -57,6 +57,7 @@ from fulmen.tracer.objects import (
     is_plain_object,
     walk,
 )
+from fulmen.tracer.size_trees import keep_sizes
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT, INT, SymbolicSizes, carrier, number_function
 from fulmen.tracer.vmap import vmap_emulated
@@ -182,7 +183,7 @@ def _flatten_output(out) -> tuple[list, Any]:
                     registered = True
                 continue
         if not registered:
-            return leaves, spec
+            return leaves, keep_sizes(spec)  # a `torch.Size` returned stays one
 
 
 def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProxy]:
@@ -285,6 +286,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     target = module.forward if module is not None else fn
     param_names = _positional_names(target)
     leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+    in_spec = keep_sizes(in_spec)  # a `torch.Size` argument stays one
 
     inputs: list[TensorProxy] = []
     positions: list[int] = []

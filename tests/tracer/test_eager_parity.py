@@ -232,3 +232,34 @@ def test_a_view_of_an_ordinary_tensor_taken_under_inference_mode_stays_compiled(
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
         assert a.is_inference() is e.is_inference() is False
+
+
+
+def _reshaped_by_a_size(x, size):
+    return x.reshape(size.numel()) if isinstance(size, torch.Size) else x * 0
+
+
+def test_a_torch_size_argument_and_result_stay_torch_sizes():
+    # PyTorch's pytree rebuilds a torch.Size node as a plain tuple
+    x = torch.randn(2, 3)
+    assert torch.equal(fulmen.jit(_reshaped_by_a_size)(x, x.shape), _reshaped_by_a_size(x, x.shape))
+    out = fulmen.jit(lambda x: (x * 2, {"shape": x.shape}))(x)
+    assert type(out[1]["shape"]) is torch.Size and out[1]["shape"] == x.shape
+
+
+def _size_returned_after_a_break(x):
+    if x.sum() > 0:  # a graph break: the trace tree assembles the output
+        return x * 2, x.shape[0], {"shape": x.shape}
+    return x, 0, {"shape": x.size()[1:]}
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_symbolic_size_returned_after_a_graph_break_is_this_calls_size(dynamic):
+    jf = fulmen.jit(_size_returned_after_a_break, dynamic=dynamic)
+    for rows in (2, 3, 4, 5):
+        x = torch.randn(rows, 3).abs()
+        for arg in (x, -x):
+            actual, expected = jf(arg), _size_returned_after_a_break(arg)
+            assert actual[1] == expected[1]
+            assert type(actual[2]["shape"]) is torch.Size
+            assert actual[2]["shape"] == expected[2]["shape"]
