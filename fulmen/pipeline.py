@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.autograd_bridge import CompiledPair, run_with_autograd
-from fulmen.core import CallSiteTag, Proxy, Tag, Trace, any_tagged
+from fulmen.core import Tag, Trace, any_tagged
 from fulmen.core.ambient import without_autocast
 from fulmen.core.proxy import iter_proxies
 from fulmen.executors import Executor
@@ -40,8 +40,8 @@ from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
+from fulmen.returned_views import replay, returned_views
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
-from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
@@ -112,7 +112,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
                   and any(p.requires_grad for p in traces[-1].args))
     if needs_grad:
-        returned = _returned_from_inputs(traces[-1])
+        returned = returned_views(traces[-1])
         recompute = _recompute(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
@@ -302,94 +302,10 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     return build
 
 
-_UPDATES = frozenset({Tag.WRITE_BACK, Tag.SIDE_EFFECT})
-
-
-def _returned_from_inputs(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
-    """`(output leaf, input position, chain)` for each output leaf that is an input returned
-    as it is (`return x, y * 2`: chain `()`; not updated in place: that is a new value written
-    back) or made from an input by view ops alone (`return x[1:3].t()`, also the ops that view
-    where they can, `reshape`, and the opaque views, `diagonal`), where `chain` is
-    `((torch_fn, args, kwargs, no_grad, index), ...)`, each applied to the previous result
-    (then its `index`th leaf where not None: `unbind`), under `torch.no_grad()` where
-    `no_grad` holds (NOTE [a view of an input returned]). The detach the tracer adds to a view
-    made under no_grad is left out: eager's view made there requires grad (its base does)
-    with no grad_fn, and so does the replayed one. Views only where the chain's other
-    arguments are plain Python values (or, for `view_as`/`reshape_as`/`expand_as`, a tensor
-    read for its shape), in traces that update no input."""
-    updates = any_tagged(trace.bsyms, _UPDATES)
-    positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
-    producers = {p.name: bsym for bsym in trace.bsyms for p in bsym.proxy_outputs}
-    found = []
-    for k, leaf in enumerate(pytree.tree_leaves(trace.output)):
-        chain, name = [], getattr(leaf, "name", None)
-        while isinstance(leaf, TensorProxy) and name not in positions and not updates:
-            bsym = producers.get(name)
-            if bsym is not None and CallSiteTag.NO_GRAD_DETACH in bsym.tags:
-                leaf = bsym.args[0]
-                name = leaf.name
-                continue
-            link = None if bsym is None else _replayable_view(bsym, leaf)
-            if link is None:
-                chain = None
-                break
-            chain.append(link)
-            leaf = bsym.args[0]
-            name = leaf.name
-        if chain is not None and isinstance(leaf, TensorProxy) and name in positions:
-            found.append((k, positions[name], tuple(reversed(chain))))
-    return tuple(found)
-
-
-# `x.view_as(y)` replays as `x.view(y.shape)`: y is read for its shape only
-_SHAPE_OF_SECOND = {torch.Tensor.view_as: torch.Tensor.view,
-                    torch.Tensor.reshape_as: torch.Tensor.reshape,
-                    torch.Tensor.expand_as: torch.Tensor.expand}
-
-
-def _replayable_view(bsym, leaf: TensorProxy) -> tuple | None:
-    """The chain link that replays `bsym` (a view, or a call that views where it can) on the
-    real first argument to give `leaf`, or None."""
-    fn = bsym.sym.torch_fn
-    if fn is None or not (Tag.VIEW in bsym.sym.tags or fn in VIEW_FUNCTIONS) or not bsym.args \
-            or not isinstance(bsym.args[0], TensorProxy):
-        return None
-    args, kwargs = tuple(bsym.args[1:]), dict(bsym.kwargs)
-    if fn in _SHAPE_OF_SECOND and len(args) == 1 and not kwargs \
-            and isinstance(args[0], TensorProxy):
-        fn, args = _SHAPE_OF_SECOND[fn], (tuple(args[0].shape),)
-    # a proxy or a symbolic size (its value is another at the next call) cannot be replayed
-    if any(isinstance(v, (Proxy, torch.SymInt, torch.SymFloat, torch.SymBool))
-           for v in pytree.tree_leaves((args, kwargs))):
-        return None
-    outputs = pytree.tree_leaves(bsym.output)
-    index = None
-    if len(outputs) != 1 or outputs[0] is not bsym.output:
-        matches = [i for i, out in enumerate(outputs) if out is leaf]
-        if len(matches) != 1 or len(bsym.proxy_outputs) != len(outputs):
-            return None
-        index = matches[0]
-    return fn, args, kwargs, CallSiteTag.NO_GRAD in bsym.tags, index
-
-
 def _call_with_autograd(pair: CompiledPair, output_spec, returned, *inputs):
     outputs = run_with_autograd(pair, inputs)
-    if returned:
-        # NOTE [an input returned as it is]: eager returns the argument itself (a leaf, its
-        # own `.grad`), not an output of the Function (a view of it, a non-leaf)
-        # NOTE [a view of an input returned]: the Function's output would be a view made
-        # inside a custom Function, which autograd forbids to update in place (`y = f(x);
-        # y.mul_(2)` works in eager); the same view ops run on the argument, outside the
-        # Function, give eager's view with eager's autograd (the Function's output goes unused)
-        outputs = list(outputs)
-        for k, position, chain in returned:
-            view = inputs[position]
-            for fn, args, kwargs, no_grad, index in chain:
-                with torch.no_grad() if no_grad else contextlib.nullcontext():
-                    view = fn(view, *args, **kwargs)
-                if index is not None:
-                    view = pytree.tree_leaves(view)[index]
-            outputs[k] = view
+    if returned:  # NOTE [a view of an input returned]: eager's views, made outside
+        outputs = replay(returned, inputs, outputs)
     if output_spec.is_leaf():
         return outputs[0]
     return pytree.tree_unflatten(list(outputs), output_spec)

@@ -95,8 +95,8 @@ class CallSiteTag(enum.StrEnum):
     `CHECKPOINT`: inside a non-reentrant `torch.utils.checkpoint` region (rematerialization
     recomputes its values); `NO_GRAD`: recorded under `torch.no_grad()` in a differentiated
     trace; `NO_GRAD_DETACH`: the detach the tracer adds there (NOTE [a view of an input
-    returned] in `fulmen.pipeline`); `GRAD`: a data-dependent op run between segments, called
-    with grad mode on (`fulmen.tree`).
+    returned] in `fulmen.returned_views`); `GRAD`: a data-dependent op run between segments,
+    called with grad mode on (`fulmen.tree`).
     """
 
     CHECKPOINT = "checkpoint"

@@ -31,7 +31,7 @@ value a fresh leaf (`mark_no_grad_view`), also a view taken of such a view: it a
 `requires_grad` as eager's does, and a result computed from it (`v * 2`) runs eagerly as fresh
 leaves make it. Such a view returned, or a view of it returned, is exempt where its views have
 plain arguments (`ctx.no_grad_views`: name -> that): the compiled call gives it back by running
-the same views on the argument (NOTE [a view of an input returned] in `fulmen.pipeline`),
+the same views on the argument (NOTE [a view of an input returned] in `fulmen.returned_views`),
 which is eager's answer; so is one written into another tensor under no_grad.
 """
 
@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.view_calls import VIEW_FUNCTIONS
+from fulmen.tracer.view_calls import SHAPE_OF_SECOND, VIEW_FUNCTIONS
 
 T = torch.Tensor
 _REQUIRES_GRAD_SET = T.requires_grad.__set__
@@ -123,7 +123,6 @@ def mark_fresh(ctx, proxy: TensorProxy) -> None:
 
 # `x.detach()` and `x.data` are views that never require grad
 _NOT_REQUIRING_GRAD = frozenset({T.detach, torch.detach, T.data.__get__})
-_SHAPE_OF_SECOND = frozenset({T.view_as, T.reshape_as, T.expand_as})
 
 
 def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
@@ -140,7 +139,7 @@ def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
     maybe = VIEW_FUNCTIONS[func][2]  # reshape: a view only where the tracer decided it is
     # returned, it is replayed on the argument only with plain arguments (else: runs eagerly)
     replayable = ctx.no_grad_views.get(source, False) or source in ctx.mutation.inputs
-    plain = args[1:] if func not in _SHAPE_OF_SECOND else ()  # `x.view_as(y)`: y's shape
+    plain = args[1:] if func not in SHAPE_OF_SECOND else ()  # `x.view_as(y)`: y's shape
     replayable = replayable and not any(
         isinstance(v, (TensorProxy, torch.SymInt, torch.SymFloat, torch.SymBool))
         for v in pytree.tree_leaves((plain, kwargs)))

@@ -1,7 +1,8 @@
 """A view of an input returned from a differentiated program answers as eager's view: the
 same `requires_grad`, a real view (so an in-place update of it is seen by autograd, or refused
 as eager refuses it), and under `torch.no_grad()` the same answer as eager's view made there
-(NOTE [a view of an input returned] in `fulmen.pipeline`)."""
+(NOTE [a view of an input returned] in `fulmen.returned_views`); so is a view of another
+output."""
 
 import pytest
 import torch
@@ -68,3 +69,52 @@ def test_a_view_made_under_no_grad_answers_as_eager(name):
     expected, actual = fn(x), fulmen.jit(fn)(x)
     assert torch.equal(actual, expected)
     assert _describe(actual, x) == _describe(expected, x)
+
+
+def _update_one_of_two_aliasing_outputs_then_backward(jit, op, updated):
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, requires_grad=True)
+    outs = jit(lambda x: (lambda h: (h, op(h)))(x * 2))(x)
+    try:  # (eager refuses some: updating a view of `unbind`, or reading one after its base's)
+        outs[updated].mul_(3)
+        (outs[1 - updated] ** 2).sum().backward()
+    except RuntimeError as e:
+        return type(e)
+    return outs[1 - updated].detach(), x.grad
+
+
+@pytest.mark.parametrize("updated", [0, 1])
+@pytest.mark.parametrize("name", sorted(_VIEWS))
+def test_an_output_and_a_view_of_it_updated_in_place_answer_as_in_eager(name, updated):
+    op = _VIEWS[name]
+    expected = _update_one_of_two_aliasing_outputs_then_backward(lambda f: f, op, updated)
+    actual = _update_one_of_two_aliasing_outputs_then_backward(fulmen.jit, op, updated)
+    if isinstance(expected, type):
+        assert actual is expected
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def _views_of_views(x):
+    h = x * 2
+    return h[1:].t(), h, x.t(), h[1:].t()[0]  # (a view of an output listed before its base)
+
+
+def _update_a_view_of_a_view_of_an_output(jit):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    outs = jit(_views_of_views)(x)
+    outs[3].mul_(5)
+    (outs[1] ** 2).sum().backward()
+    return outs[1].detach(), x.grad
+
+
+def test_views_of_outputs_and_inputs_are_replayed_in_order():
+    x = torch.randn(4, 3, requires_grad=True)
+    actual, expected = fulmen.jit(_views_of_views)(x), _views_of_views(x)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e) and a._is_view() == e._is_view()
+    assert actual[0]._base is actual[1] and actual[3]._base is actual[1]
+    assert actual[2]._base is x
+    torch.testing.assert_close(_update_a_view_of_a_view_of_an_output(fulmen.jit),
+                               _update_a_view_of_a_view_of_an_output(lambda f: f))
