@@ -231,7 +231,8 @@ def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:
     """Run a data-dependent op eagerly (recording autograd as eager does, in the grad mode it
     was traced in, without autocast: its arguments were cast when it was traced)."""
     args, kwargs = map_proxies(_real(env), (op.args, op.kwargs))
-    with torch.set_grad_enabled(CallSiteTag.GRAD in op.tags and torch.is_grad_enabled()), no_autocast():
+    grad = CallSiteTag.GRAD in op.tags and torch.is_grad_enabled()
+    with torch.set_grad_enabled(grad), no_autocast():
         out = op.sym.impl(*args, **kwargs)
     bind_outputs(op.output, out, env)
 
