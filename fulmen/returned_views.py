@@ -26,7 +26,7 @@ from fulmen.core import CallSiteTag, Proxy, Tag, Trace, any_tagged
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.view_calls import SHAPE_OF_SECOND, VIEW_FUNCTIONS
 
-_UPDATES = frozenset({Tag.WRITE_BACK, Tag.SIDE_EFFECT})
+_EFFECTS = frozenset({Tag.SIDE_EFFECT})
 
 
 def returned_views(trace: Trace) -> tuple[tuple[int, int, bool, tuple], ...]:
@@ -41,14 +41,14 @@ def returned_views(trace: Trace) -> tuple[tuple[int, int, bool, tuple], ...]:
     made under no_grad is left out: eager's view made there requires grad (its base does)
     with no grad_fn, and so does the replayed one. Views only where the chain's other
     arguments are plain Python values (or, for `view_as`/`reshape_as`/`expand_as`, a tensor
-    read for its shape), in traces that update no input. Ordered so that an output a chain
-    starts from is made before it.
+    read for its shape), of inputs the trace does not update (written back), in traces with no
+    other side effect. Ordered so that an output a chain starts from is made before it.
 
     >>> returned_views(trace_of(lambda x: (x * 2, x.t())))  # doctest: +SKIP
     ((1, 0, False, ((torch.t, (), {}, False, None),)),)
     """
-    if any_tagged(trace.bsyms, _UPDATES):
-        return ()
+    written = {bsym.args[0].name for bsym in trace.bsyms if Tag.WRITE_BACK in bsym.sym.tags}
+    effects = any_tagged([b for b in trace.bsyms if Tag.WRITE_BACK not in b.sym.tags], _EFFECTS)
     positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
     producers = {p.name: bsym for bsym in trace.bsyms for p in bsym.proxy_outputs}
     leaves = pytree.tree_leaves(trace.output)
@@ -60,6 +60,9 @@ def returned_views(trace: Trace) -> tuple[tuple[int, int, bool, tuple], ...]:
     for k, leaf in enumerate(leaves):
         chain, name = [], getattr(leaf, "name", None)
         while isinstance(leaf, TensorProxy) and name not in positions:
+            if effects:
+                chain = None
+                break
             if chain and made.get(name, k) != k:
                 break  # a view of another output
             bsym = producers.get(name)
@@ -74,6 +77,8 @@ def returned_views(trace: Trace) -> tuple[tuple[int, int, bool, tuple], ...]:
             chain.append(link)
             leaf = bsym.args[0]
             name = leaf.name
+        if chain and name in written:
+            continue  # a view of an input updated in place: the Function's output
         if chain is not None and isinstance(leaf, TensorProxy) and name in positions:
             found.append((k, positions[name], False, tuple(reversed(chain))))
         elif chain and isinstance(leaf, TensorProxy) and made.get(name, k) != k:

@@ -118,3 +118,28 @@ def test_views_of_outputs_and_inputs_are_replayed_in_order():
     assert actual[2]._base is x
     torch.testing.assert_close(_update_a_view_of_a_view_of_an_output(fulmen.jit),
                                _update_a_view_of_a_view_of_an_output(lambda f: f))
+
+
+class _CacheAndWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 6))
+        self.weight = torch.nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x, n):
+        self.cache[:, n:n + 2] = x  # a buffer written back: the parameter is not
+        return self.cache[:, :n + 2], self.weight.diagonal(), self.weight
+
+
+def test_a_parameter_returned_beside_a_buffer_update_is_the_parameter_as_in_eager():
+    eager, compiled = _CacheAndWeight(), _CacheAndWeight()
+    compiled.load_state_dict(eager.state_dict())
+    jf = fulmen.jit(compiled)
+    for n in (0, 2):
+        x = torch.full((2, 2), n + 1.0)
+        expected, actual = eager(x, n), jf(x, n)
+        for a, e in zip(actual, expected):
+            assert torch.equal(a, e) and a._is_view() == e._is_view()
+        assert actual[2] is compiled.weight and expected[2] is eager.weight
+        assert actual[1]._base is compiled.weight  # (an opaque view: replayed on the weight)
+    torch.testing.assert_close(compiled.cache, eager.cache)
