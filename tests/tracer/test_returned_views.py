@@ -15,6 +15,8 @@ _VIEWS = {
     "flatten": lambda x: x.flatten(),
     "ravel": lambda x: x.ravel(),
     "reshape_as": lambda x: x.reshape_as(torch.empty(16)),
+    "view_as": lambda x: x.view_as(torch.empty(2, 8)),
+    "unflatten": lambda x: x.unflatten(1, (2, 2)),
     "diagonal": lambda x: x.diagonal(),
     "unfold": lambda x: x.unfold(1, 2, 2),
     "as_strided": lambda x: x.as_strided((2, 2), (1, 2)),
