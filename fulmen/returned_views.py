@@ -94,6 +94,8 @@ def _ordered(found: list) -> tuple:
     while pending:
         ready = [e for e in pending if not e[2] or e[1] not in replayed
                  or any(d[0] == e[1] for d in done)]
+        if not ready:  # (cannot happen: a chain starts from an output made before it)
+            break  # the rest keep the Function's outputs
         done += ready
         pending = [e for e in pending if e not in ready]
     return tuple(done)
