@@ -199,7 +199,8 @@ class CompileMiss:
         segments = split_at_breaks(program.trace, program.requires_grad_names)
         epilogue = program.objects is not None and bool(program.objects.epilogue)
         path = tree.graft(segments, program.trace.output,
-                          None if epilogue else program.output_spec, constants, compile_segment)
+                          None if epilogue else program.output_spec, constants, compile_segment,
+                          arg_proxies)
         if path is not None:  # each path has its own epilogue (one may rebuild a cache object)
             path[-1].objects = program.objects
             path[-1].epilogue_spec = program.output_spec if epilogue else None

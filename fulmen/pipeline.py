@@ -40,6 +40,7 @@ from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
+from fulmen.returned_views import replay, returned_views
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
@@ -111,7 +112,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
                   and any(p.requires_grad for p in traces[-1].args))
     if needs_grad:
-        returned = _returned_from_inputs(traces[-1])
+        returned = returned_views(traces[-1])
         recompute = _recompute(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
@@ -301,61 +302,10 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     return build
 
 
-_UPDATES = frozenset({Tag.WRITE_BACK, Tag.SIDE_EFFECT})
-
-
-def _returned_from_inputs(trace: Trace) -> tuple[tuple[int, int, tuple], ...]:
-    """`(output leaf, input position, chain)` for each output leaf that is an input returned
-    as it is (`return x, y * 2`: chain `()`; not updated in place: that is a new value written
-    back) or made from an input by view ops alone (`return x[1:3].t()`), where `chain` is
-    `((torch_fn, args, kwargs, no_grad), ...)`, each applied to the previous result, under
-    `torch.no_grad()` where `no_grad` holds (NOTE [a view of an input returned]). The detach the
-    tracer adds to a view made under no_grad is left out: eager's view made there requires grad
-    (its base does) with no grad_fn, and so does the replayed one. Views only where the chain's
-    other arguments are plain Python values, in traces that update no input."""
-    updates = any_tagged(trace.bsyms, _UPDATES)
-    positions = {p.name: i for i, p in enumerate(trace.args) if isinstance(p, TensorProxy)}
-    producers = {p.name: bsym for bsym in trace.bsyms for p in bsym.proxy_outputs}
-    found = []
-    for k, leaf in enumerate(pytree.tree_leaves(trace.output)):
-        chain, name = [], getattr(leaf, "name", None)
-        while isinstance(leaf, TensorProxy) and name not in positions and not updates:
-            bsym = producers.get(name)
-            if bsym is not None and "no_grad_detach" in bsym.tags:
-                leaf = bsym.args[0]
-                name = leaf.name
-                continue
-            if bsym is None or Tag.VIEW not in bsym.sym.tags or bsym.sym.torch_fn is None \
-                    or len(bsym.proxy_outputs) != 1 or not bsym.args \
-                    or not isinstance(bsym.args[0], TensorProxy) \
-                    or any(True for _ in iter_proxies((bsym.args[1:], bsym.kwargs))):
-                chain = None
-                break
-            chain.append((bsym.sym.torch_fn, tuple(bsym.args[1:]), dict(bsym.kwargs),
-                          "no_grad" in bsym.tags))
-            leaf = bsym.args[0]
-            name = leaf.name
-        if chain is not None and isinstance(leaf, TensorProxy) and name in positions:
-            found.append((k, positions[name], tuple(reversed(chain))))
-    return tuple(found)
-
-
 def _call_with_autograd(pair: CompiledPair, output_spec, returned, *inputs):
     outputs = run_with_autograd(pair, inputs)
-    if returned:
-        # NOTE [an input returned as it is]: eager returns the argument itself (a leaf, its
-        # own `.grad`), not an output of the Function (a view of it, a non-leaf)
-        # NOTE [a view of an input returned]: the Function's output would be a view made
-        # inside a custom Function, which autograd forbids to update in place (`y = f(x);
-        # y.mul_(2)` works in eager); the same view ops run on the argument, outside the
-        # Function, give eager's view with eager's autograd (the Function's output goes unused)
-        outputs = list(outputs)
-        for k, position, chain in returned:
-            view = inputs[position]
-            for fn, args, kwargs, no_grad in chain:
-                with torch.no_grad() if no_grad else contextlib.nullcontext():
-                    view = fn(view, *args, **kwargs)
-            outputs[k] = view
+    if returned:  # NOTE [a view of an input returned]: eager's views, made outside
+        outputs = replay(returned, inputs, outputs)
     if output_spec.is_leaf():
         return outputs[0]
     return pytree.tree_unflatten(list(outputs), output_spec)

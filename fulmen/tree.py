@@ -24,11 +24,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.ops.breaks import answer_key
 from fulmen.tracer.breaks import no_autocast
+from fulmen.tracer.objects import TRACED_NUMBERS
+from fulmen.tracer.symbolic import number_function
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
 
 MAX_BRANCHES = 8  # distinct answers one guard may have before new ones run eagerly
@@ -66,6 +68,9 @@ class SegmentNode:
         guard: `(fn, args, kwargs)` asked after the segment, or None at a leaf.
         children: answer key -> the node that continues the path for that answer.
         output / output_spec: at a leaf, the program's output built from the run's values.
+        numbers: at a leaf whose output holds traced numbers (a symbolic size returned:
+            `x.shape[0]`), `(positions among the output's leaves, their values' function of
+            the call's inputs)`: each call computes them from its own sizes.
         closed: the guard has had `MAX_BRANCHES` answers; new ones are not compiled.
     """
 
@@ -83,6 +88,7 @@ class SegmentNode:
     op: BoundSymbol | None = None
     objects: Any = None  # at a leaf: the path's `ObjectInputs` (its epilogue)
     epilogue_spec: Any = None  # at a leaf whose epilogue rebuilds outputs: their treespec
+    numbers: tuple | None = None
 
 
 class PathMiss(Exception):
@@ -131,6 +137,12 @@ class TraceTree:
                 raise PathMiss(node, answer)
             node = child
         out = map_proxies(real, node.output)
+        if node.numbers is not None:  # symbolic sizes returned: this call's values
+            positions, values = node.numbers
+            leaves, spec = pytree.tree_flatten(out)
+            for position, value in zip(positions, values(*args)):
+                leaves[position] = value
+            out = pytree.tree_unflatten(leaves, spec)
         if node.output_spec is not None:
             out = pytree.tree_unflatten(list(out), node.output_spec)
         return out, node
@@ -159,10 +171,13 @@ class TraceTree:
 
     def graft(self, segments: list[Segment], output: Any, output_spec: Any,
               constants: dict[str, torch.Tensor],
-              compile_segment: Callable[[Trace], CompiledSegment]) -> list[SegmentNode] | None:
+              compile_segment: Callable[[Trace], CompiledSegment],
+              inputs: tuple = ()) -> list[SegmentNode] | None:
         """Add the path `segments` (one traced path, cut at its breaks); return its nodes, or
         None when a guard on it already has `MAX_BRANCHES` answers (the node is closed).
-        `compile_segment(trace)` runs the pass pipeline on a segment not compiled yet."""
+        `compile_segment(trace)` runs the pass pipeline on a segment not compiled yet;
+        `inputs` are the path's trace inputs the tree is called with (the symbolic sizes of a
+        returned `x.shape[0]` are read from them)."""
         path: list[SegmentNode] = []
         parent, key, old = None, None, self.root
         for segment in segments:
@@ -177,6 +192,11 @@ class TraceTree:
             path.append(node)
             if segment.guard is None:
                 node.output, node.output_spec = output, output_spec
+                leaves = pytree.tree_leaves(output)
+                positions = [i for i, leaf in enumerate(leaves)
+                             if isinstance(leaf, TRACED_NUMBERS)]
+                node.numbers = (positions, number_function(
+                    [leaves[i] for i in positions], list(inputs))) if positions else None
                 # a captured tensor returned as it is (`torch.from_numpy(t.numpy())` after a
                 # break): no segment reads it, the leaf does
                 node.constants = {**node.constants, **{
@@ -211,7 +231,8 @@ def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:
     """Run a data-dependent op eagerly (recording autograd as eager does, in the grad mode it
     was traced in, without autocast: its arguments were cast when it was traced)."""
     args, kwargs = map_proxies(_real(env), (op.args, op.kwargs))
-    with torch.set_grad_enabled("grad" in op.tags and torch.is_grad_enabled()), no_autocast():
+    grad = CallSiteTag.GRAD in op.tags and torch.is_grad_enabled()
+    with torch.set_grad_enabled(grad), no_autocast():
         out = op.sym.impl(*args, **kwargs)
     bind_outputs(op.output, out, env)
 

@@ -7,7 +7,7 @@ from fulmen.core.check import check_trace
 from fulmen.core.errors import FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, any_tagged, flatten
+from fulmen.core.symbol import BoundSymbol, CallSiteTag, Symbol, Tag, any_tagged, flatten
 from fulmen.core.trace import Trace, TraceCtx, get_tracectx, tracing
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "SourceLocation",
     "Symbol",
     "Tag",
+    "CallSiteTag",
     "Trace",
     "TraceCtx",
     "check_trace",

@@ -87,6 +87,24 @@ class Tag(enum.StrEnum):
     GRAPH_BREAK = "graph_break"  # the guard statement a graph break records
 
 
+class CallSiteTag(enum.StrEnum):
+    """What the tracer knew where it recorded a statement (`BoundSymbol.tags`), set by the
+    tracer (`TracerCtx.call_site_tags`, the graph-break recorder) and read by passes. A
+    statement refuses a tag that is not a member, so a misspelt one fails where it is written.
+
+    `CHECKPOINT`: inside a non-reentrant `torch.utils.checkpoint` region (rematerialization
+    recomputes its values); `NO_GRAD`: recorded under `torch.no_grad()` in a differentiated
+    trace; `NO_GRAD_DETACH`: the detach the tracer adds there (NOTE [a view of an input
+    returned] in `fulmen.returned_views`); `GRAD`: a data-dependent op run between segments,
+    called with grad mode on (`fulmen.tree`).
+    """
+
+    CHECKPOINT = "checkpoint"
+    NO_GRAD = "no_grad"
+    NO_GRAD_DETACH = "no_grad_detach"
+    GRAD = "grad"
+
+
 class Symbol:
     """An operation that can appear in a trace.
 
@@ -150,7 +168,8 @@ class BoundSymbol:
 
     `subsymbols` are the bound symbols the symbol's decomposition recorded (empty for prims and
     executor operations); `source` is the user's line, set on top-level statements; `tags` mark
-    the call site (e.g. `"checkpoint"`: inside a `torch.utils.checkpoint` region).
+    the call site (`CallSiteTag` members: `CHECKPOINT` inside a `torch.utils.checkpoint`
+    region, ...).
     """
 
     sym: Symbol
@@ -159,12 +178,16 @@ class BoundSymbol:
     output: Any = None
     subsymbols: tuple[BoundSymbol, ...] = ()
     source: SourceLocation | None = None
-    tags: frozenset[str] = frozenset()
+    tags: frozenset[CallSiteTag] = frozenset()
     # NOTE [names of a statement, kept]: the names it reads and writes, computed at the first
     # question (passes ask tens of thousands of times per compile) and kept. A statement is
     # frozen and its arguments are not changed after it is recorded; the kept sets are
     # frozensets, so code that tried to change one would raise, not corrupt the statement.
     _names: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tags:  # members only: a misspelt tag fails where the statement is made
+            object.__setattr__(self, "tags", frozenset(map(CallSiteTag, self.tags)))
 
     def replace(self, **changes) -> BoundSymbol:
         return dataclasses.replace(self, **changes)

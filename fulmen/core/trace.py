@@ -25,7 +25,7 @@ from fulmen.core.names import NameAllocator
 from fulmen.core.printer import highlight_html, print_trace
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import user_source_location
-from fulmen.core.symbol import _TRACECTX, BoundSymbol, Symbol
+from fulmen.core.symbol import _TRACECTX, BoundSymbol, CallSiteTag, Symbol
 
 _callable_ids = itertools.count()
 _COMPILE_LOCK = threading.Lock()  # see `Trace.python_callable`
@@ -201,7 +201,7 @@ class TraceCtx:
         `undecided_layouts` is not empty, from the Python frame `caller`; the tracer raises
         where that layout is not eager's."""
 
-    def call_site_tags(self) -> frozenset[str]:
+    def call_site_tags(self) -> frozenset[CallSiteTag]:
         """Tags for a top-level statement being recorded now (the tracer adds some)."""
         return frozenset()
 

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, SourceLocation, TraceCtx
+from fulmen.core import (
+    BoundSymbol,
+    CallSiteTag,
+    FulmenError,
+    NotYetSupportedError,
+    SourceLocation,
+    TraceCtx,
+)
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
@@ -201,7 +208,7 @@ class BreakRecorder:
             return proxy
 
         proxy_out = pytree.tree_map(to_proxy, out)
-        tags = self.ctx.call_site_tags() | ({"grad"} if torch.is_grad_enabled() else set())
+        tags = self.ctx.call_site_tags() | ({CallSiteTag.GRAD} if torch.is_grad_enabled() else set())
         self.ctx.bsyms.append(BoundSymbol(sym, args, dict(kwargs), proxy_out, (),
                                           user_source_location(), frozenset(tags)))
         self.done = len(self.ctx.bsyms)

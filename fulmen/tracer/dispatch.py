@@ -35,7 +35,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Tag, TraceCtx
+from fulmen.core import (
+    CallSiteTag,
+    FulmenError,
+    NotYetSupportedError,
+    RunsEagerly,
+    Tag,
+    TraceCtx,
+)
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.host_float import has_host_float
@@ -56,6 +63,7 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
+from fulmen.tracer.fresh_leaves import mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time, refuse_host_floats
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
@@ -125,6 +133,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
         self.fresh_grad_names: set[str] = set()
+        self.no_grad_views: dict[str, bool] = {}  # NOTE [a view made under no_grad]
         self._internal = 0
         self._detaching = False  # recording the detach `_track_grad` adds under no_grad
         # set by the tracer when value-dependent Python may break the graph (BreakRecorder)
@@ -169,20 +178,20 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
         return pytree.tree_map(convert, tree)
 
-    def call_site_tags(self) -> frozenset[str]:
-        """`{"checkpoint"}` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
+    def call_site_tags(self) -> frozenset[CallSiteTag]:
+        """`CHECKPOINT` inside a `torch.utils.checkpoint` region (non-reentrant: its saved-
         tensor hooks are active), so rematerialization recomputes the region's values;
-        `"no_grad"` for a statement recorded under `torch.no_grad()` in a differentiated trace,
-        `"no_grad_detach"` for the detach `_track_grad` adds there (NOTE [a view of an input
+        `NO_GRAD` for a statement recorded under `torch.no_grad()` in a differentiated trace,
+        `NO_GRAD_DETACH` for the detach `_track_grad` adds there (NOTE [a view of an input
         returned], which replays views made under no_grad as eager made them)."""
         tags = set()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
-            tags.add("checkpoint")
+            tags.add(CallSiteTag.CHECKPOINT)
         if self.differentiable and not torch.is_grad_enabled():
-            tags.add("no_grad")
+            tags.add(CallSiteTag.NO_GRAD)
         if self._detaching:
-            tags.add("no_grad_detach")
+            tags.add(CallSiteTag.NO_GRAD_DETACH)
         return frozenset(tags)
 
     def handle(self, func, types, args, kwargs):
@@ -249,6 +258,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
             self.mutation.refuse_grad_reads((args, kwargs), out)
         if func in VIEW_FUNCTIONS:
             self.mutation.record_view(func, args, kwargs, out)
+            mark_no_grad_view(self, func, args, kwargs, out)  # NOTE [a view made under no_grad]
         if getattr(out, "_fulmen_layout_undecided", False) and isinstance(args[0], TensorProxy):
             # NOTE [contiguous of a batch of 1]: eager may return `args[0]` itself
             self.mutation.record_maybe_alias(args[0], out, "Tensor.contiguous")

@@ -22,15 +22,28 @@ behaviour as long as nothing observable depends on the leaf's graph:
 
 `ctx.fresh_grad_names` holds the names of the fresh leaves and of the values that depend on one
 but on no input requiring grad; `Functionalizer.fresh_roots` the roots of the fresh leaves.
+
+NOTE [a view made under no_grad]: in eager, `with torch.no_grad(): v = x[1:]` of an `x` that
+requires grad gives a view that requires grad with no grad_fn: a new leaf, as a fresh leaf is,
+so `v * 2` computed after the block requires grad and has a grad_fn. The tracer detaches
+results made under no_grad (the `NO_GRAD_DETACH` statement) and, for a view, makes the detached
+value a fresh leaf (`mark_no_grad_view`), also a view taken of such a view: it answers
+`requires_grad` as eager's does, and a result computed from it (`v * 2`) runs eagerly as fresh
+leaves make it. Such a view returned, or a view of it returned, is exempt where its views have
+plain arguments (`ctx.no_grad_views`: name -> that): the compiled call gives it back by running
+the same views on the argument (NOTE [a view of an input returned] in `fulmen.returned_views`),
+which is eager's answer; so is one written into another tensor under no_grad.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from fulmen.core import RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.view_calls import SHAPE_OF_SECOND, VIEW_FUNCTIONS
 
 T = torch.Tensor
 _REQUIRES_GRAD_SET = T.requires_grad.__set__
@@ -92,8 +105,9 @@ def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, valu
             return True
     elif target.name in fresh:  # it keeps requiring grad (`y.add_(1)` under no_grad)
         return value.name not in ctx.requires_grad_names
-    elif value.name not in fresh:
-        return False
+    elif value.name not in fresh or (
+            value.name in ctx.no_grad_views and not torch.is_grad_enabled()):
+        return False  # (a view made under no_grad, written under no_grad: no graph to keep)
     raise FreshLeafGraph(
         "an in-place update of a tensor made to require grad inside the function (or of its "
         "base, or with a value computed from it)", op=op, where=user_source_location())
@@ -107,14 +121,50 @@ def mark_fresh(ctx, proxy: TensorProxy) -> None:
             T.requires_grad_(proxy)
 
 
-def refuse_escaping_fresh(ctx, leaves: list) -> None:
-    """Raise `FreshLeafGraph` if one of `leaves` (the results and the epilogue's stored
-    values) requires grad only because of a fresh leaf (NOTE [fresh leaves])."""
+# `x.detach()` and `x.data` are views that never require grad
+_NOT_REQUIRING_GRAD = frozenset({T.detach, torch.detach, T.data.__get__})
+
+
+def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
+    """After view call `func` on `args` gave `out` (registered as views): make the outputs
+    fresh leaves where eager's view requires grad with no grad_fn, a view of a tensor requiring
+    grad made under no_grad, or a view of such a view (NOTE [a view made under no_grad])."""
+    if not ctx.differentiable or func in _NOT_REQUIRING_GRAD or not args \
+            or not isinstance(args[0], TensorProxy):
+        return
+    source = args[0].name
+    if source not in ctx.no_grad_views and (
+            torch.is_grad_enabled() or source not in ctx.requires_grad_names):
+        return
+    maybe = VIEW_FUNCTIONS[func][2]  # reshape: a view only where the tracer decided it is
+    # returned, it is replayed on the argument only with plain arguments (else: runs eagerly)
+    replayable = ctx.no_grad_views.get(source, False) or source in ctx.mutation.inputs
+    plain = args[1:] if func not in SHAPE_OF_SECOND else ()  # `x.view_as(y)`: y's shape
+    replayable = replayable and not any(
+        isinstance(v, (TensorProxy, torch.SymInt, torch.SymFloat, torch.SymBool))
+        for v in pytree.tree_leaves((plain, kwargs)))
+    views = ctx.mutation.views
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, TensorProxy) and (leaf.dtype.is_floating_point
+                                              or leaf.dtype.is_complex) \
+                and leaf.name in views and (not maybe or views[leaf.name].exact):
+            ctx.no_grad_views[leaf.name] = replayable
+            mark_fresh(ctx, leaf)
+
+
+def refuse_escaping_fresh(ctx, leaves: list, returned: int) -> None:
+    """Raise `FreshLeafGraph` if one of `leaves` (the first `returned` the results, then the
+    epilogue's stored values) requires grad only because of a fresh leaf (NOTE [fresh
+    leaves]); a view made under no_grad (or a view of one) may be returned (NOTE [a view made
+    under no_grad])."""
     if not ctx.fresh_grad_names:
         return
-    for leaf in leaves:
-        if isinstance(leaf, TensorProxy) and leaf.name in ctx.fresh_grad_names:
+    for k, leaf in enumerate(leaves):
+        if not isinstance(leaf, TensorProxy) or k < returned and ctx.no_grad_views.get(leaf.name):
+            continue
+        if leaf.name in ctx.fresh_grad_names:
             raise FreshLeafGraph(
-                f"{leaf.name}, a result of the function, requires grad only because of a "
-                "tensor given requires_grad_() inside it; the compiled call would return it "
-                "without a grad_fn", op="Tensor.requires_grad_")
+                f"{leaf.name}, a result of the function, requires grad only because of a new "
+                "autograd leaf made inside it (a tensor given requires_grad_(), or a view of "
+                "a tensor requiring grad taken under torch.no_grad()); the compiled call would "
+                "return it without a grad_fn", op="Tensor.requires_grad_")

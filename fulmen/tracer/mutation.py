@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, FulmenError, NotYetSupportedError, RunsEagerly
+from fulmen.core import BoundSymbol, CallSiteTag, FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import WRITE_BACK, replay, snapshot, view_of_written, view_scatter
@@ -342,7 +342,7 @@ class Functionalizer(InplaceCalls):
                                "it) is modified in place", op=op, where=user_source_location())
         self._check_grad(root, op)
         if root.proxy.name in self.inputs and torch.is_grad_enabled() \
-                and "checkpoint" in self.ctx.call_site_tags():
+                and CallSiteTag.CHECKPOINT in self.ctx.call_site_tags():
             raise CheckpointedUpdate(f"{root.proxy.name} is modified in place inside a "
                                      "torch.utils.checkpoint region, which eager's backward "
                                      "runs again", op=op, where=user_source_location())

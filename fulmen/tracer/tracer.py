@@ -37,6 +37,7 @@ from fulmen.tracer.host_floats import (
     read_float,
     refuse_nan_constants,
 )
+from fulmen.tracer.inference_results import refuse_inference_results
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_flags import answered_for_proxies
@@ -56,6 +57,7 @@ from fulmen.tracer.objects import (
     is_plain_object,
     walk,
 )
+from fulmen.tracer.size_trees import keep_sizes
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT, INT, SymbolicSizes, carrier, number_function
 from fulmen.tracer.vmap import vmap_emulated
@@ -181,7 +183,7 @@ def _flatten_output(out) -> tuple[list, Any]:
                     registered = True
                 continue
         if not registered:
-            return leaves, spec
+            return leaves, keep_sizes(spec)  # a `torch.Size` returned stays one
 
 
 def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProxy]:
@@ -284,6 +286,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     target = module.forward if module is not None else fn
     param_names = _positional_names(target)
     leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+    in_spec = keep_sizes(in_spec)  # a `torch.Size` argument stays one
 
     inputs: list[TensorProxy] = []
     positions: list[int] = []
@@ -429,7 +432,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             _clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
             extras = _epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
-            refuse_escaping_fresh(ctx, resolved)
+            refuse_escaping_fresh(ctx, resolved, len(out_leaves))
+            refuse_inference_results(ctx, resolved)  # NOTE [inference tensors made inside]
             out_leaves, extras = resolved[:len(out_leaves)], resolved[len(out_leaves):]
     finally:
         objects.finish_restore()

@@ -26,6 +26,10 @@ _VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
 _UNREPLAYABLE = ("as_strided", "expand", "expand_as", "broadcast_to", "unfold")
 
 
+# `x.view_as(y)` is `x.view(y.shape)`: y is read for its shape only
+SHAPE_OF_SECOND = {T.view_as: T.view, T.reshape_as: T.reshape, T.expand_as: T.expand}
+
+
 def _view_table() -> dict:
     table: dict = {}
     for names, maybe in ((_VIEW_METHODS, False), (_MAYBE_VIEW_METHODS, True)):
@@ -49,4 +53,4 @@ def _is_basic_index(index) -> bool:
                and not isinstance(item, bool) for item in items)
 
 
-__all__ = ["VIEW_FUNCTIONS"]
+__all__ = ["SHAPE_OF_SECOND", "VIEW_FUNCTIONS"]

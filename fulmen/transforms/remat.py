@@ -60,7 +60,7 @@ from collections.abc import Iterable
 
 import networkx as nx
 
-from fulmen.core import BoundSymbol, Trace, flatten
+from fulmen.core import BoundSymbol, CallSiteTag, Trace, flatten
 from fulmen.core.proxy import Proxy
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import size_hints
@@ -104,7 +104,7 @@ def is_recomputable(bsym: BoundSymbol) -> bool:
     checkpoint regions, never contractions or gathers."""
     if bsym.has_side_effects or "opaque" in bsym.sym.tags:
         return False
-    if "checkpoint" in bsym.tags:
+    if CallSiteTag.CHECKPOINT in bsym.tags:
         return True
     if bsym.sym.is_prim:
         if "reduction" in bsym.sym.tags:
@@ -140,7 +140,7 @@ def input_derived(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol])
         if not is_recomputable(bsym) or not all(p.name in derived for p in bsym.proxy_inputs):
             continue
         derived |= bsym.output_names
-        if not is_view(bsym) and "checkpoint" not in bsym.tags and bsym.proxy_outputs:
+        if not is_view(bsym) and CallSiteTag.CHECKPOINT not in bsym.tags and bsym.proxy_outputs:
             charged.add(id(bsym))
     return charged
 
@@ -176,7 +176,7 @@ def choose_saved(forward_inputs: Iterable[Proxy], bsyms: Iterable[BoundSymbol],
         view = recomputable and is_view(bsym)
         # the user asked for a checkpoint region's values to be recomputed: saving them costs
         # far more than their bytes (finite, so a region with an opaque op stays feasible)
-        checkpoint = recomputable and "checkpoint" in bsym.tags
+        checkpoint = recomputable and CallSiteTag.CHECKPOINT in bsym.tags
         weight = CHECKPOINT_WEIGHT if checkpoint else 1
         statement = f"{id(bsym)}:statement"
         charged = id(bsym) in charged_ids

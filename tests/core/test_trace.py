@@ -90,3 +90,14 @@ def test_name_allocation():
     assert names.named("t1") == "t1_1"  # never collides with temporaries
     assert sanitize("layers.0.weight") == "layers_0_weight"
     assert sanitize("lambda") == "lambda_"
+
+
+def test_a_call_site_tag_that_is_not_a_member_fails_where_the_statement_is_made():
+    from fulmen.core import CallSiteTag
+
+    _, _, traces = _jitted_traces()
+    statement = traces[0].bsyms[0]
+    tagged = statement.replace(tags=frozenset({"checkpoint"}))
+    assert tagged.tags == {CallSiteTag.CHECKPOINT}
+    with pytest.raises(ValueError, match="chekpoint"):
+        statement.replace(tags=frozenset({"chekpoint"}))

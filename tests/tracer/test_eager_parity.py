@@ -1,6 +1,8 @@
 """Divergences from eager PyTorch in requires_grad, aliasing and autograd behaviour, each found
 by a probe and fixed: the compiled call must answer as eager does."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -121,3 +123,143 @@ def test_buffer_updated_in_place_with_a_value_requiring_grad_answers_as_eager():
 def test_buffer_updated_with_a_value_requiring_grad_under_fullgraph_names_op_buffer_and_line():
     with pytest.raises(fulmen.core.RunsEagerly, match=r"(?s)add_.*avg.*self\.avg\.mul_\(0\.9\)"):
         fulmen.jit(_RunningMean(), fullgraph=True)(torch.randn(4, 3))
+
+
+
+def _computed_from_a_view_made_under_no_grad(x):
+    with torch.no_grad():
+        v = x[1:]
+    return v * 2, v.requires_grad
+
+
+def _view_of_a_view_made_under_no_grad(x):
+    with torch.no_grad():
+        v = x[1:]
+        w = v.reshape(-1)
+    return w.t() if w.dim() > 1 else w[1:]
+
+
+def _same_tensor_answers(actual, expected):
+    assert torch.equal(actual, expected)
+    assert (actual.requires_grad, actual.is_leaf, actual.grad_fn is None, actual._is_view()) == (
+        expected.requires_grad, expected.is_leaf, expected.grad_fn is None, expected._is_view())
+
+
+def test_a_result_computed_from_a_view_made_under_no_grad_requires_grad_as_in_eager():
+    # eager's view of a tensor requiring grad made under no_grad is a new leaf that requires
+    # grad (NOTE [a view made under no_grad]): so is what is computed from it afterwards (the
+    # compiled call runs eagerly, as for any result of a leaf made inside the function)
+    x = torch.randn(4, 3, requires_grad=True)
+    expected = _computed_from_a_view_made_under_no_grad(x)
+    with pytest.warns(UserWarning, match="torch.no_grad"):
+        actual = fulmen.jit(_computed_from_a_view_made_under_no_grad)(x)
+    _same_tensor_answers(actual[0], expected[0])
+    assert actual[1] is expected[1] is True
+
+
+def test_a_view_of_a_view_made_under_no_grad_is_returned_compiled_as_eager_returns_it():
+    x = torch.randn(4, 3, requires_grad=True)
+    jf = fulmen.jit(_view_of_a_view_made_under_no_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        actual = jf(x)
+    _same_tensor_answers(actual, _view_of_a_view_made_under_no_grad(x))
+    assert actual._base is x
+    assert fulmen.compile_stats(jf).cache_misses == 1
+
+
+class _CopiesItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("flat", torch.zeros(16))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.flat.copy_(self.lin.weight.view(-1))  # a view made under no_grad, written
+        return self.lin(x).sum() + self.flat.sum()
+
+
+def test_a_view_made_under_no_grad_written_into_a_buffer_stays_compiled():
+    eager, compiled = _CopiesItsWeight(), _CopiesItsWeight()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        actual = fulmen.jit(compiled)(x)
+    expected = eager(x)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(compiled.flat, eager.flat)
+    actual.backward()
+    expected.backward()
+    torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+
+
+def _doubled_under_inference_mode(x):
+    with torch.inference_mode():
+        y = x * 2
+    return y, y[1:]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_tensor_made_under_inference_mode_is_returned_as_an_inference_tensor(requires_grad):
+    # NOTE [inference tensors made inside]: updating it in place outside inference mode
+    # raises in eager, and must not silently work
+    x = torch.randn(3, requires_grad=requires_grad)
+    expected = _doubled_under_inference_mode(x)
+    with pytest.warns(UserWarning, match="inference_mode"):
+        actual = fulmen.jit(_doubled_under_inference_mode)(x)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+        assert a.is_inference() and e.is_inference()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        actual[0].add_(1)
+
+
+def _view_taken_under_inference_mode(x):
+    with torch.inference_mode():
+        v = x[1:]  # a view of an ordinary tensor: ordinary
+    return v, v * 3
+
+
+def test_a_view_of_an_ordinary_tensor_taken_under_inference_mode_stays_compiled():
+    x = torch.randn(3)
+    jf = fulmen.jit(_view_taken_under_inference_mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actual = jf(x)
+    expected = _view_taken_under_inference_mode(x)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+        assert a.is_inference() is e.is_inference() is False
+
+
+
+def _reshaped_by_a_size(x, size):
+    return x.reshape(size.numel()) if isinstance(size, torch.Size) else x * 0
+
+
+def test_a_torch_size_argument_and_result_stay_torch_sizes():
+    # PyTorch's pytree rebuilds a torch.Size node as a plain tuple
+    x = torch.randn(2, 3)
+    assert torch.equal(fulmen.jit(_reshaped_by_a_size)(x, x.shape), _reshaped_by_a_size(x, x.shape))
+    out = fulmen.jit(lambda x: (x * 2, {"shape": x.shape}))(x)
+    assert type(out[1]["shape"]) is torch.Size and out[1]["shape"] == x.shape
+
+
+def _size_returned_after_a_break(x):
+    if x.sum() > 0:  # a graph break: the trace tree assembles the output
+        return x * 2, x.shape[0], {"shape": x.shape}
+    return x, 0, {"shape": x.size()[1:]}
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_symbolic_size_returned_after_a_graph_break_is_this_calls_size(dynamic):
+    jf = fulmen.jit(_size_returned_after_a_break, dynamic=dynamic)
+    for rows in (2, 3, 4, 5):
+        x = torch.randn(rows, 3).abs()
+        for arg in (x, -x):
+            actual, expected = jf(arg), _size_returned_after_a_break(arg)
+            assert actual[1] == expected[1]
+            assert type(actual[2]["shape"]) is torch.Size
+            assert actual[2]["shape"] == expected[2]["shape"]
