@@ -9,7 +9,8 @@
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
 Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
-the inputs: a call then only allocates its outputs, writes its pointers into a block of the
+the inputs, in a table shared by every region of the same kernel, sizes and outputs
+(`_plan_table`: the layers of a model repeat their regions): a call then only allocates its outputs, writes its pointers into a block of the
 kernel's arguments (sizes and strides written once) and calls the kernel's one-argument entry
 (NOTE [one-argument entry] in `compiler.py`). A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
 kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
@@ -39,6 +40,7 @@ import ctypes
 import functools
 import math
 import warnings
+import weakref
 from collections import deque
 from concurrent.futures import Future
 
@@ -95,12 +97,12 @@ class FusedRegion(RegionCallable):
         self.calls = 0
         self._kernels: dict[tuple, Future] = {}
         self._ready: dict[tuple, object] = {}  # the loaded kernel of each layout, once done
-        self._plans: dict[tuple, tuple] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
         if isinstance(self.kernel, RowKernel):  # kept-shape pointers do not move along a row
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
         source = self._source(contiguous)
+        self._plans = _plan_table(self, source)
         if policy.mode == "eager" or compiler.is_kernel_cached(source):
             self._start(contiguous)  # the common layout, in the background
 
@@ -314,6 +316,38 @@ class FusedRegion(RegionCallable):
         views = None if direct else strided_views(lowered, inputs)
         return _Plan(fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                      len(inputs))
+
+
+class _PlanTable(dict):
+    """The call plans of one region signature (`_plan_table`), by plan key."""
+
+    __slots__ = ("__weakref__",)
+
+
+# the plan tables of the live regions, by signature: a table lives as long as a region using it
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _plan_table(region: FusedRegion, source: str) -> dict:
+    """The table of call plans `region` shares with every live region of the same signature:
+    an equal kernel rendering to the same source (`source`, its common layout: constants that
+    compare equal but are not, such as -0.0 and 0.0, print apart), the same iteration shape,
+    outputs, input types and (symbolic regions) the same sizes read from the same inputs
+    (`Binder.source`). Such regions make the same plan for the same inputs, down to the
+    kernel (compiled from the same source), so a plan one of them made serves them all: the
+    layers of tiny HF Llama repeat their regions, and a sweep over shapes made each plan once
+    per layer. The regions' own inputs (proxies of other names) are not part of it."""
+    lowered = region.lowered
+    binder = region.binder
+    signature = (type(region), source, lowered.kernel, lowered.shape, lowered.outputs,
+                 region.input_types, None if binder is None else binder.source)
+    try:
+        table = _TABLES.get(signature)
+    except TypeError:  # an unhashable parameter: a table of its own
+        return _PlanTable()
+    if table is None:
+        table = _TABLES[signature] = _PlanTable()
+    return table
 
 
 class _Plan:
