@@ -10,10 +10,11 @@
 
 Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
 the inputs, in a table shared by every region of the same kernel, sizes and outputs
-(`_plan_table`: the layers of a model repeat their regions): a call then only allocates its outputs, writes its pointers into a block of the
-kernel's arguments (sizes and strides written once) and calls the kernel's one-argument entry
-(NOTE [one-argument entry] in `compiler.py`). A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
-kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
+(`_plan_table`: the layers of a model repeat their regions): a call then only allocates its
+outputs, writes its pointers into a block of the kernel's arguments (sizes and strides written
+once) and calls the kernel's one-argument entry (NOTE [one-argument entry] in `compiler.py`).
+A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`):
+a kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
 would reinterpret their bytes.
 
 When kernels are compiled is the `policy` (`build.py`: `set_compile_policy`, or the variable
@@ -184,6 +185,10 @@ class FusedRegion(RegionCallable):
             if len(self._plans) >= MAX_BOUND:
                 self._plans.clear()
             self._plans[_kept_key(key)] = plan
+        elif self._ready.get(plan.layout) is not plan.fn:
+            # a plan another region of this signature made (`_plan_table`): this region runs
+            # it with its own kernel, once its compile policy has it (it raises Fallback before)
+            plan.fn = self._kernel_for(plan.layout)
         outs = [new() for new in plan.news]
         if plan.extra:  # masks (the plan's) and copies (this call's) stay alive past the kernel
             inputs = (*inputs, *plan.masks, *[copy.base(inputs) for copy in plan.copies])
@@ -267,7 +272,8 @@ class FusedRegion(RegionCallable):
         if nthreads > 1 and nrows < 4 * nthreads:
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, inputs)
+        return self._call_plan(fn, layout, sizes, rows, pointers, block, nthreads, lowered,
+                               inputs)
 
     def _plan_rows(self, inputs, lowered) -> _Plan:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
@@ -303,10 +309,11 @@ class FusedRegion(RegionCallable):
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
         fn = self._kernel_for(layout)
         rows = [o + i for o, i in zip(outer_rows, inner_rows)]
-        return self._call_plan(fn, outer + inner, rows, pointers, len(outer), nthreads, lowered,
-                               inputs)
+        return self._call_plan(fn, layout, outer + inner, rows, pointers, len(outer), nthreads,
+                               lowered, inputs)
 
-    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, inputs) -> _Plan:
+    def _call_plan(self, fn, layout, sizes, rows, pointers, arg, nthreads, lowered,
+                   inputs) -> _Plan:
         """A plan (see `_plan`) from the coalesced sizes and stride rows, the kernel's
         pointers, its block (or number of kept axes) and threads. Plans are kept per shape (up
         to `MAX_BOUND`), so one does not hold the concrete region `lowered`."""
@@ -314,7 +321,7 @@ class FusedRegion(RegionCallable):
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
-        return _Plan(fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+        return _Plan(fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                      len(inputs))
 
 
@@ -336,7 +343,9 @@ def _plan_table(region: FusedRegion, source: str) -> dict:
     (`Binder.source`). Such regions make the same plan for the same inputs, down to the
     kernel (compiled from the same source), so a plan one of them made serves them all: the
     layers of tiny HF Llama repeat their regions, and a sweep over shapes made each plan once
-    per layer. The regions' own inputs (proxies of other names) are not part of it."""
+    per layer. The regions' own inputs (proxies of other names) are not part of it. Each
+    region runs a shared plan with its own kernel (`plan.layout`'s, as its compile policy
+    gives it: `_kernel_for`), so when it compiles and whether it waits stay its own."""
     lowered = region.lowered
     binder = region.binder
     signature = (type(region), source, lowered.kernel, lowered.shape, lowered.outputs,
@@ -358,17 +367,18 @@ class _Plan:
 
     `reads` are (source, byte offset) per access: a source indexes the call's inputs, then
     `masks` (the plan's own tensors), then one base per `_Copy` in `copies`, made anew by each
-    call. `news` allocate the outputs. A block holds the sizes and strides, written once, and
+    call. `news` allocate the outputs. `fn` is the kernel compiled for `layout` (the
+    pointers' inner-stride classes). A block holds the sizes and strides, written once, and
     the pointers of one call: blocks not in use wait in `free`, and a call takes one from it
     (or makes one), so calls on several threads (the GIL is released while a kernel runs)
     never share a block."""
 
-    __slots__ = ("fn", "reads", "masks", "copies", "extra", "news", "start", "header",
+    __slots__ = ("fn", "layout", "reads", "masks", "copies", "extra", "news", "start", "header",
                  "block_type", "free", "direct", "views")
 
-    def __init__(self, fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+    def __init__(self, fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                  ninputs: int) -> None:
-        self.fn, self.direct, self.views = fn, direct, views
+        self.fn, self.layout, self.direct, self.views = fn, layout, direct, views
         masks = [where for where, _ in pointers if isinstance(where, torch.Tensor)]
         copies = [where for where, _ in pointers if isinstance(where, _Copy)]
         reads = []
