@@ -143,3 +143,21 @@ def test_regions_of_equal_looking_constants_do_not_share_plans(scale):
     torch.testing.assert_close(jfn(x, w), fn(x, w), equal_nan=True)
     first, second = _regions(jfn)
     assert first._plans is not second._plans
+
+
+def test_column_sums_over_other_axes_do_not_share_plans():
+    """`(x * 2).sum(0)` and `(x * 2).sum((0, 1))` of one (30, 20, 70) input lower to equal
+    kernels over one shape, reduced over other axes (`LoweredRows.reduced`: (1, 2) and (2,)),
+    so their plans differ ((20, 70) and (70,) outputs): the regions never share them (NOTE [a
+    plan's signature is the whole lowered region] in `runtime.py`), and each result is its
+    own. A signature without `reduced` ran the second region with the first's plan. (Small
+    integers: sums exact in any order.)"""
+    x = torch.randint(-4, 5, (30, 20, 70)).float()
+    fns = (lambda t: (t * 2).sum(0), lambda t: (t * 2).sum((0, 1)))
+    jfns = [fulmen.jit(fn, executors=EXECUTORS) for fn in fns]
+    for fn, jfn in zip(fns, jfns):
+        torch.testing.assert_close(jfn(x), fn(x))
+    (first,), (second,) = (_regions(jfn) for jfn in jfns)
+    assert first.kernel == second.kernel and first.lowered.shape == second.lowered.shape
+    assert first.lowered.reduced != second.lowered.reduced
+    assert first._plans is not second._plans

@@ -9,8 +9,8 @@
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
 Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
-the inputs, in a table shared by every region of the same kernel, sizes and outputs
-(`_plan_table`: the layers of a model repeat their regions): a call then only allocates its
+the inputs, in a table shared by every live region of the same lowered description
+(`_signature`: the layers of a model repeat their regions): a call then only allocates its
 outputs, writes its pointers into a block of the kernel's arguments (sizes and strides written
 once) and calls the kernel's one-argument entry (NOTE [one-argument entry] in `compiler.py`).
 A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`):
@@ -38,6 +38,7 @@ executor from then on: never a crash, never a wrong result.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import warnings
@@ -64,6 +65,7 @@ from fulmen.executors.codegen.region import (
     resolve,
     strided_views,
 )
+from fulmen.executors.codegen.sizes import freeze
 
 __all__ = ["FusedRegion", "render_any"]
 
@@ -336,20 +338,13 @@ _TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _plan_table(region: FusedRegion, source: str) -> dict:
-    """The table of call plans `region` shares with every live region of the same signature:
-    an equal kernel rendering to the same source (`source`, its common layout: constants that
-    compare equal but are not, such as -0.0 and 0.0, print apart), the same iteration shape,
-    outputs, input types and (symbolic regions) the same sizes read from the same inputs
-    (`Binder.source`). Such regions make the same plan for the same inputs, down to the
-    kernel (compiled from the same source), so a plan one of them made serves them all: the
-    layers of tiny HF Llama repeat their regions, and a sweep over shapes made each plan once
-    per layer. The regions' own inputs (proxies of other names) are not part of it. Each
-    region runs a shared plan with its own kernel (`plan.layout`'s, as its compile policy
-    gives it: `_kernel_for`), so when it compiles and whether it waits stay its own."""
-    lowered = region.lowered
-    binder = region.binder
-    signature = (type(region), source, lowered.kernel, lowered.shape, lowered.outputs,
-                 region.input_types, None if binder is None else binder.source)
+    """The table of call plans `region` shares with every live region of the same signature
+    (`_signature`): such regions make the same plan for the same inputs, down to the kernel
+    (compiled from the same source), so a plan one of them made serves them all: the layers of
+    tiny HF Llama repeat their regions, and a sweep over shapes made each plan once per layer.
+    Each region runs a shared plan with its own kernel (`plan.layout`'s, as its compile
+    policy gives it: `_kernel_for`), so when it compiles and whether it waits stay its own."""
+    signature = _signature(region, source)
     try:
         table = _TABLES.get(signature)
     except TypeError:  # an unhashable parameter: a table of its own
@@ -357,6 +352,34 @@ def _plan_table(region: FusedRegion, source: str) -> dict:
     if table is None:
         table = _TABLES[signature] = _PlanTable()
     return table
+
+
+def _signature(region: FusedRegion, source: str) -> tuple:
+    """What a plan of `region` is made from, besides the call's inputs (its plan key): the
+    region made concrete for the call (`bind`: every field of the lowered region, each
+    `SymSize` by the value the binder reads), the input types `accepts` checks, and the
+    kernel's source (`source`, its common layout: constants that compare equal but are not,
+    such as -0.0 and 0.0, print apart).
+
+    NOTE [a plan's signature is the whole lowered region]: the signature holds every field of
+    the lowered region (its dataclass fields, so a field added later is in it too), with the
+    region's input proxies, whose names differ between regions, described by their type and
+    frozen sizes, and the binder's source (which input size gives each symbol). A signature
+    naming chosen fields missed `LoweredRows.reduced`: a column sum over axes (0, 2) and one
+    over (2,) have equal kernels, sources and shapes, and the second ran the first's plans."""
+    lowered = region.lowered
+    fields = tuple((field.name, _inputs(lowered.inputs) if field.name == "inputs"
+                    else getattr(lowered, field.name)) for field in dataclasses.fields(lowered))
+    binder = region.binder
+    return (type(region), type(lowered), fields, source, region.input_types,
+            None if binder is None else binder.source)
+
+
+def _inputs(proxies) -> tuple:
+    """The region inputs as a plan signature holds them: their types and sizes (each symbolic
+    one as its `SymSize`), not their names (their dtypes and devices are `input_types`)."""
+    return tuple((type(proxy), freeze(tuple(proxy.shape)) if isinstance(proxy, torch.Tensor)
+                  else None) for proxy in proxies)
 
 
 class _Plan:
