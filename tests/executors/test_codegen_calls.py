@@ -102,3 +102,62 @@ def test_outputs_have_the_strides_of_torch_empty(shape):
     assert out.stride() == expected.stride() == torch.empty(shape).stride()
     assert out.is_contiguous(memory_format=torch.channels_last) == \
         expected.is_contiguous(memory_format=torch.channels_last)
+
+
+def _regions(jfn) -> list[FusedRegion]:
+    return [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
+            if isinstance(b.sym.impl, FusedRegion)]
+
+
+def test_regions_of_one_kernel_share_their_call_plans():
+    """Two regions of the same kernel, sizes and input types (a model's layers) share one
+    table of call plans (`_plan_table`): the plan one of them makes serves the other. A region
+    whose constant differs (so does its kernel) keeps its own, and each computes its own
+    result."""
+    def fn(x, w):
+        a = (x * 2).exp() @ w
+        b = (a * 2).exp() @ w
+        return (b * 3).exp()
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    w = torch.randn(6, 6) / 4
+    for x in (torch.randn(6, 6) / 4, torch.randn(6, 6).t() / 4):  # two layouts of x
+        torch.testing.assert_close(jfn(x, w), fn(x, w))
+    first, second, third = _regions(jfn)
+    assert first._plans is second._plans and len(first._plans) == 2
+    assert third._plans is not first._plans and len(third._plans) == 1
+
+
+@pytest.mark.parametrize("scale", [-0.0, float("nan")], ids=str)
+def test_regions_of_equal_looking_constants_do_not_share_plans(scale):
+    """-0.0 compares equal to 0.0 (so do kernels holding them) but computes otherwise
+    (atan(1 / (t * -0.0)) is -pi/2 for t > 0): the rendered source is part of the signature,
+    so the two regions keep their own plans and kernels, and each result is its own (a kernel
+    holding NaN equals no other)."""
+    def fn(x, w):
+        a = torch.atan(1 / (x * 0.0)) @ w
+        return torch.atan(1 / (a * scale))
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    x, w = torch.rand(5, 5) + 1, torch.rand(5, 5) + 1
+    torch.testing.assert_close(jfn(x, w), fn(x, w), equal_nan=True)
+    first, second = _regions(jfn)
+    assert first._plans is not second._plans
+
+
+def test_column_sums_over_other_axes_do_not_share_plans():
+    """`(x * 2).sum(0)` and `(x * 2).sum((0, 1))` of one (30, 20, 70) input lower to equal
+    kernels over one shape, reduced over other axes (`LoweredRows.reduced`: (1, 2) and (2,)),
+    so their plans differ ((20, 70) and (70,) outputs): the regions never share them (NOTE [a
+    plan's signature is the whole lowered region] in `runtime.py`), and each result is its
+    own. A signature without `reduced` ran the second region with the first's plan. (Small
+    integers: sums exact in any order.)"""
+    x = torch.randint(-4, 5, (30, 20, 70)).float()
+    fns = (lambda t: (t * 2).sum(0), lambda t: (t * 2).sum((0, 1)))
+    jfns = [fulmen.jit(fn, executors=EXECUTORS) for fn in fns]
+    for fn, jfn in zip(fns, jfns):
+        torch.testing.assert_close(jfn(x), fn(x))
+    (first,), (second,) = (_regions(jfn) for jfn in jfns)
+    assert first.kernel == second.kernel and first.lowered.shape == second.lowered.shape
+    assert first.lowered.reduced != second.lowered.reduced
+    assert first._plans is not second._plans

@@ -137,3 +137,24 @@ def test_lazy_runs_a_cached_kernel_of_a_new_layout_on_its_first_call(lazy, monke
     jfn = fulmen.jit(fn, executors=EXECUTORS)
     torch.testing.assert_close(jfn(x, y), fn(x, y))
     assert fallbacks == [] and len(lazy) == built  # loaded from the disk, nothing compiled
+
+
+def test_a_region_sharing_plans_waits_for_its_own_kernel(lazy, monkeypatch, tmp_path):
+    """Regions of one signature share call plans (`runtime._plan_table`), not compiles: a new
+    region calling a plan another region made runs its own kernel, when its own policy has
+    it (eager: its first call waits for it)."""
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    set_compile_policy("eager")
+    first = fulmen.jit(fn, executors=EXECUTORS)
+    first(x, y)
+    (shared,) = _regions(first)
+    monkeypatch.setattr(cg_build, "_loaded", {})  # a kernel this process has not loaded
+    monkeypatch.setattr(policy, "_jobs", {})
+    monkeypatch.setenv("FULMEN_CACHE_DIR", str(tmp_path / "other"))  # nor finds on disk
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    torch.testing.assert_close(jfn(x, y), fn(x, y))
+    (region,) = _regions(jfn)
+    assert region._plans is shared._plans
+    assert region.ready() and len(lazy) == 2
+    (plan,) = region._plans.values()
+    assert plan.fn is region._ready[plan.layout]

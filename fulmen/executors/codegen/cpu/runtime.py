@@ -9,10 +9,12 @@
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
 Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
-the inputs: a call then only allocates its outputs, writes its pointers into a block of the
-kernel's arguments (sizes and strides written once) and calls the kernel's one-argument entry
-(NOTE [one-argument entry] in `compiler.py`). A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`): a
-kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
+the inputs, in a table shared by every live region of the same lowered description
+(`_signature`: the layers of a model repeat their regions): a call then only allocates its
+outputs, writes its pointers into a block of the kernel's arguments (sizes and strides written
+once) and calls the kernel's one-argument entry (NOTE [one-argument entry] in `compiler.py`).
+A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`):
+a kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
 would reinterpret their bytes.
 
 When kernels are compiled is the `policy` (`build.py`: `set_compile_policy`, or the variable
@@ -36,9 +38,11 @@ executor from then on: never a crash, never a wrong result.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import warnings
+import weakref
 from collections import deque
 from concurrent.futures import Future
 
@@ -61,6 +65,7 @@ from fulmen.executors.codegen.region import (
     resolve,
     strided_views,
 )
+from fulmen.executors.codegen.sizes import freeze
 
 __all__ = ["FusedRegion", "render_any"]
 
@@ -95,12 +100,12 @@ class FusedRegion(RegionCallable):
         self.calls = 0
         self._kernels: dict[tuple, Future] = {}
         self._ready: dict[tuple, object] = {}  # the loaded kernel of each layout, once done
-        self._plans: dict[tuple, tuple] = {}
         contiguous = (1,) * (len(self.kernel.accesses) + len(self.kernel.outputs))
         if isinstance(self.kernel, RowKernel):  # kept-shape pointers do not move along a row
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
         source = self._source(contiguous)
+        self._plans = _plan_table(self, source)
         if policy.mode == "eager" or compiler.is_kernel_cached(source):
             self._start(contiguous)  # the common layout, in the background
 
@@ -182,6 +187,10 @@ class FusedRegion(RegionCallable):
             if len(self._plans) >= MAX_BOUND:
                 self._plans.clear()
             self._plans[_kept_key(key)] = plan
+        elif self._ready.get(plan.layout) is not plan.fn:
+            # a plan another region of this signature made (`_plan_table`): this region runs
+            # it with its own kernel, once its compile policy has it (it raises Fallback before)
+            plan.fn = self._kernel_for(plan.layout)
         outs = [new() for new in plan.news]
         if plan.extra:  # masks (the plan's) and copies (this call's) stay alive past the kernel
             inputs = (*inputs, *plan.masks, *[copy.base(inputs) for copy in plan.copies])
@@ -265,7 +274,8 @@ class FusedRegion(RegionCallable):
         if nthreads > 1 and nrows < 4 * nthreads:
             pieces = min(_ceil_div(4 * nthreads, nrows), max(1, inner // 2048))
             block = _ceil_div(_ceil_div(inner, pieces), 64) * 64
-        return self._call_plan(fn, sizes, rows, pointers, block, nthreads, lowered, inputs)
+        return self._call_plan(fn, layout, sizes, rows, pointers, block, nthreads, lowered,
+                               inputs)
 
     def _plan_rows(self, inputs, lowered) -> _Plan:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
@@ -301,10 +311,11 @@ class FusedRegion(RegionCallable):
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in inner_rows)
         fn = self._kernel_for(layout)
         rows = [o + i for o, i in zip(outer_rows, inner_rows)]
-        return self._call_plan(fn, outer + inner, rows, pointers, len(outer), nthreads, lowered,
-                               inputs)
+        return self._call_plan(fn, layout, outer + inner, rows, pointers, len(outer), nthreads,
+                               lowered, inputs)
 
-    def _call_plan(self, fn, sizes, rows, pointers, arg, nthreads, lowered, inputs) -> _Plan:
+    def _call_plan(self, fn, layout, sizes, rows, pointers, arg, nthreads, lowered,
+                   inputs) -> _Plan:
         """A plan (see `_plan`) from the coalesced sizes and stride rows, the kernel's
         pointers, its block (or number of kept axes) and threads. Plans are kept per shape (up
         to `MAX_BOUND`), so one does not hold the concrete region `lowered`."""
@@ -312,8 +323,63 @@ class FusedRegion(RegionCallable):
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
-        return _Plan(fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+        return _Plan(fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                      len(inputs))
+
+
+class _PlanTable(dict):
+    """The call plans of one region signature (`_plan_table`), by plan key."""
+
+    __slots__ = ("__weakref__",)
+
+
+# the plan tables of the live regions, by signature: a table lives as long as a region using it
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _plan_table(region: FusedRegion, source: str) -> dict:
+    """The table of call plans `region` shares with every live region of the same signature
+    (`_signature`): such regions make the same plan for the same inputs, down to the kernel
+    (compiled from the same source), so a plan one of them made serves them all: the layers of
+    tiny HF Llama repeat their regions, and a sweep over shapes made each plan once per layer.
+    Each region runs a shared plan with its own kernel (`plan.layout`'s, as its compile
+    policy gives it: `_kernel_for`), so when it compiles and whether it waits stay its own."""
+    signature = _signature(region, source)
+    try:
+        table = _TABLES.get(signature)
+    except TypeError:  # an unhashable parameter: a table of its own
+        return _PlanTable()
+    if table is None:
+        table = _TABLES[signature] = _PlanTable()
+    return table
+
+
+def _signature(region: FusedRegion, source: str) -> tuple:
+    """What a plan of `region` is made from, besides the call's inputs (its plan key): the
+    region made concrete for the call (`bind`: every field of the lowered region, each
+    `SymSize` by the value the binder reads), the input types `accepts` checks, and the
+    kernel's source (`source`, its common layout: constants that compare equal but are not,
+    such as -0.0 and 0.0, print apart).
+
+    NOTE [a plan's signature is the whole lowered region]: the signature holds every field of
+    the lowered region (its dataclass fields, so a field added later is in it too), with the
+    region's input proxies, whose names differ between regions, described by their type and
+    frozen sizes, and the binder's source (which input size gives each symbol). A signature
+    naming chosen fields missed `LoweredRows.reduced`: a column sum over axes (0, 2) and one
+    over (2,) have equal kernels, sources and shapes, and the second ran the first's plans."""
+    lowered = region.lowered
+    fields = tuple((field.name, _inputs(lowered.inputs) if field.name == "inputs"
+                    else getattr(lowered, field.name)) for field in dataclasses.fields(lowered))
+    binder = region.binder
+    return (type(region), type(lowered), fields, source, region.input_types,
+            None if binder is None else binder.source)
+
+
+def _inputs(proxies) -> tuple:
+    """The region inputs as a plan signature holds them: their types and sizes (each symbolic
+    one as its `SymSize`), not their names (their dtypes and devices are `input_types`)."""
+    return tuple((type(proxy), freeze(tuple(proxy.shape)) if isinstance(proxy, torch.Tensor)
+                  else None) for proxy in proxies)
 
 
 class _Plan:
@@ -324,17 +390,18 @@ class _Plan:
 
     `reads` are (source, byte offset) per access: a source indexes the call's inputs, then
     `masks` (the plan's own tensors), then one base per `_Copy` in `copies`, made anew by each
-    call. `news` allocate the outputs. A block holds the sizes and strides, written once, and
+    call. `news` allocate the outputs. `fn` is the kernel compiled for `layout` (the
+    pointers' inner-stride classes). A block holds the sizes and strides, written once, and
     the pointers of one call: blocks not in use wait in `free`, and a call takes one from it
     (or makes one), so calls on several threads (the GIL is released while a kernel runs)
     never share a block."""
 
-    __slots__ = ("fn", "reads", "masks", "copies", "extra", "news", "start", "header",
+    __slots__ = ("fn", "layout", "reads", "masks", "copies", "extra", "news", "start", "header",
                  "block_type", "free", "direct", "views")
 
-    def __init__(self, fn, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+    def __init__(self, fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                  ninputs: int) -> None:
-        self.fn, self.direct, self.views = fn, direct, views
+        self.fn, self.layout, self.direct, self.views = fn, layout, direct, views
         masks = [where for where, _ in pointers if isinstance(where, torch.Tensor)]
         copies = [where for where, _ in pointers if isinstance(where, _Copy)]
         reads = []
