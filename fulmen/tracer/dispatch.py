@@ -63,7 +63,7 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
-from fulmen.tracer.fresh_leaves import mark_no_grad_view
+from fulmen.tracer.fresh_leaves import mark_fresh, mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time, refuse_host_floats
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
@@ -253,6 +253,12 @@ class TracerCtx(LayoutTruth, TraceCtx):
             raise
         if kwargs.get("requires_grad") is True:  # `torch.zeros(n, requires_grad=True)`
             self.mutation.grad_leaves.update(p.name for p in iter_proxies(out))
+            # a new autograd leaf, as one made by `requires_grad_()` (NOTE [fresh leaves]):
+            # the torch executor's factory made results computed from it require grad, a
+            # fused kernel's did not
+            for proxy in _floating_proxies(out):
+                mark_fresh(self, proxy)
+                self.mutation.fresh_roots.add(proxy.name)
         if r_args is not args or r_kwargs is not kwargs:
             out = _restore_identities(out, (args, kwargs), (r_args, r_kwargs))
             self.mutation.refuse_grad_reads((args, kwargs), out)

@@ -1406,4 +1406,8 @@ MUTANTS: list[Mutant] = [
            "result._fulmen_exact_strides = True  # on the dimensions of size other than 1",
            "pass", ("tests/tracer/test_dynamic_contiguous.py::"
                     "test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch",)),
+    Mutant("factory_leaf_not_fresh", "tracer", "tracer/dispatch.py",
+           "                mark_fresh(self, proxy)\n", "",
+           ("tests/tracer/test_inplace.py::"
+            "test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager",)),
 ]

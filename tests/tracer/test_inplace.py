@@ -692,7 +692,11 @@ def test_in_place_update_of_a_new_leaf_requiring_grad_raises_as_eager(update):
         fulmen.jit(fn)(torch.ones(3))
 
 
-def test_no_grad_update_of_a_new_leaf_requiring_grad_compiles():
+def test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager(codegen_eager):
+    """`torch.ones(3, requires_grad=True)` is a fresh leaf (NOTE [fresh leaves]): the result
+    requires grad only because of it, so the call runs eagerly. It used to compile, and the
+    result required grad only while torch ran the region: a fused kernel's did not."""
+
     def fn(a):
         w = torch.ones(3, requires_grad=True)
         with torch.no_grad():
