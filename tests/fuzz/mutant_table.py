@@ -1405,7 +1405,7 @@ MUTANTS: list[Mutant] = [
     Mutant("contiguous_of_a_batch_of_one_not_exact", "layout", "ops/opaque.py",
            "result._fulmen_exact_strides = True  # on the dimensions of size other than 1",
            "pass", ("tests/tracer/test_dynamic_contiguous.py::"
-                    "test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch",)),
+                    "test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch[kernels]",)),
     Mutant("factory_leaf_not_fresh", "tracer", "tracer/dispatch.py",
            "                mark_fresh(self, proxy)\n", "",
            ("tests/tracer/test_inplace.py::"

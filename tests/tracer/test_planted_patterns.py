@@ -47,13 +47,15 @@ def _cache_inputs():
 
 
 def _compare_with_inputs(fn):
-    """fulmen and eager on equal copies of the inputs, twice: results and inputs agree, and
-    each result shares storage with a given input exactly where eager's does."""
+    """fulmen and eager on equal copies of the inputs, twice: results agree (to float32's
+    rounding: a fused kernel sums in another order than eager, and whether it runs depends on
+    the disk cache), inputs agree exactly, and each result shares storage with a given input
+    exactly where eager's does."""
     jfn = fulmen.jit(fn)
     for _ in range(2):
         args, ref = _cache_inputs(), _cache_inputs()
         got, want = jfn(*args), fn(*ref)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want)
         for a, r in zip(args, ref):
             torch.testing.assert_close(a, r, rtol=0, atol=0)
         for g, w in zip(got, want):
