@@ -49,6 +49,17 @@ def _kernel_cache(tmp_path_factory):
         os.environ["FULMEN_CACHE_DIR"] = old
 
 
+@pytest.fixture(autouse=True)
+def _seeded_generators():
+    """Each test starts from the same state of torch's and Python's generators, so the inputs
+    it draws do not depend on which tests ran before it in its worker (`make test` spreads
+    files over workers by timing)."""
+    import random
+
+    torch.manual_seed(0)
+    random.seed(0)
+
+
 @pytest.fixture
 def codegen_eager():
     """Codegen compiles every kernel when its region is fused and calls wait for it, so a test
