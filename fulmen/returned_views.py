@@ -22,9 +22,9 @@ import contextlib
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import CallSiteTag, Proxy, Tag, Trace, any_tagged
+from fulmen.core import CallSiteTag, Tag, Trace, any_tagged
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.view_calls import SHAPE_OF_SECOND, VIEW_FUNCTIONS
+from fulmen.tracer.view_calls import VIEW_FUNCTIONS, replay_call
 
 _EFFECTS = frozenset({Tag.SIDE_EFFECT})
 
@@ -108,14 +108,11 @@ def _replayable_view(bsym, leaf: TensorProxy) -> tuple | None:
     if fn is None or not (Tag.VIEW in bsym.sym.tags or fn in VIEW_FUNCTIONS) or not bsym.args \
             or not isinstance(bsym.args[0], TensorProxy):
         return None
-    args, kwargs = tuple(bsym.args[1:]), dict(bsym.kwargs)
-    if fn in SHAPE_OF_SECOND and len(args) == 1 and not kwargs \
-            and isinstance(args[0], TensorProxy):
-        fn, args = SHAPE_OF_SECOND[fn], (tuple(args[0].shape),)
-    # a proxy or a symbolic size (its value is another at the next call) cannot be replayed
-    if any(isinstance(v, (Proxy, torch.SymInt, torch.SymFloat, torch.SymBool))
-           for v in pytree.tree_leaves((args, kwargs))):
+    kwargs = dict(bsym.kwargs)
+    call = replay_call(fn, tuple(bsym.args[1:]), kwargs)
+    if call is None:
         return None
+    fn, args = call
     outputs = pytree.tree_leaves(bsym.output)
     index = None
     if len(outputs) != 1 or outputs[0] is not bsym.output:

@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.view_calls import SHAPE_OF_SECOND, VIEW_FUNCTIONS
+from fulmen.tracer.view_calls import VIEW_FUNCTIONS, replay_call
 
 T = torch.Tensor
 _REQUIRES_GRAD_SET = T.requires_grad.__set__
@@ -138,11 +138,8 @@ def mark_no_grad_view(ctx, func, args: tuple, kwargs: dict, out) -> None:
         return
     maybe = VIEW_FUNCTIONS[func][2]  # reshape: a view only where the tracer decided it is
     # returned, it is replayed on the argument only with plain arguments (else: runs eagerly)
-    replayable = ctx.no_grad_views.get(source, False) or source in ctx.mutation.inputs
-    plain = args[1:] if func not in SHAPE_OF_SECOND else ()  # `x.view_as(y)`: y's shape
-    replayable = replayable and not any(
-        isinstance(v, (TensorProxy, torch.SymInt, torch.SymFloat, torch.SymBool))
-        for v in pytree.tree_leaves((plain, kwargs)))
+    replayable = (ctx.no_grad_views.get(source, False) or source in ctx.mutation.inputs) \
+        and replay_call(func, tuple(args[1:]), kwargs) is not None
     views = ctx.mutation.views
     for leaf in pytree.tree_leaves(out):
         if isinstance(leaf, TensorProxy) and (leaf.dtype.is_floating_point

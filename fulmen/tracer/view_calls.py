@@ -4,6 +4,9 @@ read by the dispatcher and by the mutation tracker (`fulmen.tracer.mutation`).""
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
+
+from fulmen.core import Proxy
 
 T = torch.Tensor
 
@@ -30,6 +33,20 @@ _UNREPLAYABLE = ("as_strided", "expand", "expand_as", "broadcast_to", "unfold")
 SHAPE_OF_SECOND = {T.view_as: T.view, T.reshape_as: T.reshape, T.expand_as: T.expand}
 
 
+def replay_call(fn, args: tuple, kwargs: dict) -> tuple | None:
+    """`(fn, args)` that repeat the view call `fn(base, *args, **kwargs)` on another call's
+    real base (NOTE [a view of an input returned] in `fulmen.returned_views`): `x.view_as(y)`
+    as `x.view(y.shape)`; None where an argument is a traced value or a symbolic number,
+    whose value is another at the next call. `args` exclude the base."""
+    if fn in SHAPE_OF_SECOND and len(args) == 1 and not kwargs \
+            and isinstance(args[0], torch.Tensor):
+        fn, args = SHAPE_OF_SECOND[fn], (tuple(args[0].shape),)
+    if any(isinstance(v, (Proxy, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+           for v in pytree.tree_leaves((args, kwargs))):
+        return None
+    return fn, args
+
+
 def _view_table() -> dict:
     table: dict = {}
     for names, maybe in ((_VIEW_METHODS, False), (_MAYBE_VIEW_METHODS, True)):
@@ -53,4 +70,4 @@ def _is_basic_index(index) -> bool:
                and not isinstance(item, bool) for item in items)
 
 
-__all__ = ["SHAPE_OF_SECOND", "VIEW_FUNCTIONS"]
+__all__ = ["SHAPE_OF_SECOND", "VIEW_FUNCTIONS", "replay_call"]
