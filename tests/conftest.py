@@ -70,7 +70,3 @@ def codegen_eager():
     yield
     set_compile_policy(previous.mode, previous.hot_calls)
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)

@@ -1410,4 +1410,7 @@ MUTANTS: list[Mutant] = [
            "                mark_fresh(self, proxy)\n", "",
            ("tests/tracer/test_inplace.py::"
             "test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager",)),
+    Mutant("reduced_rounded_division_fused", "codegen", "executors/codegen/ops.py",
+           '_op("floor_div", 2, WIDE_FLOATS,', '_op("floor_div", 2, FLOATS,',
+           ("tests/ops/test_elementwise.py::test_reduced_precision_matches_eager_bitwise",)),
 ]

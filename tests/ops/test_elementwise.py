@@ -270,10 +270,11 @@ def test_out_of_range_scalars_behave_like_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reduced_precision_matches_eager_bitwise(dtype):
+def test_reduced_precision_matches_eager_bitwise(dtype, codegen_eager):
     # Python numbers meet float16 as eager's kernels see them (rounded to float16 for add, sub,
     # pow, remainder, fmod; kept in float32 for mul, div), and rounded divisions round the
-    # quotient to float16. 4096 elements keep eager on its vectorised path throughout.
+    # quotient to float16. 4096 elements keep eager on its vectorised path throughout. The
+    # kernels are compiled at once (codegen_eager): the torch fallback of a region is eager.
     x = (torch.randn(4096) * 20).to(dtype)
     y = (torch.randn(4096) * 2).to(dtype)
 

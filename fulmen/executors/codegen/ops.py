@@ -29,9 +29,10 @@ import torch
 from fulmen.core import BoundSymbol, Proxy
 
 __all__ = ["ALL", "BOOL", "FLOATS", "INTS", "MATH", "NUMERIC", "OPS", "POW_CONSTANT",
-           "REDUCTIONS", "SELECTS", "VIEWS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
+           "REDUCTIONS", "SELECTS", "VIEWS", "WIDE_FLOATS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+WIDE_FLOATS = frozenset({torch.float32, torch.float64})
 INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 BOOL = frozenset({torch.bool})
 NUMERIC = FLOATS | INTS
@@ -93,8 +94,10 @@ OPS: dict[str, KernelOp] = dict([
     _op("div", 2, FLOATS, "({a} / {b})"),
     _op("remainder", 2, FLOATS, "{h}remainder({a}, {b})"),
     _op("fmod", 2, FLOATS, MATH),
-    _op("floor_div", 2, FLOATS, "{h}floor_div({a}, {b})"),
-    _op("trunc_div", 2, FLOATS, "{trunc}({a} / {b})"),
+    # rounded divisions of float16/bfloat16 run on torch: eager rounds every intermediate of a
+    # tensor-tensor quotient to the reduced dtype but computes one by a Python number in float32
+    _op("floor_div", 2, WIDE_FLOATS, "{h}floor_div({a}, {b})"),
+    _op("trunc_div", 2, WIDE_FLOATS, "{trunc}({a} / {b})"),
     _op("pow", 2, FLOATS, MATH),
     _op("atan2", 2, FLOATS, MATH),
     _op("copysign", 2, FLOATS, MATH),
