@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from tests.layouts import significant_strides
 from tests.spies import record_calls
 
 SHAPES = ((1, 5), (1, 8), (2, 5), (4, 11), (1, 3), (3, 2), (1, 9))
@@ -81,12 +82,6 @@ def test_reading_the_strides_of_a_contiguous_result_that_may_alias_is_eager():
         torch.testing.assert_close(jfn(x), fn(x))
 
 
-def _strides_where_not_one(tensor) -> tuple:
-    """The strides of the dimensions of size other than 1 (those of size 1 never change which
-    element is where; eager's own kernels disagree on them)."""
-    return tuple(s for n, s in zip(tensor.shape, tensor.stride()) if n != 1)
-
-
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
 def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch(kernels, request):
     """`x[:, 1:]` of a `(B, 4, n)` tensor is contiguous exactly for `B == 1`: the copy the trace
@@ -110,8 +105,8 @@ def test_a_rank3_contiguous_result_is_laid_out_row_major_for_every_batch(kernels
         got, want = jfn(x), fn(x)
         torch.testing.assert_close(got, want)
         if kernels:
-            assert [_strides_where_not_one(g) for g in got] == [
-                _strides_where_not_one(w) for w in want], shape
+            assert [significant_strides(g) for g in got] == [
+                significant_strides(w) for w in want], shape
         else:
             assert [g.stride() for g in got] == [w.stride() for w in want], shape
     assert fulmen.cache_misses(jfn) == 2
