@@ -308,8 +308,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
                     out = self.breaks.run_for_real(sym, func, args, kwargs)
                 except FulmenError:
                     raise
-                except Exception as real:  # eager raises too: name the op and the line
-                    raise error from real
+                except Exception as real:
+                    raise real from None  # eager's own error and type; the caller notes the line
         if (self.requires_grad_names or self.fresh_grad_names) and func not in _DETACH \
                 and differentiable:
             out = self._track_grad(func, args, kwargs, out)

@@ -413,3 +413,16 @@ def test_shape_errors_name_the_op_and_the_users_line():
     assert any("matmul" in note and "x @ w" in note for note in info.value.__notes__)
     with pytest.raises(FulmenError, match=r"(?s)invalid for input of size 15.*x\.view\(4, 4\)"):
         fulmen.jit(_bad_view)(torch.randn(3, 5))
+
+
+def _bad_sum(x):
+    return x.sum(5)
+
+
+def test_an_op_eager_rejects_raises_eagers_error_type_with_the_users_line():
+    """An op run on real values because PyTorch cannot describe it on proxies, that eager
+    rejects too (`x.sum(5)` on a matrix), raises eager's own error (IndexError, as a user
+    catching it expects), with a note naming the op and the line."""
+    with pytest.raises(IndexError, match="Dimension out of range") as info:
+        fulmen.jit(_bad_sum)(torch.randn(3, 4))
+    assert any("sum" in note and "x.sum(5)" in note for note in info.value.__notes__)
