@@ -31,7 +31,7 @@ from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.core.symbol import Tag
 from fulmen.ops import prims
 from fulmen.ops.torch.base import torch_op
-from fulmen.ops.torch.utils import Promotion, promote, to_dtype
+from fulmen.ops.torch.utils import Promotion, canonical_dim, promote, to_dtype
 from fulmen.proxies.tensor import row_major
 
 T = torch.Tensor
@@ -81,12 +81,7 @@ def _varargs(args: tuple, kwargs: dict, keyword: str, op: str) -> tuple[int, ...
 
 def wrap_dim(dim, rank: int, op: str) -> int:
     """A possibly negative dim wrapped into [0, rank); rank 0 accepts -1 and 0, like eager."""
-    dim = as_int(dim, op)
-    bound = max(rank, 1)
-    if not -bound <= dim < bound:
-        raise IndexError(f"{op}: Dimension out of range (expected to be in range of "
-                         f"[{-bound}, {bound - 1}], but got {dim})")
-    return dim % bound
+    return canonical_dim(as_int(dim, op), rank, op=op)
 
 
 def wrap_dims(dims, rank: int, op: str, *, unique: bool = True) -> tuple[int, ...]:

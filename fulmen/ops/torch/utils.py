@@ -184,10 +184,15 @@ def scalar_to_tensor_like(value: Number, like: torch.Tensor, dtype: torch.dtype 
 
 
 def canonical_dim(dim: int, rank: int, *, op: str = "op") -> int:
-    """Wrap a possibly negative `dim` into [0, rank) (rank 0 accepts -1 and 0)."""
+    """Wrap a possibly negative `dim` into [0, rank) (rank 0 accepts -1 and 0).
+
+    Raises:
+        IndexError: `dim` is out of range, with eager's message.
+    """
     bound = max(rank, 1)
     if not -bound <= dim < bound:
-        raise FulmenError(f"dimension {dim} out of range for a tensor of rank {rank}", op=op)
+        raise IndexError(f"{op}: Dimension out of range (expected to be in range of "
+                         f"[{-bound}, {bound - 1}], but got {dim})")
     return dim % bound
 
 
