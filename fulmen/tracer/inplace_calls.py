@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fulmen.core import FulmenError, NotYetSupportedError
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_random, setitem
+from fulmen.ops.meta import call_on_meta
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
 from fulmen.tracer.batch_norm import functionalize_batch_norm
@@ -270,6 +271,7 @@ class InplaceCalls:
             if len(targets) != len(results):
                 raise NotYetSupportedError("out= with this op", op=label,
                                            where=user_source_location())
+            _check_out_dtypes(func, r_args, r_kwargs, results, targets, self.resolve, label)
             values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
         if torch.is_grad_enabled() and any(isinstance(r, TensorProxy) and r.name in
                                            self.ctx.requires_grad_names for r in results):
@@ -287,6 +289,25 @@ class InplaceCalls:
         bound.apply_defaults()
         return functionalize_batch_norm(self, func, dict(bound.arguments), start)
 
+
+
+def _check_out_dtypes(func, args, kwargs, results, targets, resolve, label: str) -> None:
+    """An `out=` tensor of another dtype than the result's is accepted where eager accepts it:
+    most ops cast to it (as `_fit` does), some require the result's own dtype (`gather`,
+    `index_select`). The exact op runs on meta tensors with the `out=` given to ask.
+
+    Raises:
+        FulmenError: eager's op refuses the `out=` dtype (its message, the user's line).
+    """
+    resolved = [resolve(t) for t in targets]
+    if all(not isinstance(r, TensorProxy) or r.dtype == t.dtype for r, t in zip(results, resolved)):
+        return
+    outs = tuple(resolved) if len(resolved) > 1 else resolved[0]
+    try:
+        call_on_meta(func, args, {**kwargs, "out": outs})
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise FulmenError(str(error).splitlines()[0], op=label,
+                          where=user_source_location()) from error
 
 
 __all__ = ["InplaceCalls", "signature_of"]

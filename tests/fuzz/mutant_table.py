@@ -1413,4 +1413,8 @@ MUTANTS: list[Mutant] = [
     Mutant("reduced_rounded_division_fused", "codegen", "executors/codegen/ops.py",
            '_op("floor_div", 2, WIDE_FLOATS,', '_op("floor_div", 2, FLOATS,',
            ("tests/ops/test_elementwise.py::test_reduced_precision_matches_eager_bitwise",)),
+    Mutant("out_dtype_cast_where_eager_refuses", "inplace", "tracer/inplace_calls.py",
+           "            _check_out_dtypes(func, r_args, r_kwargs, results, targets, self.resolve, label)\n",
+           "", ("tests/tracer/test_inplace.py::"
+                "test_out_argument_of_another_dtype_is_refused_or_cast_as_eager",)),
 ]

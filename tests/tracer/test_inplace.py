@@ -647,6 +647,33 @@ def test_out_argument_with_an_input_requiring_grad_raises_eagers_error():
         torch.testing.assert_close(fulmen.jit(f)(p), p.detach() + 1)
 
 
+def _gather_out(src, index, out):
+    return torch.gather(src, 0, index, out=out)
+
+
+def _add_out(src, index, out):
+    return torch.add(src, 1, out=out)
+
+
+def test_out_argument_of_another_dtype_is_refused_or_cast_as_eager():
+    """`gather` requires `out=` of the result's own dtype (eager refuses float64 for a float32
+    source) where `add` casts to it: fulmen asks the op itself, never writes silently."""
+    src, index = torch.randn(3, 3), torch.tensor([[0, 1, 2], [2, 1, 0], [1, 1, 1]])
+    for fn in (_gather_out, _add_out):
+        eager_out, jit_out = torch.zeros(3, 3, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)
+        try:
+            expected = fn(src, index, eager_out)
+        except RuntimeError as error:
+            with pytest.raises(RuntimeError, match="Expected out tensor to have dtype float"):
+                fulmen.jit(fn)(src, index, jit_out)
+            assert fn is _gather_out and "out tensor" in str(error)
+            torch.testing.assert_close(jit_out, eager_out)  # nothing written
+            continue
+        assert fulmen.jit(fn)(src, index, jit_out) is jit_out
+        torch.testing.assert_close(jit_out, expected)
+        assert fn is _add_out
+
+
 def _overwritten(kind):
     def fn(x, z):
         y = x * 2
