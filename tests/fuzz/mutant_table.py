@@ -1417,4 +1417,8 @@ MUTANTS: list[Mutant] = [
            "            _check_out_dtypes(func, r_args, r_kwargs, results, targets, self.resolve, label)\n",
            "", ("tests/tracer/test_inplace.py::"
                 "test_out_argument_of_another_dtype_is_refused_or_cast_as_eager",)),
+    Mutant("out_variant_write_dropped", "inplace", "tracer/inplace_calls.py",
+           "        for target, value in zip(targets, values):\n            self.mutate(",
+           "        for target, value in zip(targets, values[:0]):\n            self.mutate(",
+           ("tests/ops/test_opinfo_out.py",)),
 ]
