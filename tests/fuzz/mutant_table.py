@@ -1410,4 +1410,16 @@ MUTANTS: list[Mutant] = [
            "                mark_fresh(self, proxy)\n", "",
            ("tests/tracer/test_inplace.py::"
             "test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager",)),
+    Mutant("guard_inference_mode", "guards", "tracer/guards.py",
+           "            _is_inference_mode(),\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
+    Mutant("guard_deterministic_mode", "guards", "tracer/guards.py",
+           "            _deterministic() and (True, _deterministic_warn_only()),\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
+    Mutant("graph_reads_answered_by_the_proxy", "tracer", "tracer/dispatch.py",
+           "return graph_read(self.ctx, func, args[0])", "pass",
+           ("tests/tracer/test_eager_parity.py::"
+            "test_is_leaf_and_grad_fn_of_traced_tensors_answer_as_eager",)),
 ]
