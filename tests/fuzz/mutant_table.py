@@ -1422,4 +1422,8 @@ MUTANTS: list[Mutant] = [
            "return graph_read(self.ctx, func, args[0])", "pass",
            ("tests/tracer/test_eager_parity.py::"
             "test_is_leaf_and_grad_fn_of_traced_tensors_answer_as_eager",)),
+    Mutant("parametrize_cache_kept_while_tracing", "tracer", "tracer/library_caches.py",
+           "parametrize._cache, parametrize._cache_enabled = {}, 0", "pass",
+           ("tests/models/test_torch_patterns.py::"
+            "test_a_parametrization_cached_by_the_caller_follows_the_parameters",)),
 ]

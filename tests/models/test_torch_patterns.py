@@ -239,3 +239,37 @@ def test_returned_views_alias_the_input(dynamic):
         row.add_(1)
         transposed[1, 0] = 7.0
         assert torch.equal(x[0], row) and x[0, 1] == 7.0
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_a_parametrization_cached_by_the_caller_follows_the_parameters():
+    """NOTE [library caches]: inside `parametrize.cached()`, a weight the caller read first was
+    the cached tensor the trace captured as a constant: later blocks ran on the first step's
+    weight (stale values) and backpropagated into its spent graph."""
+    from torch.nn.utils import parametrize
+
+    runs = []
+    for jitted in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        parametrize.register_parametrization(model, "weight", _Doubled())
+        step_fn = fulmen.jit(model) if jitted else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outs = []
+        for step in range(3):
+            x = _randn(5, 4, seed=step)
+            with parametrize.cached():
+                penalty = model.weight.pow(2).sum()  # cached: the block's weight from here
+                loss = step_fn(x).pow(2).mean() + step_fn(2 * x).mean() + penalty
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad(), parametrize.cached():
+                model.weight
+                outs.append((loss.detach(), step_fn(x)))
+        runs.append((outs, [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1], runs[0])
