@@ -269,7 +269,7 @@ def test_a_parametrization_cached_by_the_caller_follows_the_parameters():
             opt.step()
             opt.zero_grad()
             with torch.no_grad(), parametrize.cached():
-                model.weight
-                outs.append((loss.detach(), step_fn(x)))
+                norm = model.weight.norm()  # cached before the call, under no_grad
+                outs.append((loss.detach(), norm, step_fn(x)))
         runs.append((outs, [p.detach().clone() for p in model.parameters()]))
     torch.testing.assert_close(runs[1], runs[0])
