@@ -37,6 +37,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         "grad mode": _is_grad_enabled(),
         "inference mode": _is_inference_mode(),
         "deterministic algorithms": _deterministic_mode(),
+        "attention fast path": torch.backends.mha.get_fastpath_enabled(),
         "default dtype": _get_default_dtype(),
         "autocast": autocast_key() or "off",
     }

@@ -1426,4 +1426,8 @@ MUTANTS: list[Mutant] = [
            "parametrize._cache, parametrize._cache_enabled = {}, 0", "pass",
            ("tests/models/test_torch_patterns.py::"
             "test_a_parametrization_cached_by_the_caller_follows_the_parameters",)),
+    Mutant("guard_attention_fast_path", "guards", "tracer/guards.py",
+           "            _mha_fastpath(),\n", "",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_fast_path_switched_off_and_on_between_calls",)),
 ]
