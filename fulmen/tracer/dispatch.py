@@ -44,7 +44,7 @@ from fulmen.core import (
     TraceCtx,
 )
 from fulmen.core.proxy import iter_proxies
-from fulmen.core.source import is_internal, user_source_location
+from fulmen.core.source import is_fulmens_own, is_internal, user_source_location
 from fulmen.ops.host_float import has_host_float
 from fulmen.ops.opaque import draws_random, opaque_symbol
 from fulmen.ops.torch import symbol_for
@@ -63,7 +63,7 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
-from fulmen.tracer.fresh_leaves import mark_fresh, mark_no_grad_view
+from fulmen.tracer.fresh_leaves import GRAPH_READS, graph_read, mark_fresh, mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time, refuse_host_floats
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
@@ -133,6 +133,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.differentiable = torch.is_grad_enabled()
         self.requires_grad_names: set[str] = set()
         self.fresh_grad_names: set[str] = set()
+        self.fresh_leaf_names: set[str] = set()  # the fresh leaves themselves
         self.no_grad_views: dict[str, bool] = {}  # NOTE [a view made under no_grad]
         self._internal = 0
         self._detaching = False  # recording the detach `_track_grad` adds under no_grad
@@ -432,6 +433,10 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
+            if func in GRAPH_READS and isinstance(args[0], TensorProxy) \
+                    and args[0].requires_grad \
+                    and not is_fulmens_own(sys._getframe(1).f_code.co_filename):
+                return graph_read(self.ctx, func, args[0])  # NOTE [graph reads]
             if type(args[0]) is StaleTensorProxy and not is_internal(
                     sys._getframe(1).f_code.co_filename):  # NOTE [in-place metadata changes]
                 raise stale_use(args[0], _func_name(func))

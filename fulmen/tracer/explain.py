@@ -20,6 +20,13 @@ from fulmen.tracer.symbolic import _row_major
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
+_is_inference_mode = torch.is_inference_mode_enabled
+
+
+def _deterministic_mode() -> str:
+    if not torch.are_deterministic_algorithms_enabled():
+        return "off"
+    return "warn only" if torch.is_deterministic_algorithms_warn_only_enabled() else "on"
 
 
 def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
@@ -28,6 +35,9 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     explaining retraces in words. Names follow the trace's input names."""
     described: dict[str, object] = {
         "grad mode": _is_grad_enabled(),
+        "inference mode": _is_inference_mode(),
+        "deterministic algorithms": _deterministic_mode(),
+        "attention fast path": torch.backends.mha.get_fastpath_enabled(),
         "default dtype": _get_default_dtype(),
         "autocast": autocast_key() or "off",
     }

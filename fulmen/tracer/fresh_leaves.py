@@ -49,6 +49,11 @@ T = torch.Tensor
 _REQUIRES_GRAD_SET = T.requires_grad.__set__
 
 
+class AutogradGraphRead(RunsEagerly):
+    """The traced code reads the autograd graph of a traced tensor (NOTE [graph reads]): the
+    call runs eagerly."""
+
+
 class FreshLeafGraph(RunsEagerly):
     """Something observable depends on the graph of a tensor made to require grad inside the
     function (NOTE [fresh leaves]): the call runs eagerly."""
@@ -116,6 +121,7 @@ def check_fresh_update(functionalizer, root_name: str, target: TensorProxy, valu
 def mark_fresh(ctx, proxy: TensorProxy) -> None:
     """Make `proxy` a fresh leaf's value: it answers `requires_grad` (NOTE [fresh leaves])."""
     ctx.fresh_grad_names.add(proxy.name)
+    ctx.fresh_leaf_names.add(proxy.name)
     with torch._C.DisableTorchFunctionSubclass():
         if not proxy.requires_grad:
             T.requires_grad_(proxy)
@@ -165,3 +171,39 @@ def refuse_escaping_fresh(ctx, leaves: list, returned: int) -> None:
                 "autograd leaf made inside it (a tensor given requires_grad_(), or a view of "
                 "a tensor requiring grad taken under torch.no_grad()); the compiled call would "
                 "return it without a grad_fn", op="Tensor.requires_grad_")
+
+
+# NOTE [graph reads]: a proxy has no autograd history, so by itself it answers `is_leaf` True and
+# `grad_fn` None, where eager's tensor computed from one requiring grad is a non-leaf with a
+# grad_fn: code branching on `h.grad_fn is None` or `h.is_leaf` took the other branch, silently,
+# and a global module hook that walks the graph (`register_multi_grad_hook`, which
+# `FlopCounterMode`'s module tracker calls on every module output) crashed on the None. So a
+# proxy requiring grad answers as eager's tensor would: a fresh leaf (NOTE [fresh leaves]) is a
+# leaf with no grad_fn, a value computed inside the function is no leaf, and its grad_fn (an
+# autograd node, which a trace cannot give) makes the call run eagerly; an argument's answer
+# depends on the caller's tensor (a leaf, or a value computed before the call), which the cache
+# key does not cover, so reading either makes the call run eagerly. Parameters and buffers are
+# the module's real tensors while tracing, answering for themselves.
+_IS_LEAF_GET = T.is_leaf.__get__
+GRAPH_READS = frozenset({_IS_LEAF_GET, T.grad_fn.__get__})
+
+
+def graph_read(ctx, func, proxy: TensorProxy):
+    """Eager's answer of `func` (`Tensor.is_leaf` or `Tensor.grad_fn`) for `proxy`, which
+    requires grad, or raise `AutogradGraphRead` where a trace cannot give it (NOTE [graph
+    reads])."""
+    what = "is_leaf" if func == _IS_LEAF_GET else "grad_fn"
+    if proxy.name in ctx.mutation.inputs:
+        raise AutogradGraphRead(
+            f"reading .{what} of {proxy.name}, an argument requiring grad: whether the caller's "
+            "tensor is a leaf is not part of the cache key", op=f"Tensor.{what}",
+            where=user_source_location())
+    if proxy.name in ctx.fresh_leaf_names:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(proxy)
+    if func == _IS_LEAF_GET:
+        return False
+    raise AutogradGraphRead(
+        f"reading .grad_fn of {proxy.name}, a value requiring grad computed inside the "
+        "function: a compiled call has no autograd node for it", op="Tensor.grad_fn",
+        where=user_source_location())

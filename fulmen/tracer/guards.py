@@ -76,6 +76,10 @@ from fulmen.tracer.symbolic import INT
 Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
+_is_inference_mode = torch.is_inference_mode_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+_deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
+_mha_fastpath = torch.backends.mha.get_fastpath_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _training = operator.attrgetter("training")
 
@@ -289,10 +293,19 @@ class CacheKeyBuilder:
         return stale
 
     def global_key(self) -> tuple:
-        """Grad mode, default dtype, autocast state, module training flags, and the Python
-        scalars the code can read besides its arguments (see `scalar_sources`)."""
+        """Grad mode, inference mode, deterministic mode, default dtype, autocast state,
+        module training flags, and the Python scalars the code can read besides its arguments
+        (see `scalar_sources`). Inference and deterministic mode are read by code as flags
+        (`torch.is_inference_mode_enabled()`, `torch.are_deterministic_algorithms_enabled()`
+        in `F.interpolate`/`F.pad` on CUDA), so a trace taken under one answer must not serve
+        the other: under `no_grad` and `inference_mode` grad mode reads the same. So is
+        PyTorch's attention fast-path switch: a traced `nn.TransformerEncoder` gives its
+        fast path's zeros at padded positions only where eager takes it (`fast_paths.py`)."""
         return (
             _is_grad_enabled(),
+            _is_inference_mode(),
+            _deterministic() and (True, _deterministic_warn_only()),
+            _mha_fastpath(),
             _get_default_dtype(),
             _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
             self._sources_key(),

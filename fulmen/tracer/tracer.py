@@ -40,6 +40,7 @@ from fulmen.tracer.host_floats import (
 from fulmen.tracer.inference_results import refuse_inference_results
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
+from fulmen.tracer.library_caches import library_caches_set_aside
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import (
@@ -399,6 +400,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     refuse_held(held)
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
+                library_caches_set_aside(), \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 floats_read_at_run_time(ctx) if items_requested() \

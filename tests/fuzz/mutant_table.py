@@ -1421,4 +1421,24 @@ MUTANTS: list[Mutant] = [
            "        for target, value in zip(targets, values):\n            self.mutate(",
            "        for target, value in zip(targets, values[:0]):\n            self.mutate(",
            ("tests/ops/test_opinfo_out.py",)),
+    Mutant("guard_inference_mode", "guards", "tracer/guards.py",
+           "            _is_inference_mode(),\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
+    Mutant("guard_deterministic_mode", "guards", "tracer/guards.py",
+           "            _deterministic() and (True, _deterministic_warn_only()),\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
+    Mutant("graph_reads_answered_by_the_proxy", "tracer", "tracer/dispatch.py",
+           "return graph_read(self.ctx, func, args[0])", "pass",
+           ("tests/tracer/test_eager_parity.py::"
+            "test_is_leaf_and_grad_fn_of_traced_tensors_answer_as_eager",)),
+    Mutant("parametrize_cache_kept_while_tracing", "tracer", "tracer/library_caches.py",
+           "parametrize._cache, parametrize._cache_enabled = {}, 0", "pass",
+           ("tests/models/test_torch_patterns.py::"
+            "test_a_parametrization_cached_by_the_caller_follows_the_parameters",)),
+    Mutant("guard_attention_fast_path", "guards", "tracer/guards.py",
+           "            _mha_fastpath(),\n", "",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_fast_path_switched_off_and_on_between_calls",)),
 ]

@@ -4,12 +4,14 @@ a cumulative average (`momentum=None` reads `num_batches_tracked`), a VAE built 
 `torch.distributions`, a causal `nn.TransformerDecoder` with key padding and dropout,
 `EmbeddingBag` with offsets, resampling ops; and the calling contexts around a jitted module:
 `torch.inference_mode`, `torch.func.functional_call`, a dtype change after jitting, autocast
-with a `GradScaler`, grad mode toggled between calls, outputs that alias an input."""
+with a `GradScaler`, grad mode toggled between calls, outputs that alias an input, weights
+pruned, reparametrized or frozen between steps, `parametrize.cached()` blocks."""
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import prune
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fulmen
@@ -239,3 +241,87 @@ def test_returned_views_alias_the_input(dynamic):
         row.add_(1)
         transposed[1, 0] = 7.0
         assert torch.equal(x[0], row) and x[0, 1] == 7.0
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_a_parametrization_cached_by_the_caller_follows_the_parameters():
+    """NOTE [library caches]: inside `parametrize.cached()`, a weight the caller read first was
+    the cached tensor the trace captured as a constant: later blocks ran on the first step's
+    weight (stale values) and backpropagated into its spent graph."""
+    from torch.nn.utils import parametrize
+
+    runs = []
+    for jitted in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        parametrize.register_parametrization(model, "weight", _Doubled())
+        step_fn = fulmen.jit(model) if jitted else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outs = []
+        for step in range(3):
+            x = _randn(5, 4, seed=step)
+            with parametrize.cached():
+                penalty = model.weight.pow(2).sum()  # cached: the block's weight from here
+                loss = step_fn(x).pow(2).mean() + step_fn(2 * x).mean() + penalty
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad(), parametrize.cached():
+                norm = model.weight.norm()  # cached before the call, under no_grad
+                outs.append((loss.detach(), norm, step_fn(x)))
+        runs.append((outs, [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1], runs[0])
+
+
+def _prune_then_remove(model, step):
+    if step == 0:
+        prune.l1_unstructured(model[0], "weight", amount=0.4)
+    elif step == 1:
+        prune.remove(model[0], "weight")
+
+
+def _old_spectral_norm(model, step):
+    if step == 0:  # a forward pre-hook that updates its `weight_u` buffer in training
+        torch.nn.utils.spectral_norm(model[2])
+
+
+def _weight_norm(model, step):
+    if step == 0:
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+
+
+def _freeze_then_adapt(model, step):
+    if step == 0:  # LoRA-style: freeze the base layer, train an adapter added after jitting
+        model[0].requires_grad_(False)
+        model.append(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("change", [_prune_then_remove, _old_spectral_norm, _weight_norm,
+                                    _freeze_then_adapt])
+def test_weights_reparametrized_or_frozen_between_steps_train_as_eager(change):
+    """Hooks, parametrizations and requires_grad flags that training libraries add to a model
+    between steps, after it was jitted: every step follows the model as it is now."""
+    runs = []
+    for jitted in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        step_fn = fulmen.jit(model) if jitted else model
+        losses = []
+        for step in range(3):
+            loss = step_fn(_randn(5, 4, seed=step)).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+                        p.grad = None
+            losses.append(loss.detach())
+            torch.manual_seed(10 + step)  # (spectral norm's random start vector)
+            change(model, step)
+        state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+        runs.append((losses, state))
+    torch.testing.assert_close(runs[1], runs[0])

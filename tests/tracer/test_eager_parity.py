@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import fulmen
 
@@ -263,3 +264,50 @@ def test_a_symbolic_size_returned_after_a_graph_break_is_this_calls_size(dynamic
             assert actual[1] == expected[1]
             assert type(actual[2]["shape"]) is torch.Size
             assert actual[2]["shape"] == expected[2]["shape"]
+
+
+class _BranchesOnTheGraph(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h * (2.0 if h.is_leaf else 3.0)
+
+
+def test_is_leaf_and_grad_fn_of_traced_tensors_answer_as_eager():
+    """NOTE [graph reads]: a proxy answered `is_leaf` True for a value computed from
+    parameters requiring grad (eager: False), so the compiled branch differed; `grad_fn`, which
+    no trace can give, runs the call eagerly, as the graph walk of `FlopCounterMode`'s module
+    tracker (it crashed on the None)."""
+    model = _BranchesOnTheGraph()
+    jmodel, x = fulmen.jit(model), torch.randn(2, 4)
+    for grad in (True, False, True):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(jmodel(x), model(x))
+    assert fulmen.compile_stats(jmodel).cache_misses == 2
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    counted, flops = fulmen.jit(net), []
+    counted(x)
+    for run in (net, counted):
+        with warnings.catch_warnings(record=True), \
+                FlopCounterMode(display=False) as counter:
+            run(x).sum().backward()
+        flops.append(counter.get_total_flops())
+    assert flops[1] == flops[0] > 0
+
+
+def test_is_leaf_of_an_argument_requiring_grad_runs_the_call_eagerly():
+    """Whether the caller's tensor is a leaf is not in the key: reading it runs eagerly."""
+    def fn(x):
+        return x * (2.0 if x.is_leaf else 3.0)
+
+    jfn = fulmen.jit(fn)
+    leaf = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True):
+        for x in (leaf, leaf * 1, leaf):
+            torch.testing.assert_close(jfn(x), fn(x))
+    with pytest.raises(fulmen.FulmenError, match="is_leaf"):
+        fulmen.jit(fn, fullgraph=True)(leaf)

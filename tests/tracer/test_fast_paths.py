@@ -97,3 +97,23 @@ def test_a_classifier_pooling_over_padding_equals_eager_and_leaves_no_hook():
                                        rtol=1e-5, atol=1e-5)
     assert fulmen.cache_misses(jmodel) == 1
     assert not model.encoder._forward_hooks and not model.encoder._forward_hooks_with_kwargs
+
+
+def test_fast_path_switched_off_and_on_between_calls():
+    """The switch is keyed: the fast path's trace (zeros at padded positions) served a call
+    with the fast path off, where eager computes the padded positions."""
+    model = _encoder(norm=False).eval()
+    jmodel = fulmen.jit(copy.deepcopy(model))
+    x = torch.randn(2, 6, 8)
+    padding = _right_padded([6, 3])
+    before = torch.backends.mha.get_fastpath_enabled()
+    try:
+        with torch.no_grad():
+            for enabled in (True, False, True):
+                torch.backends.mha.set_fastpath_enabled(enabled)
+                torch.testing.assert_close(jmodel(x, src_key_padding_mask=padding),
+                                           model(x, src_key_padding_mask=padding),
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    assert fulmen.cache_misses(jmodel) == 2

@@ -5,6 +5,8 @@ these tests change a property between two calls that agree on everything coarser
 non-contiguous layouts of one shape), where code that reads the property answers differently.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -119,3 +121,44 @@ def test_class_attributes_read_or_stored_by_the_code_are_not_baked_in():
         for _ in range(3):
             counting(x)
     assert _Counter.calls == 3
+
+
+class _ReadsModes(torch.nn.Module):
+    """Branches on the ambient modes PyTorch code reads as flags (`F.interpolate` and `F.pad`
+    read the deterministic flag on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if torch.is_inference_mode_enabled():
+            y = y * 2
+        if torch.are_deterministic_algorithms_enabled():
+            y = y + 1
+        return y
+
+
+def test_inference_and_deterministic_mode_read_inside_are_keyed():
+    """Under `no_grad` and `inference_mode` grad mode reads the same: the first call's trace
+    served the second, branch and all (and so for deterministic mode)."""
+    model = _ReadsModes()
+    jmodel, x = fulmen.jit(model), torch.randn(2, 4)
+
+    def deterministic():  # (under no_grad, as the first call)
+        torch.use_deterministic_algorithms(True)
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    contexts = [torch.no_grad, torch.inference_mode, torch.no_grad,
+                contextlib.contextmanager(deterministic), torch.inference_mode]
+    for context in contexts:
+        with context():
+            expected, got = model(x), jmodel(x)
+        torch.testing.assert_close(got, expected)
+        assert got.is_inference() == expected.is_inference()
+    assert fulmen.compile_stats(jmodel).cache_misses == 3
