@@ -30,7 +30,8 @@ conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run_conformance --samples 3
 	$(BIN)/python -m pytest -q tests/ops/test_opinfo.py -m "slow or not slow" --opinfo-samples=all
 	$(BIN)/python -m pytest -q tests/ops/test_strides.py --opinfo-samples=all
-	$(BIN)/python -m pytest -q tests/ops/test_opinfo_errors.py tests/ops/test_opinfo_inplace.py --opinfo-samples=all
+	$(BIN)/python -m pytest -q tests/ops/test_opinfo_errors.py tests/ops/test_opinfo_inplace.py \
+		tests/ops/test_opinfo_out.py tests/ops/test_opinfo_autocast.py --opinfo-samples=all
 	FULMEN_DYNAMIC=strict $(BIN)/python -m pytest -q tests/ops/test_opinfo.py tests/ops/test_opinfo_grad.py
 
 # >= 100,000 programs across the generators (op-level x3 executor lists, graph breaks, models
