@@ -1410,4 +1410,9 @@ MUTANTS: list[Mutant] = [
            "                mark_fresh(self, proxy)\n", "",
            ("tests/tracer/test_inplace.py::"
             "test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager",)),
+    Mutant("store_copy_checked_one_level_deep", "mutation", "tracer/objects.py",
+           "if id(value) in memo or depth > _MAX_DEPTH + 2:",
+           "if id(value) in memo or depth > 1:",
+           ("tests/tracer/test_objects.py::"
+            "test_a_new_object_appended_with_a_traced_tensor_inside_is_replayed",)),
 ]
