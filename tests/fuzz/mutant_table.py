@@ -344,7 +344,7 @@ MUTANTS: list[Mutant] = [
            'values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"',
            'values = [f"int({printer.doprint(expr)})"', (*DYNAMIC_INTS, *STORES)),
     Mutant("stored_number_symbol_kept", "mutation", "tracer/objects.py",
-           "memo[id(value)] = numbers[id(value)]", "memo[id(value)] = value",
+           "return numbers[id(value)]", "return value",
            (*DYNAMIC_INTS, *STORES)),
     Mutant("stored_dict_not_cleared", "mutation", "tracer/objects.py",
            "                dict.clear(owner)\n", "", (*DYNAMIC_EDGES, *STORES)),
