@@ -256,6 +256,29 @@ def restore(container: Any, saved: Any) -> None:
         state.update(saved)
 
 
+_COPIED = object()  # `_copy_memo`: the value is a new container, copied with what it holds
+
+
+def _copy_memo(template: Any, kept) -> dict[int, Any]:
+    """The memo under which `copy.deepcopy(template, memo)` copies only the new containers of
+    `template`, at every depth (a new cache layer inside a new list: its proxies are not
+    copied): `kept(value)` gives what stands for a value that is not copied, or `_COPIED`."""
+    memo: dict[int, Any] = {}
+
+    def prepare(value, depth=0):
+        if id(value) in memo or depth > _MAX_DEPTH + 2:
+            return
+        stand_in = kept(value)
+        if stand_in is not _COPIED:
+            memo[id(value)] = stand_in
+            return
+        for _, child in _children(value):
+            prepare(child, depth + 1)
+
+    prepare(template)
+    return memo
+
+
 @dataclass
 class Epilogue:
     """Stores to replay after each call, and outputs to rebuild (see the module docstring).
@@ -287,28 +310,21 @@ class Epilogue:
 
     def _materialize(self, template: Any, real: dict[str, Any], roots: dict[int, Any],
                      current: dict[int, Any], numbers: dict[int, Any]) -> Any:
-        memo: dict[int, Any] = {}
-
-        def prepare(value, depth=0):
-            if id(value) in memo or depth > _MAX_DEPTH + 2:
-                return
+        def kept(value):
             if id(value) in numbers:  # a traced number: its value in this call
-                memo[id(value)] = numbers[id(value)]
-            elif id(value) in current:  # an argument's tensor or container, found before any store
-                memo[id(value)] = current[id(value)]
-            elif id(value) in self.existing:  # the current call's object
+                return numbers[id(value)]
+            if id(value) in current:  # an argument's tensor or container, found before any store
+                return current[id(value)]
+            if id(value) in self.existing:  # the current call's object
                 root, path = self.existing[id(value)]
-                memo[id(value)] = follow(roots[root], path) if path else roots[root]
-            elif isinstance(value, TensorProxy):
-                memo[id(value)] = real[value.name]
-            elif isinstance(value, _OPAQUE) or not _walkable(value):
-                memo[id(value)] = value  # shared, never copied
-            else:
-                for _, child in _children(value):
-                    prepare(child, depth + 1)
+                return follow(roots[root], path) if path else roots[root]
+            if isinstance(value, TensorProxy):
+                return real[value.name]
+            if isinstance(value, _OPAQUE) or not _walkable(value):
+                return value  # shared, never copied
+            return _COPIED
 
-        prepare(template)
-        return copy.deepcopy(template, memo)
+        return copy.deepcopy(template, _copy_memo(template, kept))
 
     def run(self, out_leaves: list, extras, roots: dict[int, Any], inputs=()) -> None:
         """Replay the stores into the call's objects and rebuild the objects among the output
@@ -446,13 +462,14 @@ class ObjectInputs:
         (`Epilogue.run` deep-copies what is new in it: a lock, a file, a C object cannot be)."""
         if _holds_float_proxy(template, _MAX_DEPTH):  # its value changes per call
             raise FloatDecided("storing it into an object")
-        memo: dict[int, Any] = {}
-        for value in [template, *(child for _, child in _children(template))]:
+        def kept(value):
             if isinstance(value, _OPAQUE) or id(value) in self.epilogue.existing \
                     or not _walkable(value):
-                memo[id(value)] = value
+                return value
+            return _COPIED
+
         try:
-            copy.deepcopy(template, memo)
+            copy.deepcopy(template, _copy_memo(template, kept))
         except Exception as error:  # noqa: BLE001 - pickling protocols raise anything
             raise UnreplayableObjectStore(
                 f"the function stores a value into an object it reads that cannot be copied "

@@ -344,7 +344,7 @@ MUTANTS: list[Mutant] = [
            'values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"',
            'values = [f"int({printer.doprint(expr)})"', (*DYNAMIC_INTS, *STORES)),
     Mutant("stored_number_symbol_kept", "mutation", "tracer/objects.py",
-           "memo[id(value)] = numbers[id(value)]", "memo[id(value)] = value",
+           "return numbers[id(value)]", "return value",
            (*DYNAMIC_INTS, *STORES)),
     Mutant("stored_dict_not_cleared", "mutation", "tracer/objects.py",
            "                dict.clear(owner)\n", "", (*DYNAMIC_EDGES, *STORES)),
@@ -1441,4 +1441,9 @@ MUTANTS: list[Mutant] = [
            "            _mha_fastpath(),\n", "",
            ("tests/tracer/test_fast_paths.py::"
             "test_fast_path_switched_off_and_on_between_calls",)),
+    Mutant("store_copy_checked_one_level_deep", "mutation", "tracer/objects.py",
+           "if id(value) in memo or depth > _MAX_DEPTH + 2:",
+           "if id(value) in memo or depth > 1:",
+           ("tests/tracer/test_objects.py::"
+            "test_a_new_object_appended_with_a_traced_tensor_inside_is_replayed",)),
 ]

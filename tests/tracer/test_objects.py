@@ -82,6 +82,44 @@ def test_an_object_created_inside_and_returned_holds_real_tensors():
     torch.testing.assert_close(cache.keys, ref_cache.keys)
 
 
+class _Layer:
+    def __init__(self):
+        self.keys = None
+
+
+class _LazyCache:
+    """An HF `DynamicCache()` made without a config: each layer is appended when first used."""
+
+    def __init__(self):
+        self.layers = []
+
+    def update(self, k, index):
+        if len(self.layers) <= index:
+            self.layers.append(_Layer())
+        layer = self.layers[index]
+        layer.keys = k if layer.keys is None else torch.cat([layer.keys, k])
+        return layer.keys
+
+
+def _lazy_layers(x, cache):
+    return cache.update(x * 2, 0).sum(0) + cache.update(x + 1, 1).sum(0)
+
+
+def test_a_new_object_appended_with_a_traced_tensor_inside_is_replayed():
+    """The store `cache.layers` (a list changed in place) holds new layers, each holding a
+    traced tensor one level further down: the check that the store can be rebuilt copied the
+    layers with their proxies and refused it, so the first call ran eagerly."""
+    jfn = fulmen.jit(_lazy_layers)
+    got, want = _LazyCache(), _LazyCache()
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        torch.testing.assert_close(jfn(x, got), _lazy_layers(x, want))
+        assert [type(layer.keys) for layer in got.layers] == [torch.Tensor] * 2
+        torch.testing.assert_close([layer.keys for layer in got.layers],
+                                   [layer.keys for layer in want.layers])
+    assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
     def train(jit):
