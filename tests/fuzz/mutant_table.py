@@ -1453,4 +1453,13 @@ MUTANTS: list[Mutant] = [
            "            return grad_input, None, None, None",
            ("tests/transforms/test_grad_edges.py::"
             "test_max_min_with_other_by_keyword_give_both_gradients",)),
+    Mutant("codegen_int_isinf_true", "codegen", "executors/codegen/ops.py",
+           '_op("isinf", 1, ALL, MATH, "false", "false")', '_op("isinf", 1, ALL, MATH, "true", "false")',
+           ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("codegen_bool_isinf_true", "codegen", "executors/codegen/ops.py",
+           '_op("isinf", 1, ALL, MATH, "false", "false")', '_op("isinf", 1, ALL, MATH, "false", "true")',
+           ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("codegen_int_isfinite_false", "codegen", "executors/codegen/ops.py",
+           '_op("isfinite", 1, ALL, MATH, "true", "true")', '_op("isfinite", 1, ALL, MATH, "false", "true")',
+           ("tests/executors/test_codegen_spellings.py",)),
 ]
