@@ -1462,4 +1462,11 @@ MUTANTS: list[Mutant] = [
     Mutant("codegen_int_isfinite_false", "codegen", "executors/codegen/ops.py",
            '_op("isfinite", 1, ALL, MATH, "true", "true")', '_op("isfinite", 1, ALL, MATH, "false", "true")',
            ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("codegen_bool_isfinite_false", "codegen", "executors/codegen/ops.py",
+           '_op("isfinite", 1, ALL, MATH, "true", "true")', '_op("isfinite", 1, ALL, MATH, "true", "false")',
+           ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("codegen_bool_add_as_and", "codegen", "executors/codegen/ops.py",
+           '_op("add", 2, ALL, "({a} + {b})", "({a} + {b})", "({a} || {b})")',
+           '_op("add", 2, ALL, "({a} + {b})", "({a} + {b})", "({a} && {b})")',
+           ("tests/executors/test_codegen_spellings.py",)),
 ]
