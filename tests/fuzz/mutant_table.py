@@ -1469,4 +1469,8 @@ MUTANTS: list[Mutant] = [
            '_op("add", 2, ALL, "({a} + {b})", "({a} + {b})", "({a} || {b})")',
            '_op("add", 2, ALL, "({a} + {b})", "({a} + {b})", "({a} && {b})")',
            ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("codegen_bool_mul_as_or", "codegen", "executors/codegen/ops.py",
+           '_op("mul", 2, ALL, "({a} * {b})", "({a} * {b})", "({a} && {b})")',
+           '_op("mul", 2, ALL, "({a} * {b})", "({a} * {b})", "({a} || {b})")',
+           ("tests/executors/test_codegen_spellings.py",)),
 ]
