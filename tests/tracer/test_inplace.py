@@ -734,3 +734,22 @@ def test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager(codegen_ea
     out = fulmen.jit(fn)(a)
     torch.testing.assert_close(out, fn(a))
     assert out.requires_grad
+
+
+def test_out_tuple_writes_every_output():
+    """`torch.max(x, dim, out=(values, indices))` writes both tensors of the tuple, as eager."""
+
+    def fn(x, values, indices):
+        torch.max(x, 1, out=(values, indices))
+        return values * 2, indices + 1
+
+    check(fn, torch.randn(3, 5), torch.empty(3), torch.empty(3, dtype=torch.long))
+
+
+def test_copy_from_another_dtype_casts_like_eager():
+    def fn(x, y):
+        x.copy_(y)
+        return x * 2
+
+    check(fn, torch.zeros(3, 4), torch.arange(12).reshape(3, 4))
+    check(fn, torch.zeros(3, 4), torch.randn(3, 4, dtype=torch.float64))

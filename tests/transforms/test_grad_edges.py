@@ -258,3 +258,26 @@ def test_an_input_returned_as_it_is_is_the_argument_itself():
     (got[0] * 3 + got[1]).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
     torch.testing.assert_close(y.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("op", [torch.softmax, torch.log_softmax], ids=["softmax", "log_softmax"])
+def test_softmax_of_a_zero_dim_tensor_has_zero_gradient(op, executors):
+    """The softmax of one element is the constant 1 (log_softmax: 0), so eager's gradient is
+    zero; the 0-d branch of the rule must not pass the cotangent through."""
+    _check(lambda x: op(x, 0) * 3, 0.7, executors)
+
+
+@pytest.mark.parametrize("op", [torch.max, torch.min], ids=["max", "min"])
+def test_max_min_with_other_by_keyword_give_both_gradients(op):
+    """`torch.max(x, other=y)` is the elementwise form: y gets its cotangent too."""
+    values = torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.0, -2.0]])
+    grads = []
+    for f in (lambda x, y: op(x, other=y) * 3, fulmen.jit(lambda x, y: op(x, other=y) * 3)):
+        x = values.clone().requires_grad_(True)
+        y = values.flip(1).clone().requires_grad_(True)
+        f(x, y).sum().backward()
+        grads.append((x.grad, y.grad))
+    (ex, ey), (ax, ay) = grads
+    torch.testing.assert_close(ax, ex)
+    assert ay is not None
+    torch.testing.assert_close(ay, ey)
