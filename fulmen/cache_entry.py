@@ -34,6 +34,9 @@ class CacheEntry:
     # dimensions (by argument position) left out of the cache key
     shape_guard: Callable | None = None
     symbolic_dims: tuple = ()
+    # a trace tree's floats read at run time (positions, left out of the key): a new path is
+    # traced with them read so too, never with this call's values as constants
+    float_positions: tuple = ()
     # stores of Python constants the forward makes on its modules, replayed after each call
     module_stores: tuple = ()
     # `(index, module, attribute)`: captured tensors read afresh from the module on each call

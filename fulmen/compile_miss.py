@@ -27,6 +27,7 @@ from fulmen.tracer.module_stores import make_module_stores
 from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_classes, stored_proxies
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
+from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
 
@@ -149,6 +150,8 @@ class CompileMiss:
             entry = self._compile_tree(program, args, kwargs)
             for name, value in self._shapes.entry_fields(program).items():
                 setattr(entry, name, value)
+            entry.float_positions = tuple(position for position, kind in (dynamic or {}).items()
+                                          if kind == FLOAT)
             return entry
         grad_specs = wrt = None
         if self._grad_argnums is not None:
@@ -244,7 +247,7 @@ class CompileMiss:
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
                 with _TRACING, collector_paused(), memoized_symbolic_ops():
                     try:
-                        program = self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
+                        program = self._trace(args, kwargs, _path_dims(entry))
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (
@@ -268,7 +271,7 @@ class CompileMiss:
         try:
             with _TRACING, collector_paused(), memoized_symbolic_ops(), \
                     items_read_at_run_time():
-                self._trace(args, kwargs, dict(entry.symbolic_dims) or None)
+                self._trace(args, kwargs, _path_dims(entry))
         except Exception as error:  # noqa: BLE001 - the graph breaks stay
             self._shapes.drop_items()
             _RECOMPILES.info("items read at run time failed (%s: %s); keeping graph breaks",
@@ -278,6 +281,14 @@ class CompileMiss:
             torch.random.set_rng_state(rng_state)
         return True
 
+
+
+def _path_dims(entry: CacheEntry) -> dict | None:
+    """The `dynamic` argument of `trace_program` for a new path of `entry`'s trace tree: its
+    symbolic sizes and its floats read at run time (a float traced as a constant there would be
+    this call's value, served to calls the entry's key does not tell apart)."""
+    dims = {**dict(entry.symbolic_dims), **{position: FLOAT for position in entry.float_positions}}
+    return dims or None
 
 
 class StoresDifferPerPath(NotYetSupportedError):

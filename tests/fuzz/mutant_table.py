@@ -1506,4 +1506,8 @@ MUTANTS: list[Mutant] = [
            '_op("mul", 2, ALL, "({a} * {b})", "({a} * {b})", "({a} && {b})")',
            '_op("mul", 2, ALL, "({a} * {b})", "({a} * {b})", "({a} || {b})")',
            ("tests/executors/test_codegen_spellings.py",)),
+    Mutant("new_path_floats_traced_as_constants", "guards", "compile_miss.py",
+           "**{position: FLOAT for position in entry.float_positions}}", "}",
+           ("tests/tracer/test_host_floats.py::"
+            "test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too",)),
 ]

@@ -223,3 +223,20 @@ def test_a_changing_float_read_past_pythons_protocols_is_never_a_stale_constant(
     x = torch.randn(5)
     for t in (0.5, 1.5, 2.5, 3.5):
         assert torch.equal(jfn(x, t), fn(x, t))
+
+
+def _arange(start, end, step):
+    return torch.arange(start, end, step, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too(dynamic):
+    """`arange` of floats read at run time has a length PyTorch knows only from the values: a
+    graph break guards it. A length not seen before is a new path of the trace tree, traced
+    with the floats read at run time as the entry's first path was: traced with this call's
+    values as constants, it served a later call of the same length its values ([0, -4] for
+    arange(1, 5, 2))."""
+    jfn = fulmen.jit(_arange, dynamic=dynamic)
+    for args in ((0.0, -8.000001, -4.0), (1.0, 5.000001, 2.0), (0.0, -8.0, -4.0),
+                 (1.0, 5.0, 2.0), (0.5, 3.0, 0.5)):
+        torch.testing.assert_close(jfn(*args), _arange(*args), rtol=0, atol=0)
