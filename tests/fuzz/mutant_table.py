@@ -1410,4 +1410,7 @@ MUTANTS: list[Mutant] = [
            "                mark_fresh(self, proxy)\n", "",
            ("tests/tracer/test_inplace.py::"
             "test_no_grad_update_of_a_new_leaf_requiring_grad_answers_as_eager",)),
+    Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
+           "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
+                                  "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
 ]

@@ -12,8 +12,8 @@ twice now and then (`maximum(x, x)`, `hypot(x, x)`: one gradient per tensor).
 
 `programs(calls=True)` also draws `Program.calls`: more calls of the same jitted function at
 other sizes (each a `Resize` of the sizes in `SHAPES`: 0, 1, sizes made equal, a broadcast 1
-made larger, the first sizes again), so a symbolic trace and its guards are reused across
-shapes (`test_fuzz.check_program`; issue 16's "no wrong cache hit").
+made larger, the first sizes again; now and then the inputs' layouts flipped), so a symbolic
+trace and its guards are reused across shapes (`test_fuzz.check_program`; issue 16's "no wrong cache hit").
 """
 
 from __future__ import annotations
@@ -76,6 +76,16 @@ UNARY = {
     "bool_cast": lambda a: a.to(torch.bool).to(a.dtype) + a,  # negatives are True too
     "bf16_round": lambda a: a.to(torch.bfloat16).to(a.dtype) * 2,  # rounding to nearest even
     "fp16_round": lambda a: a.to(torch.float16).to(a.dtype) - a,
+    # sizes read as numbers, factories and views sized by them (symbolic under dynamic=True)
+    "size_scale": lambda a: a * (a.shape[-1] if a.ndim else 1) / (a.numel() + 1),
+    "arange_add": lambda a: a + torch.arange(a.shape[-1], dtype=a.dtype) if a.ndim else a,
+    "new_full": lambda a: a - a.new_full(a.shape[-1:], a.shape[0] if a.ndim else 2),
+    "last_row": lambda a: a[..., a.shape[-1] - 1:] * a if a.ndim else a,
+    "expand_sum": lambda a: a.sum(-1, keepdim=True).expand(a.shape) * a if a.ndim else a,
+    "rows_view": lambda a: a.reshape(a.shape[0], -1).sum(-1).view(-1, *[1] * (a.ndim - 1)) + a
+    if a.ndim else a,  # eager rejects -1 beside a 0: fulmen must raise too
+    "cumsum_last": lambda a: a.cumsum(-1) if a.ndim else a,
+    "cat_shifted": lambda a: torch.cat([a, F.pad(a, (1, 0))[..., :-1]], -1) if a.ndim else a,
 }
 
 BINARY = {
@@ -122,6 +132,7 @@ class Resize:
     three: int = 3
     four: int = 4
     five: int = 5
+    flip_layout: bool = False  # transposed inputs contiguous, contiguous ones transposed
 
     def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         sizes = dict(zip(RESIZABLE, (self.one, self.three, self.four, self.five)))
@@ -143,10 +154,11 @@ class Program:
     values: str = "normal"
     calls: tuple[Resize, ...] = ()  # later calls of the same jitted function, at other sizes
 
-    def resized(self, resize: Resize) -> "Program":
+    def resized(self, resize: Resize) -> Program:
         """The program at `resize`'s sizes (the same steps, inputs of the new shapes)."""
         shapes = tuple(resize.shape(shape) for shape in self.input_shapes)
-        return replace(self, input_shapes=shapes, calls=())
+        transposed = tuple(t != resize.flip_layout for t in self.transposed)
+        return replace(self, input_shapes=shapes, transposed=transposed, calls=())
 
     def run(self, *inputs):
         values = list(inputs)
@@ -171,7 +183,8 @@ class Program:
 
 _SIZES = st.sampled_from([0, 1, 2, 3, 4, 5, 7])
 _resizes = st.builds(Resize, one=st.sampled_from([1, 1, 1, 0, 2, 3]), three=_SIZES,
-                     four=_SIZES, five=_SIZES)
+                     four=_SIZES, five=_SIZES,
+                     flip_layout=st.sampled_from([False, False, False, True]))
 
 
 @st.composite
