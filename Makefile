@@ -33,6 +33,7 @@ conformance: $(STAMP)
 	$(BIN)/python -m pytest -q tests/ops/test_opinfo_errors.py tests/ops/test_opinfo_inplace.py \
 		tests/ops/test_opinfo_out.py tests/ops/test_opinfo_autocast.py --opinfo-samples=all
 	FULMEN_DYNAMIC=strict $(BIN)/python -m pytest -q tests/ops/test_opinfo.py tests/ops/test_opinfo_grad.py
+	FULMEN_DYNAMIC=strict $(BIN)/python -m pytest -q tests/ops/test_opinfo_dynamic.py -m "slow or not slow" --opinfo-samples=all
 
 # >= 100,000 programs across the generators (op-level x3 executor lists, graph breaks, models
 # x3); writes tests/fuzz/SUMMARY.md. FULMEN_FUZZ_PROGRAMS / FULMEN_FUZZ_SEED change the budget.

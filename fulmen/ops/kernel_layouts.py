@@ -22,6 +22,12 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
     """
     if input.device.type != "cpu" or weight.dim() not in (4, 5):
         return None
+    if any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride(),
+                                                          *weight.shape, *weight.stride())):
+        # symbolic sizes: no real stand-in can be made; PyTorch's fake convolution (asked by
+        # `eager_layouts` under the ShapeEnv) picks the backend and memory format as eager
+        # does and guards every size it reads (a batch of 16, the element count, sizes 1)
+        return None  # NOTE [convolution layout] with symbolic sizes
     real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
     real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
                                       dtype=weight.dtype)

@@ -271,7 +271,9 @@ conv_models = st.builds(
 
 
 @st.composite
-def cases(draw):
+def cases(draw, min_calls: int = 1):
+    """A random case; `min_calls`: at least that many calls (shapes change between calls; 2
+    for symbolic sizes, so a trace is reused at other sizes)."""
     model = draw(st.one_of(seq_models(), seq_models(), conv_models))
     seq = isinstance(model, SeqModel)
     # bf16 hides small errors in its rounding: most cases run in float32
@@ -291,7 +293,7 @@ def cases(draw):
                "temperature", "grad", "autocast", "hook", "grad_hook", "unlabeled"]
     if context.cache != "none":
         changes.remove("grad")
-    n_calls = draw(st.integers(1, 3))
+    n_calls = draw(st.integers(min_calls, max(3, min_calls)))
     if context.optimizer != "none" and (context.autocast or context.bf16_weights):
         # half-precision training diverges from eager's after a step (a ReLU input near zero
         # changes sign): later calls are compared at other parameters, so one call

@@ -38,10 +38,14 @@ def _group_noise(expected, reference, what) -> float:
     return sum(errors) / len(errors) if errors else 0.0
 
 
-# executor lists each case runs under: torch alone; decomposed to prims first; codegen kernels
+# executor lists each case runs under: torch alone; decomposed to prims first; codegen kernels;
+# symbolic sizes from the first call (`dynamic=True`: later calls at other batch sizes and
+# lengths reuse the symbolic trace where its guards hold)
 CONFIGS = {"torch": {"executors": ["torch"]},
            "decomposed": {"executors": ["torch"], "transforms": "decompose_to_prims"},
-           "codegen": {"executors": ["codegen", "torch"]}}
+           "codegen": {"executors": ["codegen", "torch"]},
+           "dynamic": {"executors": ["torch"], "dynamic": True}}
+MIN_CALLS = {"dynamic": 2}  # calls per generated case (`cases(min_calls=)`), where not 1
 
 
 def _config(config) -> dict:

@@ -1510,4 +1510,7 @@ MUTANTS: list[Mutant] = [
            "**{position: FLOAT for position in entry.float_positions}}", "}",
            ("tests/tracer/test_host_floats.py::"
             "test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too",)),
+    Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
+           "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
+                                  "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
 ]

@@ -9,11 +9,16 @@ Inputs are normal samples, or (`VALUES`) small integers with signed zeros, so ti
 bounds and between operands occur, or samples of magnitude ~100, where exp-based activations
 overflow and in-kernel casts to integers go out of range. A binary step takes the same value
 twice now and then (`maximum(x, x)`, `hypot(x, x)`: one gradient per tensor).
+
+`programs(calls=True)` also draws `Program.calls`: more calls of the same jitted function at
+other sizes (each a `Resize` of the sizes in `SHAPES`: 0, 1, sizes made equal, a broadcast 1
+made larger, the first sizes again; now and then the inputs' layouts flipped), so a symbolic
+trace and its guards are reused across shapes (`test_fuzz.check_program`; issue 16's "no wrong cache hit").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +76,16 @@ UNARY = {
     "bool_cast": lambda a: a.to(torch.bool).to(a.dtype) + a,  # negatives are True too
     "bf16_round": lambda a: a.to(torch.bfloat16).to(a.dtype) * 2,  # rounding to nearest even
     "fp16_round": lambda a: a.to(torch.float16).to(a.dtype) - a,
+    # sizes read as numbers, factories and views sized by them (symbolic under dynamic=True)
+    "size_scale": lambda a: a * (a.shape[-1] if a.ndim else 1) / (a.numel() + 1),
+    "arange_add": lambda a: a + torch.arange(a.shape[-1], dtype=a.dtype) if a.ndim else a,
+    "new_full": lambda a: a - a.new_full(a.shape[-1:], a.shape[0] if a.ndim else 2),
+    "last_row": lambda a: a[..., a.shape[-1] - 1:] * a if a.ndim else a,
+    "expand_sum": lambda a: a.sum(-1, keepdim=True).expand(a.shape) * a if a.ndim else a,
+    "rows_view": lambda a: a.reshape(a.shape[0], -1).sum(-1).view(-1, *[1] * (a.ndim - 1)) + a
+    if a.ndim else a,  # eager rejects -1 beside a 0: fulmen must raise too
+    "cumsum_last": lambda a: a.cumsum(-1) if a.ndim else a,
+    "cat_shifted": lambda a: torch.cat([a, F.pad(a, (1, 0))[..., :-1]], -1) if a.ndim else a,
 }
 
 BINARY = {
@@ -104,6 +119,26 @@ def _sample(shape, values: str, generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * scale
 
 
+RESIZABLE = (1, 3, 4, 5)  # every size in SHAPES: a `Resize` maps each to another
+
+
+@dataclass(frozen=True)
+class Resize:
+    """New sizes for one call: every dim of size 1, 3, 4, 5 in the program's input shapes
+    becomes `one`, `three`, `four`, `five` (sizes drawn from a small set, so equal sizes, 0
+    and 1 occur; a broadcast 1 made larger may not broadcast: eager and fulmen must both raise)."""
+
+    one: int = 1
+    three: int = 3
+    four: int = 4
+    five: int = 5
+    flip_layout: bool = False  # transposed inputs contiguous, contiguous ones transposed
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        sizes = dict(zip(RESIZABLE, (self.one, self.three, self.four, self.five)))
+        return tuple(sizes[size] for size in shape)
+
+
 @dataclass(frozen=True)
 class Step:
     op: str
@@ -117,6 +152,13 @@ class Program:
     transposed: tuple[bool, ...]
     steps: tuple[Step, ...]
     values: str = "normal"
+    calls: tuple[Resize, ...] = ()  # later calls of the same jitted function, at other sizes
+
+    def resized(self, resize: Resize) -> Program:
+        """The program at `resize`'s sizes (the same steps, inputs of the new shapes)."""
+        shapes = tuple(resize.shape(shape) for shape in self.input_shapes)
+        transposed = tuple(t != resize.flip_layout for t in self.transposed)
+        return replace(self, input_shapes=shapes, transposed=transposed, calls=())
 
     def run(self, *inputs):
         values = list(inputs)
@@ -139,8 +181,16 @@ class Program:
         return inputs
 
 
+_SIZES = st.sampled_from([0, 1, 2, 3, 4, 5, 7])
+_resizes = st.builds(Resize, one=st.sampled_from([1, 1, 1, 0, 2, 3]), three=_SIZES,
+                     four=_SIZES, five=_SIZES,
+                     flip_layout=st.sampled_from([False, False, False, True]))
+
+
 @st.composite
-def programs(draw, max_steps: int = 6) -> Program:
+def programs(draw, max_steps: int = 6, calls: bool = False) -> Program:
+    """A random program; `calls`: with 1-4 later calls at other sizes (`Program.calls`), the
+    first sizes (`Resize()`) among them now and then, so calls alternate."""
     count = draw(st.integers(1, 3))
     shapes = tuple(draw(st.sampled_from(SHAPES)) for _ in range(count))
     transposed = tuple(draw(st.booleans()) for _ in range(count))
@@ -158,4 +208,8 @@ def programs(draw, max_steps: int = 6) -> Program:
             same = draw(st.integers(0, 3)) == 0  # the same tensor in both arguments
             operands = (first, first if same else draw(st.integers(0, available - 1)))
         steps.append(Step(op, operands))
-    return Program(shapes, dtype, transposed, tuple(steps), values)
+    later = ()
+    if calls:
+        later = tuple(draw(st.lists(st.one_of(_resizes, _resizes, st.just(Resize())),
+                                    min_size=1, max_size=4)))
+    return Program(shapes, dtype, transposed, tuple(steps), values, later)

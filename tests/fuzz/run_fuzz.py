@@ -7,9 +7,11 @@ the run goes on), then a summary table in `tests/fuzz/SUMMARY.md`.
 
 TOTAL (default 100,000 programs, or FULMEN_FUZZ_PROGRAMS) is split by `SHARE`: most of it to
 the op-level programs (`programs.py`, each checked also with in-place updates of its inputs)
-under `["torch"]` and decomposed to prims, 5% traced with symbolic sizes (`dynamic=True`), 3%
+under `["torch"]` and decomposed to prims, 5% traced with symbolic sizes (`dynamic=True`, each
+program's jitted function called again at 1-4 other sizes; a fifth of them under codegen), 3%
 under codegen (each new kernel is a C++ build), a tenth to programs with graph breaks (`test_break_programs.py`), 2% to whole models
-in calling contexts (`models.py`). Measured (2,000-program run, `--jobs 2` on a 2-core machine shared with other
+in calling contexts (`models.py`; a tenth of those with `dynamic=True`, 2-3 calls at changing
+sizes). Measured (2,000-program run, `--jobs 2` on a 2-core machine shared with other
 work, load ~5): ~47 ms per op program (torch), ~49 ms (decomposed), ~1.6 s (codegen, cold
 kernel cache), ~370 ms per break program, ~3-4 s per model case (~11 s under codegen, cold).
 So 100,000 programs take ~6.5 h in one process there; `--jobs 7` with 7 free cores takes
@@ -36,9 +38,10 @@ from collections import Counter
 from hypothesis import HealthCheck, given, seed, settings
 
 SHARE = {  # generator -> fraction of the total budget (see the module docstring for times)
-    "ops: torch": 0.40, "ops: decomposed": 0.40, "ops: codegen": 0.03, "ops: dynamic": 0.05,
-    "breaks": 0.10,
-    "models: torch": 0.01, "models: decomposed": 0.005, "models: codegen": 0.005,
+    "ops: torch": 0.40, "ops: decomposed": 0.40, "ops: codegen": 0.03, "ops: dynamic": 0.04,
+    "ops: dynamic_codegen": 0.01, "breaks": 0.10,
+    "models: torch": 0.008, "models: decomposed": 0.005, "models: codegen": 0.005,
+    "models: dynamic": 0.002,
 }  # fmt: skip
 FINDINGS = os.environ.get("FULMEN_FUZZ_FINDINGS") or os.path.join(tempfile.gettempdir(),
                                                                    "fulmen_fuzz_findings")
@@ -81,9 +84,11 @@ def _op_programs(tally: Tally, config: str, examples: int, seed_value: int) -> N
 
     from fulmen.tools.minimize import minimize_program, write_script
     from tests.fuzz.programs import programs
-    from tests.fuzz.test_fuzz import CONFIGS, EDGE_VALUES, check_program
+    from tests.fuzz.test_fuzz import CONFIGS, EDGE_VALUES, SHAPE_CALLS, check_program
 
-    if config == "codegen":  # the generated kernels, not the torch fallback of cold regions
+    # the generated kernels, not the torch fallback of cold regions ("dynamic_codegen" follows
+    # FULMEN_CODEGEN_COMPILE: lazy by default, a region's kernel taking over mid-sequence)
+    if config == "codegen":
         from fulmen.executors.codegen import set_compile_policy
 
         set_compile_policy("eager")
@@ -103,7 +108,7 @@ def _op_programs(tally: Tally, config: str, examples: int, seed_value: int) -> N
                                               torch)
             _record(tally, kind, text)
 
-    _campaign(programs(), examples, body, seed_value)
+    _campaign(programs(calls=config in SHAPE_CALLS), examples, body, seed_value)
 
 
 def _minimized_op_program(program, config, minimize_program, write_script, torch) -> str:
@@ -139,7 +144,7 @@ def _break_programs(tally: Tally, examples: int, seed_value: int) -> None:
 
 def _models(tally: Tally, config: str, examples: int, seed_value: int) -> None:
     from tests.fuzz.model_cases import cases
-    from tests.fuzz.model_check import InvalidCase, failure_of
+    from tests.fuzz.model_check import MIN_CALLS, InvalidCase, failure_of
     from tests.fuzz.test_models import _report
 
     if config == "codegen":
@@ -158,7 +163,7 @@ def _models(tally: Tally, config: str, examples: int, seed_value: int) -> None:
             first = failure.kind not in tally.kinds
             _record(tally, failure.kind, _report(case, failure, config) if first else repr(case))
 
-    _campaign(cases(), examples, body, seed_value)
+    _campaign(cases(MIN_CALLS.get(config, 1)), examples, body, seed_value)
 
 
 def run_generator(name: str, examples: int, seed_value: int = 0) -> Tally:

@@ -18,15 +18,18 @@ from hypothesis import HealthCheck, example, given, settings
 import fulmen
 from fulmen.tools.accuracy import check_accuracy
 from fulmen.transforms import decompose_to_prims
-from tests.fuzz.programs import BINARY, UNARY, Program, Step, programs
+from tests.fuzz.programs import BINARY, UNARY, Program, Resize, Step, programs
 
 EXAMPLES = int(os.environ.get("FULMEN_FUZZ_EXAMPLES", "200"))
 CONFIGS = {
     "torch": {"executors": ["torch"]},
     "decomposed": {"executors": ["torch"], "transforms": [decompose_to_prims]},
     "codegen": {"executors": ["codegen", "torch"]},
-    "dynamic": {"executors": ["torch"], "dynamic": True},  # symbolic sizes from the first call
+    # symbolic sizes from the first call, the same jitted function then called at other sizes
+    "dynamic": {"executors": ["torch"], "dynamic": True},
+    "dynamic_codegen": {"executors": ["codegen", "torch"], "dynamic": True},
 }
+SHAPE_CALLS = {"dynamic", "dynamic_codegen"}  # configs whose programs draw `Program.calls`
 TOLERANCE = {  # (rtol, atol): half precision differs in rounding of intermediates
     torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7),
     torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 8e-2),
@@ -66,21 +69,49 @@ def _reference(program: Program, inputs: list, cotangent=None):
 # prim-level autodiff (every op decomposed before the split) differentiates maximum(x, 0) and
 # 1 / (1 + exp(-x)) as such: eager's subgradients at ties and the overflow-safe backward forms
 # of relu, clamp, sigmoid... are rules of the torch-level ops, so that config gets normal values
-EDGE_VALUES = {"torch", "codegen"}
+EDGE_VALUES = {"torch", "codegen", "dynamic", "dynamic_codegen"}
+
+
+def _rejects(fn, *args) -> bool:
+    """Whether eager raises on `fn(*args)` (shapes do not broadcast, no last dim to normalise)."""
+    try:
+        fn(*args)
+    except (RuntimeError, IndexError):
+        return True
+    return False
+
+
+def _calls(program: Program) -> list[Program]:
+    """The program at its own sizes, then at each of `program.calls`'s (one jitted function
+    serves them all)."""
+    return [program] + [program.resized(resize) for resize in program.calls]
 
 
 def check_program(program: Program, config: dict) -> None:
+    """`program` through `fulmen.jit(**config)` vs eager, forward and backward; with
+    `program.calls`, the same jitted function is called at every size in turn, and where eager
+    rejects a call's shapes, fulmen must raise too (a trace reused where it does not apply)."""
+    jfn = fulmen.jit(lambda *xs: program.run(*xs)[0], **config)
+    for index, call in enumerate(_calls(program)):
+        _check_call(call, jfn, index, bool(program.calls))
+
+
+def _check_call(program: Program, jfn, index: int, alternating: bool) -> None:
     requires_grad = program.dtype in (torch.float32, torch.float64)
-    eager_inputs = program.make_inputs(0, requires_grad)
+    eager_inputs = program.make_inputs(index, requires_grad)
     try:
         expected, _ = program.run(*eager_inputs)
-    except (RuntimeError, IndexError):
-        return  # eager rejects it (shapes do not broadcast, no last dim to normalise)
-    jit_inputs = program.make_inputs(0, requires_grad)
-    jfn = fulmen.jit(lambda *xs: program.run(*xs)[0], **config)
+    except (RuntimeError, IndexError):  # eager rejects it
+        if alternating:
+            jit_inputs = program.make_inputs(index, requires_grad)
+            assert _rejects(jfn, *jit_inputs), f"call {index} at {program.input_shapes}: " \
+                "eager raises, fulmen returned a result"
+        return
+    jit_inputs = program.make_inputs(index, requires_grad)
     actual = jfn(*jit_inputs)
+    where = f"call {index} at {program.input_shapes}: " if alternating else ""
     low = _low_precision(program)
-    _close(actual, expected, program.dtype, "forward",
+    _close(actual, expected, program.dtype, where + "forward",
            lambda: _reference(program, eager_inputs), low)
     if requires_grad and expected.requires_grad:
         cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
@@ -94,11 +125,12 @@ def check_program(program: Program, config: dict) -> None:
                 wide.append(_reference(program, eager_inputs, cotangent))
             return wide[0][index]
 
-        for index, (e, a) in enumerate(zip(eager_grads, jit_grads)):
+        for i, (e, a) in enumerate(zip(eager_grads, jit_grads)):
             if e is None or a is None:
-                assert (e is None or not e.any()) and (a is None or not a.any()), "grad presence"
+                assert (e is None or not e.any()) and (a is None or not a.any()), \
+                    where + "grad presence"
                 continue
-            _close(a, e, program.dtype, "gradient", lambda i=index: reference(i), low)
+            _close(a, e, program.dtype, where + "gradient", lambda i=i: reference(i), low)
 
 
 def _mutating(program: Program):
@@ -113,17 +145,23 @@ def _mutating(program: Program):
 
 
 def check_mutation(program: Program, config: dict) -> None:
-    """The program, then in-place updates of its inputs: outputs and inputs as eager's."""
-    eager_inputs = [x.detach() for x in program.make_inputs(0, False)]
-    try:
-        expected = _mutating(program)(*eager_inputs)
-    except (RuntimeError, IndexError):
-        return
-    jit_inputs = [x.detach() for x in program.make_inputs(0, False)]
-    actual = fulmen.jit(_mutating(program), **config)(*jit_inputs)
-    _close(actual, expected, program.dtype, "forward of the mutating program")
-    for index, (a, e) in enumerate(zip(jit_inputs, eager_inputs)):
-        _close(a, e, program.dtype, f"input {index} after in-place updates")
+    """The program, then in-place updates of its inputs: outputs and inputs as eager's (with
+    `program.calls`, one jitted function at every size in turn)."""
+    jfn = fulmen.jit(_mutating(program), **config)
+    for index, call in enumerate(_calls(program)):
+        eager_inputs = [x.detach() for x in call.make_inputs(index, False)]
+        jit_inputs = [x.detach() for x in call.make_inputs(index, False)]
+        where = f"call {index} at {call.input_shapes}: " if program.calls else ""
+        try:
+            expected = _mutating(call)(*eager_inputs)
+        except (RuntimeError, IndexError):
+            if program.calls:
+                assert _rejects(jfn, *jit_inputs), where + "eager raises, fulmen returned"
+            continue
+        actual = jfn(*jit_inputs)
+        _close(actual, expected, call.dtype, where + "forward of the mutating program")
+        for i, (a, e) in enumerate(zip(jit_inputs, eager_inputs)):
+            _close(a, e, call.dtype, f"{where}input {i} after in-place updates")
 
 
 def sweep() -> list[Program]:
@@ -137,24 +175,38 @@ def sweep() -> list[Program]:
     return unary + binary
 
 
+def sweep_calls() -> list[Program]:
+    """The sweep, each program called again at other sizes: larger, equal sizes, sizes 0 and
+    1 (the broadcast row stays 1), then the first sizes."""
+    calls = (Resize(four=7, five=2), Resize(four=3, five=3), Resize(four=0, five=1), Resize())
+    return [dataclasses.replace(program, calls=calls) for program in sweep()]
+
+
+def _budget(config: str) -> int:
+    """Random programs per config in `make test`: kernel builds dominate codegen's time."""
+    return {"codegen": EXAMPLES // 2, "dynamic_codegen": max(EXAMPLES // 16, 4)}.get(
+        config, EXAMPLES)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_random_programs_match_eager(config, request):
-    if config == "codegen":
+    if "codegen" in config:
         request.getfixturevalue("codegen_eager")  # check the kernels, not the torch fallback
-    # kernel builds dominate codegen's time: half the random programs there (plus the sweep)
-    @settings(max_examples=EXAMPLES // 2 if config == "codegen" else EXAMPLES, deadline=None,
-              derandomize=True,
+
+    @settings(max_examples=_budget(config), deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(programs())
+    @given(programs(calls=config in SHAPE_CALLS))
     def run(program):
         if config not in EDGE_VALUES:
             program = dataclasses.replace(program, values="normal")
         check_program(program, CONFIGS[config])
         # and the mutating variant for a quarter of them
-        if config != "codegen" or zlib.crc32(repr(program).encode()) % 4 == 0:
+        if "codegen" not in config or zlib.crc32(repr(program).encode()) % 4 == 0:
             check_mutation(program, CONFIGS[config])
 
-    for program in sweep():  # every op at least once per executor list
+    # every op at least once per executor list (symbolic kernels: only the random programs)
+    examples = {"dynamic": sweep_calls(), "dynamic_codegen": []}.get(config, sweep())
+    for program in examples:
         run = example(program)(run)
     run()
 

@@ -68,6 +68,7 @@ from hypothesis.control import current_build_context
 from tests.fuzz.model_cases import PATTERNS, cases
 from tests.fuzz.model_check import (
     CONFIGS,
+    MIN_CALLS,
     InvalidCase,
     failure_of,
     minimize,
@@ -106,7 +107,7 @@ def test_random_models_match_eager(config, request):
 
     @settings(max_examples=EXAMPLES // 2 if small else EXAMPLES, deadline=None,
               derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-    @given(cases())
+    @given(cases(MIN_CALLS.get(config, 1)))
     def run(case):
         failure = failure_of(case, executors)
         if failure is None:
@@ -115,10 +116,18 @@ def test_random_models_match_eager(config, request):
             raise AssertionError(_report(case, failure, executors)) from failure
         raise failure
 
-    codegen_small = small and config == "codegen"
-    for case in PATTERNS[1:2] if codegen_small else PATTERNS:  # every pattern at least once
+    patterns = PATTERNS
+    if small and config == "codegen":
+        patterns = PATTERNS[1:2]
+    elif small and config == "dynamic":  # the first patterns whose calls change shape
+        patterns = [case for case in PATTERNS if _shapes_change(case)][:3]
+    for case in patterns:  # every pattern at least once
         run = example(case)(run)
     run()
+
+
+def _shapes_change(case) -> bool:
+    return len({(call.batch, call.length) for call in case.calls}) > 1
 
 
 def campaign(examples: int, config: str) -> None:
@@ -134,7 +143,7 @@ def campaign(examples: int, config: str) -> None:
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(cases())
+    @given(cases(MIN_CALLS.get(config, 1)))
     def run(case):
         try:
             failure = failure_of(case, executors)

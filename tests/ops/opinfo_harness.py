@@ -130,10 +130,12 @@ class EagerError(Exception):
     """Eager PyTorch itself fails on a sample (the sample is unusable, not a fulmen failure)."""
 
 
-def run_grad_sample(info, sample, mode: str = "whole", seed: int | None = None):
+def run_grad_sample(info, sample, mode: str = "whole", seed: int | None = None, jfn=None):
     """Return (eager_grads, jit_grads) of `sum(out * cotangent)` w.r.t. the sample's inputs
     (None when nothing is differentiable). `seed` seeds torch before each forward call.
-    Raises `EagerError` when eager's own forward or backward fails on the sample."""
+    `jfn`: a jitted `fn(input, *args, **kwargs)` of the op to call (one for several samples),
+    instead of one made for this sample by `mode`. Raises `EagerError` when eager's own forward
+    or backward fails on the sample."""
     op, kwargs = info.op, sample.kwargs
 
     def fn(input, *args):
@@ -157,7 +159,10 @@ def run_grad_sample(info, sample, mode: str = "whole", seed: int | None = None):
     except Exception as error:
         raise EagerError(f"eager backward fails: {error}") from error
 
-    jfn = fulmen.jit(fn, **MODES[mode])
+    if jfn is None:
+        jfn = functools.partial(fulmen.jit(fn, **MODES[mode]))
+    else:
+        jfn = functools.partial(jfn, **kwargs)
     if seed is not None:
         torch.manual_seed(seed)
     actual_out = jfn(sample.input, *sample.args)

@@ -280,3 +280,27 @@ def test_an_op_on_a_symbolic_number_keeps_eagers_size_one_strides():
         assert got[1:] == want[1:]
         assert got[0].stride() == want[0].stride()
         torch.testing.assert_close(got[0], want[0])
+
+
+def test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout(monkeypatch):
+    """`conv2d` with symbolic sizes: eager's layout was asked of PyTorch on real stand-ins made
+    from the sizes, which raised for symbolic ones (found by `FULMEN_DYNAMIC=strict` op_db).
+    PyTorch's fake kernel answers instead: one entry for every image size, and eager's
+    channels-last output where the weight is made channels-last inside (the meta kernel alone
+    answers row-major there)."""
+    monkeypatch.setenv("FULMEN_DYNAMIC", "strict")  # symbolic, raising where a trace fails
+
+    def fn(x, w, channels_last):
+        if channels_last:
+            w = w.contiguous(memory_format=torch.channels_last)
+        return torch.nn.functional.conv2d(x, w, padding=1).relu()
+
+    for channels_last in (False, True):
+        jfn = fulmen.jit(fn)
+        w = torch.randn(4, 3, 3, 3)
+        for size in (6, 9, 5):
+            x = torch.randn(2, 3, size, size)
+            out, want = jfn(x, w, channels_last), fn(x, w, channels_last)
+            torch.testing.assert_close(out, want)
+            assert out.stride() == want.stride()
+        assert fulmen.cache_misses(jfn) == 1
