@@ -66,7 +66,9 @@ class CompileMiss:
                 program = trace_program(self._fn, args, kwargs, module=self._module,
                                         allow_breaks=self._eager_allowed,
                                         dynamic=dynamic, replay_stores=True)
-        except FulmenError as error:
+        except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
+            # (PyTorch's own errors too: an op run on real values that eager rejects raises
+            # eager's error, which an answer given to a library may have led to)
             restore_classes(classes)
             stored_proxies(global_holders)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
@@ -82,6 +84,8 @@ class CompileMiss:
                 self.forget_compiled()
                 torch.random.set_rng_state(rng_state)
                 return self._trace(args, kwargs, dynamic, settle=True)
+            if not isinstance(error, FulmenError):
+                raise
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         except BaseException:
             host_random.restore()  # the generators left at their sentinel states otherwise
