@@ -19,23 +19,10 @@ import fulmen
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T = pytest.importorskip("transformers")
 
-from tests.models.test_hf_models import MODELS, VOCAB  # noqa: E402
+from tests.models.test_hf_generate_variants import _model, _prompt  # noqa: E402
+from tests.models.test_hf_models import VOCAB  # noqa: E402
 
 _LOGITS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
-
-
-def _model(name: str):
-    torch.manual_seed(0)
-    model = MODELS[name][1]().eval()
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def _prompt():
-    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # left padding
-    return ids, mask
 
 
 def _same(got, want) -> None:
