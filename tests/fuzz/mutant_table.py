@@ -1513,4 +1513,8 @@ MUTANTS: list[Mutant] = [
     Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
            "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
+    Mutant("symbolic_dim_wrapped_unspecialised", "dynamic", "ops/torch/utils.py",
+           "    if isinstance(dim, torch.SymInt):\n        dim = int(dim)\n", "",
+           ("tests/tracer/test_dynamic_ints.py::"
+            "test_dims_and_shifts_given_as_varying_ints_are_eagers",)),
 ]

@@ -289,3 +289,22 @@ def test_an_int_varying_across_calls_of_alternating_structures_is_traced_once_as
         assert _same(_two_kinds(x, box=_Box(n)), jfn(x, box=_Box(n))), n
     stats = fulmen.compile_stats(jfn)
     assert stats.cache_misses <= 4 and stats.eager_calls == 0, stats.recompile_reasons
+
+
+@pytest.mark.parametrize("op", [
+    lambda x, d, s: x.flip(d, 0), lambda x, d, s: x.permute(d, 0, 5 - d, 1),
+    lambda x, d, s: x.roll(s, d), lambda x, d, s: x.unsqueeze(d).squeeze((d, 0)),
+    lambda x, d, s: x.roll(s)], ids=["flip", "permute", "roll", "squeeze", "roll_flat"])
+def test_dims_and_shifts_given_as_varying_ints_are_eagers(monkeypatch, op):
+    """A dim given as an int argument that changes between calls is traced as a symbol and
+    then specialised with a guard (which dim decides the trace's shapes); a shift may stay
+    symbolic. Wrapping the symbolic dim modulo the rank built an unhashable symbolic
+    expression (flip/permute/squeeze), and `roll` refused a symbolic shift or dim: both raised
+    under `FULMEN_DYNAMIC=strict` (found by its op_db run) and fell back to a static trace per
+    call otherwise."""
+    monkeypatch.setenv("FULMEN_DYNAMIC", "strict")  # symbolic, raising where a trace fails
+    fn = lambda x, d, s: op(x, d, s) * 2  # noqa: E731
+    jfn = fulmen.jit(fn)
+    x = torch.randn(1, 2, 3, 4)
+    for d, s in ((2, 2), (3, 5), (2, 7), (3, 3), (2, 2)):  # 0 and 1 would be specialised
+        torch.testing.assert_close(jfn(x, d, s), fn(x, d, s), msg=f"dim {d} shift {s}")

@@ -32,6 +32,11 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _int_or_symbolic(value) -> bool:
+    """An int, or an int argument traced as a `torch.SymInt`."""
+    return _int(value) or isinstance(value, torch.SymInt)
+
+
 def _slice_along(a, dim: int, start: int, end: int):
     starts = tuple(start if d == dim else 0 for d in range(a.ndim))
     ends = tuple(end if d == dim else size for d, size in enumerate(a.shape))
@@ -179,14 +184,14 @@ def _roll_one(a, shift: int, dim: int):
 def roll(input, shifts, dims=None):
     """`torch.roll`: elements shifted along `dims` (wrapping around); without `dims` the
     flattened tensor is rolled and the shape restored."""
-    shifts = (shifts,) if _int(shifts) else tuple(shifts)
-    if dims is None or (not _int(dims) and len(dims) == 0):
+    shifts = (shifts,) if _int_or_symbolic(shifts) else tuple(shifts)
+    if dims is None or (not _int_or_symbolic(dims) and len(dims) == 0):
         if len(shifts) != 1:
             raise _unsupported("roll", "several shifts need dims (eager raises)")
         flat = prims.reshape(input, (input.numel(),))
         return prims.reshape(_roll_one(flat, shifts[0], 0), tuple(input.shape))
-    dims = (dims,) if _int(dims) else tuple(dims)
-    if len(dims) != len(shifts) or not all(map(_int, shifts + dims)):
+    dims = (dims,) if _int_or_symbolic(dims) else tuple(dims)
+    if len(dims) != len(shifts) or not all(map(_int_or_symbolic, shifts + dims)):
         raise _unsupported("roll", "shifts and dims must be ints of the same count")
     out = input
     for shift, dim in zip(shifts, dims):
@@ -208,7 +213,7 @@ def pad(input, pad, mode="constant", value=None):
         raise _unsupported("pad", f"mode={mode!r} (only constant is decomposed)")
     # a symbolic size as an amount (`F.pad(x, (0, window - n))`) is one too
     if not isinstance(pad, (tuple, list, torch.Size)) or not all(
-            _int(amount) or isinstance(amount, torch.SymInt) for amount in pad):
+            map(_int_or_symbolic, pad)):
         raise _unsupported("pad", f"pad={pad!r} (a sequence of ints is supported)")
     if len(pad) % 2 or len(pad) // 2 > input.ndim:
         raise _unsupported("pad", "pad length is odd or longer than 2 * rank (eager raises)")

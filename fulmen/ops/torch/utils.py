@@ -186,9 +186,14 @@ def scalar_to_tensor_like(value: Number, like: torch.Tensor, dtype: torch.dtype 
 def canonical_dim(dim: int, rank: int, *, op: str = "op") -> int:
     """Wrap a possibly negative `dim` into [0, rank) (rank 0 accepts -1 and 0).
 
+    A symbolic `dim` (an int argument traced as a `torch.SymInt`) is specialized to its value
+    with a guard, as dynamo does: which dimension an op works on decides the trace's shapes.
+
     Raises:
         IndexError: `dim` is out of range, with eager's message.
     """
+    if isinstance(dim, torch.SymInt):
+        dim = int(dim)
     bound = max(rank, 1)
     if not -bound <= dim < bound:
         raise IndexError(f"{op}: Dimension out of range (expected to be in range of "
