@@ -152,6 +152,41 @@ def test_escaping_views_of_inputs_are_the_chains_own_views():
             assert (a.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()) == same
 
 
+@pytest.mark.parametrize("width", [2, 1])
+def test_a_repeat_of_grouped_heads_is_written_by_the_kernel(codegen_eager, monkeypatch, width):
+    """Grouped-query attention's repeat of the keys (`k[:, :, None].expand(...).reshape(...)`)
+    returned from a region copies in eager (the reshape merges an expanded dim): the kernel
+    writes it (NOTE [a copying view is a kernel output]) with eager's values and layout, a
+    storage of its own that a later update of the input does not reach. A reshape that only
+    splits dims (`width` 1: the repeat is a plain broadcast) stays a view of the input."""
+    from fulmen.executors.codegen.region import RegionCallable
+
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "1")
+
+    def fn(qkv, w):
+        k = qkv[..., 8:].reshape(2, 5, 2, 4).permute(0, 2, 1, 3)
+        rep = k[:, :, None].expand(2, 2, width, 5, 4).reshape(2, 2 * width, 5, 4)
+        return rep * w, rep
+
+    jfn = fulmen.jit(fn, executors=EXECUTORS)
+    for start in (0, 3):
+        qkv = torch.randn(200)[start:start + 160].view(2, 5, 16)
+        w = torch.randn(4)
+        (out, rep), (want_out, want_rep) = jfn(qkv, w), fn(qkv, w)
+        torch.testing.assert_close(out, want_out)
+        torch.testing.assert_close(rep, want_rep)
+        assert rep.stride() == want_rep.stride()
+        shares = want_rep.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+        assert (rep.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()) == shares
+        qkv.add_(1.0)
+        torch.testing.assert_close(rep, want_rep)  # a copy stays, a view follows, as eager's
+    regions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
+               if isinstance(b.sym.impl, RegionCallable)]
+    assert len(regions) == 1
+    kernel_outputs = sum(plan[0] == "kernel" for plan in regions[0].lowered.outputs)
+    assert kernel_outputs == (2 if width == 2 else 1)
+
+
 def test_a_reshape_that_copies_its_input_is_copied_on_every_call():
     """An access whose chain copies (the reshape of a permuted input, GPT-2's merged heads
     in the backward of its qkv split) keeps its call plan: each call copies its own input

@@ -1517,4 +1517,9 @@ MUTANTS: list[Mutant] = [
            "    if isinstance(dim, torch.SymInt):\n        dim = int(dim)\n", "",
            ("tests/tracer/test_dynamic_ints.py::"
             "test_dims_and_shifts_given_as_varying_ints_are_eagers",)),
+    Mutant("codegen_every_escaping_view_copied", "codegen", "executors/codegen/lower.py",
+           "            sizes, expanded = list(params[0]), flags\n    return False",
+           "            sizes, expanded = list(params[0]), flags\n    return True",
+           ("tests/executors/test_codegen_edges.py::"
+            "test_a_repeat_of_grouped_heads_is_written_by_the_kernel",)),
 ]

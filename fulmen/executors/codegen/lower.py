@@ -21,6 +21,8 @@ operand, a lazy value leaving the region, views of pad or cat outputs (views rea
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -304,6 +306,10 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         kind = env[proxy.name]
         if kind[0] in ("lazy", "lazyview"):
             raise Unsupported(f"the lazy value {proxy.name} leaves the kernel")
+        if kind[0] == "view" and _copies(kind[1], _input_sizes(kind[1], inputs), proxy, shape):
+            copied = load(kind[1], proxy.dtype)
+            if copied not in kernel_outputs:  # NOTE [a copying view is a kernel output]
+                kind = ("value", copied)
         if kind[0] == "value":
             if kind[1] in kernel_outputs:
                 raise Unsupported("one value returned twice")
@@ -313,6 +319,89 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             plan.append(("view", kind[1]))
     kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs))
     return LoweredRegion(kernel, freeze(shape), tuple(inputs), tuple(plan))
+
+
+def _copies(access: Access, sizes, proxy, shape) -> bool:
+    """Whether an escaping view of an input (of sizes `sizes`), of the iteration `shape`, is a
+    copy in every call: a reshape that merges a dimension a broadcast expanded (stride 0) with
+    one it did not. Sizes not all known (symbolic), or a reshape whose copying depends on the
+    input's strides: False (the view is taken as before).
+
+    NOTE [a copying view is a kernel output]: a region output that views an input runs its
+    chain of view ops after the kernel (`region.view_output`), in torch, on every call. For
+    grouped-query attention's repeat of the keys and values (`v[:, :, None].expand(...)
+    .reshape(b, heads, t, d)`, as HF and litgpt write `repeat_interleave`) the final reshape
+    copies: 5 torch ops and a strided copy per call (25-50 us of host time in each rotary
+    region of tiny Llama, forward and backward). The kernel iterates over that shape anyway,
+    so it loads through the view and stores the copy."""
+    if not same_shape(tuple(proxy.shape), shape) or not _ints(sizes) or 0 in sizes:
+        return False
+    sizes, expanded = list(sizes), [False] * len(sizes)
+    for step in access.steps:
+        params = step.params
+        if step.name == "broadcast_in_dim":
+            new, dims = params
+            if not _ints(new):
+                return False
+            flags = [new[d] != 1 for d in range(len(new))]  # new dims: expanded unless 1
+            for i, d in enumerate(dims):
+                flags[d] = expanded[i] or (sizes[i] == 1 and new[d] != 1)
+            sizes, expanded = list(new), flags
+        elif step.name == "permute":
+            sizes, expanded = [sizes[d] for d in params[0]], [expanded[d] for d in params[0]]
+        elif step.name == "squeeze":
+            keep = [d for d in range(len(sizes)) if d not in params[0]]
+            sizes, expanded = [sizes[d] for d in keep], [expanded[d] for d in keep]
+        elif step.name == "slice":
+            starts, ends, strides = params
+            if not _ints((*starts, *ends, *strides)):
+                return False
+            sizes = [-(-(e - b) // k) for b, e, k in zip(starts, ends, strides)]
+        elif step.name == "reshape":
+            groups = _reshape_groups(sizes, params[0])
+            if groups is None:
+                return False
+            flags = [False] * len(params[0])
+            for group, out_dims in groups:
+                big = [expanded[d] for d in group if sizes[d] != 1]
+                if any(big) and not all(big):
+                    return True
+                for d in out_dims:
+                    flags[d] = any(big) and params[0][d] != 1
+            sizes, expanded = list(params[0]), flags
+    return False
+
+
+def _input_sizes(access: Access, inputs) -> tuple:
+    return tuple(inputs[access.input].shape) if access.input >= 0 else ()
+
+
+def _ints(values) -> bool:
+    return all(type(v) is int for v in values)
+
+
+def _reshape_groups(sizes: list[int], new) -> list[tuple[list[int], list[int]]] | None:
+    """`(dims of sizes, dims of new)` per run of dims a reshape maps onto each other (equal
+    products; trailing dims of size 1 join the last run); None for sizes not all known or a
+    size 0."""
+    if not _ints(new) or 0 in new or math.prod(sizes) != math.prod(new):
+        return None
+    groups, i, j = [], 0, 0
+    while i < len(sizes) and j < len(new):
+        group, out_dims, have, want = [i], [j], sizes[i], new[j]
+        i, j = i + 1, j + 1
+        while have != want:
+            if have < want:
+                have, i = have * sizes[i], i + 1
+                group.append(i - 1)
+            else:
+                want, j = want * new[j], j + 1
+                out_dims.append(j - 1)
+        groups.append((group, out_dims))
+    if groups:
+        groups[-1][0].extend(range(i, len(sizes)))
+        groups[-1][1].extend(range(j, len(new)))
+    return groups
 
 
 def _known_le(size, bound: int) -> bool:
