@@ -4,10 +4,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("FULMEN_CHECK", "1")
-# Tests check kernels on small tensors: fuse every region, even those the tiny-region policy
-# (`fulmen.transforms.fusion.TINY_REGION`) leaves on torch; its own tests unset this.
-os.environ.setdefault("FULMEN_FUSE_TINY", "1")
+from tests.environment import apply_test_environment
+
+apply_test_environment()  # FULMEN_CHECK=1, FULMEN_FUSE_TINY=1 (tests/environment.py)
 
 
 def pytest_addoption(parser):

@@ -37,6 +37,8 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, seed, settings
 
+from tests.environment import apply_test_environment
+
 SHARE = {  # generator -> fraction of the total budget (see the module docstring for times)
     "ops: torch": 0.40, "ops: decomposed": 0.40, "ops: codegen": 0.03, "ops: dynamic": 0.04,
     "ops: dynamic_codegen": 0.01, "breaks": 0.10,
@@ -167,7 +169,9 @@ def _models(tally: Tally, config: str, examples: int, seed_value: int) -> None:
 
 
 def run_generator(name: str, examples: int, seed_value: int = 0) -> Tally:
-    """One generator's campaign of `examples` programs."""
+    """One generator's campaign of `examples` programs, under the tests' FULMEN_* settings
+    (`tests/environment.py`: codegen generators fuse tiny regions too, as `make test` does)."""
+    apply_test_environment()
     tally = Tally(name)
     start = time.time()
     family, _, config = name.partition(": ")
