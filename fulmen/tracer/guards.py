@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core.ambient import autocast_key
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -46,6 +45,7 @@ from fulmen.tracer.objects import (
     object_key,
     snapshot,
 )
+from fulmen.tracer.process_state import process_state_key
 from fulmen.tracer.source_keys import (
     _EXACT_SCALARS,
     _NESTED_DEPTH,
@@ -74,13 +74,6 @@ from fulmen.tracer.sources import (
 from fulmen.tracer.symbolic import INT
 
 Tensor = torch.Tensor
-_is_grad_enabled = torch.is_grad_enabled
-_get_default_dtype = torch.get_default_dtype
-_is_inference_mode = torch.is_inference_mode_enabled
-_deterministic = torch._C._get_deterministic_algorithms
-_deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
-_mha_fastpath = torch.backends.mha.get_fastpath_enabled
-_any_autocast = torch._C._is_any_autocast_enabled
 _training = operator.attrgetter("training")
 
 
@@ -293,21 +286,12 @@ class CacheKeyBuilder:
         return stale
 
     def global_key(self) -> tuple:
-        """Grad mode, inference mode, deterministic mode, default dtype, autocast state,
-        module training flags, and the Python scalars the code can read besides its arguments
-        (see `scalar_sources`). Inference and deterministic mode are read by code as flags
-        (`torch.is_inference_mode_enabled()`, `torch.are_deterministic_algorithms_enabled()`
-        in `F.interpolate`/`F.pad` on CUDA), so a trace taken under one answer must not serve
-        the other: under `no_grad` and `inference_mode` grad mode reads the same. So is
-        PyTorch's attention fast-path switch: a traced `nn.TransformerEncoder` gives its
-        fast path's zeros at padded positions only where eager takes it (`fast_paths.py`)."""
+        """The process-wide state traced code may read (grad, inference and deterministic
+        mode, default dtype and device, autocast, matmul precision, threads, ...: the table
+        `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
+        Python scalars the code can read besides its arguments (see `scalar_sources`)."""
         return (
-            _is_grad_enabled(),
-            _is_inference_mode(),
-            _deterministic() and (True, _deterministic_warn_only()),
-            _mha_fastpath(),
-            _get_default_dtype(),
-            _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
+            process_state_key(),
             self._sources_key(),
             self._fn_roots_key(),
         )

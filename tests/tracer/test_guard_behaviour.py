@@ -162,3 +162,121 @@ def test_inference_and_deterministic_mode_read_inside_are_keyed():
         torch.testing.assert_close(got, expected)
         assert got.is_inference() == expected.is_inference()
     assert fulmen.compile_stats(jmodel).cache_misses == 3
+
+
+def _flag_setter(setter, value):
+    """A context that sets a process-wide flag through `setter` and puts its old value back."""
+
+    @contextlib.contextmanager
+    def context(getter):
+        old = getter()
+        setter(value)
+        try:
+            yield
+        finally:
+            setter(old)
+
+    return context
+
+
+def _setattr(holder, name):
+    def set_flag(value):
+        setattr(holder, name, value)
+
+    return set_flag
+
+
+def _default_device(device):
+    @contextlib.contextmanager
+    def context(getter):
+        torch.set_default_device(device)
+        try:
+            yield
+        finally:
+            torch.set_default_device(None)
+
+    return context
+
+
+def _anomaly(check_nan):
+    @contextlib.contextmanager
+    def context(getter):
+        with torch.autograd.set_detect_anomaly(True, check_nan=check_nan):
+            yield
+
+    return context
+
+
+def _sdpa_math(getter):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _meta_device(getter):
+    return torch.device("meta")
+
+
+_C = torch._C
+_cuda, _cudnn, _mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
+# name -> (what user code reads, a context under which it reads another value)
+_PROCESS_STATES = {
+    "float32 matmul precision": (torch.get_float32_matmul_precision,
+                                 _flag_setter(torch.set_float32_matmul_precision, "medium")),
+    "cuBLAS TF32": (lambda: _cuda.matmul.allow_tf32,
+                    _flag_setter(_setattr(_cuda.matmul, "allow_tf32"), True)),
+    "cuDNN TF32": (lambda: _cudnn.allow_tf32, _flag_setter(_setattr(_cudnn, "allow_tf32"), False)),
+    "cuBLAS fp16 reduction": (
+        lambda: _cuda.matmul.allow_fp16_reduced_precision_reduction,
+        _flag_setter(_setattr(_cuda.matmul, "allow_fp16_reduced_precision_reduction"), False)),
+    "cuBLAS bf16 reduction": (
+        lambda: _cuda.matmul.allow_bf16_reduced_precision_reduction,
+        _flag_setter(_setattr(_cuda.matmul, "allow_bf16_reduced_precision_reduction"), False)),
+    "CPU fp16 reduction": (_C._get_cpu_allow_fp16_reduced_precision_reduction,
+                           _flag_setter(_C._set_cpu_allow_fp16_reduced_precision_reduction,
+                                        True)),
+    "cuDNN enabled": (lambda: _cudnn.enabled, _flag_setter(_setattr(_cudnn, "enabled"), False)),
+    "cuDNN deterministic": (lambda: _cudnn.deterministic,
+                            _flag_setter(_setattr(_cudnn, "deterministic"), True)),
+    "cuDNN benchmark": (lambda: _cudnn.benchmark, _flag_setter(_setattr(_cudnn, "benchmark"),
+                                                               True)),
+    "oneDNN enabled": (lambda: _mkldnn.enabled, _flag_setter(_setattr(_mkldnn, "enabled"),
+                                                             False)),
+    "oneDNN deterministic": (lambda: _mkldnn.deterministic,
+                             _flag_setter(_setattr(_mkldnn, "deterministic"), True)),
+    "anomaly detection": (torch.is_anomaly_enabled, _anomaly(check_nan=True)),
+    "anomaly check_nan": (torch.is_anomaly_check_nan_enabled, _anomaly(check_nan=False)),
+    "threads": (torch.get_num_threads, _flag_setter(torch.set_num_threads, 1)),
+    "default device": (torch.get_default_device, _default_device("meta")),
+    "with torch.device": (torch.get_default_device, _meta_device),
+    "sdpa_kernel": (_cuda.flash_sdp_enabled, _sdpa_math),
+    "flash attention": (_cuda.flash_sdp_enabled,
+                        _flag_setter(_cuda.enable_flash_sdp, False)),
+    "memory-efficient attention": (_cuda.mem_efficient_sdp_enabled,
+                                   _flag_setter(_cuda.enable_mem_efficient_sdp, False)),
+    "math attention": (_cuda.math_sdp_enabled, _flag_setter(_cuda.enable_math_sdp, False)),
+    "cuDNN attention": (_cuda.cudnn_sdp_enabled, _flag_setter(_cuda.enable_cudnn_sdp, False)),
+}
+
+
+@pytest.mark.parametrize("name", list(_PROCESS_STATES))
+def test_process_state_read_inside_is_keyed(name):
+    """Code that branches on a process-wide flag (`if torch.get_float32_matmul_precision() ==
+    ...`) took the first call's branch for every later call, whatever the flag had become
+    (NOTE [process state in the key]); the same flag again hits the cache."""
+    read, changed = _PROCESS_STATES[name]
+    before = read()
+
+    def branches(x):
+        return x * 2 if read() == before else x * 3
+
+    jfn, x = fulmen.jit(branches), torch.randn(3)
+    try:
+        with changed(read):
+            pass
+    except RuntimeError as error:  # (CPU fp16 reductions on a CPU without them)
+        pytest.skip(f"cannot change {name} here: {error}")
+    for step in range(4):
+        with changed(read) if step % 2 else contextlib.nullcontext():
+            assert (read() == before) == (step % 2 == 0)  # the context changes the flag
+            torch.testing.assert_close(jfn(x), branches(x))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
