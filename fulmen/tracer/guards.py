@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.tracer.environment import environment_source
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -117,6 +118,7 @@ class CacheKeyBuilder:
         # (`(id(module), name)`) that programs store traced tensors into and never read as
         # tensors are written (`_written_key`), those a program read are never written again
         self._watched: list[tuple[torch.nn.Module, str]] = []
+        self._environment: set[str] = set()  # variables programs read (`watch_environment`)
         self._written: set[tuple[int, str]] = set()
         self._read: set[tuple[int, str]] = set()
         self._fresh: set[tuple[int, str]] = set()  # tensor attributes programs read afresh
@@ -155,6 +157,8 @@ class CacheKeyBuilder:
         for module, name in self._watched:
             self.scalar_sources.append((f"{type(module).__name__}.{name}",
                                         functools.partial(getattr, module, name, None)))
+        for name in sorted(self._environment):
+            self.scalar_sources.append(environment_source(name))
         values = [read() for _, read in self.scalar_sources]
         # per source, the type of the plain object it held (keyed by its attributes), or None
         self._object_types = [type(value) if is_plain_object(value) else None
@@ -248,6 +252,15 @@ class CacheKeyBuilder:
         may not have existed when the key was set up); keys computed before are stale."""
         self._watched += [(module, name) for module, name in pairs
                           if (id(module), name) not in self._attributes]
+        self._set_sources()
+        self._stale = True
+
+    def watch_environment(self, names: frozenset[str]) -> None:
+        """Key the values of the environment variables `names` from now on (ones a traced
+        program looked up, NOTE [environment reads]); keys computed before are stale."""
+        if names <= self._environment:
+            return
+        self._environment |= names
         self._set_sources()
         self._stale = True
 

@@ -29,6 +29,7 @@ from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+from fulmen.tracer.environment import environment_reads_recorded
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.host_floats import (
@@ -104,6 +105,9 @@ class TracedProgram:
         held_modules: the modules the function reached besides the jitted one (arguments,
             globals: `fulmen.tracer.module_stores.held_modules`), whose `training` flags and
             attributes the cache key must cover from now on.
+        environment_reads: the environment variables the traced code looked up (`WHOLE`: it
+            read them all), whose values the cache key must cover from now on (NOTE
+            [environment reads]).
     """
 
     trace: Trace
@@ -125,6 +129,7 @@ class TracedProgram:
     captured_fresh: tuple[int, ...] = ()
     int_positions: tuple = ()
     held_modules: tuple[torch.nn.Module, ...] = ()
+    environment_reads: frozenset[str] = frozenset()
 
 
 def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
@@ -401,6 +406,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 library_caches_set_aside(), \
+                environment_reads_recorded() as environment_reads, \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 floats_read_at_run_time(ctx) if items_requested() \
@@ -483,4 +489,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          captured_attributes=captured_attributes,
                          captured_fresh=captured_fresh,
                          int_positions=tuple(position for position, *_ in numbers),
-                         held_modules=tuple(held))
+                         held_modules=tuple(held),
+                         environment_reads=frozenset(environment_reads))
