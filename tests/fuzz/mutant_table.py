@@ -1533,5 +1533,19 @@ MUTANTS: list[Mutant] = [
     Mutant("guard_sdpa_backends", "guards", "tracer/process_state.py",
            '    ProcessState("flash attention enabled", _C._get_flash_sdp_enabled),\n', "",
            ("tests/tracer/test_guard_behaviour.py::"
-            "test_process_state_read_inside_is_keyed[sdpa_kernel]",)),
+            "test_process_state_read_inside_is_keyed[flash attention]",)),
+    Mutant("environment_reads_unkeyed", "guards", "compile_miss.py",
+           "        self._guard.watch_environment(program.environment_reads)\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_environment_variables_read_inside_are_keyed",)),
+    Mutant("codegen_scalar_cast_on_default_device", "codegen", "executors/codegen/lower.py",
+           'torch.tensor(value, dtype=dtype, device="cpu").item()',
+           "torch.tensor(value, dtype=dtype).item()",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_fused_cpu_kernels_allocate_on_the_cpu_under_another_default_device",)),
+    Mutant("carrier_on_default_device", "guards", "tracer/symbolic.py",
+           "return torch.tensor(value, dtype=torch.float64, device=_CPU)",
+           "return torch.tensor(value, dtype=torch.float64)",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_number_carriers_are_made_on_the_cpu_under_another_default_device",)),
 ]

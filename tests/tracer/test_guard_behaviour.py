@@ -6,6 +6,7 @@ non-contiguous layouts of one shape), where code that reads the property answers
 """
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -280,3 +281,65 @@ def test_process_state_read_inside_is_keyed(name):
             assert (read() == before) == (step % 2 == 0)  # the context changes the flag
             torch.testing.assert_close(jfn(x), branches(x))
     assert fulmen.compile_stats(jfn).cache_misses == 2
+
+
+_ENVIRONMENT_READS = {
+    "os.environ.get": lambda: os.environ.get("FULMEN_TEST_FLAG_H43"),
+    "os.getenv": lambda: os.getenv("FULMEN_TEST_FLAG_H43", "unset"),
+    "in os.environ": lambda: "FULMEN_TEST_FLAG_H43" in os.environ,
+    "os.environ[name]": lambda: os.environ["FULMEN_TEST_FLAG_H43"] if "FULMEN_TEST_FLAG_H43"
+    in os.environ else None,
+    "dict(os.environ)": lambda: dict(os.environ).get("FULMEN_TEST_FLAG_H43"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ENVIRONMENT_READS))
+def test_environment_variables_read_inside_are_keyed(name, monkeypatch):
+    """`if os.environ.get("X")` inside the traced code took the first call's branch for every
+    later call (NOTE [environment reads]); an unchanged environment hits the cache."""
+    read = _ENVIRONMENT_READS[name]
+    monkeypatch.delenv("FULMEN_TEST_FLAG_H43", raising=False)
+
+    def branches(x):
+        return x * 2 if read() in (None, False, "unset") else x * 3
+
+    jfn, x = fulmen.jit(branches), torch.randn(3)
+    for value in (None, "1", None, "1", "1"):
+        if value is None:
+            monkeypatch.delenv("FULMEN_TEST_FLAG_H43", raising=False)
+        else:
+            monkeypatch.setenv("FULMEN_TEST_FLAG_H43", value)
+        torch.testing.assert_close(jfn(x), branches(x))
+    assert fulmen.compile_stats(jfn).cache_misses == 2
+    assert type(os.environ).__name__ == "_Environ"  # put back after tracing
+
+
+def test_fused_cpu_kernels_allocate_on_the_cpu_under_another_default_device(codegen_eager):
+    """CPU kernels allocated their outputs on the default device: called after
+    `torch.set_default_device("meta")`, a kernel wrote through a meta tensor's null pointer
+    (a segfault); a small output (`torch.empty_strided`) and a pooled one (`pool.empty`)."""
+
+    def fn(x, y):
+        return (x * 2).exp() + 1, (y * 3).sin() - 1
+
+    jfn, x, y = fulmen.jit(fn), torch.randn(1024, 1024), torch.randn(8, 8)
+    torch.set_default_device("meta")
+    try:
+        expected, got = fn(x, y), jfn(x, y)
+    finally:
+        torch.set_default_device(None)
+    assert [t.device for t in got] == [x.device, y.device]
+    torch.testing.assert_close(got, expected)
+
+
+def test_number_carriers_are_made_on_the_cpu_under_another_default_device():
+    """A float argument read at run time crosses into the trace as a float64 CPU tensor made
+    on each call: under `torch.set_default_device("meta")` it was made on the meta device and
+    reading it raised."""
+    jfn, x = fulmen.jit(lambda x, scale: x * scale), torch.randn(4)
+    torch.set_default_device("meta")
+    try:
+        for scale in (0.5, 0.7, 0.9):  # varying: read at run time from the second miss
+            torch.testing.assert_close(jfn(x, scale), x * scale)
+    finally:
+        torch.set_default_device(None)

@@ -52,7 +52,7 @@ def cast_scalar(value, dtype: torch.dtype):
     if found is None:
         if len(_CAST) >= 4096:
             _CAST.clear()
-        found = _CAST[key] = torch.tensor(value, dtype=dtype).item()
+        found = _CAST[key] = torch.tensor(value, dtype=dtype, device="cpu").item()
     return found
 
 
