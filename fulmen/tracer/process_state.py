@@ -17,6 +17,7 @@ matmul picks TF32 at run time). Environment variables are keyed per variable rea
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import NamedTuple
@@ -28,6 +29,8 @@ from fulmen.core.ambient import autocast_key
 _C = torch._C
 _call = operator.call
 _any_autocast = _C._is_any_autocast_enabled
+# `torch.backends.mha.get_fastpath_enabled()` outside TorchScript, without its Python frame
+_fastpath_enabled = functools.partial(getattr, torch.backends.mha, "_is_fastpath_enabled")
 _function_mode_count = _C._len_torch_function_stack
 _function_mode_at = _C._get_function_stack_at
 _matmul_precision = _C._get_float32_matmul_precision
@@ -80,7 +83,7 @@ PROCESS_STATES: tuple[ProcessState, ...] = (
     ProcessState("deterministic algorithms warn only", _C._get_deterministic_algorithms_warn_only),
     # a traced nn.TransformerEncoder gives its fast path's zeros at padded positions only
     # where eager takes it (`fast_paths.py`)
-    ProcessState("attention fast path", torch.backends.mha.get_fastpath_enabled),
+    ProcessState("attention fast path", _fastpath_enabled),
     ProcessState("default dtype", torch.get_default_dtype),
     ProcessState("default device and torch function modes", function_modes),
     ProcessState("autocast", autocast_state),  # devices and dtypes: bf16 != f16 regions

@@ -1438,8 +1438,7 @@ MUTANTS: list[Mutant] = [
            ("tests/models/test_torch_patterns.py::"
             "test_a_parametrization_cached_by_the_caller_follows_the_parameters",)),
     Mutant("guard_attention_fast_path", "guards", "tracer/process_state.py",
-           '    ProcessState("attention fast path", torch.backends.mha.get_fastpath_enabled),\n',
-           "",
+           '    ProcessState("attention fast path", _fastpath_enabled),\n', "",
            ("tests/tracer/test_fast_paths.py::"
             "test_fast_path_switched_off_and_on_between_calls",)),
     Mutant("store_copy_checked_one_level_deep", "mutation", "tracer/objects.py",
