@@ -3,8 +3,9 @@
 A trace is valid for another call when the key of that call equals the key it was traced under.
 The key covers the input tree's structure; for each tensor its shape, dtype, device,
 requires_grad and strides (and its storage offset where a program read it); the values of Python scalars and other
-constants; grad mode, autocast state and the default dtype; and, for modules, the `training`
-flag of every submodule.
+constants; the process-wide state traced code may read (grad mode, autocast, default dtype and
+device, matmul precision, ...: `process_state.PROCESS_STATES`) and the environment variables it
+looked up (`environment.py`); and, for modules, the `training` flag of every submodule.
 
 Computing the key is the whole cost of a cache hit besides the call itself, so the common case
 (positional tensor arguments, no kwargs) avoids pytree flattening.

@@ -343,3 +343,17 @@ def test_number_carriers_are_made_on_the_cpu_under_another_default_device():
             torch.testing.assert_close(jfn(x, scale), x * scale)
     finally:
         torch.set_default_device(None)
+
+
+def test_anomaly_detection_catches_a_nan_made_in_the_compiled_backward():
+    """Under `torch.autograd.detect_anomaly()` a NaN gradient raises as in eager (the compiled
+    backward is one autograd Function, checked like eager's `SqrtBackward0`)."""
+
+    def fn(x):
+        return x.sqrt().sum()
+
+    jfn, x = fulmen.jit(fn), torch.tensor([1.0, -1.0], requires_grad=True)
+    for function in (fn, jfn):
+        with torch.autograd.detect_anomaly(), pytest.warns(UserWarning):
+            with pytest.raises(RuntimeError, match="returned nan values"):
+                function(x).backward()
