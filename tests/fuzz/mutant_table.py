@@ -1547,4 +1547,9 @@ MUTANTS: list[Mutant] = [
            "return torch.tensor(value, dtype=torch.float64)",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_number_carriers_are_made_on_the_cpu_under_another_default_device",)),
+    Mutant("float32_precision_mixed_apis_raise", "guards", "tracer/process_state.py",
+           "    except RuntimeError:\n        return tuple([_precision_getter",
+           "    except ValueError:\n        return tuple([_precision_getter",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[fp32_precision API]",)),
 ]

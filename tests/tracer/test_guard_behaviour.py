@@ -225,6 +225,9 @@ _PROCESS_STATES = {
                                  _flag_setter(torch.set_float32_matmul_precision, "medium")),
     "cuBLAS TF32": (lambda: _cuda.matmul.allow_tf32,
                     _flag_setter(_setattr(_cuda.matmul, "allow_tf32"), True)),
+    # the newer API: the legacy getters raise once a program mixed the two
+    "fp32_precision API": (lambda: _cuda.matmul.fp32_precision,
+                           _flag_setter(_setattr(_cuda.matmul, "fp32_precision"), "tf32")),
     "cuDNN TF32": (lambda: _cudnn.allow_tf32, _flag_setter(_setattr(_cudnn, "allow_tf32"), False)),
     "cuBLAS fp16 reduction": (
         lambda: _cuda.matmul.allow_fp16_reduced_precision_reduction,
