@@ -1552,4 +1552,9 @@ MUTANTS: list[Mutant] = [
            "    except ValueError:\n        return tuple([_precision_getter",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_process_state_read_inside_is_keyed[fp32_precision API]",)),
+    Mutant("environment_writes_unrecorded", "guards", "tracer/environment.py",
+           "        _record_write(key)\n        _Environ.__setitem__(self, key, value)",
+           "        _Environ.__setitem__(self, key, value)",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_a_function_setting_an_environment_variable_runs_eagerly",)),
 ]

@@ -360,3 +360,20 @@ def test_anomaly_detection_catches_a_nan_made_in_the_compiled_backward():
         with torch.autograd.detect_anomaly(), pytest.warns(UserWarning):
             with pytest.raises(RuntimeError, match="returned nan values"):
                 function(x).backward()
+
+
+def test_a_function_setting_an_environment_variable_runs_eagerly(monkeypatch):
+    """The write ran once, while tracing, and the compiled calls skipped it (a counter kept in
+    the environment stopped); now the call runs eagerly, the trace's write undone, with a
+    warning naming the variable."""
+    monkeypatch.setenv("FULMEN_TEST_COUNT_H43", "0")
+
+    def counts(x):
+        os.environ["FULMEN_TEST_COUNT_H43"] = str(int(os.environ["FULMEN_TEST_COUNT_H43"]) + 1)
+        return x + 1
+
+    jfn, x = fulmen.jit(counts), torch.randn(3)
+    with pytest.warns(UserWarning, match="FULMEN_TEST_COUNT_H43"):
+        for _ in range(3):
+            torch.testing.assert_close(jfn(x), x + 1)
+    assert os.environ["FULMEN_TEST_COUNT_H43"] == "3"
