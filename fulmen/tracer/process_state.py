@@ -87,7 +87,8 @@ PROCESS_STATES: tuple[ProcessState, ...] = (
     ProcessState("default dtype", torch.get_default_dtype),
     ProcessState("default device and torch function modes", function_modes),
     ProcessState("autocast", autocast_state),  # devices and dtypes: bf16 != f16 regions
-    ProcessState("float32 matmul precision and cuBLAS TF32", float32_precision),
+    # (raises once a program mixed the legacy switches and `fp32_precision`: `float32_precision`)
+    ProcessState("float32 matmul precision and cuBLAS TF32", _matmul_precision),
     ProcessState("cuDNN TF32", _C._get_cudnn_allow_tf32),
     ProcessState("cuBLAS fp16 reduced-precision reduction",
                  _C._get_cublas_allow_fp16_reduced_precision_reduction),
@@ -112,16 +113,22 @@ PROCESS_STATES: tuple[ProcessState, ...] = (
 )
 
 _READERS = tuple([state.read for state in PROCESS_STATES])
+# the same, never raising (each reader called from C: no Python frame per row on a hit)
+_SAFE_READERS = tuple([float32_precision if read is _matmul_precision else read
+                       for read in _READERS])
 
 
 def process_state_key() -> tuple:
     """Every row of `PROCESS_STATES`, read now (NOTE [process state in the key])."""
-    return tuple(map(_call, _READERS))
+    try:
+        return tuple(map(_call, _READERS))
+    except RuntimeError:  # the legacy float32 precision getter, with the APIs mixed
+        return tuple(map(_call, _SAFE_READERS))
 
 
 def describe_process_state() -> dict[str, object]:
     """`{name: value}` of every row, for explaining a recompile in words."""
-    return {state.name: state.read() for state in PROCESS_STATES}
+    return {state.name: read() for state, read in zip(PROCESS_STATES, _SAFE_READERS)}
 
 
 __all__ = ["PROCESS_STATES", "ProcessState", "describe_process_state", "process_state_key"]

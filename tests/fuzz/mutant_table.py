@@ -1514,7 +1514,7 @@ MUTANTS: list[Mutant] = [
            "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
     Mutant("guard_float32_precision", "guards", "tracer/process_state.py",
-           '    ProcessState("float32 matmul precision and cuBLAS TF32", float32_precision),\n', "",
+           '    ProcessState("float32 matmul precision and cuBLAS TF32", _matmul_precision),\n', "",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_process_state_read_inside_is_keyed[float32 matmul precision]",)),
     Mutant("guard_anomaly_mode", "guards", "tracer/process_state.py",
