@@ -101,6 +101,7 @@ class CompileMiss:
                 "argument object, whose stores fulmen replays")
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
+        self._guard.watch_environment(program.environment_reads)
         self._held_watch.add(program.held_modules)
         host_random.refuse_draws()
         refuse_private_generators(program.trace, (args, kwargs))

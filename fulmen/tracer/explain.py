@@ -9,38 +9,22 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core.ambient import autocast_key
 from fulmen.tracer.input_names import _path_name
 from fulmen.tracer.leaf_keys import _float_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
+from fulmen.tracer.process_state import describe_process_state
 from fulmen.tracer.source_keys import object_source_key, source_key
 from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key
 from fulmen.tracer.symbolic import _row_major
 
 Tensor = torch.Tensor
-_is_grad_enabled = torch.is_grad_enabled
-_get_default_dtype = torch.get_default_dtype
-_is_inference_mode = torch.is_inference_mode_enabled
-
-
-def _deterministic_mode() -> str:
-    if not torch.are_deterministic_algorithms_enabled():
-        return "off"
-    return "warn only" if torch.is_deterministic_algorithms_warn_only_enabled() else "on"
 
 
 def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
                   module_names=(), sources=()) -> dict[str, object]:
     """What a call was specialised on, by name (`x.shape`, `scale`, `grad mode`, ...), for
     explaining retraces in words. Names follow the trace's input names."""
-    described: dict[str, object] = {
-        "grad mode": _is_grad_enabled(),
-        "inference mode": _is_inference_mode(),
-        "deterministic algorithms": _deterministic_mode(),
-        "attention fast path": torch.backends.mha.get_fastpath_enabled(),
-        "default dtype": _get_default_dtype(),
-        "autocast": autocast_key() or "off",
-    }
+    described: dict[str, object] = describe_process_state()
     for name, module in zip(module_names, modules):
         described[f"{name or 'model'}.training"] = module.training
     for name, read in sources:

@@ -3,8 +3,9 @@
 A trace is valid for another call when the key of that call equals the key it was traced under.
 The key covers the input tree's structure; for each tensor its shape, dtype, device,
 requires_grad and strides (and its storage offset where a program read it); the values of Python scalars and other
-constants; grad mode, autocast state and the default dtype; and, for modules, the `training`
-flag of every submodule.
+constants; the process-wide state traced code may read (grad mode, autocast, default dtype and
+device, matmul precision, ...: `process_state.PROCESS_STATES`) and the environment variables it
+looked up (`environment.py`); and, for modules, the `training` flag of every submodule.
 
 Computing the key is the whole cost of a cache hit besides the call itself, so the common case
 (positional tensor arguments, no kwargs) avoids pytree flattening.
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core.ambient import autocast_key
+from fulmen.tracer.environment import environment_source
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -46,6 +47,7 @@ from fulmen.tracer.objects import (
     object_key,
     snapshot,
 )
+from fulmen.tracer.process_state import process_state_key
 from fulmen.tracer.source_keys import (
     _EXACT_SCALARS,
     _NESTED_DEPTH,
@@ -74,13 +76,6 @@ from fulmen.tracer.sources import (
 from fulmen.tracer.symbolic import INT
 
 Tensor = torch.Tensor
-_is_grad_enabled = torch.is_grad_enabled
-_get_default_dtype = torch.get_default_dtype
-_is_inference_mode = torch.is_inference_mode_enabled
-_deterministic = torch._C._get_deterministic_algorithms
-_deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
-_mha_fastpath = torch.backends.mha.get_fastpath_enabled
-_any_autocast = torch._C._is_any_autocast_enabled
 _training = operator.attrgetter("training")
 
 
@@ -124,6 +119,7 @@ class CacheKeyBuilder:
         # (`(id(module), name)`) that programs store traced tensors into and never read as
         # tensors are written (`_written_key`), those a program read are never written again
         self._watched: list[tuple[torch.nn.Module, str]] = []
+        self._environment: set[str] = set()  # variables programs read (`watch_environment`)
         self._written: set[tuple[int, str]] = set()
         self._read: set[tuple[int, str]] = set()
         self._fresh: set[tuple[int, str]] = set()  # tensor attributes programs read afresh
@@ -162,6 +158,8 @@ class CacheKeyBuilder:
         for module, name in self._watched:
             self.scalar_sources.append((f"{type(module).__name__}.{name}",
                                         functools.partial(getattr, module, name, None)))
+        for name in sorted(self._environment):
+            self.scalar_sources.append(environment_source(name))
         values = [read() for _, read in self.scalar_sources]
         # per source, the type of the plain object it held (keyed by its attributes), or None
         self._object_types = [type(value) if is_plain_object(value) else None
@@ -258,6 +256,15 @@ class CacheKeyBuilder:
         self._set_sources()
         self._stale = True
 
+    def watch_environment(self, names: frozenset[str]) -> None:
+        """Key the values of the environment variables `names` from now on (ones a traced
+        program looked up, NOTE [environment reads]); keys computed before are stale."""
+        if names <= self._environment:
+            return
+        self._environment |= names
+        self._set_sources()
+        self._stale = True
+
     def global_snapshots(self) -> list[tuple[Any, Any]]:
         """`(holder, snapshot)` of the globals and closure variables the code reads (as
         `(namespace, name)` and `(cell, None)` with their values) and of the lists, dicts and
@@ -293,21 +300,12 @@ class CacheKeyBuilder:
         return stale
 
     def global_key(self) -> tuple:
-        """Grad mode, inference mode, deterministic mode, default dtype, autocast state,
-        module training flags, and the Python scalars the code can read besides its arguments
-        (see `scalar_sources`). Inference and deterministic mode are read by code as flags
-        (`torch.is_inference_mode_enabled()`, `torch.are_deterministic_algorithms_enabled()`
-        in `F.interpolate`/`F.pad` on CUDA), so a trace taken under one answer must not serve
-        the other: under `no_grad` and `inference_mode` grad mode reads the same. So is
-        PyTorch's attention fast-path switch: a traced `nn.TransformerEncoder` gives its
-        fast path's zeros at padded positions only where eager takes it (`fast_paths.py`)."""
+        """The process-wide state traced code may read (grad, inference and deterministic
+        mode, default dtype and device, autocast, matmul precision, threads, ...: the table
+        `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
+        Python scalars the code can read besides its arguments (see `scalar_sources`)."""
         return (
-            _is_grad_enabled(),
-            _is_inference_mode(),
-            _deterministic() and (True, _deterministic_warn_only()),
-            _mha_fastpath(),
-            _get_default_dtype(),
-            _any_autocast() and autocast_key(),  # devices and dtypes: bf16 != f16 regions
+            process_state_key(),
             self._sources_key(),
             self._fn_roots_key(),
         )

@@ -64,12 +64,16 @@ def _row_major(tensor: torch.Tensor) -> bool:
     return True
 
 
+_CPU = torch.device("cpu")
+
+
 def carrier(value: int | float) -> torch.Tensor:
     """The empty tensor whose size 1 carries the integer `value` into a compiled call; for a
-    float, the float64 0-dim tensor holding it (exactly: a Python float is a float64)."""
+    float, the float64 0-dim tensor holding it (exactly: a Python float is a float64). On the
+    CPU, as the trace declares it, whatever default device the caller set."""
     if type(value) is float:
-        return torch.tensor(value, dtype=torch.float64)
-    return torch.empty((0, value), dtype=torch.uint8)
+        return torch.tensor(value, dtype=torch.float64, device=_CPU)
+    return torch.empty((0, value), dtype=torch.uint8, device=_CPU)
 
 
 def number_at(leaves: list, fn_roots: list, position):

@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import NotYetSupportedError, Trace, tracing
+from fulmen.core.errors import RunsEagerly
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.argument_containers import ArgumentContainers
@@ -29,6 +30,7 @@ from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+from fulmen.tracer.environment import environment_recorded
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.host_floats import (
@@ -104,6 +106,9 @@ class TracedProgram:
         held_modules: the modules the function reached besides the jitted one (arguments,
             globals: `fulmen.tracer.module_stores.held_modules`), whose `training` flags and
             attributes the cache key must cover from now on.
+        environment_reads: the environment variables the traced code looked up (`WHOLE`: it
+            read them all), whose values the cache key must cover from now on (NOTE
+            [environment reads]).
     """
 
     trace: Trace
@@ -125,6 +130,7 @@ class TracedProgram:
     captured_fresh: tuple[int, ...] = ()
     int_positions: tuple = ()
     held_modules: tuple[torch.nn.Module, ...] = ()
+    environment_reads: frozenset[str] = frozenset()
 
 
 def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
@@ -401,6 +407,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 library_caches_set_aside(), \
+                environment_recorded() as environment, \
                 vmap_emulated(), \
                 symbolic_ints_are_ints() if symbolic is not None else contextlib.nullcontext(), \
                 floats_read_at_run_time(ctx) if items_requested() \
@@ -440,6 +447,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     finally:
         objects.finish_restore()
         changed = containers.restore()
+    if environment.writes:  # (undone: NOTE [environment reads])
+        name, (_, where) = next(iter(environment.writes.items()))
+        raise RunsEagerly(
+            f"the function sets the environment variable {name!r}; a compiled call would not "
+            "repeat that", op="os.environ", where=where,
+            hint="set it outside the jitted function")
     if changed and not replay_stores:
         raise NotYetSupportedError(
             f"the function changes the list or dict passed as {changed[0]} (append, item store, "
@@ -483,4 +496,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          captured_attributes=captured_attributes,
                          captured_fresh=captured_fresh,
                          int_positions=tuple(position for position, *_ in numbers),
-                         held_modules=tuple(held))
+                         held_modules=tuple(held),
+                         environment_reads=frozenset(environment.reads))

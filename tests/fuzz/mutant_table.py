@@ -213,12 +213,12 @@ MUTANTS: list[Mutant] = [
            "return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())",
            "return (t.shape, t.dtype, t.device, t.requires_grad, t.is_contiguous())",
            ("tests/tracer/test_guard_behaviour.py", *GUARDS)),
-    Mutant("guard_grad_mode", "guards", "tracer/guards.py",
-           "            _is_grad_enabled(),\n", "", GUARDS),
+    Mutant("guard_grad_mode", "guards", "tracer/process_state.py",
+           '    ProcessState("grad mode", _C.is_grad_enabled),\n', "", GUARDS),
     Mutant("guard_training_flag", "guards", "tracer/guards.py",
            "flags = tuple(values[:count])", "flags = ()", MODULES),
-    Mutant("guard_autocast_dtype", "guards", "tracer/guards.py",
-           "_any_autocast() and autocast_key(),", "_any_autocast(),", AUTOCAST),
+    Mutant("guard_autocast_dtype", "guards", "tracer/process_state.py",
+           "return _any_autocast() and autocast_key()", "return _any_autocast()", AUTOCAST),
     Mutant("guard_symbolic_requires_grad", "guards", "tracer/leaf_keys.py",
            'return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
            'return ("symbolic", tuple(shape), t.dtype, t.device, None,',
@@ -472,9 +472,9 @@ MUTANTS: list[Mutant] = [
     Mutant("codegen_bool_select_inverted", "codegen", "executors/codegen/cpu/target.py",
            'return f"({a} ? {self.literal(1, dst)} : {self.literal(0, dst)})"',
            'return f"({a} ? {self.literal(0, dst)} : {self.literal(1, dst)})"', CODEGEN),
-    Mutant("guard_default_dtype", "guards", "tracer/guards.py",
-           "            _get_default_dtype(),\n            _any_autocast()",
-           "            _any_autocast()", (*GUARDS, *CREATION)),
+    Mutant("guard_default_dtype", "guards", "tracer/process_state.py",
+           '    ProcessState("default dtype", torch.get_default_dtype),\n', "",
+           (*GUARDS, *CREATION)),
     Mutant("guard_tensor_memo_unchecked", "guards", "tracer/key_memo.py",
            "len(tensors) == self._count and check.check(*tensors):",
            "len(tensors) == self._count:", ("tests/tracer/test_key_memo.py", *MODULES)),
@@ -1421,12 +1421,12 @@ MUTANTS: list[Mutant] = [
            "        for target, value in zip(targets, values):\n            self.mutate(",
            "        for target, value in zip(targets, values[:0]):\n            self.mutate(",
            ("tests/ops/test_opinfo_out.py",)),
-    Mutant("guard_inference_mode", "guards", "tracer/guards.py",
-           "            _is_inference_mode(),\n", "",
+    Mutant("guard_inference_mode", "guards", "tracer/process_state.py",
+           '    ProcessState("inference mode", torch.is_inference_mode_enabled),\n', "",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
-    Mutant("guard_deterministic_mode", "guards", "tracer/guards.py",
-           "            _deterministic() and (True, _deterministic_warn_only()),\n", "",
+    Mutant("guard_deterministic_mode", "guards", "tracer/process_state.py",
+           '    ProcessState("deterministic algorithms", _C._get_deterministic_algorithms),\n', "",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
     Mutant("graph_reads_answered_by_the_proxy", "tracer", "tracer/dispatch.py",
@@ -1437,8 +1437,8 @@ MUTANTS: list[Mutant] = [
            "parametrize._cache, parametrize._cache_enabled = {}, 0", "pass",
            ("tests/models/test_torch_patterns.py::"
             "test_a_parametrization_cached_by_the_caller_follows_the_parameters",)),
-    Mutant("guard_attention_fast_path", "guards", "tracer/guards.py",
-           "            _mha_fastpath(),\n", "",
+    Mutant("guard_attention_fast_path", "guards", "tracer/process_state.py",
+           '    ProcessState("attention fast path", _fastpath_enabled),\n', "",
            ("tests/tracer/test_fast_paths.py::"
             "test_fast_path_switched_off_and_on_between_calls",)),
     Mutant("store_copy_checked_one_level_deep", "mutation", "tracer/objects.py",
@@ -1522,4 +1522,48 @@ MUTANTS: list[Mutant] = [
            "            sizes, expanded = list(params[0]), flags\n    return True",
            ("tests/executors/test_codegen_edges.py::"
             "test_a_repeat_of_grouped_heads_is_written_by_the_kernel",)),
+    Mutant("guard_float32_precision", "guards", "tracer/process_state.py",
+           '    ProcessState("float32 matmul precision and cuBLAS TF32", _matmul_precision),\n', "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[float32 matmul precision]",)),
+    Mutant("guard_anomaly_mode", "guards", "tracer/process_state.py",
+           '    ProcessState("anomaly detection", _C.is_anomaly_enabled),\n', "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[anomaly detection]",)),
+    Mutant("guard_threads", "guards", "tracer/process_state.py",
+           '    ProcessState("threads", _C.get_num_threads),\n', "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[threads]",)),
+    Mutant("guard_default_device", "guards", "tracer/process_state.py",
+           '    ProcessState("default device and torch function modes", function_modes),\n', "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[default device]",)),
+    Mutant("guard_sdpa_backends", "guards", "tracer/process_state.py",
+           '    ProcessState("flash attention enabled", _C._get_flash_sdp_enabled),\n', "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[flash attention]",)),
+    Mutant("environment_reads_unkeyed", "guards", "compile_miss.py",
+           "        self._guard.watch_environment(program.environment_reads)\n", "",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_environment_variables_read_inside_are_keyed",)),
+    Mutant("codegen_scalar_cast_on_default_device", "codegen", "executors/codegen/lower.py",
+           'torch.tensor(value, dtype=dtype, device="cpu").item()',
+           "torch.tensor(value, dtype=dtype).item()",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_fused_cpu_kernels_allocate_on_the_cpu_under_another_default_device",)),
+    Mutant("carrier_on_default_device", "guards", "tracer/symbolic.py",
+           "return torch.tensor(value, dtype=torch.float64, device=_CPU)",
+           "return torch.tensor(value, dtype=torch.float64)",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_number_carriers_are_made_on_the_cpu_under_another_default_device",)),
+    Mutant("float32_precision_mixed_apis_raise", "guards", "tracer/process_state.py",
+           "    except RuntimeError:\n        return tuple([_precision_getter",
+           "    except ValueError:\n        return tuple([_precision_getter",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_process_state_read_inside_is_keyed[fp32_precision API]",)),
+    Mutant("environment_writes_unrecorded", "guards", "tracer/environment.py",
+           "        _record_write(key)\n        _Environ.__setitem__(self, key, value)",
+           "        _Environ.__setitem__(self, key, value)",
+           ("tests/tracer/test_guard_behaviour.py::"
+            "test_a_function_setting_an_environment_variable_runs_eagerly",)),
 ]

@@ -22,7 +22,6 @@ operand, a lazy value leaving the region, views of pad or cat outputs (views rea
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ def cast_scalar(value, dtype: torch.dtype):
     if found is None:
         if len(_CAST) >= 4096:
             _CAST.clear()
-        found = _CAST[key] = torch.tensor(value, dtype=dtype).item()
+        found = _CAST[key] = torch.tensor(value, dtype=dtype, device="cpu").item()
     return found
 
 

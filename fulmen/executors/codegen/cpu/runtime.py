@@ -70,6 +70,7 @@ from fulmen.executors.codegen.sizes import freeze
 __all__ = ["FusedRegion", "render_any"]
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
+_CPU = torch.device("cpu")  # explicit: a default device the user set must not apply
 
 
 def _submit(source: str) -> Future:
@@ -217,7 +218,7 @@ class FusedRegion(RegionCallable):
 
     def _run_empty(self, lowered, inputs):
         kernel = lowered.kernel
-        outs = [torch.empty(s, dtype=dtype)
+        outs = [torch.empty(s, dtype=dtype, device=_CPU)
                 for s, dtype in zip(self._out_shapes(lowered), kernel.output_dtypes)]
         if isinstance(kernel, RowKernel):
             for out, column in zip(outs, kernel.output_columns):
@@ -434,7 +435,7 @@ def _allocator(shape: tuple, dtype: torch.dtype):
     parser tries several signatures)."""
     if math.prod(shape) * dtype.itemsize < MIN_BYTES:
         return functools.partial(torch.empty_strided, tuple(shape), tuple(_contiguous(shape)),
-                                 dtype=dtype)
+                                 dtype=dtype, device=_CPU)
     return functools.partial(empty, shape, dtype)
 
 
