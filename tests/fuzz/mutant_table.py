@@ -1513,4 +1513,10 @@ MUTANTS: list[Mutant] = [
     Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
            "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
+    # --- session 43 (h43mut): generated one-site edits outside ops/rules/codegen spellings ---
+    Mutant("wrappers_global_backward_hooks_both_required", "modules", "wrappers.py",
+           "or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)",
+           "or _nn_module._global_backward_pre_hooks and _nn_module._global_backward_hooks)",
+           ("tests/tracer/test_module_behaviour.py::"
+            "test_a_global_backward_hook_alone_still_sees_the_wrapper",)),
 ]
