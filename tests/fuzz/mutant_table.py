@@ -1519,4 +1519,9 @@ MUTANTS: list[Mutant] = [
            "or _nn_module._global_backward_pre_hooks and _nn_module._global_backward_hooks)",
            ("tests/tracer/test_module_behaviour.py::"
             "test_a_global_backward_hook_alone_still_sees_the_wrapper",)),
+    Mutant("captured_attribute_not_found_in_a_plain_tensor", "guards", "tracer/source_keys.py",
+           "    if isinstance(value, Tensor):\n        return [value]",
+           "    if not isinstance(value, Tensor):\n        return [value]",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_a_state_stored_and_read_across_a_graph_break_is_the_stored_one",)),
 ]
