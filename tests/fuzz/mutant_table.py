@@ -1524,4 +1524,10 @@ MUTANTS: list[Mutant] = [
            "    if not isinstance(value, Tensor):\n        return [value]",
            ("tests/tracer/test_module_tensor_stores.py::"
             "test_a_state_stored_and_read_across_a_graph_break_is_the_stored_one",)),
+    Mutant("reentrant_checkpoint_needs_every_argument_requiring_grad", "autograd",
+           "tracer/autograd_function.py",
+           "if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad",
+           "if torch.is_grad_enabled() and all(isinstance(a, torch.Tensor) and a.requires_grad",
+           ("tests/transforms/test_remat.py::"
+            "test_reentrant_checkpoint_with_one_argument_requiring_grad_records_the_region",)),
 ]
