@@ -1530,4 +1530,8 @@ MUTANTS: list[Mutant] = [
            "if torch.is_grad_enabled() and all(isinstance(a, torch.Tensor) and a.requires_grad",
            ("tests/transforms/test_remat.py::"
             "test_reentrant_checkpoint_with_one_argument_requiring_grad_records_the_region",)),
+    Mutant("rows_var_denominator_unclamped", "codegen", "executors/codegen/rows.py",
+           '    denom = add(Op("maximum", (denom, add(Const(0.0, f64), True)), f64), True)\n', "",
+           ("tests/executors/test_codegen_rows.py::"
+            "test_var_with_a_correction_past_the_row_length_is_eagers",)),
 ]
