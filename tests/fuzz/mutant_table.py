@@ -1534,4 +1534,8 @@ MUTANTS: list[Mutant] = [
            '    denom = add(Op("maximum", (denom, add(Const(0.0, f64), True)), f64), True)\n', "",
            ("tests/executors/test_codegen_rows.py::"
             "test_var_with_a_correction_past_the_row_length_is_eagers",)),
+    Mutant("bridge_object_residual_appended", "autograd", "autograd_bridge.py",
+           "residuals.insert(index, obj)", "residuals.append(obj)",
+           ("tests/ops/test_torch_autograd.py::"
+            "test_a_kept_graph_saved_before_tensor_residuals_reaches_its_place_in_backward",)),
 ]
