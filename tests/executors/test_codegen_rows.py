@@ -231,6 +231,15 @@ def test_row_values_of_a_statistic_and_a_per_row_input_build(fn):
     _check(fn, x, w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0")
+def test_var_with_a_correction_past_the_row_length_is_eagers():
+    """var/std divide by max(0, n - correction): a correction above the row length gives
+    eager's inf (and NaN for a constant row), never a negative variance."""
+    x = torch.randn(6, 2)
+    x[0] = 1.5  # a constant row: 0 / 0
+    _check(lambda a: ((a * 2).var(-1, correction=3), (a + 1).std(-1, correction=5)), x)
+
+
 def test_column_sums():
     # sums over leading axes: per-thread float32 partials over 16 rows (5000 rows: a partial
     # group at each thread's end) added into float64 partials; float64 values straight in

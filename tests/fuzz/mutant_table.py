@@ -1566,4 +1566,29 @@ MUTANTS: list[Mutant] = [
            "        _Environ.__setitem__(self, key, value)",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_a_function_setting_an_environment_variable_runs_eagerly",)),
+    # --- session 43 (h43mut): generated one-site edits outside ops/rules/codegen spellings ---
+    Mutant("wrappers_global_backward_hooks_both_required", "modules", "wrappers.py",
+           "or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)",
+           "or _nn_module._global_backward_pre_hooks and _nn_module._global_backward_hooks)",
+           ("tests/tracer/test_module_behaviour.py::"
+            "test_a_global_backward_hook_alone_still_sees_the_wrapper",)),
+    Mutant("captured_attribute_not_found_in_a_plain_tensor", "guards", "tracer/source_keys.py",
+           "    if isinstance(value, Tensor):\n        return [value]",
+           "    if not isinstance(value, Tensor):\n        return [value]",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_a_state_stored_and_read_across_a_graph_break_is_the_stored_one",)),
+    Mutant("reentrant_checkpoint_needs_every_argument_requiring_grad", "autograd",
+           "tracer/autograd_function.py",
+           "if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad",
+           "if torch.is_grad_enabled() and all(isinstance(a, torch.Tensor) and a.requires_grad",
+           ("tests/transforms/test_remat.py::"
+            "test_reentrant_checkpoint_with_one_argument_requiring_grad_records_the_region",)),
+    Mutant("rows_var_denominator_unclamped", "codegen", "executors/codegen/rows.py",
+           '    denom = add(Op("maximum", (denom, add(Const(0.0, f64), True)), f64), True)\n', "",
+           ("tests/executors/test_codegen_rows.py::"
+            "test_var_with_a_correction_past_the_row_length_is_eagers",)),
+    Mutant("bridge_object_residual_appended", "autograd", "autograd_bridge.py",
+           "residuals.insert(index, obj)", "residuals.append(obj)",
+           ("tests/ops/test_torch_autograd.py::"
+            "test_a_kept_graph_saved_before_tensor_residuals_reaches_its_place_in_backward",)),
 ]

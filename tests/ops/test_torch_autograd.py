@@ -4,6 +4,7 @@ and nested ones, against torch.autograd on the same call."""
 import pytest
 import torch
 
+import fulmen
 from fulmen.ops.torch_autograd import (
     autograd_backward_impl,
     autograd_forward_impl,
@@ -63,3 +64,20 @@ def test_forward_keeps_the_arguments_of_the_caller():
     outputs, _ = autograd_forward_impl(torch.add, args, kwargs, (True,))
     assert args[0] is x and not x.requires_grad and kwargs == {"alpha": 3}
     torch.testing.assert_close(outputs, x + 6.0)
+
+
+def test_a_kept_graph_saved_before_tensor_residuals_reaches_its_place_in_backward():
+    """An opaque op's kept autograd graph is a residual among tensors (the backward reads the
+    graph before the matmul's saved inputs here): it rides on ctx and goes back to its place,
+    and the gradients are eager's."""
+    def f(x, w, grid):
+        a = (x @ w).view(2, 1, 4, 4)
+        return torch.nn.functional.grid_sample(a, grid, align_corners=False).square().sum()
+
+    x, w = torch.randn(2, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    grid = torch.rand(2, 3, 3, 2) * 2 - 1
+    expected = torch.autograd.grad(f(x, w, grid), (x, w))
+    jf = fulmen.jit(f)
+    torch.testing.assert_close(torch.autograd.grad(jf(x, w, grid), (x, w)), expected)
+    residuals = [type(p).__name__ for p in fulmen.last_traces(jf)[-1].output[1]]
+    assert "ObjectProxy" in residuals[:-1] and residuals[-1] == "TensorProxy"  # the case tested

@@ -205,6 +205,27 @@ def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
     torch.testing.assert_close(jmodel(x), x * 3)
 
 
+@pytest.mark.parametrize("register", ["register_module_full_backward_hook",
+                                      "register_module_full_backward_pre_hook"])
+def test_a_global_backward_hook_alone_still_sees_the_wrapper(register):
+    """Either global backward hook alone (no forward hook) makes `JittedModule.__call__` go
+    through `nn.Module.__call__`, so the hook fires for the wrapper as for any module, and the
+    input's gradient is eager's."""
+    model = torch.nn.Linear(6, 3)
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6, requires_grad=True)
+    jmodel(x)
+    expected = torch.autograd.grad(model(x).sum(), x)[0]
+    seen = []
+    handle = getattr(torch.nn.modules.module, register)(lambda module, *grads: seen.append(module))
+    try:
+        got = torch.autograd.grad(jmodel(x).sum(), x)[0]
+    finally:
+        handle.remove()
+    assert jmodel in seen
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("spelling", ["method", "autograd.backward", "autograd.grad"])
 def test_backward_inside_a_compiled_function_says_what_to_do_under_fullgraph(spelling):
     model = torch.nn.Linear(4, 1)

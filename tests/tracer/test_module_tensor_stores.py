@@ -131,6 +131,37 @@ def test_a_state_read_back_on_the_next_call_is_the_stored_one():
         torch.testing.assert_close(jitted(x), eager(x))
 
 
+class _RecurrentWithBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Linear(3, 3)
+        self.acc = torch.zeros(3)
+
+    def forward(self, x):
+        y = self.cell(x)
+        if y.sum() > -100:  # a graph break: the program keeps the tensors it captured
+            y = y + self.acc
+        self.acc = self.acc + 1
+        return y
+
+
+def test_a_state_stored_and_read_across_a_graph_break_is_the_stored_one():
+    """A program with a graph break keeps the tensor it captured, so an attribute it read and
+    also stores is keyed by identity (`note_module_writes`: read, never written): each call
+    sees the value the previous call stored, as eager does."""
+    torch.manual_seed(0)
+    eager = _RecurrentWithBreak()
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x), eager(x))
+            torch.testing.assert_close(jitted.acc, eager.acc)
+        jitted.acc = torch.full((3,), 10.0)  # replaced from outside
+        eager.acc = torch.full((3,), 10.0)
+        torch.testing.assert_close(jitted(x), eager(x))
+
+
 class _StoresInPlace(torch.nn.Module):
     def __init__(self):
         super().__init__()

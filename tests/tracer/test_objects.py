@@ -149,8 +149,13 @@ def test_jitted_optimizer_step_with_a_scheduler_equals_eager(momentum):
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
     lambda params: torch.optim.Adagrad(params, lr=0.1, fused=True),
+    lambda params: torch.optim.Adam(params, lr=0.1, amsgrad=True, maximize=True, foreach=True),
+    lambda params: torch.optim.Adam(params, lr=torch.tensor(0.05), foreach=False),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1,
+                                   weight_decay=0.01, maximize=True, foreach=True),
 ], ids=["sgd-nesterov", "adam", "adamw-for-loop", "adamw-foreach", "adam-fused", "sgd-fused",
-        "sgd-foreach", "adagrad-fused"])
+        "sgd-foreach", "adagrad-fused", "adam-amsgrad-maximize", "adam-lr-tensor",
+        "sgd-maximize-dampening"])
 def test_jitted_optimizer_step_called_as_users_call_it(make):
     """`fulmen.jit(opt.step)()` with grad mode on (the step turns grad off itself), after an LR
     scheduler wrapped `opt.step`: the parameters and the optimizer state equal eager's."""

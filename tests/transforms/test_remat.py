@@ -240,6 +240,29 @@ def test_reentrant_checkpoint_gives_eager_values_and_gradients(inputs_require_gr
     assert results[0][1] == inputs_require_grad
 
 
+def test_reentrant_checkpoint_with_one_argument_requiring_grad_records_the_region():
+    """Eager's reentrant checkpoint records the region when ANY tensor argument requires grad:
+    here `x` does and the mask does not, so the layer inside gets its gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+
+    def fn(x, mask):
+        h = checkpoint(lambda t, m: layer(t).tanh() * m, x, mask, use_reentrant=True)
+        return (h * x).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    mask = (torch.randn(3, 4) > 0).float()
+    results = []
+    for f in (fn, fulmen.jit(fn)):
+        f(x, mask).backward()
+        results.append([layer.weight.grad.clone(), x.grad.clone()])
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_symbolic_sizes_choose_on_the_call_sizes_without_guards():
     """NOTE [remat on hints]: with symbolic sizes, whether a reduction is small enough to
     recompute (`MAX_RECOMPUTED_REDUCTION` elements per output) is decided at the compiled call's
