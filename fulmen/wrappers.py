@@ -145,10 +145,17 @@ class JittedModule(torch.nn.Module):
 
     def __call__(self, *args, **kwargs):
         """`nn.Module.__call__`, which without hooks, `torch.jit` tracing, `Module.compile` or
-        a replaced `forward` only calls the forward: then the compiled forward, directly."""
+        a replaced `forward` only calls the forward: then the compiled forward, directly.
+
+        Global module hooks (`register_module_forward_hook`, `..._full_backward_hook`) do not
+        count: the wrapper is not a module of the user's model, and they fire for the wrapped
+        module and its submodules as in eager. Run for the wrapper too, a hook that changes
+        outputs or input gradients applied once more (a global full backward hook doubling
+        `grad_input` gave twice eager's input gradient; `torch.compile(module)` warns of the
+        same extra call for its `OptimizedModule`)."""
         if (self._compiled_call_impl is None and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
-                or self._backward_hooks or _module_hooks_registered())
+                or self._backward_hooks)
                 and "forward" not in self.__dict__ and not _jit_tracing()):
             return self._compiled_forward(*args, **kwargs)
         return super().__call__(*args, **kwargs)
@@ -309,14 +316,7 @@ class JittedDDP(JittedModule):
                         "(DDP holds a process group); copy the model and wrap the copy")
 
 
-_nn_module = torch.nn.modules.module
 _jit_tracing = torch._C._get_tracing_state
-
-
-def _module_hooks_registered() -> bool:
-    """Whether a global module hook is registered (`nn.Module.__call__` then runs them)."""
-    return bool(_nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)
 
 
 def _fsdp_sharded(module: torch.nn.Module) -> bool:

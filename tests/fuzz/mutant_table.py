@@ -1567,11 +1567,12 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_guard_behaviour.py::"
             "test_a_function_setting_an_environment_variable_runs_eagerly",)),
     # --- session 43 (h43mut): generated one-site edits outside ops/rules/codegen spellings ---
-    Mutant("wrappers_global_backward_hooks_both_required", "modules", "wrappers.py",
-           "or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)",
-           "or _nn_module._global_backward_pre_hooks and _nn_module._global_backward_hooks)",
+    Mutant("wrappers_global_hooks_fire_for_the_wrapper", "modules", "wrappers.py",
+           "                or self._backward_hooks)",
+           "                or self._backward_hooks or torch.nn.modules.module._global_forward_hooks"
+           "\n                or torch.nn.modules.module._global_backward_hooks)",
            ("tests/tracer/test_module_behaviour.py::"
-            "test_a_global_backward_hook_alone_still_sees_the_wrapper",)),
+            "test_a_global_hook_fires_once_per_module_as_in_eager",)),
     Mutant("captured_attribute_not_found_in_a_plain_tensor", "guards", "tracer/source_keys.py",
            "    if isinstance(value, Tensor):\n        return [value]",
            "    if not isinstance(value, Tensor):\n        return [value]",

@@ -188,8 +188,9 @@ def test_hooks_on_the_jitted_module_run_eagerly():
 
 
 def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
-    """`JittedModule.__call__` skips `nn.Module.__call__` only when that would just call the
-    forward: a global module hook still sees the wrapper, an instance `forward` still wins."""
+    """`JittedModule.__call__` skips `nn.Module.__call__` when that would just call the
+    forward: a global module hook sees the wrapped module as in eager (not the wrapper), an
+    instance `forward` still wins."""
     jmodel = fulmen.jit(_net().eval())
     x = torch.randn(5, 6)
     jmodel(x)
@@ -200,30 +201,48 @@ def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
         jmodel(x)
     finally:
         handle.remove()
-    assert jmodel in seen
+    assert jmodel._orig_mod in seen and jmodel not in seen
     jmodel.forward = lambda x: x * 3
     torch.testing.assert_close(jmodel(x), x * 3)
 
 
-@pytest.mark.parametrize("register", ["register_module_full_backward_hook",
+@pytest.mark.parametrize("register", ["register_module_forward_hook",
+                                      "register_module_full_backward_hook",
                                       "register_module_full_backward_pre_hook"])
-def test_a_global_backward_hook_alone_still_sees_the_wrapper(register):
-    """Either global backward hook alone (no forward hook) makes `JittedModule.__call__` go
-    through `nn.Module.__call__`, so the hook fires for the wrapper as for any module, and the
-    input's gradient is eager's."""
-    model = torch.nn.Linear(6, 3)
+def test_a_global_hook_fires_once_per_module_as_in_eager(register):
+    """A global module hook (forward, or either backward hook alone) fires for the wrapped
+    module and its submodules as in eager, not for the `JittedModule` wrapper too: a hook that
+    doubles each module's output or input gradient gave 2x eager's result under
+    `fulmen.jit(model)` (the wrapper went through `nn.Module.__call__`, which ran the hook
+    once more; found by h43mut's planted mutants)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     jmodel = fulmen.jit(model)
     x = torch.randn(5, 6, requires_grad=True)
     jmodel(x)
-    expected = torch.autograd.grad(model(x).sum(), x)[0]
-    seen = []
-    handle = getattr(torch.nn.modules.module, register)(lambda module, *grads: seen.append(module))
-    try:
-        got = torch.autograd.grad(jmodel(x).sum(), x)[0]
-    finally:
-        handle.remove()
-    assert jmodel in seen
-    torch.testing.assert_close(got, expected)
+
+    def double(module, first, second):
+        seen.append(module)
+        if register == "register_module_forward_hook":
+            return second * 2  # (module, args, output)
+        if register == "register_module_full_backward_hook":
+            return tuple(g * 2 for g in first)  # (module, grad_input, grad_output)
+        return tuple(g * 2 for g in first)  # pre hook: (module, grad_output)
+
+    results = []
+    for fn in (model, jmodel):
+        seen = []
+        handle = getattr(torch.nn.modules.module, register)(
+            double if register != "register_module_full_backward_pre_hook"
+            else lambda module, grad_output: double(module, grad_output, None))
+        try:
+            out = fn(x)
+            results.append((out, torch.autograd.grad(out.sum(), x)[0], list(seen)))
+        finally:
+            handle.remove()
+    (want, want_grad, want_seen), (got, got_grad, got_seen) = results
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert got_seen == want_seen and jmodel not in got_seen
 
 
 @pytest.mark.parametrize("spelling", ["method", "autograd.backward", "autograd.grad"])
