@@ -305,7 +305,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         kind = env[proxy.name]
         if kind[0] in ("lazy", "lazyview"):
             raise Unsupported(f"the lazy value {proxy.name} leaves the kernel")
-        if kind[0] == "view" and _copies(kind[1], _input_sizes(kind[1], inputs), proxy, shape):
+        if kind[0] == "view" and _copies(kind[1], inputs[kind[1].input].shape, proxy, shape):
             copied = load(kind[1], proxy.dtype)
             if copied not in kernel_outputs:  # NOTE [a copying view is a kernel output]
                 kind = ("value", copied)
@@ -369,10 +369,6 @@ def _copies(access: Access, sizes, proxy, shape) -> bool:
                     flags[d] = any(big) and params[0][d] != 1
             sizes, expanded = list(params[0]), flags
     return False
-
-
-def _input_sizes(access: Access, inputs) -> tuple:
-    return tuple(inputs[access.input].shape) if access.input >= 0 else ()
 
 
 def _ints(values) -> bool:

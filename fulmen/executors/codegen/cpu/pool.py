@@ -41,7 +41,7 @@ from fulmen.executors.codegen.cpu import compiler
 from fulmen.executors.codegen.target import header
 
 MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
-_CPU = torch.device("cpu")  # explicit: a default device the user set must not apply
+CPU = torch.device("cpu")  # explicit: a default device the user set must not apply
 _HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
 
 _SOURCE = header("pool.cpp")  # the pool library
@@ -160,7 +160,7 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
         numel *= size
     nbytes = numel * dtype.itemsize
     if nbytes < MIN_BYTES:
-        return torch.empty(shape, dtype=dtype, device=_CPU)
+        return torch.empty(shape, dtype=dtype, device=CPU)
     lib = _state.get()
     code_bits = _DLPACK_TYPES.get(dtype)
     if lib is not None and code_bits is not None and len(shape) <= 16:
@@ -172,7 +172,7 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
             except Exception:
                 lib.fulmen_pool_put(managed)
                 raise
-    out = torch.empty(shape, dtype=dtype, device=_CPU)
+    out = torch.empty(shape, dtype=dtype, device=CPU)
     if _madvise is not None:
         start = -(-out.data_ptr() // _HUGE) * _HUGE
         end = (out.data_ptr() + nbytes) // _HUGE * _HUGE

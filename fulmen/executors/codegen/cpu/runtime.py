@@ -51,7 +51,7 @@ import torch
 from fulmen.executors.codegen import cache
 from fulmen.executors.codegen.build import policy, submit
 from fulmen.executors.codegen.cpu import compiler
-from fulmen.executors.codegen.cpu.pool import MIN_BYTES, empty
+from fulmen.executors.codegen.cpu.pool import CPU, MIN_BYTES, empty
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import MASK_INPUT, RowKernel
@@ -70,7 +70,6 @@ from fulmen.executors.codegen.sizes import freeze
 __all__ = ["FusedRegion", "render_any"]
 
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
-_CPU = torch.device("cpu")  # explicit: a default device the user set must not apply
 
 
 def _submit(source: str) -> Future:
@@ -218,7 +217,7 @@ class FusedRegion(RegionCallable):
 
     def _run_empty(self, lowered, inputs):
         kernel = lowered.kernel
-        outs = [torch.empty(s, dtype=dtype, device=_CPU)
+        outs = [torch.empty(s, dtype=dtype, device=CPU)
                 for s, dtype in zip(self._out_shapes(lowered), kernel.output_dtypes)]
         if isinstance(kernel, RowKernel):
             for out, column in zip(outs, kernel.output_columns):
@@ -435,7 +434,7 @@ def _allocator(shape: tuple, dtype: torch.dtype):
     parser tries several signatures)."""
     if math.prod(shape) * dtype.itemsize < MIN_BYTES:
         return functools.partial(torch.empty_strided, tuple(shape), tuple(_contiguous(shape)),
-                                 dtype=dtype, device=_CPU)
+                                 dtype=dtype, device=CPU)
     return functools.partial(empty, shape, dtype)
 
 
