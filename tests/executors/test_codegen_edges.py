@@ -209,6 +209,46 @@ def test_a_reshape_that_copies_its_input_is_copied_on_every_call():
     assert regions and all(len(region._plans) == 1 for region in regions)
 
 
+def _merged(kind, k, q, y):
+    """A region reading grouped heads `k` (2, 2, 5, 4) repeated 3 times by a merging reshape,
+    with a later view step (`kind`) that the split iteration dim can or cannot take."""
+    rep = k[:, :, None].expand(2, 2, 3, 5, 4).reshape(2, 6, 5, 4)
+    if kind == "sliced":
+        return rep[:, 1:5] * q[:, :4]
+    if kind == "flipped":
+        return rep.flip(1) * q
+    if kind == "conflicting":  # dim 1 merged from (2, 3) and from (3, 2)
+        other = y[:, None].expand(3, 2, 5, 4).reshape(6, 5, 4)
+        return rep * q + other
+    return rep * q + rep.exp()
+
+
+@pytest.mark.parametrize("kind", ["repeated", "sliced", "flipped", "conflicting"])
+def test_a_merged_broadcast_is_read_in_place_by_a_split_dim(codegen_eager, monkeypatch, kind):
+    """An access whose reshape merges a broadcast dim (grouped-query attention's repeated
+    keys) is read in place: the kernel iterates the merged dim as the dims it merges (NOTE [a
+    merged broadcast is a split iteration dim]), with eager's values for inputs at other
+    storage offsets and with other values at each call. A later step the split dim cannot
+    take (a slice or flip of it, another access merging it from other sizes) copies as
+    before, with eager's values too."""
+    from fulmen.executors.codegen.region import RegionCallable
+
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "1")
+    jfn = fulmen.jit(lambda k, q, y: _merged(kind, k, q, y), executors=EXECUTORS)
+    storage = torch.randn(300)
+    for start in (0, 3, 17):
+        k = storage[start:start + 80].view(2, 5, 2, 4).permute(0, 2, 1, 3)
+        q, y = torch.randn(2, 6, 5, 4).transpose(1, 2).contiguous().transpose(1, 2), \
+            torch.randn(3, 5, 4)
+        torch.testing.assert_close(jfn(k, q, y), _merged(kind, k, q, y))
+        storage.mul_(-1.5)
+    regions = [b.sym.impl for b in fulmen.last_traces(jfn)[-1].bsyms
+               if isinstance(b.sym.impl, RegionCallable)]
+    assert len(regions) == 1
+    (plan,) = regions[0]._plans.values()
+    assert bool(plan.copies) == (kind != "repeated")
+
+
 def _rounded(x):
     return torch.round(x * 2) + torch.round(x - 0.25, decimals=0), torch.round(x.double() * 2)
 

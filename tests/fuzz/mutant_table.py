@@ -1592,4 +1592,16 @@ MUTANTS: list[Mutant] = [
            "residuals.insert(index, obj)", "residuals.append(obj)",
            ("tests/ops/test_torch_autograd.py::"
             "test_a_kept_graph_saved_before_tensor_residuals_reaches_its_place_in_backward",)),
+    # --- session 44 (lead): split iteration dims of merged broadcasts ---
+    Mutant("codegen_split_dim_strides_shifted", "codegen", "executors/codegen/region.py",
+           "                new_row.extend(stride * math.prod(factors[d][k + 1:])",
+           "                new_row.extend(stride * math.prod(factors[d][:k])",
+           ("tests/executors/test_codegen_edges.py::"
+            "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
+    Mutant("codegen_split_dim_taken_by_a_slice", "codegen", "executors/codegen/region.py",
+           "                    if (start, end, st) != (0, sizes[d], 1):\n"
+           "                        raise _NoSplit\n                    continue\n",
+           "                    continue\n",
+           ("tests/executors/test_codegen_edges.py::"
+            "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
 ]

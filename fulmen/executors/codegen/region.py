@@ -31,8 +31,8 @@ import torch
 from fulmen.executors.codegen.ir import Access
 from fulmen.executors.codegen.sizes import Binder, concrete, has_sym_sizes
 
-__all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "mask_tensor",
-           "region_results", "resolve", "strided_views", "view_output"]
+__all__ = ["MAX_BOUND", "Fallback", "RegionCallable", "coalesce", "copy_base", "mask_tensor",
+           "region_results", "resolve", "split_dims", "strided_views", "view_output"]
 
 MAX_BOUND = 256  # concrete regions (or call plans) kept per region by default
 
@@ -64,8 +64,86 @@ def _view_strides(sizes, strides, new_sizes):
     return new_strides if view_d == -1 else None
 
 
-def resolve(tensor: torch.Tensor, access: Access):
-    """(base tensor, element offset from its data_ptr, sizes, strides) of `access`."""
+def _merged_strides(sizes, strides, new_sizes):
+    """Per dim of `new_sizes`, when the reshape of (sizes, strides) to it only merges dims:
+    its stride, or for a merge no one stride expresses (a broadcast dim merged with another,
+    as in a grouped-query attention `repeat_kv`) the merged dims' ((size, stride), ...) from
+    outer to inner; None when the reshape also splits a dim."""
+    old = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
+    merged, i = [], 0
+    for size in new_sizes:
+        if size == 1:
+            merged.append(0)
+            continue
+        group, numel = [], 1
+        while numel < size and i < len(old):
+            group.append(old[i])
+            numel *= old[i][0]
+            i += 1
+        if numel != size:
+            return None
+        viewable = all(outer[1] == inner[0] * inner[1] for outer, inner in zip(group, group[1:]))
+        merged.append(group[-1][1] if viewable else tuple(group))
+    return merged if i == len(old) else None
+
+
+class _NoSplit(Exception):
+    """A view step after a merge `_merged_strides` split that the split cannot take."""
+
+
+def resolve(tensor: torch.Tensor, access: Access, copies: list | None = None,
+            split: bool = False):
+    """(base tensor, element offset from its data_ptr, sizes, strides) of `access`.
+
+    A reshape that no strides express copies its operand (`as_strided` of the chain so far,
+    then `contiguous`); with `copies` given, each such copy's (sizes, strides, element offset
+    from its source's storage offset) is appended to it, so that a later call with an input
+    of the same sizes and strides can make the base by `copy_base` without the walk.
+
+    With `split`, a reshape that only merges dims copies nothing: a merged dim's stride is
+    then ((size, stride), ...) of the dims it merges (`_merged_strides`), which a caller
+    that iterates that dim as those dims (`split_dims`) reads without a copy. When a later
+    step of the chain cannot take such a dim, the access is resolved as without `split`."""
+    if split:
+        try:
+            return _resolve(tensor, access, copies, True)
+        except _NoSplit:
+            pass
+    return _resolve(tensor, access, copies, False)
+
+
+def split_dims(shape, rows):
+    """The iteration space `shape` and stride `rows` (`resolve(..., split=True)`) with each
+    dim that some row reads as merged dims iterated as those dims: other rows' strides over
+    it split to match (stride s over sizes (a, b) -> (b * s, s)). Returns (sizes, rows) of
+    ints, or None when two rows merge one dim from different sizes."""
+    factors = [None] * len(shape)
+    for row in rows:
+        for d, stride in enumerate(row):
+            if isinstance(stride, tuple):
+                sizes = tuple(size for size, _ in stride)
+                if factors[d] not in (None, sizes):
+                    return None
+                factors[d] = sizes
+    new_shape = []
+    for d, size in enumerate(shape):
+        new_shape.extend(factors[d] or (size,))
+    new_rows = []
+    for row in rows:
+        new_row = []
+        for d, stride in enumerate(row):
+            if isinstance(stride, tuple):
+                new_row.extend(inner for _, inner in stride)
+            elif factors[d] is None:
+                new_row.append(stride)
+            else:
+                new_row.extend(stride * math.prod(factors[d][k + 1:])
+                               for k in range(len(factors[d])))
+        new_rows.append(new_row)
+    return new_shape, new_rows
+
+
+def _resolve(tensor: torch.Tensor, access: Access, copies: list | None, split: bool):
     offset = 0
     sizes, strides = list(tensor.shape), list(tensor.stride())
     for step in access.steps:
@@ -82,6 +160,10 @@ def resolve(tensor: torch.Tensor, access: Access):
         elif step.name == "slice":
             starts, ends, steps = params
             for d, (start, end, st) in enumerate(zip(starts, ends, steps)):
+                if isinstance(strides[d], tuple):
+                    if (start, end, st) != (0, sizes[d], 1):
+                        raise _NoSplit
+                    continue
                 offset += start * strides[d]
                 sizes[d] = (end - start + st - 1) // st
                 strides[d] *= st
@@ -89,20 +171,30 @@ def resolve(tensor: torch.Tensor, access: Access):
             keep = [d for d in range(len(sizes)) if d not in params[0]]
             sizes, strides = [sizes[d] for d in keep], [strides[d] for d in keep]
         elif step.name == "flip":
+            if any(isinstance(strides[d], tuple) for d in params[0]):
+                raise _NoSplit
             for d in params[0]:
                 if sizes[d] > 0:
                     offset += (sizes[d] - 1) * strides[d]
                 strides[d] = -strides[d]
         elif step.name == "shift":  # read at (point - offsets): only where a mask holds
             offsets, shape = params
+            if any(isinstance(strides[d], tuple) for d in range(len(strides))):
+                raise _NoSplit
             for d, lo in enumerate(offsets):
                 offset -= lo * strides[d]
             sizes = list(shape)
         elif step.name == "reshape":
+            if any(isinstance(stride, tuple) for stride in strides):
+                raise _NoSplit
             new = _view_strides(sizes, strides, list(params[0]))
+            if new is None and split:
+                new = _merged_strides(sizes, strides, list(params[0]))
             if new is None:
                 if any(s < 0 for s in strides):
                     raise Fallback
+                if copies is not None:
+                    copies.append((tuple(sizes), tuple(strides), offset))
                 tensor = torch.as_strided(tensor, sizes, strides,
                                           tensor.storage_offset() + offset).contiguous()
                 offset, strides = 0, list(tensor.stride())
@@ -111,6 +203,14 @@ def resolve(tensor: torch.Tensor, access: Access):
         else:
             raise Fallback
     return tensor, offset, sizes, strides
+
+
+def copy_base(tensor: torch.Tensor, copies) -> torch.Tensor:
+    """The base `resolve` gives for an input of the sizes and strides `copies` was recorded
+    for (`resolve(..., copies)`): the same copies, made from `tensor` with no walk."""
+    for sizes, strides, offset in copies:
+        tensor = tensor.as_strided(sizes, strides, tensor.storage_offset() + offset).contiguous()
+    return tensor
 
 
 _MASKS: dict[tuple, torch.Tensor] = {}

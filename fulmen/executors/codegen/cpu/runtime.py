@@ -60,9 +60,11 @@ from fulmen.executors.codegen.region import (
     Fallback,
     RegionCallable,
     coalesce,
+    copy_base,
     mask_tensor,
     region_results,
     resolve,
+    split_dims,
     strided_views,
 )
 from fulmen.executors.codegen.sizes import freeze
@@ -238,10 +240,10 @@ class FusedRegion(RegionCallable):
         return [column_shape if column else kept_shape if row else shape
                 for row, column in zip(kernel.output_rows, kernel.output_columns)]
 
-    def _pointers(self, inputs, expected, accesses) -> tuple[list, list]:
-        """Per access: (input index, mask tensor or `_Copy`, byte offset), and its strides;
-        they serve every call with these input shapes and strides (a copy is made again by
-        each call: `_Copy`)."""
+    def _pointers(self, inputs, expected, accesses, split=False) -> tuple[list, list]:
+        """Per access: (input index, mask tensor or `_Copy`, byte offset), and its strides
+        (with `split`, a merged dim's may be a tuple: `resolve`); they serve every call with
+        these input shapes and strides (a copy is made again by each call: `_Copy`)."""
         pointers, rows = [], []
         for access, shape in zip(accesses, expected):
             if access.input == MASK_INPUT:  # made from the sizes, the same for every call
@@ -249,11 +251,11 @@ class FusedRegion(RegionCallable):
                 pointers.append((mask, 0))
                 rows.append(strides)
                 continue
-            base, offset, sizes, strides = resolve(inputs[access.input], access)
+            copies = []
+            base, offset, sizes, strides = resolve(inputs[access.input], access, copies, split)
             if tuple(sizes) != shape:
                 raise Fallback
-            own = base is inputs[access.input]
-            where = access.input if own else _Copy(access.input, access)
+            where = _Copy(access.input, tuple(copies)) if copies else access.input
             pointers.append((where, offset * base.element_size()))
             rows.append(strides)
         return pointers, rows
@@ -261,9 +263,19 @@ class FusedRegion(RegionCallable):
     def _plan(self, inputs, lowered) -> _Plan:
         """How to call a pointwise kernel for inputs of these shapes and strides (`_Plan`)."""
         kernel, shape = lowered.kernel, lowered.shape
-        pointers, rows = self._pointers(inputs, [shape] * len(kernel.accesses), kernel.accesses)
+        expected = [shape] * len(kernel.accesses)
+        pointers, rows = self._pointers(inputs, expected, kernel.accesses, split=True)
         rows += [_contiguous(shape) for _ in kernel.outputs]
-        sizes, rows = _long_inner(*coalesce(shape, rows))
+        # NOTE [a merged broadcast is a split iteration dim]: an access whose reshape merges a
+        # broadcast dim with another (grouped-query attention's repeated keys) has no one
+        # stride over the merged dim; the kernel iterates that dim as the dims it merges, so
+        # the access is read in place instead of copied by every call
+        refined = split_dims(shape, rows)
+        if refined is None:
+            pointers, rows = self._pointers(inputs, expected, kernel.accesses)
+            rows += [_contiguous(shape) for _ in kernel.outputs]
+            refined = shape, rows
+        sizes, rows = _long_inner(*coalesce(*refined))
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
         fn = self._kernel_for(layout)
         numel = math.prod(shape)
@@ -447,15 +459,16 @@ def _kept_key(key: tuple) -> tuple:
 class _Copy:
     """An access whose view chain copies its input (a reshape no strides express, such as
     that of a permuted tensor): each call makes the copy afresh from that call's input (its
-    sizes and strides, so the copy's layout and offset, are the plan's)."""
+    sizes and strides, so the copy's layout and offset, are the plan's: `copies`, as
+    `resolve` recorded them when the plan was made)."""
 
-    __slots__ = ("input", "access")
+    __slots__ = ("input", "copies")
 
-    def __init__(self, input: int, access) -> None:
-        self.input, self.access = input, access
+    def __init__(self, input: int, copies: tuple) -> None:
+        self.input, self.copies = input, copies
 
     def base(self, inputs) -> torch.Tensor:
-        return resolve(inputs[self.input], self.access)[0]
+        return copy_base(inputs[self.input], self.copies)
 
 
 SHORT_INNER = 16  # a pointwise loop this short costs more in row offsets than in elements
