@@ -1604,4 +1604,14 @@ MUTANTS: list[Mutant] = [
            "                    continue\n",
            ("tests/executors/test_codegen_edges.py::"
             "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
+    Mutant("cat_keeps_empty_pieces", "codegen", "ops/torch/shape.py",
+           "    return prims.cat([to_dtype(t, dtype) for t in pieces or kept[:1]], dim)",
+           "    return prims.cat([to_dtype(t, dtype) for t in kept], dim)",
+           ("tests/executors/test_codegen_select.py::"
+            "test_cat_with_an_empty_piece_fuses_as_a_copy_of_the_other_forward_and_backward",)),
+    Mutant("codegen_one_piece_cat_as_a_select", "codegen", "executors/codegen/lower.py",
+           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(bsym.args[0]) > 1)",
+           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(bsym.args[0]) > 0)",
+           ("tests/executors/test_codegen_select.py::"
+            "test_cat_with_an_empty_piece_fuses_as_a_copy_of_the_other_forward_and_backward",)),
 ]

@@ -92,13 +92,20 @@ def _iteration_shape(region: list[BoundSymbol]):
     """
     shape = None
     for bsym in region:
-        if bsym.sym.name in SELECTS:
+        if _selects(bsym):
             if shape is not None and not same_shape(tuple(bsym.output.shape), shape):
                 raise Unsupported("pad or cat outputs of different shapes")
             shape = tuple(bsym.output.shape)
     if shape is None:
         shape = next((tuple(b.output.shape) for b in region if b.sym.name not in VIEWS), None)
     return shape
+
+
+def _selects(bsym: BoundSymbol) -> bool:
+    """Whether `bsym` picks each point from one of several places (a pad, a cat of two or
+    more tensors); a cat of one tensor is a copy of it, lowered as an elementwise identity
+    (`torch.cat((q_roped, q[..., 16:]))` with nothing past 16: the empty piece is dropped)."""
+    return bsym.sym.name == "pad" or (bsym.sym.name == "cat" and len(bsym.args[0]) > 1)
 
 
 def fits_pointwise(region: list[BoundSymbol]) -> bool:
@@ -127,7 +134,7 @@ def fits_pointwise(region: list[BoundSymbol]) -> bool:
                     lazy.add(out.name)
                     views.add(out.name)
                 continue
-            if name in SELECTS:
+            if _selects(bsym):
                 if inputs & selected or not same_shape(tuple(out.shape), shape):
                     return False  # a pad or cat inside another's operand
                 selected.add(out.name)
@@ -211,6 +218,9 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         if key in built:
             return built[key]
         name, out = bsym.sym.name, bsym.output
+        if name == "cat" and not _selects(bsym):  # one piece: a copy of it
+            built[key] = operand(bsym.args[0][0], out.dtype, place)
+            return built[key]
         if name in SELECTS:
             if place is not None:
                 raise Unsupported("a pad or cat inside another one's operand")
@@ -286,7 +296,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         out = bsym.output
         producers[out.name] = bsym
         reads_lazy = any(env.get(n, ("",))[0] in ("lazy", "lazyview") for n in bsym.input_names)
-        if name not in SELECTS and (reads_lazy or not same_shape(tuple(out.shape), shape)):
+        if not _selects(bsym) and (reads_lazy or not same_shape(tuple(out.shape), shape)):
             env[out.name] = ("lazy",)  # computed where a pad or cat reads it
             continue
         if not same_shape(tuple(out.shape), shape):
