@@ -1,6 +1,7 @@
 """The pass pipeline: the one order in which passes run, for `jit` and the functional API.
 
-    dce -> cse -> user transforms -> [value_and_grad (functional grad)]
+    dce -> cse -> grouped attention (`transforms/grouped_attention.py`) -> dce
+        -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> large float32 CPU linears on oneDNN (`executors/torch/onednn_linear.py`)
@@ -46,6 +47,7 @@ from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
+from fulmen.transforms.grouped_attention import grouped_attention
 from fulmen.transforms.remat import rematerialize as rematerialize_split
 from fulmen.transforms.unused_cotangents import fold_unused_cotangents
 from fulmen.tree import CompiledSegment
@@ -105,6 +107,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
 
     run(traces, dce)
     run(traces, cse)
+    run(traces, grouped_attention)
+    run(traces, dce)  # the head repeats grouped_attention left unread
     for user_transform in transforms:
         run(traces, user_transform)
     if wrt is not None:

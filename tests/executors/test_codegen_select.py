@@ -173,9 +173,11 @@ def _litgpt_rope(q, cos, sin):
 
 
 def test_cat_with_an_empty_piece_fuses_as_a_copy_of_the_other_forward_and_backward():
-    """litgpt's `cat((q_roped, q[..., rope_n_elem:]))` with rope_n_elem == head size: the empty
-    piece is dropped and the cat of the one piece left fuses into the rotary kernel (torch ran
-    it as a separate copy, ~30 us each on tiny litgpt Llama's training step)."""
+    """litgpt's `cat((q_roped, q[..., rope_n_elem:]))` with rope_n_elem == head size: a cat of
+    one piece with elements is a copy of it, which fuses into the rotary kernel (torch ran it
+    as a separate copy, ~30 us each on tiny litgpt Llama's training step); the empty piece
+    stays its operand, so what it is computed from still gets eager's (empty) gradient
+    (`test_an_input_reached_through_an_empty_tensor_gets_zeros_as_in_eager`)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 4, 16, generator=g).transpose(1, 2).requires_grad_()
     angles = torch.randn(6, 8, generator=g).repeat(1, 2)

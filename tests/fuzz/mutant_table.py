@@ -1604,14 +1604,22 @@ MUTANTS: list[Mutant] = [
            "                    continue\n",
            ("tests/executors/test_codegen_edges.py::"
             "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
-    Mutant("cat_keeps_empty_pieces", "codegen", "ops/torch/shape.py",
-           "    return prims.cat([to_dtype(t, dtype) for t in pieces or kept[:1]], dim)",
-           "    return prims.cat([to_dtype(t, dtype) for t in kept], dim)",
+    Mutant("codegen_cat_counts_empty_pieces", "codegen", "executors/codegen/lower.py",
+           "    return filled or list(tensors)", "    return list(tensors)",
            ("tests/executors/test_codegen_select.py::"
             "test_cat_with_an_empty_piece_fuses_as_a_copy_of_the_other_forward_and_backward",)),
     Mutant("codegen_one_piece_cat_as_a_select", "codegen", "executors/codegen/lower.py",
-           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(bsym.args[0]) > 1)",
-           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(bsym.args[0]) > 0)",
+           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(_filled(bsym)) > 1)",
+           "    return bsym.sym.name == \"pad\" or (bsym.sym.name == \"cat\" and len(_filled(bsym)) > 0)",
            ("tests/executors/test_codegen_select.py::"
             "test_cat_with_an_empty_piece_fuses_as_a_copy_of_the_other_forward_and_backward",)),
+    Mutant("grouped_attention_any_repeat_order", "passes", "transforms/grouped_attention.py",
+           "        and torch.equal(value, expected)", "        and value.shape == expected.shape",
+           ("tests/transforms/test_grouped_attention.py::"
+            "test_heads_repeated_in_another_order_are_not_grouped",)),
+    Mutant("grouped_attention_groups_of_the_key_only", "passes", "transforms/grouped_attention.py",
+           "    grouped_value = _repeated_heads(value, heads, producers)",
+           "    grouped_value = grouped_key",
+           ("tests/transforms/test_grouped_attention.py::"
+            "test_repeated_heads_run_as_grouped_attention_with_eagers_values",)),
 ]

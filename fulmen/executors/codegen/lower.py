@@ -103,9 +103,18 @@ def _iteration_shape(region: list[BoundSymbol]):
 
 def _selects(bsym: BoundSymbol) -> bool:
     """Whether `bsym` picks each point from one of several places (a pad, a cat of two or
-    more tensors); a cat of one tensor is a copy of it, lowered as an elementwise identity
-    (`torch.cat((q_roped, q[..., 16:]))` with nothing past 16: the empty piece is dropped)."""
-    return bsym.sym.name == "pad" or (bsym.sym.name == "cat" and len(bsym.args[0]) > 1)
+    more tensors with elements along its dim); a cat of one such tensor is a copy of it,
+    lowered as an elementwise identity (`torch.cat((q_roped, q[..., 16:]))` with nothing past
+    16; the empty piece stays an operand of the cat, so its gradient, empty, still reaches
+    what it was computed from, as in eager)."""
+    return bsym.sym.name == "pad" or (bsym.sym.name == "cat" and len(_filled(bsym)) > 1)
+
+
+def _filled(bsym: BoundSymbol) -> list:
+    """The pieces of a cat with elements along its dim (each, when none has)."""
+    tensors, dim = bsym.args
+    filled = [t for t in tensors if not (type(t.shape[dim]) is int and t.shape[dim] == 0)]
+    return filled or list(tensors)
 
 
 def fits_pointwise(region: list[BoundSymbol]) -> bool:
@@ -219,7 +228,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             return built[key]
         name, out = bsym.sym.name, bsym.output
         if name == "cat" and not _selects(bsym):  # one piece: a copy of it
-            built[key] = operand(bsym.args[0][0], out.dtype, place)
+            built[key] = operand(_filled(bsym)[0], out.dtype, place)
             return built[key]
         if name in SELECTS:
             if place is not None:

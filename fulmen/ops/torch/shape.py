@@ -240,10 +240,7 @@ def cat_tensors(tensors, dim, op: str = "cat") -> T:
         if t.ndim != rank or any(d != dim and x != y for d, (x, y) in
                                  enumerate(zip(t.shape, kept[0].shape))):
             raise FulmenError(f"sizes of tensors must match except in dimension {dim}", op=op)
-    # pieces with nothing along `dim` add nothing (litgpt's `cat((q_roped, q[..., 16:]))` with
-    # a head size of 16): a cat of the one piece left is its copy, which fuses (codegen)
-    pieces = [t for t in kept if not (isinstance(t.shape[dim], int) and t.shape[dim] == 0)]
-    return prims.cat([to_dtype(t, dtype) for t in pieces or kept[:1]], dim)
+    return prims.cat([to_dtype(t, dtype) for t in kept], dim)
 
 
 # ---------------------------------------------------------------------------------------------
