@@ -209,6 +209,21 @@ class TraceCtx:
         return Trace(self.name, tuple(args), tuple(self.scopes[0]), output, **fields)
 
 
+def reserved_names(args, bsyms) -> NameAllocator:
+    """A name allocator holding every name `args` and `bsyms` (their decompositions too) read
+    or write, so that statements recorded with it into that program never reuse one."""
+    names = NameAllocator()
+    for proxy in iter_proxies(args):
+        names.reserve(proxy.name)
+    stack = list(bsyms)
+    while stack:
+        bsym = stack.pop()
+        for proxy in iter_proxies((bsym.args, bsym.kwargs, bsym.output)):
+            names.reserve(proxy.name)
+        stack.extend(bsym.subsymbols)
+    return names
+
+
 def get_tracectx() -> TraceCtx | None:
     """The trace being recorded in this context, or None outside tracing."""
     return _TRACECTX.get()

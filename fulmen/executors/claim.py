@@ -15,7 +15,7 @@ from torch import SymInt
 from fulmen.core import BoundSymbol, FulmenError, Tag, Trace, TraceCtx, any_tagged
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import iter_proxies
-from fulmen.core.trace import tracing
+from fulmen.core.trace import reserved_names, tracing
 from fulmen.executors.base import Executor, FusionExecutor, OperatorExecutor
 from fulmen.executors.torch import AS_LAYOUT, torch_ex
 from fulmen.proxies import TensorProxy
@@ -98,9 +98,7 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
             targets[proxy.name] = proxy
     if not targets:
         return trace.replace(bsyms=tuple(bsyms))
-    names = NameAllocator()
-    for name in _all_names(trace.args, bsyms):
-        names.reserve(name)
+    names = reserved_names(trace.args, bsyms)
     relaid = {}
     for name, proxy in targets.items():
         with tracing(_NamingCtx(names)):
@@ -134,9 +132,7 @@ class _Relayout:
         if not targets:
             return bsym
         if self._names is None:
-            self._names = NameAllocator()
-            for name in _all_names(self._trace.args, self._trace.bsyms):
-                self._names.reserve(name)
+            self._names = reserved_names(self._trace.args, self._trace.bsyms)
         relaid = {}
         for name, proxy in targets.items():
             with tracing(_NamingCtx(self._names)):
@@ -203,16 +199,6 @@ class _NamingCtx(TraceCtx):
 
     def record(self, sym, args, kwargs):
         return sym.fn(*args, **kwargs)
-
-
-def _all_names(args, bsyms) -> set[str]:
-    names = {proxy.name for proxy in iter_proxies(args)}
-    stack = list(bsyms)
-    while stack:
-        bsym = stack.pop()
-        names.update(p.name for p in iter_proxies((bsym.args, bsym.kwargs, bsym.output)))
-        stack.extend(bsym.subsymbols)
-    return names
 
 
 def _replace_proxies(value, mapping: dict):

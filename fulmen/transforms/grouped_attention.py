@@ -26,7 +26,7 @@ import torch
 from fulmen.core import BoundSymbol, Trace, TraceCtx, tracing
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
-from fulmen.core.trace import not_tracing
+from fulmen.core.trace import not_tracing, reserved_names
 from fulmen.ops import ltorch
 from fulmen.proxies.tensor import TensorProxy
 from fulmen.transforms.autodiff.registry import bound_arguments
@@ -69,7 +69,7 @@ def _repeated_heads(key: TensorProxy, heads: int, producers: dict) -> TensorProx
 def _repeats(chain: list[BoundSymbol], x: TensorProxy, key: TensorProxy, heads: int) -> bool:
     """Whether running `chain` (last statement first) on the positions of `x` gives `x`'s
     heads each repeated `heads // groups` times in a row, as `key`'s shape."""
-    positions = torch.arange(x.numel()).reshape(tuple(x.shape))
+    positions = torch.arange(x.numel(), device="cpu").reshape(tuple(x.shape))
     value = positions
     try:
         with not_tracing(), torch.no_grad():
@@ -87,18 +87,6 @@ def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
                         kwargs=map_proxies(rename, bsym.kwargs),
                         output=map_proxies(rename, bsym.output),
                         subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
-
-
-def _all_names(trace: Trace) -> set[str]:
-    names = {p.name for p in trace.args}
-
-    def visit(bsyms):
-        for b in bsyms:
-            names.update(p.name for p in iter_proxies((b.args, b.kwargs, b.output)))
-            visit(b.subsymbols)
-
-    visit(trace.bsyms)
-    return names
 
 
 def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
@@ -137,9 +125,7 @@ def grouped_attention(trace: Trace) -> Trace:
         return trace
     producers = {p.name: b for b in trace.bsyms for p in b.proxy_outputs
                  if isinstance(p, Proxy)}
-    names = NameAllocator()
-    for name in _all_names(trace):
-        names.reserve(name)
+    names = reserved_names(trace.args, trace.bsyms)
     replaced = {}
     for bsym in calls:
         call = _grouped_call(bsym, producers, names)

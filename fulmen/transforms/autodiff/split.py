@@ -33,6 +33,7 @@ from fulmen.core import (
     tracing,
 )
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
+from fulmen.core.trace import reserved_names
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy, differentiable_value
 from fulmen.tracer.dispatch import TracerCtx
@@ -319,8 +320,7 @@ def split_forward_backward(trace: Trace, wrt: set[str] | None = None, *,
     differentiable: list[BoundSymbol] = []
     graphs: dict[int, tuple] = {}
     ctx = TracerCtx("backward")
-    for name in _all_names(trace, trace.bsyms):
-        ctx.names.reserve(name)
+    ctx.names = reserved_names(trace.args, trace.bsyms)
     for bsym in trace.bsyms:
         _augment(bsym, requires, forward_bsyms, differentiable, graphs, ctx.names)
 
@@ -387,19 +387,6 @@ def accumulate_outside(existing, cotangent, ctx):
         return cotangent
     with tracing(ctx):
         return accumulate(existing, cotangent)
-
-
-def _all_names(trace: Trace, bsyms: list[BoundSymbol]) -> set[str]:
-    names = {p.name for p in trace.args}
-
-    def visit(items):
-        for b in items:
-            names.update(p.name for p in iter_proxies((b.args, b.kwargs, b.output)))
-            visit(b.subsymbols)
-
-    visit(trace.bsyms)
-    visit(bsyms)
-    return names
 
 
 __all__ = ["ForwardBackward", "split_forward_backward"]
