@@ -1592,4 +1592,10 @@ MUTANTS: list[Mutant] = [
            "residuals.insert(index, obj)", "residuals.append(obj)",
            ("tests/ops/test_torch_autograd.py::"
             "test_a_kept_graph_saved_before_tensor_residuals_reaches_its_place_in_backward",)),
+    # --- session 44 (h44ver): everyday-pattern probes against eager ---
+    Mutant("bridge_residuals_kept_without_version_checks", "autograd", "autograd_bridge.py",
+           "ctx.save_for_backward(*map(_savable, residuals))",
+           "ctx.save_for_backward(*[_savable(r).detach().clone() for r in residuals])",
+           ("tests/tracer/test_eager_parity.py::"
+            "test_weights_updated_between_forward_and_backward_raise_as_in_eager",)),
 ]
