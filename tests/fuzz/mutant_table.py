@@ -1622,4 +1622,10 @@ MUTANTS: list[Mutant] = [
            "    grouped_value = grouped_key",
            ("tests/transforms/test_grouped_attention.py::"
             "test_repeated_heads_run_as_grouped_attention_with_eagers_values",)),
+    # --- session 44 (h44ver): everyday-pattern probes against eager ---
+    Mutant("bridge_residuals_kept_without_version_checks", "autograd", "autograd_bridge.py",
+           "ctx.save_for_backward(*map(_savable, residuals))",
+           "ctx.save_for_backward(*[_savable(r).detach().clone() for r in residuals])",
+           ("tests/tracer/test_eager_parity.py::"
+            "test_weights_updated_between_forward_and_backward_raise_as_in_eager",)),
 ]

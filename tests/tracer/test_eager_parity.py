@@ -311,3 +311,38 @@ def test_is_leaf_of_an_argument_requiring_grad_runs_the_call_eagerly():
             torch.testing.assert_close(jfn(x), fn(x))
     with pytest.raises(fulmen.FulmenError, match="is_leaf"):
         fulmen.jit(fn, fullgraph=True)(leaf)
+
+
+def _draws(x, gen):
+    return (x + torch.randn(x.shape, generator=gen) + torch.bernoulli(x.sigmoid(), generator=gen)
+            + torch.empty_like(x).uniform_(generator=gen) + x[torch.randperm(4, generator=gen)])
+
+
+def test_random_ops_given_a_generator_draw_from_it_as_in_eager():
+    """Random ops given an explicit `generator=` draw from it, not from the global generator,
+    on each call with a fresh generator; both generators end in eager's states."""
+    jitted = fulmen.jit(_draws)
+    for call in range(3):
+        runs = []
+        for fn in (_draws, jitted):
+            gen = torch.Generator().manual_seed(call)
+            torch.manual_seed(10)
+            out = fn(torch.linspace(-1, 1, 4), gen)
+            runs.append((out, gen.get_state(), torch.get_rng_state()))
+        torch.testing.assert_close(runs[1], runs[0])
+
+
+def test_weights_updated_between_forward_and_backward_raise_as_in_eager():
+    """An optimizer-like in-place update of a saved weight between a (second) forward and its
+    backward raises eager's version-counter error instead of differentiating with the new
+    weight."""
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        call = fulmen.jit(model) if jit else model
+        call(torch.randn(2, 3)).sum().backward()
+        out = call(torch.randn(2, 3))
+        with torch.no_grad():
+            model[2].weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
