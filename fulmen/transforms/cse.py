@@ -83,7 +83,7 @@ def _rounds_a_gradient(bsym: BoundSymbol) -> bool:
         return False
     return any(isinstance(p, TensorProxy) and p.requires_grad and p.dtype.itemsize > narrow
                and (p.dtype.is_floating_point or p.dtype.is_complex)
-               for p in iter_proxies((bsym.args, bsym.kwargs)))
+               for p in bsym.read_proxies)
 
 
 def _reads_any(bsym: BoundSymbol, names) -> bool:
