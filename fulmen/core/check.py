@@ -20,7 +20,7 @@ def _fail(trace, message: str, bsym=None) -> FulmenError:
 
 def _nested_outputs(bsym, names: list[str]) -> None:
     for sub in bsym.subsymbols:
-        names.extend(proxy.name for proxy in iter_proxies(sub.output))
+        names.extend(sub.output_names)  # kept by the statement
         _nested_outputs(sub, names)
 
 
@@ -28,8 +28,8 @@ def _check_nested_names(trace) -> None:
     """Names assigned inside decompositions must not collide with other statements' names."""
     owner: dict[str, int] = {proxy.name: -1 for proxy in trace.args}
     for index, bsym in enumerate(trace.bsyms):
-        for proxy in iter_proxies(bsym.output):
-            owner.setdefault(proxy.name, index)
+        for name in bsym.output_names:
+            owner.setdefault(name, index)
     for index, bsym in enumerate(trace.bsyms):
         nested: list[str] = []
         _nested_outputs(bsym, nested)
@@ -69,12 +69,12 @@ def check_trace(trace, compile_source: bool = True) -> None:
         define(proxy)
     _check_nested_names(trace)
     for bsym in trace.bsyms:
-        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
+        for proxy in bsym.read_proxies:
             use(proxy, bsym)
         if bsym.is_del:
             live.difference_update(proxy.name for proxy in iter_proxies(bsym.args))
             continue
-        for proxy in iter_proxies(bsym.output):
+        for proxy in bsym.proxy_outputs:
             define(proxy, bsym)
     for proxy in iter_proxies(trace.output):
         use(proxy)

@@ -184,6 +184,8 @@ class BoundSymbol:
     # frozen and its arguments are not changed after it is recorded; the kept sets are
     # frozensets, so code that tried to change one would raise, not corrupt the statement.
     _names: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # the proxies it reads (with repeats, in argument order) and writes, kept alike
+    _proxies: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tags:  # members only: a misspelt tag fails where the statement is made
@@ -204,16 +206,28 @@ class BoundSymbol:
         return self.sym is DEL
 
     @property
+    def read_proxies(self) -> tuple[Proxy, ...]:
+        """Every proxy in its arguments, in argument order, repeats included (kept: NOTE
+        [names of a statement, kept])."""
+        return (self._proxies or self._keep_proxies())[0]
+
+    @property
     def proxy_inputs(self) -> list[Proxy]:
         """Proxies read by this statement, in argument order, without repeats."""
         seen: dict[str, Proxy] = {}
-        for proxy in iter_proxies((self.args, self.kwargs)):
+        for proxy in self.read_proxies:
             seen.setdefault(proxy.name, proxy)
         return list(seen.values())
 
     @property
     def proxy_outputs(self) -> list[Proxy]:
-        return list(iter_proxies(self.output))
+        return list((self._proxies or self._keep_proxies())[1])
+
+    def _keep_proxies(self) -> tuple[tuple[Proxy, ...], tuple[Proxy, ...]]:
+        proxies = (tuple(iter_proxies((self.args, self.kwargs))),
+                   tuple(iter_proxies(self.output)))
+        object.__setattr__(self, "_proxies", proxies)
+        return proxies
 
     @property
     def input_names(self) -> frozenset[str]:
@@ -226,8 +240,9 @@ class BoundSymbol:
         return (self._names or self._keep_names())[1]
 
     def _keep_names(self) -> tuple[frozenset[str], frozenset[str]]:
-        names = (frozenset(proxy.name for proxy in iter_proxies((self.args, self.kwargs))),
-                 frozenset(proxy.name for proxy in iter_proxies(self.output)))
+        reads, writes = self._proxies or self._keep_proxies()
+        names = (frozenset(proxy.name for proxy in reads),
+                 frozenset(proxy.name for proxy in writes))
         object.__setattr__(self, "_names", names)
         return names
 

@@ -218,8 +218,8 @@ def reserved_names(args, bsyms) -> NameAllocator:
     stack = list(bsyms)
     while stack:
         bsym = stack.pop()
-        for proxy in iter_proxies((bsym.args, bsym.kwargs, bsym.output)):
-            names.reserve(proxy.name)
+        for name in bsym.input_names | bsym.output_names:  # kept by the statement
+            names.reserve(name)
         stack.extend(bsym.subsymbols)
     return names
 

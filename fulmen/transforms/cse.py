@@ -33,6 +33,8 @@ from fulmen.transforms.base import transform
 _SAME_SHAPE_VIEWS = frozenset({"ltorch.reshape", "ltorch.view", "ltorch.expand",
                                "ltorch.expand_as", "ltorch.flatten", "prims.reshape",
                                "prims.broadcast_in_dim"})
+# every statement `_identity_view` may answer for (the others return None at once)
+_IDENTITY_CANDIDATES = _SAME_SHAPE_VIEWS | {"prims.permute", "ltorch.permute", "ltorch.getitem"}
 
 
 class _Unhashable(Exception):
@@ -83,7 +85,7 @@ def _rounds_a_gradient(bsym: BoundSymbol) -> bool:
         return False
     return any(isinstance(p, TensorProxy) and p.requires_grad and p.dtype.itemsize > narrow
                and (p.dtype.is_floating_point or p.dtype.is_complex)
-               for p in iter_proxies((bsym.args, bsym.kwargs)))
+               for p in bsym.read_proxies)
 
 
 def _reads_any(bsym: BoundSymbol, names) -> bool:
@@ -101,6 +103,9 @@ def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
 
 def _identity_view(bsym: BoundSymbol) -> TensorProxy | None:
     """The input of a view statement that returns it unchanged (module docstring), or None."""
+    name = str(bsym.sym.id)
+    if name not in _IDENTITY_CANDIDATES:  # asked first: the shape test below costs more
+        return None
     if not bsym.args or len(bsym.proxy_outputs) != 1 or bsym.has_side_effects:
         return None
     source, out = bsym.args[0], bsym.proxy_outputs[0]
@@ -108,7 +113,6 @@ def _identity_view(bsym: BoundSymbol) -> TensorProxy | None:
             and out.dtype == source.dtype and out.device == source.device
             and known_same_shape(tuple(out.shape), tuple(source.shape))):
         return None
-    name = str(bsym.sym.id)
     if name in _SAME_SHAPE_VIEWS:
         return source
     if name in ("prims.permute", "ltorch.permute"):

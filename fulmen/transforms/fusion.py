@@ -167,8 +167,7 @@ class _Node:
 def _has_symbolic_sizes(bsym: BoundSymbol) -> bool:
     """Whether a statement computes with symbolic sizes (`fulmen.tracer.symbolic`): such
     statements stay unfused unless the executor says it handles them (`symbolic_sizes`)."""
-    for value in (*iter_proxies(bsym.args), *iter_proxies(bsym.kwargs),
-                  *iter_proxies(bsym.output)):
+    for value in (*bsym.read_proxies, *bsym.proxy_outputs):
         if any(isinstance(size, torch.SymInt) for size in getattr(value, "shape", ())):
             return True
     return any(isinstance(arg, torch.SymInt) for arg in bsym.args)
@@ -457,7 +456,7 @@ def region_inputs(region: Sequence[BoundSymbol]) -> list:
     produced: set[str] = set()
     seen: dict[str, object] = {}
     for bsym in region:
-        for proxy in iter_proxies((bsym.args, bsym.kwargs)):
+        for proxy in bsym.read_proxies:
             if proxy.name not in produced:
                 seen.setdefault(proxy.name, proxy)
         produced |= bsym.output_names

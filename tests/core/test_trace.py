@@ -101,3 +101,44 @@ def test_a_call_site_tag_that_is_not_a_member_fails_where_the_statement_is_made(
     assert tagged.tags == {CallSiteTag.CHECKPOINT}
     with pytest.raises(ValueError, match="chekpoint"):
         statement.replace(tags=frozenset({"chekpoint"}))
+
+
+def test_a_statements_kept_proxies_are_its_own_and_a_replaced_statement_recomputes_them():
+    """The proxies a statement reads and writes are kept at the first question (NOTE [names of
+    a statement, kept]); `replace` makes a statement whose answers are its new arguments'."""
+    from fulmen.core.proxy import iter_proxies
+    from fulmen.proxies import TensorProxy
+
+    _, _, traces = _jitted_traces()
+    bsym = next(b for b in traces[0].bsyms if len(b.proxy_inputs) >= 1)
+    assert bsym.read_proxies == tuple(iter_proxies((bsym.args, bsym.kwargs)))
+    assert bsym.proxy_outputs == list(iter_proxies(bsym.output))
+    first = bsym.proxy_inputs[0]
+    other = TensorProxy("other_input", first.shape, first.dtype, first.device)
+    swapped = bsym.replace(args=tuple(other if a is first else a for a in bsym.args),
+                           output=TensorProxy("other_output", (1,), torch.float32, "cpu"))
+    assert "other_input" in [p.name for p in swapped.proxy_inputs]
+    assert first.name not in swapped.input_names
+    assert [p.name for p in swapped.read_proxies].count("other_input") >= 1
+    assert [p.name for p in swapped.proxy_outputs] == ["other_output"]
+    assert swapped.output_names == {"other_output"}
+    # a copy of the kept list: changing it does not change the statement
+    bsym.proxy_outputs.clear()
+    assert bsym.proxy_outputs == list(iter_proxies(bsym.output))
+
+
+def test_check_trace_rejects_a_decomposition_assigning_another_statements_name():
+    """SSA counts the names a decomposition assigns (a pass may put the decomposition in the
+    statement's place): a sub-statement writing a later statement's output fails the check."""
+    _, _, traces = _jitted_traces()
+    trace = traces[0]
+    owner = next(i for i, b in enumerate(trace.bsyms) if b.subsymbols)
+    later = next(b for b in trace.bsyms[owner + 1:] if b.proxy_outputs)
+    bsym = trace.bsyms[owner]
+    sub = bsym.subsymbols[0]
+    clash = sub.replace(output=later.proxy_outputs[0])
+    bad = bsym.replace(subsymbols=(clash, *bsym.subsymbols[1:]))
+    bsyms = list(trace.bsyms)
+    bsyms[owner] = bad
+    with pytest.raises(FulmenError, match="inside the decomposition"):
+        check_trace(trace.replace(bsyms=tuple(bsyms)))

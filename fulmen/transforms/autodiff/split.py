@@ -81,7 +81,7 @@ def _is_complex(bsym: BoundSymbol) -> bool:
     gradients are conjugated (the cotangent of `a` in `a * b` is `grad * b.conj()`), so an op
     reading or producing a complex tensor is differentiated by torch.autograd, as an opaque op
     is (HF Llama 4's rotary embedding multiplies complex tensors)."""
-    proxies = (*iter_proxies((bsym.args, bsym.kwargs)), *bsym.proxy_outputs)
+    proxies = (*bsym.read_proxies, *bsym.proxy_outputs)
     return any(isinstance(p, TensorProxy) and p.dtype.is_complex for p in proxies)
 
 
