@@ -217,13 +217,16 @@ def _merged(kind, k, q, y):
         return rep[:, 1:5] * q[:, :4]
     if kind == "flipped":
         return rep.flip(1) * q
+    if kind == "copied first":  # a copying reshape, then a merge the slice cannot split
+        head = y.transpose(1, 2).reshape(3, 2, 10)[:, :, None].expand(3, 2, 2, 10)
+        return head.reshape(3, 4, 10)[:, 1:3] * 2.0
     if kind == "conflicting":  # dim 1 merged from (2, 3) and from (3, 2)
         other = y[:, None].expand(3, 2, 5, 4).reshape(6, 5, 4)
         return rep * q + other
     return rep * q + rep.exp()
 
 
-@pytest.mark.parametrize("kind", ["repeated", "sliced", "flipped", "conflicting"])
+@pytest.mark.parametrize("kind", ["repeated", "sliced", "flipped", "conflicting", "copied first"])
 def test_a_merged_broadcast_is_read_in_place_by_a_split_dim(codegen_eager, monkeypatch, kind):
     """An access whose reshape merges a broadcast dim (grouped-query attention's repeated
     keys) is read in place: the kernel iterates the merged dim as the dims it merges (NOTE [a

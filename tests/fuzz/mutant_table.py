@@ -1628,4 +1628,9 @@ MUTANTS: list[Mutant] = [
            "ctx.save_for_backward(*[_savable(r).detach().clone() for r in residuals])",
            ("tests/tracer/test_eager_parity.py::"
             "test_weights_updated_between_forward_and_backward_raise_as_in_eager",)),
+    Mutant("codegen_split_retry_keeps_abandoned_copies", "codegen", "executors/codegen/region.py",
+           "                del copies[made:]  # the copies of the walk given up are made again below",
+           "                pass",
+           ("tests/executors/test_codegen_edges.py::"
+            "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
 ]

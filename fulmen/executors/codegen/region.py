@@ -105,10 +105,12 @@ def resolve(tensor: torch.Tensor, access: Access, copies: list | None = None,
     that iterates that dim as those dims (`split_dims`) reads without a copy. When a later
     step of the chain cannot take such a dim, the access is resolved as without `split`."""
     if split:
+        made = len(copies) if copies is not None else 0
         try:
             return _resolve(tensor, access, copies, True)
         except _NoSplit:
-            pass
+            if copies is not None:
+                del copies[made:]  # the copies of the walk given up are made again below
     return _resolve(tensor, access, copies, False)
 
 
