@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.core import BoundSymbol, Trace, TraceCtx, tracing
+from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, tracing
 from fulmen.core.names import NameAllocator
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.trace import not_tracing, reserved_names
@@ -94,8 +94,9 @@ def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
     query, key, value, mask, dropout_p, is_causal, scale, enable_gqa = \
         bound_arguments(bsym.sym, bsym.args, bsym.kwargs)
     tensors = [t for t in (query, key, value, mask) if isinstance(t, torch.Tensor)]
-    if enable_gqa is not False or dropout_p != 0.0 or not all(map(_static, (query, key, value))) \
-            or query.ndim != 4 or any(t.device.type != "cpu" for t in tensors):
+    if enable_gqa is not False or type(dropout_p) not in (int, float) or dropout_p != 0.0 \
+            or not all(map(_static, (query, key, value))) or query.ndim != 4 \
+            or any(t.device.type != "cpu" for t in tensors):
         return None
     heads = query.shape[1]
     grouped_key = _repeated_heads(key, heads, producers)
@@ -105,10 +106,13 @@ def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
         return None
     ctx = TraceCtx("grouped attention")
     ctx.names = names
-    with tracing(ctx):
-        output = ltorch.scaled_dot_product_attention(
-            query, grouped_key, grouped_value, attn_mask=mask, dropout_p=dropout_p,
-            is_causal=is_causal, scale=scale, enable_gqa=True)
+    try:
+        with tracing(ctx):
+            output = ltorch.scaled_dot_product_attention(
+                query, grouped_key, grouped_value, attn_mask=mask, dropout_p=dropout_p,
+                is_causal=is_causal, scale=scale, enable_gqa=True)
+    except FulmenError:  # a call the grouped form does not take: the repeats stay
+        return None
     (call,) = ctx.bsyms
     renamed = {output.name: bsym.output}
     call = _renamed(call, lambda p: renamed.get(p.name, p))
