@@ -1,6 +1,6 @@
 """The pass pipeline: the one order in which passes run, for `jit` and the functional API.
 
-    dce -> cse -> grouped attention (`transforms/grouped_attention.py`) -> dce
+    grouped attention (`transforms/grouped_attention.py`) -> dce -> cse
         -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
@@ -105,10 +105,9 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     def run(stages: list[Trace], stage, *extra) -> None:
         _record(stages, stage(stages[-1], *extra), seconds, stages is not traces)
 
+    run(traces, grouped_attention)  # the head repeats it leaves unread go with dce
     run(traces, dce)
     run(traces, cse)
-    run(traces, grouped_attention)
-    run(traces, dce)  # the head repeats grouped_attention left unread
     for user_transform in transforms:
         run(traces, user_transform)
     if wrt is not None:

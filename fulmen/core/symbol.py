@@ -23,7 +23,7 @@ from typing import Any
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.names import reserve_global
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.source import SourceLocation
 
 
@@ -193,6 +193,15 @@ class BoundSymbol:
 
     def replace(self, **changes) -> BoundSymbol:
         return dataclasses.replace(self, **changes)
+
+    def renamed(self, rename: Callable[[Proxy], Proxy], *, outputs: bool = False) -> BoundSymbol:
+        """This statement reading `rename(p)` for each proxy `p` it reads, its decomposition
+        too; with `outputs`, its decomposition's and its own outputs renamed as well."""
+        changes = {"output": map_proxies(rename, self.output)} if outputs else {}
+        return self.replace(args=map_proxies(rename, self.args),
+                            kwargs=map_proxies(rename, self.kwargs),
+                            subsymbols=tuple(sub.renamed(rename, outputs=outputs)
+                                             for sub in self.subsymbols), **changes)
 
     @property
     def is_view(self) -> bool:

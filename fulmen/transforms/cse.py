@@ -94,13 +94,6 @@ def _reads_any(bsym: BoundSymbol, names) -> bool:
         any(_reads_any(sub, names) for sub in bsym.subsymbols)
 
 
-def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
-    """`bsym` reading renamed values, its decomposition too."""
-    return bsym.replace(args=map_proxies(rename, bsym.args),
-                        kwargs=map_proxies(rename, bsym.kwargs),
-                        subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
-
-
 def _identity_view(bsym: BoundSymbol) -> TensorProxy | None:
     """The input of a view statement that returns it unchanged (module docstring), or None."""
     name = str(bsym.sym.id)
@@ -149,7 +142,7 @@ def cse(trace: Trace, distinct: frozenset[str] | None = None) -> Trace:
     kept: list[BoundSymbol] = []
     for bsym in trace.bsyms:
         if replaced and _reads_any(bsym, replaced.keys()):  # else nothing to rename: kept
-            bsym = _renamed(bsym, rename)
+            bsym = bsym.renamed(rename)
         source = _identity_view(bsym)
         if source is not None and not bsym.output_names & returned:
             replaced[bsym.proxy_outputs[0].name] = source

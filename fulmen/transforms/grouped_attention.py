@@ -25,7 +25,7 @@ import torch
 
 from fulmen.core import BoundSymbol, FulmenError, Trace, TraceCtx, tracing
 from fulmen.core.names import NameAllocator
-from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
+from fulmen.core.proxy import Proxy
 from fulmen.core.trace import not_tracing, reserved_names
 from fulmen.ops import ltorch
 from fulmen.proxies.tensor import TensorProxy
@@ -53,7 +53,7 @@ def _repeated_heads(key: TensorProxy, heads: int, producers: dict) -> TensorProx
         bsym = producers.get(value.name)
         if bsym is None or bsym.sym.name not in _REPEAT_STEPS or len(bsym.proxy_outputs) != 1:
             return None
-        inputs = [p for p in iter_proxies((bsym.args, bsym.kwargs))]
+        inputs = bsym.read_proxies
         if len(inputs) != 1 or not bsym.args or bsym.args[0] is not inputs[0]:
             return None
         chain.append(bsym)
@@ -82,13 +82,6 @@ def _repeats(chain: list[BoundSymbol], x: TensorProxy, key: TensorProxy, heads: 
         and torch.equal(value, expected)
 
 
-def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
-    return bsym.replace(args=map_proxies(rename, bsym.args),
-                        kwargs=map_proxies(rename, bsym.kwargs),
-                        output=map_proxies(rename, bsym.output),
-                        subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
-
-
 def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
     """`bsym` (an attention call) on the un-repeated key and value, or None."""
     query, key, value, mask, dropout_p, is_causal, scale, enable_gqa = \
@@ -115,7 +108,7 @@ def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
         return None
     (call,) = ctx.bsyms
     renamed = {output.name: bsym.output}
-    call = _renamed(call, lambda p: renamed.get(p.name, p))
+    call = call.renamed(lambda p: renamed.get(p.name, p), outputs=True)
     return call.replace(source=bsym.source, tags=bsym.tags)
 
 

@@ -92,13 +92,6 @@ def _passes_through(bsym: BoundSymbol, zero: set[str]) -> Proxy | None:
     return other if _like(other, bsym.output) else None
 
 
-def _renamed(bsym: BoundSymbol, rename) -> BoundSymbol:
-    """`bsym` reading renamed values, its decomposition too."""
-    return bsym.replace(args=map_proxies(rename, bsym.args),
-                        kwargs=map_proxies(rename, bsym.kwargs),
-                        subsymbols=tuple(_renamed(sub, rename) for sub in bsym.subsymbols))
-
-
 def _reached(bsyms: list[BoundSymbol], used: set[str]) -> set[str]:
     """The names computed from the cotangents named in `used` (and those names)."""
     reached = set(used)
@@ -139,7 +132,7 @@ def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool
         zero.clear()
     for bsym in trace.bsyms:
         if replaced:
-            bsym = _renamed(bsym, rename)
+            bsym = bsym.renamed(rename)
         reads = [p.name for p in bsym.proxy_inputs if p.name in zero]
         if not reads:
             kept.append(bsym)
