@@ -56,6 +56,7 @@ from fulmen.tracer.autograd_function import (
     backward_refusal,
     intercept_function_apply,
 )
+from fulmen.tracer.call_constants import foreign_memory_recorded
 from fulmen.tracer.call_kinds import (
     _IDENTITY,
     _VALUE_DEPENDENT,
@@ -127,6 +128,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
     def __init__(self, name: str = "computation") -> None:
         super().__init__(name)
         self.captured: dict[int, tuple[torch.Tensor, TensorProxy]] = {}
+        # id -> (tensor, array or buffer) of the tensors torch.from_numpy/frombuffer made
+        self.foreign_sources: dict[int, tuple] = {}  # NOTE [tensors made during the call]
         self.torch_function = self.handle
         self.vmap_emulation = None  # `fulmen.tracer.vmap.Emulation` once a vmap is emulated
         self.mutation = Functionalizer(self)
@@ -410,13 +413,16 @@ class FactoryMode(TorchFunctionMode):
         super().__init__()
         self.ctx = ctx
         self._apply_hook = intercept_function_apply(ctx)  # autograd.Function.apply: no torch fn
+        self._foreign_hook = foreign_memory_recorded()  # torch.from_numpy/frombuffer: neither
 
     def __enter__(self):
         self._apply_hook.__enter__()
+        self._foreign_hook.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         super().__exit__(*exc_info)
+        self._foreign_hook.__exit__(*exc_info)
         self._apply_hook.__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -147,7 +147,7 @@ def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
     internal = [*ctx.captured.values()]
     if ctx.breaks is not None:
         internal.append(ctx.breaks.env)
-    return made_during_the_call(captured, candidates, internal)
+    return made_during_the_call(captured, candidates, internal, ctx.foreign_sources)
 
 
 def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:

@@ -1633,4 +1633,13 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/executors/test_codegen_edges.py::"
             "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
+    # --- session 45 (lead) ---
+    Mutant("foreign_memory_view_of_a_global_is_fresh", "tracer", "tracer/call_constants.py",
+           "            if obj.base is None:", "            if True:",
+           ("tests/tracer/test_numpy_inputs.py::"
+            "test_a_tensor_over_an_arrays_memory_updates_it_as_eager_does",)),
+    Mutant("foreign_memory_never_recorded", "tracer", "tracer/call_constants.py",
+           "            sources[id(tensor)] = (tensor, source)", "            pass",
+           ("tests/tracer/test_numpy_inputs.py::"
+            "test_a_tensor_made_by_an_untraced_constructor_is_new_each_call",)),
 ]

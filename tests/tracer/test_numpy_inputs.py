@@ -97,9 +97,6 @@ def test_a_tensor_made_from_a_list_is_new_each_call():
         BUFFER[:] = 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="open: torch.from_numpy and torch.frombuffer reach "
-                   "no TorchFunctionMode; their tensor, made while tracing over memory torch "
-                   "does not own, is captured, so every call returns and updates the same one")
 @pytest.mark.parametrize("make", [
     lambda: torch.from_numpy(np.ones(3, dtype=np.float32)),
     lambda: torch.frombuffer(bytearray(np.ones(3, dtype=np.float32).tobytes()),
@@ -113,6 +110,54 @@ def test_a_tensor_made_by_an_untraced_constructor_is_new_each_call(make):
     for _ in range(3):
         x = torch.arange(3.0)
         torch.testing.assert_close(jfn(x), fn(x), rtol=0, atol=0)
+
+
+
+SHARED = np.zeros(4, dtype=np.float32)
+
+
+def _into_shared(x):
+    return torch.from_numpy(SHARED).add_(x)
+
+
+def _into_shared_view(x):
+    return torch.from_numpy(SHARED[1:]).add_(x[1:])
+
+
+def _into_argument(x, a):
+    return torch.from_numpy(a).add_(x)
+
+
+def _into_fresh_view(x):
+    return torch.from_numpy(np.ones(8, dtype=np.float32).reshape(2, 4)[1]).add_(x)
+
+
+@pytest.mark.parametrize("fn", [_into_shared, _into_shared_view, _into_fresh_view],
+                         ids=["global", "view_of_global", "view_of_fresh"])
+def test_a_tensor_over_an_arrays_memory_updates_it_as_eager_does(fn):
+    # NOTE [tensors made during the call]: only an array no one else holds is the call's own;
+    # a global's (or a view of it) is updated by every call, in eager and compiled alike
+    jfn = fulmen.jit(fn)
+    try:
+        for _ in range(3):
+            x = torch.arange(4.0)
+            before = SHARED.copy()
+            got = jfn(x).clone()
+            after = SHARED.copy()
+            SHARED[:] = before
+            torch.testing.assert_close(got, fn(x), rtol=0, atol=0)
+            assert (after == SHARED).all()
+    finally:
+        SHARED[:] = 0.0
+
+
+def test_a_tensor_over_an_array_argument_updates_the_argument():
+    jfn = fulmen.jit(_into_argument)
+    a, b = np.zeros(4, dtype=np.float32), np.zeros(4, dtype=np.float32)
+    for _ in range(3):
+        x = torch.arange(4.0)
+        torch.testing.assert_close(jfn(x, a), _into_argument(x, b), rtol=0, atol=0)
+        assert (a == b).all()
 
 
 GLOBAL_COUNT = torch.zeros(3)
