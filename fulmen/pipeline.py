@@ -5,6 +5,8 @@
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> large float32 CPU linears on oneDNN (`executors/torch/onednn_linear.py`)
+        -> large matrix products and embedding backwards into pool blocks
+           (`executors/torch/pooled_outputs.py`)
         -> in-place relu on a dying matrix product, index_copy into a written input
            (`executors/torch/inplace.py`, `inplace_index.py`)
         -> Python compilation of the printed trace
@@ -39,6 +41,7 @@ from fulmen.executors.claim import claim_executors
 from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
+from fulmen.executors.torch.pooled_outputs import pooled_outputs
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
 from fulmen.returned_views import replay, returned_views
@@ -55,9 +58,10 @@ from fulmen.tree import CompiledSegment
 _PASSES = get_logger("passes")
 
 
-# after claiming: `del` insertion, large float32 linears on oneDNN, then the in-place rewrites
+# after claiming: `del` insertion, large float32 linears on oneDNN, large outputs from the
+# pool, then the in-place rewrites
 # that read where values die
-_AFTER_CLAIMING = (delete_last_used, onednn_linear, relu_in_place, index_copy_in_place)
+_AFTER_CLAIMING = (delete_last_used, onednn_linear, pooled_outputs, relu_in_place, index_copy_in_place)
 
 
 def _claimed_stages(trace: Trace, executors: Sequence[Executor]) -> list[Trace]:

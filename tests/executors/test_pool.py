@@ -1,5 +1,6 @@
 """The output pool of the CPU kernels: large outputs reuse memory torch has freed, never memory
-anything can still read, and behave as `torch.empty` tensors."""
+anything can still read, and behave as `torch.empty` tensors; large products of two matrices
+(`executors/torch/pooled_outputs.py`) run into its blocks with eager's values and gradients."""
 
 import ctypes
 import gc
@@ -14,6 +15,7 @@ import torch
 
 import fulmen
 from fulmen.executors.codegen.cpu import pool
+from fulmen.executors.torch.pooled_outputs import POOLED_MM
 
 BIG = (1024, 2048)  # 8 MiB of float32: from the pool
 
@@ -193,3 +195,71 @@ def test_a_forked_child_uses_the_pool(ready):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# --- executors/torch/pooled_outputs.py ------------------------------------------------------
+
+
+def _statements(jfn, which: int = -1) -> str:
+    return str(fulmen.last_traces(jfn)[which])
+
+
+def _backward_statements(jfn) -> str:
+    return str(fulmen.last_backward_traces(jfn)[-1])
+
+
+def test_a_large_weight_gradient_is_a_pool_block_with_eagers_values(ready):
+    # x: 64 x 1024, w: 1024 x 1024: the weight gradient x^T g is 4 MiB, the pool's threshold
+    assert 1024 * 1024 * 4 == pool.MIN_BYTES
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 16, 1024), torch.randn(1024, 1024, requires_grad=True)
+
+    def loss(x, w):
+        return (x @ w).sum()  # (a backward of products only: eager's bits)
+
+    jfn = fulmen.jit(loss)
+    for _ in range(2):  # a second step reuses the block the first step's gradient gave back
+        w.grad = None
+        jfn(x, w).backward()
+        got = w.grad
+        w.grad = None
+        loss(x, w).backward()
+        torch.testing.assert_close(got, w.grad, rtol=0, atol=0)
+    assert "torchex.pooled_mm(" in _backward_statements(jfn)
+    assert not got.untyped_storage().resizable()  # from the pool, not from torch
+
+
+def test_small_and_batched_products_keep_eagers_call():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    jfn = fulmen.jit(lambda a, b: a @ b)
+    torch.testing.assert_close(jfn(a, b), a @ b, rtol=0, atol=0)
+    assert "pooled_mm" not in _statements(jfn)
+    a3 = torch.randn(2, 512, 1024)  # 3-D @ 2-D: the output is 4 MiB, but not of two matrices
+    b3 = torch.randn(1024, 1024)
+    jfn = fulmen.jit(lambda a, b: a @ b)  # (a new function: static sizes)
+    torch.testing.assert_close(jfn(a3, b3), a3 @ b3, rtol=0, atol=0)
+    assert "pooled_mm" not in _statements(jfn)
+
+
+def test_a_large_product_of_transposed_matrices_is_eagers():
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 1024), torch.randn(1024, 2048)
+    jfn = fulmen.jit(lambda a, b: a.t() @ b[:512].t().t() + 1)  # strided operands
+    with torch.no_grad():
+        torch.testing.assert_close(jfn(a, b), a.t() @ b[:512] + 1, rtol=0, atol=0)
+    assert "torchex.pooled_mm(" in _statements(jfn)
+
+
+def test_under_recorded_grad_the_operator_is_eagers_matmul():
+    """`out=` has no autograd: where grad is recorded (a graph-break segment in the caller's
+    grad mode) the operator must run `torch.matmul`, or the gradient would be lost (eager
+    raises for an `out=` of a tensor requiring grad)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 4, requires_grad=True), torch.randn(4, 8)
+    out = POOLED_MM.impl(a, b)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(a.grad, b.sum(1).expand(8, 4))
+    with torch.no_grad():
+        assert POOLED_MM.impl(a, b).grad_fn is None

@@ -872,8 +872,8 @@ MUTANTS: list[Mutant] = [
            "and any(p.requires_grad for p in traces[-1].args))",
            "and all(p.requires_grad for p in traces[-1].args))", AUTODIFF),
     Mutant("pipeline_relu_in_place_before_dels", "passes", "pipeline.py",
-           "_AFTER_CLAIMING = (delete_last_used, onednn_linear, relu_in_place, index_copy_in_place)",
-           "_AFTER_CLAIMING = (relu_in_place, delete_last_used, onednn_linear, index_copy_in_place)",
+           "_AFTER_CLAIMING = (delete_last_used, onednn_linear, pooled_outputs, relu_in_place, index_copy_in_place)",
+           "_AFTER_CLAIMING = (relu_in_place, delete_last_used, onednn_linear, pooled_outputs, index_copy_in_place)",
            ("tests/executors/test_relu_in_place.py", "tests/executors/test_index_copy_in_place.py")),
     Mutant("executor_checker_skipped", "guards", "executors/base.py",
            "if impl.checker is not None and not impl.checker(*bsym.args, **bsym.kwargs):",
@@ -1642,4 +1642,11 @@ MUTANTS: list[Mutant] = [
            "            sources[id(tensor)] = (tensor, source)", "            pass",
            ("tests/tracer/test_numpy_inputs.py::"
             "test_a_tensor_made_by_an_untraced_constructor_is_new_each_call",)),
+    Mutant("pooled_mm_out_under_recorded_grad", "passes", "executors/torch/pooled_outputs.py",
+           "    if _plain(a, b) or a.dtype != b.dtype:", "    if a.dtype != b.dtype:",
+           ("tests/executors/test_pool.py::test_under_recorded_grad_the_operator_is_eagers_matmul",)),
+    Mutant("pooled_mm_of_batched_operands", "passes", "executors/torch/pooled_outputs.py",
+           "    return (all(isinstance(a, torch.Tensor) and a.dim() == 2 for a in bsym.args)",
+           "    return (all(isinstance(a, torch.Tensor) for a in bsym.args)",
+           ("tests/executors/test_pool.py::test_small_and_batched_products_keep_eagers_call",)),
 ]

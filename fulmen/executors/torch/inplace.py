@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from fulmen.core import BoundSymbol, Trace
 from fulmen.executors.torch import torch_ex
 from fulmen.executors.torch.onednn_linear import ONEDNN_LINEAR
+from fulmen.executors.torch.pooled_outputs import POOLED_MM
 from fulmen.transforms.base import transform
 
 RELU_IN_PLACE = torch_ex.register_operator("relu_in_place", fn=torch.relu_, like=torch.relu)
 
 _RELUS = (F.relu, torch.relu, torch.Tensor.relu)
 _FRESH_PRODUCTS = (torch._C._nn.linear, F.linear, torch.addmm, torch.mm, torch.bmm,
-                   torch.matmul, ONEDNN_LINEAR.impl)
+                   torch.matmul, ONEDNN_LINEAR.impl, POOLED_MM.impl)
 
 
 def statement_readers(bsyms) -> dict[str, list[int]]:
