@@ -1689,7 +1689,9 @@ MUTANTS: list[Mutant] = [
     Mutant("prims_bernoulli_strides_dropped", "random", "ops/prims/linalg.py",
            "    return TensorProxy(None, tuple(shape), dtype, device, strides=strides)",
            "    return TensorProxy(None, tuple(shape), dtype, device)",
-           ("tests/ops/test_nn.py", "tests/ops/test_strides.py")),
+           ("tests/ops/test_nn.py", "tests/ops/test_strides.py",
+            "tests/transforms/test_pass_semantics.py::"
+            "test_a_dropout_mask_is_drawn_in_the_layout_of_its_input")),
     Mutant("layout_truth_first_fresh_proxy_skipped", "layout", "tracer/layout_truth.py",
            "if isinstance(leaf, TensorProxy) and serial_of(leaf.name) >= start]",
            "if isinstance(leaf, TensorProxy) and serial_of(leaf.name) > start]", LAYOUT),
@@ -1763,4 +1765,11 @@ MUTANTS: list[Mutant] = [
            "if first is not proxy and first.type_string() != proxy.type_string():",
            "if first is not proxy and first.type_string() is None:",
            ("tests/core/test_trace.py",)),
+    # --- session 45 (h45mut): a real bug found by the bernoulli row, re-planted ---
+    Mutant("layout_dropout_rule_dropped", "layout", "tracer/layout.py",
+           "_DROPOUTS = frozenset({F.dropout, torch.dropout})", "_DROPOUTS = frozenset()",
+           ("tests/ops/test_nn.py::"
+            "test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides",
+            "tests/transforms/test_pass_semantics.py::"
+            "test_a_dropout_mask_is_drawn_in_the_layout_of_its_input")),
 ]
