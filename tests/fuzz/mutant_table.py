@@ -1686,9 +1686,7 @@ MUTANTS: list[Mutant] = [
     Mutant("prims_bernoulli_strides_dropped", "random", "ops/prims/linalg.py",
            "    return TensorProxy(None, tuple(shape), dtype, device, strides=strides)",
            "    return TensorProxy(None, tuple(shape), dtype, device)",
-           ("tests/ops/test_nn.py", "tests/ops/test_strides.py",
-            "tests/transforms/test_pass_semantics.py::"
-            "test_a_dropout_mask_is_drawn_in_the_layout_of_its_input")),
+           ("tests/ops/test_nn.py", "tests/ops/test_strides.py")),
     Mutant("layout_truth_first_fresh_proxy_skipped", "layout", "tracer/layout_truth.py",
            "if isinstance(leaf, TensorProxy) and serial_of(leaf.name) >= start]",
            "if isinstance(leaf, TensorProxy) and serial_of(leaf.name) > start]", LAYOUT),
@@ -1760,7 +1758,5 @@ MUTANTS: list[Mutant] = [
     Mutant("layout_dropout_rule_dropped", "layout", "tracer/layout.py",
            "_DROPOUTS = frozenset({F.dropout, torch.dropout})", "_DROPOUTS = frozenset()",
            ("tests/ops/test_nn.py::"
-            "test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides",
-            "tests/transforms/test_pass_semantics.py::"
-            "test_a_dropout_mask_is_drawn_in_the_layout_of_its_input")),
+            "test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides",)),
 ]

@@ -138,13 +138,10 @@ def _dropout_of_strided(x):
 
 @pytest.mark.parametrize("executors", [["torch"], CODEGEN], ids=["torch", "codegen"])
 @pytest.mark.parametrize("decomposed", [False, True], ids=["whole", "prims"])
-def test_a_dropout_mask_is_drawn_in_the_layout_of_its_input(executors, decomposed, codegen_eager):
+def test_a_dropout_mask_is_drawn_in_the_layout_of_its_input(executors, decomposed):
     """Same values and strides as eager: `bernoulli_` fills a permuted tensor in memory order,
     so a mask drawn contiguous holds other values. Decomposed to prims, the mask is the
-    `bernoulli` prim's draw (an executor otherwise runs `F.dropout` whole). The kernels are
-    compiled at once (`codegen_eager`): a kernel reading the permuted mask by the strides its
-    proxy declares (contiguous, had the prim dropped its `strides`) read other elements, which
-    the torch fallback of a region not yet hot never showed."""
+    `bernoulli` prim's draw (an executor otherwise runs `F.dropout` whole)."""
     x = torch.randn(6, 8)
     torch.manual_seed(11)
     expected = _dropout_of_strided(x)
