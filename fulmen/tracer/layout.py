@@ -66,6 +66,28 @@ _ROW_MAJOR_ON_CPU = frozenset({F.softmax, torch.softmax, T.softmax, F.log_softma
                                torch.log_softmax, T.log_softmax})
 
 
+# eager's CPU dropout in training, 0 < p < 1 (`at::native::_dropout`): `input * noise`, with
+# `noise = empty_like(input).bernoulli_(1 - p)`; the other cases return the input itself (no
+# new proxy) or multiply it by a 0-dim zero (an elementwise map)
+_DROPOUTS = frozenset({F.dropout, torch.dropout})
+
+
+def _dropout_strides(args, kwargs, output: TensorProxy):
+    """The strides of eager's training dropout of `input` (the decomposition's new `output`
+    proxy): TensorIterator's over `input` and its `empty_like` mask, which follows `input`'s
+    stride order (dense where `input` has gaps), so the rule of a map of `input` alone; None
+    (the meta kernel answers) where a size-1 dim of `input` has an odd stride (NOTE [size-1
+    strides]: TensorIterator's fast setup may then write row-major) or the shapes differ."""
+    input = args[0] if args else kwargs.get("input")
+    if not isinstance(input, TensorProxy) or not known_same_shape(tuple(input.shape),
+                                                                  tuple(output.shape)):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        if _odd_size_one_strides(input):
+            return None
+    return elementwise_strides([input], tuple(output.shape))
+
+
 def _conv_layouts(func, args, kwargs, shape):
     """Eager's output layout of `F.conv{1,2,3}d` (NOTE [convolution layout]), or None."""
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -106,7 +128,8 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     - a reduction with `keepdim=True` of contiguous tensors: row-major, as without it;
     - 1-3-d convolutions on CPU: the memory format eager's backend picks;
     - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
-    - `cat` with an input that suggests no channels-last format: row-major (NOTE [cat layout]).
+    - `cat` with an input that suggests no channels-last format: row-major (NOTE [cat layout]);
+    - a training dropout: the map rule over its input (`_dropout_strides`).
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
@@ -125,6 +148,10 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
             return [(outputs[0].shape, strides)]
     if func in _CATS and len(outputs) == 1:
         strides = _cat_strides(args, kwargs, tuple(outputs[0].shape))
+        if strides is not None:
+            return [(outputs[0].shape, strides)]
+    if func in _DROPOUTS and len(outputs) == 1:
+        strides = _dropout_strides(args, kwargs, outputs[0])
         if strides is not None:
             return [(outputs[0].shape, strides)]
     if func is F.linear and len(outputs) == 1:

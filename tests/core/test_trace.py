@@ -142,3 +142,19 @@ def test_check_trace_rejects_a_decomposition_assigning_another_statements_name()
     bsyms[owner] = bad
     with pytest.raises(FulmenError, match="inside the decomposition"):
         check_trace(trace.replace(bsyms=tuple(bsyms)))
+
+
+def test_check_trace_rejects_a_decomposition_assigning_an_input_or_earlier_name():
+    """The same for a name assigned before the statement: a trace input, or an earlier
+    statement's output."""
+    _, _, traces = _jitted_traces()
+    trace = traces[0]
+    owner = next(i for i, b in enumerate(trace.bsyms) if b.subsymbols)
+    earlier = [p for b in trace.bsyms[:owner] for p in b.proxy_outputs]
+    bsym = trace.bsyms[owner]
+    for taken in (trace.args[0], *earlier[:1]):
+        clash = bsym.subsymbols[0].replace(output=taken)
+        bsyms = list(trace.bsyms)
+        bsyms[owner] = bsym.replace(subsymbols=(clash, *bsym.subsymbols[1:]))
+        with pytest.raises(FulmenError, match="inside the decomposition"):
+            check_trace(trace.replace(bsyms=tuple(bsyms)))

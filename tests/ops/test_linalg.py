@@ -33,6 +33,8 @@ CASES = [
     lambda x: F.normalize(x, dim=1),
     lambda x: F.rms_norm(x, (4,), W4),
     lambda x: F.group_norm(x.reshape(2, 6, 2), 3, W6, B6),
+    # batch dims broadcast against each other (1 against 2 both ways): (2, 2, 3, 5)
+    lambda x: torch.matmul(x.reshape(2, 1, 3, 4), B.reshape(1, 2, 4, 5)).mean(1),
 ]
 
 

@@ -238,6 +238,29 @@ def test_dropout_of_a_strided_input_in_training_matches_eager(layout):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides(codegen_eager):
+    """The dropout of an input requiring grad is decomposed (its mask is a value) and fused:
+    the kernel writes row-major, and its output was returned so, (6, 1) where eager's is the
+    transposed (1, 8) (the output was not known to have eager's layout: the dropout meta
+    kernel is a Python reference, not run by a layout query; `fulmen.tracer.layout` now has
+    the rule). Values, strides and the gradient as eager's."""
+    def fn(x):
+        return F.dropout(x.t() * 2, 0.5)
+
+    x = torch.randn(6, 8, requires_grad=True)
+    jfn = fulmen.jit(fn)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = fn(x)
+        torch.manual_seed(seed)
+        actual = jfn(x)
+        assert torch.equal(actual, expected)
+        assert actual.stride() == expected.stride()
+        cotangent = torch.randn_like(expected)
+        assert torch.equal(torch.autograd.grad(actual, x, cotangent)[0],
+                           torch.autograd.grad(expected, x, cotangent)[0])
+
+
 @pytest.mark.parametrize("layout", ["transposed", "permuted"])
 def test_dropout_of_a_strided_input_with_symbolic_sizes_matches_eager(layout):
     """nn.TransformerEncoderLayer's dropout after attention (batch_first: the attention output

@@ -119,6 +119,19 @@ def test_a_changed_list_that_is_returned_is_refused():
     assert cache == []
 
 
+def test_a_changed_list_returned_inside_a_tuple_is_refused():
+    """Eager returns the caller's very list inside the tuple (the refusal is found by walking
+    the output, not only by its top)."""
+    def fn(x, cache):
+        cache.append(x * 1)
+        return x + 1, cache
+
+    cache = []
+    with pytest.raises(fulmen.NotYetSupportedError, match="and returns it"):
+        fulmen.jit(fn)(torch.ones(2), cache)
+    assert cache == []
+
+
 def test_a_changed_dict_subclass_is_refused():
     import collections
 

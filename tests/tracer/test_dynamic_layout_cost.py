@@ -160,3 +160,20 @@ def test_broadcast_operands_beside_a_row_major_one_skip_the_permutation_rule(mon
         assert out.stride() == expected.stride()
     assert fulmen.cache_misses(jfn) == 1
     assert not asked
+
+
+def test_a_size_one_dim_broadcast_takes_no_part_in_the_layout():
+    """`x (n, 1) + y (n, m)` with symbolic sizes: x's size-1 dim is broadcast (stride 0), so
+    it takes no part in the stride order and y's row-major layout decides, as in eager; had x's
+    own stride on it (1, equal to its dim-0 stride) counted, the tie would be broken by the
+    sizes (m > n: swap) and the sum described column-major, which `view(-1)` refuses."""
+    def fn(x, y):
+        z = x + y
+        return z.view(-1) * 2, z.is_contiguous()
+
+    jfn = fulmen.jit(fn, dynamic=True, executors=["torch"])
+    for n, m in ((3, 5), (4, 7), (2, 9)):
+        x, y = torch.randn(n, 1), torch.randn(n, m)
+        (out, contiguous), (expected, eager_contiguous) = jfn(x, y), fn(x, y)
+        assert torch.equal(out, expected) and contiguous == eager_contiguous
+    assert fulmen.cache_misses(jfn) == 1

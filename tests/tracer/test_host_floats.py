@@ -240,3 +240,20 @@ def test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too(dynamic)
     for args in ((0.0, -8.000001, -4.0), (1.0, 5.000001, 2.0), (0.0, -8.0, -4.0),
                  (1.0, 5.0, 2.0), (0.5, 3.0, 0.5)):
         torch.testing.assert_close(jfn(*args), _arange(*args), rtol=0, atol=0)
+
+
+def test_every_python_operator_on_a_changing_float_is_eagers_on_both_sides():
+    """Each binary operator on a float read at run time, with it on the left and on the
+    right (the reflected methods), and the unary ones: bit for bit eager's at every value."""
+    def fn(x, f):
+        return (x * (f + 0.3), x * (0.3 + f), x * (f - 0.3), x * (0.3 - f), x * (f * 3.0),
+                x * (3.0 * f), x * (f / 0.7), x * (0.7 / f), x * (f // 0.3), x * (2.9 // f),
+                x * (f % 0.4), x * (2.9 % f), x * (f ** 1.5), x * (1.5 ** f), x * -f, x * +f,
+                x * abs(-f))
+
+    jfn = fulmen.jit(fn)
+    x = torch.randn(3)
+    for f in (0.45, 1.3, 2.2, 0.8):
+        for got, want in zip(jfn(x, f), fn(x, f), strict=True):
+            assert torch.equal(got, want)
+    assert fulmen.compile_stats(jfn).cache_misses == 2

@@ -159,8 +159,9 @@ def test_returned_view_of_a_mutated_buffer_is_a_view_of_the_buffer():
     lambda x, y: F.relu(x, inplace=True),
     lambda x, y: F.silu(x, inplace=True),
     lambda x, y: torch.add(x, y, out=x),
+    lambda x, y: (torch._foreach_add_([x, y], 1.5), x * y)[1],  # a name `_` first and last
 ], ids=["iadd", "sub_", "masked_fill_", "copy_", "zero_", "fill_", "clamp_", "clamp_t",
-        "addcmul_", "lerp_", "chain", "relu_inplace", "silu_inplace", "out="])
+        "addcmul_", "lerp_", "chain", "relu_inplace", "silu_inplace", "out=", "_foreach_add_"])
 def test_inplace_methods(case):
     check(case, torch.randn(3, 4), torch.randn(3, 4))
 
