@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from fulmen.core import flatten
 from fulmen.executors.codegen import rows
 from fulmen.executors.codegen.ops import Unsupported
 
@@ -123,3 +124,24 @@ def test_row_checks_of_two_sizes_answer_as_the_whole_lowering(monkeypatch):
         out = fulmen.jit(_block)(x, w, b)
         torch.testing.assert_close(out, _block(x, w, b))
     assert answers and all(answer == truth for answer, truth in answers)
+
+
+def _normalised_and_transposed(x, y):
+    return x / x.sum(-1, keepdim=True), (y * 2).t()
+
+
+def test_a_refused_extension_leaves_its_base_as_it_was():
+    """The base of a refused check answers the next check as if never extended: the product
+    lowered before the refusal is no value of the base, so a view of it is a view of an input
+    (the row checks asked directly, in the order a partition could ask them)."""
+    jfn = fulmen.jit(_normalised_and_transposed)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    jfn(x, y)
+    statements = [sub for bsym in fulmen.last_traces(jfn)[0].bsyms for sub in flatten(bsym)]
+    names = [bsym.sym.name for bsym in statements]
+    assert names == ["sum", "broadcast_in_dim", "broadcast_in_dim", "div", "mul", "permute"]
+    base, product, view = statements[:4], statements[4], statements[5]
+    checks = rows.RowChecks()
+    assert checks.fits(base)
+    assert not checks.fits([*base, product, view])  # a permute of a computed element value
+    assert checks.fits([*base, view])  # a permute of an input

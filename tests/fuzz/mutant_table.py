@@ -1633,4 +1633,21 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/executors/test_codegen_edges.py::"
             "test_a_merged_broadcast_is_read_in_place_by_a_split_dim",)),
+    # --- session 45 (h45dyn): row checks extending a kept base lowering ---
+    Mutant("codegen_row_check_extends_reductions_of_any_shape", "codegen",
+           "executors/codegen/rows.py",
+           "            if not same_shape(tuple(bsym.args[0].shape), shape):\n"
+           "                raise Unsupported(\"reductions of different shapes\")\n",
+           "",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_every_row_check_answers_as_the_whole_lowering",)),
+    Mutant("codegen_row_check_base_reads_the_extension", "codegen", "executors/codegen/rows.py",
+           "            and not any(bsym.input_names & produced for bsym in region if id(bsym) in held))",
+           "            )",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_every_row_check_answers_as_the_whole_lowering",)),
+    Mutant("codegen_row_check_refusal_not_rolled_back", "codegen", "executors/codegen/rows.py",
+           "                lowering.rollback(mark)\n", "",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_a_refused_extension_leaves_its_base_as_it_was",)),
 ]
