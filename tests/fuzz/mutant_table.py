@@ -1650,4 +1650,8 @@ MUTANTS: list[Mutant] = [
            "                lowering.rollback(mark)\n", "",
            ("tests/executors/test_codegen_row_checks.py::"
             "test_a_refused_extension_leaves_its_base_as_it_was",)),
+    Mutant("codegen_generated_code_keyed_by_file_name", "codegen", "executors/codegen/sizes.py",
+           "    key = source\n", "    key = filename\n",
+           ("tests/executors/test_codegen_dynamic.py::"
+            "test_regions_alike_but_for_a_size_share_generated_code_not_sizes",)),
 ]
