@@ -207,3 +207,21 @@ def test_a_sweep_over_sizes_keeps_few_concrete_regions(monkeypatch):
             assert not isinstance(obj, (Access, ViewStep, list))
             stack.extend(gc.get_referents(obj))
         assert len(region._bound) <= 4 < len(lengths)  # `FusedRegion.bound_limit`
+
+
+def _two_widths(x, y):
+    return (x * 2 + 1).exp(), (y * 2 + 1).exp()
+
+
+def test_regions_alike_but_for_a_size_share_generated_code_not_sizes():
+    """Two symbolic regions that differ only in a static size (4 and 6 columns; the rows vary)
+    generate the same substituter text, compiled once (`sizes._code`) and run in each region's
+    scope: each region still runs with its own sizes, checked against eager at every length."""
+    codegen_sizes._CODES.clear()
+    jfn = fulmen.jit(_two_widths, executors=EXECUTORS)  # automatic dynamic: the rows only
+    for n in (3, 5, 9, 12):
+        x, y = torch.randn(n, 4), torch.randn(n, 6)
+        torch.testing.assert_close(jfn(x, y), _two_widths(x, y))
+    assert fulmen.cache_misses(jfn) == 2 and _fused(fulmen.last_traces(jfn)[-1]) == 2
+    substituters = [source for source in codegen_sizes._CODES if "_substitute" in source]
+    assert len(substituters) == 1

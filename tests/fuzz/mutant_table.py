@@ -1772,4 +1772,25 @@ MUTANTS: list[Mutant] = [
            "_DROPOUTS = frozenset({F.dropout, torch.dropout})", "_DROPOUTS = frozenset()",
            ("tests/ops/test_nn.py::"
             "test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides",)),
+    # --- session 45 (h45dyn): row checks extending a kept base lowering ---
+    Mutant("codegen_row_check_extends_reductions_of_any_shape", "codegen",
+           "executors/codegen/rows.py",
+           "            if not same_shape(tuple(bsym.args[0].shape), shape):\n"
+           "                raise Unsupported(\"reductions of different shapes\")\n",
+           "",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_every_row_check_answers_as_the_whole_lowering",)),
+    Mutant("codegen_row_check_base_reads_the_extension", "codegen", "executors/codegen/rows.py",
+           "            and not any(bsym.input_names & produced for bsym in region if id(bsym) in held))",
+           "            )",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_every_row_check_answers_as_the_whole_lowering",)),
+    Mutant("codegen_row_check_refusal_not_rolled_back", "codegen", "executors/codegen/rows.py",
+           "                lowering.rollback(mark)\n", "",
+           ("tests/executors/test_codegen_row_checks.py::"
+            "test_a_refused_extension_leaves_its_base_as_it_was",)),
+    Mutant("codegen_generated_code_keyed_by_file_name", "codegen", "executors/codegen/sizes.py",
+           "    key = source\n", "    key = filename\n",
+           ("tests/executors/test_codegen_dynamic.py::"
+            "test_regions_alike_but_for_a_size_share_generated_code_not_sizes",)),
 ]

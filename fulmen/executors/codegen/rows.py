@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.core.proxy import iter_proxies
 from fulmen.executors.codegen.ir import (
     Access,
     ColumnReduce,
@@ -101,59 +100,94 @@ def lower_rows(region: list[BoundSymbol], outputs: list, check_only: bool = Fals
     Raises:
         Unsupported: if the region does not fit the row schedule.
     """
-    return _row_lowering(region, outputs)[1]()
+    return _row_lowering(region, outputs).finish()
 
 
 class RowChecks:
     """Whether regions with reductions lower to the row schedule, for the partition that grows
-    them a statement at a time (`CodegenExecutor.can_fuse_region`).
+    them by merging regions (`CodegenExecutor.can_fuse_region`).
 
     NOTE [growing row regions]: the partition asks of every merge it tries whether the merged
     region lowers; lowering each candidate whole made the checks quadratic in a region's size
     (a sixth of a tiny HF Llama training step's compile). The lowering of a region that fits
-    is kept, and a region that is a kept one plus one more statement (not a reduction, whose
-    axes set the schedule) is checked by lowering that statement alone. A kept lowering is
-    used at most once (extending it changes it), and held with its statements, so the ids in
-    its key stay theirs. The answer only steers the partition: a fused region is lowered
-    whole (`fuse`)."""
+    is kept (`_Lowering`), and a region made of a kept one (its base: the largest kept region
+    among its statements) and more statements is checked by lowering those alone, after the
+    base's, when that gives the whole lowering's answer: no statement of the base reads a
+    value the others compute (each then sees the same operands as in trace order), and the
+    schedule stays the base's (the first reduction, and the first reducing along the last
+    axis, are the base's; each further reduction is checked as the whole lowering checks it).
+    A refused extension is rolled back (a lowering only appends), so the base stays kept for
+    the partition's next question about it: a refusal no longer costs the next check a whole
+    lowering. A kept lowering is held with its statements, so the ids in its key stay theirs;
+    an extension that fits replaces its base (the partition then merges the two regions).
+    The answer only steers the partition: a fused region is lowered whole (`fuse`)."""
 
     LIMIT = 64
 
     def __init__(self) -> None:
-        self._kept: dict[tuple, tuple[list, Callable]] = {}
+        self._kept: dict[tuple, tuple[list, frozenset, _Lowering]] = {}
         self._lock = threading.Lock()
 
     def fits(self, region: list[BoundSymbol]) -> bool:
-        with self._lock:
-            kept = self._kept.pop(tuple(map(id, region[:-1])), None)
-        last = region[-1]
-        try:
-            if kept is not None and last.sym.name not in REDUCTIONS \
-                    and all(a is b for a, b in zip(kept[0], region)):
-                extend = kept[1]
-                extend(last)
-            else:
-                extend = _row_lowering(region, [])[0]
-        except Unsupported:
-            return False
+        ids = frozenset(map(id, region))
+        with self._lock:  # the base is taken out while it is extended
+            key = max((key for key, (_, held, _) in self._kept.items() if held <= ids),
+                      key=len, default=None)
+            kept = None if key is None else self._kept.pop(key)
+        lowering = None
+        if kept is not None and _extends(kept[2], kept[1], region):
+            lowering, mark = kept[2], kept[2].mark()
+            try:
+                for bsym in region:
+                    if id(bsym) not in kept[1]:
+                        lowering.extend(bsym)
+            except Unsupported:
+                lowering.rollback(mark)
+                self._keep(key, kept)
+                return False
+        else:
+            if kept is not None:
+                self._keep(key, kept)
+            try:
+                lowering = _row_lowering(region, [])
+            except Unsupported:
+                return False
+        self._keep(tuple(map(id, region)), (list(region), ids, lowering))
+        return True
+
+    def _keep(self, key: tuple, kept: tuple) -> None:
         with self._lock:
             if len(self._kept) >= self.LIMIT:
                 self._kept.clear()
-            self._kept[tuple(map(id, region))] = (list(region), extend)
-        return True
+            self._kept[key] = kept
+
+
+def _extends(lowering: _Lowering, held: frozenset, region: list[BoundSymbol]) -> bool:
+    """Whether lowering the statements of `region` not in `held` (the ids of `lowering`'s
+    statements) after `lowering` answers as lowering `region` whole (NOTE [growing row
+    regions])."""
+    produced: set[str] = set()
+    for bsym in region:
+        if id(bsym) not in held:
+            produced |= bsym.output_names
+    reductions = [bsym for bsym in region if bsym.sym.name in REDUCTIONS]
+    first_rowwise = next((bsym for bsym in reductions if lowering.rowwise(bsym)), None)
+    return (reductions[0] is lowering.first and first_rowwise is lowering.first_rowwise
+            and not any(bsym.input_names & produced for bsym in region if id(bsym) in held))
 
 
 def _row_lowering(region: list[BoundSymbol], outputs: list):
-    """`(extend, finish)`: the region lowered statement by statement; `extend(bsym)` lowers
-    one more statement after them (not a reduction: the schedule is the reductions'), and
-    `finish()` builds the `LoweredRows`. Both raise Unsupported."""
+    """The region lowered statement by statement (a `_Lowering`). Raises Unsupported."""
     reductions = [bsym for bsym in region if bsym.sym.name in REDUCTIONS]
     shape = tuple(reductions[0].args[0].shape)
 
     def axes(bsym) -> tuple[int, ...]:
         return tuple(sorted({d % len(shape) for d in bsym.args[1]}))
 
-    rowwise = [bsym for bsym in reductions if len(shape) - 1 in axes(bsym)]
+    def is_rowwise(bsym) -> bool:
+        return len(shape) - 1 in axes(bsym)
+
+    rowwise = [bsym for bsym in reductions if is_rowwise(bsym)]
     if rowwise:
         reduced = axes(rowwise[0])
     else:  # column sums only: rows run over the summed axes
@@ -308,11 +342,30 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
         env[out.name] = ("value", add(Op(name, args, out.dtype), row))
 
     def extend(bsym) -> None:
-        for proxy in iter_proxies((bsym.args, bsym.kwargs)):  # new inputs, as region_inputs
+        if bsym.sym.name in REDUCTIONS:  # as the whole region's reductions are checked
+            if not same_shape(tuple(bsym.args[0].shape), shape):
+                raise Unsupported("reductions of different shapes")
+            if axes(bsym) not in (reduced, kept):
+                raise Unsupported("reductions over different axes")
+        for proxy in bsym.read_proxies:  # new inputs, as region_inputs
             if proxy.name not in env and proxy.name not in input_index:
                 input_index[proxy.name] = len(inputs)
                 inputs.append(proxy)
         statement(bsym)
+
+    # what extending appends to (lists) and adds to (dicts, never changing a key's value)
+    grown = (inputs, input_index, env, accesses, access_dtypes, access_rows, values, rows, loads)
+
+    def mark() -> tuple[int, ...]:
+        return tuple(map(len, grown))
+
+    def rollback(lengths: tuple[int, ...]) -> None:
+        for part, length in zip(grown, lengths):
+            if isinstance(part, dict):
+                while len(part) > length:
+                    part.popitem()  # the last added first: dicts keep insertion order
+            else:
+                del part[length:]
 
     for bsym in region:
         statement(bsym)
@@ -338,7 +391,26 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
                            tuple(rows), tuple(kernel_outputs))
         return LoweredRows(kernel, freeze(shape), reduced, tuple(inputs), tuple(plan))
 
-    return extend, finish
+    return _Lowering(extend, finish, mark, rollback, reductions[0],
+                     rowwise[0] if rowwise else None, is_rowwise)
+
+
+@dataclass(frozen=True)
+class _Lowering:
+    """A region lowered statement by statement: `extend(bsym)` lowers one more statement after
+    them, `finish()` builds the `LoweredRows` (both raise Unsupported); `mark()` and
+    `rollback(mark)` undo extensions. `first` and `first_rowwise` are the reductions that set
+    the schedule (the first one; the first reducing along the last axis, or None), and
+    `rowwise(bsym)` says whether a reduction reduces along the last axis of the schedule's
+    shape."""
+
+    extend: Callable
+    finish: Callable
+    mark: Callable
+    rollback: Callable
+    first: BoundSymbol
+    first_rowwise: BoundSymbol | None
+    rowwise: Callable
 
 
 def _operand_dtypes(bsym: BoundSymbol) -> tuple:

@@ -157,9 +157,26 @@ def _substituter(value, index: dict):
     expression = emit(value)
     if expression is None:
         return None
-    exec(compile(f"def _substitute(v):\n    return {expression}\n",
-                 "<fulmen codegen concrete sizes>", "exec"), scope)
+    exec(_code(f"def _substitute(v):\n    return {expression}\n",
+               "<fulmen codegen concrete sizes>"), scope)
     return scope["_substitute"]
+
+
+_CODES: dict[str, object] = {}
+
+
+def _code(source: str, filename: str):
+    """The compiled code of generated `source`, a pure function of its text (the key): the
+    regions of a model's layers generate the same binders and substituters (their constants
+    live in each region's own scope, named alike), compiled once and run in each region's
+    scope."""
+    key = source
+    code = _CODES.get(key)
+    if code is None:
+        if len(_CODES) >= 256:
+            _CODES.clear()
+        code = _CODES[key] = compile(source, filename, "exec")
+    return code
 
 
 def _maker(cls, fields: tuple[str, ...]):
@@ -206,7 +223,7 @@ class Binder:
         source = "\n  ".join([f"def _sizes({', '.join(names)}):", *lines,
                               f"return ({values})"])
         scope: dict = {"math": math}
-        exec(compile(source, "<fulmen codegen sizes>", "exec"), scope)
+        exec(_code(source, "<fulmen codegen sizes>"), scope)
         self.source = source
         self._sizes = scope["_sizes"]
         parts = _parts(lowered)
