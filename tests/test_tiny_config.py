@@ -31,3 +31,10 @@ def test_sizes_the_model_needs_are_filled_and_other_nones_stay():
     assert tiny["q_lora_rank"] is None  # None means "no low-rank query" there
     assert tiny["attention_hidden_size"] == 2 * HIDDEN  # twice the hidden size, as before
     assert tiny["unpadded_vocab_size"] == 128
+
+
+def test_mamba2_heads_still_span_expand_times_hidden():
+    default = {"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64, "n_groups": 8}
+    tiny = _shrink(default, {})
+    assert tiny["num_heads"] * tiny["head_dim"] == 2 * tiny["hidden_size"]
+    assert tiny["num_heads"] % tiny["n_groups"] == 0

@@ -53,6 +53,7 @@ SIZES = {
     "intermediate_size_mlp": FFN, "lru_width": HIDDEN, "hidden_size_global": HIDDEN,
     "hidden_size_per_layer_input": 8, "pronunciation_embed_dim": 16, "shape_embed_dim": 16,
     "attention_window_size": 8, "sliding_window_size": 8, "attention_chunk_size": 8,
+    "mamba_d_ssm": 4 * 16,  # mamba_n_heads * mamba_d_head (Falcon-H1 checks it)
 }
 # attributes no larger than this after shrinking (positions stay long enough for the checks)
 AT_MOST = {"max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
@@ -193,6 +194,12 @@ def _shrink(d: dict, renumber: dict) -> dict:
         heads = d.get("num_attention_heads")
         out["num_key_value_heads"] = HEADS if d["num_key_value_heads"] in (heads, None) \
             else HEADS // 2
+    if isinstance(d.get("expand"), int) and isinstance(d.get("num_heads"), int) \
+            and isinstance(d.get("head_dim"), int) and _old_hidden(d) \
+            and d["num_heads"] * d["head_dim"] == d["expand"] * _old_hidden(d):
+        out["head_dim"] = d["expand"] * HIDDEN // HEADS  # Mamba2's heads span expand * hidden
+        if isinstance(d.get("n_groups"), int) and HEADS % d["n_groups"]:
+            out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
     return out
