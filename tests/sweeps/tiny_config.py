@@ -1,12 +1,14 @@
 """Tiny configs for every model type of a transformers auto mapping, built generically.
 
 `tiny_config(model_type)` starts from the type's default config (`AutoConfig.for_model`),
-shrinks every size it knows by name (hidden sizes, layers, heads, experts, vocabulary) in the
-config and its sub-configs, turns dropout off, keeps one layer of each kind of a per-layer
-pattern (`layer_types`: one sliding and one full attention layer), moves special token ids into
-the small vocabulary, and builds the config again. Nothing here knows a model by name: a type
-whose config refuses the shrunk sizes is reported by the sweep as skipped, with the error.
-"""
+shrinks every size it knows by name (hidden sizes, layers, heads, experts, vocabulary; a size
+1, 2 or 4 times the hidden size keeps that ratio) in the config and its sub-configs, fills the
+None sizes a model cannot do without, turns dropout off, keeps the first layer of each kind (the
+layer's entries in every per-layer list, layer-index list and layer-indexed dict together: one
+sliding and one full attention layer), moves special token ids into the small vocabulary, and
+builds the config again; `config_for` picks the sub-config a text-only class is built from.
+Nothing here knows a model by name: a type whose config refuses the shrunk sizes is reported by
+the sweep as skipped, with the error."""
 
 from __future__ import annotations
 
