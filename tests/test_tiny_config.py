@@ -38,3 +38,8 @@ def test_mamba2_heads_still_span_expand_times_hidden():
     tiny = _shrink(default, {})
     assert tiny["num_heads"] * tiny["head_dim"] == 2 * tiny["hidden_size"]
     assert tiny["num_heads"] % tiny["n_groups"] == 0
+
+
+def test_an_increasing_list_that_names_no_layers_is_not_a_layer_index_list():
+    default = {"hidden_size": 1024, "num_hidden_layers": 24, "resblock_kernel_sizes": [3, 7, 11]}
+    assert _shrink(default, {})["resblock_kernel_sizes"] == [3, 7, 11]

@@ -107,9 +107,11 @@ def _layer_indexed(value, layers: int) -> bool:
         return False
 
 
-def _index_list(value, layers: int) -> bool:
-    """A list of layer indices, increasing, below `layers` (Llama4's `moe_layers`)."""
-    return isinstance(value, list) and bool(value) \
+def _index_list(key: str, value, layers: int) -> bool:
+    """A list of layer indices, increasing, below `layers`, under a name that says so (Llama4's
+    `moe_layers`, LFM2's `full_attn_idxs`; not SeamlessM4T's `resblock_kernel_sizes`)."""
+    return any(word in key for word in ("layer", "idx", "indices")) \
+        and isinstance(value, list) and bool(value) \
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
         and all(a < b for a, b in zip(value, value[1:])) and 0 <= value[0] and value[-1] < layers
 
@@ -144,7 +146,7 @@ def _shrink(d: dict, renumber: dict) -> dict:
     out = dict(d)
     lists, indexed, index_lists = {}, {}, {}
     for key, value in d.items():
-        if layers and layers > LAYERS and _index_list(value, layers):
+        if layers and layers > LAYERS and _index_list(key, value, layers):
             index_lists[key] = value
         elif layers and layers > LAYERS and isinstance(value, list) and len(value) == layers:
             lists[key] = value
