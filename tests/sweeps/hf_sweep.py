@@ -187,8 +187,13 @@ class Case:
 
 
 def _short(error: BaseException) -> str:
+    """The error's type and first line, and its cause's where the error only wraps it (a
+    config's validator)."""
     text = f"{type(error).__name__}: {error}".splitlines()
-    return text[0][:160] if text else type(error).__name__
+    cause = error.__cause__
+    if cause is not None and text and text[0].rstrip().endswith(":"):
+        text = [f"{text[0]} {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"]
+    return text[0][:200] if text else type(error).__name__
 
 
 def _check(case: Case, name: str, make) -> tuple[str, str]:
@@ -224,12 +229,12 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     import torch
 
     import fulmen
-    from tests.sweeps.tiny_config import model_class, text_vocab, tiny_config
+    from tests.sweeps.tiny_config import config_for, model_class, text_vocab, tiny_config
 
     class_name = mapping_names(mapping)[model_type]
     try:
-        config = tiny_config(model_type)
         cls = model_class(class_name)
+        config = config_for(cls, tiny_config(model_type))
         torch.manual_seed(0)
         model = cls(config)
     except Exception as error:

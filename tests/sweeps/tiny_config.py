@@ -1,12 +1,14 @@
 """Tiny configs for every model type of a transformers auto mapping, built generically.
 
 `tiny_config(model_type)` starts from the type's default config (`AutoConfig.for_model`),
-shrinks every size it knows by name (hidden sizes, layers, heads, experts, vocabulary) in the
-config and its sub-configs, turns dropout off, keeps one layer of each kind of a per-layer
-pattern (`layer_types`: one sliding and one full attention layer), moves special token ids into
-the small vocabulary, and builds the config again. Nothing here knows a model by name: a type
-whose config refuses the shrunk sizes is reported by the sweep as skipped, with the error.
-"""
+shrinks every size it knows by name (hidden sizes, layers, heads, experts, vocabulary; a size
+1, 2 or 4 times the hidden size keeps that ratio) in the config and its sub-configs, fills the
+None sizes a model cannot do without, turns dropout off, keeps the first layer of each kind (the
+layer's entries in every per-layer list, layer-index list and layer-indexed dict together: one
+sliding and one full attention layer), moves special token ids into the small vocabulary, and
+builds the config again; `config_for` picks the sub-config a text-only class is built from.
+Nothing here knows a model by name: a type whose config refuses the shrunk sizes is reported by
+the sweep as skipped, with the error."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ FFN = 64
 SIZES = {
     "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "n_embed": HIDDEN,
     "embed_dim": HIDDEN, "word_embed_proj_dim": HIDDEN, "embedding_size": HIDDEN, "dim": HIDDEN,
-    "pooler_hidden_size": HIDDEN,
+    "pooler_hidden_size": HIDDEN, "emb_dim": HIDDEN,
     "intermediate_size": FFN, "d_ff": FFN, "n_inner": FFN, "ffn_dim": FFN,
     "encoder_ffn_dim": FFN, "decoder_ffn_dim": FFN, "ffn_hidden_size": FFN,
     "num_hidden_layers": LAYERS, "num_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS,
@@ -29,7 +31,7 @@ SIZES = {
     "num_encoder_layers": LAYERS,
     "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
     "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
-    "head_dim": HEAD_DIM, "d_kv": HEAD_DIM, "kv_channels": HEAD_DIM,
+    "head_dim": HEAD_DIM, "d_kv": HEAD_DIM, "d_head": HEAD_DIM, "kv_channels": HEAD_DIM,
     "attention_head_size": HEAD_DIM,
     "qk_rope_head_dim": HEAD_DIM, "qk_nope_head_dim": HEAD_DIM, "v_head_dim": HEAD_DIM,
     "kv_lora_rank": 16, "q_lora_rank": 16,
@@ -44,12 +46,32 @@ SIZES = {
     "sliding_window": 8, "attention_window": 4, "local_attention": 8,
     "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16,
     "num_buckets": 8, "max_distance": 16,
+    # model-family spellings of the same sizes (kept generic: a name, not a model)
+    "qk_head_dim": 2 * HEAD_DIM, "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS,
+    "swa_head_dim": HEAD_DIM, "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": HEADS // 2,
+    "index_head_dim": HEAD_DIM, "index_n_heads": HEADS, "index_topk": 4,
+    "num_experts_per_token": 2, "num_expert_group": 1, "num_shared_experts": 1,
+    "expert_ffn_hidden_size": 32, "shared_experts_intermediate_size": 32, "zero_expert_num": 2,
+    "intermediate_size_mlp": FFN, "lru_width": HIDDEN, "hidden_size_global": HIDDEN,
+    "hidden_size_per_layer_input": 8, "pronunciation_embed_dim": 16, "shape_embed_dim": 16,
+    "attention_window_size": 8, "sliding_window_size": 8, "attention_chunk_size": 8,
+    "mamba_d_ssm": 4 * 16,  # mamba_n_heads * mamba_d_head (Falcon-H1 checks it)
 }
 # attributes no larger than this after shrinking (positions stay long enough for the checks)
 AT_MOST = {"max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
            "max_seq_len": 128, "max_sequence_length": 128, "block_size": 128}
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
                 "decoder_layers", "num_decoder_layers", "num_encoder_layers")
+# sizes a default config may leave None although its model cannot be built without them (the
+# class computes no default: e.g. Ministral's `head_dim`, Nemotron's `num_key_value_heads`,
+# DeepSeek-V2's `num_experts_per_tok`); None stays None for every other name (often "off")
+NONE_FILLED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts",
+               "n_shared_experts", "n_group", "topk_group")
+# counts a config derives from `num_hidden_layers` in `__post_init__` and stores: set to None so
+# the shrunk config derives them again (HRM's layers per stack)
+DERIVED = ("num_layers_per_stack",)
+PATTERN_MAX = 4  # a short list of layer kinds cycled over the layers (RecurrentGemma's
+                 # `block_types`) gets at least that many layers, so each kind runs
 
 
 def _layer_count(d: dict) -> int | None:
@@ -59,49 +81,129 @@ def _layer_count(d: dict) -> int | None:
     return None
 
 
-def _pattern_kept(values: list) -> list:
-    """One entry of each distinct value of a per-layer list, in order of first appearance,
-    padded with the first value to `LAYERS` entries."""
+def _old_hidden(d: dict) -> int | None:
+    value = next((d[k] for k in ("hidden_size", "d_model", "n_embd") if k in d), None)
+    return value if isinstance(value, int) and value > HIDDEN else None
+
+
+def _hidden_multiple(key: str, value, d: dict) -> bool:
+    """A size or dim named by no rule that is 1, 2 or 4 times the default hidden size (a width
+    the model derives from it: RWKV's `attention_hidden_size`, xLSTM's `embedding_dim`)."""
+    hidden = _old_hidden(d)
+    return hidden is not None and ("size" in key or "dim" in key or "channel" in key) \
+        and isinstance(value, int) and not isinstance(value, bool) \
+        and value in (hidden, 2 * hidden, 4 * hidden)
+
+
+def _layer_indexed(value, layers: int) -> bool:
+    """A dict of dicts keyed by layer index below `layers` (`per_layer_config`:
+    {"05": {"head_dim": 512}, ...}; not `id2label`)."""
+    if not isinstance(value, dict) or not value \
+            or not all(isinstance(entry, dict) for entry in value.values()):
+        return False
+    try:
+        return all(0 <= int(key) < layers for key in value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _index_list(key: str, value, layers: int) -> bool:
+    """A list of layer indices, increasing, below `layers`, under a name that says so (Llama4's
+    `moe_layers`, LFM2's `full_attn_idxs`; not SeamlessM4T's `resblock_kernel_sizes`)."""
+    return any(word in key for word in ("layer", "idx", "indices")) \
+        and isinstance(value, list) and bool(value) \
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+        and all(a < b for a, b in zip(value, value[1:])) and 0 <= value[0] and value[-1] < layers
+
+
+def _kept_layers(lists: dict, indexed: dict, index_lists: dict, layers: int) -> list[int]:
+    """The first layer of each distinct kind (its entries in every per-layer list, layer-indexed
+    dict and index list together), in order, padded with layer 0 to `LAYERS` layers."""
     kept, seen = [], set()
-    for value in values:
-        marker = repr(value)
+    for i in range(layers):
+        marker = repr(([v[i] for v in lists.values()], [i in v for v in index_lists.values()],
+                       [{int(k): e for k, e in d.items()}.get(i) for d in indexed.values()]))
         if marker not in seen:
             seen.add(marker)
-            kept.append(value)
+            kept.append(i)
     while len(kept) < LAYERS:
-        kept.append(values[0])
+        kept.append(0)
     return kept
 
 
+def _reindexed(d: dict, kept: list[int]) -> dict:
+    """A layer-indexed dict for the kept layers, renumbered (keys keep their type and width)."""
+    first = next(iter(d))
+    by_index = {int(k): e for k, e in d.items()}
+    return {(f"{new:0{len(first)}d}" if isinstance(first, str) else new): by_index[old]
+            for new, old in enumerate(kept) if old in by_index}
+
+
 def _shrink(d: dict, renumber: dict) -> dict:
-    """`d` (a config's `to_dict()`) with tiny sizes; nested config dicts shrunk too."""
+    """`d` (a config's `to_dict()`) with tiny sizes; nested config dicts shrunk too. The layers
+    kept are one of each kind; every per-layer list and layer-indexed dict keeps those."""
     layers = _layer_count(d)
     out = dict(d)
-    patterns = {}
+    lists, indexed, index_lists = {}, {}, {}
     for key, value in d.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("config")):
+        if layers and layers > LAYERS and _index_list(key, value, layers):
+            index_lists[key] = value
+        elif layers and layers > LAYERS and isinstance(value, list) and len(value) == layers:
+            lists[key] = value
+        elif layers and layers > LAYERS and _layer_indexed(value, layers):
+            indexed[key] = value
+        elif isinstance(value, dict) and ("model_type" in value or key.endswith("config")):
             out[key] = _shrink(value, renumber)
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool):
             out[key] = min(value, SIZES[key]) if key in ("num_experts_per_tok",) else SIZES[key]
+        elif "vocab_size" in key and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = min(value, VOCAB)  # unpadded_vocab_size, vocab_size_per_layer_input, ...
+        elif _hidden_multiple(key, value, d):
+            out[key] = HIDDEN * value // _old_hidden(d)  # RWKV's attention_hidden_size
+        elif key in DERIVED:
+            out[key] = None
+        elif key.endswith("_layer_period") and isinstance(value, int):
+            out[key] = min(value, LAYERS)  # every other layer (Jamba's attention, experts)
+        elif key.endswith("_layer_offset") and isinstance(value, int):
+            out[key] = min(value, LAYERS - 1)
+        elif key == "layer_types" and value is None and layers:
+            out[key] = ["full_attention"] * LAYERS  # a model that reads it unconditionally
+        elif key in NONE_FILLED and value is None:
+            out[key] = SIZES.get(key, HEADS)
         elif key in AT_MOST and isinstance(value, int) and value > AT_MOST[key]:
             out[key] = AT_MOST[key]
         elif isinstance(value, float) and ("dropout" in key or "pdrop" in key
                                           or "drop_prob" in key or key == "layerdrop"):
             out[key] = 0.0
-        elif isinstance(value, list) and layers and len(value) == layers and layers > LAYERS:
-            patterns[key] = _pattern_kept(value)
         elif (key.endswith("token_id") or key.endswith("token_index")) and value is not None:
             out[key] = _renumbered(value, renumber)
-    if patterns:  # every per-layer list as long as the longest kept pattern
-        count = max(len(v) for v in patterns.values())
-        for key, kept in patterns.items():
-            out[key] = (kept * count)[:count]
+    cycled = [v for v in d.values() if isinstance(v, list) and layers and 1 < len(v) < layers
+              and len(v) <= PATTERN_MAX and all(isinstance(e, str) for e in v)]
+    if cycled and not (lists or indexed or index_lists):
         for key in LAYER_COUNTS:
             if isinstance(out.get(key), int):
-                out[key] = count
-    if "num_key_value_heads" in d and isinstance(d["num_key_value_heads"], int):
+                out[key] = max(LAYERS, *(len(v) for v in cycled))
+    if lists or indexed or index_lists:
+        kept = _kept_layers(lists, indexed, index_lists, layers)
+        for key, value in lists.items():
+            out[key] = [value[i] for i in kept]
+        for key, value in index_lists.items():
+            out[key] = [new for new, old in enumerate(kept) if old in value]
+        for key, value in indexed.items():
+            out[key] = _reindexed(value, kept)
+        for key in LAYER_COUNTS:
+            if isinstance(out.get(key), int):
+                out[key] = len(kept)
+    if "num_key_value_heads" in d and isinstance(out["num_key_value_heads"], int):
         heads = d.get("num_attention_heads")
-        out["num_key_value_heads"] = HEADS if d["num_key_value_heads"] == heads else HEADS // 2
+        out["num_key_value_heads"] = HEADS if d["num_key_value_heads"] in (heads, None) \
+            else HEADS // 2
+    if isinstance(d.get("expand"), int) and isinstance(d.get("num_heads"), int) \
+            and isinstance(d.get("head_dim"), int) and _old_hidden(d) \
+            and d["num_heads"] * d["head_dim"] == d["expand"] * _old_hidden(d):
+        out["head_dim"] = d["expand"] * HIDDEN // HEADS  # Mamba2's heads span expand * hidden
+        if isinstance(d.get("n_groups"), int) and HEADS % d["n_groups"]:
+            out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
     return out
@@ -138,6 +240,19 @@ def model_class(class_name):
     if isinstance(class_name, (tuple, list)):
         class_name = class_name[0]
     return getattr(transformers, class_name)
+
+
+def config_for(cls, config):
+    """The config `cls` is built from: `config`, or its sub-config of `cls.config_class` when
+    the class is the text model of a composite config (Llama4ForCausalLM takes the
+    Llama4TextConfig of a Llama4Config)."""
+    wanted = getattr(cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for value in vars(config).values():
+        if isinstance(value, wanted):
+            return value
+    return config
 
 
 def text_vocab(config) -> int:

@@ -1,0 +1,45 @@
+"""The sweep's tiny-config builder (`tests/sweeps/tiny_config.py`): the generic shrinking rules
+keep a config's per-layer facts consistent with each other (pure dicts, no model is built)."""
+
+from tests.sweeps.tiny_config import HEAD_DIM, HIDDEN, _shrink
+
+
+def test_layers_are_kept_by_kind_across_lists_index_lists_and_layer_indexed_dicts():
+    default = {
+        "hidden_size": 1024, "num_hidden_layers": 6,
+        "layer_types": ["sliding", "sliding", "full", "sliding", "sliding", "full"],
+        "moe_layers": [1, 2, 3, 5],  # layer indices, not one entry per layer
+        "per_layer_config": {"02": {"head_dim": 512}, "05": {"head_dim": 512}},
+        "id2label": {0: "LABEL_0", 1: "LABEL_1"},  # keyed by small ints, not layers
+    }
+    tiny = _shrink(default, {})
+    # layer 0 (sliding, dense), 1 (sliding, moe), 2 (full, moe, wide heads): one of each kind
+    assert tiny["num_hidden_layers"] == 3
+    assert tiny["layer_types"] == ["sliding", "sliding", "full"]
+    assert tiny["moe_layers"] == [1, 2]
+    assert tiny["per_layer_config"] == {"02": {"head_dim": 512}}
+    assert tiny["id2label"] == default["id2label"]
+    assert tiny["hidden_size"] == HIDDEN
+
+
+def test_sizes_the_model_needs_are_filled_and_other_nones_stay():
+    default = {"hidden_size": 4096, "num_attention_heads": 32, "head_dim": None,
+               "num_key_value_heads": None, "q_lora_rank": None,
+               "attention_hidden_size": 8192, "unpadded_vocab_size": 200058}
+    tiny = _shrink(default, {})
+    assert tiny["head_dim"] == HEAD_DIM and tiny["num_key_value_heads"] == 4
+    assert tiny["q_lora_rank"] is None  # None means "no low-rank query" there
+    assert tiny["attention_hidden_size"] == 2 * HIDDEN  # twice the hidden size, as before
+    assert tiny["unpadded_vocab_size"] == 128
+
+
+def test_mamba2_heads_still_span_expand_times_hidden():
+    default = {"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64, "n_groups": 8}
+    tiny = _shrink(default, {})
+    assert tiny["num_heads"] * tiny["head_dim"] == 2 * tiny["hidden_size"]
+    assert tiny["num_heads"] % tiny["n_groups"] == 0
+
+
+def test_an_increasing_list_that_names_no_layers_is_not_a_layer_index_list():
+    default = {"hidden_size": 1024, "num_hidden_layers": 24, "resblock_kernel_sizes": [3, 7, 11]}
+    assert _shrink(default, {})["resblock_kernel_sizes"] == [3, 7, 11]
