@@ -423,17 +423,23 @@ class Functionalizer(InplaceCalls):
     def _views_of_written_inputs(self, leaves: list, resolved: list) -> list:
         """Outputs that are views of a mutated input become views of the input itself, taken
         after the write-backs (`functionalized.view_of_written`): eager returns the view, so an
-        in-place update of the output reaches the input. (The resolved value stays the output
-        where the view's aliasing is unknown: reading it then raised already.)"""
+        in-place update of the output reaches the input. Outputs that are views of a mutated
+        intermediate are taken anew from its current value by the view's own ops: eager
+        returns a view of it, and `returned_views` then gives a view of that output where the
+        intermediate is returned too (`z = y[:, ::2]; z.mul_(2); return z, y`: the caller's
+        update of `z` reaches `y`, as in eager; the mutation's own value is no view, and was
+        returned before). (The resolved value stays the output where the view's aliasing is
+        unknown: reading it then raised already.)"""
         for index, leaf in enumerate(leaves):
             view = self.views.get(leaf.name) if isinstance(leaf, TensorProxy) else None
-            if view is None or not view.exact or view.root not in self.inputs:
+            if view is None or not view.exact:
                 continue
             root = self.roots[view.root]
             if root.value is root.proxy:
-                continue  # never written: the output is a view op of the input already
+                continue  # never written: the output is a view op of the root already
             with self.ctx.internal():
-                resolved[index] = self.ctx.call(view_of_written, root.proxy, view.steps)
+                resolved[index] = self.ctx.call(view_of_written, root.proxy, view.steps) \
+                    if view.root in self.inputs else replay(root.value, view.steps)
         return resolved
 
     def _snapshot_mutated_inputs(self) -> None:

@@ -560,7 +560,7 @@ MUTANTS: list[Mutant] = [
            "return prims.exp(a)", ACTIVATIONS),
     # --- outputs aliasing mutated inputs; calls whose mutated inputs overlap ----------------
     Mutant("view_output_of_written_input_copied", "mutation", "tracer/mutation.py",
-           "            if view is None or not view.exact or view.root not in self.inputs:",
+           "            if view is None or not view.exact:",
            "            if True:", INPLACE),
     Mutant("aliased_inputs_compiled_anyway", "mutation", "tracer/input_aliasing.py",
            "        if len(cluster) > 1 and not changed.isdisjoint(cluster):",
@@ -1793,4 +1793,9 @@ MUTANTS: list[Mutant] = [
            "    key = source\n", "    key = filename\n",
            ("tests/executors/test_codegen_dynamic.py::"
             "test_regions_alike_but_for_a_size_share_generated_code_not_sizes",)),
+    Mutant("returned_view_of_an_updated_intermediate_not_a_view", "mutation", "tracer/mutation.py",
+           "                    if view.root in self.inputs else replay(root.value, view.steps)",
+           "                    if view.root in self.inputs else resolved[index]",
+           ("tests/tracer/test_returned_views.py::"
+            "test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it",)),
 ]

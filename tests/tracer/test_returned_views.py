@@ -145,3 +145,33 @@ def test_a_parameter_returned_beside_a_buffer_update_is_the_parameter_as_in_eage
         assert actual[2] is compiled.weight and expected[2] is eager.weight
         assert actual[1]._base is compiled.weight  # (an opaque view: replayed on the weight)
     torch.testing.assert_close(compiled.cache, eager.cache)
+
+
+def _a_view_updated_in_place(order):
+    def fn(x):
+        h = x * 2
+        view = h[:, ::2].t()
+        view.mul_(3)  # the view's new value is the multiplication's: still a view of `h`
+        return (view, h) if order == "view first" else (h, view)
+    return fn
+
+
+@pytest.mark.parametrize("order", ["view first", "base first"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it(order, requires_grad):
+    # NOTE [a view of an input returned]: the caller's update of the view must reach the base
+    fn = _a_view_updated_in_place(order)
+    results = []
+    for run in (fn, fulmen.jit(fn)):
+        torch.manual_seed(0)
+        x = torch.randn(4, 6, requires_grad=requires_grad)
+        outs = run(x)
+        view, h = outs if order == "view first" else outs[::-1]
+        assert view._base is h and view.stride() == (2, 6)
+        view.add_(100)
+        results.append(h.detach().clone())
+        if requires_grad:
+            (h ** 2).sum().backward()
+            results.append(x.grad)
+    for actual, expected in zip(results[len(results) // 2:], results[:len(results) // 2]):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
