@@ -5,8 +5,7 @@
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
         -> large float32 CPU linears on oneDNN (`executors/torch/onednn_linear.py`)
-        -> large matrix products and embedding backwards into pool blocks
-           (`executors/torch/pooled_outputs.py`)
+        -> large products of two matrices into pool blocks (`executors/torch/pooled_outputs.py`)
         -> in-place relu on a dying matrix product, index_copy into a written input
            (`executors/torch/inplace.py`, `inplace_index.py`)
         -> Python compilation of the printed trace

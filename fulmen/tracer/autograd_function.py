@@ -32,11 +32,11 @@ from fulmen.core import RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.core.trace import get_tracectx
 from fulmen.ops.autograd_function import autocast_state, function_symbol
+from fulmen.tracer.patching import TracingPatch
 
 _Function = torch.autograd.Function
 _ORIGINAL_APPLY = _Function.__dict__["apply"]
 _lock = threading.Lock()
-_depth = 0
 _recording: dict[int, int] = {}  # id of each context being recorded -> its depth
 
 
@@ -81,26 +81,23 @@ def _reentrant_checkpoint(function, preserve_rng_state: bool, *args):
 _PATCHED_APPLY = classmethod(_apply)
 
 
+_APPLY_PATCH = TracingPatch((_Function, "apply", _PATCHED_APPLY))
+
+
 @contextlib.contextmanager
 def intercept_function_apply(ctx) -> Iterator[None]:
     """Route `torch.autograd.Function.apply` calls made while `ctx` records to `ctx` (see the
     module docstring)."""
-    global _depth
     with _lock:
-        if _depth == 0:
-            _Function.apply = _PATCHED_APPLY
-        _depth += 1
         _recording[id(ctx)] = _recording.get(id(ctx), 0) + 1
     try:
-        yield
+        with _APPLY_PATCH.held():
+            yield
     finally:
         with _lock:
             _recording[id(ctx)] -= 1
             if not _recording[id(ctx)]:
                 del _recording[id(ctx)]
-            _depth -= 1
-            if _depth == 0:
-                _Function.apply = _ORIGINAL_APPLY
 
 
 # Running backward inside traced code makes the call run eagerly (see `backward_refusal`):

@@ -23,13 +23,13 @@ import contextlib
 import functools
 import gc
 import sys
-import threading
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from fulmen.core import get_tracectx
+from fulmen.tracer.patching import TracingPatch
 
 
 def made_during_the_call(tensors: Sequence[torch.Tensor], candidates: Iterable[int],
@@ -80,14 +80,9 @@ def _memory_is_the_calls(source, internal_ids: set[int]) -> bool:
 
 
 _FOREIGN_FACTORIES = ("from_numpy", "frombuffer")
-_ORIGINALS = {name: getattr(torch, name) for name in _FOREIGN_FACTORIES}
-_lock = threading.Lock()
-_depth = 0
 
 
-def _recording(name: str):
-    original = _ORIGINALS[name]
-
+def _recording(original):
     @functools.wraps(original)
     def factory(*args, **kwargs):
         tensor = original(*args, **kwargs)
@@ -99,30 +94,16 @@ def _recording(name: str):
     return factory
 
 
-_RECORDING = {name: _recording(name) for name in _FOREIGN_FACTORIES}
+_FOREIGN_PATCH = TracingPatch(*[(torch, name, _recording(getattr(torch, name)))
+                                for name in _FOREIGN_FACTORIES])
 
 
-@contextlib.contextmanager
-def foreign_memory_recorded() -> Iterator[None]:
+def foreign_memory_recorded() -> contextlib.AbstractContextManager:
     """While active, `torch.from_numpy` and `torch.frombuffer` called with a trace recording
     (one whose context has a `foreign_sources` dict) record each tensor they make and the array
     or buffer under it there (NOTE [tensors made during the call]); elsewhere, and in other
-    threads, they behave as torch's own. Nested uses restore torch's functions at the end of
-    the outermost."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            for name, factory in _RECORDING.items():
-                setattr(torch, name, factory)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for name, original in _ORIGINALS.items():
-                    setattr(torch, name, original)
+    threads, they behave as torch's own (`TracingPatch`: nested uses share the replacement)."""
+    return _FOREIGN_PATCH.held()
 
 
 def copy_of(tensor: torch.Tensor) -> torch.Tensor:
