@@ -1,6 +1,7 @@
 """The pass pipeline: the one order in which passes run, for `jit` and the functional API.
 
-    grouped attention (`transforms/grouped_attention.py`) -> dce -> cse
+    grouped attention (`transforms/grouped_attention.py`)
+        -> additive attention masks (`transforms/attention_masks.py`) -> dce -> cse
         -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators) -> `del` insertion
@@ -46,6 +47,7 @@ from fulmen.proxies import TensorProxy
 from fulmen.returned_views import replay, returned_views
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
+from fulmen.transforms.attention_masks import additive_attention_masks
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
@@ -109,6 +111,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         _record(stages, stage(stages[-1], *extra), seconds, stages is not traces)
 
     run(traces, grouped_attention)  # the head repeats it leaves unread go with dce
+    run(traces, additive_attention_masks)  # one conversion per mask: cse merges the repeats
     run(traces, dce)
     run(traces, cse)
     for user_transform in transforms:
