@@ -1798,4 +1798,13 @@ MUTANTS: list[Mutant] = [
            "                    if view.root in self.inputs else resolved[index]",
            ("tests/tracer/test_returned_views.py::"
             "test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it",)),
+    # --- session 46 (lead): boolean attention masks converted once in the trace ---
+    Mutant("attention_masks_converted_off_flash", "attention", "transforms/attention_masks.py",
+           "    if not eager_picks_flash(query, key, value, mask, dropout_p, is_causal,",
+           "    if False and not eager_picks_flash(query, key, value, mask, dropout_p, is_causal,",
+           ("tests/transforms/test_attention_masks.py",)),
+    Mutant("attention_masks_converted_to_float32", "attention", "transforms/attention_masks.py",
+           "        zeros = prims.full(tuple(mask.shape), 0.0, query.dtype, mask.device)",
+           "        zeros = prims.full(tuple(mask.shape), 0.0, torch.float32, mask.device)",
+           ("tests/transforms/test_attention_masks.py",)),
 ]
