@@ -1798,4 +1798,9 @@ MUTANTS: list[Mutant] = [
            "                    if view.root in self.inputs else resolved[index]",
            ("tests/tracer/test_returned_views.py::"
             "test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it",)),
+    # --- session 46 (h46dyn): size_sources keeps each expression's free symbols ---
+    Mutant("size_sources_free_symbols_keyed_by_expression_kind", "dynamic", "transforms/dce.py",
+           "    key = expr\n", "    key = expr.func\n",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_size_sources_find_the_symbols_of_each_expression",)),
 ]
