@@ -26,8 +26,10 @@ def _symbols(value, found: set, depth: int = 0, seen: set | None = None) -> None
     strides, nested tuples, lists, dicts and slices) to `found`. Proxies whose id is in `seen`
     are skipped, and those visited added to it (a value read by many statements is looked at
     once)."""
+    if type(value) is int:
+        return
     if isinstance(value, torch.SymInt):
-        found |= value.node.expr.free_symbols
+        found |= _free_symbols(value.node.expr)
     elif isinstance(value, torch.Tensor):  # a TensorProxy
         if seen is not None:
             if id(value) in seen:
@@ -35,15 +37,34 @@ def _symbols(value, found: set, depth: int = 0, seen: set | None = None) -> None
             seen.add(id(value))
         for size in (*value.shape, *value.stride()):
             if type(size) is not int:
-                _symbols(size, found)
+                found |= _free_symbols(size.node.expr)
     elif depth < 8 and isinstance(value, (tuple, list)):
         for item in value:
-            _symbols(item, found, depth + 1, seen)
+            if type(item) is not int:
+                _symbols(item, found, depth + 1, seen)
     elif depth < 8 and isinstance(value, dict):
         for item in value.values():
             _symbols(item, found, depth + 1, seen)
     elif isinstance(value, slice):
         _symbols((value.start, value.stop, value.step), found, depth + 1, seen)
+
+
+def _free_symbols(expr) -> frozenset:
+    """`expr.free_symbols`, kept by the expression: sympy computes it anew at every asking (a
+    union over the expression's tree), and `size_sources` asks it of every symbolic size of
+    every proxy of a trace, the same few expressions each time. A sympy expression is
+    immutable, and equal expressions have the same free symbols."""
+    key = expr
+    symbols = _FREE_SYMBOLS.get(key)
+    if symbols is None:
+        if len(_FREE_SYMBOLS) >= _FREE_SYMBOLS_LIMIT:
+            _FREE_SYMBOLS.clear()
+        symbols = _FREE_SYMBOLS[key] = frozenset(expr.free_symbols)
+    return symbols
+
+
+_FREE_SYMBOLS: dict = {}
+_FREE_SYMBOLS_LIMIT = 4096
 
 
 def _bare_sizes(proxy) -> set:

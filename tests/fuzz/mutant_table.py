@@ -1807,4 +1807,9 @@ MUTANTS: list[Mutant] = [
            "        zeros = prims.full(tuple(mask.shape), 0.0, query.dtype, mask.device)",
            "        zeros = prims.full(tuple(mask.shape), 0.0, torch.float32, mask.device)",
            ("tests/transforms/test_attention_masks.py",)),
+    # --- session 46 (h46dyn): size_sources keeps each expression's free symbols ---
+    Mutant("size_sources_free_symbols_keyed_by_expression_kind", "dynamic", "transforms/dce.py",
+           "    key = expr\n", "    key = expr.func\n",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_size_sources_find_the_symbols_of_each_expression",)),
 ]

@@ -188,6 +188,25 @@ def test_size_sources_look_at_each_proxy_once(monkeypatch):
     assert sorted(asked) == sorted(["x", "x", *(out.name for out in outs)])
 
 
+def test_size_sources_find_the_symbols_of_each_expression():
+    """`size_sources` keeps each expression's free symbols (`dce._free_symbols`): two sizes
+    of one form (`2*s0`, `2*s1`) still give their own symbols, so a carrier is found for
+    each."""
+    from fulmen.core import BoundSymbol
+    from fulmen.ops import prims
+    from fulmen.transforms.dce import size_sources
+
+    sizes = SymbolicSizes()
+    (s0, s1), _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    a = TensorProxy("a", (s0,), torch.float32, "cpu")
+    b = TensorProxy("b", (s1,), torch.float32, "cpu")
+    for first, second in ((s0, s1), (s1, s0)):
+        u = TensorProxy("u", (2 * first,), torch.float32, "cpu")
+        v = TensorProxy("v", (2 * second,), torch.float32, "cpu")
+        bsyms = [BoundSymbol(prims.neg, (u,), {}, v)]
+        assert size_sources(bsyms, v, (), (a, b)) == [a, b]
+
+
 def _counting_mul(monkeypatch) -> list:
     """Spy on PyTorch's implementation of `SymNode.mul` (what builds the sympy product)."""
     from torch.fx.experimental.sym_node import SymNode
