@@ -1798,4 +1798,9 @@ MUTANTS: list[Mutant] = [
            "                    if view.root in self.inputs else resolved[index]",
            ("tests/tracer/test_returned_views.py::"
             "test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it",)),
+    # --- session 46 (h46mut) ---
+    Mutant("layout_stand_in_draws_from_the_global_generator", "random", "tracer/layout.py",
+           "    finally:\n        generator.set_state(state)\n", "    finally:\n        pass\n",
+           ("tests/ops/test_nn.py::"
+            "test_the_layout_query_of_a_dropout_leaves_the_global_generator_alone",)),
 ]
