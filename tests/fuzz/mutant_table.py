@@ -1825,8 +1825,16 @@ MUTANTS: list[Mutant] = [
            "tensor.stride())",
            "    copy = tensor.clone()",
            ("tests/tracer/test_numpy_inputs.py", "tests/tracer/test_objects.py")),
-    Mutant("call_constants_copy_without_requires_grad", "tracer", "tracer/call_constants.py",
-           "    return copy.requires_grad_(tensor.requires_grad)", "    return copy",
+    # (`return copy` for a plain tensor, its requires_grad dropped: equivalent, a tensor the
+    # call makes past the tracer requires grad only by `requires_grad_()` or `.requires_grad =`
+    # on it, and then the call runs eagerly)
+    Mutant("call_constants_parameter_copy_without_requires_grad", "tracer",
+           "tracer/call_constants.py",
+           "torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)",
+           "torch.nn.Parameter(copy, requires_grad=False)",
+           ("tests/tracer/test_numpy_inputs.py", "tests/tracer/test_objects.py")),
+    Mutant("call_constants_parameter_copied_as_a_tensor", "tracer", "tracer/call_constants.py",
+           "    if type(tensor) is torch.nn.Parameter:\n", "    if False:\n",
            ("tests/tracer/test_numpy_inputs.py", "tests/tracer/test_objects.py")),
     Mutant("reentrant_checkpoint_grads_only_if_all_require_them", "bridge",
            "tracer/autograd_function.py",

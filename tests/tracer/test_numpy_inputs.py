@@ -169,6 +169,24 @@ def test_a_tensor_the_call_makes_is_new_each_call_with_eagers_layout(fn):
                 assert a == e
 
 
+def test_a_parameter_the_call_makes_is_returned_as_eagers():
+    """`nn.Parameter(torch.Tensor(...))` reaches no torch function: the parameter the call
+    makes is captured, and each call returns a new copy of it, which is a Parameter requiring
+    grad as eager's (it came back a plain tensor: `module.weight = make()` then raised)."""
+    def make(x):
+        return torch.nn.Parameter(torch.Tensor([1.0, 2.0, 3.0])), x + 1
+
+    jmake = fulmen.jit(make)
+    returned = []
+    for _ in range(2):
+        x = torch.arange(3.0)
+        (expected, _), (actual, _) = make(x), jmake(x)
+        assert type(actual) is type(expected) and actual.requires_grad == expected.requires_grad
+        assert torch.equal(actual.detach(), expected.detach())
+        returned.append(actual)
+    assert returned[0] is not returned[1]
+
+
 SHARED = np.zeros(4, dtype=np.float32)
 
 
