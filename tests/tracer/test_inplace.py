@@ -527,6 +527,23 @@ def test_mutated_inputs_sharing_memory_run_eagerly():
         fulmen.jit(lambda x, y: x.mul_(y), fullgraph=True)(a, a[:])
 
 
+def test_a_strided_input_sharing_only_its_last_element_with_another_runs_eagerly():
+    """`buf[::2]` and `buf[8:]` of a 9-element buffer share one element, the strided view's
+    last: its memory span ends after that element (`(size - 1) * stride + 1` elements)."""
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    jfn = fulmen.jit(fn)
+    jfn(torch.zeros(5), torch.zeros(1))  # traced on independent inputs
+    expected_buf, buf = torch.zeros(9), torch.zeros(9)
+    expected = fn(expected_buf[::2], expected_buf[8:])
+    with pytest.warns(UserWarning, match="share memory"):
+        actual = jfn(buf[::2], buf[8:])
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(buf, expected_buf)
+
+
 def test_reshape_aliasing_decided_from_meta_kernel_strides():
     # MobileNetV2: flatten of a pooled output, then an in-place dropout/add on the result;
     # the pool's output strides come from PyTorch's meta kernel, so flatten is known a view
