@@ -1880,5 +1880,5 @@ MUTANTS: list[Mutant] = [
     Mutant("process_switch_off_while_another_holds", "guards", "tracer/process_switch.py",
            "            self._active -= 1\n            if self._active == 0:",
            "            self._active -= 1\n            if self._active <= 1:",
-           ("tests/tracer/test_host_floats.py", "tests/tracer/test_dynamic_ints.py")),
+           ("tests/tracer/test_vmap.py",)),
 ]
