@@ -1881,4 +1881,8 @@ MUTANTS: list[Mutant] = [
            "            self._active -= 1\n            if self._active == 0:",
            "            self._active -= 1\n            if self._active <= 1:",
            ("tests/tracer/test_vmap.py",)),
+    Mutant("jitted_grad_inside_a_trace_traced_through", "bridge", "jitted.py",
+           "            if self._grad_argnums is not None:  # `fulmen.grad(f)`",
+           "            if False:  # `fulmen.grad(f)`",
+           ("tests/tracer/test_autograd_function.py",)),
 ]

@@ -443,3 +443,18 @@ def test_identity_forward_returning_its_input():
         return (GradientReversal.apply(features, 0.5) * 3).sum() + features.sum()
 
     _compare(fn, lambda: [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)])
+
+
+def test_fulmen_grad_called_inside_a_compiled_function_runs_it_as_eager():
+    """`fulmen.grad(g)(x)` met while tracing traced through `g`'s source and returned its value
+    where the gradient was asked (`IndexError` at `[1]`); the call now runs eagerly."""
+    def g(x):
+        return (x.sin() * 2).sum()
+
+    def outer(x):
+        return (fulmen.grad(g)(x) + x).sum()
+
+    x = torch.randn(4)
+    with pytest.warns(UserWarning, match="fulmen.grad"):
+        actual = fulmen.jit(outer)(x)
+    torch.testing.assert_close(actual, outer(x))
