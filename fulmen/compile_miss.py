@@ -206,9 +206,11 @@ class CompileMiss:
         tree = entry.fn if entry is not None else TraceTree(tuple(p.name for p in arg_proxies))
         segments = split_at_breaks(program.trace, program.requires_grad_names)
         epilogue = program.objects is not None and bool(program.objects.epilogue)
+        fresh = frozenset(program.trace.args[len(arg_proxies) + index].name
+                          for index in program.captured_fresh)
         path = tree.graft(segments, program.trace.output,
                           None if epilogue else program.output_spec, constants, compile_segment,
-                          arg_proxies)
+                          arg_proxies, fresh)
         if path is not None:  # each path has its own epilogue (one may rebuild a cache object)
             path[-1].objects = program.objects
             path[-1].epilogue_spec = program.output_spec if epilogue else None

@@ -28,10 +28,12 @@ from fulmen.compile_miss import (
     _RanEagerly,
 )
 from fulmen.core import NotYetSupportedError, Proxy, RunsEagerly, get_tracectx
+from fulmen.core.source import user_source_location
 from fulmen.eager_streak import EagerStreak
 from fulmen.executors import resolve_executors
 from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
+from fulmen.tracer.autograd_function import BackwardInTrace
 from fulmen.tracer.explain import describe_call, explain_change
 from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
@@ -101,6 +103,12 @@ class _Jitted(CompileMiss):
                 isinstance(leaf, Proxy) for leaf in pytree.tree_leaves((args, kwargs))):
             # called while an outer jitted function is being traced (recursion, nesting): trace
             # through the Python source, so the outer trace records the ops themselves
+            if self._grad_argnums is not None:  # `fulmen.grad(f)`: its source gives no gradients
+                raise BackwardInTrace(
+                    "fulmen.grad / fulmen.value_and_grad called inside a compiled function: the "
+                    "gradients are not traced into the caller's trace",
+                    op="fulmen.grad", where=user_source_location(),
+                    hint="call it outside the compiled function, or compile it alone")
             return (self._module if self._module is not None else self._fn)(*args, **kwargs)
         if _functorch_active():  # torch.func.grad / vmap / jacrev around the call
             return self._eagerly_or_raise(args, kwargs, FunctorchTransform(

@@ -29,6 +29,7 @@ from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
 from fulmen.ops.breaks import answer_key
 from fulmen.tracer.breaks import no_autocast
+from fulmen.tracer.call_constants import copy_of
 from fulmen.tracer.objects import TRACED_NUMBERS
 from fulmen.tracer.symbolic import number_function
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
@@ -65,6 +66,9 @@ class SegmentNode:
         input_names / output_names: what it reads from and adds to the run's values.
         compiled: the compiled segment.
         constants: captured tensors (closures, globals) the segment reads, by input name.
+        fresh: the names among `constants` of tensors the traced call made itself (NOTE
+            [tensors made during the call]): each call of the tree gets a new copy of each,
+            shared by the segments of that call.
         guard: `(fn, args, kwargs)` asked after the segment, or None at a leaf.
         children: answer key -> the node that continues the path for that answer.
         output / output_spec: at a leaf, the program's output built from the run's values.
@@ -89,6 +93,7 @@ class SegmentNode:
     objects: Any = None  # at a leaf: the path's `ObjectInputs` (its epilogue)
     epilogue_spec: Any = None  # at a leaf whose epilogue rebuilds outputs: their treespec
     numbers: tuple | None = None
+    fresh: frozenset[str] = frozenset()
 
 
 class PathMiss(Exception):
@@ -121,9 +126,14 @@ class TraceTree:
         env = dict(zip(self.arg_names, args))
         real = _real(env)
         node = self.root
+        own: dict[str, torch.Tensor] = {}  # this call's copies of the tensors it made
         while True:
-            if node.constants:
-                env.update(node.constants)
+            for name, value in node.constants.items():
+                if name in node.fresh:
+                    if name not in own:
+                        own[name] = copy_of(value)
+                    value = own[name]
+                env[name] = value
             outputs = node.compiled.fn(*[env[name] for name in node.input_names])
             env.update(zip(node.output_names, outputs))
             if node.guard is None:
@@ -172,12 +182,14 @@ class TraceTree:
     def graft(self, segments: list[Segment], output: Any, output_spec: Any,
               constants: dict[str, torch.Tensor],
               compile_segment: Callable[[Trace], CompiledSegment],
-              inputs: tuple = ()) -> list[SegmentNode] | None:
+              inputs: tuple = (), fresh: frozenset[str] = frozenset(),
+              ) -> list[SegmentNode] | None:
         """Add the path `segments` (one traced path, cut at its breaks); return its nodes, or
         None when a guard on it already has `MAX_BRANCHES` answers (the node is closed).
         `compile_segment(trace)` runs the pass pipeline on a segment not compiled yet;
         `inputs` are the path's trace inputs the tree is called with (the symbolic sizes of a
-        returned `x.shape[0]` are read from them)."""
+        returned `x.shape[0]` are read from them); `fresh` names the captured tensors the
+        traced call made itself (`TracedProgram.captured_fresh`), copied for each call."""
         path: list[SegmentNode] = []
         parent, key, old = None, None, self.root
         for segment in segments:
@@ -185,6 +197,7 @@ class TraceTree:
                 parent.closed = True
                 return None
             node = self._node(segment, constants, old, compile_segment)
+            node.fresh = node.fresh | (fresh & node.constants.keys())
             if parent is None:
                 self.root = node
             else:
@@ -202,6 +215,7 @@ class TraceTree:
                 node.constants = {**node.constants, **{
                     p.name: constants[p.name] for p in iter_proxies(output)
                     if p.name in constants}}
+                node.fresh = node.fresh | (fresh & node.constants.keys())
                 break
             parent, key = node, answer_key(segment.answer)
             old = node.children.get(key)

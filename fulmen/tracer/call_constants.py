@@ -109,7 +109,10 @@ def foreign_memory_recorded() -> contextlib.AbstractContextManager:
 def copy_of(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over a copy of `tensor`'s storage with its sizes, strides and offset (an
     expanded tensor stays self-overlapping, so an in-place op on it raises as eager's would;
-    `clone()` would make it contiguous)."""
+    `clone()` would make it contiguous); an `nn.Parameter` (`nn.Parameter(torch.Tensor(3))`
+    made by the call) stays one."""
     copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
         tensor.untyped_storage().clone(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    if type(tensor) is torch.nn.Parameter:
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
     return copy.requires_grad_(tensor.requires_grad)

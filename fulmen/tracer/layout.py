@@ -257,26 +257,36 @@ def _fast_setup(func, args, kwargs, operands, shape) -> bool:
 
 def _on_stand_ins(args, kwargs, operands, other=lambda leaf: leaf) -> tuple | None:
     """`(args, kwargs)` with each of the proxies `operands` replaced by its stand-in
-    (`_stand_in`) and every other leaf by `other(leaf)`; None where a real tensor is among the
-    arguments (an op never runs on the user's data)."""
+    (`_stand_in`) and every other leaf by `other(leaf)`; None where a real tensor or a
+    `torch.Generator` is among the arguments (an op never runs on the user's data, nor draws
+    from the user's generator)."""
     with torch._C.DisableTorchFunctionSubclass():
         stand_ins = {p.name: _stand_in(p) for p in operands}
     call = pytree.tree_map(
         lambda leaf: stand_ins.get(leaf.name, leaf) if isinstance(leaf, TensorProxy)
         else other(leaf), (args, kwargs))
     mine = {id(t) for t in stand_ins.values()}
-    if any(isinstance(leaf, torch.Tensor) and id(leaf) not in mine
+    if any(isinstance(leaf, torch.Generator)
+           or (isinstance(leaf, torch.Tensor) and id(leaf) not in mine)
            for leaf in pytree.tree_leaves(call)):
         return None
     return call
 
 
 def _run_quietly(func, args, kwargs):
-    """`func(*args, **kwargs)` with torch function handling and warnings off; raises what
+    """`func(*args, **kwargs)` with torch function handling and warnings off, and torch's
+    global CPU generator put back after it: a random op (a training dropout) asked about draws
+    from it, which would shift the traced call's own draws from eager's (the stand-ins are CPU
+    tensors; a call naming a generator of its own never runs, `_on_stand_ins`). Raises what
     `func` raises."""
-    with torch._C.DisableTorchFunction(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return func(*args, **kwargs)
+    generator = torch.default_generator  # not `torch.set_rng_state`: refused while tracing
+    state = generator.get_state()
+    try:
+        with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return func(*args, **kwargs)
+    finally:
+        generator.set_state(state)
 
 
 def _hinted(value):

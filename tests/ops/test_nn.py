@@ -6,6 +6,8 @@ Each case runs eagerly and through `fulmen.jit` twice: the op run whole by the t
 and decomposed into prims.
 """
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,6 +261,38 @@ def test_dropout_in_training_of_a_fused_transposed_value_has_eagers_strides(code
         cotangent = torch.randn_like(expected)
         assert torch.equal(torch.autograd.grad(actual, x, cotangent)[0],
                            torch.autograd.grad(expected, x, cotangent)[0])
+
+
+def test_the_layout_query_of_a_dropout_leaves_the_global_generator_alone():
+    """A dropout of a tensor whose size-1 dim has an odd stride (`x.t()` of a (1, 6) tensor, a
+    one-token `q.transpose(1, 2)`) asks how eager's kernel lays the result out by running it
+    once on two-element stand-ins (NOTE [size-1 strides]): that run drew from torch's global
+    generator while tracing. With another thread alive (a data loader's, a notebook's) the
+    compiled first call then drew its mask two numbers late: other values than eager's under
+    the same seed, and a generator left elsewhere (alone, the call ran eagerly every time,
+    its state change taken for the function reseeding)."""
+    def fn(x):
+        return F.dropout(x.t() * 2, 0.5), torch.rand(4)
+
+    x = torch.randn(1, 6)
+    jfn = fulmen.jit(fn)
+    done = threading.Event()
+    helper = threading.Thread(target=done.wait)
+    helper.start()
+    try:
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            expected = fn(x)
+            after_eager = torch.random.get_rng_state()
+            torch.manual_seed(seed)
+            actual = jfn(x)
+            for a, e in zip(actual, expected, strict=True):
+                assert torch.equal(a, e) and a.stride() == e.stride()
+            assert torch.equal(torch.random.get_rng_state(), after_eager)
+    finally:
+        done.set()
+        helper.join()
+    assert fulmen.compile_stats(jfn).eager_calls == 0
 
 
 @pytest.mark.parametrize("layout", ["transposed", "permuted"])

@@ -4,6 +4,8 @@ Each test compares a jitted function with eager over several calls, forward valu
 gradients, and checks that the ctx features behave as in eager.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -75,6 +77,40 @@ def test_backward_is_the_users_not_the_derivative_of_forward():
     jfn = _compare(fn, lambda: [(torch.randn(4, 8) * 3).requires_grad_(),
                                 torch.randn(8, requires_grad=True)])
     assert "autograd_function.StraightThroughRound" in str(fulmen.last_traces(jfn)[0])
+
+
+def test_a_trace_ending_in_another_thread_leaves_this_ones_apply_intercepted():
+    """`Function.apply` is replaced while any trace records (`fulmen.tracer.patching`): a
+    `fulmen.vjp` traced in another thread (it takes no lock) that ends while this thread's
+    trace goes on must not put the original back, or the `apply` after it is traced through
+    `forward` (`round`: no gradient at all, where the user's backward gives 3)."""
+    started, other_done = threading.Event(), threading.Event()
+
+    def fn(x):
+        y = x * 3
+        started.set()
+        assert other_done.wait(timeout=60)
+        return StraightThroughRound.apply(y).sum()
+
+    def other():
+        started.wait(timeout=60)
+        try:
+            fulmen.vjp(lambda z: (z * 2).sum(), torch.ones(3))  # (draws no random numbers)
+        finally:
+            other_done.set()
+
+    x = torch.randn(4, requires_grad=True)
+    started.set(), other_done.set()
+    expected = torch.autograd.grad(fn(x), x)[0]
+    started.clear(), other_done.clear()
+    helper = threading.Thread(target=other)
+    helper.start()
+    try:
+        actual = torch.autograd.grad(fulmen.jit(fn)(x), x)[0]
+    finally:
+        other_done.set()
+        helper.join()
+    torch.testing.assert_close(actual, expected)
 
 
 def test_saved_tensors_needs_input_grad_and_constant_arguments():
@@ -407,3 +443,18 @@ def test_identity_forward_returning_its_input():
         return (GradientReversal.apply(features, 0.5) * 3).sum() + features.sum()
 
     _compare(fn, lambda: [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)])
+
+
+def test_fulmen_grad_called_inside_a_compiled_function_runs_it_as_eager():
+    """`fulmen.grad(g)(x)` met while tracing traced through `g`'s source and returned its value
+    where the gradient was asked (`IndexError` at `[1]`); the call now runs eagerly."""
+    def g(x):
+        return (x.sin() * 2).sum()
+
+    def outer(x):
+        return (fulmen.grad(g)(x) + x).sum()
+
+    x = torch.randn(4)
+    with pytest.warns(UserWarning, match="fulmen.grad"):
+        actual = fulmen.jit(outer)(x)
+    torch.testing.assert_close(actual, outer(x))

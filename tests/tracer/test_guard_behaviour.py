@@ -377,3 +377,20 @@ def test_a_function_setting_an_environment_variable_runs_eagerly(monkeypatch):
         for _ in range(3):
             torch.testing.assert_close(jfn(x), x + 1)
     assert os.environ["FULMEN_TEST_COUNT_H43"] == "3"
+
+
+def test_a_function_deleting_an_environment_variable_runs_eagerly(monkeypatch):
+    """`del os.environ[X]` (and `os.environ.pop(X)`) is a write too: as in eager, every call
+    deletes the variable the caller set again (a compiled call would have deleted it once,
+    while tracing)."""
+    def consumes(x):
+        if "FULMEN_TEST_ONCE_H46" in os.environ:
+            del os.environ["FULMEN_TEST_ONCE_H46"]
+        return x + 1
+
+    jfn, x = fulmen.jit(consumes), torch.randn(3)
+    with pytest.warns(UserWarning, match="FULMEN_TEST_ONCE_H46"):
+        for _ in range(3):
+            monkeypatch.setenv("FULMEN_TEST_ONCE_H46", "1")
+            torch.testing.assert_close(jfn(x), x + 1)
+            assert "FULMEN_TEST_ONCE_H46" not in os.environ

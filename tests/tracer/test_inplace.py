@@ -181,6 +181,23 @@ def test_inplace_dunders():
     check(fn, torch.randn(3), torch.randn(3), torch.arange(6))
 
 
+def test_inplace_bitwise_dunders_update_inputs_whose_results_are_unused():
+    """`&=`, `|=`, `^=`, `<<=` and `>>=` reach `__torch_function__` under their dunder names
+    (`+=` arrives as `add_`): each is a mutation of the input even where nothing reads the
+    result (recorded as an ordinary op, it was dropped as dead code and the caller's tensor
+    kept its old value)."""
+    def fn(a, b, c, d, e, m):
+        a &= m
+        b |= m
+        c ^= m
+        d <<= 1
+        e >>= 1
+        return m + 1
+
+    ints = [torch.arange(6) * k for k in (3, 5, 7, 9, 11)]
+    check(fn, *ints, torch.tensor([1, 2, 4, 8, 16, 3]))
+
+
 def test_slice_assignment():
     def fn(x, y):
         x[..., :2] = y
@@ -318,6 +335,33 @@ def test_batch_norm_training_updates_running_stats():
     actual.sum().backward()
     for a, e in zip(jitted.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_batch_norm_whose_output_is_unused_updates_its_statistics():
+    """A training batch norm run only for its running statistics (`swa_utils.update_bn`
+    discards the model's output): `F.batch_norm` with the caller's buffers, and a module
+    with `momentum=None` (a cumulative average, `num_batches_tracked` in the factor), update
+    them as eager does. Recorded as an ordinary op, the unused call was dead code."""
+    def functional(x, mean, var):
+        F.batch_norm(x, mean, var, training=True, momentum=0.3)
+        return x.sum()
+
+    check(functional, torch.randn(4, 3, 5), torch.zeros(3), torch.ones(3))
+
+    torch.manual_seed(0)
+    eager = torch.nn.BatchNorm1d(3, momentum=None)
+    jitted = torch.nn.BatchNorm1d(3, momentum=None)
+
+    def calibrate(bn, x):
+        bn(x)
+        return x.mean()
+
+    jcalibrate = fulmen.jit(calibrate)
+    for step in range(2):
+        x = torch.randn(4, 3) + step
+        torch.testing.assert_close(jcalibrate(jitted, x), calibrate(eager, x))
+        for (name, a), (_, e) in zip(jitted.named_buffers(), eager.named_buffers()):
+            torch.testing.assert_close(a, e, msg=name)
 
 
 def test_intermediate_mutation_under_autodiff():
@@ -481,6 +525,23 @@ def test_mutated_inputs_sharing_memory_run_eagerly():
     torch.testing.assert_close(fulmen.jit(lambda x, y: x.mul_(y))(a, a[:]), torch.full((3,), 9.0))
     with pytest.raises(NotYetSupportedError, match="share memory"):
         fulmen.jit(lambda x, y: x.mul_(y), fullgraph=True)(a, a[:])
+
+
+def test_a_strided_input_sharing_only_its_last_element_with_another_runs_eagerly():
+    """`buf[::2]` and `buf[8:]` of a 9-element buffer share one element, the strided view's
+    last: its memory span ends after that element (`(size - 1) * stride + 1` elements)."""
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    jfn = fulmen.jit(fn)
+    jfn(torch.zeros(5), torch.zeros(1))  # traced on independent inputs
+    expected_buf, buf = torch.zeros(9), torch.zeros(9)
+    expected = fn(expected_buf[::2], expected_buf[8:])
+    with pytest.warns(UserWarning, match="share memory"):
+        actual = jfn(buf[::2], buf[8:])
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(buf, expected_buf)
 
 
 def test_reshape_aliasing_decided_from_meta_kernel_strides():

@@ -1,5 +1,6 @@
 """Module machinery and Python-level torch APIs real model code uses inside `forward`."""
 
+import copy
 import dataclasses
 import typing
 
@@ -243,3 +244,38 @@ def test_a_traced_tensor_put_into_a_module_dict_runs_eagerly_and_is_undone_under
             x = torch.full((2,), float(step + 1))
             torch.testing.assert_close(jitted(x), eager(x))
             torch.testing.assert_close(model.cache["h"], eager.cache["h"])
+
+
+class _Tied(nn.Module):
+    """Two layers sharing a weight, and one buffer registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.second.weight = self.first.weight
+        shared = torch.zeros(3)
+        self.register_buffer("count", shared)
+        self.second.register_buffer("seen", shared)
+
+    def forward(self, x):
+        self.count.add_(1)
+        return (self.second(self.first(x).relu()) * self.second.seen).sum()
+
+
+def test_tied_weights_are_one_input_with_eagers_gradient():
+    """A weight shared by two layers (`lm_head.weight = embed.weight`) is one input of the
+    trace: its gradient sums both uses as eager's, and a buffer registered under two names
+    and updated through one is read updated through the other, with no eager fallback."""
+    eager = _Tied()
+    compiled = copy.deepcopy(eager)
+    assert compiled.second.weight is compiled.first.weight
+    jmodel = fulmen.jit(compiled)
+    for _ in range(2):
+        x = torch.randn(2, 3)
+        expected, actual = eager(x), jmodel(x)
+        torch.testing.assert_close(actual, expected)
+        expected.backward()
+        actual.backward()
+        torch.testing.assert_close(compiled.first.weight.grad, eager.first.weight.grad)
+        torch.testing.assert_close(compiled.count, eager.count)
+    assert fulmen.compile_stats(jmodel).eager_calls == 0

@@ -3,9 +3,12 @@ break (`.numpy()`). The program bakes in what it computes from an array, so the 
 each array by identity and by value (`tracer/sources.py` `array_key`); a tensor made from a list
 inside the function is made anew by every call (`tracer/dispatch.py` `_DATA_FACTORIES`)."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import fulmen
 
@@ -111,6 +114,77 @@ def test_a_tensor_made_by_an_untraced_constructor_is_new_each_call(make):
         x = torch.arange(3.0)
         torch.testing.assert_close(jfn(x), fn(x), rtol=0, atol=0)
 
+
+
+def _made_then_updated_across_a_break(x):
+    t = torch.Tensor([1.0, 2.0, 3.0])
+    t.add_(x)
+    if x.sum() > 0:  # a graph break: the update goes on in the next segment
+        t.mul_(2)
+    return t
+
+
+def _from_numpy_updated_across_a_break(x):
+    t = torch.from_numpy(np.ones(3, dtype=np.float32))
+    t.add_(x)
+    if x.sum() > 0:
+        t.mul_(2)
+    return t
+
+
+def _frombuffer_by_keyword(x):
+    return torch.frombuffer(buffer=bytearray(12), dtype=torch.float32).add_(x)
+
+
+def _strided_array(x):
+    return torch.from_numpy(np.ones((3, 6), dtype=np.float32)[:, ::2]).add_(x)
+
+
+def _kept_by_a_frame(x):
+    t = torch.Tensor([1.0, 2.0, 3.0])
+    t.add_(x)
+    frame = sys._getframe()  # the finished call's frame outlives it while `frame` holds it
+    return t, frame.f_lineno > 0
+
+
+@pytest.mark.parametrize("fn", [_made_then_updated_across_a_break,
+                                _from_numpy_updated_across_a_break, _frombuffer_by_keyword,
+                                _strided_array, _kept_by_a_frame],
+                         ids=["across_break", "from_numpy_across_break", "frombuffer_keyword",
+                              "strided", "frame"])
+def test_a_tensor_the_call_makes_is_new_each_call_with_eagers_layout(fn):
+    """NOTE [tensors made during the call]: a tensor made from data no torch function sees is
+    new in each eager call. Updated on both sides of a graph break, the compiled segments
+    updated one tensor kept from the trace (the trace tree ignored which captured tensors
+    are the call's own): 2, 6, 10, then 4, 14, 24 from the second call on. Also a buffer
+    given by keyword, an array with strides (kept by the copy), a frame holding the tensor."""
+    jfn = fulmen.jit(fn)
+    for _ in range(3):
+        x = torch.arange(3.0)
+        expected, actual = fn(x), jfn(x)
+        for e, a in zip(pytree.tree_leaves(expected), pytree.tree_leaves(actual), strict=True):
+            if isinstance(e, torch.Tensor):
+                assert torch.equal(a, e) and a.stride() == e.stride()
+            else:
+                assert a == e
+
+
+def test_a_parameter_the_call_makes_is_returned_as_eagers():
+    """`nn.Parameter(torch.Tensor(...))` reaches no torch function: the parameter the call
+    makes is captured, and each call returns a new copy of it, which is a Parameter requiring
+    grad as eager's (it came back a plain tensor: `module.weight = make()` then raised)."""
+    def make(x):
+        return torch.nn.Parameter(torch.Tensor([1.0, 2.0, 3.0])), x + 1
+
+    jmake = fulmen.jit(make)
+    returned = []
+    for _ in range(2):
+        x = torch.arange(3.0)
+        (expected, _), (actual, _) = make(x), jmake(x)
+        assert type(actual) is type(expected) and actual.requires_grad == expected.requires_grad
+        assert torch.equal(actual.detach(), expected.detach())
+        returned.append(actual)
+    assert returned[0] is not returned[1]
 
 
 SHARED = np.zeros(4, dtype=np.float32)

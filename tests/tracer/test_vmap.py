@@ -3,6 +3,7 @@
 symbolic sizes as without vmap), and what broadcasting would get wrong runs eagerly."""
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -151,3 +152,39 @@ def test_gemma3_with_images_trains_as_eager():
         if theirs.grad is not None:  # the projector's gradients reach 6e5: rounding scales
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4,
                                        atol=1e-6 * max(1.0, theirs.grad.abs().max().item()))
+
+
+def test_a_trace_ending_in_another_thread_leaves_this_ones_vmap_emulated():
+    """The emulation of `torch.func.vmap` is switched on while any trace records
+    (`ProcessSwitch`): a `fulmen.vjp` traced in another thread that ends while this thread's
+    trace goes on must not switch it off (the call then ran eagerly, torch's vmap refusing
+    the traced tensors), nor off twice."""
+    started, other_done = threading.Event(), threading.Event()
+
+    def fn(x):
+        y = x * 3
+        started.set()
+        assert other_done.wait(timeout=60)
+        return torch.func.vmap(lambda row: row.sin() * 2)(y)
+
+    def other():
+        started.wait(timeout=60)
+        try:
+            fulmen.vjp(lambda z: (z * 2).sum(), torch.ones(3))  # (draws no random numbers)
+        finally:
+            other_done.set()
+
+    x = torch.randn(4, 2)
+    started.set(), other_done.set()
+    expected = fn(x)
+    started.clear(), other_done.clear()
+    helper = threading.Thread(target=other)
+    helper.start()
+    jfn = fulmen.jit(fn)
+    try:
+        actual = jfn(x)
+    finally:
+        other_done.set()
+        helper.join()
+    torch.testing.assert_close(actual, expected)
+    assert fulmen.compile_stats(jfn).eager_calls == 0
