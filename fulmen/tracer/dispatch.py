@@ -77,6 +77,14 @@ T = torch.Tensor
 _GRAD_GET = torch.Tensor.grad.__get__
 
 
+class LazyParameters(RunsEagerly):
+    """The traced code reads a parameter or buffer a lazy module (`nn.LazyLinear`) has not
+    materialised: it has no sizes until that module's first call, which runs eagerly; the
+    calls after it trace again."""
+
+    remembered = False
+
+
 class UnreadGrad(RunsEagerly):
     """The traced code reads the `.grad` of a tensor whose gradient is no input of the trace:
     the call runs eagerly."""
@@ -167,6 +175,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
             return state
         entry = self.captured.get(id(tensor))
         if entry is None:
+            if torch.nn.parameter.is_lazy(tensor):  # a lazy module's first call sizes it
+                raise LazyParameters(
+                    "a lazy module (nn.LazyLinear, ...) materialises its parameters in this "
+                    "call", op="materialize",
+                    hint="call the lazy module once before compiling the function")
             name = self.names.named(f"captured{len(self.captured)}")
             proxy = TensorProxy(name, tensor.shape, tensor.dtype, tensor.device,
                                 strides=tensor.stride(), requires_grad=tensor.requires_grad)

@@ -1798,4 +1798,15 @@ MUTANTS: list[Mutant] = [
            "                    if view.root in self.inputs else resolved[index]",
            ("tests/tracer/test_returned_views.py::"
             "test_a_view_updated_in_place_and_returned_with_its_base_is_a_view_of_it",)),
+    # --- session 46 (h46probe): wrong answers found by probing users' patterns, re-planted ---
+    Mutant("lazy_module_state_keyed_before_materialised", "modules", "jitted.py",
+           "        self._lazy_state = any(map(_is_lazy,",
+           "        self._lazy_state = False and any(map(_is_lazy,",
+           ("tests/tracer/test_modules.py::"
+            "test_lazy_modules_run_their_first_call_eagerly_then_compile",)),
+    Mutant("lazy_parameter_captured_unmaterialised", "modules", "tracer/dispatch.py",
+           "            if torch.nn.parameter.is_lazy(tensor):",
+           "            if False:",
+           ("tests/tracer/test_modules.py::"
+            "test_lazy_modules_run_their_first_call_eagerly_then_compile",)),
 ]
