@@ -1809,4 +1809,15 @@ MUTANTS: list[Mutant] = [
            "            if False:",
            ("tests/tracer/test_modules.py::"
             "test_lazy_modules_run_their_first_call_eagerly_then_compile",)),
+    Mutant("codegen_accepts_a_negative_view", "codegen", "executors/codegen/region.py",
+           "                                         or tensor.is_neg()):",
+           "                                         ):",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
+    Mutant("codegen_plan_key_without_the_negative_bit", "codegen",
+           "executors/codegen/cpu/runtime.py",
+           "t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "t.dtype, t.is_cpu, False) for t in inputs])",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
 ]
