@@ -123,6 +123,16 @@ _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook
                            T.retain_grad})
 
 
+class LazyBitQuery(RunsEagerly):
+    """The traced code asks whether a tensor's conjugate or negative bit is set (`z.is_conj()`,
+    true of `z.conj()` until it is resolved): a proxy carries neither bit, nor does the cache
+    key tell an argument with one from one without, so the call runs eagerly (a traced answer
+    was False, and a branch on it took the other path)."""
+
+
+_LAZY_BIT_QUERIES = frozenset({T.is_conj, T.is_neg, torch.is_conj})
+
+
 class TracerCtx(LayoutTruth, TraceCtx):
     """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
 
@@ -254,6 +264,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
             kwargs = {**kwargs, "dtype": _PYTHON_DTYPES[dtype]}
         if self._internal:
             return self._dispatch(func, args, kwargs)
+        if func in _LAZY_BIT_QUERIES:
+            raise LazyBitQuery(
+                "a tensor's conjugate or negative bit is read, which traced tensors do not carry",
+                op=_func_name(func), where=user_source_location(),
+                hint="resolve it outside the compiled function (z.resolve_conj())")
         if _is_inplace(func, args, kwargs):
             out = self.mutation.functionalize(func, args, kwargs)
             if self.state_proxies:  # `self.count += 1` returns (and stores) the module's tensor

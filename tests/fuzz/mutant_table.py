@@ -1820,4 +1820,8 @@ MUTANTS: list[Mutant] = [
            "t.dtype, t.is_cpu, False) for t in inputs])",
            ("tests/executors/test_plan_dtypes.py::"
             "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
+    Mutant("lazy_bit_query_answered_while_tracing", "tracer", "tracer/dispatch.py",
+           "        if func in _LAZY_BIT_QUERIES:", "        if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path",)),
 ]

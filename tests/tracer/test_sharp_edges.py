@@ -368,3 +368,24 @@ def test_a_python_type_as_dtype_means_what_torch_makes_of_it(make):
         expected, actual = expected[1], actual[1]
     assert actual.dtype == expected.dtype
     torch.testing.assert_close(actual, expected)
+
+
+def test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path():
+    # a proxy carries neither lazy bit and the key does not tell `z.conj()` from `z`: the traced
+    # answer was False, and the conjugate argument got the other branch's value
+    def pick(z):
+        if z.is_conj():
+            return z.resolve_conj() * 2
+        return z * 3
+
+    def sign(x):
+        return x * (2 if x.is_neg() else 3)
+
+    z = torch.randn(5, dtype=torch.complex64)
+    jpick, jsign = fulmen.jit(pick), fulmen.jit(sign)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the calls run eagerly, warning once)
+        for value in (z.conj(), z, z.conj()):
+            torch.testing.assert_close(jpick(value), pick(value))
+        for value in (z.conj().imag, z.imag):
+            torch.testing.assert_close(jsign(value), sign(value))
