@@ -25,6 +25,8 @@ from fulmen.tracer.sources import (
 from fulmen.tracer.symbolic import STRIDES
 
 Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
+_PARAMETER = "parameter"  # marks the key of an argument that is an `nn.Parameter`
 
 
 def _tensor_key(t: Tensor) -> tuple:
@@ -71,7 +73,9 @@ def _leaf_key(leaf: Any) -> Any:
     if type(leaf) in _BY_VALUE:  # (what the last case below gives them, without the tests)
         return (type(leaf), leaf)
     if isinstance(leaf, Tensor):
-        return _argument_tensor_key(leaf)
+        key = _argument_tensor_key(leaf)
+        # `isinstance(w, nn.Parameter)` answers as eager while tracing (`trace_program`)
+        return (_PARAMETER, *key) if isinstance(leaf, Parameter) else key
     if isinstance(leaf, float):
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
@@ -116,8 +120,9 @@ def _masked_key(t: Tensor, dims: tuple) -> tuple:
         return ("symbolic", "rank", len(shape))
     for dim in dims:
         shape[dim] = None
-    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
-            None if free else t.is_contiguous(), has_argument_grad(t))
+    key = ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
+           None if free else t.is_contiguous(), has_argument_grad(t))
+    return (*key, _PARAMETER) if isinstance(t, Parameter) else key
 
 
 def _object_leaf_key(leaf: Any) -> Any:

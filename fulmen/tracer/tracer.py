@@ -328,6 +328,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 symbolic.add_input(proxy, index)
             if has_argument_grad(leaf):
                 proxy.unseen_grad = True  # reading it raises (dispatch): not an input
+            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart: `leaf_keys._leaf_key`)
+                proxy._is_param = True  # `isinstance(proxy, nn.Parameter)` is True, as in eager
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)

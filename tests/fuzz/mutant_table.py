@@ -1824,4 +1824,19 @@ MUTANTS: list[Mutant] = [
            "        if func in _LAZY_BIT_QUERIES:", "        if False:",
            ("tests/tracer/test_sharp_edges.py::"
             "test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path",)),
+    Mutant("parameter_argument_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "        return (_PARAMETER, *key) if isinstance(leaf, Parameter) else key",
+           "        return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_argument_symbolic_key_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "    return (*key, _PARAMETER) if isinstance(t, Parameter) else key",
+           "    return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_argument_traced_as_a_tensor", "tracer", "tracer/tracer.py",
+           "                proxy._is_param = True",
+           "                pass",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
 ]

@@ -389,3 +389,24 @@ def test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path():
             torch.testing.assert_close(jpick(value), pick(value))
         for value in (z.conj().imag, z.imag):
             torch.testing.assert_close(jsign(value), sign(value))
+
+
+def test_isinstance_of_a_parameter_argument_is_eagers():
+    # an argument that is an `nn.Parameter` was traced as a plain tensor and keyed as one: the
+    # branch on `isinstance(w, nn.Parameter)` took the other path, for Parameters and tensors
+    def scale(w, x, shift):  # (a number among the arguments: no key of plain tensors alone)
+        return w * (2 if isinstance(w, torch.nn.Parameter) else 3) + x + shift
+
+    def parameter(t):
+        return torch.nn.Parameter(t, requires_grad=False)  # keyed as the plain tensor but for it
+
+    jscale = fulmen.jit(scale)
+    x = torch.ones(3)
+    for make in (parameter, lambda t: t, parameter, lambda t: t):
+        w = make(torch.ones(3))
+        torch.testing.assert_close(jscale(w, x, 0.5), scale(w, x, 0.5))
+    jdynamic = fulmen.jit(scale, dynamic=True)  # the key with symbolic sizes tells them apart too
+    for n in (3, 4, 5):
+        for make in (parameter, lambda t: t):
+            w = make(torch.ones(n))
+            torch.testing.assert_close(jdynamic(w, torch.ones(n), 0.5), scale(w, torch.ones(n), 0.5))
