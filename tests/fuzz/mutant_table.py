@@ -220,8 +220,8 @@ MUTANTS: list[Mutant] = [
     Mutant("guard_autocast_dtype", "guards", "tracer/process_state.py",
            "return _any_autocast() and autocast_key()", "return _any_autocast()", AUTOCAST),
     Mutant("guard_symbolic_requires_grad", "guards", "tracer/leaf_keys.py",
-           'return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
-           'return ("symbolic", tuple(shape), t.dtype, t.device, None,',
+           'key = ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
+           'key = ("symbolic", tuple(shape), t.dtype, t.device, None,',
            ("tests/tracer/test_guard_behaviour.py", "tests/tracer/test_dynamic_shapes.py")),
     # --- autograd bridge -----------------------------------------------------------------------
     Mutant("bridge_first_grad_dropped", "bridge", "autograd_bridge.py",
@@ -681,8 +681,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_torch_compile_interplay.py",)),
     # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
     Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
-           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])",
-           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs])",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
            ("tests/executors/test_codegen_calls.py",)),
     Mutant("codegen_plan_tables_shared_without_source", "codegen",
            "executors/codegen/cpu/runtime.py",
