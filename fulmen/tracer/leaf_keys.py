@@ -52,7 +52,8 @@ def _argument_tensor_key(t: Tensor) -> tuple:
 
 
 def _object_tensor_key(t: Tensor) -> tuple:
-    return (*_tensor_key(t), t.storage_offset())
+    key = (*_tensor_key(t), t.storage_offset())
+    return (_PARAMETER, *key) if isinstance(t, Parameter) else key
 
 
 def _float_key(value: float) -> Any:

@@ -361,6 +361,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             proxy = TensorProxy(name, shape, tensor.dtype, tensor.device,
                                 requires_grad=tensor.requires_grad, strides=strides,
                                 storage_offset=tensor.storage_offset())
+            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)
+                proxy._is_param = True
             if symbolic is not None:
                 symbolic.add_input(proxy, (root, path))
             ctx.add_input(proxy)

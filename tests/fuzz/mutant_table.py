@@ -1835,8 +1835,18 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_argument_traced_as_a_tensor", "tracer", "tracer/tracer.py",
-           "                proxy._is_param = True",
-           "                pass",
+           "            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart:",
+           "            if False:  # (keyed apart:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_in_an_object_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "    return (_PARAMETER, *key) if isinstance(t, Parameter) else key",
+           "    return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_in_an_object_traced_as_a_tensor", "tracer", "tracer/tracer.py",
+           "            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)",
+           "            if False:",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
 ]

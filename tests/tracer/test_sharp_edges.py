@@ -410,3 +410,12 @@ def test_isinstance_of_a_parameter_argument_is_eagers():
         for make in (parameter, lambda t: t):
             w = make(torch.ones(n))
             torch.testing.assert_close(jdynamic(w, torch.ones(n), 0.5), scale(w, torch.ones(n), 0.5))
+    holder = type("Holder", (), {})()  # a plain object holding it: its tensors are inputs too
+
+    def held(h, shift):
+        return scale(h.w, h.x, shift)
+
+    jheld = fulmen.jit(held)
+    for make in (parameter, lambda t: t, parameter):
+        holder.w, holder.x = make(torch.ones(3)), x
+        torch.testing.assert_close(jheld(holder, 0.5), held(holder, 0.5))
