@@ -25,8 +25,6 @@ from fulmen.tracer.sources import (
 from fulmen.tracer.symbolic import STRIDES
 
 Tensor = torch.Tensor
-Parameter = torch.nn.Parameter
-_PARAMETER = "parameter"  # marks the key of an argument that is an `nn.Parameter`
 
 
 def _tensor_key(t: Tensor) -> tuple:
@@ -53,7 +51,7 @@ def _argument_tensor_key(t: Tensor) -> tuple:
 
 def _object_tensor_key(t: Tensor) -> tuple:
     key = (*_tensor_key(t), t.storage_offset())
-    return (_PARAMETER, *key) if isinstance(t, Parameter) else key
+    return key if type(t) is Tensor else (type(t), *key)  # (as `_leaf_key`'s)
 
 
 def _float_key(value: float) -> Any:
@@ -75,8 +73,9 @@ def _leaf_key(leaf: Any) -> Any:
         return (type(leaf), leaf)
     if isinstance(leaf, Tensor):
         key = _argument_tensor_key(leaf)
-        # `isinstance(w, nn.Parameter)` answers as eager while tracing (`trace_program`)
-        return (_PARAMETER, *key) if isinstance(leaf, Parameter) else key
+        # keyed by its type too: `isinstance(w, nn.Parameter)` answers as eager while tracing,
+        # a subclass with its own `__torch_function__` runs eagerly (`trace_program`)
+        return key if type(leaf) is Tensor else (type(leaf), *key)
     if isinstance(leaf, float):
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
@@ -123,7 +122,7 @@ def _masked_key(t: Tensor, dims: tuple) -> tuple:
         shape[dim] = None
     key = ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
            None if free else t.is_contiguous(), has_argument_grad(t))
-    return (*key, _PARAMETER) if isinstance(t, Parameter) else key
+    return key if type(t) is Tensor else (*key, type(t))
 
 
 def _object_leaf_key(leaf: Any) -> Any:

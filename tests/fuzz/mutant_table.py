@@ -1825,12 +1825,12 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_sharp_edges.py::"
             "test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path",)),
     Mutant("parameter_argument_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
-           "        return (_PARAMETER, *key) if isinstance(leaf, Parameter) else key",
+           "        return key if type(leaf) is Tensor else (type(leaf), *key)",
            "        return key",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_argument_symbolic_key_as_a_tensor", "guards", "tracer/leaf_keys.py",
-           "    return (*key, _PARAMETER) if isinstance(t, Parameter) else key",
+           "    return key if type(t) is Tensor else (*key, type(t))",
            "    return key",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
@@ -1840,7 +1840,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_in_an_object_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
-           "    return (_PARAMETER, *key) if isinstance(t, Parameter) else key",
+           "    return key if type(t) is Tensor else (type(t), *key)  # (as `_leaf_key`'s)",
            "    return key",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
@@ -1849,4 +1849,14 @@ MUTANTS: list[Mutant] = [
            "            if False:",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("torch_function_subclass_argument_traced", "tracer", "tracer/tracer.py",
+           "            if type(leaf) is not torch.Tensor and _own_torch_function(leaf):",
+           "            if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
+    Mutant("torch_function_subclass_in_an_object_traced", "tracer", "tracer/tracer.py",
+           "            if type(tensor) is not torch.Tensor and _own_torch_function(tensor):",
+           "            if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
 ]

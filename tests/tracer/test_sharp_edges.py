@@ -419,3 +419,30 @@ def test_isinstance_of_a_parameter_argument_is_eagers():
     for make in (parameter, lambda t: t, parameter):
         holder.w, holder.x = make(torch.ones(3)), x
         torch.testing.assert_close(jheld(holder, 0.5), held(holder, 0.5))
+
+
+class _Doubling(torch.Tensor):
+    """A tensor subclass whose `__torch_function__` doubles every sum taken of it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.Tensor.sum else out
+
+
+def test_an_argument_with_its_own_torch_function_runs_eagerly():
+    # it was traced as a plain tensor (its hook saw no call) and keyed as one: the sum was not
+    # doubled, and a plain tensor's entry served it
+    def total(x, shift):
+        return x.sum() + shift
+
+    jtotal = fulmen.jit(total)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the calls run eagerly, warning once)
+        for x in (torch.ones(3), torch.ones(3).as_subclass(_Doubling), torch.ones(3)):
+            torch.testing.assert_close(jtotal(x, 0.5), total(x, 0.5))
+        holder = type("Holder", (), {})()
+        jheld = fulmen.jit(lambda h: total(h.x, 0.5))
+        for x in (torch.ones(3), torch.ones(3).as_subclass(_Doubling)):
+            holder.x = x
+            torch.testing.assert_close(jheld(holder), total(x, 0.5))
