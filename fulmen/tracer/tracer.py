@@ -279,6 +279,8 @@ _TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__,
 
 
 def _own_torch_function(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, TensorProxy):  # a trace of traced values (fulmen's own)
+        return False
     function = type(tensor).__torch_function__
     return getattr(function, "__func__", function) not in _TORCH_FUNCTIONS
 

@@ -1859,4 +1859,9 @@ MUTANTS: list[Mutant] = [
            "            if False:",
            ("tests/tracer/test_sharp_edges.py::"
             "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
+    Mutant("torch_function_subclass_check_refuses_proxies", "tracer", "tracer/tracer.py",
+           "    if isinstance(tensor, TensorProxy):  # a trace of traced values (fulmen's own)",
+           "    if False:",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_cuda_region_given_cpu_tensors_never_launches",)),
 ]
