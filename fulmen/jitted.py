@@ -34,6 +34,7 @@ from fulmen.executors import resolve_executors
 from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
 from fulmen.tracer.autograd_function import BackwardInTrace
+from fulmen.tracer.dispatch import LazyParameters
 from fulmen.tracer.explain import describe_call, explain_change
 from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
@@ -51,6 +52,7 @@ from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import carrier, number_at
 
 _getitem = operator.getitem
+_is_lazy = torch.nn.parameter.is_lazy
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
@@ -97,6 +99,9 @@ class _Jitted(CompileMiss):
         self._state_owners = tuple(slot.owner for slot in self._state_slots)
         self._state_keys = tuple(slot.key for slot in self._state_slots)
         self._last_described: dict | None = None
+        # a lazy module (`nn.LazyLinear`) has parameters without sizes until its first call
+        # materialises them: until then its calls run eagerly (`_call`)
+        self._lazy_state = any(map(_is_lazy, map(_getitem, self._state_owners, self._state_keys)))
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if get_tracectx() is not None and any(
@@ -126,6 +131,13 @@ class _Jitted(CompileMiss):
                 self.forget_compiled()
             state = list(map(_getitem, self._state_owners, self._state_keys)) \
                 if self._state_slots else ()
+            if self._lazy_state:
+                if any(map(_is_lazy, state)):
+                    return self._eagerly_or_raise(args, kwargs, LazyParameters(
+                        "the module has parameters or buffers a lazy module has not "
+                        "materialised yet (nn.LazyLinear, ...)", op="materialize",
+                        hint="call the module once before compiling it"))
+                self._lazy_state = False
             key, leaves = self._guard.key(args, kwargs, state)
             stats = self._stats
             stats.calls += 1
@@ -150,7 +162,8 @@ class _Jitted(CompileMiss):
                         entry = self._compile_call(args, kwargs, leaves)
                 except (StoresDifferPerPath, RunsEagerly) as error:  # such calls never compile
                     return self._eagerly_or_raise(
-                        args, kwargs, error, key if isinstance(error, RunsEagerly) else None,
+                        args, kwargs, error,
+                        key if isinstance(error, RunsEagerly) and error.remembered else None,
                         streak=True)
                 self._eager_streak.end()
                 # offsets the program read, attributes it wrote: keyed from now on

@@ -62,3 +62,7 @@ class RunsEagerly(NotYetSupportedError):
     warning once per reason, and raises this error with `fullgraph=True` or for functional
     autodiff (`fulmen.grad`), whose results no eager call has."""
 
+    # whether later calls with the same cache key run eagerly without tracing again; False
+    # where the reason goes away by itself (a lazy module materialises at its first call)
+    remembered = True
+

@@ -77,6 +77,14 @@ T = torch.Tensor
 _GRAD_GET = torch.Tensor.grad.__get__
 
 
+class LazyParameters(RunsEagerly):
+    """The traced code reads a parameter or buffer a lazy module (`nn.LazyLinear`) has not
+    materialised: it has no sizes until that module's first call, which runs eagerly; the
+    calls after it trace again."""
+
+    remembered = False
+
+
 class UnreadGrad(RunsEagerly):
     """The traced code reads the `.grad` of a tensor whose gradient is no input of the trace:
     the call runs eagerly."""
@@ -113,6 +121,16 @@ _REQUIRES_GRAD_ = T.requires_grad_
 # (`retain_grad` is a hook too: it keeps the gradient autograd computes for that tensor)
 _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook,
                            T.retain_grad})
+
+
+class LazyBitQuery(RunsEagerly):
+    """The traced code asks whether a tensor's conjugate or negative bit is set (`z.is_conj()`,
+    true of `z.conj()` until it is resolved): a proxy carries neither bit, nor does the cache
+    key tell an argument with one from one without, so the call runs eagerly (a traced answer
+    was False, and a branch on it took the other path)."""
+
+
+_LAZY_BIT_QUERIES = frozenset({T.is_conj, T.is_neg, torch.is_conj})
 
 
 class TracerCtx(LayoutTruth, TraceCtx):
@@ -167,6 +185,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
             return state
         entry = self.captured.get(id(tensor))
         if entry is None:
+            if torch.nn.parameter.is_lazy(tensor):  # a lazy module's first call sizes it
+                raise LazyParameters(
+                    "a lazy module (nn.LazyLinear, ...) materialises its parameters in this "
+                    "call", op="materialize",
+                    hint="call the lazy module once before compiling the function")
             name = self.names.named(f"captured{len(self.captured)}")
             proxy = TensorProxy(name, tensor.shape, tensor.dtype, tensor.device,
                                 strides=tensor.stride(), requires_grad=tensor.requires_grad)
@@ -241,6 +264,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
             kwargs = {**kwargs, "dtype": _PYTHON_DTYPES[dtype]}
         if self._internal:
             return self._dispatch(func, args, kwargs)
+        if func in _LAZY_BIT_QUERIES:
+            raise LazyBitQuery(
+                "a tensor's conjugate or negative bit is read, which traced tensors do not carry",
+                op=_func_name(func), where=user_source_location(),
+                hint="resolve it outside the compiled function (z.resolve_conj())")
         if _is_inplace(func, args, kwargs):
             out = self.mutation.functionalize(func, args, kwargs)
             if self.state_proxies:  # `self.count += 1` returns (and stores) the module's tensor

@@ -50,7 +50,8 @@ def _argument_tensor_key(t: Tensor) -> tuple:
 
 
 def _object_tensor_key(t: Tensor) -> tuple:
-    return (*_tensor_key(t), t.storage_offset())
+    key = (*_tensor_key(t), t.storage_offset())
+    return key if type(t) is Tensor else (type(t), *key)  # (as `_leaf_key`'s)
 
 
 def _float_key(value: float) -> Any:
@@ -71,7 +72,10 @@ def _leaf_key(leaf: Any) -> Any:
     if type(leaf) in _BY_VALUE:  # (what the last case below gives them, without the tests)
         return (type(leaf), leaf)
     if isinstance(leaf, Tensor):
-        return _argument_tensor_key(leaf)
+        key = _argument_tensor_key(leaf)
+        # keyed by its type too: `isinstance(w, nn.Parameter)` answers as eager while tracing,
+        # a subclass with its own `__torch_function__` runs eagerly (`trace_program`)
+        return key if type(leaf) is Tensor else (type(leaf), *key)
     if isinstance(leaf, float):
         return (type(leaf), _float_key(leaf))
     if isinstance(leaf, NUMPY_SCALARS):  # by value (a NaN too, as floats), and by type
@@ -116,8 +120,9 @@ def _masked_key(t: Tensor, dims: tuple) -> tuple:
         return ("symbolic", "rank", len(shape))
     for dim in dims:
         shape[dim] = None
-    return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
-            None if free else t.is_contiguous(), has_argument_grad(t))
+    key = ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,
+           None if free else t.is_contiguous(), has_argument_grad(t))
+    return key if type(t) is Tensor else (*key, type(t))
 
 
 def _object_leaf_key(leaf: Any) -> Any:

@@ -266,6 +266,25 @@ def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs) -> list[Mod
     return [store for store in stores if not store.traced]
 
 
+class TorchFunctionSubclass(RunsEagerly):
+    """An argument is (or an argument object holds) a tensor subclass with a
+    `__torch_function__` of its own: it would run on the trace's ops at run time, not on the
+    user's, and see no call while tracing, so the call runs eagerly (its type is in the key)."""
+
+
+# the `__torch_function__`s of torch.Tensor and of subclasses that keep torch's behaviour
+# (`nn.Parameter`, `nn.Buffer`: disabled, their results are plain tensors)
+_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__,
+                    torch._C._disabled_torch_function_impl)
+
+
+def _own_torch_function(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, TensorProxy):  # a trace of traced values (fulmen's own)
+        return False
+    function = type(tensor).__torch_function__
+    return getattr(function, "__func__", function) not in _TORCH_FUNCTIONS
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
                   allow_breaks: bool = False, dynamic: dict | None = None,
@@ -328,6 +347,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 symbolic.add_input(proxy, index)
             if has_argument_grad(leaf):
                 proxy.unseen_grad = True  # reading it raises (dispatch): not an input
+            if type(leaf) is not torch.Tensor and _own_torch_function(leaf):
+                raise TorchFunctionSubclass(
+                    f"an argument is a {type(leaf).__name__}, a tensor subclass with a "
+                    "__torch_function__ of its own", op="__torch_function__",
+                    hint="pass a plain tensor (t.as_subclass(torch.Tensor))")
+            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart: `leaf_keys._leaf_key`)
+                proxy._is_param = True  # `isinstance(proxy, nn.Parameter)` is True, as in eager
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)
@@ -359,6 +385,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             proxy = TensorProxy(name, shape, tensor.dtype, tensor.device,
                                 requires_grad=tensor.requires_grad, strides=strides,
                                 storage_offset=tensor.storage_offset())
+            if type(tensor) is not torch.Tensor and _own_torch_function(tensor):
+                raise TorchFunctionSubclass(
+                    f"an argument holds a {type(tensor).__name__}, a tensor subclass with a "
+                    "__torch_function__ of its own", op="__torch_function__",
+                    hint="pass a plain tensor (t.as_subclass(torch.Tensor))")
+            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)
+                proxy._is_param = True
             if symbolic is not None:
                 symbolic.add_input(proxy, (root, path))
             ctx.add_input(proxy)

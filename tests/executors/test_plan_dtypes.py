@@ -88,6 +88,26 @@ def test_matching_inputs_run_the_kernel(codegen_eager, monkeypatch):
     assert calls == [1] and fallbacks == []
 
 
+
+def test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer(codegen_eager):
+    # `z.conj().imag` is a view whose negative bit is set: torch negates its values when it reads
+    # them, the raw memory holds them unnegated, so a kernel must not read it (it did, as a
+    # call's argument and as the imaginary part of a conjugate taken inside the function)
+    z, y = torch.randn(16, 24, dtype=torch.complex64), torch.randn(16, 24)
+    jfn = fulmen.jit(pointwise, executors=EXECUTORS)
+    for x in (z.imag, z.conj().imag, z.imag, z.conj().imag):  # the plan of z.imag is kept
+        torch.testing.assert_close(jfn(x, y), pointwise(x, y))
+    region = _region(jfn)
+    assert region.accepts((z.imag, y)) and not region.accepts((z.conj().imag, y))
+
+    def inside(z, y):
+        return pointwise(z.conj().imag, y)
+
+    jinside = fulmen.jit(inside, executors=EXECUTORS)
+    for _ in range(2):
+        torch.testing.assert_close(jinside(z, y), inside(z, y))
+    assert isinstance(_region(jinside), runtime.FusedRegion)  # the region is fused
+
 @pytest.mark.skipif(not nvrtc.available(), reason="cuda-python is not installed")
 def test_a_cuda_region_given_cpu_tensors_never_launches(monkeypatch):
     """CPU pointers must never reach a GPU kernel: the region runs its torch fallback."""

@@ -220,8 +220,8 @@ MUTANTS: list[Mutant] = [
     Mutant("guard_autocast_dtype", "guards", "tracer/process_state.py",
            "return _any_autocast() and autocast_key()", "return _any_autocast()", AUTOCAST),
     Mutant("guard_symbolic_requires_grad", "guards", "tracer/leaf_keys.py",
-           'return ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
-           'return ("symbolic", tuple(shape), t.dtype, t.device, None,',
+           'key = ("symbolic", tuple(shape), t.dtype, t.device, t.requires_grad,',
+           'key = ("symbolic", tuple(shape), t.dtype, t.device, None,',
            ("tests/tracer/test_guard_behaviour.py", "tests/tracer/test_dynamic_shapes.py")),
     # --- autograd bridge -----------------------------------------------------------------------
     Mutant("bridge_first_grad_dropped", "bridge", "autograd_bridge.py",
@@ -681,8 +681,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_torch_compile_interplay.py",)),
     # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
     Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
-           "*[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])",
-           "*[(t.shape, t.dtype, t.is_cpu) for t in inputs])",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
            ("tests/executors/test_codegen_calls.py",)),
     Mutant("codegen_plan_tables_shared_without_source", "codegen",
            "executors/codegen/cpu/runtime.py",
@@ -1899,4 +1899,70 @@ MUTANTS: list[Mutant] = [
            "            if self._grad_argnums is not None:  # `fulmen.grad(f)`",
            "            if False:  # `fulmen.grad(f)`",
            ("tests/tracer/test_autograd_function.py",)),
+    # --- session 46 (h46probe): wrong answers found by probing users' patterns, re-planted ---
+    Mutant("lazy_module_state_keyed_before_materialised", "modules", "jitted.py",
+           "        self._lazy_state = any(map(_is_lazy,",
+           "        self._lazy_state = False and any(map(_is_lazy,",
+           ("tests/tracer/test_modules.py::"
+            "test_lazy_modules_run_their_first_call_eagerly_then_compile",)),
+    Mutant("lazy_parameter_captured_unmaterialised", "modules", "tracer/dispatch.py",
+           "            if torch.nn.parameter.is_lazy(tensor):",
+           "            if False:",
+           ("tests/tracer/test_modules.py::"
+            "test_lazy_modules_run_their_first_call_eagerly_then_compile",)),
+    Mutant("codegen_accepts_a_negative_view", "codegen", "executors/codegen/region.py",
+           "                                         or tensor.is_neg()):",
+           "                                         ):",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
+    Mutant("codegen_plan_key_without_the_negative_bit", "codegen",
+           "executors/codegen/cpu/runtime.py",
+           "t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "t.dtype, t.is_cpu, False) for t in inputs])",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
+    Mutant("lazy_bit_query_answered_while_tracing", "tracer", "tracer/dispatch.py",
+           "        if func in _LAZY_BIT_QUERIES:", "        if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path",)),
+    Mutant("parameter_argument_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "        return key if type(leaf) is Tensor else (type(leaf), *key)",
+           "        return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_argument_symbolic_key_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "    return key if type(t) is Tensor else (*key, type(t))",
+           "    return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_argument_traced_as_a_tensor", "tracer", "tracer/tracer.py",
+           "            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart:",
+           "            if False:  # (keyed apart:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_in_an_object_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
+           "    return key if type(t) is Tensor else (type(t), *key)  # (as `_leaf_key`'s)",
+           "    return key",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("parameter_in_an_object_traced_as_a_tensor", "tracer", "tracer/tracer.py",
+           "            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)",
+           "            if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_isinstance_of_a_parameter_argument_is_eagers",)),
+    Mutant("torch_function_subclass_argument_traced", "tracer", "tracer/tracer.py",
+           "            if type(leaf) is not torch.Tensor and _own_torch_function(leaf):",
+           "            if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
+    Mutant("torch_function_subclass_in_an_object_traced", "tracer", "tracer/tracer.py",
+           "            if type(tensor) is not torch.Tensor and _own_torch_function(tensor):",
+           "            if False:",
+           ("tests/tracer/test_sharp_edges.py::"
+            "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
+    Mutant("torch_function_subclass_check_refuses_proxies", "tracer", "tracer/tracer.py",
+           "    if isinstance(tensor, TensorProxy):  # a trace of traced values (fulmen's own)",
+           "    if False:",
+           ("tests/executors/test_plan_dtypes.py::"
+            "test_a_cuda_region_given_cpu_tensors_never_launches",)),
 ]

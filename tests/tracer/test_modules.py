@@ -1,8 +1,10 @@
 """Module machinery and Python-level torch APIs real model code uses inside `forward`."""
 
+import contextlib
 import copy
 import dataclasses
 import typing
+import warnings
 
 import pytest
 import torch
@@ -279,3 +281,45 @@ def test_tied_weights_are_one_input_with_eagers_gradient():
         torch.testing.assert_close(compiled.first.weight.grad, eager.first.weight.grad)
         torch.testing.assert_close(compiled.count, eager.count)
     assert fulmen.compile_stats(jmodel).eager_calls == 0
+def _lazy_net():
+    return nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(),
+                         nn.LazyLinear(2))
+
+
+def test_lazy_modules_run_their_first_call_eagerly_then_compile():
+    # a lazy module's parameters have no sizes until its first call materialises them: keying
+    # the call or capturing them crashed; the first call runs eagerly, the next ones compile
+    eager, net = _twin(_lazy_net)
+    jnet = fulmen.jit(net)
+    for step in range(3):
+        x = torch.randn(2, 3, 6, 6)
+        torch.manual_seed(step)
+        expected = eager(x)
+        torch.manual_seed(step)
+        with pytest.warns(UserWarning, match="lazy module") if step == 0 else _no_warning():
+            got = jnet(x)
+        torch.testing.assert_close(got, expected)
+        got.square().sum().backward()
+        expected.square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    torch.testing.assert_close(net[1].running_var, eager[1].running_var)
+    stats = fulmen.compile_stats(jnet)
+    assert (stats.eager_calls, stats.cache_misses, stats.cache_hits) == (1, 1, 1)
+    lazy = nn.LazyLinear(3)
+    jfn = fulmen.jit(lambda x: lazy(x) * 2)  # a lazy module the function closes over
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = jfn(x)
+        torch.testing.assert_close(got, lazy(x) * 2)
+    stats = fulmen.compile_stats(jfn)
+    assert (stats.eager_calls, stats.cache_hits) == (1, 1)  # compiled once materialised
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield

@@ -368,3 +368,81 @@ def test_a_python_type_as_dtype_means_what_torch_makes_of_it(make):
         expected, actual = expected[1], actual[1]
     assert actual.dtype == expected.dtype
     torch.testing.assert_close(actual, expected)
+
+
+def test_a_branch_on_the_conjugate_or_negative_bit_takes_eagers_path():
+    # a proxy carries neither lazy bit and the key does not tell `z.conj()` from `z`: the traced
+    # answer was False, and the conjugate argument got the other branch's value
+    def pick(z):
+        if z.is_conj():
+            return z.resolve_conj() * 2
+        return z * 3
+
+    def sign(x):
+        return x * (2 if x.is_neg() else 3)
+
+    z = torch.randn(5, dtype=torch.complex64)
+    jpick, jsign = fulmen.jit(pick), fulmen.jit(sign)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the calls run eagerly, warning once)
+        for value in (z.conj(), z, z.conj()):
+            torch.testing.assert_close(jpick(value), pick(value))
+        for value in (z.conj().imag, z.imag):
+            torch.testing.assert_close(jsign(value), sign(value))
+
+
+def test_isinstance_of_a_parameter_argument_is_eagers():
+    # an argument that is an `nn.Parameter` was traced as a plain tensor and keyed as one: the
+    # branch on `isinstance(w, nn.Parameter)` took the other path, for Parameters and tensors
+    def scale(w, x, shift):  # (a number among the arguments: no key of plain tensors alone)
+        return w * (2 if isinstance(w, torch.nn.Parameter) else 3) + x + shift
+
+    def parameter(t):
+        return torch.nn.Parameter(t, requires_grad=False)  # keyed as the plain tensor but for it
+
+    jscale = fulmen.jit(scale)
+    x = torch.ones(3)
+    for make in (parameter, lambda t: t, parameter, lambda t: t):
+        w = make(torch.ones(3))
+        torch.testing.assert_close(jscale(w, x, 0.5), scale(w, x, 0.5))
+    jdynamic = fulmen.jit(scale, dynamic=True)  # the key with symbolic sizes tells them apart too
+    for n in (3, 4, 5):
+        for make in (parameter, lambda t: t):
+            w = make(torch.ones(n))
+            torch.testing.assert_close(jdynamic(w, torch.ones(n), 0.5), scale(w, torch.ones(n), 0.5))
+    holder = type("Holder", (), {})()  # a plain object holding it: its tensors are inputs too
+
+    def held(h, shift):
+        return scale(h.w, h.x, shift)
+
+    jheld = fulmen.jit(held)
+    for make in (parameter, lambda t: t, parameter):
+        holder.w, holder.x = make(torch.ones(3)), x
+        torch.testing.assert_close(jheld(holder, 0.5), held(holder, 0.5))
+
+
+class _Doubling(torch.Tensor):
+    """A tensor subclass whose `__torch_function__` doubles every sum taken of it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.Tensor.sum else out
+
+
+def test_an_argument_with_its_own_torch_function_runs_eagerly():
+    # it was traced as a plain tensor (its hook saw no call) and keyed as one: the sum was not
+    # doubled, and a plain tensor's entry served it
+    def total(x, shift):
+        return x.sum() + shift
+
+    jtotal = fulmen.jit(total)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the calls run eagerly, warning once)
+        for x in (torch.ones(3), torch.ones(3).as_subclass(_Doubling), torch.ones(3)):
+            torch.testing.assert_close(jtotal(x, 0.5), total(x, 0.5))
+        holder = type("Holder", (), {})()
+        jheld = fulmen.jit(lambda h: total(h.x, 0.5))
+        for x in (torch.ones(3), torch.ones(3).as_subclass(_Doubling)):
+            holder.x = x
+            torch.testing.assert_close(jheld(holder), total(x, 0.5))

@@ -338,12 +338,15 @@ class RegionCallable:
     def accepts(self, inputs) -> bool:
         """Whether every input has the dtype and device the kernel was built for. A kernel
         reads raw memory: a bfloat16 buffer handed to a float32 kernel would be read as float32
-        (garbage), so a region called with other types runs its torch fallback instead."""
+        (garbage), so a region called with other types runs its torch fallback instead; so
+        does one called with a tensor whose negative bit is set (`z.conj().imag`: torch negates
+        its values when it reads them, the raw memory holds them unnegated)."""
         if len(inputs) != len(self.input_types):
             return False
         for tensor, expected in zip(inputs, self.input_types):
             if expected is not None and (not isinstance(tensor, torch.Tensor)
-                                         or (tensor.dtype, tensor.device) != expected):
+                                         or (tensor.dtype, tensor.device) != expected
+                                         or tensor.is_neg()):
                 return False
         return True
 

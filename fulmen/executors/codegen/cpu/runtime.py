@@ -176,7 +176,7 @@ class FusedRegion(RegionCallable):
 
     def _run(self, inputs):
         key = (torch.get_num_threads(),
-               *[(t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs])
+               *[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])
         plan = self._plans.get(key)
         if plan is None:
             lowered = self.bind(inputs)
