@@ -1965,4 +1965,9 @@ MUTANTS: list[Mutant] = [
            "    if False:",
            ("tests/executors/test_plan_dtypes.py::"
             "test_a_cuda_region_given_cpu_tensors_never_launches",)),
+    Mutant("meta_kernels_see_cuda_for_meta_tensors", "layout", "ops/meta.py",
+           "    _META_DEVICE.type = device.type",
+           "    _META_DEVICE.type = None",
+           ("tests/ops/test_strides.py::"
+            "test_ops_laid_out_by_device_report_the_cpu_kernels_strides",)),
 ]

@@ -195,3 +195,24 @@ def test_a_generalised_one_broadcasting_takes_the_layout_rule(other_shape, monke
             program = trace_program(fn, (x, y), {}, dynamic={0: (0, 2)})
         expected = fn(x, y)
         assert not stride_mismatches(expected, pytree.tree_map(_at_hints, program.trace.output))
+
+
+_DEVICE_LAID_OUT = {
+    "linalg.svd": lambda x: torch.linalg.svd(x),
+    "linalg.svd.reduced": lambda x: torch.linalg.svd(x.t(), full_matrices=False),
+    "svd": lambda x: torch.svd(x.t()),
+    "linalg.eig": lambda x: torch.linalg.eig(x[:, :4]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEVICE_LAID_OUT))
+def test_ops_laid_out_by_device_report_the_cpu_kernels_strides(name):
+    """PyTorch's Python meta kernels of `linalg_svd` and `linalg_eig` lay the vectors out by
+    the device (column-major on the CPU, row-major for cuSOLVER) and take a meta tensor for a
+    CUDA one: a CPU trace must report the CPU kernel's strides (NOTE [meta kernels see the
+    device] in `fulmen.ops.meta`)."""
+    fn = _DEVICE_LAID_OUT[name]
+    x = torch.randn(4, 6)
+    expected = fn(x)
+    traced = trace_program(fn, (x,), {}).trace.output
+    assert not stride_mismatches(expected, traced)
