@@ -1970,4 +1970,9 @@ MUTANTS: list[Mutant] = [
            "    _META_DEVICE.type = None",
            ("tests/ops/test_strides.py::"
             "test_ops_laid_out_by_device_report_the_cpu_kernels_strides",)),
+    Mutant("batch_norm_laid_out_like_its_input", "layout", "ops/opaque.py",
+           "    if strides is None or tuple(first.stride()) == strides:",
+           "    if True:",
+           ("tests/ops/test_strides.py::"
+            "test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides",)),
 ]
