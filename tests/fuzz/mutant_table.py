@@ -1975,4 +1975,9 @@ MUTANTS: list[Mutant] = [
            "    if True:",
            ("tests/ops/test_strides.py::"
             "test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides",)),
+    Mutant("whole_op_drops_a_kept_size_one_stride", "layout", "tracer/layout.py",
+           "            strides = tuple(kept[0]) if kept else None",
+           "            strides = None",
+           ("tests/tracer/test_layout_degenerate.py::"
+            "test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager",)),
 ]
