@@ -6,6 +6,7 @@ uninitialised stand-ins."""
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, size_hints
@@ -119,4 +120,23 @@ def _dense(tensor: TensorProxy) -> bool:
     return True
 
 
-__all__ = ["attention_arguments", "attention_strides", "convolution_strides"]
+def batch_norm_strides(input, shape) -> tuple | None:
+    """Eager's strides for a batch norm's output of `shape` on CPU, or None elsewhere (the
+    meta kernel's answer stands).
+
+    PyTorch's meta kernel allocates the output `empty_like` the input (a transposed input's
+    strides), while the CPU kernel allocates it in the input's suggested memory format
+    (row-major, or channels_last where the input suggests it): `x.t()` of a (4, 6) tensor
+    normalises into strides (4, 1), not (1, 6). Static sizes only (the format is read from the
+    strides' values)."""
+    if not isinstance(input, TensorProxy) or input.device.type != "cpu" \
+            or not known_same_shape(tuple(input.shape), tuple(shape)) \
+            or any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride())):
+        return None
+    layout = torch.empty_strided(tuple(input.shape), tuple(input.stride()), device="meta")
+    memory_format = suggest_memory_format(layout)  # C++'s `Tensor::suggest_memory_format`
+    return torch.empty(tuple(input.shape), device="meta", memory_format=memory_format).stride()
+
+
+__all__ = ["attention_arguments", "attention_strides", "batch_norm_strides",
+           "convolution_strides"]

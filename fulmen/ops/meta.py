@@ -67,7 +67,7 @@ def call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
     elif not has_tensor:
         device = torch.get_default_device()
         kwargs = {**kwargs, "device": "meta"}
-    with _fake_mode((args, kwargs)), _fake_tensor_log_off():
+    with _fake_mode((args, kwargs)), _fake_tensor_log_off(), _meta_device(device):
         meta_args, meta_kwargs = to_meta((args, kwargs))
         with torch._C.DisableTorchFunction(), torch.no_grad():
             return fn(*meta_args, **meta_kwargs), device
@@ -179,6 +179,40 @@ def _layout_key(value: Any, envs: list) -> Any:
 # (callable, arguments' key) -> eager_layouts' answer; repeated layers hit it
 _LAYOUTS: dict[Any, Any] = {}
 _LAYOUTS_LIMIT = 8192
+
+
+# NOTE [meta kernels see the device]: some of PyTorch's Python meta kernels lay their outputs
+# out by the device the call runs on (`linalg_svd`'s Vh and `linalg_eig`'s vectors are
+# column-major on the CPU, row-major for cuSOLVER), asking `device_hint`, which answers "cuda"
+# for a tensor on the meta device. While `call_on_meta` runs, it answers the device the meta
+# tensors stand for instead (a thread-local, so another thread's meta calls are untouched).
+_META_DEVICE = threading.local()
+
+
+def _device_hint_hook(original):
+    def device_hint(tensor) -> str:
+        device = getattr(_META_DEVICE, "type", None)
+        if device is not None and getattr(getattr(tensor, "device", None), "type", None) == "meta":
+            return device
+        return original(tensor)
+
+    device_hint._fulmen_original = original
+    return device_hint
+
+
+@contextlib.contextmanager
+def _meta_device(device: torch.device):
+    """PyTorch's meta kernels take `device` for the device of meta tensors while this runs."""
+    registrations = sys.modules.get("torch._meta_registrations")
+    original = getattr(registrations, "device_hint", None)
+    if original is not None and not hasattr(original, "_fulmen_original"):
+        registrations.device_hint = _device_hint_hook(original)
+    previous = getattr(_META_DEVICE, "type", None)
+    _META_DEVICE.type = device.type
+    try:
+        yield
+    finally:
+        _META_DEVICE.type = previous
 
 
 def eager_layouts(fn, args, kwargs) -> list[tuple[torch.Size, tuple[int, ...]]] | None:

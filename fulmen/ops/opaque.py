@@ -18,7 +18,12 @@ from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.ops.elementwise_layout import _row_major_strides, elementwise_strides
-from fulmen.ops.kernel_layouts import _ATTENTION_ARGUMENTS, attention_arguments, attention_strides
+from fulmen.ops.kernel_layouts import (
+    _ATTENTION_ARGUMENTS,
+    attention_arguments,
+    attention_strides,
+    batch_norm_strides,
+)
 from fulmen.ops.meta import run_meta, with_strides
 from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
 from fulmen.ops.torch.base import torch_qualname
@@ -237,16 +242,33 @@ def _batch_norm_functional_meta(fn, input, weight, bias, running_mean, running_v
     float16/bfloat16 input, as the cuda kernel does; the CPU kernel returns them in the running
     statistics' dtype (a bfloat16 model's are bfloat16). NOTE [batch norm running statistics]
     in `tracer/batch_norm.py`."""
-    out = run_meta(fn, input, weight, bias, running_mean, running_var, *args, **kwargs)
+    out = _batch_norm_meta(fn, input, weight, bias, running_mean, running_var, *args, **kwargs)
     if input.device.type != "cpu":
         return out
     return (out[0], *(TensorProxy.like(stat, dtype=running_mean.dtype) for stat in out[1:]))
+
+
+def _batch_norm_meta(fn, *args, **kwargs):
+    """A batch norm (`F.batch_norm`, `torch.batch_norm`, `torch.native_batch_norm`): PyTorch's
+    meta kernel, with the normalised output laid out as the CPU kernel lays it out
+    (`batch_norm_strides`)."""
+    out = run_meta(fn, *args, **kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    input = args[0] if args else kwargs.get("input")
+    strides = batch_norm_strides(input, first.shape) if isinstance(first, TensorProxy) else None
+    if strides is None or tuple(first.stride()) == strides:
+        return out
+    first = with_strides(first, strides)
+    return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
                                              BATCH_NORM_FUNCTIONAL: _batch_norm_functional_meta,
+                                             torch.nn.functional.batch_norm: _batch_norm_meta,
+                                             torch.batch_norm: _batch_norm_meta,
+                                             torch.native_batch_norm: _batch_norm_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              in_layout: _in_layout_meta,
                                              torch.nn.functional.scaled_dot_product_attention:

@@ -303,7 +303,8 @@ def stand_in_layouts(func, args, kwargs, leaves):
     strides]): the op runs once on stand-ins of its operands (`_stand_in`) on the CPU and on
     the meta device; where the two lay the results out alike, the meta kernel's answer holds
     (None); else each output is laid out densely in the dim order of the CPU result
-    (`_dense_strides_alike`). None too where an output cannot be told so, for random ops (the
+    (`_dense_strides_alike`), or, where that result has an operand's strides (an `empty_like`
+    of it: `sort`, `frexp` of a `(4, 1)` tensor with strides `(1, 4)`), with that operand's. None too where an output cannot be told so, for random ops (the
     caller's check) and where a real tensor is among the arguments."""
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     operands = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
@@ -335,6 +336,10 @@ def stand_in_layouts(func, args, kwargs, leaves):
         if result.shape != tuple(1 if type(size) is int and size == 1 else 2 for size in shape):
             return None
         strides = _dense_strides_alike(shape, result)
+        if strides is None:  # eager's `empty_like` keeps an operand's strides, size-1 dims' too
+            kept = [p.stride() for p in operands if known_same_shape(tuple(p.shape), shape)
+                    and _stand_in(p).stride() == result.stride()]
+            strides = tuple(kept[0]) if kept else None
         if strides is None:
             return None
         layouts.append((out.shape, strides))

@@ -1965,4 +1965,19 @@ MUTANTS: list[Mutant] = [
            "    if False:",
            ("tests/executors/test_plan_dtypes.py::"
             "test_a_cuda_region_given_cpu_tensors_never_launches",)),
+    Mutant("meta_kernels_see_cuda_for_meta_tensors", "layout", "ops/meta.py",
+           "    _META_DEVICE.type = device.type",
+           "    _META_DEVICE.type = None",
+           ("tests/ops/test_strides.py::"
+            "test_ops_laid_out_by_device_report_the_cpu_kernels_strides",)),
+    Mutant("batch_norm_laid_out_like_its_input", "layout", "ops/opaque.py",
+           "    if strides is None or tuple(first.stride()) == strides:",
+           "    if True:",
+           ("tests/ops/test_strides.py::"
+            "test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides",)),
+    Mutant("whole_op_drops_a_kept_size_one_stride", "layout", "tracer/layout.py",
+           "            strides = tuple(kept[0]) if kept else None",
+           "            strides = None",
+           ("tests/tracer/test_layout_degenerate.py::"
+            "test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager",)),
 ]

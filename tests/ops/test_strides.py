@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fulmen import FulmenError
@@ -195,3 +196,55 @@ def test_a_generalised_one_broadcasting_takes_the_layout_rule(other_shape, monke
             program = trace_program(fn, (x, y), {}, dynamic={0: (0, 2)})
         expected = fn(x, y)
         assert not stride_mismatches(expected, pytree.tree_map(_at_hints, program.trace.output))
+
+
+_DEVICE_LAID_OUT = {
+    "linalg.svd": lambda x: torch.linalg.svd(x),
+    "linalg.svd.reduced": lambda x: torch.linalg.svd(x.t(), full_matrices=False),
+    "svd": lambda x: torch.svd(x.t()),
+    "linalg.eig": lambda x: torch.linalg.eig(x[:, :4]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEVICE_LAID_OUT))
+def test_ops_laid_out_by_device_report_the_cpu_kernels_strides(name):
+    """PyTorch's Python meta kernels of `linalg_svd` and `linalg_eig` lay the vectors out by
+    the device (column-major on the CPU, row-major for cuSOLVER) and take a meta tensor for a
+    CUDA one: a CPU trace must report the CPU kernel's strides (NOTE [meta kernels see the
+    device] in `fulmen.ops.meta`)."""
+    fn = _DEVICE_LAID_OUT[name]
+    x = torch.randn(4, 6)
+    expected = fn(x)
+    traced = trace_program(fn, (x,), {}).trace.output
+    assert not stride_mismatches(expected, traced)
+
+
+def _batch_norm_calls():
+    w, b = torch.randn(4), torch.randn(4)
+    mean, var = torch.zeros(4), torch.ones(4)
+    return {
+        "native_batch_norm.train": lambda x: torch.native_batch_norm(x, w, b, None, None, True,
+                                                                     0.1, 1e-5),
+        "native_batch_norm.eval": lambda x: torch.native_batch_norm(x, w, b, mean, var, False,
+                                                                    0.1, 1e-5),
+        "F.batch_norm.train": lambda x: F.batch_norm(x, None, None, w, b, True),
+        "F.batch_norm.eval": lambda x: F.batch_norm(x, mean, var, w, b, False),
+        "F.batch_norm.running": lambda x: F.batch_norm(x, mean.clone(), var.clone(), w, b, True),
+        "torch.batch_norm": lambda x: torch.batch_norm(x, w, b, mean, var, False, 0.1, 1e-5,
+                                                       False),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_batch_norm_calls()))
+@pytest.mark.parametrize("shape,order", [((4, 6), (1, 0)), ((2, 5, 4), (0, 2, 1)),
+                                         ((3, 2, 5, 4), (1, 3, 0, 2)),
+                                         ((2, 5, 3, 4), (0, 3, 1, 2))])
+def test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides(name, shape, order):
+    """The CPU batch norm allocates its output in the input's suggested memory format
+    (row-major for a transposed input, channels_last where the input is), while PyTorch's meta
+    kernel allocates it like the input: the traced output reports eager's strides."""
+    fn = _batch_norm_calls()[name]
+    x = torch.randn(shape).permute(order)  # 4 channels in dim 1
+    expected = fn(x)
+    traced = trace_program(fn, (x,), {}).trace.output
+    assert not stride_mismatches(expected, traced)

@@ -47,3 +47,29 @@ def test_strides_of_degenerate_shapes_are_eagers(name, shape):
     assert strides.tolist() == expected_strides.tolist()
     assert actual.shape == expected.shape
     torch.testing.assert_close(actual, expected)
+
+
+KEPT_BY_EMPTY_LIKE = {
+    "sort": lambda x: torch.sort(x, dim=0),
+    "frexp": torch.frexp,
+    "native_dropout_eval": lambda x: torch.native_dropout(x, 0.5, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_BY_EMPTY_LIKE))
+def test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager(name):
+    """Ops run whole that allocate their outputs `empty_like` the input keep a size-1 dim's
+    odd stride (a (4, 1) tensor with strides (1, 4)) in eager, where PyTorch's meta kernel
+    gives row-major strides: traced code reads eager's (NOTE [size-1 strides])."""
+    op = KEPT_BY_EMPTY_LIKE[name]
+
+    def fn(x):
+        outs = op(x)
+        return outs, torch.tensor([y.stride() for y in outs])
+
+    x = torch.randn(1, 4).t()
+    expected, expected_strides = fn(x)
+    actual, strides = fulmen.jit(fn)(x)
+    assert strides.tolist() == expected_strides.tolist()
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want)
