@@ -36,8 +36,10 @@ from fulmen.ops.opaque import opaque_symbol
 from fulmen.proxies.tensor import TensorProxy
 from fulmen.transforms.autodiff.rules_attention import eager_picks_flash
 from fulmen.transforms.base import transform
+from fulmen.transforms.grouped_attention import standing_in_for
 
 __all__ = ["additive_attention_masks"]
+
 
 def _attention_symbols() -> tuple:
     """The symbols an attention call is recorded as: the torch-level op (float32/float64,
@@ -70,10 +72,8 @@ def _converted_call(bsym: BoundSymbol, requires: set[str],
         tensors = [bound.pop(name) for name in ("query", "key", "value")]
         output = bsym.sym(*tensors, **bound)
     *conversion, call = ctx.bsyms
-    renamed = {output.name: bsym.output}
-    call = call.renamed(lambda p: renamed.get(p.name, p), outputs=True)
     return [*(b.replace(source=bsym.source) for b in conversion),
-            call.replace(source=bsym.source, tags=bsym.tags)]
+            standing_in_for(call, output, bsym)]
 
 
 @transform("additive attention masks")

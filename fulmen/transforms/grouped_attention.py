@@ -32,7 +32,7 @@ from fulmen.proxies.tensor import TensorProxy
 from fulmen.transforms.autodiff.registry import bound_arguments
 from fulmen.transforms.base import transform
 
-__all__ = ["grouped_attention"]
+__all__ = ["grouped_attention", "standing_in_for"]
 
 # torch-level ops a head repeat is spelled with: each takes one tensor and views or copies it
 _REPEAT_STEPS = frozenset({"getitem", "unsqueeze", "expand", "broadcast_to", "reshape", "view",
@@ -107,6 +107,12 @@ def _grouped_call(bsym: BoundSymbol, producers: dict, names: NameAllocator):
     except FulmenError:  # a call the grouped form does not take: the repeats stay
         return None
     (call,) = ctx.bsyms
+    return standing_in_for(call, output, bsym)
+
+
+def standing_in_for(call: BoundSymbol, output: Proxy, bsym: BoundSymbol) -> BoundSymbol:
+    """`call`, recorded anew in a trace context of its own with the output `output`, made to
+    stand where `bsym` stood: writing `bsym`'s output, with `bsym`'s source line and tags."""
     renamed = {output.name: bsym.output}
     call = call.renamed(lambda p: renamed.get(p.name, p), outputs=True)
     return call.replace(source=bsym.source, tags=bsym.tags)
