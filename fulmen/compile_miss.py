@@ -90,7 +90,7 @@ class CompileMiss:
         except BaseException:
             host_random.restore()  # the generators left at their sentinel states otherwise
             raise
-        leaked = stored_proxies(global_holders)
+        leaked, stored = stored_proxies(global_holders)
         if leaked:
             restore_classes(classes)
             host_random.restore()
@@ -99,6 +99,14 @@ class CompileMiss:
                 "leave a placeholder there", op="store",
                 hint="return the tensor instead, or keep it in a module attribute or an "
                 "argument object, whose stores fulmen replays")
+        if stored:  # `global step; step += 1`: a compiled call would not repeat the store
+            restore_classes(classes)
+            host_random.restore()
+            raise GlobalStore(
+                f"the function stores into {stored[0]}; a compiled call would not repeat the "
+                "store", op="store",
+                hint="keep changing state in a module attribute or an argument object, whose "
+                "stores fulmen replays")
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._guard.watch_environment(program.environment_reads)

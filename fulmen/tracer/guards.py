@@ -64,6 +64,7 @@ from fulmen.tracer.source_reads import source_reader
 from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
+    DEFAULTS_LABEL,
     FUNCTIONS,
     HOOK_LABEL,
     SCALARS,
@@ -270,7 +271,8 @@ class CacheKeyBuilder:
         `(namespace, name)` and `(cell, None)` with their values) and of the lists, dicts and
         plain objects they hold (and those nested in them, `_NESTED_DEPTH` levels): a trace that
         stores a traced tensor into one (`STATS["loss"] = loss`, `LOG.append(y)`) would leave a
-        proxy there (`stored_proxies`)."""
+        proxy there, and stores of Python values would not be repeated by a compiled call
+        (`stored_proxies`)."""
         found: dict[int, Any] = {}
         bindings = []  # `global LAST; LAST = y` rebinds the name itself
         for name, read in self.scalar_sources:
@@ -281,7 +283,8 @@ class CacheKeyBuilder:
                 value = read()
                 bindings.append((binding, value))
                 _collect_holders(value, found, _NESTED_DEPTH)
-            elif name.startswith(HOOK_LABEL):  # a hook's object or default arguments
+            elif name.startswith(HOOK_LABEL) or name.endswith(DEFAULTS_LABEL):
+                # a hook's object or default arguments; the function's own defaults (`acc=[]`)
                 value = read()
                 for item in value if type(value) is tuple else (value,):
                     _collect_holders(item, found, _NESTED_DEPTH)

@@ -220,11 +220,14 @@ def object_key(root: Any, leaf_key, masks: dict | None = None, walked: list | No
 
 def snapshot(container: Any) -> Any:
     """A shallow copy of what `container` holds: a list's items, a dict's entries, a plain
-    object's attributes (None for anything else)."""
+    object's attributes (None for anything else). The storage itself, not what a subclass's
+    `__iter__`/`__getitem__` answer (HF's `ACT2FN` makes an instance per item read)."""
     if isinstance(container, list):
-        return list(container)
-    if isinstance(container, dict):
+        return list.copy(container)
+    if type(container) is dict:
         return dict(container)
+    if isinstance(container, dict):  # (`dict.copy` of an OrderedDict reads its `__getitem__`)
+        return {key: dict.__getitem__(container, key) for key in dict.keys(container)}
     if is_plain_object(container):
         return dict(vars(container))
     return None

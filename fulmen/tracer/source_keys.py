@@ -183,26 +183,29 @@ def _collect_holders(value: Any, found: dict[int, Any], depth: int) -> None:
 
 
 class GlobalStore(RunsEagerly):
-    """The traced code stores a traced tensor into a global or a closure variable, or into a
-    container or object held by one (`STATS["loss"] = loss`, `nonlocal last; last = y`):
-    a compiled call would leave a proxy there, so the call runs eagerly (and what it stored
-    into is put back as it was before tracing)."""
+    """The traced code stores into a global or a closure variable, or into a container or
+    object held by one or by a default argument: a traced tensor (`STATS["loss"] = loss`,
+    `nonlocal last; last = y`) would leave a proxy there, and a Python value (`global step;
+    step += 1`, `acc.append(1)` into `acc=[]`) would not be stored by a compiled call, whose
+    key was read before the store. The call runs eagerly (and what it stored into is put back
+    as it was before tracing)."""
 
 
-def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
-    """Put back the holders and names of `global_snapshots` that now hold a proxy; return
-    what each was ("the global name 'LAST'", "a global dict"). Where one does, the call runs
-    eagerly, which makes the trace's other stores again: every holder is put back then
-    (`counter[0] += 1; feats.append(y)` would count twice)."""
-    leaked = []
+def stored_proxies(snapshots: list[tuple[Any, Any]]) -> tuple[list[str], list[str]]:
+    """The stores the trace made into the holders and names of `global_snapshots`: what each
+    that now holds a proxy was ("the global name 'LAST'", "a global dict"), and what each
+    changed otherwise was. Where any changed, every one is put back: the call runs eagerly,
+    which makes the trace's stores again (`counter[0] += 1; feats.append(y)` would count
+    twice)."""
+    leaked, stored = [], []
     changed = []
     for holder, saved in snapshots:
         if type(holder) is tuple:  # (a module's globals, a name) or (a closure cell, None)
             now = _bound(holder)
-            if isinstance(now, TensorProxy):
-                leaked.append("a variable of an enclosing function" if holder[1] is None
-                              else f"the global name {holder[1]!r}")
             if now is not saved:
+                where = "a variable of an enclosing function" if holder[1] is None \
+                    else f"the global name {holder[1]!r}"
+                (leaked if isinstance(now, TensorProxy) else stored).append(where)
                 changed.append((holder, saved))
             continue
         if unchanged(holder, saved):
@@ -210,18 +213,19 @@ def stored_proxies(snapshots: list[tuple[Any, Any]]) -> list[str]:
         now = snapshot(holder)
         if any(isinstance(item, TensorProxy)
                for item in (now.values() if isinstance(now, dict) else now)):
-            restore(holder, saved)
             leaked.append(f"a global {type(holder).__name__}")
         else:
-            changed.append((holder, saved))
-    for holder, saved in changed if leaked else ():
+            stored.append(f"a {type(holder).__name__} held by a global, a closure variable or "
+                          "a default argument")
+        changed.append((holder, saved))
+    for holder, saved in changed:
         if type(holder) is not tuple:
             restore(holder, saved)
         elif holder[1] is None:
             holder[0].cell_contents = saved
         else:
             holder[0][holder[1]] = saved
-    return leaked
+    return leaked, stored
 
 
 def _bound(binding: tuple) -> Any:

@@ -163,6 +163,7 @@ _MAX_SOURCES = 512  # a bound on the per-call cost of the key
 
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 HOOK_LABEL = "hook "  # how the names of the sources a hook (or a replaced forward) reads start
+DEFAULTS_LABEL = "__defaults__"  # how the name of a function's default arguments' source ends
 # set on the forward `JittedModule.generate` puts on the wrapped module meanwhile (not keyed)
 COMPILED_FORWARD = "_fulmen_compiled_forward"
 _GLOBAL_FORWARD_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
@@ -200,7 +201,7 @@ def _closure_sources(fn, label: str = "") -> list[tuple[str, object]]:
     if code is None:
         return sources
     if getattr(fn, "__defaults__", None):  # `lambda m, i, out, feats=feats: ...`
-        sources.append((f"{label}__defaults__", functools.partial(getattr, fn, "__defaults__")))
+        sources.append((label + DEFAULTS_LABEL, functools.partial(getattr, fn, "__defaults__")))
     for cell_name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
             if _is_keyed(cell.cell_contents):

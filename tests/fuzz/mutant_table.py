@@ -1980,4 +1980,16 @@ MUTANTS: list[Mutant] = [
            "            strides = None",
            ("tests/tracer/test_layout_degenerate.py::"
             "test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager",)),
+    Mutant("python_store_into_a_global_compiled", "guards", "compile_miss.py",
+           "        if stored:  # `global step; step += 1`",
+           "        if False:  # `global step; step += 1`",
+           ("tests/tracer/test_python_stores.py",)),
+    Mutant("default_argument_stores_unwatched", "guards", "tracer/guards.py",
+           "            elif name.startswith(HOOK_LABEL) or name.endswith(DEFAULTS_LABEL):",
+           "            elif name.startswith(HOOK_LABEL):",
+           ("tests/tracer/test_python_stores.py",)),
+    Mutant("dict_subclass_snapshot_reads_getitem", "guards", "tracer/objects.py",
+           "        return {key: dict.__getitem__(container, key) for key in dict.keys(container)}",
+           "        return dict(container)",
+           ("tests/tracer/test_python_stores.py",)),
 ]

@@ -213,10 +213,13 @@ def test_a_miss_compiles_with_the_collector_paused_and_restores_it():
     seen = []
 
     def g(x):
-        seen.append(gc.isenabled())
         return x * 2 + 1
 
-    jfn = fulmen.jit(g)
+    def spy(trace):  # a user pass: it runs inside the miss (a store by `g` would run eagerly)
+        seen.append(gc.isenabled())
+        return trace
+
+    jfn = fulmen.jit(g, transforms=[spy])
     x = torch.randn(3)
     assert gc.isenabled()
     torch.testing.assert_close(jfn(x), g(x))
