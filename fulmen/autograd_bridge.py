@@ -18,6 +18,7 @@ be the forward that ran.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,9 @@ class CompiledPair:
     # positions of the residual tensors the backward reads only the sizes of (NOTE [residuals
     # read for their sizes])
     size_only: tuple[int, ...] = ()
+    # positions of the residuals that are inputs of the forward (NOTE [outputs backpropagated
+    # in turns])
+    input_residuals: frozenset[int] = frozenset()
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -122,18 +126,73 @@ class FulmenAutogradFunction(torch.autograd.Function):
             return (None, *_recomputed_grads(ctx, grads))
         pair: CompiledPair = ctx.pair
         cotangents = [g for g, flag in zip(grads, pair.differentiable_outputs) if flag]
-        residuals = list(ctx.saved_tensors)
-        for index, obj in ctx.objects:
-            residuals.insert(index, obj)
         backward = pair.backward
         if pair.backward_without is not None and any(g is None for g in cotangents):
             unused = tuple(g is None for g in cotangents)
             backward = pair.variants.get(unused)
             if backward is None:
                 backward = pair.variants[unused] = pair.backward_without(unused)
+        reached = tuple(g is not None for g in cotangents)
+        residuals = _residuals(ctx, getattr(backward, "residuals_read", None), reached)
+        if residuals is None:  # freed, and not all kept: the forward again, with a graph
+            with torch.enable_grad():
+                return (None, *_recomputed_grads(ctx, grads))
+        if pair.backward_without is not None and not all(reached):
             cotangents = [g for g in cotangents if g is not None]
         input_grads = backward(*residuals, *cotangents)
         return (None, *input_grads)
+
+
+def _residuals(ctx, reads: frozenset[int] | None, reached: tuple[bool, ...]) -> list | None:
+    """The residuals (tensors and objects, in the backward's order) for a backward reading
+    the tensors at positions `reads` (None: all) from the outputs flagged in `reached`; None
+    where they were freed and the backward must recompute the forward.
+
+    NOTE [outputs backpropagated in turns]: eager gives each output its own graph, so
+    `a.backward()` then `b.backward()` works where `b` shares no saved tensor with `a`
+    (a generator's and a discriminator's loss from one call). The one node of a compiled
+    call saves the residuals of every output, and a backward without `retain_graph` frees
+    them all. So a backward that leaves outputs without a cotangent keeps, on `ctx`, the
+    residuals it does not read (eager keeps the graphs of the outputs it did not reach) and
+    those that are inputs of the call (every eager node saving one holds its own reference).
+    A later backward from outputs not reached before takes them; where it reads a residual
+    an earlier backward read (a weight's transpose the forward made once), it recomputes the
+    forward from the inputs (as a double backward does; raising where the program cannot be
+    run again). One from an output reached before raises eager's error. An input updated
+    in place since raises as in eager (the first backward's `saved_tensors` checked every
+    version against the forward's)."""
+    kept = getattr(ctx, "kept", None)
+    try:
+        residuals = list(ctx.saved_tensors)
+    except RuntimeError:
+        if kept is None or any(map(operator.and_, reached, ctx.reached)):
+            raise
+        ctx.reached = tuple(map(operator.or_, reached, ctx.reached))
+        if reads is None or any(i not in kept for i in reads):
+            if getattr(ctx, "inputs", None) is None:  # (no `recompute`: random draws, ...)
+                raise
+            return None
+        for i in reads:
+            tensor, version = kept[i]
+            if _version(tensor) != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    "by an inplace operation (a residual of a fulmen-compiled call, kept for "
+                    "the backward of its other outputs)") from None
+        residuals = [kept[i][0] if i in kept else None for i in range(ctx.count)]
+        for index, obj in ctx.objects:
+            residuals[index] = obj
+        return residuals
+    for index, obj in ctx.objects:
+        residuals.insert(index, obj)
+    if kept is None and reads is not None:
+        ctx.count, ctx.reached = len(residuals), reached
+        inputs = ctx.pair.input_residuals
+        ctx.kept = {i: (r, _version(r)) for i, r in enumerate(residuals)
+                    if (i not in reads or i in inputs) and isinstance(r, torch.Tensor)}
+    elif kept is not None:  # (after a backward with `retain_graph=True`)
+        ctx.reached = tuple(map(operator.or_, reached, ctx.reached))
+    return residuals
 
 
 def _recomputed_grads(ctx, grads) -> tuple:

@@ -158,7 +158,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants), recompute=recompute,
-                            size_only=_size_only_residuals(unclaimed, len(residuals)))
+                            size_only=_size_only_residuals(unclaimed, len(residuals)),
+                            input_residuals=_input_residuals(traces[-1]))
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 
@@ -167,10 +168,25 @@ def _size_only_residuals(backward: Trace, count: int) -> tuple[int, ...]:
     """Positions among the first `count` arguments of `backward` (its residuals) of the
     tensors no statement reads: kept only to bind symbolic sizes (NOTE [residuals read for
     their sizes] in `autograd_bridge.py`)."""
+    read = _residuals_read(backward, count)
+    return tuple(i for i, p in enumerate(backward.args[:count])
+                 if isinstance(p, TensorProxy) and i not in read)
+
+
+def _input_residuals(forward: Trace) -> frozenset[int]:
+    """Positions of the residuals of `forward` that are its inputs (parameters, arguments)."""
+    inputs = {p.name for p in forward.args if isinstance(p, TensorProxy)}
+    return frozenset(i for i, r in enumerate(forward.output[1])
+                     if isinstance(r, TensorProxy) and r.name in inputs)
+
+
+def _residuals_read(backward: Trace, count: int) -> frozenset[int]:
+    """Positions among the first `count` arguments of `backward` (its residuals) that a
+    statement or the output reads."""
     read = {p.name for bsym in backward.bsyms if not bsym.is_del for p in bsym.proxy_inputs}
     read |= {p.name for p in iter_proxies(backward.output)}
-    return tuple(i for i, p in enumerate(backward.args[:count])
-                 if isinstance(p, TensorProxy) and p.name not in read)
+    return frozenset(i for i, p in enumerate(backward.args[:count])
+                     if isinstance(p, TensorProxy) and p.name in read)
 
 
 _NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})
@@ -299,6 +315,8 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
             folded = fold_unused_cotangents(backward, unused, fold=fold)
             stages = [folded, *_claimed_stages(folded, executors)]
             compiled = without_autocast(stages[-1].python_callable())
+            # (NOTE [outputs backpropagated in turns] in `fulmen.autograd_bridge`)
+            compiled.residuals_read = _residuals_read(folded, len(backward.args) - count)
         except Exception:
             if not fold:
                 raise
