@@ -23,6 +23,8 @@ from fulmen.tracer.leaf_keys import StateRemoved
 from fulmen.tracer.module_hooks import (
     HookWatch,
     StructureWatch,
+    TiesBroken,
+    TieWatch,
     add_wrapper_prefix,
     strip_wrapper_prefix,
 )
@@ -131,6 +133,7 @@ class JittedModule(torch.nn.Module):
         self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
         self._hooks = HookWatch(self._orig_mod)
         self._structure = StructureWatch(self._orig_mod)
+        self._ties = TieWatch(self._orig_mod)
         self._jit.after_buffer_stores = self._accept_buffer_stores
 
     def _accept_buffer_stores(self) -> None:
@@ -179,6 +182,13 @@ class JittedModule(torch.nn.Module):
                 hint="register the hook on the jitted module itself (it runs as a module around "
                 "the compiled call), or use tensor hooks on parameters (p.register_hook, "
                 "register_post_accumulate_grad_hook)"))
+        untied = self._ties.broken()
+        if untied is not None:
+            return self._jit._eagerly_or_raise(args, kwargs, TiesBroken(
+                f"the tensors tied when the module was jitted are not one now ({untied!r} holds "
+                "another; torch.func.functional_call with tie_weights=False): the compiled "
+                "program reads them as one", op="functional_call",
+                hint="pass the tied tensors together, or keep tie_weights=True"))
         try:
             return self._jit._call(args, kwargs)
         except StateRemoved:  # `m.bias = None`: a change of structure
@@ -207,7 +217,7 @@ class JittedModule(torch.nn.Module):
         """The module and the options, without the compiled cache (its traces hold proxies and
         compiled code); registered executors are kept by name."""
         state = self.__dict__.copy()
-        del state["_jit"], state["_hooks"], state["_structure"]
+        del state["_jit"], state["_hooks"], state["_structure"], state["_ties"]
         executors = self._jit_options["executors"]
         if executors is not None:
             executors = [_registered_name(executor) for executor in executors]

@@ -10,6 +10,8 @@
 - `StructureWatch`: the submodules, parameters and buffers a module holds. A submodule
   replaced (`resize_token_embeddings`, a new head), a parameter assigned or registered after
   jitting changes what the compiled program must read; `changed()` says so.
+- `TieWatch`: the tensors a module holds in more than one place (tied weights), which the
+  compiled program reads once; `broken()` says when the places hold different tensors now.
 - `strip_wrapper_prefix` / `add_wrapper_prefix`: state-dict hooks that make a wrapper's state
   dict read like the wrapped module's (`linear.weight`, not `_orig_mod.linear.weight`), so
   checkpoints move freely between a module and its jitted wrapper; both spellings load.
@@ -21,6 +23,8 @@ import operator
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from fulmen.core.errors import RunsEagerly
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _modules_module = torch.nn.modules.module
@@ -137,6 +141,42 @@ class StructureWatch:
         return False
 
 
+class TiesBroken(RunsEagerly):
+    """Places of a module that held one tensor when it was jitted (tied weights) hold
+    different ones: `torch.func.functional_call(jmodel, {"embed.weight": w},
+    tie_weights=False)` swaps `w` in for the first place only. The compiled program reads the
+    tensor once (`state_slots`), so it would compute with `w` in both; the call runs eagerly."""
+
+    remembered = False  # (the swap is undone after the call)
+
+
+class TieWatch:
+    """The parameters and buffers `module` holds in more than one place, which `state_slots`
+    reads from their first place only (NOTE in `TiesBroken`). `broken()`: whether a later
+    place holds another tensor than the first now; a check per tie (none in most models)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        first: dict[int, tuple[dict, str]] = {}
+        self._ties: list[tuple[dict, str, dict, str]] = []
+        for sub in module.modules():
+            for kind in ("_parameters", "_buffers"):
+                holder = getattr(sub, kind)
+                for key, tensor in holder.items():
+                    if tensor is None:
+                        continue
+                    if id(tensor) in first:
+                        self._ties.append((holder, key, *first[id(tensor)]))
+                    else:
+                        first[id(tensor)] = (holder, key)
+
+    def broken(self) -> str | None:
+        """The name of a place that no longer holds its first place's tensor, or None."""
+        for holder, key, owner, name in self._ties:
+            if holder.get(key) is not owner.get(name):
+                return key
+        return None
+
+
 class HeldModulesWatch:
     """The hooks and structure of the modules a jitted function reached besides a jitted module
     (`fulmen.tracer.module_stores.held_modules`: `step(model, batch)`'s `model`, a global):
@@ -204,4 +244,4 @@ def add_wrapper_prefix(module, state_dict, prefix: str, local_metadata, strict, 
             metadata.setdefault(inner_key, metadata[key])
 
 
-__all__ = ["HookWatch", "add_wrapper_prefix", "strip_wrapper_prefix"]
+__all__ = ["HookWatch", "TieWatch", "TiesBroken", "add_wrapper_prefix", "strip_wrapper_prefix"]

@@ -2005,4 +2005,9 @@ MUTANTS: list[Mutant] = [
            "        if kept is None or any(map(operator.and_, reached, ctx.reached)):",
            "        if kept is None:",
            ("tests/transforms/test_backward_in_turns.py",)),
+    Mutant("tied_weights_untied_by_functional_call_compiled", "modules", "wrappers.py",
+           "        if untied is not None:",
+           "        if False:",
+           ("tests/models/test_torch_patterns.py::"
+            "test_functional_call_untying_tied_weights_matches_eager",)),
 ]

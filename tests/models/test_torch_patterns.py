@@ -7,6 +7,8 @@ a cumulative average (`momentum=None` reads `num_batches_tracked`), a VAE built 
 with a `GradScaler`, grad mode toggled between calls, outputs that alias an input, weights
 pruned, reparametrized or frozen between steps, `parametrize.cached()` blocks."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -325,3 +327,35 @@ def test_weights_reparametrized_or_frozen_between_steps_train_as_eager(change):
         state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
         runs.append((losses, state))
     torch.testing.assert_close(runs[1], runs[0])
+
+
+class _TiedTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("ties", [(True, False), (False, True)], ids=["tied-first", "untied-first"])
+def test_functional_call_untying_tied_weights_matches_eager(ties):
+    """`tie_weights=False` swaps a tensor in for the first place of a tied weight only: the
+    compiled program, which reads a tied weight once, computed with it in both places (after a
+    tied call) or raised a TypeError (first call). Such calls run eagerly."""
+    torch.manual_seed(0)
+    model = _TiedTwice()
+    jitted = fulmen.jit(model)
+    x = torch.ones(1, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tie in ties:
+            got = []
+            for fn in (model, jitted):
+                w = _randn(3, 3, seed=1).requires_grad_()
+                out = torch.func.functional_call(fn, {"a.weight": w}, (x,), tie_weights=tie)
+                out.sum().backward()
+                got.append((out, w.grad))
+            torch.testing.assert_close(got[1], got[0])
+    torch.testing.assert_close(jitted(x), model(x))
