@@ -156,9 +156,10 @@ def _residuals(ctx, reads: frozenset[int] | None, reached: tuple[bool, ...]) -> 
     residuals it does not read (eager keeps the graphs of the outputs it did not reach) and
     those that are inputs of the call (every eager node saving one holds its own reference).
     A later backward from outputs not reached before takes them; where it reads a residual
-    an earlier backward read (a weight's transpose the forward made once), it recomputes the
-    forward from the inputs (as a double backward does; raising where the program cannot be
-    run again). One from an output reached before raises eager's error. An input updated
+    an earlier backward read (a zero cotangent that does not fold away still reads the other
+    output's activations: a GAN's two discriminator calls), it recomputes the forward from
+    the inputs (as a double backward does; raising where the program cannot be run again:
+    random draws). One from an output reached before raises eager's error. An input updated
     in place since raises as in eager (the first backward's `saved_tensors` checked every
     version against the forward's)."""
     kept = getattr(ctx, "kept", None)

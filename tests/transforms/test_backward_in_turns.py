@@ -43,8 +43,9 @@ def _gan(make):
 
 
 def test_a_gans_two_losses_backpropagated_in_turns_train_as_eager():
-    """Both losses read the discriminator's weights (and what the forward made from them once,
-    which the second backward recomputes)."""
+    """Both losses read the discriminator's weights (kept), and each backward reads the other
+    loss's activations where its unused cotangent does not fold away (the second recomputes
+    the forward)."""
     runs = []
     for make in (lambda f: f, fulmen.jit):
         gen, disc, losses = _gan(make)
