@@ -1691,10 +1691,10 @@ MUTANTS: list[Mutant] = [
     Mutant("prims_convert_keeps_the_dtype", "dtype", "ops/prims/elementwise.py",
            "    return _output_like(a, (a,), dtype)", "    return _output_like(a, (a,), a.dtype)",
            ELEMENTWISE),
-    Mutant("prims_mixed_layouts_take_the_first", "layout", "ops/prims/elementwise.py",
-           "    if first.is_contiguous() or any(",
-           "    if first.is_contiguous() and any(",
-           (*ELEMENTWISE, "tests/ops/test_strides.py", "tests/tracer/test_layout.py")),
+    # (`prims_mixed_layouts_take_the_first`, a map over operands of different layouts declared
+    # in the first's: equivalent, see MUTANTS.md session 47; a prim's declared strides only
+    # decide whether layout truth marks the torch-level output in place (when they are
+    # eager's) or replaces it by a proxy with eager's strides)
     Mutant("prims_matmul_batch_broadcast_unchecked", "layout", "ops/prims/linalg.py",
            "            and known_same_shape(a.shape[:-2], b.shape[:-2] if b.ndim > 2 else a.shape[:-2])",
            "            and len(a.shape[:-2]) == len(b.shape[:-2] if b.ndim > 2 else a.shape[:-2])",
