@@ -1936,8 +1936,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_argument_traced_as_a_tensor", "tracer", "tracer/tracer.py",
-           "            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart:",
-           "            if False:  # (keyed apart:",
+           "            _mark_parameter(proxy, leaf)\n",
+           "",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_in_an_object_keyed_as_a_tensor", "guards", "tracer/leaf_keys.py",
@@ -1946,18 +1946,18 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("parameter_in_an_object_traced_as_a_tensor", "tracer", "tracer/tracer.py",
-           "            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)",
-           "            if False:",
+           "            _mark_parameter(proxy, tensor)\n",
+           "",
            ("tests/tracer/test_sharp_edges.py::"
             "test_isinstance_of_a_parameter_argument_is_eagers",)),
     Mutant("torch_function_subclass_argument_traced", "tracer", "tracer/tracer.py",
-           "            if type(leaf) is not torch.Tensor and _own_torch_function(leaf):",
-           "            if False:",
+           '            _refuse_own_torch_function(leaf, "an argument is")\n',
+           "",
            ("tests/tracer/test_sharp_edges.py::"
             "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
     Mutant("torch_function_subclass_in_an_object_traced", "tracer", "tracer/tracer.py",
-           "            if type(tensor) is not torch.Tensor and _own_torch_function(tensor):",
-           "            if False:",
+           '            _refuse_own_torch_function(tensor, "an argument holds")\n',
+           "",
            ("tests/tracer/test_sharp_edges.py::"
             "test_an_argument_with_its_own_torch_function_runs_eagerly",)),
     Mutant("torch_function_subclass_check_refuses_proxies", "tracer", "tracer/tracer.py",
