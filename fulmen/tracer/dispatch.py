@@ -178,6 +178,15 @@ class TracerCtx(LayoutTruth, TraceCtx):
         finally:
             self._internal -= 1
 
+    def note_state_offset_read(self, tensor: torch.Tensor) -> None:
+        """A parameter or buffer of the traced module is read as itself, not as its proxy
+        (`self.weight.storage_offset()`): its offset is guarded like an input's (the tracer's
+        `offset_reads`), never a constant of the trace."""
+        state = self.state_proxies.get(id(tensor))
+        reads = getattr(self, "offset_reads", None)
+        if state is not None and reads is not None:
+            reads.add(state.name)
+
     def capture(self, tensor: torch.Tensor) -> TensorProxy:
         """The input proxy standing for a real tensor the traced code closed over."""
         state = self.state_proxies.get(id(tensor))
@@ -477,6 +486,8 @@ class FactoryMode(TorchFunctionMode):
             if func is T.stride and self.ctx.undecided_layouts and isinstance(
                     args[0], TensorProxy):
                 self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))
+            if func is T.storage_offset and not isinstance(args[0], TensorProxy):
+                self.ctx.note_state_offset_read(args[0])
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):

@@ -120,3 +120,28 @@ def test_symbolic_slices_cats_and_keepdim_reductions_ask_no_meta_kernel(monkeypa
     for n in (6, 8, 10):
         x = torch.randn(2, 3, n, 5).contiguous(memory_format=torch.channels_last)
         assert jcat(x) == channels_last_cat(x)
+
+
+class _OffsetReader(torch.nn.Module):
+    """A module whose parameter is a slice of a flat buffer (as flat-parameter wrappers make),
+    reading the parameter's and a buffer's offsets."""
+
+    def __init__(self, flat):
+        super().__init__()
+        self.w = torch.nn.Parameter(flat[2:6], requires_grad=False)
+        self.register_buffer("b", flat[:4].clone())
+
+    def forward(self, x):
+        return x * self.w.storage_offset() + self.w + self.b.storage_offset()
+
+
+def test_a_module_parameters_storage_offset_read_is_guarded():
+    flat = torch.arange(20.0)
+    module = _OffsetReader(flat)
+    jitted = fulmen.jit(module)
+    x = torch.ones(4)
+    for start in (2, 5, 2, 7):
+        module.w.data = flat[start:start + 4]
+        torch.testing.assert_close(jitted(x), module(x))
+    module.b = flat[8:12]
+    torch.testing.assert_close(jitted(x), module(x))
