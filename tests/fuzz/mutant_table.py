@@ -1982,7 +1982,7 @@ MUTANTS: list[Mutant] = [
             "test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager",)),
     # --- session 47 (h47mut): rows over files with few, each killed (MUTANTS.md) ---------------
     Mutant("module_state_offset_read_unrecorded", "guards", "tracer/dispatch.py",
-           "                self.ctx.note_state_offset_read(args[0])\n",
+           "                self.ctx.note_offset_read(args[0], sys._getframe(1))\n",
            "                pass\n",
            ("tests/tracer/test_layout_guards.py::"
             "test_a_module_parameters_storage_offset_read_is_guarded",)),
@@ -2125,4 +2125,9 @@ MUTANTS: list[Mutant] = [
            "dims = (1,) * (self.ndim - len(dims)) + dims",
            "dims = dims + (1,) * (self.ndim - len(dims))",
            SHAPE),
+    Mutant("captured_offset_read_traced", "guards", "tracer/dispatch.py",
+           "        elif reads is not None and not is_fulmens_own(caller.f_code.co_filename):",
+           "        elif False:",
+           ("tests/tracer/test_layout_guards.py::"
+            "test_the_storage_offset_of_a_tensor_the_code_closes_over_is_eagers",)),
 ]
