@@ -123,6 +123,12 @@ _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook
                            T.retain_grad})
 
 
+class CapturedOffsetRead(RunsEagerly):
+    """The traced code reads `storage_offset()` of a tensor it closes over (a global, a tensor
+    attribute): the key holds no such offset (`m.t.data = flat[5:9]` keeps the tensor), so the
+    call runs eagerly."""
+
+
 class LazyBitQuery(RunsEagerly):
     """The traced code asks whether a tensor's conjugate or negative bit is set (`z.is_conj()`,
     true of `z.conj()` until it is resolved): a proxy carries neither bit, nor does the cache
@@ -177,6 +183,23 @@ class TracerCtx(LayoutTruth, TraceCtx):
             yield
         finally:
             self._internal -= 1
+
+    def note_offset_read(self, tensor: torch.Tensor, caller) -> None:
+        """`tensor.storage_offset()` of a real tensor, read by the frame `caller`. A parameter
+        or buffer of the traced module is read as itself, not as its proxy: its offset is
+        guarded like an input's (the tracer's `offset_reads`). Any other tensor the user's
+        code reaches (a global, a closure's, a plain tensor attribute) has no offset in the key:
+        the call runs eagerly (`CapturedOffsetRead`), never with a traced constant."""
+        state = self.state_proxies.get(id(tensor))
+        reads = getattr(self, "offset_reads", None)
+        if state is not None:
+            if reads is not None:
+                reads.add(state.name)
+        elif reads is not None and not is_fulmens_own(caller.f_code.co_filename):
+            raise CapturedOffsetRead(
+                "the traced code reads the storage offset of a tensor it reaches besides its "
+                "arguments and the module's parameters and buffers", op="storage_offset",
+                where=user_source_location())
 
     def capture(self, tensor: torch.Tensor) -> TensorProxy:
         """The input proxy standing for a real tensor the traced code closed over."""
@@ -477,6 +500,8 @@ class FactoryMode(TorchFunctionMode):
             if func is T.stride and self.ctx.undecided_layouts and isinstance(
                     args[0], TensorProxy):
                 self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))
+            if func is T.storage_offset and not isinstance(args[0], TensorProxy):
+                self.ctx.note_offset_read(args[0], sys._getframe(1))
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):

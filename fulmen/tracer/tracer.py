@@ -285,6 +285,25 @@ def _own_torch_function(tensor: torch.Tensor) -> bool:
     return getattr(function, "__func__", function) not in _TORCH_FUNCTIONS
 
 
+def _refuse_own_torch_function(tensor: torch.Tensor, where: str) -> None:
+    """Raise `TorchFunctionSubclass` for a tensor argument (`where`: "an argument is") or a
+    tensor an argument object holds ("an argument holds") whose type has a
+    `__torch_function__` of its own (see `TorchFunctionSubclass`)."""
+    if type(tensor) is not torch.Tensor and _own_torch_function(tensor):
+        raise TorchFunctionSubclass(
+            f"{where} a {type(tensor).__name__}, a tensor subclass with a "
+            "__torch_function__ of its own", op="__torch_function__",
+            hint="pass a plain tensor (t.as_subclass(torch.Tensor))")
+
+
+def _mark_parameter(proxy: TensorProxy, tensor: torch.Tensor) -> None:
+    """Make `isinstance(proxy, nn.Parameter)` True, as in eager, when the user's `tensor` is
+    a Parameter (an argument, or held by an argument object; keyed apart by its type:
+    `leaf_keys._leaf_key`)."""
+    if isinstance(tensor, torch.nn.Parameter):
+        proxy._is_param = True
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
                   allow_breaks: bool = False, dynamic: dict | None = None,
@@ -347,13 +366,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 symbolic.add_input(proxy, index)
             if has_argument_grad(leaf):
                 proxy.unseen_grad = True  # reading it raises (dispatch): not an input
-            if type(leaf) is not torch.Tensor and _own_torch_function(leaf):
-                raise TorchFunctionSubclass(
-                    f"an argument is a {type(leaf).__name__}, a tensor subclass with a "
-                    "__torch_function__ of its own", op="__torch_function__",
-                    hint="pass a plain tensor (t.as_subclass(torch.Tensor))")
-            if isinstance(leaf, torch.nn.Parameter):  # (keyed apart: `leaf_keys._leaf_key`)
-                proxy._is_param = True  # `isinstance(proxy, nn.Parameter)` is True, as in eager
+            _refuse_own_torch_function(leaf, "an argument is")
+            _mark_parameter(proxy, leaf)
             inputs.append(proxy)
             ctx.add_input(proxy)
             positions.append(index)
@@ -385,13 +399,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             proxy = TensorProxy(name, shape, tensor.dtype, tensor.device,
                                 requires_grad=tensor.requires_grad, strides=strides,
                                 storage_offset=tensor.storage_offset())
-            if type(tensor) is not torch.Tensor and _own_torch_function(tensor):
-                raise TorchFunctionSubclass(
-                    f"an argument holds a {type(tensor).__name__}, a tensor subclass with a "
-                    "__torch_function__ of its own", op="__torch_function__",
-                    hint="pass a plain tensor (t.as_subclass(torch.Tensor))")
-            if isinstance(tensor, torch.nn.Parameter):  # (as an argument's, above)
-                proxy._is_param = True
+            _refuse_own_torch_function(tensor, "an argument holds")
+            _mark_parameter(proxy, tensor)
             if symbolic is not None:
                 symbolic.add_input(proxy, (root, path))
             ctx.add_input(proxy)

@@ -109,6 +109,14 @@ def test_int_and_bool_dtypes(dtype):
                              (a ^ b) + 1), x, y)
 
 
+def test_negative_and_wrapping_int_scalars():
+    """A Python int operand takes the tensor's dtype as eager's kernels see it: -3 stays -3,
+    and 200 wraps to -56 in int8 (every bit of the width kept, the top one the sign)."""
+    x = torch.randint(-100, 100, (300,)).to(torch.int8)
+    y = torch.randint(-100, 100, (300,)).to(torch.int8)
+    _check(lambda a, b: (torch.maximum(a * b, a + -3) & 0x5F, (a ^ b) - 200), x, y)
+
+
 def test_layouts_without_copies():
     x = torch.randn(64, 48)
     b = torch.randn(48)

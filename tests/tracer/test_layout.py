@@ -158,3 +158,30 @@ def test_a_view_keeps_eagers_strides_at_size_one_dims():
     got, got_strides = fulmen.jit(_upsampled_dropout)(b, w)
     assert got_strides == want_strides == (8, 1, 8, 8)
     torch.testing.assert_close(got, want)  # the same mask
+
+
+def _view_of_a_made_transpose(x):
+    return torch.zeros(4, 6).t().view(24) + x  # eager: "view size is not compatible"
+
+
+def _written_reshape_of_a_made_transpose(x):
+    z = torch.ones(4, 6)
+    r = z.t().reshape(24)  # a copy in eager (a transpose cannot be viewed flat)
+    r.add_(1)
+    return z + x.view(4, 6), r
+
+
+def test_tensors_made_in_the_call_have_known_strides():
+    """A tensor the call makes from no tensor (`torch.zeros`, `torch.arange`) has eager's
+    strides, known while tracing (layout truth marks an output exact when *every* tensor
+    argument is, which holds for none): a `view` its transpose cannot give raises eager's
+    error, and a `reshape` of it is known to copy, so writing into that copy leaves the
+    made tensor alone."""
+    x = torch.randn(24)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        _view_of_a_made_transpose(x)
+    with pytest.raises(Exception, match="view size is not compatible"):
+        fulmen.jit(_view_of_a_made_transpose)(x)
+    expected = _written_reshape_of_a_made_transpose(x)
+    actual = fulmen.jit(_written_reshape_of_a_made_transpose)(x)
+    torch.testing.assert_close(actual, expected)

@@ -1,6 +1,7 @@
 """Strides and storage offsets that a program reads are guarded (issue 20): a compiled call
 answers `x.stride(0)`, `is_contiguous(memory_format=...)` and `x.storage_offset()` as eager."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -120,3 +121,63 @@ def test_symbolic_slices_cats_and_keepdim_reductions_ask_no_meta_kernel(monkeypa
     for n in (6, 8, 10):
         x = torch.randn(2, 3, n, 5).contiguous(memory_format=torch.channels_last)
         assert jcat(x) == channels_last_cat(x)
+
+
+class _OffsetReader(torch.nn.Module):
+    """A module whose parameter is a slice of a flat buffer (as flat-parameter wrappers make),
+    reading the parameter's and a buffer's offsets."""
+
+    def __init__(self, flat):
+        super().__init__()
+        self.w = torch.nn.Parameter(flat[2:6], requires_grad=False)
+        self.register_buffer("b", flat[:4].clone())
+
+    def forward(self, x):
+        return x * self.w.storage_offset() + self.w + self.b.storage_offset()
+
+
+def test_a_module_parameters_storage_offset_read_is_guarded():
+    flat = torch.arange(20.0)
+    module = _OffsetReader(flat)
+    jitted = fulmen.jit(module)
+    x = torch.ones(4)
+    for start in (2, 5, 2, 7):
+        module.w.data = flat[start:start + 4]
+        torch.testing.assert_close(jitted(x), module(x))
+    module.b = flat[8:12]
+    torch.testing.assert_close(jitted(x), module(x))
+
+
+_FLAT = torch.arange(20.0)
+_HELD = _FLAT[2:6]
+
+
+class _AttributeOffsetReader(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = _FLAT[2:6]  # a plain tensor attribute, neither parameter nor buffer
+
+    def forward(self, x):
+        return x * self.t.storage_offset() + self.t
+
+
+def _global_offset(x):
+    return x * _HELD.storage_offset() + _HELD
+
+
+def test_the_storage_offset_of_a_tensor_the_code_closes_over_is_eagers():
+    """No key holds the offset of a global or a tensor attribute, and `.data =` keeps the
+    tensor: such a call runs eagerly rather than answer with the traced offset."""
+    module = _AttributeOffsetReader()
+    cases = [(fulmen.jit(_global_offset), _global_offset, _HELD),
+             (fulmen.jit(module), module, module.t)]
+    x = torch.ones(4)
+    for jitted, eager, held in cases:
+        for start in (2, 5, 7):
+            held.data = _FLAT[start:start + 4]
+            if start == 2:  # the first call warns that such calls run eagerly
+                with pytest.warns(UserWarning, match="storage offset"):
+                    out = jitted(x)
+            else:
+                out = jitted(x)
+            torch.testing.assert_close(out, eager(x))
