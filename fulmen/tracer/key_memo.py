@@ -157,7 +157,7 @@ except ImportError:  # pragma: no cover - a build without Dynamo: keys are compu
 _DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _tensor_check(tensors: list) -> Any:
+def tensor_check(tensors) -> Any:
     """A C++ check that tensors still have the dispatch keys (device type and more), dtype,
     device index, requires_grad, sizes and strides of `tensors`, or None for tensors it is not
     made for (subclasses, non-strided layouts)."""
@@ -191,5 +191,5 @@ class TensorKeyMemo:
         if check is not None and len(tensors) == self._count and check.check(*tensors):
             return self._key
         key = HashedKey(tuple([self.key_of(t) for t in tensors]))
-        self._check, self._key, self._count = _tensor_check(tensors), key, len(tensors)
+        self._check, self._key, self._count = tensor_check(tensors), key, len(tensors)
         return key

@@ -161,3 +161,22 @@ def test_column_sums_over_other_axes_do_not_share_plans():
     assert first.kernel == second.kernel and first.lowered.shape == second.lowered.shape
     assert first.lowered.reduced != second.lowered.reduced
     assert first._plans is not second._plans
+
+
+def test_the_last_plan_runs_again_only_for_inputs_its_check_passes():
+    """NOTE [the last plan]: a second call with the layout of the first runs the plan it
+    remembered without the table; a negated view, a transposed tensor or one that requires
+    grad, of the same shape, each fails its check and is planned from its own key: each
+    result is eager's."""
+    jfn = fulmen.jit(_fn, executors=EXECUTORS)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    jfn(x, y)
+    region = _region(jfn)
+    region(x, y)
+    plan = region._last[3]
+    region._plans = type(region._plans)()  # (the table no longer holds the plan)
+    torch.testing.assert_close(region(x + 1, y), _fn(x + 1, y))
+    assert len(region._plans) == 0 and region._last[3] is plan
+    for other in (torch._neg_view(x), x.t(), x.clone().requires_grad_()):
+        torch.testing.assert_close(region(other, y), _fn(other, y).detach())
+        torch.testing.assert_close(region(x, y), _fn(x, y))

@@ -697,7 +697,7 @@ MUTANTS: list[Mutant] = [
            ("tests/executors/test_codegen_calls.py",)),
     Mutant("codegen_shared_plan_runs_another_regions_kernel", "codegen",
            "executors/codegen/cpu/runtime.py",
-           "elif self._ready.get(plan.layout) is not plan.fn:", "elif False:",
+           "        if self._ready.get(plan.layout) is not plan.fn:", "        if False:",
            ("tests/executors/test_codegen_policy.py",)),
     Mutant("layout_size_one_strides_as_row_major", "layout", "tracer/layout.py",
            "if any(_odd_size_one_strides(p) for p in inputs):",
@@ -2160,4 +2160,11 @@ MUTANTS: list[Mutant] = [
            "        elif False:",
            ("tests/tracer/test_layout_guards.py::"
             "test_the_storage_offset_of_a_tensor_the_code_closes_over_is_eagers",)),
+    Mutant("codegen_last_plan_unchecked", "codegen", "executors/codegen/cpu/runtime.py",
+           "                and last[2].check(*inputs):",
+           "                and True:",
+           ("tests/executors/test_codegen_calls.py::"
+            "test_the_last_plan_runs_again_only_for_inputs_its_check_passes",
+            "tests/executors/test_codegen_calls.py::"
+            "test_a_plan_serves_only_its_own_layout")),
 ]
