@@ -2167,4 +2167,10 @@ MUTANTS: list[Mutant] = [
             "test_the_last_plan_runs_again_only_for_inputs_its_check_passes",
             "tests/executors/test_codegen_calls.py::"
             "test_a_plan_serves_only_its_own_layout")),
+    # --- session 47 (lead) ----------------------------------------------------------------------
+    Mutant("relu_decomposed_as_maximum", "autodiff", "ops/torch/nn.py",
+           "    return prims.where(keep, a, prims.where(prims.eq(a, 0), prims.mul(a, 0), 0))",
+           "    return prims.maximum(a, 0)",
+           ("tests/transforms/test_grad_edges.py::"
+            "test_relu_decomposed_before_autodiff_keeps_eagers_gradient_and_zeros",)),
 ]
