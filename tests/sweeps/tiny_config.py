@@ -12,6 +12,8 @@ the sweep as skipped, with the error."""
 
 from __future__ import annotations
 
+from tests.sweeps.tiny_vision import shrink_vision
+
 VOCAB = 128
 LAYERS = 2
 HIDDEN = 32
@@ -206,6 +208,7 @@ def _shrink(d: dict, renumber: dict) -> dict:
             out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
+    shrink_vision(d, out)
     return out
 
 
