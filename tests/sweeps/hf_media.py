@@ -11,9 +11,11 @@ tokens per row that are not the blank/pad (CTC). The checks:
   parameter's gradient and every buffer after the step (BatchNorm's running statistics);
 - train-mode: train() mode under no_grad, a batch of 3: the logits and the buffers;
 - eval: eval() mode under no_grad, a batch of 3; eval-other: a batch of 1 at three quarters of
-  the resolution / length (where eager can run it).
+  the resolution / length (where eager can run it);
+- train-mode-channels-last: train() mode under no_grad, a batch of 2 of channels-last images.
 
-The float64 reference of each check is a copy of the model as it stands before the check
+Every tensor's strides (on dimensions of size other than 1) must be eager's too. The float64
+reference of each check is a copy of the model as it stands before the check
 (running statistics change in train mode), built only when a value is not tightly equal.
 """
 
@@ -43,6 +45,19 @@ def _generator(seed: int):
     import torch
 
     return torch.Generator().manual_seed(seed)
+
+
+def _layout(got: list, want: list) -> str:
+    """The first value whose strides (on dimensions of size other than 1) differ from eager's."""
+    import torch
+
+    for index, (a, e) in enumerate(zip(got, want)):
+        if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+            strides = [tuple(s for n, s in zip(t.shape, t.stride()) if n != 1) for t in (a, e)]
+            if strides[0] != strides[1]:
+                return f"value {index} of shape {tuple(e.shape)}: strides {a.stride()}, " \
+                       f"eager's {e.stride()}"
+    return ""
 
 
 class MediaCase:
@@ -131,18 +146,25 @@ class MediaCase:
             model = to_float64(before)
             return run(model, model, to_float64(inputs))
 
-        return want, lambda: run(self.jitted, self.twin, inputs), reference
+        return want, lambda: run(self.jitted, self.twin, inputs), reference, _layout
 
     def train(self):
         inputs = self._main_input(2, 1.0, 1)
         return self._compare(dict(inputs, labels=self._labels(2, inputs, 2)), True, True)
 
-    def forward(self, train: bool, batch: int, scale: float = 1.0):
-        return self._compare(self._main_input(batch, scale, 3 + batch), train, False)
+    def forward(self, train: bool, batch: int, scale: float = 1.0, channels_last: bool = False):
+        import torch
+
+        inputs = self._main_input(batch, scale, 3 + batch)
+        if channels_last:
+            inputs = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                      for k, v in inputs.items()}
+        return self._compare(inputs, train, False)
 
     def checks(self) -> list:
         """(name, check) pairs, in the order they run."""
         return [("train", self.train),
                 ("train-mode", lambda: self.forward(True, 3)),
                 ("eval", lambda: self.forward(False, 3)),
-                ("eval-other", lambda: self.forward(False, 1, 0.75))]
+                ("eval-other", lambda: self.forward(False, 1, 0.75)),
+                ("train-mode-channels-last", lambda: self.forward(True, 2, 1.0, True))]

@@ -209,13 +209,15 @@ def _short(error: BaseException) -> str:
 
 def _check(name: str, make) -> tuple[str, str]:
     """Run one check: ('eager', why) when eager fails, ('error', why) when fulmen raises,
-    ('wrong', what) when a value differs, ('ok', '')."""
+    ('wrong', what) when a value differs, ('ok', ''). `make` gives eager's values, a function
+    giving fulmen's and the float64 reference (None: compared exactly), and may add a fourth, a
+    function of (fulmen's, eager's) naming a layout that differs ('' when none does)."""
     import torch
 
     from fulmen.tools.accuracy import assert_accurate
 
     try:
-        want, got_fn, reference = make()
+        want, got_fn, reference, *layout = make()
     except Exception as error:  # eager cannot run this check
         return "eager", _short(error)
     try:
@@ -232,7 +234,8 @@ def _check(name: str, make) -> tuple[str, str]:
             assert_accurate(got, want, reference, what=name)
     except AssertionError as error:
         return "wrong", str(error).splitlines()[0][:200]
-    return "ok", ""
+    differs = layout[0](got, want) if layout else ""
+    return ("wrong", differs) if differs else ("ok", "")
 
 
 def check_type(model_type: str, mapping: str, max_params: float) -> str:

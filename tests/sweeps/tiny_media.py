@@ -1,20 +1,26 @@
-"""Tiny sizes for vision configs (called by `tiny_config._shrink`), generic by attribute name.
+"""Tiny sizes for vision and audio configs (called by `tiny_config._shrink`), generic by
+attribute name.
 
 A staged vision config (one with a per-stage `depths` / `depth` list: ResNet, Swin, ConvNeXt,
 PVT, ...) keeps its stages but gets one block per stage (a per-stage list of per-block lists,
 Dinat's `dilations`, keeps each stage's first entry) and every width (`hidden_sizes`,
 `embed_dim`, `*channels*`, `hidden_dim`, ...) divided by one power of two, the largest that
-leaves the widest at most `WIDEST` and every width a multiple of its stage's head count. A config
+leaves the widest at most `WIDEST` (no width below `NARROWEST`) and every width a multiple of its stage's head count. A config
 with per-stage width lists but no depths (MobileViT) gets the widths scaled too. Images are at
-most `IMAGE` pixels wide, whole-network width multipliers at most `MULTIPLIER`, a backbone's
-`out_features` picks the last stage. The per-stage counts `num_layers` / `num_stages` stay.
+most `IMAGE` pixels wide, windows at most `WINDOW` patches, whole-network width multipliers at most `MULTIPLIER`, a backbone's
+`out_features` picks the last stage. The per-stage counts `num_layers` / `num_stages` stay. An audio feature extractor's
+per-layer conv widths (`conv_dim`, `tdnn_dim`) are at most `CONV`.
 """
 
 from __future__ import annotations
 
 IMAGE = 64       # image_size at most this (patches and strides unchanged)
 WIDEST = 128     # the widest stage after shrinking, at most this
-DEPTH_NAMES = ("depths", "depth", "num_block_repeats")
+NARROWEST = 8    # and no width of at least this narrower than it (RegNet's SE layer: a quarter)
+CONV = 32        # a conv feature extractor's widths at most this
+CONV_WIDTHS = ("conv_dim", "tdnn_dim")
+DEPTH_NAMES = ("depths", "depth")
+WINDOW = 4       # window_size of an image model at most this (a 64-pixel image has few patches)
 # float width/depth multipliers of a whole network (EfficientNet, MobileNet): at most this
 MULTIPLIERS = ("width_coefficient", "depth_coefficient", "depth_multiplier", "width_multiplier")
 MULTIPLIER = 0.5
@@ -23,7 +29,7 @@ MULTIPLIER = 0.5
 STAGE_PICKS = ("out_features", "out_indices")
 # names of widths scaled together (a key containing one of these; never the input channels)
 WIDTH_WORDS = ("hidden_sizes", "embed_dim", "channels", "hidden_dims", "hidden_dim",
-               "embedding_size", "hidden_size", "class_expand")
+               "embedding_size", "hidden_size", "class_expand", "groups_width")
 NOT_WIDTHS = ("num_channels", "stem_num_channels")
 HEAD_LISTS = ("num_heads", "num_attention_heads")
 GROUPS = "num_groups"  # a group count scaled with the widths (channels per group kept)
@@ -53,7 +59,8 @@ def _factor(d: dict, keys: list[str]) -> int:
     widths = [v for key in keys for v in (d[key] if isinstance(d[key], list) else [d[key]])]
     heads = next((d[k] for k in HEAD_LISTS if _ints(d.get(k))), None)
     factor = 1
-    while max(widths) // factor > WIDEST:
+    while max(widths) // factor > WIDEST \
+            and min(w for w in widths if w >= NARROWEST) // (2 * factor) >= NARROWEST:
         factor *= 2
     single = next((d[k] for k in HEAD_LISTS if isinstance(d.get(k), int)), None)
     while factor > 1 and heads is not None and any(
@@ -67,14 +74,19 @@ def _factor(d: dict, keys: list[str]) -> int:
     return factor
 
 
-def shrink_vision(d: dict, out: dict) -> None:
-    """Set the tiny vision sizes of `d` (a config dict) in `out` (its shrunk copy)."""
+def shrink_media(d: dict, out: dict) -> None:
+    """Set the tiny vision and audio sizes of `d` (a config dict) in `out` (its shrunk copy)."""
+    for key in CONV_WIDTHS:
+        if _ints(d.get(key)):
+            out[key] = [min(v, CONV) for v in d[key]]
     for key in ("image_size", "crop_size"):
         value = d.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > IMAGE:
             out[key] = IMAGE
         elif _ints(value) and max(value) > IMAGE:
             out[key] = [min(v, IMAGE) for v in value]
+    if "image_size" in d and isinstance(d.get("window_size"), int) and d["window_size"] > WINDOW:
+        out["window_size"] = WINDOW
     for key in MULTIPLIERS:
         if isinstance(d.get(key), float) and d[key] > MULTIPLIER:
             out[key] = MULTIPLIER
