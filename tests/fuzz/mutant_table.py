@@ -1980,4 +1980,11 @@ MUTANTS: list[Mutant] = [
            "            strides = None",
            ("tests/tracer/test_layout_degenerate.py::"
             "test_an_op_run_whole_keeps_a_size_one_dims_stride_as_eager",)),
+    Mutant("group_norm_traced_row_major_on_cpu", "layout", "tracer/layout.py",
+           "    if func is F.group_norm and len(outputs) == 1:",
+           "    if False:",
+           ("tests/ops/test_strides.py::"
+            "test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides",
+            "tests/models/test_hf_vision_audio.py::"
+            "test_channels_last_group_norm_then_conv_backward_as_eager")),
 ]

@@ -133,3 +133,31 @@ def test_wav2vec2_ctc_trains_as_eager_over_three_lengths():
         twin.zero_grad()
         _train_step_matches(model, jitted, twin, _ctc_inputs(batch, length))
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_channels_last_group_norm_then_conv_backward_as_eager(monkeypatch):
+    """Found by the session 47 vision sweep (BiT made channels-last, one training step: every
+    gradient below a weight-standardized 1x1 conv O(1) off eager's). A group norm of a
+    channels-last input is channels-last on CPU, but was traced row-major; a 1x1 conv whose
+    weight is row-major at (8, 1, 1, 1) strides (BiT's standardized weight, `reshape_as` of a
+    batch norm's output) then followed the traced layout, and the next group norm's backward
+    handed eager's channels-last kernel a row-major gradient. Not fused (FUSE_TINY=0: the
+    partition users get), where the group norms run eager's kernels."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    weight0 = torch.randn(8, 8, 1, 1)
+    scale0, shift0, upstream = torch.randn(8), torch.randn(8), torch.randn(2, 8, 6, 6)
+
+    def block(x, weight, scale, shift):
+        h = torch.relu(torch.nn.functional.group_norm(x, 4, scale, shift))
+        return torch.nn.functional.group_norm(torch.nn.functional.conv2d(h, weight), 4, scale,
+                                              shift)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, weight0, scale0, shift0)]
+        (fn(*leaves) * upstream).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    for actual, expected in zip(grads(fulmen.jit(block)), grads(block)):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)

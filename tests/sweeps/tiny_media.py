@@ -9,7 +9,8 @@ leaves the widest at most `WIDEST` (no width below `NARROWEST`) and every width 
 with per-stage width lists but no depths (MobileViT) gets the widths scaled too. Images are at
 most `IMAGE` pixels wide, windows at most `WINDOW` patches, whole-network width multipliers at most `MULTIPLIER`, a backbone's
 `out_features` picks the last stage. The per-stage counts `num_layers` / `num_stages` stay. An audio feature extractor's
-per-layer conv widths (`conv_dim`, `tdnn_dim`) are at most `CONV`.
+per-layer conv widths (`conv_dim`, `tdnn_dim`) are at most `CONV`, its SpecAugment masking
+(`mask_time_prob`, `mask_feature_prob`) off.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ NARROWEST = 8    # and no width of at least this narrower than it (RegNet's SE l
 CONV = 32        # a conv feature extractor's widths at most this
 CONV_WIDTHS = ("conv_dim", "tdnn_dim")
 DEPTH_NAMES = ("depths", "depth")
-WINDOW = 4       # window_size of an image model at most this (a 64-pixel image has few patches)
+WINDOW = 2       # window_size of an image model at most this (Swin: the last stage of a
+                 # 64-pixel image is 2 patches wide, and a window no wider than any stage)
 # float width/depth multipliers of a whole network (EfficientNet, MobileNet): at most this
 MULTIPLIERS = ("width_coefficient", "depth_coefficient", "depth_multiplier", "width_multiplier")
 MULTIPLIER = 0.5
@@ -76,6 +78,9 @@ def _factor(d: dict, keys: list[str]) -> int:
 
 def shrink_media(d: dict, out: dict) -> None:
     """Set the tiny vision and audio sizes of `d` (a config dict) in `out` (its shrunk copy)."""
+    for key, value in d.items():  # SpecAugment's random masks in train(): off, as dropout is
+        if key.startswith("mask_") and key.endswith("_prob") and isinstance(value, float):
+            out[key] = 0.0
     for key in CONV_WIDTHS:
         if _ints(d.get(key)):
             out[key] = [min(v, CONV) for v in d[key]]
