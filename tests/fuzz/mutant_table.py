@@ -1987,4 +1987,9 @@ MUTANTS: list[Mutant] = [
             "test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides",
             "tests/models/test_hf_vision_audio.py::"
             "test_channels_last_group_norm_then_conv_backward_as_eager")),
+    Mutant("torch_whole_op_of_a_fused_tensor_trusted", "layout", "executors/claim.py",
+           "    return _with_output_layouts(trace, bsyms, eager_layout - drifted, fused)",
+           "    return _with_output_layouts(trace, bsyms, eager_layout, fused)",
+           ("tests/models/test_hf_vision_audio.py::"
+            "test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides",)),
 ]

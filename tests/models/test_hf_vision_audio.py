@@ -161,3 +161,29 @@ def test_channels_last_group_norm_then_conv_backward_as_eager(monkeypatch):
 
     for actual, expected in zip(grads(fulmen.jit(block)), grads(block)):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+
+def test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides():
+    """Found by the session 47 vision sweep (Segformer's segmentation logits, eval, once the
+    kernels were compiled): a fused region's kernel writes a row-major result where eager's is
+    channels-last (`relu` of a channels-last tensor), and a convolution torch runs whole follows
+    the layout it is handed: the returned logits were row-major, eager's channels-last. A
+    returned tensor computed from a fused tensor laid out otherwise than eager's goes through
+    `as_layout` too."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    previous = set_compile_policy("eager")  # the kernel, not its (re-laid) torch fallback
+    try:
+        x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+        weight = torch.randn(3, 8, 1, 1)
+
+        def head(x):
+            return torch.nn.functional.conv2d(torch.relu(x * 2), weight)
+
+        expected, actual = head(x), fulmen.jit(head)(x)
+    finally:
+        set_compile_policy(previous.mode, previous.hot_calls)
+    torch.testing.assert_close(actual, expected)
+    assert expected.stride() != expected.contiguous().stride()  # not vacuous
+    assert actual.stride() == expected.stride()
