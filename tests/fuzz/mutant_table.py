@@ -808,7 +808,7 @@ MUTANTS: list[Mutant] = [
            "NATIVE_GROUP_NORM_BACKWARD(grad, input, rstd, mean, weight",
            ("tests/fuzz/test_found_bugs.py",)),
     Mutant("vjp_group_norm_grad_in_another_layout", "vjp", "transforms/autodiff/rules_nn.py",
-           "    grad = IN_LAYOUT(grad, layout)", "    grad = grad",
+           "    grad = IN_LAYOUT_OF(grad, input)", "    grad = grad",
            ("tests/fuzz/test_found_bugs.py",)),
     # --- the forward/backward split (transforms/autodiff/split.py) ---
     Mutant("split_random_decomposition_recomputed", "vjp", "transforms/autodiff/split.py",
@@ -1992,4 +1992,9 @@ MUTANTS: list[Mutant] = [
            "    return _with_output_layouts(trace, bsyms, eager_layout, fused)",
            ("tests/models/test_hf_vision_audio.py::"
             "test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides",)),
+    Mutant("vjp_group_norm_grad_in_the_traced_layout", "vjp", "transforms/autodiff/rules_nn.py",
+           "    grad = IN_LAYOUT_OF(grad, input)",
+           "    grad = IN_LAYOUT_OF(grad, grad.contiguous(memory_format=layout))",
+           ("tests/models/test_hf_vision_audio.py::"
+            "test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager",)),
 ]

@@ -187,3 +187,31 @@ def test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides():
     torch.testing.assert_close(actual, expected)
     assert expected.stride() != expected.contiguous().stride()  # not vacuous
     assert actual.stride() == expected.stride()
+
+
+def test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager():
+    """A group norm's backward hands eager's CPU kernel the cotangent in its input's layout;
+    that layout was read from the trace (channels-last for `relu(x * 2)` of a channels-last x),
+    but the fused kernel computing the input wrote it row-major, and the kernel read the
+    channels-last cotangent as row-major: every gradient O(1) off eager's. The layout is now
+    decided when the backward runs (`in_layout_of` the input)."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    x0 = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    scale0, shift0, upstream = torch.randn(8), torch.randn(8), torch.randn(2, 8, 6, 6)
+
+    def block(x, scale, shift):
+        return torch.nn.functional.group_norm(torch.relu(x * 2), 4, scale, shift)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, scale0, shift0)]
+        (fn(*leaves) * upstream).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    previous = set_compile_policy("eager")  # the kernel, not its (re-laid) torch fallback
+    try:
+        actual = grads(fulmen.jit(block))
+    finally:
+        set_compile_policy(previous.mode, previous.hot_calls)
+    for got, want in zip(actual, grads(block)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
