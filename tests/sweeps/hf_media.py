@@ -12,7 +12,9 @@ tokens per row that are not the blank/pad (CTC). The checks:
 - train-mode: train() mode under no_grad, a batch of 3: the logits and the buffers;
 - eval: eval() mode under no_grad, a batch of 3; eval-other: a batch of 1 at three quarters of
   the resolution / length (where eager can run it);
-- train-mode-channels-last: train() mode under no_grad, a batch of 2 of channels-last images.
+- train-mode-channels-last: train() mode under no_grad, a batch of 2 of channels-last images;
+- train-channels-last-model (image models): the train check of a channels-last copy of the
+  model (its own jitted twin) on channels-last images, run first.
 
 Every tensor's strides (on dimensions of size other than 1) must be eager's too. The float64
 reference of each check is a copy of the model as it stands before the check
@@ -63,10 +65,15 @@ def _layout(got: list, want: list) -> str:
 class MediaCase:
     """One vision/audio model type: eager `model`, its jitted twin, the inputs of each check."""
 
-    def __init__(self, model, config, task: str):
+    def __init__(self, model, config, task: str, channels_last: bool = False):
+        import torch
+
         import fulmen
 
+        if channels_last:  # weights (and, in `train`, images) channels-last
+            model = copy.deepcopy(model).to(memory_format=torch.channels_last)
         self.model, self.config, self.task = model, config, task
+        self.channels_last = channels_last
         self.twin = copy.deepcopy(model)
         self.jitted = fulmen.jit(self.twin)
         self.input_name = model.main_input_name
@@ -157,7 +164,12 @@ class MediaCase:
         return want, lambda: run(self.jitted, self.twin, inputs), reference, _layout
 
     def train(self):
+        import torch
+
         inputs = self._main_input(2, 1.0, 1)
+        if self.channels_last:
+            inputs = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                      for k, v in inputs.items()}
         return self._compare(dict(inputs, labels=self._labels(2, inputs, 2)), True, True)
 
     def forward(self, train: bool, batch: int, scale: float = 1.0, channels_last: bool = False):
@@ -170,8 +182,13 @@ class MediaCase:
         return self._compare(inputs, train, False)
 
     def checks(self) -> list:
-        """(name, check) pairs, in the order they run."""
-        return [("train", self.train),
+        """(name, check) pairs, in the order they run; an image model's also trains a
+        channels-last copy of itself (a twin of its own) on channels-last images."""
+        extra = []
+        if self.task in ("image", "segment") and self.input_name == "pixel_values":
+            twin = MediaCase(self.model, self.config, self.task, channels_last=True)
+            extra = [("train-channels-last-model", twin.train)]
+        return extra + [("train", self.train),
                 ("train-mode", lambda: self.forward(True, 3)),
                 ("eval", lambda: self.forward(False, 3)),
                 ("eval-other", lambda: self.forward(False, 1, 0.75)),
