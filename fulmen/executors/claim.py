@@ -55,11 +55,14 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
     bsyms = []
     eager_layout: set[str] = set()  # outputs of torch-level and opaque ops torch runs whole
     fused: set[str] = set()
+    drifted: set[str] = set()  # fused outputs not laid out as eager's, and what reads them
     relayout = _Relayout(trace)
     for bsym in trace.bsyms:
         if bsym.is_del or isinstance(bsym.sym.executor, FusionExecutor):
             bsyms.append(bsym)
             fused |= bsym.output_names
+            drifted |= {p.name for p in bsym.proxy_outputs if isinstance(p, TensorProxy)
+                        and _needs_layout(p, row_major_ok=True)}
         else:
             # NOTE [random draws read their input's layout]
             if fused and any_tagged((bsym,), {Tag.RANDOM}):
@@ -68,8 +71,10 @@ def claim_executors(trace: Trace, executors: Sequence[Executor]) -> Trace:
             if (len(claimed) == 1 and not bsym.sym.is_prim
                     and claimed[0].sym.executor is torch_ex):
                 eager_layout |= claimed[0].output_names
+            if any(p.name in drifted for p in bsym.proxy_inputs):
+                drifted |= bsym.output_names
             bsyms.extend(claimed)
-    return _with_output_layouts(trace, bsyms, eager_layout, fused)
+    return _with_output_layouts(trace, bsyms, eager_layout - drifted, fused)
 
 
 def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: set[str],
@@ -82,7 +87,10 @@ def _with_output_layouts(trace: Trace, bsyms: list[BoundSymbol], eager_layout: s
     eager layout that is not computed by torch running its op whole goes through
     `torchex.as_layout(t, strides)`: the tensor itself when its strides already match, else a
     copy with eager's strides. Outputs of fusions are taken to be row-major, so only those whose
-    eager layout is not (channels_last, a permutation) get the step. Residuals of a forward
+    eager layout is not (channels_last, a permutation) get the step. Torch running an op whole
+    follows the layout it is handed, so an op reading (directly or through other ops) a fused
+    tensor whose eager layout is not row-major is not trusted either: a conv of a fused `relu`
+    of a channels-last tensor came back row-major (`eager_layout` excludes those). Residuals of a forward
     trace and the gradients of a backward trace are left alone (autograd lays gradients out
     as their parameters).
     """

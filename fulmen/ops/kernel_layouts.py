@@ -121,8 +121,8 @@ def _dense(tensor: TensorProxy) -> bool:
 
 
 def batch_norm_strides(input, shape) -> tuple | None:
-    """Eager's strides for a batch norm's output of `shape` on CPU, or None elsewhere (the
-    meta kernel's answer stands).
+    """Eager's strides for a batch norm's (or group norm's) output of `shape` on CPU, or None
+    elsewhere (the meta kernel's answer stands).
 
     PyTorch's meta kernel allocates the output `empty_like` the input (a transposed input's
     strides), while the CPU kernel allocates it in the input's suggested memory format

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
@@ -133,6 +134,20 @@ def in_layout(tensor: torch.Tensor, memory_format: torch.memory_format) -> torch
     that reads one layout. `Tensor.contiguous` traced on a proxy that looks contiguous
     records nothing."""
     return tensor.contiguous(memory_format=memory_format)
+
+
+def in_layout_of(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` in the memory format `like` suggests (`suggest_memory_format`), decided when it
+    runs: for a cotangent handed to a kernel that reads it in its input's layout (the CPU group
+    norm backward), where the input's layout then need not be its traced one (a fusion's kernel
+    writes a row-major result where eager's is channels-last)."""
+    return tensor.contiguous(memory_format=suggest_memory_format(like))
+
+
+def _in_layout_of_meta(fn, tensor, like):
+    """A new proxy in the memory format the traced `like` suggests."""
+    layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
+    return _in_layout_meta(in_layout, tensor, suggest_memory_format(layout))
 
 
 def _in_layout_meta(fn, tensor, memory_format):
@@ -271,6 +286,7 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.native_batch_norm: _batch_norm_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
                                              in_layout: _in_layout_meta,
+                                             in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
                                              **SYMBOLIC_METAS}

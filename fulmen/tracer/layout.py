@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core.proxy import iter_proxies
 from fulmen.ops.elementwise_layout import elementwise_strides
-from fulmen.ops.kernel_layouts import attention_strides, convolution_strides
+from fulmen.ops.kernel_layouts import attention_strides, batch_norm_strides, convolution_strides
 from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import contiguous_strides, known_same_shape
@@ -129,7 +129,9 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     - 1-3-d convolutions on CPU: the memory format eager's backend picks;
     - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
     - `cat` with an input that suggests no channels-last format: row-major (NOTE [cat layout]);
-    - a training dropout: the map rule over its input (`_dropout_strides`).
+    - a training dropout: the map rule over its input (`_dropout_strides`);
+    - `F.group_norm` on CPU: the input's suggested memory format, as the CPU kernel allocates
+      it (channels_last for a channels-last input; PyTorch's meta kernel answers row-major).
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
@@ -152,6 +154,11 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
             return [(outputs[0].shape, strides)]
     if func in _DROPOUTS and len(outputs) == 1:
         strides = _dropout_strides(args, kwargs, outputs[0])
+        if strides is not None:
+            return [(outputs[0].shape, strides)]
+    if func is F.group_norm and len(outputs) == 1:
+        strides = batch_norm_strides(args[0] if args else kwargs.get("input"),
+                                     tuple(outputs[0].shape))
         if strides is not None:
             return [(outputs[0].shape, strides)]
     if func is F.linear and len(outputs) == 1:

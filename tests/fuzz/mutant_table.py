@@ -808,7 +808,7 @@ MUTANTS: list[Mutant] = [
            "NATIVE_GROUP_NORM_BACKWARD(grad, input, rstd, mean, weight",
            ("tests/fuzz/test_found_bugs.py",)),
     Mutant("vjp_group_norm_grad_in_another_layout", "vjp", "transforms/autodiff/rules_nn.py",
-           "    grad = IN_LAYOUT(grad, layout)", "    grad = grad",
+           "    grad = IN_LAYOUT_OF(grad, input)", "    grad = grad",
            ("tests/fuzz/test_found_bugs.py",)),
     # --- the forward/backward split (transforms/autodiff/split.py) ---
     Mutant("split_random_decomposition_recomputed", "vjp", "transforms/autodiff/split.py",
@@ -2173,4 +2173,21 @@ MUTANTS: list[Mutant] = [
            "    return prims.maximum(a, 0)",
            ("tests/transforms/test_grad_edges.py::"
             "test_relu_decomposed_before_autodiff_keeps_eagers_gradient_and_zeros",)),
+    Mutant("group_norm_traced_row_major_on_cpu", "layout", "tracer/layout.py",
+           "    if func is F.group_norm and len(outputs) == 1:",
+           "    if False:",
+           ("tests/ops/test_strides.py::"
+            "test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides",
+            "tests/models/test_hf_vision_audio.py::"
+            "test_channels_last_group_norm_then_conv_backward_as_eager")),
+    Mutant("torch_whole_op_of_a_fused_tensor_trusted", "layout", "executors/claim.py",
+           "    return _with_output_layouts(trace, bsyms, eager_layout - drifted, fused)",
+           "    return _with_output_layouts(trace, bsyms, eager_layout, fused)",
+           ("tests/models/test_hf_vision_audio.py::"
+            "test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides",)),
+    Mutant("vjp_group_norm_grad_in_the_traced_layout", "vjp", "transforms/autodiff/rules_nn.py",
+           "    grad = IN_LAYOUT_OF(grad, input)",
+           "    grad = IN_LAYOUT_OF(grad, grad.contiguous(memory_format=layout))",
+           ("tests/models/test_hf_vision_audio.py::"
+            "test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager",)),
 ]

@@ -133,3 +133,85 @@ def test_wav2vec2_ctc_trains_as_eager_over_three_lengths():
         twin.zero_grad()
         _train_step_matches(model, jitted, twin, _ctc_inputs(batch, length))
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_channels_last_group_norm_then_conv_backward_as_eager(monkeypatch):
+    """Found by the session 47 vision sweep (BiT made channels-last, one training step: every
+    gradient below a weight-standardized 1x1 conv O(1) off eager's). A group norm of a
+    channels-last input is channels-last on CPU, but was traced row-major; a 1x1 conv whose
+    weight is row-major at (8, 1, 1, 1) strides (BiT's standardized weight, `reshape_as` of a
+    batch norm's output) then followed the traced layout, and the next group norm's backward
+    handed eager's channels-last kernel a row-major gradient. Not fused (FUSE_TINY=0: the
+    partition users get), where the group norms run eager's kernels."""
+    monkeypatch.setenv("FULMEN_FUSE_TINY", "0")
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    weight0 = torch.randn(8, 8, 1, 1)
+    scale0, shift0, upstream = torch.randn(8), torch.randn(8), torch.randn(2, 8, 6, 6)
+
+    def block(x, weight, scale, shift):
+        h = torch.relu(torch.nn.functional.group_norm(x, 4, scale, shift))
+        return torch.nn.functional.group_norm(torch.nn.functional.conv2d(h, weight), 4, scale,
+                                              shift)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, weight0, scale0, shift0)]
+        (fn(*leaves) * upstream).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    for actual, expected in zip(grads(fulmen.jit(block)), grads(block)):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+
+def test_conv_of_a_fused_channels_last_tensor_returns_eagers_strides():
+    """Found by the session 47 vision sweep (Segformer's segmentation logits, eval, once the
+    kernels were compiled): a fused region's kernel writes a row-major result where eager's is
+    channels-last (`relu` of a channels-last tensor), and a convolution torch runs whole follows
+    the layout it is handed: the returned logits were row-major, eager's channels-last. A
+    returned tensor computed from a fused tensor laid out otherwise than eager's goes through
+    `as_layout` too."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    previous = set_compile_policy("eager")  # the kernel, not its (re-laid) torch fallback
+    try:
+        x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+        weight = torch.randn(3, 8, 1, 1)
+
+        def head(x):
+            return torch.nn.functional.conv2d(torch.relu(x * 2), weight)
+
+        expected, actual = head(x), fulmen.jit(head)(x)
+    finally:
+        set_compile_policy(previous.mode, previous.hot_calls)
+    torch.testing.assert_close(actual, expected)
+    assert expected.stride() != expected.contiguous().stride()  # not vacuous
+    assert actual.stride() == expected.stride()
+
+
+def test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager():
+    """A group norm's backward hands eager's CPU kernel the cotangent in its input's layout;
+    that layout was read from the trace (channels-last for `relu(x * 2)` of a channels-last x),
+    but the fused kernel computing the input wrote it row-major, and the kernel read the
+    channels-last cotangent as row-major: every gradient O(1) off eager's. The layout is now
+    decided when the backward runs (`in_layout_of` the input)."""
+    from fulmen.executors.codegen import set_compile_policy
+
+    x0 = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    scale0, shift0, upstream = torch.randn(8), torch.randn(8), torch.randn(2, 8, 6, 6)
+
+    def block(x, scale, shift):
+        return torch.nn.functional.group_norm(torch.relu(x * 2), 4, scale, shift)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, scale0, shift0)]
+        (fn(*leaves) * upstream).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    previous = set_compile_policy("eager")  # the kernel, not its (re-laid) torch fallback
+    try:
+        actual = grads(fulmen.jit(block))
+    finally:
+        set_compile_policy(previous.mode, previous.hot_calls)
+    for got, want in zip(actual, grads(block)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -248,3 +248,18 @@ def test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides(name, sh
     expected = fn(x)
     traced = trace_program(fn, (x,), {}).trace.output
     assert not stride_mismatches(expected, traced)
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.channels_last_3d],
+                         ids=["channels_last", "channels_last_3d"])
+def test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides(memory_format):
+    """The CPU group norm allocates its output in the input's suggested memory format
+    (channels_last for a channels-last input), while PyTorch's meta kernel answers row-major:
+    the traced output reports eager's strides (the group norm backward picks the layout it
+    hands eager's kernel from them)."""
+    shape = (2, 8, 4, 4) if memory_format == torch.channels_last else (2, 8, 3, 4, 4)
+    x = torch.randn(shape).contiguous(memory_format=memory_format)
+    expected = F.group_norm(x, 2)
+    traced = trace_program(lambda x: F.group_norm(x, 2), (x,), {}).trace.output
+    assert expected.stride() != expected.contiguous().stride()  # not vacuous
+    assert not stride_mismatches(expected, traced)

@@ -14,7 +14,9 @@ reason) and, in a child process with a timeout, compares `fulmen.jit(model)` wit
 (`--mapping masked` / `classify`, the masked LM and sequence classification mappings: train with
 labels on every third real token / one label per row, then eval right-padded at 9 and
 left-padded at 14; a classifier's config without a pad token gets one, each row ends with the
-eos token when the config has one)
+eos token when the config has one; `--mapping image` / `segment` / `audio` / `ctc`, the image
+classification, semantic segmentation, audio classification and CTC mappings: the checks of
+`tests/sweeps/hf_media.py`, in train() and eval() modes at two batch sizes and resolutions)
 
 counting compiles (`compile_stats(...).cache_misses`) and calls that ran eagerly
 (`eager_calls`). Values are compared with fulmen's float64 accuracy rule
@@ -26,6 +28,7 @@ differs, ERROR when fulmen raised where eager did not, SKIP when eager cannot ru
     python -m tests.sweeps.hf_sweep --types gpt2,bart --jobs 2
     python -m tests.sweeps.hf_sweep --mapping causal --out /tmp/causal.md
     python -m tests.sweeps.hf_sweep --mapping masked,classify --types bert,gpt2
+    python -m tests.sweeps.hf_sweep --mapping image,segment,audio,ctc --types resnet,wav2vec2
 """
 
 from __future__ import annotations
@@ -37,15 +40,23 @@ import sys
 import traceback
 import warnings
 
+from tests.sweeps.hf_media import TASKS as MEDIA_TASKS
+from tests.sweeps.hf_media import MediaCase
 from tests.sweeps.runner import result_line, run_cases
 
 MAPPINGS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
             "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
             "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-            "classify": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
+            "classify": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+            "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+            "segment": "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
+            "audio": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+            "ctc": "MODEL_FOR_CTC_MAPPING_NAMES"}
 # the checks a mapping's models get: "lm" (train, eval, generate), "masked" (masked-token labels;
-# train, eval right and left padded), "classify" (a label per row; the same checks)
-TASKS = {"masked": "masked", "classify": "classify"}
+# train, eval right and left padded), "classify" (a label per row; the same checks), and the
+# vision/audio tasks of `tests/sweeps/hf_media.py`
+TASKS = {"masked": "masked", "classify": "classify", "image": "image", "segment": "segment",
+         "audio": "audio", "ctc": "ctc"}
 GENERATED = 8  # new tokens per generate call
 
 
@@ -196,15 +207,17 @@ def _short(error: BaseException) -> str:
     return text[0][:200] if text else type(error).__name__
 
 
-def _check(case: Case, name: str, make) -> tuple[str, str]:
+def _check(name: str, make) -> tuple[str, str]:
     """Run one check: ('eager', why) when eager fails, ('error', why) when fulmen raises,
-    ('wrong', what) when a value differs, ('ok', '')."""
+    ('wrong', what) when a value differs, ('ok', ''). `make` gives eager's values, a function
+    giving fulmen's and the float64 reference (None: compared exactly), and may add a fourth, a
+    function of (fulmen's, eager's) naming a layout that differs ('' when none does)."""
     import torch
 
     from fulmen.tools.accuracy import assert_accurate
 
     try:
-        want, got_fn, reference = make()
+        want, got_fn, reference, *layout = make()
     except Exception as error:  # eager cannot run this check
         return "eager", _short(error)
     try:
@@ -221,14 +234,14 @@ def _check(case: Case, name: str, make) -> tuple[str, str]:
             assert_accurate(got, want, reference, what=name)
     except AssertionError as error:
         return "wrong", str(error).splitlines()[0][:200]
-    return "ok", ""
+    differs = layout[0](got, want) if layout else ""
+    return ("wrong", differs) if differs else ("ok", "")
 
 
 def check_type(model_type: str, mapping: str, max_params: float) -> str:
     """The RESULT line of one model type (the child's work)."""
     import torch
 
-    import fulmen
     from tests.sweeps.tiny_config import config_for, model_class, text_vocab, tiny_config
 
     class_name = mapping_names(mapping)[model_type]
@@ -242,10 +255,13 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     params = sum(p.numel() for p in model.parameters())
     if params > max_params:
         return result_line("SKIP", f"{params / 1e6:.1f}M parameters")
+    task = TASKS.get(mapping, "lm")
+    if task in MEDIA_TASKS:
+        case = MediaCase(model, config, task)
+        return _outcome(case.jitted, case.checks())
     text = config.get_text_config(decoder=True)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < text_vocab(config) else 0
-    task = TASKS.get(mapping, "lm")
     if task == "classify" and getattr(text, "pad_token_id", None) is None:
         text.pad_token_id = pad  # batched classification needs one (as its users set it)
     eos = getattr(text, "eos_token_id", None)
@@ -259,14 +275,22 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
                    ("generate-sampled", lambda: case.generate(True))]
     else:
         checks += [("eval-14-left", lambda: case.eval(14, "left"))]
+    return _outcome(case.jitted, checks)
+
+
+def _outcome(jitted, checks) -> str:
+    """Run `checks` ((name, make) pairs) and give the RESULT line: the status, the notes, the
+    compiles and eager calls of `jitted`."""
+    import fulmen
+
     outcomes = {}
     fallbacks = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name, make in checks:
-            outcomes[name] = _check(case, name, make)
+            outcomes[name] = _check(name, make)
     fallbacks = sorted({str(w.message)[:160] for w in caught if str(w.message).startswith("fulmen")})
-    stats = fulmen.compile_stats(case.jitted)
+    stats = fulmen.compile_stats(jitted)
     counts = dict(compiles=stats.cache_misses, eager_calls=stats.eager_calls)
     kinds = [kind for kind, _ in outcomes.values()]
     notes = [f"{name}: {why}" for name, (kind, why) in outcomes.items() if kind != "ok"]
@@ -286,7 +310,8 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mapping", default="causal,seq2seq",
-                        help="comma-separated: causal, seq2seq, masked, classify, or a "
+                        help="comma-separated: causal, seq2seq, masked, classify, image, segment, "
+                             "audio, ctc, or a "
                              "*_MAPPING_NAMES attribute (checked as a language model)")
     parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--jobs", type=int, default=1)

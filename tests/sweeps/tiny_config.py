@@ -12,6 +12,8 @@ the sweep as skipped, with the error."""
 
 from __future__ import annotations
 
+from tests.sweeps.tiny_media import shrink_media
+
 VOCAB = 128
 LAYERS = 2
 HIDDEN = 32
@@ -64,9 +66,10 @@ LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encod
                 "decoder_layers", "num_decoder_layers", "num_encoder_layers")
 # sizes a default config may leave None although its model cannot be built without them (the
 # class computes no default: e.g. Ministral's `head_dim`, Nemotron's `num_key_value_heads`,
-# DeepSeek-V2's `num_experts_per_tok`); None stays None for every other name (often "off")
+# DeepSeek-V2's `num_experts_per_tok`, a CTC head's `vocab_size`); None stays None for every
+# other name (often "off")
 NONE_FILLED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts",
-               "n_shared_experts", "n_group", "topk_group")
+               "n_shared_experts", "n_group", "topk_group", "vocab_size")
 # counts a config derives from `num_hidden_layers` in `__post_init__` and stores: set to None so
 # the shrunk config derives them again (HRM's layers per stack)
 DERIVED = ("num_layers_per_stack",)
@@ -206,6 +209,7 @@ def _shrink(d: dict, renumber: dict) -> dict:
             out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
+    shrink_media(d, out)
     return out
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from fulmen.ops import ltorch, prims
-from fulmen.ops.opaque import in_layout, opaque_symbol
+from fulmen.ops.opaque import in_layout_of, opaque_symbol
 from fulmen.tracer.layout import _channels_last_like
 from fulmen.transforms.autodiff.registry import vjp_rule
 from fulmen.transforms.autodiff.rules import _zeros_like, autograd_cotangents
@@ -80,7 +80,7 @@ def _norm_vjp(grad, out, input, p, dim, keepdim, out_, dtype):
 NATIVE_GROUP_NORM = opaque_symbol(torch.ops.aten.native_group_norm.default)
 NATIVE_GROUP_NORM_BACKWARD = opaque_symbol(torch.ops.aten.native_group_norm_backward.default)
 
-IN_LAYOUT = opaque_symbol(in_layout)
+IN_LAYOUT_OF = opaque_symbol(in_layout_of)
 
 
 def _eager_memory_format(input) -> torch.memory_format | None:
@@ -108,8 +108,10 @@ def _group_norm_vjp(grad, out, input, groups, weight, bias, eps):
     the group norm's output would be saved too (a conv / GroupNorm / SiLU model saved 1.8x the
     bytes). Symbolic sizes, devices other than the CPU and inputs not already in the layout
     eager's kernels take run torch.autograd on the op (eager's kernels as well). The cotangent
-    goes through `in_layout`, decided at run time: its traced layout need not be its layout
-    then (`y.sum().backward()` hands an expanded one, which the kernel read as row-major)."""
+    goes through `in_layout_of` the input, decided at run time: neither its traced layout nor
+    the input's need be its layout then (`y.sum().backward()` hands an expanded one, which the
+    kernel read as row-major; a fused `relu` of a channels-last tensor is row-major when its
+    kernel wrote it, and the kernel read a channels-last cotangent as row-major)."""
     sizes = tuple(input.shape)
     layout = _eager_memory_format(input)
     if not all(type(s) is int for s in sizes) or layout is None:
@@ -117,7 +119,7 @@ def _group_norm_vjp(grad, out, input, groups, weight, bias, eps):
     batch, channels, spatial = sizes[0], sizes[1], math.prod(sizes[2:])
     _, mean, rstd = NATIVE_GROUP_NORM(input, weight, bias, batch, channels, spatial, groups,
                                       float(eps))
-    grad = IN_LAYOUT(grad, layout)  # the kernel reads the input's layout, whatever grad's is
+    grad = IN_LAYOUT_OF(grad, input)  # the kernel reads the input's layout when it runs
     mask = [True, weight is not None, bias is not None]
     grads = NATIVE_GROUP_NORM_BACKWARD(grad, input, mean, rstd, weight, batch, channels,
                                        spatial, groups, mask)
