@@ -2169,7 +2169,7 @@ MUTANTS: list[Mutant] = [
             "test_a_plan_serves_only_its_own_layout")),
     # --- session 47 (lead) ----------------------------------------------------------------------
     Mutant("relu_decomposed_as_maximum", "autodiff", "ops/torch/nn.py",
-           "    return prims.where(keep, a, prims.where(prims.eq(a, 0), prims.mul(a, 0), 0))",
+           "    return prims.where(prims.le(a, 0), prims.mul(prims.maximum(a, 0), 0), a)",
            "    return prims.maximum(a, 0)",
            ("tests/transforms/test_grad_edges.py::"
             "test_relu_decomposed_before_autodiff_keeps_eagers_gradient_and_zeros",)),

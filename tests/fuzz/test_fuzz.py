@@ -66,8 +66,8 @@ def _reference(program: Program, inputs: list, cotangent=None):
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wide)]
 
 
-# prim-level autodiff (every op decomposed before the split) differentiates maximum(x, 0) and
-# 1 / (1 + exp(-x)) as such: eager's subgradients at ties and the overflow-safe backward forms
+# prim-level autodiff (every op decomposed before the split) differentiates maximum(x, y) and
+# 1 / (1 + exp(-x)) as such (relu's decomposition keeps eager's tie: NOTE [relu at zero]): eager's subgradients at ties and the overflow-safe backward forms
 # of relu, clamp, sigmoid... are rules of the torch-level ops, so that config gets normal values
 EDGE_VALUES = {"torch", "codegen", "dynamic", "dynamic_codegen"}
 

@@ -126,14 +126,17 @@ def computation(x, b):
   # b: "cpu f32[3]"
 
   # <src>  return torch.relu(x * b + 1).sum(1)
-  t4 = codegen.fusionN(b, x)  # t4: "cpu f32[2]"
+  t7 = codegen.fusionN(b, x)  # t7: "cpu f32[2]"
     # t0 = prims.broadcast_in_dim(b, (2, 3), (1,))
     # t1 = prims.mul(x, t0)
     # t2 = prims.add(t1, 1)
-    # t3 = prims.maximum(t2, 0)
-    # t4 = prims.sum(t3, (1,))
+    # t3 = prims.le(t2, 0)
+    # t4 = prims.maximum(t2, 0)
+    # t5 = prims.mul(t4, 0)
+    # t6 = prims.where(t3, t5, t2)
+    # t7 = prims.sum(t6, (1,))
   del b, x
-  return t4
+  return t7
 '''
 
 

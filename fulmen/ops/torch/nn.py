@@ -116,13 +116,12 @@ def _relu(op: str, a):
         raise _unsupported(op, "bool input (eager raises)")
     if not a.dtype.is_floating_point:
         return prims.maximum(a, 0)
-    # NOTE [relu at zero]: not `maximum(a, 0)`, whose tie rule gives half the cotangent at
-    # exactly 0 under prim-level autodiff (`decompose_to_prims` before the split), where
+    # NOTE [relu at zero]: not `maximum(a, 0)` alone, whose tie rule gives half the cotangent
+    # at exactly 0 under prim-level autodiff (`decompose_to_prims` before the split), where
     # eager's `threshold_backward` gives none (an fp16 batch norm of three values can make an
-    # exact 0). Positive or NaN: `a` itself (NaN propagates, its gradient passes as eager's);
-    # +-0: `a * 0`, the same signed zero with no gradient; negative: 0.
-    keep = prims.bitwise_or(prims.gt(a, 0), prims.ne(a, a))
-    return prims.where(keep, a, prims.where(prims.eq(a, 0), prims.mul(a, 0), 0))
+    # exact 0). At or below 0, `maximum(a, 0) * 0`: eager's value (+0, -0.0 kept) with no
+    # gradient; above 0 and NaN, `a` itself (NaN propagates, its gradient passes as eager's).
+    return prims.where(prims.le(a, 0), prims.mul(prims.maximum(a, 0), 0), a)
 
 
 @torch_op(torch.relu, methods=("relu",))

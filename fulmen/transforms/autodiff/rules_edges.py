@@ -3,8 +3,9 @@
 The rules of the prims in a decomposition give the right derivative almost everywhere, but not
 eager's answer at the edges:
 
-- subgradients: `relu` is `maximum(x, 0)`, whose tie rule halves the gradient at exactly 0,
-  where eager's `threshold_backward` gives 0; `clamp` gives the full gradient at its bounds and
+- subgradients: `relu` at exactly 0 gets no gradient from eager's `threshold_backward` (its
+  decomposition keeps that under prim-level autodiff too: NOTE [relu at zero] in
+  ops/torch/nn.py); `clamp` gives the full gradient at its bounds and
   none to a NaN, `hardtanh` none at its bounds and the full gradient to a NaN.
 - overflow: the transpose of `1 / (1 + exp(-x))` multiplies a zero cotangent by `exp(-x) = inf`
   below about -88 (float32), so `sigmoid`, `glu`, `softplus`, `elu` and `mish` gave NaN where
