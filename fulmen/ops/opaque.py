@@ -127,33 +127,23 @@ def _contiguous_meta(fn, self, memory_format=torch.contiguous_format):
     return run_meta(fn, self, memory_format=memory_format)
 
 
-def in_layout(tensor: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-    """`tensor` itself where it already has `memory_format`, else a copy in it (eager's
-    `contiguous`), decided when it runs: for an argument whose layout is known only then, such
-    as a cotangent (`y.sum().backward()` hands an expanded one, stride 0), handed to a kernel
-    that reads one layout. `Tensor.contiguous` traced on a proxy that looks contiguous
-    records nothing."""
-    return tensor.contiguous(memory_format=memory_format)
-
-
 def in_layout_of(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`tensor` in the memory format `like` suggests (`suggest_memory_format`), decided when it
-    runs: for a cotangent handed to a kernel that reads it in its input's layout (the CPU group
-    norm backward), where the input's layout then need not be its traced one (a fusion's kernel
-    writes a row-major result where eager's is channels-last)."""
+    """`tensor` itself where it already has the memory format `like` suggests
+    (`suggest_memory_format`: row-major or channels-last), else a copy in it (eager's
+    `contiguous`), decided when it runs: for a cotangent handed to a kernel that reads it in
+    its input's layout (the CPU group norm backward). Neither layout need be its traced one
+    then: `y.sum().backward()` hands an expanded cotangent (stride 0), and a fusion's kernel
+    writes a row-major result where eager's is channels-last. `Tensor.contiguous` traced on a
+    proxy that looks contiguous records nothing."""
     return tensor.contiguous(memory_format=suggest_memory_format(like))
 
 
 def _in_layout_of_meta(fn, tensor, like):
-    """A new proxy in the memory format the traced `like` suggests."""
+    """A new proxy in the memory format the traced `like` suggests (never `tensor` itself, so
+    the call is recorded)."""
     layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
-    return _in_layout_meta(in_layout, tensor, suggest_memory_format(layout))
-
-
-def _in_layout_meta(fn, tensor, memory_format):
-    """A new proxy in `memory_format` (never `tensor` itself, so the call is recorded)."""
     strides = torch.empty(tuple(tensor.shape), device="meta",
-                          memory_format=memory_format).stride()
+                          memory_format=suggest_memory_format(layout)).stride()
     return TensorProxy(None, tensor.shape, tensor.dtype, tensor.device, strides=strides)
 
 
@@ -285,7 +275,6 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.batch_norm: _batch_norm_meta,
                                              torch.native_batch_norm: _batch_norm_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
-                                             in_layout: _in_layout_meta,
                                              in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,

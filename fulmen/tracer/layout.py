@@ -311,8 +311,9 @@ def stand_in_layouts(func, args, kwargs, leaves):
     the meta device; where the two lay the results out alike, the meta kernel's answer holds
     (None); else each output is laid out densely in the dim order of the CPU result
     (`_dense_strides_alike`), or, where that result has an operand's strides (an `empty_like`
-    of it: `sort`, `frexp` of a `(4, 1)` tensor with strides `(1, 4)`), with that operand's. None too where an output cannot be told so, for random ops (the
-    caller's check) and where a real tensor is among the arguments."""
+    of it: `sort`, `frexp` of a `(4, 1)` tensor with strides `(1, 4)`), with that operand's.
+    None too where an output cannot be told so, for random ops (the caller's check) and where
+    a real tensor is among the arguments."""
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     operands = [p for p in iter_proxies((args, kwargs)) if isinstance(p, TensorProxy)]
     with torch._C.DisableTorchFunctionSubclass():

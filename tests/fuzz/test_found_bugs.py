@@ -339,7 +339,7 @@ def test_layer_norm_gradients_are_eagers_bit_for_bit(case):
 def test_group_norm_gradients_whatever_the_cotangents_layout(cotangent):
     """Found probing user patterns: `nn.GroupNorm(...)(x).sum().backward()` hands the backward
     an expanded cotangent (stride 0), which eager's kernel read as a row-major one: gradients
-    of 1e38 or NaN. The cotangent's layout is known only at run time (fixed: `in_layout` in
+    of 1e38 or NaN. The cotangent's layout is known only at run time (fixed: `in_layout_of` in
     NOTE [group norm backward])."""
     channels_last = cotangent == "row_major_into_channels_last"
     x = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
