@@ -133,10 +133,17 @@ def batch_norm_strides(input, shape) -> tuple | None:
             or not known_same_shape(tuple(input.shape), tuple(shape)) \
             or any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride())):
         return None
-    layout = torch.empty_strided(tuple(input.shape), tuple(input.stride()), device="meta")
+    return suggested_layout_strides(input, tuple(input.shape))
+
+
+def suggested_layout_strides(like, shape: tuple) -> tuple:
+    """Dense strides of `shape` in the memory format `like`'s sizes and strides suggest
+    (row-major, or channels_last / channels_last_3d), as CPU kernels allocating `empty(...,
+    memory_format=input.suggest_memory_format())` lay out their outputs. Static sizes only."""
+    layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
     memory_format = suggest_memory_format(layout)  # C++'s `Tensor::suggest_memory_format`
-    return torch.empty(tuple(input.shape), device="meta", memory_format=memory_format).stride()
+    return torch.empty(shape, device="meta", memory_format=memory_format).stride()
 
 
 __all__ = ["attention_arguments", "attention_strides", "batch_norm_strides",
-           "convolution_strides"]
+           "convolution_strides", "suggested_layout_strides"]

@@ -24,6 +24,7 @@ from fulmen.ops.kernel_layouts import (
     attention_arguments,
     attention_strides,
     batch_norm_strides,
+    suggested_layout_strides,
 )
 from fulmen.ops.meta import run_meta, with_strides
 from fulmen.ops.opaque_symbolic import SYMBOLIC_METAS
@@ -141,9 +142,7 @@ def in_layout_of(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _in_layout_of_meta(fn, tensor, like):
     """A new proxy in the memory format the traced `like` suggests (never `tensor` itself, so
     the call is recorded)."""
-    layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
-    strides = torch.empty(tuple(tensor.shape), device="meta",
-                          memory_format=suggest_memory_format(layout)).stride()
+    strides = suggested_layout_strides(like, tuple(tensor.shape))
     return TensorProxy(None, tensor.shape, tensor.dtype, tensor.device, strides=strides)
 
 
