@@ -29,8 +29,9 @@ from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
-from fulmen.tracer.dispatch import FactoryMode, TracerCtx
+from fulmen.tracer.dispatch import TracerCtx
 from fulmen.tracer.environment import environment_recorded
+from fulmen.tracer.factory_mode import FactoryMode
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.host_floats import (

@@ -383,7 +383,7 @@ MUTANTS: list[Mutant] = [
     Mutant("held_watch_off", "guards", "tracer/module_hooks.py",
            "        if not self._watched:\n            return False\n        changed = False",
            "        if True:\n            return False\n        changed = False", HELD),
-    Mutant("unread_grad_compiled", "guards", "tracer/dispatch.py",
+    Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
            "and caller.f_code.co_filename != _MODULE_FILE)",
            "and caller.f_code.co_filename != _MODULE_FILE and False)", HELD),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
@@ -952,7 +952,7 @@ MUTANTS: list[Mutant] = [
     Mutant("fusion_broadcast_joins_its_producer", "passes", "transforms/fusion.py",
            "if not node.fusible or _expands(node.bsym):", "if not node.fusible:",
            ("tests/transforms/test_fusion.py",)),
-    Mutant("symbolic_scalar_argument_not_specialised", "symbolic", "tracer/dispatch.py",
+    Mutant("symbolic_scalar_argument_not_specialised", "symbolic", "tracer/factory_mode.py",
            "args, kwargs = pytree.tree_map(_specialised, (args, kwargs))", "pass",
            DYNAMIC_EDGES),
     Mutant("autocast_records_a_kernels_own_cast", "dtype", "tracer/autocast.py",
@@ -1014,7 +1014,7 @@ MUTANTS: list[Mutant] = [
            "        if chain is not None and isinstance(leaf, TensorProxy) and name in positions:",
            "        if chain and isinstance(leaf, TensorProxy) and name in positions:",
            ("tests/transforms/test_grad_edges.py::test_an_input_returned_as_it_is_is_the_argument_itself",)),
-    Mutant("as_tensor_of_a_list_run_at_trace_time", "mutation", "tracer/dispatch.py",
+    Mutant("as_tensor_of_a_list_run_at_trace_time", "mutation", "tracer/factory_mode.py",
            "_DATA_FACTORIES = frozenset([torch.as_tensor, torch.asarray])",
            "_DATA_FACTORIES = frozenset([torch.asarray])", ("tests/tracer/test_numpy_inputs.py",)),
     Mutant("vjp_grads_placed_by_tensor_index", "vjp", "functional.py",
@@ -1430,7 +1430,7 @@ MUTANTS: list[Mutant] = [
            '    ProcessState("deterministic algorithms", _C._get_deterministic_algorithms),\n', "",
            ("tests/tracer/test_guard_behaviour.py::"
             "test_inference_and_deterministic_mode_read_inside_are_keyed",)),
-    Mutant("graph_reads_answered_by_the_proxy", "tracer", "tracer/dispatch.py",
+    Mutant("graph_reads_answered_by_the_proxy", "tracer", "tracer/factory_mode.py",
            "return graph_read(self.ctx, func, args[0])", "pass",
            ("tests/tracer/test_eager_parity.py::"
             "test_is_leaf_and_grad_fn_of_traced_tensors_answer_as_eager",)),
@@ -2011,7 +2011,7 @@ MUTANTS: list[Mutant] = [
            ("tests/models/test_torch_patterns.py::"
             "test_functional_call_untying_tied_weights_matches_eager",)),
     # --- session 47 (h47mut): rows over files with few, each killed (MUTANTS.md) ---------------
-    Mutant("module_state_offset_read_unrecorded", "guards", "tracer/dispatch.py",
+    Mutant("module_state_offset_read_unrecorded", "guards", "tracer/factory_mode.py",
            "                self.ctx.note_offset_read(args[0], sys._getframe(1))\n",
            "                pass\n",
            ("tests/tracer/test_layout_guards.py::"

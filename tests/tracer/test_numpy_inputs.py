@@ -1,7 +1,7 @@
 """NumPy arrays and Python data a compiled program reads: as arguments, globals or after a graph
 break (`.numpy()`). The program bakes in what it computes from an array, so the cache key holds
 each array by identity and by value (`tracer/sources.py` `array_key`); a tensor made from a list
-inside the function is made anew by every call (`tracer/dispatch.py` `_DATA_FACTORIES`)."""
+inside the function is made anew by every call (`tracer/factory_mode.py` `_DATA_FACTORIES`)."""
 
 import sys
 
@@ -279,3 +279,17 @@ def test_global_tensors_updated_in_place_keep_their_updates():
     finally:
         GLOBAL_COUNT.zero_()
         GLOBAL_LIST[0].zero_()
+
+
+def _from_sizes(x, scale: float):
+    return x * torch.as_tensor([x.shape[0], scale]).sum()
+
+
+def test_a_tensor_made_from_symbolic_numbers_is_recorded_not_specialised():
+    """`torch.as_tensor([x.shape[0], scale])` is recorded as an op on the symbolic numbers, so
+    new sizes and scales do not retrace (run at trace time it would guard on each value)."""
+    jfn = fulmen.jit(_from_sizes, dynamic=True)
+    for n, scale in [(3, 1.5), (4, 2.5), (5, 0.5), (7, 3.0)]:
+        x = torch.randn(n, dtype=torch.float64)
+        torch.testing.assert_close(jfn(x, scale), _from_sizes(x, scale), rtol=0, atol=0)
+    assert fulmen.cache_misses(jfn) <= 2

@@ -2,7 +2,7 @@
 `*_like` and `Tensor.new_*` families, `torch.tensor` of a Python scalar, and the RNG factories.
 
 Calls with no tensor argument reach the tracer only for symbols tagged `"factory"` (see
-`fulmen.tracer.dispatch.FactoryMode`), so every op here carries that tag; on the `*_like` and
+`fulmen.tracer.factory_mode.FactoryMode`), so every op here carries that tag; on the `*_like` and
 `new_*` ops it also routes calls on real tensors the traced code closed over, which then
 become inputs of the trace instead of being evaluated once while tracing.
 

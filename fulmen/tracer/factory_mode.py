@@ -1,0 +1,151 @@
+"""`FactoryMode`: the `TorchFunctionMode` active while tracing, which sees every torch call,
+also those with no tensor argument (`torch.zeros(3)`, `torch.sym_max(s0, 1)`).
+
+A call on a tensor or a factory with a fulmen decomposition goes to the tracer
+(`fulmen.tracer.dispatch.TracerCtx.handle`); a metadata query answers at once, after the checks
+that keep it from baking in what a later call changes (a `.grad` that is no input of the trace,
+a graph read, a stale proxy, an undecided layout, a storage offset); a call of numbers alone
+runs with its symbolic numbers specialised.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from fulmen.core import RunsEagerly
+from fulmen.core.source import is_fulmens_own, is_internal, user_source_location
+from fulmen.ops.torch import symbol_for
+from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import METADATA_FUNCTIONS
+from fulmen.tracer.autograd_function import intercept_function_apply
+from fulmen.tracer.call_constants import foreign_memory_recorded
+from fulmen.tracer.call_kinds import _func_name
+from fulmen.tracer.dispatch import TracerCtx
+from fulmen.tracer.fresh_leaves import GRAPH_READS, graph_read
+from fulmen.tracer.host_floats import refuse_host_floats
+from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
+from fulmen.tracer.objects import PLAIN_NUMBER
+
+T = torch.Tensor
+_GRAD_GET = torch.Tensor.grad.__get__
+
+
+class UnreadGrad(RunsEagerly):
+    """The traced code reads the `.grad` of a tensor whose gradient is no input of the trace:
+    the call runs eagerly."""
+
+
+_MODULE_FILE = torch.nn.modules.module.__file__
+
+
+def _unread_grad(tensor, caller) -> bool:
+    """Whether reading `tensor.grad` while tracing would bake in a gradient that is no input: a
+    tensor argument's (`unseen_grad`), or a real leaf's that requires grad (a parameter of a
+    module argument or a global: each backward, after `zero_grad()`, makes a new one), unless
+    `caller` (the reading frame) is `nn.Module._apply` converting it along with its parameter
+    (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its forward)."""
+    if isinstance(tensor, TensorProxy):
+        return getattr(tensor, "unseen_grad", False)
+    return (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
+            and caller.f_code.co_filename != _MODULE_FILE)
+
+
+# factories of tensors from Python data with no decomposition: on lists and numbers they are
+# recorded (opaque), so each call makes a new tensor as eager does; run at trace time, the
+# result would be one captured tensor that every call returns and updates in place. On a NumPy
+# array they run at trace time: the captured tensor shares the array's memory, as eager's does
+# (the array is in the cache key, `sources.array_key`)
+_DATA_FACTORIES = frozenset([torch.as_tensor, torch.asarray])
+_PYTHON_DATA = (list, tuple, bool, int, float, complex)
+
+
+def _python_data(args: tuple, kwargs: dict) -> bool:
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    return isinstance(data, _PYTHON_DATA)
+
+
+class FactoryMode(TorchFunctionMode):
+    """Active while tracing, it sees every torch call. Calls on tensors (proxies, or real tensors
+    the function closes over, which become inputs) and factories with a fulmen decomposition go
+    to the tracer, so nothing computed from a tensor is baked into the trace as a constant."""
+
+    def __init__(self, ctx: TracerCtx) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self._apply_hook = intercept_function_apply(ctx)  # autograd.Function.apply: no torch fn
+        self._foreign_hook = foreign_memory_recorded()  # torch.from_numpy/frombuffer: neither
+
+    def __enter__(self):
+        self._apply_hook.__enter__()
+        self._foreign_hook.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        super().__exit__(*exc_info)
+        self._foreign_hook.__exit__(*exc_info)
+        self._apply_hook.__exit__(*exc_info)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in METADATA_FUNCTIONS:
+            if self.ctx.vmap_emulation is not None and self.ctx.vmap_emulation.checking():
+                self.ctx.vmap_emulation.metadata(func, args, sys._getframe(1))
+            if func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
+                what = f"the tensor argument {args[0].name}" if isinstance(
+                    args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"
+                raise UnreadGrad(
+                    f"reading the .grad of {what}: such gradients are not inputs of the trace "
+                    "(the next backward replaces them)", op="Tensor.grad",
+                    where=user_source_location(),
+                    hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
+                    "on every call), or compute with the gradients outside the compiled function")
+            if func in GRAPH_READS and isinstance(args[0], TensorProxy) \
+                    and args[0].requires_grad \
+                    and not is_fulmens_own(sys._getframe(1).f_code.co_filename):
+                return graph_read(self.ctx, func, args[0])  # NOTE [graph reads]
+            if type(args[0]) is StaleTensorProxy and not is_internal(
+                    sys._getframe(1).f_code.co_filename):  # NOTE [in-place metadata changes]
+                raise stale_use(args[0], _func_name(func))
+            if func is T.stride and self.ctx.undecided_layouts and isinstance(
+                    args[0], TensorProxy):
+                self.ctx.check_layout_read(args[0], "stride()", sys._getframe(1))
+            if func is T.storage_offset and not isinstance(args[0], TensorProxy):
+                self.ctx.note_offset_read(args[0], sys._getframe(1))
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, kwargs))):
+            return self.ctx.handle(func, types, args, kwargs)
+        sym = symbol_for(func)
+        if (sym is not None and "factory" in sym.tags) or (
+                func in _DATA_FACTORIES and _python_data(args, kwargs)):
+            return self.ctx.handle(func, types, args, kwargs)
+        return _call_with_numbers(func, args, kwargs)
+
+
+# torch's functions of symbolic numbers that return numbers (`torch.sym_max(s0, 1)`), by name
+_NUMBER_FUNCTIONS = frozenset(
+    getattr(torch, name) for name in dir(torch) if name.startswith(("sym_", "_sym_")))
+
+
+def _call_with_numbers(func, args: tuple, kwargs: dict):
+    """`func(*args, **kwargs)` for a torch call with no tensor argument. A symbolic size given
+    where the op reads a Scalar is read by PyTorch as garbage (`torch.div(s0, 4,
+    rounding_mode="trunc")` gave `tensor(1944444)` for s0 = 8, Longformer's and LED's chunk
+    count): except for torch's functions of numbers (`torch.sym_max`: `_NUMBER_FUNCTIONS`), the
+    call's symbolic numbers are specialised first (`int(s0)`, a guard), as `torch.tensor(s0)`
+    is."""
+    if func in _NUMBER_FUNCTIONS:
+        return func(*args, **kwargs)
+    refuse_host_floats(func, args, kwargs)
+    args, kwargs = pytree.tree_map(_specialised, (args, kwargs))
+    return func(*args, **kwargs)
+
+
+def _specialised(value):
+    """A symbolic number's value in this call, guarded (`int(s0)` records `Eq(s0, 8)`)."""
+    kind = PLAIN_NUMBER.get(type(value))
+    return value if kind is None else kind(value)
