@@ -296,11 +296,12 @@ _TEXTS_LIMIT = 8192
 
 def _python_text(expr) -> str:
     """`expr` (a sympy expression of size symbols) as Python (`4*s0`, `(s0 + 1)//2`)."""
-    text = _TEXTS.get(("python", expr))
+    key = ("python", expr)
+    text = _TEXTS.get(key)
     if text is None:
         from torch.utils._sympy.printers import PythonPrinter
 
-        text = _keep_text(("python", expr), PythonPrinter().doprint(expr))
+        text = _keep_text(key, PythonPrinter().doprint(expr))
     return text
 
 
@@ -308,10 +309,10 @@ def size_text(size) -> str:
     """`str(size)` for a size of a shape: a symbolic size prints its expression (`s0 + 1`)."""
     if not isinstance(size, torch.SymInt):
         return str(size)
-    expr = size.node.expr
-    text = _TEXTS.get(("str", expr))
+    key = ("str", size.node.expr)
+    text = _TEXTS.get(key)
     if text is None:
-        text = _keep_text(("str", expr), str(size))
+        text = _keep_text(key, str(size))
     return text
 
 
