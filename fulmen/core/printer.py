@@ -287,9 +287,10 @@ def _solve_linear(expr, symbol, text: str, printer) -> tuple[Any, str] | None:
 
 
 # NOTE [printed expressions kept]: a trace with symbolic sizes prints the same few expressions
-# hundreds of times (every size argument, every type comment), each through a new sympy printer
-# (~50 us); the text is a function of the expression alone (sympy's `==` is structural), so it
-# is kept, keyed by the expression, a dict emptied when full
+# hundreds of times (every size argument as Python, every type comment with sympy's own
+# spelling), each through a new sympy printer (~50 us); the text is a function of the
+# expression alone (sympy's `==` is structural), so it is kept, keyed by the expression, in one
+# dict emptied when full
 _TEXTS: dict[tuple[str, Any], str] = {}
 _TEXTS_LIMIT = 8192
 
@@ -306,13 +307,15 @@ def _python_text(expr) -> str:
 
 
 def size_text(size) -> str:
-    """`str(size)` for a size of a shape: a symbolic size prints its expression (`s0 + 1`)."""
+    """`str(size)` for a size of a shape: a symbolic size prints its expression (`s0 + 1`), as
+    PyTorch's `str` and `repr` of a SymInt do (NOTE [the text of a symbolic size] in
+    `fulmen.tracer.formatting`)."""
     if not isinstance(size, torch.SymInt):
         return str(size)
     key = ("str", size.node.expr)
     text = _TEXTS.get(key)
     if text is None:
-        text = _keep_text(key, str(size))
+        text = _keep_text(key, str(key[1]))
     return text
 
 
