@@ -1755,7 +1755,7 @@ MUTANTS: list[Mutant] = [
     Mutant("trace_reserved_names_skip_decompositions", "names", "core/trace.py",
            "        stack.extend(bsym.subsymbols)\n", "",
            ("tests/core/test_trace.py", *CSE, *REMAT, *FUSION)),
-    Mutant("trace_binds_symbols_without_an_executor", "printing", "core/trace.py",
+    Mutant("trace_binds_symbols_without_an_executor", "printing", "core/printer.py",
            "        return value.impl if value.executor is not None else None",
            "        return value.impl",
            ("tests/core/test_trace.py", "tests/transforms/test_bound_callables.py", *AUTODIFF)),
