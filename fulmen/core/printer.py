@@ -315,7 +315,7 @@ def size_text(size) -> str:
     key = ("str", size.node.expr)
     text = _TEXTS.get(key)
     if text is None:
-        text = _keep_text(key, str(key[1]))
+        text = _keep_text(key, size.node.str())  # PyTorch's text of a SymInt
     return text
 
 
