@@ -32,6 +32,7 @@ sizes it binds (`s0`): the tracer never hands such names out (`fulmen.core.names
 from __future__ import annotations
 
 import enum
+import functools
 import keyword
 import math
 import unicodedata
@@ -57,10 +58,14 @@ _DTYPE_NAMES = {
 
 
 class _Printer:
-    def __init__(self) -> None:
+    def __init__(self, executable: bool = False) -> None:
         self.namespace: dict[str, Any] = {"torch": torch}
         self.imports: set[str] = {"import torch"}
         self.symbols: set = set()  # the sympy symbols of the symbolic sizes printed
+        # NOTE [executable source]: with `executable`, `body` also writes the lines
+        # `executable_source` compiles, each top-level call as (text before the callee, the
+        # callee's text, the text after it), the callee bound once the whole trace is printed
+        self.calls: list[tuple[str, str, str] | str] | None = [] if executable else None
 
     def constant(self, value: Any) -> str:
         name = f"_c{sum(key.startswith('_c') for key in self.namespace)}"
@@ -107,14 +112,12 @@ class _Printer:
     def symbolic(self, value) -> str:
         """A symbolic size (`torch.SymInt`, `fulmen.tracer.symbolic`) as a Python expression of
         its symbols (`4*s0`), which `print_trace` binds from the inputs' shapes."""
-        from torch.utils._sympy.printers import PythonPrinter
-
         expr = value.node.expr
         if not expr.free_symbols:
             return repr(value.node.pytype(expr))
         self.symbols.update(expr.free_symbols)
         self.namespace.setdefault("math", math)
-        return f"({PythonPrinter().doprint(expr)})"
+        return f"({_python_text(expr)})"
 
     def target(self, output: Any) -> str:
         """An assignment target for `output` (`t0`, `(t0, t1)`); constants become `_`."""
@@ -140,36 +143,55 @@ class _Printer:
             self.imports.update(sym.namespace.import_line.split("\n"))
 
     def call(self, bsym: BoundSymbol) -> str:
+        return "".join(self._call(bsym))
+
+    def _call(self, bsym: BoundSymbol) -> tuple[str, str]:
+        """`(callee, "(arguments)")` of `bsym`'s call."""
         name = self.symbol(bsym.sym)
         args = [self.value(arg) for arg in bsym.args]
         args += [f"{key}={self.value(arg)}" for key, arg in bsym.kwargs.items()]
-        return f"{name}({', '.join(args)})"
+        return name, f"({', '.join(args)})"
 
     def statement(self, bsym: BoundSymbol) -> str:
         """One line of Python for `bsym`, without its comments."""
+        return "".join(self._statement(bsym))
+
+    def _statement(self, bsym: BoundSymbol) -> tuple[str, str, str]:
+        """`statement` as (text before the callee, the callee, the text after it); a `del`
+        has no callee (`""`)."""
         if bsym.is_del:
-            return "del " + ", ".join(proxy.name for proxy in iter_proxies(bsym.args))
-        call = self.call(bsym)
+            return "del " + ", ".join(proxy.name for proxy in iter_proxies(bsym.args)), "", ""
+        name, args = self._call(bsym)
         if not list(iter_proxies(bsym.output)):
-            return call
-        return f"{self.target(bsym.output)} = {call}"
+            return "", name, args
+        return f"{self.target(bsym.output)} = ", name, args
 
     def body(self, bsyms, depth: int, lines: list[str]) -> None:
         last_source = None
+        calls = self.calls
         for bsym in bsyms:
             pad = INDENT * depth
+            start = len(lines)
             if depth == 1 and bsym.source is not None and bsym.source != last_source:
                 lines.append(f"{pad}# {bsym.source}")  # str() escapes the user's text
                 last_source = bsym.source
             if GRAPH_BREAK_TAG in bsym.sym.tags:  # args: (question, fn, expected, *values)
                 lines.append(pad + "# " + printable(
                     f"graph break: {bsym.args[0]}, answered {bsym.args[2]!r}"))
-            line = pad + self.statement(bsym)
+            if calls is not None:
+                calls.extend([""] * (len(lines) - start))
+            before, callee, after = self._statement(bsym)
+            line = pad + before + callee + after
+            if calls is not None:
+                calls.append((pad + before, callee, after) if callee else line)
             types = type_comment(bsym.output)
             if types:
                 line += f"  # {printable(types)}"
             lines.append(line)
+            start = len(lines)
             self.decomposition(bsym.subsymbols, depth + 1, lines)
+            if calls is not None:
+                calls.extend([""] * (len(lines) - start))
 
     def decomposition(self, bsyms, depth: int, lines: list[str]) -> None:
         for bsym in bsyms:
@@ -264,6 +286,47 @@ def _solve_linear(expr, symbol, text: str, printer) -> tuple[Any, str] | None:
     return symbol, f"({numerator}) // {int(coefficient)}"
 
 
+# NOTE [printed expressions kept]: a trace with symbolic sizes prints the same few expressions
+# hundreds of times (every size argument as Python, every type comment with sympy's own
+# spelling), each through a new sympy printer (~50 us); the text is a function of the
+# expression alone (sympy's `==` is structural), so it is kept, keyed by the expression, in one
+# dict emptied when full
+_TEXTS: dict[tuple[str, Any], str] = {}
+_TEXTS_LIMIT = 8192
+
+
+def _python_text(expr) -> str:
+    """`expr` (a sympy expression of size symbols) as Python (`4*s0`, `(s0 + 1)//2`)."""
+    key = ("python", expr)
+    text = _TEXTS.get(key)
+    if text is None:
+        from torch.utils._sympy.printers import PythonPrinter
+
+        text = _keep_text(key, PythonPrinter().doprint(expr))
+    return text
+
+
+def size_text(size) -> str:
+    """`str(size)` for a size of a shape: a symbolic size prints its expression (`s0 + 1`), as
+    PyTorch's `str` and `repr` of a SymInt do (NOTE [the text of a symbolic size] in
+    `fulmen.tracer.formatting`)."""
+    if not isinstance(size, torch.SymInt):
+        return str(size)
+    key = ("str", size.node.expr)
+    text = _TEXTS.get(key)
+    if text is None:
+        text = _keep_text(key, size.node.str())  # PyTorch's text of a SymInt
+    return text
+
+
+def _keep_text(key: tuple[str, Any], text: str) -> str:
+    if len(_TEXTS) >= _TEXTS_LIMIT:
+        _TEXTS.clear()
+    _TEXTS[key] = text
+    return text
+
+
+@functools.lru_cache(maxsize=4096)
 def _is_dotted_name(text: str) -> bool:
     """`torch.Tensor.copy_`: identifiers (as Python spells them) joined by dots; `del` too."""
     if text == "del":
@@ -298,7 +361,70 @@ def type_comment(output: Any) -> str:
 
 def print_trace(trace) -> tuple[str, dict[str, Any]]:
     """Return `(source, namespace)`: the trace as a Python module and the globals it needs."""
-    printer = _Printer()
+    source, _, namespace = _print(trace, _Printer())
+    return source, namespace
+
+
+def executable_source(trace) -> tuple[str, str, dict[str, Any]]:
+    """`(source, executable, namespace)`: `print_trace`'s source and namespace, and the module
+    `Trace.python_callable` compiles.
+
+    NOTE [executable source]: the executable module has the source's statements on the same
+    lines (tracebacks and `linecache` show the source), with every comment line left empty and
+    each top-level call of a bindable callable spelled by its bound name, the module
+    `bind_callables` (`fulmen.core.trace`, NOTE [bound callables]) makes of the parsed source:
+    made in the same printing, it is compiled from text, without parsing the source into
+    Python's AST objects and compiling those (half the cost of compiling a trace, whose
+    decompositions print as comments). The names are bound as `bind_callables` binds them:
+    each callee resolved through the namespace once the trace is printed, numbered in order."""
+    printer = _Printer(executable=True)
+    source, lines, namespace = _print(trace, printer)
+    bound: dict[int, str] = {id(v): k for k, v in namespace.items()
+                             if k.startswith(BOUND_PREFIX)}
+    for i, call in enumerate(lines):
+        if isinstance(call, str):
+            continue
+        before, callee, after = call
+        target = bindable(resolve_dotted(callee, namespace))
+        if target is not None and not callee.startswith(BOUND_PREFIX):
+            name = bound.get(id(target))
+            if name is None:
+                name = bound[id(target)] = f"{BOUND_PREFIX}{len(bound)}"
+                namespace[name] = target
+            callee = name
+        lines[i] = before + callee + after
+    return source, "\n".join(lines) + "\n", namespace
+
+
+BOUND_PREFIX = "_fulmen_bound"
+
+
+def resolve_dotted(text: str, namespace: dict) -> Any:
+    """The object a dotted name (`torch.nn.functional.linear`, `_c0`) stands for in
+    `namespace`, or None."""
+    first, *attrs = text.split(".")
+    value = namespace.get(first)
+    for attr in attrs:
+        if value is None:
+            return None
+        value = getattr(value, attr, None)
+    return value
+
+
+def bindable(value: Any) -> Any:
+    """What a statement calling `value` may call directly: an executor operator's
+    implementation (what `Symbol.__call__` runs outside tracing), or a plain callable such as a
+    torch function. Symbols without an executor (prims, torch-level ops: traces before the
+    executors claim them) keep their call, which records them when a trace is being traced."""
+    if isinstance(value, Symbol):
+        return value.impl if value.executor is not None else None
+    return value if callable(value) and not isinstance(value, type) else None
+
+
+def _print(trace, printer: _Printer) -> tuple[str, list, dict[str, Any]]:
+    """`(source, lines, namespace)`: `print_trace`'s source and namespace; with an executable
+    `printer`, the lines of the executable module (NOTE [executable source]), its top-level
+    calls still split around their callees."""
     lines: list[str] = []
     printer.body(trace.bsyms, 1, lines)
     ret = f"{INDENT}return {printer.value(trace.output)}"
@@ -316,7 +442,8 @@ def print_trace(trace) -> tuple[str, dict[str, Any]]:
     if arg_comments:
         parts.append("")
     source = "\n".join([*parts, *lines, ret]) + "\n"
-    return source, printer.namespace
+    executable = None if printer.calls is None else [*parts, *printer.calls, ret]
+    return source, executable, printer.namespace
 
 
 def highlight_html(source: str) -> str:

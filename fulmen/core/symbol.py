@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import enum
 import importlib
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +43,9 @@ class Namespace:
         reserve_global(self.alias)  # no trace variable may shadow the alias
 
     def resolve(self) -> Any:
-        if isinstance(self.value, str):
-            return importlib.import_module(self.value)
+        if isinstance(self.value, str):  # an imported module from `sys.modules` (the printer
+            # resolves every statement's namespace): `import_module` answers the same, slower
+            return sys.modules.get(self.value) or importlib.import_module(self.value)
         return self.value
 
 

@@ -22,7 +22,13 @@ from typing import Any
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.names import NameAllocator
-from fulmen.core.printer import highlight_html, print_trace
+from fulmen.core.printer import (
+    BOUND_PREFIX,
+    bindable,
+    executable_source,
+    highlight_html,
+    print_trace,
+)
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import _TRACECTX, BoundSymbol, CallSiteTag, Symbol
@@ -75,16 +81,16 @@ class Trace:
 
         The source is registered with `linecache` under a unique file name, so tracebacks and
         debuggers show the trace's lines. The code compiled is the source with its callables
-        bound once (`bind_callables`), on the same lines.
+        bound once (`bind_callables`), on the same lines, printed as such (NOTE [executable
+        source] in `fulmen.core.printer`).
         """
-        source, namespace = print_trace(self)
+        source, executable, namespace = executable_source(self)
         filename = f"<fulmen {self.name} #{next(_callable_ids)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         with _COMPILE_LOCK:  # CPython 3.11 checks the recursion depth of an AST it compiles
             # in state shared by threads: two at once raise "AST constructor recursion depth
             # mismatch" (SystemError), seen with two threads compiling a jitted function
-            code = compile(bind_callables(ast.parse(source, filename), namespace), filename,
-                           "exec")
+            code = compile(executable, filename, "exec")
         exec(code, namespace)
         fn = namespace[self.name]
         fn.__fulmen_trace__ = self
@@ -95,9 +101,6 @@ class Trace:
 
     def _repr_html_(self) -> str:
         return highlight_html(self.source())
-
-
-_BOUND_PREFIX = "_fulmen_bound"
 
 
 def _resolve(node: ast.expr, namespace: dict) -> Any:
@@ -111,16 +114,6 @@ def _resolve(node: ast.expr, namespace: dict) -> Any:
     return None
 
 
-def _bindable(value: Any) -> Callable | None:
-    """What a statement calling `value` may call directly: an executor operator's
-    implementation (what `Symbol.__call__` runs outside tracing), or a plain callable such as a
-    torch function. Symbols without an executor (prims, torch-level ops: traces before the
-    executors claim them) keep their call, which records them when a trace is being traced."""
-    if isinstance(value, Symbol):
-        return value.impl if value.executor is not None else None
-    return value if callable(value) and not isinstance(value, type) else None
-
-
 def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
     """NOTE [bound callables]: a printed trace calls `torchex.full(...)`,
     `torch.nn.functional.linear(...)`, `codegen.fusion3(...)`: every call would look the dotted
@@ -130,21 +123,21 @@ def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
     was, so tracebacks, `linecache` and the printed trace still agree. Arguments (a symbol
     passed to `autograd_vjp`) are left alone. Returns `module`."""
     bound: dict[int, str] = {id(v): k for k, v in namespace.items()
-                             if k.startswith(_BOUND_PREFIX)}
+                             if k.startswith(BOUND_PREFIX)}
     for function in module.body:
         if not isinstance(function, ast.FunctionDef):
             continue
         for statement in function.body:
             call = getattr(statement, "value", None)
             if not isinstance(call, ast.Call) or isinstance(call.func, ast.Name) \
-                    and call.func.id.startswith(_BOUND_PREFIX):
+                    and call.func.id.startswith(BOUND_PREFIX):
                 continue
-            target = _bindable(_resolve(call.func, namespace))
+            target = bindable(_resolve(call.func, namespace))
             if target is None:
                 continue
             name = bound.get(id(target))
             if name is None:
-                name = bound[id(target)] = f"{_BOUND_PREFIX}{len(bound)}"
+                name = bound[id(target)] = f"{BOUND_PREFIX}{len(bound)}"
                 namespace[name] = target
             call.func = ast.copy_location(ast.Name(name, ast.Load()), call.func)
     return module

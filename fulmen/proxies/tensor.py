@@ -16,6 +16,7 @@ import torch
 
 from fulmen.core.errors import FulmenError, RunsEagerly
 from fulmen.core.names import NameAllocator
+from fulmen.core.printer import size_text
 from fulmen.core.proxy import Proxy
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.core.trace import get_tracectx
@@ -296,7 +297,7 @@ class TensorProxy(torch.Tensor, Proxy):
         )
 
     def type_string(self) -> str:
-        dims = ", ".join(str(size) for size in self.shape)
+        dims = ", ".join(size_text(size) for size in self.shape)
         return f"{self.device} {dtype_short_name(self.dtype)}[{dims}]"
 
     def __repr__(self, *, tensor_contents=None) -> str:

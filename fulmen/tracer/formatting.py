@@ -17,6 +17,7 @@ import sys
 import torch
 
 from fulmen.core import get_tracectx
+from fulmen.core.printer import size_text
 from fulmen.core.source import is_internal
 
 SHAPE_ENV_MARK = "_fulmen_env"  # the attribute `SymbolicSizes` sets on its ShapeEnv
@@ -38,22 +39,8 @@ def _from_user_code(value: torch.SymInt) -> bool:
 # every proxy in its type comments and of every view in its arguments (tiny HF Llama's
 # symbolic training step: about 550 sizes per forward and backward print, a quarter of their
 # Python compilation), and the expressions repeat; the text of an expression never changes, so
-# it is kept (a bounded table, emptied when full).
-_TEXTS: dict = {}
-_TEXTS_LIMIT = 4096
-
-
-def _text(value: torch.SymInt, original) -> str:
-    """`original(value)` (PyTorch's `str` or `repr` of a SymInt: the same text), kept by the
-    expression (NOTE [the text of a symbolic size])."""
-    key = value.node.expr
-    text = _TEXTS.get(key)
-    if text is None:
-        text = original(value)
-        if len(_TEXTS) >= _TEXTS_LIMIT:
-            _TEXTS.clear()
-        _TEXTS[key] = text
-    return text
+# it is kept, with the printer's other texts (`fulmen.core.printer.size_text`, NOTE [printed
+# expressions kept]).
 
 
 def install() -> None:
@@ -61,19 +48,17 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    original_str = torch.SymInt.__str__
-    original_repr = torch.SymInt.__repr__
     original_format = torch.SymInt.__format__
 
     def __str__(self) -> str:
         if _from_user_code(self):
             return str(int(self))
-        return _text(self, original_str)
+        return size_text(self)
 
     def __repr__(self) -> str:
         if _from_user_code(self):
             return repr(int(self))
-        return _text(self, original_repr)
+        return size_text(self)
 
     def __format__(self, spec: str) -> str:
         if _from_user_code(self):

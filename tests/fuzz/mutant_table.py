@@ -1755,7 +1755,7 @@ MUTANTS: list[Mutant] = [
     Mutant("trace_reserved_names_skip_decompositions", "names", "core/trace.py",
            "        stack.extend(bsym.subsymbols)\n", "",
            ("tests/core/test_trace.py", *CSE, *REMAT, *FUSION)),
-    Mutant("trace_binds_symbols_without_an_executor", "printing", "core/trace.py",
+    Mutant("trace_binds_symbols_without_an_executor", "printing", "core/printer.py",
            "        return value.impl if value.executor is not None else None",
            "        return value.impl",
            ("tests/core/test_trace.py", "tests/transforms/test_bound_callables.py", *AUTODIFF)),
@@ -2190,4 +2190,22 @@ MUTANTS: list[Mutant] = [
            "    grad = IN_LAYOUT_OF(grad, grad.contiguous(memory_format=layout))",
            ("tests/models/test_hf_vision_audio.py::"
             "test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager",)),
+    # --- session 48, h48dyn: compile time of dynamic shapes -------------------------------------
+    Mutant("printed_size_text_keyed_by_symbols", "printer", "core/printer.py",
+           '    key = ("str", size.node.expr)',
+           '    key = ("str", frozenset(size.node.expr.free_symbols))',
+           ("tests/transforms/test_bound_callables.py::"
+            "test_printed_sizes_are_each_expressions_text",)),
+    Mutant("printed_python_text_keyed_by_symbols", "printer", "core/printer.py",
+           '    key = ("python", expr)',
+           '    key = ("python", frozenset(expr.free_symbols))',
+           ("tests/transforms/test_bound_callables.py::"
+            "test_printed_sizes_are_each_expressions_text",)),
+    Mutant("executable_source_drops_decomposition_lines", "printer", "core/printer.py",
+           "            self.decomposition(bsym.subsymbols, depth + 1, lines)\n"
+           "            if calls is not None:",
+           "            self.decomposition(bsym.subsymbols, depth + 1, lines)\n"
+           "            if False:",
+           ("tests/transforms/test_bound_callables.py::"
+            "test_executable_source_is_the_bound_source_on_the_same_lines",)),
 ]

@@ -282,7 +282,7 @@ def test_the_text_of_a_symbolic_size_is_printed_once(monkeypatch):
     from torch.fx.experimental.sym_node import SymNode
 
     import fulmen  # noqa: F401  (installs fulmen's SymInt formatting)
-    from fulmen.tracer import formatting
+    from fulmen.core import printer
 
     printed = []
     original = SymNode.str
@@ -292,7 +292,7 @@ def test_the_text_of_a_symbolic_size_is_printed_once(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(SymNode, "str", counting)
-    monkeypatch.setattr(formatting, "_TEXTS", {})  # (another test may have printed it)
+    monkeypatch.setattr(printer, "_TEXTS", {})  # (another test may have printed it)
     sizes = SymbolicSizes()
     shape, _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
     product = shape[0] * shape[1] + 3
