@@ -199,6 +199,27 @@ def test_a_no_grad_update_beside_a_forward_with_grad_runs_eagerly():
     torch.testing.assert_close(twin.weight.grad, model.weight.grad)
 
 
+def test_a_no_grad_update_after_a_forward_with_grad_raises_at_backward_as_eager():
+    """The forward saves the weight for the input's gradient, then the code shrinks it under
+    no_grad: eager's backward finds the saved weight modified and raises; the trace would
+    differentiate the old weight silently, so the call runs eagerly and raises the same."""
+    model = torch.nn.Linear(3, 3)
+
+    def loss_then_shrink(x):
+        loss = model(x).sum()
+        with torch.no_grad():
+            model.weight.mul_(0.5)
+        return loss
+
+    for fn in (loss_then_shrink, fulmen.jit(loss_then_shrink)):
+        x = torch.randn(2, 3, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = fn(x)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("read", ["whole", "view"])
 def test_a_parameter_set_under_no_grad_then_read_with_grad_keeps_its_gradient(read):
     """The updated parameter is the only tensor requiring grad: the trace's update value
