@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import suggest_memory_format
 
+from fulmen.ops.meta import _fake_mode
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, size_hints
 
@@ -23,27 +24,27 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
     """
     if input.device.type != "cpu" or weight.dim() not in (4, 5):
         return None
-    if any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride(),
-                                                          *weight.shape, *weight.stride())):
-        # symbolic sizes: no real stand-in can be made; PyTorch's fake convolution (asked by
-        # `eager_layouts` under the ShapeEnv) picks the backend and memory format as eager
-        # does and guards every size it reads (a batch of 16, the element count, sizes 1)
-        return None  # NOTE [convolution layout] with symbolic sizes
-    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
-    real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
-                                      dtype=weight.dtype)
-    if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
-        real_input = real_input.unsqueeze(0)
-    zeros = [0] * (weight.dim() - 2)
-    with torch._C.DisableTorchFunction():
+    # NOTE [convolution layout] with symbolic sizes: the stand-ins are fake CPU tensors of the
+    # trace's ShapeEnv (PyTorch's backend choice reads the sizes it needs, each read a guard: a
+    # batch of 16, the element count, sizes 1). Asked of fake *meta* tensors (`eager_layouts`)
+    # the choice is the meta device's: row-major where eager keeps a channels-last input's
+    # layout, so a pooling or norm after the convolution was relaid row-major.
+    with _fake_mode((input, weight)), torch._C.DisableTorchFunction():
+        real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()),
+                                         dtype=input.dtype, device="cpu")
+        real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
+                                          dtype=weight.dtype, device="cpu")
+        if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
+            real_input = real_input.unsqueeze(0)
+        zeros = [0] * (weight.dim() - 2)
         backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
                                                 list(padding), list(dilation), False, zeros,
                                                 groups, None)
         memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
                                                                        backend)
-    batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
-    layout = torch.empty(batched, device="meta", memory_format=memory_format)
-    return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
+        batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
+        layout = torch.empty(batched, device="meta", memory_format=memory_format)
+        return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
 
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",

@@ -1512,7 +1512,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_host_floats.py::"
             "test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too",)),
     Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
-           "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
+           "    with _fake_mode((input, weight)), torch._C.DisableTorchFunction():",
+           "    with torch._C.DisableTorchFunction():", ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
     Mutant("symbolic_dim_wrapped_unspecialised", "dynamic", "ops/torch/utils.py",
            "    if isinstance(dim, torch.SymInt):\n        dim = int(dim)\n", "",
@@ -2190,4 +2191,9 @@ MUTANTS: list[Mutant] = [
            "    grad = IN_LAYOUT_OF(grad, grad.contiguous(memory_format=layout))",
            ("tests/models/test_hf_vision_audio.py::"
             "test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager",)),
+    Mutant("convolution_layout_of_symbolic_sizes_asked_of_meta", "layout",
+           "ops/kernel_layouts.py",
+           'dtype=input.dtype, device="cpu")', 'dtype=input.dtype, device="meta")',
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_pooling_after_a_convolution_of_a_channels_last_batch_keeps_eagers_layout",)),
 ]
