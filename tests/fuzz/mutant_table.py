@@ -2196,4 +2196,19 @@ MUTANTS: list[Mutant] = [
            'dtype=input.dtype, device="cpu")', 'dtype=input.dtype, device="meta")',
            ("tests/tracer/test_dynamic_edges.py::"
             "test_a_pooling_after_a_convolution_of_a_channels_last_batch_keeps_eagers_layout",)),
+    Mutant("attention_fast_path_output_left_transposed", "layout", "tracer/fast_paths.py",
+           "    out = output[0].contiguous()", "    out = output[0]",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_fast_path_output_is_viewable_and_row_major_as_eager",)),
+    Mutant("attention_fast_path_fully_masked_rows_zero", "decomposition",
+           "tracer/fast_paths.py",
+           '    if out.device.type == "cpu" and need_weights is False:', "    if False:",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_fast_path_gives_nan_on_fully_masked_rows_as_eager",)),
+    Mutant("attention_fast_path_taken_with_float_masks", "layout", "tracer/fast_paths.py",
+           "    if any(isinstance(mask, torch.Tensor) and mask.is_floating_point()"
+           " for mask in masks):",
+           "    if False:",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_regular_path_where_eager_takes_it",)),
 ]
