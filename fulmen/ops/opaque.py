@@ -24,6 +24,7 @@ from fulmen.ops.kernel_layouts import (
     attention_arguments,
     attention_strides,
     batch_norm_strides,
+    convolution_strides,
     suggested_layout_strides,
 )
 from fulmen.ops.meta import run_meta, with_strides
@@ -266,6 +267,35 @@ def _batch_norm_meta(fn, *args, **kwargs):
     return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
+_CONV_TRANSPOSE_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "output_padding",
+                             "groups", "dilation")
+
+
+def _conv_transpose_meta(fn, *args, **kwargs):
+    """`F.conv_transpose{2,3}d`: PyTorch's meta kernel, its output laid out in the memory format
+    eager's CPU backend picks (NOTE [convolution layout]: channels-last for a channels-last
+    input or weight, where the meta kernel answers row-major and the result was copied
+    row-major)."""
+    out = run_meta(fn, *args, **kwargs)
+    bound = dict(zip(_CONV_TRANSPOSE_ARGUMENTS, args)) | kwargs
+    input, weight = bound.get("input"), bound.get("weight")
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and isinstance(weight, TensorProxy)):
+        return out
+    spatial = weight.dim() - 2
+
+    def expand(name, default):
+        value = bound.get(name, default)
+        return [value] * spatial if isinstance(value, int) else list(value)
+
+    strides = convolution_strides(input, weight, tuple(out.shape), expand("stride", 1),
+                                  expand("padding", 0), expand("dilation", 1),
+                                  bound.get("groups", 1), output_padding=expand("output_padding", 0))
+    if strides is None or tuple(out.stride()) == tuple(strides):
+        return out
+    return with_strides(out, strides)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -277,6 +307,10 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
+                                             torch.nn.functional.conv_transpose2d:
+                                                 _conv_transpose_meta,
+                                             torch.nn.functional.conv_transpose3d:
+                                                 _conv_transpose_meta,
                                              **SYMBOLIC_METAS}
 
 

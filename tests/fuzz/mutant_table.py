@@ -2211,4 +2211,14 @@ MUTANTS: list[Mutant] = [
            "    if False:",
            ("tests/tracer/test_fast_paths.py::"
             "test_multihead_attention_regular_path_where_eager_takes_it",)),
+    Mutant("transposed_convolution_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           "    return with_strides(out, strides)", "    return out",
+           ("tests/ops/test_strides.py::"
+            "test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides",)),
+    Mutant("group_norm_layout_of_symbolic_sizes_row_major", "dynamic", "ops/kernel_layouts.py",
+           "            or not known_same_shape(tuple(input.shape), tuple(shape)):",
+           "            or not known_same_shape(tuple(input.shape), tuple(shape))"
+           " or any(isinstance(size, torch.SymInt) for size in input.shape):",
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layout",)),
 ]

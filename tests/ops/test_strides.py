@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from fulmen import FulmenError
+from fulmen import FulmenError, jit
 from fulmen.tracer.tracer import trace_program
 from tests.ops.opinfo_harness import matched_opinfos, samples
 
@@ -263,3 +263,19 @@ def test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides(mem
     traced = trace_program(lambda x: F.group_norm(x, 2), (x,), {}).trace.output
     assert expected.stride() != expected.contiguous().stride()  # not vacuous
     assert not stride_mismatches(expected, traced)
+
+
+def test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides():
+    """Eager's CPU transposed convolution writes a channels-last result for a channels-last
+    input; PyTorch's meta kernel answers row-major, and the compiled result was copied
+    row-major (and a pooling after it traced so)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3, 2), torch.nn.ReLU(),
+                                torch.nn.AvgPool2d(2))
+    x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    want = model(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(model, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)

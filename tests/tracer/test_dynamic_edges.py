@@ -323,3 +323,19 @@ def test_a_pooling_after_a_convolution_of_a_channels_last_batch_keeps_eagers_lay
         assert out.stride() == want.stride() == (16, 1, 8, 4)
         torch.testing.assert_close(out, want)
     assert fulmen.cache_misses(jmodel) == 1
+
+
+def test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layout():
+    """The CPU group norm writes its output in the input's suggested memory format; with
+    symbolic sizes that format was not read (the strides are expressions), the group norm was
+    traced row-major and the pooling after it relaid row-major. It is read on a fake stand-in
+    now, with a guard on the sizes it reads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 4), torch.nn.MaxPool2d(2))
+    jmodel = fulmen.jit(model, dynamic=True)
+    for size in (6, 8):
+        x = torch.randn(2, 4, size, size).to(memory_format=torch.channels_last)
+        out, want = jmodel(x), model(x)
+        assert out.stride() == want.stride() != want.contiguous().stride()
+        torch.testing.assert_close(out, want)
+    assert fulmen.cache_misses(jmodel) == 1
