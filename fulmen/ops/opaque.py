@@ -296,6 +296,18 @@ def _conv_transpose_meta(fn, *args, **kwargs):
     return with_strides(out, strides)
 
 
+def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):
+    """`F.channel_shuffle` (`torch.native_channel_shuffle`): PyTorch's meta kernel, its output
+    laid out as the CPU kernel allocates it, in the input's suggested memory format
+    (channels-last for a channels-last input; the meta kernel answers row-major)."""
+    out = run_meta(fn, input, groups, *args, **kwargs)
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and input.device.type == "cpu" and input.dim() in (4, 5)):
+        return out
+    strides = suggested_layout_strides(input, tuple(out.shape))
+    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -311,6 +323,8 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                                  _conv_transpose_meta,
                                              torch.nn.functional.conv_transpose3d:
                                                  _conv_transpose_meta,
+                                             torch.channel_shuffle: _channel_shuffle_meta,
+                                             torch.native_channel_shuffle: _channel_shuffle_meta,
                                              **SYMBOLIC_METAS}
 
 

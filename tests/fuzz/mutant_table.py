@@ -2221,4 +2221,9 @@ MUTANTS: list[Mutant] = [
            " or any(isinstance(size, torch.SymInt) for size in input.shape):",
            ("tests/tracer/test_dynamic_edges.py::"
             "test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layout",)),
+    Mutant("channel_shuffle_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           "    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)",
+           "    return out",
+           ("tests/ops/test_strides.py::"
+            "test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides",)),
 ]

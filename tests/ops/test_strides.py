@@ -279,3 +279,20 @@ def test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides(
         got = jit(model, dynamic=dynamic)(x)
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.channels_last_3d],
+                         ids=["channels_last", "channels_last_3d"])
+def test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides(memory_format):
+    """The CPU channel shuffle allocates its output in the input's suggested memory format;
+    PyTorch's meta kernel answers row-major, so the map after it was traced row-major and its
+    compiled result copied so."""
+    shuffle = torch.nn.Sequential(torch.nn.ChannelShuffle(2), torch.nn.Hardtanh())
+    rank = 4 if memory_format == torch.channels_last else 5
+    x = torch.randn(2, 4, *[3, 5, 2][:rank - 2]).contiguous(memory_format=memory_format)
+    want = shuffle(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(shuffle, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
