@@ -308,6 +308,19 @@ def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):
     return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
 
 
+def _pad_meta(fn, input, pad, mode="constant", value=None):
+    """`F.pad` run whole (a reflect or replicate pad): PyTorch's meta kernel, with a 3-d pad's
+    output laid out as the CPU kernel allocates it, in the input's suggested memory format (the
+    meta kernel answers row-major for a channels_last_3d input; its 2-d answer is eager's)."""
+    out = run_meta(fn, input, pad, mode=mode, value=value)
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and input.device.type == "cpu" and input.dim() == 5
+            and mode in ("reflect", "replicate")):
+        return out
+    strides = suggested_layout_strides(input, tuple(out.shape))
+    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -324,6 +337,7 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.nn.functional.conv_transpose3d:
                                                  _conv_transpose_meta,
                                              torch.channel_shuffle: _channel_shuffle_meta,
+                                             torch.nn.functional.pad: _pad_meta,
                                              torch.native_channel_shuffle: _channel_shuffle_meta,
                                              **SYMBOLIC_METAS}
 

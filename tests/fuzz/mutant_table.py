@@ -2226,4 +2226,9 @@ MUTANTS: list[Mutant] = [
            "    return out",
            ("tests/ops/test_strides.py::"
             "test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides",)),
+    Mutant("pad_3d_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           '            and mode in ("reflect", "replicate")):',
+           '            and mode in ()):',
+           ("tests/ops/test_strides.py::"
+            "test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides",)),
 ]

@@ -296,3 +296,22 @@ def test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides(memory_
         got = jit(shuffle, dynamic=dynamic)(x)
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides(mode):
+    """The CPU reflect and replicate 3-d pads allocate in the input's suggested memory format;
+    PyTorch's meta kernel answers row-major, so under autograd the compiled result was copied
+    row-major."""
+    x = torch.randn(2, 4, 4, 6, 6).contiguous(memory_format=torch.channels_last_3d)
+    x.requires_grad_()
+
+    def fn(x):
+        return F.pad(x, (1, 1, 1, 1, 1, 1), mode=mode)
+
+    want = fn(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(fn, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
