@@ -14,8 +14,11 @@ replaces those positions as eager's fast path leaves them, under the conditions 
 regular path a transposed view of a (seq, batch, embed) one, so user code that views the
 attention output (`out.view(-1, embed)`) worked in eager and raised when traced. A forward
 hook gives the output eager's row-major layout under the fast path's conditions
-(`_mha_takes_fast_path`). Elsewhere the fast paths (`TransformerEncoderLayer`) give the regular
-path's values and layouts, and nothing is changed.
+(`_mha_takes_fast_path`). On CPU both fast paths (`torch._native_multi_head_attention` without
+weights, `torch._transformer_encoder_layer_fwd`) give NaN on a query row whose keys are all
+masked (left padding under a causal mask, a sequence all padding), where the regular path
+computes numbers; the hooks put NaN there (`_fully_masked_rows`). Elsewhere the regular path's
+values and layouts are eager's, and nothing is changed.
 """
 
 from __future__ import annotations
@@ -141,8 +144,55 @@ def _fast_path_attention(attention, args, kwargs, output):
     return out, output[1]
 
 
+def _layer_takes_fast_path(layer: torch.nn.TransformerEncoderLayer, src) -> bool:
+    """Whether eager's `layer(src, ...)` returns `torch._transformer_encoder_layer_fwd`'s
+    result (PyTorch 2.x's `why_not_sparsity_fast_path` checks; fulmen's own hooks and a
+    proxy's `__torch_function__` left out)."""
+    attention = layer.self_attn
+    if not (torch.backends.mha.get_fastpath_enabled() and isinstance(src, torch.Tensor)):
+        return False
+    if src.dim() != 3 or src.is_nested or layer.training or not attention.batch_first:
+        return False
+    if attention.in_proj_bias is None or not attention._qkv_same_embed_dim:
+        return False
+    if not layer.activation_relu_or_gelu or layer.norm1.eps != layer.norm2.eps:
+        return False
+    if attention.num_heads % 2 or torch.is_autocast_enabled():
+        return False
+    if any(key != _KEY for sub in layer.modules()
+           for hooks in (sub._forward_hooks, sub._forward_pre_hooks) for key in hooks):
+        return False
+    tensors = (src, *(t for sub in (attention, attention.out_proj, layer.norm1, layer.norm2,
+                                    layer.linear1, layer.linear2)
+                      for t in sub.parameters(recurse=False)))
+    if any(t.device.type not in _DEVICES for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _masked(mask):
+    """The positions a boolean or additive mask masks (True, or -inf)."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask == float("-inf")
+
+
+def _fast_path_layer(layer, args, kwargs, output):
+    """Eager's fast-path result of `nn.TransformerEncoderLayer` on CPU: NaN on every row whose
+    keys some head masks all, where the regular path's attention gives numbers."""
+    src = _argument(args, kwargs, 0, "src")
+    if not (isinstance(output, torch.Tensor) and output.device.type == "cpu"
+            and _layer_takes_fast_path(layer, src)):
+        return None
+    rows = _fully_masked_rows(layer.self_attn, output,
+                              _masked(_argument(args, kwargs, 1, "src_mask")),
+                              _masked(_argument(args, kwargs, 2, "src_key_padding_mask")))
+    return None if rows is None else torch.where(rows.unsqueeze(-1), float("nan"), output)
+
+
 _HOOKS = ((torch.nn.TransformerEncoder, _zero_padded_positions),
-          (torch.nn.MultiheadAttention, _fast_path_attention))
+          (torch.nn.MultiheadAttention, _fast_path_attention),
+          (torch.nn.TransformerEncoderLayer, _fast_path_layer))
 
 
 @contextlib.contextmanager

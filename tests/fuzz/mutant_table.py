@@ -2231,4 +2231,10 @@ MUTANTS: list[Mutant] = [
            '            and mode in ()):',
            ("tests/ops/test_strides.py::"
             "test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides",)),
+    Mutant("encoder_layer_fast_path_fully_masked_rows_numbers", "decomposition",
+           "tracer/fast_paths.py",
+           "    return None if rows is None else torch.where(rows.unsqueeze(-1), float(\"nan\"), output)",
+           "    return None",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager",)),
 ]

@@ -175,3 +175,24 @@ def test_multihead_attention_regular_path_where_eager_takes_it():
         want, got = _attention_both(model.train(training), x, **masks)
         assert got[1].stride() == want[1].stride() == (8, 16, 1)
         torch.testing.assert_close(got[1], want[1])
+
+
+@pytest.mark.parametrize("padding", ["left_causal", "empty_sequence"])
+def test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager(padding):
+    """Eager's encoder-layer fast path (`torch._transformer_encoder_layer_fwd`) gives NaN on
+    query rows with no key left (left padding under a causal mask, a sequence all padding);
+    the traced regular path computed numbers there."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 8)
+    if padding == "left_causal":
+        masks = {"src_key_padding_mask": _right_padded([5, 3], seq=5).flip(-1),
+                 "mask": torch.ones(5, 5, dtype=torch.bool).triu(1)}
+    else:
+        masks = {"src_key_padding_mask": _right_padded([5, 0], seq=5)}
+    with torch.no_grad():
+        want = model(x, **masks)
+        got = fulmen.jit(copy.deepcopy(model))(x, **masks)
+    assert want.isnan().any() and not want[0].isnan().any()  # not vacuous
+    torch.testing.assert_close(got, want, equal_nan=True)
