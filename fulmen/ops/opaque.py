@@ -296,6 +296,13 @@ def _conv_transpose_meta(fn, *args, **kwargs):
     return with_strides(out, strides)
 
 
+def _in_suggested_layout(out: TensorProxy, input: TensorProxy) -> TensorProxy:
+    """`out` laid out densely in the memory format `input` suggests (as CPU kernels allocating
+    `empty(..., memory_format=input.suggest_memory_format())` lay out their outputs)."""
+    strides = suggested_layout_strides(input, tuple(out.shape))
+    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+
+
 def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):
     """`F.channel_shuffle` (`torch.native_channel_shuffle`): PyTorch's meta kernel, its output
     laid out as the CPU kernel allocates it, in the input's suggested memory format
@@ -304,8 +311,7 @@ def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):
     if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
             and input.device.type == "cpu" and input.dim() in (4, 5)):
         return out
-    strides = suggested_layout_strides(input, tuple(out.shape))
-    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+    return _in_suggested_layout(out, input)
 
 
 def _pad_meta(fn, input, pad, mode="constant", value=None):
@@ -317,8 +323,7 @@ def _pad_meta(fn, input, pad, mode="constant", value=None):
             and input.device.type == "cpu" and input.dim() == 5
             and mode in ("reflect", "replicate")):
         return out
-    strides = suggested_layout_strides(input, tuple(out.shape))
-    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+    return _in_suggested_layout(out, input)
 
 
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
