@@ -8,12 +8,15 @@ from __future__ import annotations
 import torch
 from torch._prims_common import suggest_memory_format
 
+from fulmen.ops.meta import _fake_mode
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, size_hints
 
 
-def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int):
-    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere.
+def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int,
+                        output_padding=None):
+    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere; a
+    transposed convolution where `output_padding` is given.
 
     NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
     contiguously, but eager picks a backend and the backend a memory format: on CPU
@@ -23,27 +26,28 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
     """
     if input.device.type != "cpu" or weight.dim() not in (4, 5):
         return None
-    if any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride(),
-                                                          *weight.shape, *weight.stride())):
-        # symbolic sizes: no real stand-in can be made; PyTorch's fake convolution (asked by
-        # `eager_layouts` under the ShapeEnv) picks the backend and memory format as eager
-        # does and guards every size it reads (a batch of 16, the element count, sizes 1)
-        return None  # NOTE [convolution layout] with symbolic sizes
-    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
-    real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
-                                      dtype=weight.dtype)
-    if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
-        real_input = real_input.unsqueeze(0)
-    zeros = [0] * (weight.dim() - 2)
-    with torch._C.DisableTorchFunction():
+    # NOTE [convolution layout] with symbolic sizes: the stand-ins are fake CPU tensors of the
+    # trace's ShapeEnv (PyTorch's backend choice reads the sizes it needs, each read a guard: a
+    # batch of 16, the element count, sizes 1). Asked of fake *meta* tensors (`eager_layouts`)
+    # the choice is the meta device's: row-major where eager keeps a channels-last input's
+    # layout, so a pooling or norm after the convolution was relaid row-major.
+    with _fake_mode((input, weight)), torch._C.DisableTorchFunction():
+        real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()),
+                                         dtype=input.dtype, device="cpu")
+        real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
+                                          dtype=weight.dtype, device="cpu")
+        if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
+            real_input = real_input.unsqueeze(0)
+        transposed = output_padding is not None
+        extra = list(output_padding) if transposed else [0] * (weight.dim() - 2)
         backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
-                                                list(padding), list(dilation), False, zeros,
-                                                groups, None)
+                                                list(padding), list(dilation), transposed,
+                                                extra, groups, None)
         memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
                                                                        backend)
-    batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
-    layout = torch.empty(batched, device="meta", memory_format=memory_format)
-    return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
+        batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
+        layout = torch.empty(batched, device="meta", memory_format=memory_format)
+        return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
 
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -127,11 +131,11 @@ def batch_norm_strides(input, shape) -> tuple | None:
     PyTorch's meta kernel allocates the output `empty_like` the input (a transposed input's
     strides), while the CPU kernel allocates it in the input's suggested memory format
     (row-major, or channels_last where the input suggests it): `x.t()` of a (4, 6) tensor
-    normalises into strides (4, 1), not (1, 6). Static sizes only (the format is read from the
-    strides' values)."""
+    normalises into strides (4, 1), not (1, 6). With symbolic sizes the format is read on a
+    fake stand-in (`suggested_layout_strides`): a symbolic group norm of a channels-last input
+    was traced row-major, and a pooling after it relaid row-major."""
     if not isinstance(input, TensorProxy) or input.device.type != "cpu" \
-            or not known_same_shape(tuple(input.shape), tuple(shape)) \
-            or any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride())):
+            or not known_same_shape(tuple(input.shape), tuple(shape)):
         return None
     return suggested_layout_strides(input, tuple(input.shape))
 
@@ -139,10 +143,13 @@ def batch_norm_strides(input, shape) -> tuple | None:
 def suggested_layout_strides(like, shape: tuple) -> tuple:
     """Dense strides of `shape` in the memory format `like`'s sizes and strides suggest
     (row-major, or channels_last / channels_last_3d), as CPU kernels allocating `empty(...,
-    memory_format=input.suggest_memory_format())` lay out their outputs. Static sizes only."""
-    layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
-    memory_format = suggest_memory_format(layout)  # C++'s `Tensor::suggest_memory_format`
-    return torch.empty(shape, device="meta", memory_format=memory_format).stride()
+    memory_format=input.suggest_memory_format())` lay out their outputs. With symbolic sizes
+    the stand-in is a fake tensor of the trace's ShapeEnv (each size the format reads is
+    guarded) and the strides are expressions of the symbols."""
+    with _fake_mode((like, shape)):
+        layout = torch.empty_strided(tuple(like.shape), tuple(like.stride()), device="meta")
+        memory_format = suggest_memory_format(layout)  # C++'s `Tensor::suggest_memory_format`
+        return torch.empty(shape, device="meta", memory_format=memory_format).stride()
 
 
 __all__ = ["attention_arguments", "attention_strides", "batch_norm_strides",

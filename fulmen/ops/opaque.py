@@ -24,6 +24,7 @@ from fulmen.ops.kernel_layouts import (
     attention_arguments,
     attention_strides,
     batch_norm_strides,
+    convolution_strides,
     suggested_layout_strides,
 )
 from fulmen.ops.meta import run_meta, with_strides
@@ -266,6 +267,65 @@ def _batch_norm_meta(fn, *args, **kwargs):
     return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
+_CONV_TRANSPOSE_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "output_padding",
+                             "groups", "dilation")
+
+
+def _conv_transpose_meta(fn, *args, **kwargs):
+    """`F.conv_transpose{2,3}d`: PyTorch's meta kernel, its output laid out in the memory format
+    eager's CPU backend picks (NOTE [convolution layout]: channels-last for a channels-last
+    input or weight, where the meta kernel answers row-major and the result was copied
+    row-major)."""
+    out = run_meta(fn, *args, **kwargs)
+    bound = dict(zip(_CONV_TRANSPOSE_ARGUMENTS, args)) | kwargs
+    input, weight = bound.get("input"), bound.get("weight")
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and isinstance(weight, TensorProxy)):
+        return out
+    spatial = weight.dim() - 2
+
+    def expand(name, default):
+        value = bound.get(name, default)
+        return [value] * spatial if isinstance(value, int) else list(value)
+
+    strides = convolution_strides(input, weight, tuple(out.shape), expand("stride", 1),
+                                  expand("padding", 0), expand("dilation", 1),
+                                  bound.get("groups", 1), output_padding=expand("output_padding", 0))
+    if strides is None or tuple(out.stride()) == tuple(strides):
+        return out
+    return with_strides(out, strides)
+
+
+def _in_suggested_layout(out: TensorProxy, input: TensorProxy) -> TensorProxy:
+    """`out` laid out densely in the memory format `input` suggests (as CPU kernels allocating
+    `empty(..., memory_format=input.suggest_memory_format())` lay out their outputs)."""
+    strides = suggested_layout_strides(input, tuple(out.shape))
+    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+
+
+def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):
+    """`F.channel_shuffle` (`torch.native_channel_shuffle`): PyTorch's meta kernel, its output
+    laid out as the CPU kernel allocates it, in the input's suggested memory format
+    (channels-last for a channels-last input; the meta kernel answers row-major)."""
+    out = run_meta(fn, input, groups, *args, **kwargs)
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and input.device.type == "cpu" and input.dim() in (4, 5)):
+        return out
+    return _in_suggested_layout(out, input)
+
+
+def _pad_meta(fn, input, pad, mode="constant", value=None):
+    """`F.pad` run whole (a reflect or replicate pad): PyTorch's meta kernel, with a 3-d pad's
+    output laid out as the CPU kernel allocates it, in the input's suggested memory format (the
+    meta kernel answers row-major for a channels_last_3d input; its 2-d answer is eager's)."""
+    out = run_meta(fn, input, pad, mode=mode, value=value)
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and input.device.type == "cpu" and input.dim() == 5
+            and mode in ("reflect", "replicate")):
+        return out
+    return _in_suggested_layout(out, input)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -277,6 +337,13 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
+                                             torch.nn.functional.conv_transpose2d:
+                                                 _conv_transpose_meta,
+                                             torch.nn.functional.conv_transpose3d:
+                                                 _conv_transpose_meta,
+                                             torch.channel_shuffle: _channel_shuffle_meta,
+                                             torch.nn.functional.pad: _pad_meta,
+                                             torch.native_channel_shuffle: _channel_shuffle_meta,
                                              **SYMBOLIC_METAS}
 
 

@@ -1512,7 +1512,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_host_floats.py::"
             "test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too",)),
     Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
-           "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
+           "    with _fake_mode((input, weight)), torch._C.DisableTorchFunction():",
+           "    with torch._C.DisableTorchFunction():", ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
     Mutant("symbolic_dim_wrapped_unspecialised", "dynamic", "ops/torch/utils.py",
            "    if isinstance(dim, torch.SymInt):\n        dim = int(dim)\n", "",
@@ -2208,4 +2209,50 @@ MUTANTS: list[Mutant] = [
            "            if False:",
            ("tests/transforms/test_bound_callables.py::"
             "test_executable_source_is_the_bound_source_on_the_same_lines",)),
+    Mutant("convolution_layout_of_symbolic_sizes_asked_of_meta", "layout",
+           "ops/kernel_layouts.py",
+           'dtype=input.dtype, device="cpu")', 'dtype=input.dtype, device="meta")',
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_pooling_after_a_convolution_of_a_channels_last_batch_keeps_eagers_layout",)),
+    Mutant("attention_fast_path_output_left_transposed", "layout", "tracer/fast_paths.py",
+           "    out = output[0].contiguous()", "    out = output[0]",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_fast_path_output_is_viewable_and_row_major_as_eager",)),
+    Mutant("attention_fast_path_fully_masked_rows_zero", "decomposition",
+           "tracer/fast_paths.py",
+           '    if out.device.type == "cpu" and need_weights is False:', "    if False:",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_fast_path_gives_nan_on_fully_masked_rows_as_eager",)),
+    Mutant("attention_fast_path_taken_with_float_masks", "layout", "tracer/fast_paths.py",
+           "    if any(isinstance(mask, torch.Tensor) and mask.is_floating_point()"
+           " for mask in masks):",
+           "    if False:",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_multihead_attention_regular_path_where_eager_takes_it",)),
+    Mutant("transposed_convolution_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           "    return with_strides(out, strides)", "    return out",
+           ("tests/ops/test_strides.py::"
+            "test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides",)),
+    Mutant("group_norm_layout_of_symbolic_sizes_row_major", "dynamic", "ops/kernel_layouts.py",
+           "            or not known_same_shape(tuple(input.shape), tuple(shape)):",
+           "            or not known_same_shape(tuple(input.shape), tuple(shape))"
+           " or any(isinstance(size, torch.SymInt) for size in input.shape):",
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layout",)),
+    Mutant("channel_shuffle_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           '            and input.device.type == "cpu" and input.dim() in (4, 5)):',
+           '            and input.device.type == "cpu" and input.dim() in ()):',
+           ("tests/ops/test_strides.py::"
+            "test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides",)),
+    Mutant("pad_3d_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
+           '            and mode in ("reflect", "replicate")):',
+           '            and mode in ()):',
+           ("tests/ops/test_strides.py::"
+            "test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides",)),
+    Mutant("encoder_layer_fast_path_fully_masked_rows_numbers", "decomposition",
+           "tracer/fast_paths.py",
+           "    return None if rows is None else torch.where(rows.unsqueeze(-1), float(\"nan\"), output)",
+           "    return None",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager",)),
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from fulmen import FulmenError
+from fulmen import FulmenError, jit
 from fulmen.tracer.tracer import trace_program
 from tests.ops.opinfo_harness import matched_opinfos, samples
 
@@ -263,3 +263,55 @@ def test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides(mem
     traced = trace_program(lambda x: F.group_norm(x, 2), (x,), {}).trace.output
     assert expected.stride() != expected.contiguous().stride()  # not vacuous
     assert not stride_mismatches(expected, traced)
+
+
+def test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides():
+    """Eager's CPU transposed convolution writes a channels-last result for a channels-last
+    input; PyTorch's meta kernel answers row-major, and the compiled result was copied
+    row-major (and a pooling after it traced so)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3, 2), torch.nn.ReLU(),
+                                torch.nn.AvgPool2d(2))
+    x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    want = model(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(model, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.channels_last_3d],
+                         ids=["channels_last", "channels_last_3d"])
+def test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides(memory_format):
+    """The CPU channel shuffle allocates its output in the input's suggested memory format;
+    PyTorch's meta kernel answers row-major, so the map after it was traced row-major and its
+    compiled result copied so."""
+    shuffle = torch.nn.Sequential(torch.nn.ChannelShuffle(2), torch.nn.Hardtanh())
+    rank = 4 if memory_format == torch.channels_last else 5
+    x = torch.randn(2, 4, *[3, 5, 2][:rank - 2]).contiguous(memory_format=memory_format)
+    want = shuffle(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(shuffle, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides(mode):
+    """The CPU reflect and replicate 3-d pads allocate in the input's suggested memory format;
+    PyTorch's meta kernel answers row-major, so under autograd the compiled result was copied
+    row-major."""
+    x = torch.randn(2, 4, 4, 6, 6).contiguous(memory_format=torch.channels_last_3d)
+    x.requires_grad_()
+
+    def fn(x):
+        return F.pad(x, (1, 1, 1, 1, 1, 1), mode=mode)
+
+    want = fn(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(fn, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)

@@ -304,3 +304,38 @@ def test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout(monkeypatch):
             torch.testing.assert_close(out, want)
             assert out.stride() == want.stride()
         assert fulmen.cache_misses(jfn) == 1
+
+
+def test_a_pooling_after_a_convolution_of_a_channels_last_batch_keeps_eagers_layout():
+    """With symbolic sizes the convolution's layout was asked of PyTorch's fake kernel on the
+    meta device, which answers row-major where eager's CPU backend keeps the input's
+    channels-last layout: the convolution itself came back channels-last (torch runs it whole),
+    but the pooling and batch norm after it were relaid row-major (found by probing a
+    channels-last CNN with `dynamic=True`). Their stand-ins are now fake CPU tensors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                torch.nn.AdaptiveAvgPool2d(2))
+    model = model.to(memory_format=torch.channels_last)
+    jmodel = fulmen.jit(model, dynamic=True)
+    for size in (6, 9):
+        x = torch.randn(2, 3, size, size).to(memory_format=torch.channels_last)
+        out, want = jmodel(x), model(x)
+        assert out.stride() == want.stride() == (16, 1, 8, 4)
+        torch.testing.assert_close(out, want)
+    assert fulmen.cache_misses(jmodel) == 1
+
+
+def test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layout():
+    """The CPU group norm writes its output in the input's suggested memory format; with
+    symbolic sizes that format was not read (the strides are expressions), the group norm was
+    traced row-major and the pooling after it relaid row-major. It is read on a fake stand-in
+    now, with a guard on the sizes it reads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 4), torch.nn.MaxPool2d(2))
+    jmodel = fulmen.jit(model, dynamic=True)
+    for size in (6, 8):
+        x = torch.randn(2, 4, size, size).to(memory_format=torch.channels_last)
+        out, want = jmodel(x), model(x)
+        assert out.stride() == want.stride() != want.contiguous().stride()
+        torch.testing.assert_close(out, want)
+    assert fulmen.cache_misses(jmodel) == 1

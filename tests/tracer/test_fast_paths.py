@@ -1,6 +1,7 @@
 """`nn.TransformerEncoder`'s nested-tensor fast path (eval, no grad, key padding mask): a jitted
 encoder gives eager's values, zeros at padded positions included (`fulmen.tracer.fast_paths`),
-and the regular path's values wherever eager takes that one."""
+and the regular path's values wherever eager takes that one. `nn.MultiheadAttention`'s fast
+path: eager's row-major output (viewable), NaN on fully masked rows as eager's kernel gives."""
 
 import copy
 
@@ -117,3 +118,81 @@ def test_fast_path_switched_off_and_on_between_calls():
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
     assert fulmen.cache_misses(jmodel) == 2
+
+
+class _SelfAttention(torch.nn.Module):
+    """Self-attention whose output the caller views flat, as users of a batch-first
+    `nn.MultiheadAttention` do."""
+
+    def __init__(self, flat: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.flat = flat
+
+    def forward(self, x, **masks):
+        out, weights = self.attention(x, x, x, need_weights=False, **masks)
+        return out.view(-1, 8) if self.flat else None, out, weights
+
+
+def _attention_both(model, x, **masks):
+    jmodel = fulmen.jit(copy.deepcopy(model))
+    with torch.no_grad():
+        return model(x, **masks), jmodel(x, **masks)
+
+
+def test_multihead_attention_fast_path_output_is_viewable_and_row_major_as_eager():
+    """Eager's fast path returns a new row-major (batch, seq, embed) tensor; traced, the
+    regular path's transposed view made `out.view(-1, embed)` raise where eager's worked."""
+    model = _SelfAttention().eval()
+    x = torch.randn(2, 5, 8)
+    padding = _right_padded([5, 3], seq=5)
+    for masks in ({}, {"key_padding_mask": padding}):
+        want, got = _attention_both(model, x, **masks)
+        assert got[1].stride() == want[1].stride() == (40, 8, 1)
+        torch.testing.assert_close(got[:2], want[:2])
+
+
+def test_multihead_attention_fast_path_gives_nan_on_fully_masked_rows_as_eager():
+    """Left padding under a causal mask leaves the first queries of a row no key: eager's
+    fast-path kernel gives NaN there (a softmax of -inf alone), the regular path zeros."""
+    model = _SelfAttention().eval()
+    x = torch.randn(2, 5, 8)
+    padding = _right_padded([5, 3], seq=5).flip(-1)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    want, got = _attention_both(model, x, key_padding_mask=padding, attn_mask=causal)
+    assert want[1][1, :2].isnan().all() and not want[1][1, 2:].isnan().any()
+    torch.testing.assert_close(got[:2], want[:2], equal_nan=True)
+
+
+def test_multihead_attention_regular_path_where_eager_takes_it():
+    """A float mask, training or grad keep eager on the regular path: its transposed output
+    (which `view` refuses, in eager as traced)."""
+    model = _SelfAttention(flat=False)
+    x = torch.randn(2, 5, 8)
+    additive = torch.zeros(2, 5).masked_fill(_right_padded([5, 3], seq=5), float("-inf"))
+    for training, masks in ((False, {"key_padding_mask": additive}), (True, {})):
+        want, got = _attention_both(model.train(training), x, **masks)
+        assert got[1].stride() == want[1].stride() == (8, 16, 1)
+        torch.testing.assert_close(got[1], want[1])
+
+
+@pytest.mark.parametrize("padding", ["left_causal", "empty_sequence"])
+def test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager(padding):
+    """Eager's encoder-layer fast path (`torch._transformer_encoder_layer_fwd`) gives NaN on
+    query rows with no key left (left padding under a causal mask, a sequence all padding);
+    the traced regular path computed numbers there."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 8)
+    if padding == "left_causal":
+        masks = {"src_key_padding_mask": _right_padded([5, 3], seq=5).flip(-1),
+                 "mask": torch.ones(5, 5, dtype=torch.bool).triu(1)}
+    else:
+        masks = {"src_key_padding_mask": _right_padded([5, 0], seq=5)}
+    with torch.no_grad():
+        want = model(x, **masks)
+        got = fulmen.jit(copy.deepcopy(model))(x, **masks)
+    assert want.isnan().any() and not want[0].isnan().any()  # not vacuous
+    torch.testing.assert_close(got, want, equal_nan=True)
