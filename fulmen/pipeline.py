@@ -3,7 +3,8 @@
     grouped attention (`transforms/grouped_attention.py`)
         -> additive attention masks (`transforms/attention_masks.py`) -> dce -> cse
         -> user transforms -> [value_and_grad (functional grad)]
-        -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
+        -> [autodiff split -> rematerialization -> backward: dce, cse, layer norm reuse
+            (`transforms/layer_norm_reuse.py`)]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators)
         -> statements reading nothing the call brings run once, at compile time
            (`executors/torch/constants.py`) -> `del` insertion
@@ -56,6 +57,7 @@ from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
+from fulmen.transforms.layer_norm_reuse import reuse_layer_norm
 from fulmen.transforms.remat import rematerialize as rematerialize_split
 from fulmen.transforms.unused_cotangents import fold_unused_cotangents
 from fulmen.tree import CompiledSegment
@@ -143,6 +145,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
             seconds["rematerialization"] = time.perf_counter() - start
         run(backward_traces, dce)
         run(backward_traces, cse)
+        run(backward_traces, reuse_layer_norm)  # one native_layer_norm for output and statistics
         unclaimed = backward_traces[-1]
         # statements the split added twice (attention's float masks), residuals included
         run(traces, cse, frozenset(p.name for p in iter_proxies(traces[-1].output[0])))

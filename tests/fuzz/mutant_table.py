@@ -2203,6 +2203,10 @@ MUTANTS: list[Mutant] = [
            "    escaping = set()",
            ("tests/executors/test_constant_folding.py::"
             "test_a_returned_constant_or_view_of_one_is_made_at_every_call",)),
+    Mutant("layer_norm_reuse_ignores_the_weight", "passes", "transforms/layer_norm_reuse.py",
+           '            key.append(("proxy", value.name))',
+           '            key.append(("proxy", value.name if name == "input" else None))',
+           ("tests/transforms/test_layer_norm_reuse.py",)),
     # --- session 48, h48dyn: compile time of dynamic shapes -------------------------------------
     Mutant("printed_size_text_keyed_by_symbols", "printer", "core/printer.py",
            '    key = ("str", size.node.expr)',
