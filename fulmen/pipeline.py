@@ -3,8 +3,11 @@
     grouped attention (`transforms/grouped_attention.py`)
         -> additive attention masks (`transforms/attention_masks.py`) -> dce -> cse
         -> user transforms -> [value_and_grad (functional grad)]
-        -> [autodiff split -> rematerialization -> backward: dce, cse]   (an input requires grad)
-        -> claiming by the executors (fusion regions, then operators) -> `del` insertion
+        -> [autodiff split -> rematerialization -> backward: dce, cse, layer norm reuse
+            (`transforms/layer_norm_reuse.py`)]   (an input requires grad)
+        -> claiming by the executors (fusion regions, then operators)
+        -> statements reading nothing the call brings run once, at compile time
+           (`executors/torch/constants.py`) -> `del` insertion
         -> large float32 CPU linears on oneDNN (`executors/torch/onednn_linear.py`)
         -> large products of two matrices into pool blocks (`executors/torch/pooled_outputs.py`)
         -> in-place relu on a dying matrix product, index_copy into a written input
@@ -13,7 +16,8 @@
     the backward's claiming, `del`s, in-place rewrites and compilation: at its first call, or
         when its stages are asked for (NOTE [the backward compiles when first needed])
     later, at the first backward call with a new pattern of unused outputs: the backward
-        before claiming -> unused-cotangent folding -> claiming -> `del`s -> in-place rewrites
+        before claiming -> unused-cotangent folding -> claiming -> constants -> `del`s -> in-place
+        rewrites
 
 `compile_trace` runs it on one trace (a whole program, or one segment of a program with graph
 breaks) and returns the callable with every stage's trace; `lower` is its tail (claiming,
@@ -38,6 +42,7 @@ from fulmen.core.ambient import without_autocast
 from fulmen.core.proxy import iter_proxies
 from fulmen.executors import Executor
 from fulmen.executors.claim import claim_executors
+from fulmen.executors.torch.constants import fold_constants
 from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
@@ -52,6 +57,7 @@ from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
+from fulmen.transforms.layer_norm_reuse import reuse_layer_norm
 from fulmen.transforms.remat import rematerialize as rematerialize_split
 from fulmen.transforms.unused_cotangents import fold_unused_cotangents
 from fulmen.tree import CompiledSegment
@@ -59,10 +65,11 @@ from fulmen.tree import CompiledSegment
 _PASSES = get_logger("passes")
 
 
-# after claiming: `del` insertion, large float32 linears on oneDNN, large outputs from the
-# pool, then the in-place rewrites
-# that read where values die
-_AFTER_CLAIMING = (delete_last_used, onednn_linear, pooled_outputs, relu_in_place, index_copy_in_place)
+# after claiming: statements reading nothing the call brings run once (constants), `del`
+# insertion, large float32 linears on oneDNN, large outputs from the pool, then the in-place
+# rewrites that read where values die
+_AFTER_CLAIMING = (fold_constants, delete_last_used, onednn_linear, pooled_outputs,
+                   relu_in_place, index_copy_in_place)
 
 
 def _claimed_stages(trace: Trace, executors: Sequence[Executor]) -> list[Trace]:
@@ -138,6 +145,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
             seconds["rematerialization"] = time.perf_counter() - start
         run(backward_traces, dce)
         run(backward_traces, cse)
+        run(backward_traces, reuse_layer_norm)  # one native_layer_norm for output and statistics
         unclaimed = backward_traces[-1]
         # statements the split added twice (attention's float masks), residuals included
         run(traces, cse, frozenset(p.name for p in iter_proxies(traces[-1].output[0])))

@@ -872,8 +872,10 @@ MUTANTS: list[Mutant] = [
            "and any(p.requires_grad for p in traces[-1].args))",
            "and all(p.requires_grad for p in traces[-1].args))", AUTODIFF),
     Mutant("pipeline_relu_in_place_before_dels", "passes", "pipeline.py",
-           "_AFTER_CLAIMING = (delete_last_used, onednn_linear, pooled_outputs, relu_in_place, index_copy_in_place)",
-           "_AFTER_CLAIMING = (relu_in_place, delete_last_used, onednn_linear, pooled_outputs, index_copy_in_place)",
+           "_AFTER_CLAIMING = (fold_constants, delete_last_used, onednn_linear, pooled_outputs,\n"
+           "                   relu_in_place, index_copy_in_place)",
+           "_AFTER_CLAIMING = (fold_constants, relu_in_place, delete_last_used, onednn_linear,\n"
+           "                   pooled_outputs, index_copy_in_place)",
            ("tests/executors/test_relu_in_place.py", "tests/executors/test_index_copy_in_place.py")),
     Mutant("executor_checker_skipped", "guards", "executors/base.py",
            "if impl.checker is not None and not impl.checker(*bsym.args, **bsym.kwargs):",
@@ -2191,6 +2193,21 @@ MUTANTS: list[Mutant] = [
            "    grad = IN_LAYOUT_OF(grad, grad.contiguous(memory_format=layout))",
            ("tests/models/test_hf_vision_audio.py::"
             "test_group_norm_of_a_fused_channels_last_tensor_backward_as_eager",)),
+    # --- session 48, h48perf: constants folded at compile time ---------------------------------
+    Mutant("constants_returned_view_of_a_constant", "passes", "executors/torch/constants.py",
+           "            new = _viewed(bsym) - escaping",
+           "            new = set()",
+           ("tests/executors/test_constant_folding.py::"
+            "test_a_returned_constant_or_view_of_one_is_made_at_every_call",)),
+    Mutant("constants_returned_value_folded", "passes", "executors/torch/constants.py",
+           "    escaping = set(trace.output_names)",
+           "    escaping = set()",
+           ("tests/executors/test_constant_folding.py::"
+            "test_a_returned_constant_or_view_of_one_is_made_at_every_call",)),
+    Mutant("layer_norm_reuse_ignores_the_weight", "passes", "transforms/layer_norm_reuse.py",
+           '            key.append(("proxy", value.name))',
+           '            key.append(("proxy", value.name if name == "input" else None))',
+           ("tests/transforms/test_layer_norm_reuse.py",)),
     # --- session 48, h48dyn: compile time of dynamic shapes -------------------------------------
     Mutant("printed_size_text_keyed_by_symbols", "printer", "core/printer.py",
            '    key = ("str", size.node.expr)',
