@@ -12,8 +12,10 @@ from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, size_hints
 
 
-def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int):
-    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere.
+def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int,
+                        transposed: bool = False, output_padding=None):
+    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere
+    (`transposed`: a transposed convolution, with its `output_padding`).
 
     NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
     contiguously, but eager picks a backend and the backend a memory format: on CPU
@@ -37,8 +39,8 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
     zeros = [0] * (weight.dim() - 2)
     with torch._C.DisableTorchFunction():
         backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
-                                                list(padding), list(dilation), False, zeros,
-                                                groups, None)
+                                                list(padding), list(dilation), transposed,
+                                                list(output_padding or zeros), groups, None)
         memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
                                                                        backend)
     batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)

@@ -24,6 +24,7 @@ from fulmen.ops.kernel_layouts import (
     attention_arguments,
     attention_strides,
     batch_norm_strides,
+    convolution_strides,
     suggested_layout_strides,
 )
 from fulmen.ops.meta import run_meta, with_strides
@@ -266,6 +267,56 @@ def _batch_norm_meta(fn, *args, **kwargs):
     return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
+_CONVOLUTION_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_TRANSPOSED_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "output_padding",
+                         "groups", "dilation")
+_TRANSPOSED = {torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+               torch.nn.functional.conv_transpose3d}
+
+
+def _convolution_meta(fn, *args, **kwargs):
+    """A convolution recorded whole (`F.conv3d`, `F.conv_transpose{1,2,3}d`): PyTorch's meta
+    kernel, with the output laid out in the memory format eager's CPU backend picks (NOTE
+    [convolution layout] in `kernel_layouts.py`: the meta kernel answers row-major where the
+    CPU kernel keeps a channels-last input's format). A transposed convolution or a 3-d one
+    of a channels-last tensor was traced row-major, and one of a fused tensor was then put
+    back row-major where eager returns channels-last."""
+    out = run_meta(fn, *args, **kwargs)
+    transposed = fn in _TRANSPOSED
+    bound = dict(zip(_TRANSPOSED_ARGUMENTS if transposed else _CONVOLUTION_ARGUMENTS,
+                     args)) | kwargs
+    input, weight = bound.get("input"), bound.get("weight")
+    if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
+            and isinstance(weight, TensorProxy)) or isinstance(bound.get("padding"), str):
+        return out
+    spatial = weight.dim() - 2
+
+    def expand(name, default):
+        value = bound.get(name)
+        value = default if value is None else value
+        return [value] * spatial if isinstance(value, int) else list(value)
+
+    strides = convolution_strides(input, weight, tuple(out.shape), expand("stride", 1),
+                                  expand("padding", 0), expand("dilation", 1),
+                                  bound.get("groups") or 1, transposed,
+                                  expand("output_padding", 0))
+    if strides is None or tuple(out.stride()) == tuple(strides):
+        return out
+    return with_strides(out, strides)
+
+
+def _suggested_format_meta(fn, input, *args, **kwargs):
+    """An op whose CPU kernel allocates its output in the input's suggested memory format
+    (`F.channel_shuffle`): PyTorch's meta kernel, relaid as the CPU kernel lays it out
+    (`batch_norm_strides`: channels-last for a channels-last input, where the meta kernel
+    answers row-major)."""
+    out = run_meta(fn, input, *args, **kwargs)
+    strides = batch_norm_strides(input, out.shape) if isinstance(out, TensorProxy) else None
+    if strides is None or tuple(out.stride()) == tuple(strides):
+        return out
+    return with_strides(out, strides)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -274,6 +325,11 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.batch_norm: _batch_norm_meta,
                                              torch.native_batch_norm: _batch_norm_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
+                                             torch.nn.functional.conv3d: _convolution_meta,
+                                             torch.channel_shuffle: _suggested_format_meta,
+                                             torch.native_channel_shuffle:
+                                                 _suggested_format_meta,
+                                             **dict.fromkeys(_TRANSPOSED, _convolution_meta),
                                              in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
