@@ -108,6 +108,15 @@ def _views_and_copies(h):
             F.channel_shuffle(h, 2))
 
 
+def _memory_order(h):
+    """Ops whose values depend on the order of `h`'s elements in memory: `as_strided` reads
+    it, random draws fill it (NOTE [random draws read their input's layout])."""
+    return (h.as_strided((2, 3), (1, 2)), h.as_strided((3, 4), (4, 1), 5),
+            torch.rand_like(h) * h, F.dropout(h, 0.5, training=True),
+            torch.bernoulli(torch.sigmoid(h)),
+            F.embedding_bag(torch.tensor([[0, 2], [1, 3]]), h.reshape(-1, 4)[:10]))
+
+
 def _volumes(h, w3, wt3, g4, b4):
     pooled, indices = F.max_pool3d(h, 2, return_indices=True)
     return (F.conv3d(h, w3), F.conv_transpose3d(h, wt3),
@@ -126,6 +135,7 @@ _GROUPS_4D = {
     "linear_algebra": (_linear_algebra, [(4, 3), (3, 4), (3,)]),
     "scans_and_sorts": (_scans_and_sorts, []),
     "views_and_copies": (_views_and_copies, []),
+    "memory_order": (_memory_order, []),
 }
 _GROUPS_5D = {"volumes": (_volumes, [(3, 4, 2, 2, 2), (4, 2, 2, 2, 2), (4,), (4,)])}
 
@@ -140,6 +150,7 @@ def _run(fn, x, params):
     else:
         grad_of = leaf.requires_grad_()
     leaves = [p.clone().requires_grad_() for p in params]
+    torch.manual_seed(0)  # the same draws on both sides
     outputs = fn(leaf, *leaves)
     generator = torch.Generator().manual_seed(1)
     loss = sum((out * torch.randn(out.shape, generator=generator)).sum()
