@@ -9,7 +9,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import known_same_shape, size_hints
+from fulmen.proxies.tensor import contiguous_strides, known_same_shape, size_hints
 
 
 def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int,
@@ -25,27 +25,48 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
     """
     if input.device.type != "cpu" or weight.dim() not in (4, 5):
         return None
-    if any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride(),
-                                                          *weight.shape, *weight.stride())):
-        # symbolic sizes: no real stand-in can be made; PyTorch's fake convolution (asked by
-        # `eager_layouts` under the ShapeEnv) picks the backend and memory format as eager
-        # does and guards every size it reads (a batch of 16, the element count, sizes 1)
-        return None  # NOTE [convolution layout] with symbolic sizes
-    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()), dtype=input.dtype)
-    real_weight = torch.empty_strided(tuple(weight.shape), tuple(weight.stride()),
+    # symbolic sizes: the backend is chosen for the traced call's sizes (`size_hints`, no
+    # guard). PyTorch's fake convolution does not choose as the CPU kernel does (it laid a
+    # channels-last input's output out row-major); the memory format eager's CPU backends pick
+    # follows the input's and weight's formats, except that a row-major input with a
+    # channels-last weight may give either, by batch size, kernel size and threads
+    real_input = torch.empty_strided(size_hints(input.shape), size_hints(input.stride()),
+                                     dtype=input.dtype)
+    real_weight = torch.empty_strided(size_hints(weight.shape), size_hints(weight.stride()),
                                       dtype=weight.dtype)
     if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
         real_input = real_input.unsqueeze(0)
     zeros = [0] * (weight.dim() - 2)
     with torch._C.DisableTorchFunction():
-        backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
-                                                list(padding), list(dilation), transposed,
-                                                list(output_padding or zeros), groups, None)
+        backend = torch._C._select_conv_backend(real_input, real_weight, None,
+                                                list(size_hints(stride)),
+                                                list(size_hints(padding)),
+                                                list(size_hints(dilation)), transposed,
+                                                list(size_hints(output_padding or zeros)),
+                                                size_hints((groups,))[0], None)
         memory_format = torch._C._conv_determine_backend_memory_format(real_input, real_weight,
                                                                        backend)
     batched = tuple(shape) if input.dim() == weight.dim() else (1, *shape)
-    layout = torch.empty(batched, device="meta", memory_format=memory_format)
-    return layout.stride() if input.dim() == weight.dim() else layout.squeeze(0).stride()
+    strides = format_strides(batched, memory_format)
+    return strides if input.dim() == weight.dim() else strides[1:]
+
+
+def format_strides(shape: tuple, memory_format: torch.memory_format) -> tuple:
+    """Dense strides of `shape` (ints or symbolic sizes) in `memory_format`, as
+    `torch.empty(shape, memory_format=...)` lays it out."""
+    if not any(isinstance(size, torch.SymInt) for size in shape):
+        return torch.empty(shape, device="meta", memory_format=memory_format).stride()
+    if memory_format is torch.channels_last and len(shape) == 4:
+        order = (1, 3, 2, 0)
+    elif memory_format is torch.channels_last_3d and len(shape) == 5:
+        order = (1, 4, 3, 2, 0)
+    else:
+        return tuple(contiguous_strides(shape))
+    strides, inner = [0] * len(shape), 1
+    for d in order:
+        strides[d] = inner
+        inner = inner * shape[d]
+    return tuple(strides)
 
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -129,13 +150,18 @@ def batch_norm_strides(input, shape) -> tuple | None:
     PyTorch's meta kernel allocates the output `empty_like` the input (a transposed input's
     strides), while the CPU kernel allocates it in the input's suggested memory format
     (row-major, or channels_last where the input suggests it): `x.t()` of a (4, 6) tensor
-    normalises into strides (4, 1), not (1, 6). Static sizes only (the format is read from the
-    strides' values)."""
+    normalises into strides (4, 1), not (1, 6). Also `roll` and `channel_shuffle`, whose CPU
+    kernels allocate alike."""
     if not isinstance(input, TensorProxy) or input.device.type != "cpu" \
-            or not known_same_shape(tuple(input.shape), tuple(shape)) \
-            or any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride())):
+            or len(input.shape) != len(shape):
         return None
-    return suggested_layout_strides(input, tuple(input.shape))
+    if any(isinstance(size, torch.SymInt) for size in (*input.shape, *input.stride())):
+        # the format from the traced call's sizes and strides (no guard: a dense layout's
+        # strides are products of its sizes, so the order they give holds for every size)
+        layout = torch.empty_strided(size_hints(input.shape), size_hints(input.stride()),
+                                     device="meta")
+        return format_strides(tuple(shape), suggest_memory_format(layout))
+    return suggested_layout_strides(input, tuple(shape))
 
 
 def suggested_layout_strides(like, shape: tuple) -> tuple:
@@ -148,4 +174,4 @@ def suggested_layout_strides(like, shape: tuple) -> tuple:
 
 
 __all__ = ["attention_arguments", "attention_strides", "batch_norm_strides",
-           "convolution_strides", "suggested_layout_strides"]
+           "convolution_strides", "format_strides", "suggested_layout_strides"]

@@ -1512,7 +1512,9 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_host_floats.py::"
             "test_a_new_branch_of_a_graph_break_reads_the_floats_at_run_time_too",)),
     Mutant("convolution_layout_asked_of_symbolic_stand_ins", "dynamic", "ops/kernel_layouts.py",
-           "        return None  # NOTE [convolution layout] with symbolic sizes", "        pass", ("tests/tracer/test_dynamic_edges.py::"
+           "    real_input = torch.empty_strided(size_hints(input.shape), size_hints(input.stride()),",
+           "    real_input = torch.empty_strided(tuple(input.shape), tuple(input.stride()),",
+           ("tests/tracer/test_dynamic_edges.py::"
                                   "test_a_convolution_keeps_its_sizes_symbolic_and_eagers_layout",)),
     Mutant("symbolic_dim_wrapped_unspecialised", "dynamic", "ops/torch/utils.py",
            "    if isinstance(dim, torch.SymInt):\n        dim = int(dim)\n", "",
@@ -2211,4 +2213,19 @@ MUTANTS: list[Mutant] = [
            "",
            ("tests/executors/test_layout_audit.py::"
             "test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so",)),
+    Mutant("claim_dense_order_unexpanded", "layout", "executors/claim.py",
+           "        found = [d for d in left if _same_expr(exprs[d][1], expected)]",
+           "        found = [d for d in left if exprs[d][1] == expected]",
+           ("tests/executors/test_layout_audit.py::"
+            "test_symbolic_sizes_keep_the_cpu_kernels_layouts",)),
+    Mutant("symbolic_suggested_format_left_to_fake_kernels", "layout", "ops/kernel_layouts.py",
+           "        return format_strides(tuple(shape), suggest_memory_format(layout))",
+           "        return None",
+           ("tests/executors/test_layout_audit.py::"
+            "test_symbolic_sizes_keep_the_cpu_kernels_layouts",)),
+    Mutant("symbolic_channels_last_strides_row_major", "layout", "ops/kernel_layouts.py",
+           "    if memory_format is torch.channels_last and len(shape) == 4:",
+           "    if False:",
+           ("tests/executors/test_layout_audit.py::"
+            "test_symbolic_sizes_keep_the_cpu_kernels_layouts",)),
 ]
