@@ -271,7 +271,10 @@ def test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so(op):
 
 _SYMBOLIC_CASES = {
     "conv2d": (lambda x: F.conv2d(x, torch.ones(3, 6, 3, 3), padding=1), "channels_last"),
-    "conv2d_shrinking": (lambda x: F.conv2d(x, torch.ones(3, 6, 2, 3)), "channels_last"),
+    # a weight passed in has symbolic sizes; the layer norm specialises the image's sizes
+    # after the conv is traced, and the substitution expands its strides (`-s21*s37 + 7*s37`)
+    "conv2d_specialised": (lambda x, w: F.conv2d(x, w, padding=1)
+                           * F.layer_norm(x, (5, 4)).mean(), "channels_last", (3, 6, 3, 3)),
     "conv_transpose2d": (lambda x: F.conv_transpose2d(x, torch.ones(6, 3, 3, 3), stride=2),
                          "channels_last"),
     "batch_norm": (lambda x: F.batch_norm(x, None, None, training=True), "permuted"),
@@ -289,14 +292,14 @@ def test_symbolic_sizes_keep_the_cpu_kernels_layouts(op):
     was not matched as dense by the claim pass (`_same_expr`), so no `as_layout` gave a fused
     input's result eager's strides. The formats are now read from the traced call's sizes
     (`format_strides` in `fulmen/ops/kernel_layouts.py`)."""
-    fn, layout = _SYMBOLIC_CASES[op]
-    x = _layouts_4d()[layout]
+    fn, layout, *weight_shape = _SYMBOLIC_CASES[op]
+    x, weights = _layouts_4d()[layout], _params(0, *weight_shape)
 
-    def program(x):
-        return fn(torch.relu(x * 2 + 1))
+    def program(x, *weights):
+        return fn(torch.relu(x * 2 + 1), *weights)
 
-    expected = program(x)
+    expected = program(x, *weights)
     assert expected.stride() != expected.contiguous().stride() or layout == "permuted"
-    actual = fulmen.jit(program, executors=["codegen", "torch"], dynamic=True)(x)
+    actual = fulmen.jit(program, executors=["codegen", "torch"], dynamic=True)(x, *weights)
     torch.testing.assert_close(actual, expected)
     assert actual.stride() == expected.stride()
