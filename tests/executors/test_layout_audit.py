@@ -284,7 +284,11 @@ _SYMBOLIC_CASES = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(_SYMBOLIC_CASES))
+_SYMBOLIC_SLOW = {"conv2d", "conv_transpose2d", "roll"}  # the rules the fast cases share
+
+
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op in _SYMBOLIC_SLOW
+                                else op for op in sorted(_SYMBOLIC_CASES)])
 def test_symbolic_sizes_keep_the_cpu_kernels_layouts(op):
     """With symbolic sizes the CPU kernels' formats were not asked (PyTorch's fake kernels
     answered: row-major for a channels-last convolution, a permuted batch norm's input order),
