@@ -189,7 +189,7 @@ def _dense_order(shape: tuple, strides: tuple) -> list[int] | None:
     left = [d for d, (size, _) in enumerate(exprs) if not (type(size) is int and size <= 1)]
     order, expected = [], 1
     while left:
-        found = [d for d in left if exprs[d][1] == expected]
+        found = [d for d in left if _same_expr(exprs[d][1], expected)]
         if len(found) != 1:
             return None
         order.append(found[0])
@@ -219,3 +219,16 @@ def _replace_proxies(value, mapping: dict):
     if isinstance(value, dict):
         return {k: _replace_proxies(v, mapping) for k, v in value.items()}
     return value
+
+
+def _same_expr(a, b) -> bool:
+    """Whether two sizes or strides (ints or sympy expressions) are equal for every value of
+    their symbols: a product of sums PyTorch's SymInt arithmetic expanded
+    (`-s21*s37 + 7*s37`) equals its factored spelling (`s37*(7 - s21)`)."""
+    if a == b:
+        return True
+    if type(a) is int and type(b) is int:
+        return False
+    import sympy
+
+    return sympy.expand(a - b) == 0

@@ -14,9 +14,9 @@ from fulmen.proxies.tensor import known_same_shape, size_hints
 
 
 def convolution_strides(input, weight, shape, stride, padding, dilation, groups: int,
-                        output_padding=None):
-    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere; a
-    transposed convolution where `output_padding` is given.
+                        transposed: bool = False, output_padding=None):
+    """Eager's strides for a convolution's output of `shape` on CPU, or None elsewhere
+    (`transposed`: a transposed convolution, with its `output_padding`).
 
     NOTE [convolution layout]: PyTorch's meta kernel lays a convolution's output out
     contiguously, but eager picks a backend and the backend a memory format: on CPU
@@ -38,8 +38,7 @@ def convolution_strides(input, weight, shape, stride, padding, dilation, groups:
                                           dtype=weight.dtype, device="cpu")
         if input.dim() == weight.dim() - 1:  # unbatched: eager adds the batch dim
             real_input = real_input.unsqueeze(0)
-        transposed = output_padding is not None
-        extra = list(output_padding) if transposed else [0] * (weight.dim() - 2)
+        extra = list(output_padding or [0] * (weight.dim() - 2))
         backend = torch._C._select_conv_backend(real_input, real_weight, None, list(stride),
                                                 list(padding), list(dilation), transposed,
                                                 extra, groups, None)
@@ -133,11 +132,12 @@ def batch_norm_strides(input, shape) -> tuple | None:
     (row-major, or channels_last where the input suggests it): `x.t()` of a (4, 6) tensor
     normalises into strides (4, 1), not (1, 6). With symbolic sizes the format is read on a
     fake stand-in (`suggested_layout_strides`): a symbolic group norm of a channels-last input
-    was traced row-major, and a pooling after it relaid row-major."""
+    was traced row-major, and a pooling after it relaid row-major. `roll` and
+    `channel_shuffle` take it too: their CPU kernels allocate alike."""
     if not isinstance(input, TensorProxy) or input.device.type != "cpu" \
             or not known_same_shape(tuple(input.shape), tuple(shape)):
         return None
-    return suggested_layout_strides(input, tuple(input.shape))
+    return suggested_layout_strides(input, tuple(shape))
 
 
 def suggested_layout_strides(like, shape: tuple) -> tuple:

@@ -267,30 +267,39 @@ def _batch_norm_meta(fn, *args, **kwargs):
     return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
-_CONV_TRANSPOSE_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "output_padding",
-                             "groups", "dilation")
+_CONVOLUTION_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_TRANSPOSED_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "output_padding",
+                         "groups", "dilation")
+_TRANSPOSED = {torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+               torch.nn.functional.conv_transpose3d}
 
 
-def _conv_transpose_meta(fn, *args, **kwargs):
-    """`F.conv_transpose{2,3}d`: PyTorch's meta kernel, its output laid out in the memory format
-    eager's CPU backend picks (NOTE [convolution layout]: channels-last for a channels-last
-    input or weight, where the meta kernel answers row-major and the result was copied
-    row-major)."""
+def _convolution_meta(fn, *args, **kwargs):
+    """A convolution recorded whole (`F.conv3d`, `F.conv_transpose{1,2,3}d`): PyTorch's meta
+    kernel, with the output laid out in the memory format eager's CPU backend picks (NOTE
+    [convolution layout] in `kernel_layouts.py`: the meta kernel answers row-major where the
+    CPU kernel keeps a channels-last input's format). A transposed convolution or a 3-d one
+    of a channels-last tensor was traced row-major, and one of a fused tensor was then put
+    back row-major where eager returns channels-last."""
     out = run_meta(fn, *args, **kwargs)
-    bound = dict(zip(_CONV_TRANSPOSE_ARGUMENTS, args)) | kwargs
+    transposed = fn in _TRANSPOSED
+    bound = dict(zip(_TRANSPOSED_ARGUMENTS if transposed else _CONVOLUTION_ARGUMENTS,
+                     args)) | kwargs
     input, weight = bound.get("input"), bound.get("weight")
     if not (isinstance(out, TensorProxy) and isinstance(input, TensorProxy)
-            and isinstance(weight, TensorProxy)):
+            and isinstance(weight, TensorProxy)) or isinstance(bound.get("padding"), str):
         return out
     spatial = weight.dim() - 2
 
     def expand(name, default):
-        value = bound.get(name, default)
+        value = bound.get(name)
+        value = default if value is None else value
         return [value] * spatial if isinstance(value, int) else list(value)
 
     strides = convolution_strides(input, weight, tuple(out.shape), expand("stride", 1),
                                   expand("padding", 0), expand("dilation", 1),
-                                  bound.get("groups", 1), output_padding=expand("output_padding", 0))
+                                  bound.get("groups") or 1, transposed,
+                                  expand("output_padding", 0))
     if strides is None or tuple(out.stride()) == tuple(strides):
         return out
     return with_strides(out, strides)
@@ -334,13 +343,11 @@ _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta
                                              torch.batch_norm: _batch_norm_meta,
                                              torch.native_batch_norm: _batch_norm_meta,
                                              torch.Tensor.contiguous: _contiguous_meta,
+                                             torch.nn.functional.conv3d: _convolution_meta,
+                                             **dict.fromkeys(_TRANSPOSED, _convolution_meta),
                                              in_layout_of: _in_layout_of_meta,
                                              torch.nn.functional.scaled_dot_product_attention:
                                                  _attention_meta,
-                                             torch.nn.functional.conv_transpose2d:
-                                                 _conv_transpose_meta,
-                                             torch.nn.functional.conv_transpose3d:
-                                                 _conv_transpose_meta,
                                              torch.channel_shuffle: _channel_shuffle_meta,
                                              torch.nn.functional.pad: _pad_meta,
                                              torch.native_channel_shuffle: _channel_shuffle_meta,

@@ -58,6 +58,7 @@ def is_elementwise_map(bsym) -> bool:
 
 
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_ROLLS = frozenset({torch.roll, T.roll})
 _ROW_MAJOR_RESULTS = frozenset({F.layer_norm, torch.masked_fill, T.masked_fill, F.one_hot,
                                 F.nll_loss, F.cross_entropy, F.embedding})
 # softmax and log_softmax on CPU normalise a contiguous copy into a new contiguous result
@@ -130,8 +131,9 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
     - basic indexing (`x[:, None, 1:]`): the view's strides (`basic_index_strides`);
     - `cat` with an input that suggests no channels-last format: row-major (NOTE [cat layout]);
     - a training dropout: the map rule over its input (`_dropout_strides`);
-    - `F.group_norm` on CPU: the input's suggested memory format, as the CPU kernel allocates
-      it (channels_last for a channels-last input; PyTorch's meta kernel answers row-major).
+    - `F.group_norm` and `roll` on CPU: the input's suggested memory format, as the CPU kernel
+      allocates it (channels_last for a channels-last input; PyTorch's meta kernel answers
+      row-major).
     """
     outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if bsym is None or not all(isinstance(leaf, TensorProxy) for leaf in outputs):
@@ -156,7 +158,7 @@ def rule_layouts(func, bsym, args, kwargs, leaves):
         strides = _dropout_strides(args, kwargs, outputs[0])
         if strides is not None:
             return [(outputs[0].shape, strides)]
-    if func is F.group_norm and len(outputs) == 1:
+    if (func is F.group_norm or func in _ROLLS) and len(outputs) == 1:
         strides = batch_norm_strides(args[0] if args else kwargs.get("input"),
                                      tuple(outputs[0].shape))
         if strides is not None:

@@ -50,6 +50,7 @@ from fulmen import config
 from fulmen.core import BoundSymbol, Tag, Trace, flatten
 from fulmen.core.proxy import iter_proxies
 from fulmen.ops import prims
+from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import shape_env_memo
 
 _LOG = logging.getLogger("fulmen.fusion")  # FULMEN_LOGS=fusion (fulmen/logs.py)
@@ -367,6 +368,21 @@ def _expands(bsym: BoundSymbol) -> bool:
     return math.prod(out.shape) > math.prod(source.shape)
 
 
+def _eager_layout_outputs(trace: Trace) -> dict[str, TensorProxy]:
+    """The tensors `trace`'s statements compute whose strides are eager's, by name.
+
+    NOTE [a fusion's outputs report eager's layout]: a flattened op's last prim computes the
+    op's output under its name, but with the prim's strides (`x - x.mean(1, keepdim=True)` of
+    a channels-last `x` ends in a `sub` of a row-major broadcast: row-major), not marked
+    exact. A region returning that value returns the op's own proxy, with eager's strides, so
+    the claim pass sees that the kernel's row-major result is not laid out as eager's (NOTE
+    [output layout] in `fulmen.executors.claim`): a conv of it returned row-major where eager
+    is channels-last, unnoticed.
+    """
+    return {proxy.name: proxy for bsym in trace.bsyms for proxy in bsym.proxy_outputs
+            if isinstance(proxy, TensorProxy) and getattr(proxy, "_fulmen_exact_strides", False)}
+
+
 def partition_for_fusion(
     trace: Trace,
     executor: FusionExecutor,
@@ -382,6 +398,7 @@ def partition_for_fusion(
     part = _Partition(nodes, executor, max_region_size)
     part.merge_all()
     trace_outputs = trace.output_names
+    eager = _eager_layout_outputs(trace)
     emitted: list[tuple[int, list[BoundSymbol]]] = []
     fused_origins: set[int] = set()
     for region in part.order():
@@ -390,7 +407,9 @@ def partition_for_fusion(
         region_bsyms = [nodes[i].bsym for i in members]
         if part.fusible(region) and not is_tiny_region(
                 region_bsyms, len({nodes[i].origin for i in members})):
-            fused = executor.fuse(region_bsyms, part.outputs(region, trace_outputs))
+            outputs = [eager.get(proxy.name, proxy)
+                       for proxy in part.outputs(region, trace_outputs)]
+            fused = executor.fuse(region_bsyms, outputs)
         if fused is not None:
             emitted.append((-1, [fused]))
             fused_origins.update(nodes[i].origin for i in members)

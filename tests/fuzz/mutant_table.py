@@ -2177,8 +2177,8 @@ MUTANTS: list[Mutant] = [
            ("tests/transforms/test_grad_edges.py::"
             "test_relu_decomposed_before_autodiff_keeps_eagers_gradient_and_zeros",)),
     Mutant("group_norm_traced_row_major_on_cpu", "layout", "tracer/layout.py",
-           "    if func is F.group_norm and len(outputs) == 1:",
-           "    if False:",
+           "    if (func is F.group_norm or func in _ROLLS) and len(outputs) == 1:",
+           "    if func in _ROLLS and len(outputs) == 1:",
            ("tests/ops/test_strides.py::"
             "test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides",
             "tests/models/test_hf_vision_audio.py::"
@@ -2272,4 +2272,30 @@ MUTANTS: list[Mutant] = [
            "    return None",
            ("tests/tracer/test_fast_paths.py::"
             "test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager",)),
+    # --- session 48 (h48lay) ------------------------------------------------------------------
+    Mutant("fusion_outputs_report_their_prims_strides", "layout", "transforms/fusion.py",
+           "            outputs = [eager.get(proxy.name, proxy)",
+           "            outputs = [{}.get(proxy.name, proxy)",
+           ("tests/executors/test_layout_audit.py::"
+            "test_conv_of_a_fused_map_reading_a_reduction_returns_eagers_strides",)),
+    Mutant("convolutions_recorded_whole_traced_row_major", "layout", "ops/opaque.py",
+           "    out = run_meta(fn, *args, **kwargs)\n    transposed = fn in _TRANSPOSED",
+           "    return run_meta(fn, *args, **kwargs)\n    transposed = fn in _TRANSPOSED",
+           ("tests/executors/test_layout_audit.py::"
+            "test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so",)),
+    Mutant("roll_traced_row_major_on_cpu", "layout", "tracer/layout.py",
+           "    if (func is F.group_norm or func in _ROLLS) and len(outputs) == 1:",
+           "    if func is F.group_norm and len(outputs) == 1:",
+           ("tests/executors/test_layout_audit.py::"
+            "test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so",)),
+    Mutant("channel_shuffle_traced_row_major_on_cpu", "layout", "ops/opaque.py",
+           "                                             torch.channel_shuffle: _channel_shuffle_meta,",
+           "",
+           ("tests/executors/test_layout_audit.py::"
+            "test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so",)),
+    Mutant("claim_dense_order_unexpanded", "layout", "executors/claim.py",
+           "        found = [d for d in left if _same_expr(exprs[d][1], expected)]",
+           "        found = [d for d in left if exprs[d][1] == expected]",
+           ("tests/executors/test_layout_audit.py::"
+            "test_symbolic_sizes_keep_the_cpu_kernels_layouts",)),
 ]
