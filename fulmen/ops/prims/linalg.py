@@ -47,7 +47,7 @@ def linear(a: TensorProxy, weight: TensorProxy, bias: TensorProxy | None) -> Ten
     The common case (2-D weight, no bias or a bias of shape (out,)) is described directly;
     others run PyTorch's meta kernel (whose Python decomposition of addmm imports
     torch._dynamo, about a second, on first use)."""
-    if (a.ndim >= 1 and weight.ndim == 2
+    if (len(a.shape) >= 1 and len(weight.shape) == 2
             and (bias is None or tuple(bias.shape) == (weight.shape[0],))):
         check(a.dtype == weight.dtype and (bias is None or bias.dtype == a.dtype), "linear",
               f"dtypes differ: input {a.dtype}, weight {weight.dtype}"

@@ -16,7 +16,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops.meta import run_meta
 from fulmen.ops.prims.base import canonical_dims, check, prim
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import known_same_shape
+from fulmen.proxies.tensor import known_same_shape, strides_of
 
 __all__ = [
     "broadcast_in_dim", "reshape", "permute", "slice_prim", "pad", "cat", "flip",
@@ -29,7 +29,7 @@ def broadcast_in_dim(a: TensorProxy, shape: Sequence[int], broadcast_dims: Seque
     """Broadcast `a` to `shape`; input dim i becomes output dim `broadcast_dims[i]` and must have
     size 1 or the output's size there."""
     shape, dims = tuple(shape), tuple(broadcast_dims)
-    check(len(dims) == a.ndim, "broadcast_in_dim", f"{len(dims)} dims given for rank {a.ndim}")
+    check(len(dims) == len(a.shape), "broadcast_in_dim", f"{len(dims)} dims given for rank {len(a.shape)}")
     check(list(dims) == sorted(dims), "broadcast_in_dim", f"broadcast_dims {dims} must increase")
     for size, dim in zip(a.shape, dims):
         check(0 <= dim < len(shape), "broadcast_in_dim", f"dim {dim} out of range")
@@ -68,7 +68,7 @@ def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
     dims = canonical_dims("permute", dims, a.ndim)
     check(len(dims) == a.ndim, "permute", f"permutation {dims} for rank {a.ndim}")
     return TensorProxy(None, [a.shape[d] for d in dims], a.dtype, a.device,
-                       strides=[a.stride()[d] for d in dims])
+                       strides=[strides_of(a)[d] for d in dims])
 
 
 @prim("slice", tags=[Tag.SHAPE, Tag.VIEW])
@@ -103,7 +103,7 @@ def cat(tensors: Sequence[TensorProxy], dim: int) -> TensorProxy:
     first = tensors[0]
     size = 0
     for tensor in tensors:
-        check(tensor.ndim == first.ndim and tensor.dtype == first.dtype, "cat", "rank/dtype differ")
+        check(len(tensor.shape) == len(first.shape) and tensor.dtype == first.dtype, "cat", "rank/dtype differ")
         for d, (x, y) in enumerate(zip(tensor.shape, first.shape)):
             check(d == dim or x == y, "cat", f"sizes differ at dim {d}")
         size += tensor.shape[dim]
