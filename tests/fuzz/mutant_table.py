@@ -2208,4 +2208,10 @@ MUTANTS: list[Mutant] = [
            "            if False:",
            ("tests/transforms/test_bound_callables.py::"
             "test_executable_source_is_the_bound_source_on_the_same_lines",)),
+    # --- session 48, h48fus: compile time of fusion and metadata reads -----------------------
+    Mutant("fusion_reach_updated_for_direct_predecessors_only", "fusion", "transforms/fusion.py",
+           "                stack.extend(self.pred[region])",
+           "                pass",
+           ("tests/transforms/test_fusion.py::"
+            "test_partition_reach_is_the_descendants_of_each_region_after_merges",)),
 ]
