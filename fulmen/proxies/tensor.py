@@ -17,7 +17,7 @@ import torch
 from fulmen.core.errors import FulmenError, RunsEagerly
 from fulmen.core.names import NameAllocator
 from fulmen.core.printer import size_text
-from fulmen.core.proxy import Proxy
+from fulmen.core.proxy import Proxy, strides_of
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.core.trace import get_tracectx
 
@@ -54,24 +54,13 @@ METADATA_FUNCTIONS = frozenset(
 
 _STORAGE_OFFSET = _T.storage_offset
 _IS_CONTIGUOUS = _T.is_contiguous
-_STRIDE = _T.stride
 _REQUIRES_GRAD = _T.requires_grad.__get__
 _DEVICE = _T.device.__get__
 
 
-def strides_of(tensor: torch.Tensor) -> tuple:
-    """`tensor.stride()`, for fulmen's own reads of a proxy's (or a tensor's) strides: the
-    proxy's `__torch_function__` answers a metadata read by this very call with its subclass
-    disabled, so skipping that Python round trip gives the same tuple (thousands of reads
-    per compiled Llama). A torch function mode (the tracer's checks of user code's reads)
-    still sees the call; user code's `x.stride()` goes through both as before."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return _STRIDE(tensor)
-
-
 def requires_grad_of(tensor: torch.Tensor) -> bool:
-    """`tensor.requires_grad` for fulmen's own reads, as `strides_of` (no subclass round
-    trip; read each time, since `requires_grad_()` changes it)."""
+    """`tensor.requires_grad` for fulmen's own reads, as `strides_of` (`fulmen.core.proxy`: no
+    subclass round trip; read each time, since `requires_grad_()` changes it)."""
     with torch._C.DisableTorchFunctionSubclass():
         return _REQUIRES_GRAD(tensor)
 

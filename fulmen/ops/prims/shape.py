@@ -65,8 +65,8 @@ def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
 
     The output reports eager's (permuted) strides, so `x.transpose(1, 2).is_contiguous()` is
     False and the user's `.contiguous()` before a `.view` is a real copy, as in eager."""
-    dims = canonical_dims("permute", dims, a.ndim)
-    check(len(dims) == a.ndim, "permute", f"permutation {dims} for rank {a.ndim}")
+    dims = canonical_dims("permute", dims, len(a.shape))
+    check(len(dims) == len(a.shape), "permute", f"permutation {dims} for rank {len(a.shape)}")
     return TensorProxy(None, [a.shape[d] for d in dims], a.dtype, a.device,
                        strides=[strides_of(a)[d] for d in dims])
 
@@ -74,7 +74,8 @@ def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
 @prim("slice", tags=[Tag.SHAPE, Tag.VIEW])
 def slice_prim(a: TensorProxy, starts: Sequence[int], ends: Sequence[int], steps: Sequence[int]) -> TensorProxy:
     """Per-dimension `a[start:end:step]` with 0 <= start <= end <= size and step >= 1."""
-    check(len(starts) == len(ends) == len(steps) == a.ndim, "slice", "one start/end/step per dim")
+    check(len(starts) == len(ends) == len(steps) == len(a.shape), "slice",
+          "one start/end/step per dim")
     shape = []
     for size, start, end, step in zip(a.shape, starts, ends, steps):
         if not (0 <= start <= end <= size and step >= 1):
