@@ -282,15 +282,19 @@ class _Partition:
         grown = merged | 1 << keep
         # the regions that reached `keep` or `gone` are the ancestors of the merged region:
         # a search up its predecessors visits only them, where a scan of every region's bits
-        # visited all (tiny HF Llama: about 20 ancestors of 170 regions per merge)
+        # visited all (tiny HF Llama: about 20 ancestors of 170 regions per merge). A region
+        # that already reaches all of `grown` is not passed: each of its ancestors reaches
+        # what it reaches (of the live regions, the only bits `_would_cycle` reads; a merged
+        # region's id may stay set in some regions' bits and not in others').
         seen = {keep}
         stack = list(self.pred[keep])
         while stack:
             region = stack.pop()
             if region not in seen:
                 seen.add(region)
-                reach[region] |= grown
-                stack.extend(self.pred[region])
+                if reach[region] | grown != reach[region]:
+                    reach[region] |= grown
+                    stack.extend(self.pred[region])
 
     def try_merge(self, a: int, b: int) -> bool:
         a, b = self.region_of[a], self.region_of[b]
