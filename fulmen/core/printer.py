@@ -42,7 +42,7 @@ import torch
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.names import PRINTED_BUILTINS
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import Proxy, iter_proxies, strides_of
 from fulmen.core.source import printable
 from fulmen.core.symbol import BoundSymbol, Symbol
 
@@ -245,7 +245,7 @@ def _bind(proxies, symbols: set, strides: bool) -> tuple[list[str], set]:
         if isinstance(getattr(proxy, "shape", None), torch.Size):
             kinds = [("shape", proxy.shape)]
             if strides:
-                kinds.append(("stride()", proxy.stride()))
+                kinds.append(("stride()", strides_of(proxy)))
             for kind, values in kinds:
                 for dim, size in enumerate(values):
                     if isinstance(size, torch.SymInt) and size.node.expr.free_symbols:

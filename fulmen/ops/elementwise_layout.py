@@ -12,7 +12,7 @@ import torch
 from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen.ops.meta import _fake_mode, _layout_key, _Uncacheable
-from fulmen.proxies.tensor import contiguous_strides, known_same_shape
+from fulmen.proxies.tensor import contiguous_strides, known_same_shape, strides_of
 
 
 def elementwise_strides(tensors, shape) -> tuple[int, ...]:
@@ -21,8 +21,8 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
     `compute_elementwise_output_strides` states it. 0-dim tensors take no part, as in eager."""
     shape = tuple(shape)
     canonical = _row_major_strides(shape)
-    if all(known_same_shape(tuple(t.shape), shape) and known_same_shape(t.stride(), canonical)
-           for t in tensors if t.dim() != 0):
+    if all(known_same_shape(tuple(t.shape), shape) and known_same_shape(strides_of(t), canonical)
+           for t in tensors if len(t.shape) != 0):
         # TensorIterator's fast setup: operands of the output's shape, all contiguous, give a
         # contiguous output (decided here without the fake tensors symbolic sizes need)
         return canonical
@@ -30,7 +30,7 @@ def elementwise_strides(tensors, shape) -> tuple[int, ...]:
         return canonical
     envs: list = []
     try:
-        key = ("elementwise", _layout_key(tuple(t for t in tensors if t.dim() != 0), envs),
+        key = ("elementwise", _layout_key(tuple(t for t in tensors if len(t.shape) != 0), envs),
                _layout_key(shape, envs))
     except _Uncacheable:
         envs = []
@@ -113,7 +113,7 @@ def _broadcast_operands(tensors, shape: tuple) -> list[_Broadcast] | None:
     one is not known without a guard (`_broadcast`)."""
     operands = []
     for tensor in tensors:
-        if tensor.dim() == 0:
+        if len(tensor.shape) == 0:
             continue
         operand = _broadcast(tensor, shape)
         if operand is None:
@@ -126,8 +126,8 @@ def _broadcast(tensor, shape: tuple) -> _Broadcast | None:
     """`tensor.expand(shape)`'s layout where it is known without a guard (each size equals the
     output's, or is 1 against a size known not to be 1, or against a generalised 1: stride 0),
     else None."""
-    strides = [0] * (len(shape) - tensor.dim())
-    for size, stride, target in zip(tensor.shape, tensor.stride(), shape[len(strides):]):
+    strides = [0] * (len(shape) - len(tensor.shape))
+    for size, stride, target in zip(tensor.shape, strides_of(tensor), shape[len(strides):]):
         if size is target or known_same_shape((size,), (target,)):
             strides.append(stride)
         elif isinstance(size, int) and size == 1 and (_known_not_one(target)
@@ -163,7 +163,7 @@ def _symbolic_strides(tensors, shape: tuple):
     milliseconds to make); None where a broadcast is not known without a guard, and for static
     sizes (plain meta tensors are cheap)."""
     env = None
-    for size in (*shape, *(v for t in tensors for v in (*t.shape, *t.stride()))):
+    for size in (*shape, *(v for t in tensors for v in (*t.shape, *strides_of(t)))):
         if isinstance(size, torch.SymInt):
             env = size.node.shape_env
             break

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import requires_grad_of, strides_of
 
 
 def to_meta(value: Any) -> Any:
@@ -93,7 +94,7 @@ def _fake_mode(value: Any):
     tensors cannot hold them; see `fulmen.tracer.symbolic`), else a no-op context."""
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
-            sizes = (*leaf.shape, *leaf.stride())
+            sizes = (*leaf.shape, *strides_of(leaf))
         elif isinstance(leaf, slice):  # `buffer[:, :seq]` with a symbolic `seq`
             sizes = (leaf.start, leaf.stop, leaf.step)
         else:
@@ -156,11 +157,11 @@ def _layout_key(value: Any, envs: list) -> Any:
     """A hashable description of an argument, as far as a meta kernel can see it; the
     `ShapeEnv` of each symbolic size met is appended to `envs`."""
     if isinstance(value, torch.Tensor):
-        sizes = (*value.shape, *value.stride())
+        sizes = (*value.shape, *strides_of(value))
         if any(isinstance(size, torch.SymInt) for size in sizes):
             return (torch.Tensor, tuple(_layout_key(v, envs) for v in sizes), value.ndim,
                     value.dtype, value.device)
-        return (value.shape, value.stride(), value.dtype, value.device)
+        return (value.shape, strides_of(value), value.dtype, value.device)
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_layout_key(v, envs) for v in value))
     if isinstance(value, dict):
@@ -347,7 +348,7 @@ def with_strides(proxy: TensorProxy, strides, exact: bool = True) -> TensorProxy
     marked `exact` (eager's). Proxies keep their strides in C++ and cannot be restrided in
     place beyond their storage, hence a new object."""
     new = TensorProxy(proxy.name, proxy.shape, proxy.dtype, proxy.device, strides=strides,
-                      requires_grad=proxy.requires_grad)
+                      requires_grad=requires_grad_of(proxy))
     new.__dict__.update(proxy.__dict__)
     new._fulmen_exact_strides = exact
     return new

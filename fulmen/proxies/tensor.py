@@ -17,7 +17,7 @@ import torch
 from fulmen.core.errors import FulmenError, RunsEagerly
 from fulmen.core.names import NameAllocator
 from fulmen.core.printer import size_text
-from fulmen.core.proxy import Proxy
+from fulmen.core.proxy import Proxy, strides_of
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.core.trace import get_tracectx
 
@@ -54,6 +54,15 @@ METADATA_FUNCTIONS = frozenset(
 
 _STORAGE_OFFSET = _T.storage_offset
 _IS_CONTIGUOUS = _T.is_contiguous
+_REQUIRES_GRAD = _T.requires_grad.__get__
+_DEVICE = _T.device.__get__
+
+
+def requires_grad_of(tensor: torch.Tensor) -> bool:
+    """`tensor.requires_grad` for fulmen's own reads, as `strides_of` (`fulmen.core.proxy`: no
+    subclass round trip; read each time, since `requires_grad_()` changes it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _REQUIRES_GRAD(tensor)
 
 
 def differentiable_value(value) -> bool:
@@ -251,7 +260,8 @@ class TensorProxy(torch.Tensor, Proxy):
             ctx = get_tracectx()
             name = ctx.names.new() if ctx is not None else _fallback_names.new("p")
         proxy._fulmen_name = name
-        proxy._fulmen_meta = (torch.Size(shape), dtype, torch.Tensor.device.__get__(proxy))
+        with torch._C.DisableTorchFunctionSubclass():  # no round trip: see `strides_of`
+            proxy._fulmen_meta = (torch.Size(shape), dtype, _DEVICE(proxy))
         return proxy
 
     # shape, dtype and device are read constantly by decompositions and passes: answered from
@@ -341,14 +351,14 @@ class TensorProxy(torch.Tensor, Proxy):
         if memory_format is torch.contiguous_format and any(
                 isinstance(size, torch.SymInt) for size in self.shape):
             # a known answer is kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv])
-            known, key = shape_env_memo((*self.shape, *self.stride()), "_fulmen_row_major")
+            known, key = shape_env_memo((*self.shape, *strides_of(self)), "_fulmen_row_major")
             if key is not None and key in known:
                 return True
             strides, acc = [], 1
             for size in reversed(self.shape):
                 strides.append(acc)
                 acc = acc * size if isinstance(size, torch.SymInt) else acc * max(size, 1)
-            if known_same_shape(self.stride(), tuple(reversed(strides))):
+            if known_same_shape(strides_of(self), tuple(reversed(strides))):
                 if key is not None:
                     known[key] = True
                 return True

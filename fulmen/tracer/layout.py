@@ -21,7 +21,7 @@ from fulmen.ops.elementwise_layout import elementwise_strides
 from fulmen.ops.kernel_layouts import attention_strides, batch_norm_strides, convolution_strides
 from fulmen.ops.opaque import attention_like_query
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import contiguous_strides, known_same_shape
+from fulmen.proxies.tensor import contiguous_strides, known_same_shape, strides_of
 from fulmen.tracer.objects import PLAIN_NUMBER
 
 T = torch.Tensor
@@ -220,7 +220,7 @@ def _odd_size_one_strides(t: TensorProxy) -> bool:
     which a dropout mask is drawn) and whether an elementwise kernel takes the fast setup.
     Decided without a guard: a symbolic stride there counts as odd (symbolic sizes are never
     1, so neither is such a stride)."""
-    sizes, strides = tuple(t.shape), t.stride()
+    sizes, strides = tuple(t.shape), strides_of(t)
     return any(type(size) is int and size == 1 and not known_same_shape((stride,), (row,))
                for size, stride, row in zip(sizes, strides, contiguous_strides(sizes)))
 

@@ -12,7 +12,7 @@ from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_internal, user_source_location
 from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import known_same_shape
+from fulmen.proxies.tensor import known_same_shape, strides_of
 from fulmen.tracer.call_kinds import _func_name
 from fulmen.tracer.layout import rule_layouts, stand_in_layouts
 
@@ -75,7 +75,7 @@ class LayoutTruth:
                 continue
             if leaf.name in replaced:  # one proxy returned twice: keep the first layout
                 leaves[i] = replaced[leaf.name]
-            elif not known_same_shape(leaf.stride(), strides):  # no guard: see its docstring
+            elif not known_same_shape(strides_of(leaf), strides):  # no guard: see its docstring
                 leaves[i] = replaced[leaf.name] = with_strides(leaf, strides, exact)
             elif exact:
                 leaf._fulmen_exact_strides = True

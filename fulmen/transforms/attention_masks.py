@@ -33,7 +33,7 @@ from fulmen.core.trace import reserved_names
 from fulmen.ops import ltorch, prims
 from fulmen.ops.kernel_layouts import attention_arguments
 from fulmen.ops.opaque import opaque_symbol
-from fulmen.proxies.tensor import TensorProxy
+from fulmen.proxies.tensor import TensorProxy, requires_grad_of
 from fulmen.transforms.autodiff.rules_attention import eager_picks_flash
 from fulmen.transforms.base import transform
 from fulmen.transforms.grouped_attention import standing_in_for
@@ -86,8 +86,8 @@ def additive_attention_masks(trace: Trace) -> Trace:
     if not calls:
         return trace
     requires = {p.name for b in trace.bsyms for p in b.proxy_outputs
-                if isinstance(p, TensorProxy) and p.requires_grad}
-    requires |= {p.name for p in trace.args if isinstance(p, TensorProxy) and p.requires_grad}
+                if isinstance(p, TensorProxy) and requires_grad_of(p)}
+    requires |= {p.name for p in trace.args if isinstance(p, TensorProxy) and requires_grad_of(p)}
     names = reserved_names(trace.args, trace.bsyms)
     rewritten: dict[int, list[BoundSymbol]] = {}
     for bsym in calls:

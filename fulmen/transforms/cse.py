@@ -26,7 +26,7 @@ from typing import Any
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import Proxy, iter_proxies, map_proxies
 from fulmen.core.symbol import Symbol
-from fulmen.proxies.tensor import TensorProxy, known_same_shape
+from fulmen.proxies.tensor import TensorProxy, known_same_shape, requires_grad_of
 from fulmen.transforms.base import transform
 
 # views that return their input's elements in place and order when the shape is unchanged
@@ -83,7 +83,7 @@ def _rounds_a_gradient(bsym: BoundSymbol) -> bool:
                   and (p.dtype.is_floating_point or p.dtype.is_complex)), default=None)
     if narrow is None:
         return False
-    return any(isinstance(p, TensorProxy) and p.requires_grad and p.dtype.itemsize > narrow
+    return any(isinstance(p, TensorProxy) and requires_grad_of(p) and p.dtype.itemsize > narrow
                and (p.dtype.is_floating_point or p.dtype.is_complex)
                for p in bsym.read_proxies)
 

@@ -6,7 +6,7 @@ import torch
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.printer import bindable_symbols
-from fulmen.core.proxy import Proxy, iter_proxies
+from fulmen.core.proxy import Proxy, iter_proxies, strides_of
 from fulmen.transforms.base import transform
 
 
@@ -35,7 +35,7 @@ def _symbols(value, found: set, depth: int = 0, seen: set | None = None) -> None
             if id(value) in seen:
                 return
             seen.add(id(value))
-        for size in (*value.shape, *value.stride()):
+        for size in (*value.shape, *strides_of(value)):
             if type(size) is not int:
                 found |= _free_symbols(size.node.expr)
     elif depth < 8 and isinstance(value, (tuple, list)):

@@ -125,7 +125,7 @@ def nbytes(proxy: Proxy) -> int:
     """Bytes of a tensor value (0 for other values, which are never worth recomputing), at the
     traced call's sizes (NOTE [remat on hints])."""
     if isinstance(proxy, TensorProxy):
-        return _numel_hint(proxy) * proxy.element_size()
+        return _numel_hint(proxy) * proxy.dtype.itemsize
     return 0
 
 

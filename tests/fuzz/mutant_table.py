@@ -770,7 +770,7 @@ MUTANTS: list[Mutant] = [
            "    with torch.no_grad():\n        return function(*args)",
            "    with torch.enable_grad():\n        return function(*args)", REMAT_ONLY),
     Mutant("prims_permute_strides_unpermuted", "layout", "ops/prims/shape.py",
-           "strides=[a.stride()[d] for d in dims])", "strides=list(a.stride()))", LAYOUT),
+           "strides=[strides_of(a)[d] for d in dims])", "strides=list(strides_of(a)))", LAYOUT),
     Mutant("prims_slice_length_floor", "decomposition", "ops/prims/shape.py",
            "shape.append((end - start + step - 1) // step)",
            "shape.append((end - start) // step)", SHAPE),
@@ -1700,8 +1700,8 @@ MUTANTS: list[Mutant] = [
     # decide whether layout truth marks the torch-level output in place (when they are
     # eager's) or replaces it by a proxy with eager's strides)
     Mutant("prims_matmul_batch_broadcast_unchecked", "layout", "ops/prims/linalg.py",
-           "            and known_same_shape(a.shape[:-2], b.shape[:-2] if b.ndim > 2 else a.shape[:-2])",
-           "            and len(a.shape[:-2]) == len(b.shape[:-2] if b.ndim > 2 else a.shape[:-2])",
+           "            and known_same_shape(a.shape[:-2], b.shape[:-2] if rank_b > 2 else a.shape[:-2])",
+           "            and len(a.shape[:-2]) == len(b.shape[:-2] if rank_b > 2 else a.shape[:-2])",
            ("tests/ops/test_linalg.py",)),
     # (`prims_bernoulli_strides_dropped`, the mask proxy declared row-major: equivalent, see
     # MUTANTS.md session 46; the executor draws by the `strides` argument, kernels read the
@@ -2298,4 +2298,10 @@ MUTANTS: list[Mutant] = [
            "        found = [d for d in left if exprs[d][1] == expected]",
            ("tests/executors/test_layout_audit.py::"
             "test_symbolic_sizes_keep_the_cpu_kernels_layouts",)),
+    # --- session 48, h48fus: compile time of fusion and metadata reads -----------------------
+    Mutant("fusion_reach_updated_for_direct_predecessors_only", "fusion", "transforms/fusion.py",
+           "                stack.extend(self.pred[region])",
+           "                pass",
+           ("tests/transforms/test_fusion.py::"
+            "test_partition_reach_is_the_descendants_of_each_region_after_merges",)),
 ]

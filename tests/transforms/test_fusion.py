@@ -299,3 +299,43 @@ def test_a_broadcast_read_by_another_region_is_not_written_at_full_size():
     read = {p.name for b in fused for p in b.proxy_inputs}
     between = [p for b in fused for p in b.proxy_outputs if p.name in read]
     assert between and all(p.numel() <= 8 * 4 for p in between), between
+
+
+def test_partition_reach_is_the_descendants_of_each_region_after_merges(monkeypatch):
+    # the cycle check reads each region's descendants as bits that every merge updates for
+    # the regions reaching the merged pair (`_Partition._contract`); a stale bit lets a later
+    # merge close a cycle. Checked after every merge against a search of the region graph, on
+    # a trace where merges join siblings and consumers of two regions around matmuls: `k` and
+    # `g` merge as readers of `y`, after which `p` (reaching `k` through a matmul only) reaches
+    # the matmul of `g`.
+    import networkx as nx
+
+    from fulmen.transforms import fusion
+
+    def fn(x, y, w):
+        p = x.exp()
+        k, g = (p @ w) + y, y.sin()
+        a, b = k.cos(), k.tanh()
+        m = (a * b) @ w
+        return (m + a).relu() + (m - b).sigmoid(), g @ w, (p + 1).abs()
+
+    checked = []
+    contract = fusion._Partition._contract
+
+    def checked_contract(self, keep, gone):
+        contract(self, keep, gone)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(self.succ)
+        graph.add_edges_from((r, s) for r, nexts in self.succ.items() for s in nexts)
+        for region in self.succ:
+            bits = {r for r in self.succ if self.reach[region] >> r & 1}
+            assert bits == nx.descendants(graph, region), region
+        checked.append((keep, gone))
+
+    monkeypatch.setattr(fusion._Partition, "_contract", checked_contract)
+    x, y, w = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    jfn = fulmen.jit(fn, executors=["torch"])
+    jfn(x, y, w)
+    fused = partition_for_fusion(fulmen.last_traces(jfn)[0], codegen_ex)
+    check_trace(fused)
+    assert len(checked) >= 8  # the merges happened (the check is not vacuous)

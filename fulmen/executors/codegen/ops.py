@@ -185,10 +185,10 @@ def _fusible_reduction(bsym: BoundSymbol) -> bool:
     rows are the kept axes), and sums over any axes (a sum over leading axes becomes a column
     sum of the row schedule)."""
     a, dims = bsym.args[0], bsym.args[1]
-    if not isinstance(a, Proxy) or a.ndim == 0 or a.dtype not in REDUCTIONS[bsym.sym.name]:
+    if not isinstance(a, Proxy) or not a.shape or a.dtype not in REDUCTIONS[bsym.sym.name]:
         return False
-    dims = {d % a.ndim for d in dims}
-    if not dims or (a.ndim - 1 not in dims and bsym.sym.name != "sum"):
+    dims = {d % len(a.shape) for d in dims}
+    if not dims or (len(a.shape) - 1 not in dims and bsym.sym.name != "sum"):
         return False
     return bsym.sym.name != "var" or isinstance(bsym.args[2], Number)
 

@@ -13,6 +13,7 @@ import torch
 
 from fulmen.ops.prims.base import check, check_elementwise, prim
 from fulmen.proxies import TensorProxy
+from fulmen.proxies.tensor import strides_of
 
 __all__ = [
     "BOOL_RESULT",
@@ -41,9 +42,9 @@ def _output_like(first: torch.Tensor, args, dtype: torch.dtype) -> TensorProxy:
     `(x.transpose(1, 2) * 2).contiguous().view(...)` keeps the user's copy; operands of
     different layouts still give a contiguous description.
     """
-    strides = first.stride()
+    strides = strides_of(first)
     if first.is_contiguous() or any(
-            isinstance(arg, torch.Tensor) and arg.stride() != strides for arg in args):
+            isinstance(arg, torch.Tensor) and strides_of(arg) != strides for arg in args):
         return TensorProxy.like(first, dtype=dtype)
     with torch._C.DisableTorchFunction():  # not a traced op
         layout = torch.empty_like(torch.empty_strided(first.shape, strides, device="meta"))

@@ -26,8 +26,9 @@ __all__ = [
 def matmul(a: TensorProxy, b: TensorProxy) -> TensorProxy:
     """`torch.matmul` semantics: vector/matrix products with broadcast batch dims."""
     check(a.dtype == b.dtype, "matmul", f"dtypes differ: {a.dtype} vs {b.dtype}")
-    if (a.ndim >= 2 and (b.ndim == 2 or a.ndim == b.ndim) and a.device == b.device
-            and known_same_shape(a.shape[:-2], b.shape[:-2] if b.ndim > 2 else a.shape[:-2])
+    rank_a, rank_b = len(a.shape), len(b.shape)
+    if (rank_a >= 2 and (rank_b == 2 or rank_a == rank_b) and a.device == b.device
+            and known_same_shape(a.shape[:-2], b.shape[:-2] if rank_b > 2 else a.shape[:-2])
             and a.shape[-1] == b.shape[-2]):
         # batches of matrices times a matrix, or batches of the same shape: a contiguous
         # (..., n, m) whatever the operands' layouts (PyTorch's meta kernel and CPU kernel
@@ -47,7 +48,7 @@ def linear(a: TensorProxy, weight: TensorProxy, bias: TensorProxy | None) -> Ten
     The common case (2-D weight, no bias or a bias of shape (out,)) is described directly;
     others run PyTorch's meta kernel (whose Python decomposition of addmm imports
     torch._dynamo, about a second, on first use)."""
-    if (a.ndim >= 1 and weight.ndim == 2
+    if (len(a.shape) >= 1 and len(weight.shape) == 2
             and (bias is None or tuple(bias.shape) == (weight.shape[0],))):
         check(a.dtype == weight.dtype and (bias is None or bias.dtype == a.dtype), "linear",
               f"dtypes differ: input {a.dtype}, weight {weight.dtype}"

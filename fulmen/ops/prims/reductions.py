@@ -14,7 +14,7 @@ __all__ = ["sum", "prod", "amax", "amin", "var", "argmax", "argmin"]
 
 
 def _reduced(op: str, a: TensorProxy, dims: Sequence[int], dtype=None) -> TensorProxy:
-    dims = canonical_dims(op, dims, a.ndim)
+    dims = canonical_dims(op, dims, len(a.shape))
     shape = [size for d, size in enumerate(a.shape) if d not in dims]
     return TensorProxy.like(a, shape=shape, dtype=dtype)
 

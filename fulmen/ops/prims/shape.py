@@ -16,7 +16,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops.meta import run_meta
 from fulmen.ops.prims.base import canonical_dims, check, prim
 from fulmen.proxies import TensorProxy
-from fulmen.proxies.tensor import known_same_shape
+from fulmen.proxies.tensor import known_same_shape, strides_of
 
 __all__ = [
     "broadcast_in_dim", "reshape", "permute", "slice_prim", "pad", "cat", "flip",
@@ -29,7 +29,7 @@ def broadcast_in_dim(a: TensorProxy, shape: Sequence[int], broadcast_dims: Seque
     """Broadcast `a` to `shape`; input dim i becomes output dim `broadcast_dims[i]` and must have
     size 1 or the output's size there."""
     shape, dims = tuple(shape), tuple(broadcast_dims)
-    check(len(dims) == a.ndim, "broadcast_in_dim", f"{len(dims)} dims given for rank {a.ndim}")
+    check(len(dims) == len(a.shape), "broadcast_in_dim", f"{len(dims)} dims given for rank {len(a.shape)}")
     check(list(dims) == sorted(dims), "broadcast_in_dim", f"broadcast_dims {dims} must increase")
     for size, dim in zip(a.shape, dims):
         check(0 <= dim < len(shape), "broadcast_in_dim", f"dim {dim} out of range")
@@ -65,16 +65,17 @@ def permute(a: TensorProxy, dims: Sequence[int]) -> TensorProxy:
 
     The output reports eager's (permuted) strides, so `x.transpose(1, 2).is_contiguous()` is
     False and the user's `.contiguous()` before a `.view` is a real copy, as in eager."""
-    dims = canonical_dims("permute", dims, a.ndim)
-    check(len(dims) == a.ndim, "permute", f"permutation {dims} for rank {a.ndim}")
+    dims = canonical_dims("permute", dims, len(a.shape))
+    check(len(dims) == len(a.shape), "permute", f"permutation {dims} for rank {len(a.shape)}")
     return TensorProxy(None, [a.shape[d] for d in dims], a.dtype, a.device,
-                       strides=[a.stride()[d] for d in dims])
+                       strides=[strides_of(a)[d] for d in dims])
 
 
 @prim("slice", tags=[Tag.SHAPE, Tag.VIEW])
 def slice_prim(a: TensorProxy, starts: Sequence[int], ends: Sequence[int], steps: Sequence[int]) -> TensorProxy:
     """Per-dimension `a[start:end:step]` with 0 <= start <= end <= size and step >= 1."""
-    check(len(starts) == len(ends) == len(steps) == a.ndim, "slice", "one start/end/step per dim")
+    check(len(starts) == len(ends) == len(steps) == len(a.shape), "slice",
+          "one start/end/step per dim")
     shape = []
     for size, start, end, step in zip(a.shape, starts, ends, steps):
         if not (0 <= start <= end <= size and step >= 1):
@@ -103,7 +104,7 @@ def cat(tensors: Sequence[TensorProxy], dim: int) -> TensorProxy:
     first = tensors[0]
     size = 0
     for tensor in tensors:
-        check(tensor.ndim == first.ndim and tensor.dtype == first.dtype, "cat", "rank/dtype differ")
+        check(len(tensor.shape) == len(first.shape) and tensor.dtype == first.dtype, "cat", "rank/dtype differ")
         for d, (x, y) in enumerate(zip(tensor.shape, first.shape)):
             check(d == dim or x == y, "cat", f"sizes differ at dim {d}")
         size += tensor.shape[dim]
