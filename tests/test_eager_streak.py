@@ -73,3 +73,30 @@ def test_an_optimizer_state_key_is_named_by_shape_not_by_values():
     reasons = " ".join(" ".join(r) for r in fulmen.compile_stats(jstep).recompile_reasons)
     assert "Parameter containing" not in reasons
     assert "opt.state[<" in reasons and " (2, 3) at 0x" in reasons
+
+
+def _tagged_step(model, optimizer, x, y, tag: str):
+    return _train_step(model, optimizer, x, y)
+
+
+def test_a_streak_of_eager_calls_with_a_new_key_each_time_skips_most_traces(monkeypatch):
+    """A string argument that changes on every call (a step's log tag) is part of the cache key,
+    so every call misses; after two misses that ran eagerly for one reason, most run eagerly
+    untraced (the learning rate of the test above is now a traced input and no longer changes
+    the key)."""
+    torch.manual_seed(0)
+    eager_model = torch.nn.Linear(4, 2)
+    model = copy.deepcopy(eager_model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, model)]
+    step = fulmen.jit(_tagged_step)
+    traces = count_traces(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(40):
+            x, y = torch.randn(3, 4), torch.randn(3, 2)
+            expected = _tagged_step(eager_model, optimizers[0], x, y, f"step {i}")
+            torch.testing.assert_close(step(model, optimizers[1], x, y, f"step {i}"), expected)
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert fulmen.compile_stats(step).eager_calls == 40
+    assert len(traces) <= 8  # 2, then one every 4th, 8th, 16th skipped miss
