@@ -138,10 +138,8 @@ def test_hooks_added_and_removed_after_jitting():
     jmodel = fulmen.jit(model.eval())
     x = torch.randn(5, 6)
     plain = jmodel(x)
-    seen = []
 
-    def double(module, args, output):
-        seen.append(output.shape)
+    def double(module, args, output):  # (no store into a list: such a call runs eagerly)
         return output * 2
 
     def shift(module, args):
@@ -149,7 +147,6 @@ def test_hooks_added_and_removed_after_jitting():
 
     handle = model.linear.register_forward_hook(double)
     torch.testing.assert_close(jmodel(x), model(x))
-    assert seen  # traced through
     pre = model.head.register_forward_pre_hook(shift)
     torch.testing.assert_close(jmodel(x), model(x))
     handle.remove()
@@ -158,6 +155,7 @@ def test_hooks_added_and_removed_after_jitting():
     hits = fulmen.cache_hits(jmodel)
     jmodel(x)
     assert fulmen.cache_hits(jmodel) == hits + 1  # unchanged hooks: the cache serves again
+    assert fulmen.compile_stats(jmodel).eager_calls == 0  # the hooks were traced through
 
 
 def test_global_module_hooks_after_jitting():
@@ -204,6 +202,25 @@ def test_the_direct_call_path_still_runs_global_hooks_and_a_replaced_forward():
     assert jmodel._orig_mod in seen and jmodel not in seen
     jmodel.forward = lambda x: x * 3
     torch.testing.assert_close(jmodel(x), x * 3)
+
+
+def test_a_global_forward_hook_changing_outputs_is_compiled_once_per_module():
+    """The same doubling global hook without a store into a list (which makes a call run
+    eagerly): the compiled call applies it once per module, as eager does."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    jmodel = fulmen.jit(model)
+    x = torch.randn(5, 6, requires_grad=True)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: output * 2)
+    try:
+        results = []
+        for fn in (model, jmodel):
+            out = fn(x)
+            results.append((out, torch.autograd.grad(out.sum(), x)[0]))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(results[1], results[0])
+    assert fulmen.compile_stats(jmodel).eager_calls == 0
 
 
 @pytest.mark.parametrize("register", ["register_module_forward_hook",
