@@ -54,19 +54,19 @@ def test_module_list_dict_and_buffers():
     torch.testing.assert_close(jmodel(x, "a"), eager(x, "a"))
 
 
-def test_forward_pre_and_post_hooks_are_compiled():
-    """Hooks that change the input and output are traced through (no call runs eagerly)."""
-    def pre_hook(module, args):
-        return (args[0] * 2,)
-
-    def post_hook(module, args, output):
-        return output + 1
-
+def _hooked_twins(pre_hook, post_hook):
+    """An eager Linear and its jitted twin, each with the two forward hooks."""
     eager, jitted = _twin(lambda: nn.Linear(3, 3))
     for module in (eager, jitted):
         module.register_forward_pre_hook(pre_hook)
         module.register_forward_hook(post_hook)
-    jmodel = fulmen.jit(jitted)
+    return eager, fulmen.jit(jitted)
+
+
+def test_forward_pre_and_post_hooks_are_compiled():
+    """Hooks that change the input and output are traced through (no call runs eagerly)."""
+    eager, jmodel = _hooked_twins(lambda module, args: (args[0] * 2,),
+                                  lambda module, args, output: output + 1)
     x = torch.randn(2, 3)
     for _ in range(2):
         torch.testing.assert_close(jmodel(x), eager(x))
@@ -86,11 +86,7 @@ def test_forward_pre_and_post_hooks_run():
         calls.append("post")
         return output + 1
 
-    eager, jitted = _twin(lambda: nn.Linear(3, 3))
-    for module in (eager, jitted):
-        module.register_forward_pre_hook(pre_hook)
-        module.register_forward_hook(post_hook)
-    jmodel = fulmen.jit(jitted)
+    eager, jmodel = _hooked_twins(pre_hook, post_hook)
     x = torch.randn(2, 3)
     torch.testing.assert_close(jmodel(x), eager(x))
     torch.testing.assert_close(jmodel(x), eager(x))
