@@ -36,6 +36,7 @@ import functools
 import keyword
 import math
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -379,24 +380,36 @@ def executable_source(trace) -> tuple[str, str, dict[str, Any]]:
     each callee resolved through the namespace once the trace is printed, numbered in order."""
     printer = _Printer(executable=True)
     source, lines, namespace = _print(trace, printer)
-    bound: dict[int, str] = {id(v): k for k, v in namespace.items()
-                             if k.startswith(BOUND_PREFIX)}
+    bind = binder(namespace)
     for i, call in enumerate(lines):
         if isinstance(call, str):
             continue
         before, callee, after = call
         target = bindable(resolve_dotted(callee, namespace))
         if target is not None and not callee.startswith(BOUND_PREFIX):
-            name = bound.get(id(target))
-            if name is None:
-                name = bound[id(target)] = f"{BOUND_PREFIX}{len(bound)}"
-                namespace[name] = target
-            callee = name
+            callee = bind(target)
         lines[i] = before + callee + after
     return source, "\n".join(lines) + "\n", namespace
 
 
 BOUND_PREFIX = "_fulmen_bound"
+
+
+def binder(namespace: dict) -> Callable[[Any], str]:
+    """`bind(target)`: the name `target` is bound to in `namespace` (NOTE [bound callables]),
+    `_fulmen_bound<n>` numbered in order of first use, added to `namespace` the first time;
+    the names already there are reused."""
+    bound: dict[int, str] = {id(v): k for k, v in namespace.items()
+                             if k.startswith(BOUND_PREFIX)}
+
+    def bind(target: Any) -> str:
+        name = bound.get(id(target))
+        if name is None:
+            name = bound[id(target)] = f"{BOUND_PREFIX}{len(bound)}"
+            namespace[name] = target
+        return name
+
+    return bind
 
 
 def resolve_dotted(text: str, namespace: dict) -> Any:

@@ -25,6 +25,7 @@ from fulmen.core.names import NameAllocator
 from fulmen.core.printer import (
     BOUND_PREFIX,
     bindable,
+    binder,
     executable_source,
     highlight_html,
     print_trace,
@@ -122,8 +123,7 @@ def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
     to names bound once in `namespace` to what they resolve to, keeping every line where it
     was, so tracebacks, `linecache` and the printed trace still agree. Arguments (a symbol
     passed to `autograd_vjp`) are left alone. Returns `module`."""
-    bound: dict[int, str] = {id(v): k for k, v in namespace.items()
-                             if k.startswith(BOUND_PREFIX)}
+    bind = binder(namespace)
     for function in module.body:
         if not isinstance(function, ast.FunctionDef):
             continue
@@ -135,11 +135,7 @@ def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
             target = bindable(_resolve(call.func, namespace))
             if target is None:
                 continue
-            name = bound.get(id(target))
-            if name is None:
-                name = bound[id(target)] = f"{BOUND_PREFIX}{len(bound)}"
-                namespace[name] = target
-            call.func = ast.copy_location(ast.Name(name, ast.Load()), call.func)
+            call.func = ast.copy_location(ast.Name(bind(target), ast.Load()), call.func)
     return module
 
 
