@@ -13,12 +13,24 @@ two nodes of one of fulmen's ShapeEnvs (`keep_symbolic_ops`) returns the node th
 operation built, kept in a dict on that ShapeEnv (which lives as long as the trace and its
 entry). Other ShapeEnvs (torch.compile's), operations under a proxy mode (`make_fx`), and
 ShapeEnvs that validate translations get PyTorch's own.
+
+NOTE [symbolic arithmetic kept at the SymInt]: the node a `SymInt` operation builds is kept as
+above, but `torch.SymInt.__mul__` and its siblings still wrap a plain int operand in a new
+constant `SymNode` (a sympy Integer), promote, check constants and wrap the result in a new
+`SymInt` around the kept node: about two thirds of an operation's cost once its node is kept.
+So the `SymInt` methods whose node operation is kept (`+ - *`, their reflections, and the six
+comparisons) keep their result too, in the same dict, keyed by the method, the `SymInt`'s
+expression and summation flag, and the operand: a plain `int` by type and value (never a
+`bool` or `float`, which PyTorch promotes differently), or a `SymInt` of the same ShapeEnv by
+its expression and flag (`2` and `2.0` are equal keys: a float must never look one up).
+Anything else, and any call outside the switch, is PyTorch's own.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.sym_node import SymNode
 
@@ -34,6 +46,13 @@ _PURE = ("add", "sub", "mul", "int_floordiv", "sym_max", "sym_min", "and_", "or_
          "eq", "ne", "lt", "le", "gt", "ge")
 
 _ORIGINALS = {name: getattr(SymNode, name) for name in _PURE}
+
+# `torch.SymInt` methods whose `SymNode` operation is one of `_PURE` (NOTE [symbolic arithmetic
+# kept at the SymInt]); `__floordiv__` is not (`SymNode.floordiv` is not `int_floordiv`)
+_SYMINT_METHODS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                   "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+
+_SYMINT_ORIGINALS = {name: torch.SymInt.__dict__[name] for name in _SYMINT_METHODS}
 
 
 def keep_symbolic_ops(env) -> None:
@@ -65,14 +84,47 @@ def _kept(name: str, original):
 _KEPT = {name: _kept(name, original) for name, original in _ORIGINALS.items()}
 
 
+def _kept_at_symint(name: str, original):
+    @functools.wraps(original)
+    def method(self, other):
+        node = self.node
+        memo = getattr(node.shape_env, _MEMO, None)
+        if memo is None:
+            return original(self, other)
+        kind = type(other)
+        if kind is int:
+            operand = other
+        elif kind is torch.SymInt and other.node.shape_env is node.shape_env:
+            operand = (other.node.expr, other.node._optimized_summation)
+        else:  # a float or bool operand (PyTorch promotes them: `s0 * 2.0` is a SymFloat)
+            return original(self, other)
+        if get_proxy_mode() is not None:
+            return original(self, other)
+        key = (name, node.expr, node._optimized_summation, operand)
+        if key in memo:
+            return memo[key]
+        result = memo[key] = original(self, other)
+        return result
+
+    return method
+
+
+_KEPT_AT_SYMINT = {name: _kept_at_symint(name, original)
+                   for name, original in _SYMINT_ORIGINALS.items()}
+
+
 def _install() -> None:
     for name, operation in _KEPT.items():
         setattr(SymNode, name, operation)
+    for name, method in _KEPT_AT_SYMINT.items():
+        setattr(torch.SymInt, name, method)
 
 
 def _uninstall() -> None:
     for name, original in _ORIGINALS.items():
         setattr(SymNode, name, original)
+    for name, original in _SYMINT_ORIGINALS.items():
+        setattr(torch.SymInt, name, original)
 
 
 _SWITCH = ProcessSwitch(_install, _uninstall)

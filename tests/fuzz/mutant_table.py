@@ -2304,4 +2304,15 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/transforms/test_fusion.py::"
             "test_partition_reach_is_the_descendants_of_each_region_after_merges",)),
+    # --- session 49, h49dyn: compile time of symbolic traces ---------------------------------
+    Mutant("symint_kept_result_key_without_the_method", "dynamic", "tracer/sym_ops.py",
+           "        key = (name, node.expr, node._optimized_summation, operand)",
+           "        key = (node.expr, node._optimized_summation, operand)",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_symint_results_are_kept_per_method_and_operand",)),
+    Mutant("symint_kept_result_for_a_float_operand", "dynamic", "tracer/sym_ops.py",
+           "        if kind is int:\n            operand = other\n",
+           "        if kind is int or kind is float:\n            operand = other\n",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_symint_results_are_kept_per_method_and_operand",)),
 ]

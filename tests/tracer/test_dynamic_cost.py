@@ -304,3 +304,38 @@ def test_the_text_of_a_symbolic_size_is_printed_once(monkeypatch):
     assert len(printed) == 1
     proxy = TensorProxy("p", (product, 4), torch.float32, "cpu")
     assert proxy.type_string() == f"cpu f32[{texts[0]}, 4]" and len(printed) == 1
+
+
+def test_symint_results_are_kept_per_method_and_operand(monkeypatch):
+    """NOTE [symbolic arithmetic kept at the SymInt]: under the switch, a `SymInt` method with
+    a plain int or a SymInt of the same ShapeEnv returns the result it returned before for the
+    same method and operands (the same object, built once); another method, another operand,
+    a float or bool operand, or operands in the other order are never answered from it."""
+    from fulmen.tracer.sym_ops import memoized_symbolic_ops
+
+    built = _counting_mul(monkeypatch)
+    sizes = SymbolicSizes()
+    (s0, s1), _ = sizes.symbolize(torch.empty(6, 5), "x", dims=(0, 1))
+    a, b = s0.node.expr, s1.node.expr
+    built.clear()  # (the strides of the symbolized input)
+    with memoized_symbolic_ops():
+        first = s0 * 4
+        assert s0 * 4 is first and len(built) == 1
+        assert 4 * s0 is not first and len(built) == 2  # reflected: a method of its own
+        assert (4 * s0).node.expr == 4 * a
+        assert (s0 + 4).node.expr == a + 4 and (s0 - 4).node.expr == a - 4
+        assert (4 - s0).node.expr == 4 - a and (s0 - 4).node.hint == 2
+        assert (s0 * s1).node.expr == a * b and (s0 - s1).node.expr == a - b
+        assert (s1 - s0).node.expr == b - a and (s1 - s0).node.hint == -1
+        assert (s0 * 5).node.hint == 30 and (s0 * 4).node.hint == 24
+        as_float = s0 * 2.0  # equal to 2 as a key: never looked up
+        assert (s0 * 2).node.hint == 12 and isinstance(s0 * 2, torch.SymInt)
+        assert isinstance(as_float, torch.SymFloat) and isinstance(s0 * 2.0, torch.SymFloat)
+        assert isinstance(s0 * True, torch.SymInt) and (s0 * True).node.expr == a
+        assert isinstance(s0 == 6, torch.SymBool) and (s0 == 6) is (s0 == 6)
+        assert (s0 < 7).node.expr != (s0 > 7).node.expr
+    assert s0 * 4 is not first  # switched off: PyTorch's own
+    other = SymbolicSizes()  # another ShapeEnv: its sizes are not the first's
+    (t0, _), _ = other.symbolize(torch.empty(3, 2), "x", dims=(0, 1))
+    with memoized_symbolic_ops():
+        assert (t0 * 4).node.hint == 12 and (t0 * 4).node.shape_env is t0.node.shape_env
