@@ -21,6 +21,9 @@ eager's time for the same calls.
 Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2,gemma2] [--tokens 64] [--no-compile]
 [--skip-sweep] [--skip-decode] [--caches dynamic,static] [--breakdown]`
 (with `PYTHONPATH=.` from a checkout: a script's own folder comes first on `sys.path`).
+`FULMEN_DYNAMIC=defer` in the environment runs each first call eagerly, compiling from the
+second (NOTE [a deferred first call] in `fulmen/tracer/shape_policy.py`): one compilation per
+sweep instead of two.
 Times are seconds (sweep) and ms per token (decode); ratios are fulmen or torch.compile / eager.
 """
 

@@ -43,7 +43,10 @@ VARIABLES: dict[str, Variable] = {variable.name: variable for variable in (
     Variable("FULMEN_DYNAMIC", str, "",
              "the default of `jit(dynamic=)`: `1` symbolic sizes from the first call, `0` "
              "never, `strict` symbolic and raising where a symbolic trace fails; empty: "
-             "automatic (static first, symbolic for the dimensions that change)"),
+             "automatic (static first, symbolic for the dimensions that change); `defer`: "
+             "automatic, with the first call run eagerly, its shapes only recorded, so that "
+             "a sweep of shapes compiles once (NOTE [a deferred first call] in "
+             "`tracer/shape_policy.py`)"),
     Variable("FULMEN_CACHE_SIZE_LIMIT", int, 8,
              "the default of `jit(cache_size_limit=)`: specialisations kept per function before "
              "calls run eagerly"),

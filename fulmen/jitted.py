@@ -69,7 +69,9 @@ class _Jitted(CompileMiss):
         setting = config.get("FULMEN_DYNAMIC")
         if dynamic is None:
             dynamic = {"1": True, "strict": True, "0": False}.get(setting)
-        self._shapes = DynamicDims(dynamic)
+        # NOTE [a deferred first call]: not where an eager run has no answer
+        self._shapes = DynamicDims(dynamic, defer_first=setting == "defer" and not fullgraph
+                                   and grad_argnums is None)
         self._strict_dynamic = setting == "strict"  # conformance runs: symbolic, no fallback
         if cache_size_limit is None:
             cache_size_limit = config.get("FULMEN_CACHE_SIZE_LIMIT")
@@ -145,6 +147,10 @@ class _Jitted(CompileMiss):
             if entry is None and self._shapes.entries:
                 entry = self._shapes.lookup(self._guard, args, kwargs, state, leaves)
             self._guard.forget_walks()
+            if entry is None and self._shapes.record_first_call(
+                    leaves, lambda i: self._leaf_name(args, kwargs, i), self._guard.fn_roots):
+                self._explain_miss(args, kwargs)  # (the next miss says what changed)
+                return self._run_eagerly(args, kwargs, "first call", None)
             if entry is None:
                 stats.cache_misses += 1
                 reasons = self._explain_miss(args, kwargs)
@@ -365,9 +371,10 @@ class _Jitted(CompileMiss):
 
     def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str):
         """Run the original function or module on the call (no other thread traces
-        meanwhile); the first time for each `kind` of reason, warn with `warning`."""
+        meanwhile); the first time for each `kind` of reason, warn with `warning` (None: no
+        warning, a deferred first call)."""
         self._stats.eager_calls += 1
-        if kind not in self._warned:
+        if kind not in self._warned and warning is not None:
             self._warned.add(kind)
             warnings.warn(warning, stacklevel=5)
         target = self._module if self._module is not None else self._fn

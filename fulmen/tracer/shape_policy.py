@@ -169,6 +169,16 @@ def _root_floats(roots: list) -> list[tuple[Any, float]]:
 # symbol of its own (NOTE [strides of a view input]), which the shape guard checks, and the key
 # leaves the strides out (`leaf_keys._masked_key`).
 
+# NOTE [a deferred first call]
+# Under the automatic policy a sweep of shapes compiles twice: the first call for its exact
+# shapes, the second (another length) with symbolic sizes, after which the first entry is
+# dropped (`_drop_subsumed`): it served one call. With `FULMEN_DYNAMIC=defer` the first call
+# runs eagerly and only records its shapes (`record_first_call`), as a miss would; the second
+# compiles for its exact shapes if they are the first's, else with symbols where they changed
+# (and the 1s beside them generalised): one compilation for the sweep. Only where an eager run
+# is allowed (not under `fullgraph=True`, not for `fulmen.grad`), and not by default: the
+# first call of a jitted function then has no traces to show (`fulmen.last_traces`).
+
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
 
@@ -176,8 +186,11 @@ class DynamicDims:
     finds a symbolic entry valid for a call; `add` stores one.
     """
 
-    def __init__(self, dynamic: bool | None) -> None:
+    def __init__(self, dynamic: bool | None, defer_first: bool = False) -> None:
         self.dynamic = dynamic
+        # NOTE [a deferred first call]: whether the first miss runs eagerly, and whether it has
+        self.defer_first = defer_first and dynamic is None
+        self.first_recorded = False
         # argument name (`label` of `dims_for`) -> dims seen to change
         self.varying: dict[str, set[int]] = {}
         # names of tensor arguments seen as views (not contiguous) at some calls and contiguous
@@ -446,6 +459,15 @@ class DynamicDims:
             other = exact or (lambda leaves: False)
         first = entry.shape_guard
         entry.shape_guard = lambda leaves: first(leaves) and other(leaves)
+
+    def record_first_call(self, leaves: list, label=str, roots: list = ()) -> bool:
+        """Whether this miss is the first call, to run eagerly with its shapes only recorded
+        (NOTE [a deferred first call]); False (compile it) when not deferring or after it."""
+        if not self.defer_first or self.first_recorded:
+            return False
+        self.first_recorded = True
+        self.dims_for(leaves, label, roots)
+        return True
 
     def clear(self) -> None:
         """Drop every symbolic entry (hooks changed: each must be traced anew)."""

@@ -2315,4 +2315,16 @@ MUTANTS: list[Mutant] = [
            "        if kind is int or kind is float:\n            operand = other\n",
            ("tests/tracer/test_dynamic_cost.py::"
             "test_symint_results_are_kept_per_method_and_operand",)),
+    Mutant("deferred_first_call_shapes_not_recorded", "dynamic", "tracer/shape_policy.py",
+           "        self.first_recorded = True\n        self.dims_for(leaves, label, roots)\n",
+           "        self.first_recorded = True\n",
+           ("tests/tracer/test_dynamic_deferred.py",)),
+    Mutant("deferred_first_call_under_fullgraph", "dynamic", "jitted.py",
+           'defer_first=setting == "defer" and not fullgraph',
+           'defer_first=setting == "defer"',
+           ("tests/tracer/test_dynamic_deferred.py",)),
+    Mutant("deferred_first_call_of_functional_grad", "dynamic", "jitted.py",
+           "                                   and grad_argnums is None)",
+           "                                   )",
+           ("tests/tracer/test_dynamic_deferred.py",)),
 ]
