@@ -245,7 +245,8 @@ class TensorProxy(torch.Tensor, Proxy):
     ):
         # symbolic sizes (`torch.SymInt`, fulmen.tracer.symbolic) stay symbolic
         shape = tuple(size if isinstance(size, torch.SymInt) else int(size) for size in shape)
-        strides = contiguous_strides(shape) if strides is None else tuple(strides)
+        row_major = strides is None
+        strides = contiguous_strides(shape) if row_major else tuple(strides)
         proxy = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
@@ -260,6 +261,10 @@ class TensorProxy(torch.Tensor, Proxy):
             ctx = get_tracectx()
             name = ctx.names.new() if ctx is not None else _fallback_names.new("p")
         proxy._fulmen_name = name
+        # made with the row-major strides of its shape: contiguous (`is_contiguous`). Its own id,
+        # not True: a copy of its attributes onto a proxy of other strides (`with_strides`)
+        # must not carry the answer over
+        proxy._fulmen_made_row_major = id(proxy) if row_major else None
         with torch._C.DisableTorchFunctionSubclass():  # no round trip: see `strides_of`
             proxy._fulmen_meta = (torch.Size(shape), dtype, _DEVICE(proxy))
         return proxy
@@ -347,7 +352,11 @@ class TensorProxy(torch.Tensor, Proxy):
         """Whether the tensor is laid out row-major (or in `memory_format`). With symbolic sizes,
         strides that equal the row-major strides of the shape for every size (`(32*s1, 32, 1)`
         for `[s0, s1, 32]`) answer True without a guard; PyTorch's own check would ask whether
-        `s0 == 1` (its stride may be anything then) and specialise a batch of 1."""
+        `s0 == 1` (its stride may be anything then) and specialise a batch of 1. A proxy made
+        with its shape's row-major strides (no `strides=`) answers True at once."""
+        if memory_format is torch.contiguous_format \
+                and getattr(self, "_fulmen_made_row_major", None) == id(self):
+            return True
         if memory_format is torch.contiguous_format and any(
                 isinstance(size, torch.SymInt) for size in self.shape):
             # a known answer is kept by the ShapeEnv (NOTE [answers kept by the ShapeEnv])

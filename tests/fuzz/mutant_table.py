@@ -2327,4 +2327,18 @@ MUTANTS: list[Mutant] = [
            "                                   and grad_argnums is None)",
            "                                   )",
            ("tests/tracer/test_dynamic_deferred.py",)),
+    Mutant("proxy_row_major_flag_for_any_memory_format", "layout", "proxies/tensor.py",
+           "        if memory_format is torch.contiguous_format \\\n",
+           "        if True \\\n",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_a_proxy_made_row_major_answers_is_contiguous_as_eager",)),
+    Mutant("proxy_row_major_flag_with_given_strides", "layout", "proxies/tensor.py",
+           "        row_major = strides is None\n", "        row_major = True\n",
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_a_proxy_made_row_major_answers_is_contiguous_as_eager",)),
+    Mutant("proxy_row_major_flag_carried_to_a_restrided_copy", "layout", "proxies/tensor.py",
+           '                and getattr(self, "_fulmen_made_row_major", None) == id(self):',
+           '                and getattr(self, "_fulmen_made_row_major", None):',
+           ("tests/tracer/test_dynamic_cost.py::"
+            "test_a_proxy_made_row_major_answers_is_contiguous_as_eager",)),
 ]

@@ -339,3 +339,32 @@ def test_symint_results_are_kept_per_method_and_operand(monkeypatch):
     (t0, _), _ = other.symbolize(torch.empty(3, 2), "x", dims=(0, 1))
     with memoized_symbolic_ops():
         assert (t0 * 4).node.hint == 12 and (t0 * 4).node.shape_env is t0.node.shape_env
+
+
+def test_a_proxy_made_row_major_answers_is_contiguous_as_eager():
+    """A proxy made without `strides=` has its shape's row-major strides and answers
+    `is_contiguous()` True at once (no sizes compared, no guard); every other question (other
+    strides, another memory format, a copy restrided by layout truth) gets the answer eager
+    gives for the same layout."""
+    from fulmen.ops.meta import with_strides
+
+    sizes = SymbolicSizes()
+    shape, _ = sizes.symbolize(torch.empty(6, 5, 4, 3), "x", dims=(0, 1))
+    guards = len(sizes.env.guards)
+    for dims in ((6, 5, 4, 3), tuple(shape)):
+        made = TensorProxy("a", dims, torch.float32, "cpu")
+        assert made.is_contiguous() and len(sizes.env.guards) == guards
+        for fmt in (torch.channels_last, torch.contiguous_format):
+            real = torch.empty(6, 5, 4, 3)
+            assert made.is_contiguous(memory_format=fmt) == real.is_contiguous(memory_format=fmt)
+    real = torch.empty(6, 5, 4, 3).permute(0, 2, 3, 1)
+    for strides, expected in ((real.stride(), False), ((60, 12, 3, 1), True)):
+        proxy = TensorProxy("b", real.shape if not expected else (6, 5, 4, 3), torch.float32,
+                            "cpu", strides=strides)
+        assert proxy.is_contiguous() is expected
+    last = TensorProxy("c", (6, 5, 4, 3), torch.float32, "cpu", strides=(60, 1, 15, 5))
+    assert not last.is_contiguous() and last.is_contiguous(memory_format=torch.channels_last)
+    # a copy with other strides (and the first's attributes) answers for its own strides
+    made = TensorProxy("d", (6, 5, 4, 3), torch.float32, "cpu")
+    assert not with_strides(made, (60, 1, 15, 5)).is_contiguous()
+    assert with_strides(made, (60, 12, 3, 1)).is_contiguous()
