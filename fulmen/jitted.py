@@ -369,7 +369,7 @@ class _Jitted(CompileMiss):
             self._eager_keys[key] = (kind, warning)
         return self._run_eagerly(args, kwargs, kind, warning)
 
-    def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str):
+    def _run_eagerly(self, args: tuple, kwargs: dict, kind: str, warning: str | None):
         """Run the original function or module on the call (no other thread traces
         meanwhile); the first time for each `kind` of reason, warn with `warning` (None: no
         warning, a deferred first call)."""
