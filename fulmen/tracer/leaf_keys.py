@@ -94,6 +94,26 @@ def _leaf_key(leaf: Any) -> Any:
     return (type(leaf), id(leaf))
 
 
+# NOTE [repeated tensor arguments]
+# Eager code tells a tensor passed twice from two tensors by identity: `nn.MultiheadAttention`
+# takes its fast path (a row-major result) and projects once only when `query is key is value`,
+# and user code may branch on `a is b`. `fulmen.jit` traces a tensor passed at several argument
+# positions as one proxy (`trace_program(share_repeated=True)`), so the trace answers `is` as
+# eager does, and the cache key marks each repeat by the position it repeats: a call passing
+# the same tensor twice and one passing two tensors never share an entry.
+
+
+def mark_repeated(leaves: list, leaf_keys: list) -> None:
+    """Replace the key of each tensor leaf that is the same object as an earlier leaf by the
+    earlier one's position (NOTE [repeated tensor arguments])."""
+    first: dict[int, int] = {}
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            seen = first.setdefault(id(leaf), index)
+            if seen != index:
+                leaf_keys[index] = ("repeats argument", seen)
+
+
 def _is_object_leaf(leaf: Any) -> bool:
     """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
     return type(leaf) not in _BY_VALUE and not isinstance(
