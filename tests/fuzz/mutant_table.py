@@ -2304,4 +2304,13 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/transforms/test_fusion.py::"
             "test_partition_reach_is_the_descendants_of_each_region_after_merges",)),
+    # --- session 49, h49probe: a tensor passed at several argument positions -----------------
+    Mutant("repeated_argument_traced_as_two_inputs", "guards", "tracer/tracer.py",
+           "isinstance(leaf, torch.Tensor) and share_repeated and id(leaf) in proxy_of:",
+           "isinstance(leaf, torch.Tensor) and share_repeated and False:",
+           ("tests/tracer/test_repeated_arguments.py",)),
+    Mutant("repeated_argument_left_out_of_the_key", "guards", "tracer/guards.py",
+           "            mark_repeated(leaves, leaf_keys)",
+           "            pass",
+           ("tests/tracer/test_repeated_arguments.py",)),
 ]

@@ -17,8 +17,9 @@ def test_a_tensor_passed_twice_is_the_same_tensor_inside_and_keyed_apart():
     x, y = torch.randn(3), torch.randn(3)
     for a, b in [(x, x), (x, y), (y, y), (y, x)]:
         torch.testing.assert_close(jitted(a, b), _same_or_sum(a, b), rtol=0, atol=0)
+        torch.testing.assert_close(jitted(a, b=b), _same_or_sum(a, b), rtol=0, atol=0)
     stats = fulmen.compile_stats(jitted)
-    assert stats.eager_calls == 0 and stats.cache_misses == 2  # one entry per pattern
+    assert stats.eager_calls == 0 and stats.cache_misses == 4  # per pattern and spelling
 
 
 def test_an_in_place_update_through_one_of_two_positions_is_seen_through_the_other():
