@@ -2313,4 +2313,9 @@ MUTANTS: list[Mutant] = [
            "            mark_repeated(leaves, leaf_keys)",
            "            pass",
            ("tests/tracer/test_repeated_arguments.py",)),
+    Mutant("pad_gradient_a_strided_slice", "autodiff", "transforms/autodiff/rules_structural.py",
+           "    if not any(interior for _, _, interior in config):\n        return prims.pad(",
+           "    if False:\n        return prims.pad(",
+           ("tests/transforms/test_grad_edges.py::"
+            "test_the_gradient_of_a_padded_input_is_dense_as_eagers",)),
 ]
