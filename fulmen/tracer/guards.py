@@ -467,6 +467,6 @@ class CacheKeyBuilder:
         for root, paths in masks.items():
             leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths,
                                          self._walks.get(root) if same_call else None)
-        if len(leaves) > 1:
-            mark_repeated(leaves, leaf_keys)
+        if len(leaves) > 1 or self._walks:
+            mark_repeated(leaves, leaf_keys, self._walks)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves

@@ -98,20 +98,32 @@ def _leaf_key(leaf: Any) -> Any:
 # Eager code tells a tensor passed twice from two tensors by identity: `nn.MultiheadAttention`
 # takes its fast path (a row-major result) and projects once only when `query is key is value`,
 # and user code may branch on `a is b`. `fulmen.jit` traces a tensor passed at several argument
-# positions as one proxy (`trace_program(share_repeated=True)`), so the trace answers `is` as
-# eager does, and the cache key marks each repeat by the position it repeats: a call passing
-# the same tensor twice and one passing two tensors never share an entry.
+# positions, or held by an object argument as well (`h.t is x`), as one proxy
+# (`trace_program(share_repeated=True)`; the object's path stays a trace input, unread), so the
+# trace answers `is` as eager does, and the cache key marks each repeat by where it was met
+# first: a call passing the same tensor twice and one passing two tensors never share an entry.
 
 
-def mark_repeated(leaves: list, leaf_keys: list) -> None:
+def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None:
     """Replace the key of each tensor leaf that is the same object as an earlier leaf by the
-    earlier one's position (NOTE [repeated tensor arguments])."""
-    first: dict[int, int] = {}
+    earlier one's position, and add to an object argument's key (`walks`: its walk) the paths
+    of the tensors it holds that were met before, with where (NOTE [repeated tensor
+    arguments])."""
+    first: dict[int, Any] = {}
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor):
             seen = first.setdefault(id(leaf), index)
             if seen != index:
                 leaf_keys[index] = ("repeats argument", seen)
+        elif index in walks:
+            repeats = []
+            for path, value in walks[index]:
+                if isinstance(value, Tensor):
+                    seen = first.setdefault(id(value), (index, path))
+                    if seen != (index, path):
+                        repeats.append((path, seen))
+            if repeats:
+                leaf_keys[index] = (leaf_keys[index], "holds tensors met before", tuple(repeats))
 
 
 def _is_object_leaf(leaf: Any) -> bool:

@@ -421,7 +421,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                              for _, key in path)
             return make_int((root, path), f"{label}_{steps}", value)
 
-        object_pairs = objects.swap_in(make_proxy, make_object_int)
+        def stand_in(root, tensor, proxy):
+            if not share_repeated or root < 0:  # (the function's own objects: keyed apart)
+                return proxy
+            return proxy_of.setdefault(id(tensor), proxy)
+
+        object_pairs = objects.swap_in(make_proxy, make_object_int, stand_in)
         inputs.extend(proxy for proxy, _ in object_pairs)
     for _, _, proxy, _ in numbers:  # the carriers of the integers (`symbolic.carrier`)
         ctx.add_input(proxy)

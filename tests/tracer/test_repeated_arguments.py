@@ -48,3 +48,25 @@ def test_batch_first_self_attention_in_inference_is_row_major_as_eager():
     assert got[0].stride() == want[0].stride() == (40, 8, 1)
     torch.testing.assert_close(got, want)
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+class _Holder:
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+def _held(x, holder):
+    if holder.first is x:
+        return x * 3
+    if holder.first is holder.second:
+        return x - holder.first
+    return x + holder.first
+
+
+def test_a_tensor_an_object_argument_holds_as_well_is_the_same_tensor_inside():
+    jitted = fulmen.jit(_held)
+    x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
+    for holder in [_Holder(x, z), _Holder(y, z), _Holder(y, y), _Holder(x, z), _Holder(z, y)]:
+        torch.testing.assert_close(jitted(x, holder), _held(x, holder), rtol=0, atol=0)
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0 and stats.cache_misses == 3  # one entry per pattern
