@@ -2318,4 +2318,9 @@ MUTANTS: list[Mutant] = [
            "    if False:\n        return prims.pad(",
            ("tests/transforms/test_grad_edges.py::"
             "test_the_gradient_of_a_padded_input_is_dense_as_eagers",)),
+    Mutant("held_repeat_left_out_of_the_key", "guards", "tracer/leaf_keys.py",
+           "            if repeats:\n                leaf_keys[index] =",
+           "            if False:\n                leaf_keys[index] =",
+           ("tests/tracer/test_repeated_arguments.py::"
+            "test_a_tensor_an_object_argument_holds_as_well_is_the_same_tensor_inside",)),
 ]
