@@ -107,23 +107,26 @@ def _leaf_key(leaf: Any) -> Any:
 def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None:
     """Replace the key of each tensor leaf that is the same object as an earlier leaf by the
     earlier one's position, and add to an object argument's key (`walks`: its walk) the paths
-    of the tensors it holds that were met before, with where (NOTE [repeated tensor
-    arguments])."""
+    of the tensors it holds that were met before (among the tensor leaves, then the objects in
+    order), with where (NOTE [repeated tensor arguments])."""
     first: dict[int, Any] = {}
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor):
             seen = first.setdefault(id(leaf), index)
             if seen != index:
                 leaf_keys[index] = ("repeats argument", seen)
-        elif index in walks:
-            repeats = []
-            for path, value in walks[index]:
-                if isinstance(value, Tensor):
-                    seen = first.setdefault(id(value), (index, path))
-                    if seen != (index, path):
-                        repeats.append((path, seen))
-            if repeats:
-                leaf_keys[index] = (leaf_keys[index], "holds tensors met before", tuple(repeats))
+    for index, walked in walks.items():
+        held = [(id(value), path) for path, value in walked if isinstance(value, Tensor)]
+        ids = {key for key, _ in held}
+        if len(ids) == len(held) and first.keys().isdisjoint(ids):  # the common case
+            first.update((key, (index, path)) for key, path in held)
+            continue
+        repeats = []
+        for key, path in held:
+            seen = first.setdefault(key, (index, path))
+            if seen != (index, path):
+                repeats.append((path, seen))
+        leaf_keys[index] = (leaf_keys[index], "holds tensors met before", tuple(repeats))
 
 
 def _is_object_leaf(leaf: Any) -> bool:

@@ -2310,7 +2310,7 @@ MUTANTS: list[Mutant] = [
            "isinstance(leaf, torch.Tensor) and share_repeated and False:",
            ("tests/tracer/test_repeated_arguments.py",)),
     Mutant("repeated_argument_left_out_of_the_key", "guards", "tracer/guards.py",
-           "            mark_repeated(leaves, leaf_keys)",
+           "            mark_repeated(leaves, leaf_keys, self._walks)",
            "            pass",
            ("tests/tracer/test_repeated_arguments.py",)),
     Mutant("pad_gradient_a_strided_slice", "autodiff", "transforms/autodiff/rules_structural.py",
@@ -2319,8 +2319,8 @@ MUTANTS: list[Mutant] = [
            ("tests/transforms/test_grad_edges.py::"
             "test_the_gradient_of_a_padded_input_is_dense_as_eagers",)),
     Mutant("held_repeat_left_out_of_the_key", "guards", "tracer/leaf_keys.py",
-           "            if repeats:\n                leaf_keys[index] =",
-           "            if False:\n                leaf_keys[index] =",
+           "        if len(ids) == len(held) and first.keys().isdisjoint(ids):",
+           "        if True:",
            ("tests/tracer/test_repeated_arguments.py::"
             "test_a_tensor_an_object_argument_holds_as_well_is_the_same_tensor_inside",)),
 ]
