@@ -104,6 +104,10 @@ def _leaf_key(leaf: Any) -> Any:
 # first: a call passing the same tensor twice and one passing two tensors never share an entry.
 
 
+REPEATED = "repeats argument"  # the key of a tensor leaf met before: (REPEATED, where)
+HELD = "holds tensors met before"  # an object argument's: (its key, HELD, ((path, where), ...))
+
+
 def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None:
     """Replace the key of each tensor leaf that is the same object as an earlier leaf by the
     earlier one's position, and add to an object argument's key (`walks`: its walk) the paths
@@ -114,7 +118,7 @@ def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None
         if isinstance(leaf, Tensor):
             seen = first.setdefault(id(leaf), index)
             if seen != index:
-                leaf_keys[index] = ("repeats argument", seen)
+                leaf_keys[index] = (REPEATED, seen)
     for index, walked in walks.items():
         held = [(id(value), path) for path, value in walked if isinstance(value, Tensor)]
         ids = {key for key, _ in held}
@@ -126,7 +130,7 @@ def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None
             seen = first.setdefault(key, (index, path))
             if seen != (index, path):
                 repeats.append((path, seen))
-        leaf_keys[index] = (leaf_keys[index], "holds tensors met before", tuple(repeats))
+        leaf_keys[index] = (leaf_keys[index], HELD, tuple(repeats))
 
 
 def _is_object_leaf(leaf: Any) -> bool:
