@@ -65,7 +65,8 @@ class CompileMiss:
             with contextlib.nullcontext() if self._library_answers else library_answers_off():
                 program = trace_program(self._fn, args, kwargs, module=self._module,
                                         allow_breaks=self._eager_allowed,
-                                        dynamic=dynamic, replay_stores=True)
+                                        dynamic=dynamic, replay_stores=True,
+                                        share_repeated=self._grad_argnums is None)
         except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
             # (PyTorch's own errors too: an op run on real values that eager rejects raises
             # eager's error, which an answer given to a library may have led to)

@@ -38,6 +38,7 @@ from fulmen.tracer.leaf_keys import (
     _pytree_leaf,
     _state_key,
     _walked_key,
+    mark_repeated,
 )
 from fulmen.tracer.objects import (
     FLOAT_KEY,
@@ -414,7 +415,9 @@ class CacheKeyBuilder:
             self._last_leaf_keys = None
         if not kwargs and not offsets:
             tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
-            if len(tensor_keys) == len(args):  # fast path: positional plain tensors
+            if len(tensor_keys) == len(args) and (len(args) < 2 or len(set(map(id, args)))
+                                                  == len(args)):
+                # fast path: positional plain tensors, each a different one
                 if symbolic:
                     if not all(type(p) is int and p < len(args) for p in symbolic):
                         return (), args
@@ -464,4 +467,6 @@ class CacheKeyBuilder:
         for root, paths in masks.items():
             leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths,
                                          self._walks.get(root) if same_call else None)
+        if len(leaves) > 1 or self._walks:
+            mark_repeated(leaves, leaf_keys, self._walks)
         return (spec, global_key, state_key, tuple(leaf_keys)), leaves

@@ -94,6 +94,45 @@ def _leaf_key(leaf: Any) -> Any:
     return (type(leaf), id(leaf))
 
 
+# NOTE [repeated tensor arguments]
+# Eager code tells a tensor passed twice from two tensors by identity: `nn.MultiheadAttention`
+# takes its fast path (a row-major result) and projects once only when `query is key is value`,
+# and user code may branch on `a is b`. `fulmen.jit` traces a tensor passed at several argument
+# positions, or held by an object argument as well (`h.t is x`), as one proxy
+# (`trace_program(share_repeated=True)`; the object's path stays a trace input, unread), so the
+# trace answers `is` as eager does, and the cache key marks each repeat by where it was met
+# first: a call passing the same tensor twice and one passing two tensors never share an entry.
+
+
+REPEATED = "repeats argument"  # the key of a tensor leaf met before: (REPEATED, where)
+HELD = "holds tensors met before"  # an object argument's: (its key, HELD, ((path, where), ...))
+
+
+def mark_repeated(leaves: list, leaf_keys: list, walks: dict[int, list]) -> None:
+    """Replace the key of each tensor leaf that is the same object as an earlier leaf by the
+    earlier one's position, and add to an object argument's key (`walks`: its walk) the paths
+    of the tensors it holds that were met before (among the tensor leaves, then the objects in
+    order), with where (NOTE [repeated tensor arguments])."""
+    first: dict[int, Any] = {}
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            seen = first.setdefault(id(leaf), index)
+            if seen != index:
+                leaf_keys[index] = (REPEATED, seen)
+    for index, walked in walks.items():
+        held = [(id(value), path) for path, value in walked if isinstance(value, Tensor)]
+        ids = {key for key, _ in held}
+        if len(ids) == len(held) and first.keys().isdisjoint(ids):  # the common case
+            first.update((key, (index, path)) for key, path in held)
+            continue
+        repeats = []
+        for key, path in held:
+            seen = first.setdefault(key, (index, path))
+            if seen != (index, path):
+                repeats.append((path, seen))
+        leaf_keys[index] = (leaf_keys[index], HELD, tuple(repeats))
+
+
 def _is_object_leaf(leaf: Any) -> bool:
     """Whether `_leaf_key` keys `leaf` as an object argument (`object_key`)."""
     return type(leaf) not in _BY_VALUE and not isinstance(

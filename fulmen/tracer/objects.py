@@ -376,12 +376,16 @@ class ObjectInputs:
         self._snapshots: dict[int, tuple[Any, Any]] = {}
         self._rekeyed: list[tuple[dict, list]] = []
 
-    def swap_in(self, make_proxy, make_int=None) -> list[tuple[TensorProxy, torch.Tensor]]:
-        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)`, and each
+    def swap_in(self, make_proxy, make_int=None, stand_in=None
+                ) -> list[tuple[TensorProxy, torch.Tensor]]:
+        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)` (or by
+        what `stand_in(root, tensor, proxy)` gives for it: the proxy of the same tensor met
+        before, NOTE [repeated tensor arguments]), and each
         integer or float for which `make_int(root, path, value)` gives a SymInt (a
         `FloatProxy`) by it; return
         `(proxy, tensor)` pairs in input order."""
         pairs = []
+        stored = []  # what each tensor of `pairs` was replaced by in its holder
         existing = self.epilogue.existing
         for root_index, root in self.roots.items():
             self._objects[id(root)] = root
@@ -411,10 +415,12 @@ class ObjectInputs:
                     if isinstance(owner, tuple):
                         continue  # cannot be swapped in place; read as a captured tensor
                     proxy = make_proxy(root_index, path, value)
+                    held = proxy if stand_in is None else stand_in(root_index, value, proxy)
                     self._saved.append((owner, path[-1], value))
-                    _store(owner, path[-1], proxy)
+                    _store(owner, path[-1], held)
                     self.tensor_paths.append((root_index, path))
                     pairs.append((proxy, value))
+                    stored.append(held)
                     grad_tensor = _grad_of(value)
                     if grad_tensor is not None:  # an optimizer reads `p.grad`: an input too
                         grad_path = (*path, ("attr", "grad"))
@@ -423,7 +429,8 @@ class ObjectInputs:
                             proxy.grad = grad
                         self.tensor_paths.append((root_index, grad_path))
                         pairs.append((grad, grad_tensor))
-        self._rekey([proxy for proxy, _ in pairs], [tensor for _, tensor in pairs])
+                        stored.append(grad)
+        self._rekey(stored, [tensor for _, tensor in pairs])
         self._snapshots = {cid: (obj, snapshot(obj)) for cid, obj in self._objects.items()}
         return pairs
 

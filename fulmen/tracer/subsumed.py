@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fulmen.tracer.leaf_keys import HELD, REPEATED
 from fulmen.tracer.objects import is_plain_object, walk
 from fulmen.tracer.symbolic import INT, STRIDES
 
@@ -172,6 +173,8 @@ def erased_key(key: tuple, symbolic: dict, offsets: frozenset) -> tuple | None:
         if position >= len(leaf_keys) or position in offsets:
             return None
         leaf = leaf_keys[position]
+        if isinstance(leaf, tuple) and leaf[:1] == (REPEATED,):
+            continue  # an earlier argument again: keyed (and sized) as that one
         if dims == INT:
             if not (isinstance(leaf, tuple) and len(leaf) == 2 and leaf[0] is int
                     and type(leaf[1]) is int):  # `_leaf_key` of an integer: (int, value)
@@ -182,10 +185,14 @@ def erased_key(key: tuple, symbolic: dict, offsets: frozenset) -> tuple | None:
             if leaf_keys[position] is None:
                 return None
     for root, paths in held.items():
-        if root >= len(leaf_keys) or not isinstance(leaf_keys[root], tuple) \
-                or not isinstance(leaf_keys[root][0], type):
+        if root >= len(leaf_keys) or not isinstance(leaf_keys[root], tuple):
             return None
-        parts = list(leaf_keys[root])
+        key, repeats = leaf_keys[root], None
+        if len(key) == 3 and key[1] == HELD:  # (its key, HELD, repeats): `mark_repeated`
+            key, repeats = key[0], key[2]
+        if not isinstance(key, tuple) or not isinstance(key[0], type):
+            return None
+        parts = list(key)
         erased = 0
         for i, part in enumerate(parts[1:], 1):
             dims = paths.get(part[0]) if isinstance(part, tuple) and part else None
@@ -205,5 +212,5 @@ def erased_key(key: tuple, symbolic: dict, offsets: frozenset) -> tuple | None:
             erased += 1
         if erased != len(paths):
             return None
-        leaf_keys[root] = tuple(parts)
+        leaf_keys[root] = tuple(parts) if repeats is None else (tuple(parts), HELD, repeats)
     return (spec, global_key, state_key, tuple(leaf_keys))

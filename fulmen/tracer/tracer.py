@@ -308,7 +308,7 @@ def _mark_parameter(proxy: TensorProxy, tensor: torch.Tensor) -> None:
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.Module | None = None,
                   name: str = "computation", ctx: TracerCtx | None = None,
                   allow_breaks: bool = False, dynamic: dict | None = None,
-                  replay_stores: bool = False) -> TracedProgram:
+                  replay_stores: bool = False, share_repeated: bool = False) -> TracedProgram:
     """Trace `fn(*args, **kwargs)` (or `module(*args, **kwargs)`) on proxies.
 
     `ctx` is a fresh recording context to use (by default one is made); after a failure its
@@ -321,6 +321,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     With `replay_stores`, stores into the lists and dicts among the arguments become epilogue
     stores (NOTE [argument container stores] in `fulmen.tracer.argument_containers`) for a
     caller that runs the epilogue (`fulmen.jit`); without, they are refused.
+    With `share_repeated`, a tensor object passed at several argument positions
+    (`attention(x, x, x)`) is one proxy and one trace input, so the traced code's `query is key`
+    answers as eager's (NOTE [repeated tensor arguments]).
 
     Raises:
         FulmenError: when the program does something that cannot be traced (value-dependent
@@ -354,8 +357,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         numbers.append((position, number, proxy, value))
         return number
 
+    proxy_of: dict[int, TensorProxy] = {}  # id of a tensor argument -> its proxy
     for index, (path, leaf) in enumerate(leaves_with_paths):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and share_repeated and id(leaf) in proxy_of:
+            proxied_leaves.append(proxy_of[id(leaf)])  # the same tensor again: the same proxy
+        elif isinstance(leaf, torch.Tensor):
             name = ctx.names.named(_path_name(path, param_names))
             shape, strides = leaf.shape, leaf.stride()
             if symbolic is not None and index in dynamic:
@@ -373,6 +379,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             ctx.add_input(proxy)
             positions.append(index)
             proxied_leaves.append(proxy)
+            proxy_of[id(leaf)] = proxy
         elif type(leaf) in (int, float) and symbolic is not None \
                 and dynamic.get(index) in (INT, FLOAT):
             number = make_int(index, _path_name(path, param_names), leaf)
@@ -414,7 +421,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                              for _, key in path)
             return make_int((root, path), f"{label}_{steps}", value)
 
-        object_pairs = objects.swap_in(make_proxy, make_object_int)
+        def stand_in(root, tensor, proxy):
+            if not share_repeated or root < 0:  # (the function's own objects: keyed apart)
+                return proxy
+            return proxy_of.setdefault(id(tensor), proxy)
+
+        object_pairs = objects.swap_in(make_proxy, make_object_int, stand_in)
         inputs.extend(proxy for proxy, _ in object_pairs)
     for _, _, proxy, _ in numbers:  # the carriers of the integers (`symbolic.carrier`)
         ctx.add_input(proxy)

@@ -2341,4 +2341,23 @@ MUTANTS: list[Mutant] = [
            '                and getattr(self, "_fulmen_made_row_major", None):',
            ("tests/tracer/test_dynamic_cost.py::"
             "test_a_proxy_made_row_major_answers_is_contiguous_as_eager",)),
+    # --- session 49, h49probe: a tensor passed at several argument positions -----------------
+    Mutant("repeated_argument_traced_as_two_inputs", "guards", "tracer/tracer.py",
+           "isinstance(leaf, torch.Tensor) and share_repeated and id(leaf) in proxy_of:",
+           "isinstance(leaf, torch.Tensor) and share_repeated and False:",
+           ("tests/tracer/test_repeated_arguments.py",)),
+    Mutant("repeated_argument_left_out_of_the_key", "guards", "tracer/guards.py",
+           "            mark_repeated(leaves, leaf_keys, self._walks)",
+           "            pass",
+           ("tests/tracer/test_repeated_arguments.py",)),
+    Mutant("pad_gradient_a_strided_slice", "autodiff", "transforms/autodiff/rules_structural.py",
+           "    if not any(interior for _, _, interior in config):\n        return prims.pad(",
+           "    if False:\n        return prims.pad(",
+           ("tests/transforms/test_grad_edges.py::"
+            "test_the_gradient_of_a_padded_input_is_dense_as_eagers",)),
+    Mutant("held_repeat_left_out_of_the_key", "guards", "tracer/leaf_keys.py",
+           "        if len(ids) == len(held) and first.keys().isdisjoint(ids):",
+           "        if True:",
+           ("tests/tracer/test_repeated_arguments.py::"
+            "test_a_tensor_an_object_argument_holds_as_well_is_the_same_tensor_inside",)),
 ]

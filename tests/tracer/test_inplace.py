@@ -518,9 +518,12 @@ def test_mutated_inputs_sharing_memory_run_eagerly():
     a, b = torch.zeros(3), torch.ones(3)
     jfn(a, b)
     with pytest.warns(UserWarning, match="share memory"):
-        out = jfn(a, a)  # a cache hit: the runtime checks aliasing of mutated inputs
+        out = jfn(a, a[:])  # a cache hit: the runtime checks aliasing of mutated inputs
     assert out is a
     torch.testing.assert_close(a, torch.full((3,), 2.0))  # eager's x.add_(x)
+    out = jfn(a, a)  # one tensor twice: one trace input (NOTE [repeated tensor arguments])
+    assert out is a and fulmen.compile_stats(jfn).eager_calls == 1
+    torch.testing.assert_close(a, torch.full((3,), 4.0))
     a = torch.full((3,), 3.0)
     torch.testing.assert_close(fulmen.jit(lambda x, y: x.mul_(y))(a, a[:]), torch.full((3,), 9.0))
     with pytest.raises(NotYetSupportedError, match="share memory"):

@@ -303,3 +303,21 @@ def test_max_min_with_other_by_keyword_give_both_gradients(op):
     torch.testing.assert_close(ax, ex)
     assert ay is not None
     torch.testing.assert_close(ay, ey)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_gradient_of_a_padded_input_is_dense_as_eagers(channels_last):
+    """Eager's `F.pad` backward is `constant_pad_nd(grad, -pad)`, a new dense tensor; a slice
+    of the padded gradient gave `torch.autograd.grad` a strided view (`g.view(-1)` raised)."""
+    def padded(x):
+        return F.pad(x, (1, 1, 2, 0)) * 2
+
+    x = torch.randn(2, 3, 4, 4)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    cotangent = torch.randn(2, 3, 6, 6)
+    (want,) = torch.autograd.grad(padded(x), x, cotangent)
+    (got,) = torch.autograd.grad(fulmen.jit(padded)(x), x, cotangent)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got.view(-1), want.view(-1), rtol=0, atol=0)

@@ -85,7 +85,11 @@ def _slice_vjp(grad, out, a, starts, ends, steps):
 
 @vjp_rule(prims.pad)
 def _pad_vjp(grad, out, a, value, config):
-    """Undo cropping (negative padding) with zeros, then take every (interior+1)-th element."""
+    """Without interior padding, eager's `constant_pad_nd(grad, -pad)`: a new dense tensor (a
+    slice of `grad` would give `torch.autograd.grad` a strided view of the padded gradient).
+    Else undo cropping (negative padding) with zeros, then take every (interior+1)-th element."""
+    if not any(interior for _, _, interior in config):
+        return prims.pad(grad, 0.0, tuple((-low, -high, 0) for low, high, _ in config)), None, None
     regrow = tuple((max(-low, 0), max(-high, 0), 0) for low, high, _ in config)
     if any(low or high for low, high, _ in regrow):
         grad = prims.pad(grad, 0.0, regrow)
