@@ -115,8 +115,9 @@ def test_pad_of_a_3d_tensor_on_an_outer_dim():
 
 
 def test_nested_cat_and_views_of_cat_results_are_right():
-    """A cat inside another's operand, and a view of a cat's result, are not lowered (each
-    region takes what it can); the results stay eager's."""
+    """A cat inside another's operand that is also returned and viewed, and a view of a cat's
+    result, are not lowered together (each region takes what it can; nested cats that fuse:
+    `test_codegen_nested_select.py`); the results stay eager's."""
     x = torch.randn(4, 6)
 
     def fn(x):
