@@ -11,10 +11,9 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    higher-priority operator executor stay whole and unfused.
 2. Merge: on the dataflow graph (one node per region), each fusible statement is
    merged with the regions of its fusible producers (a second pass retries what the order of
-   the first refused; statements reading one region that fit it only together join it
-   together: NOTE [consumers that fit only together]), then regions reading a common input
-   are merged horizontally. A merge happens only if it creates no cycle (no path between the two
-   regions through a third node), the region stays under `max_region_size` statements, and
+   the first refused; merges are tried in the order of the producing statements), then
+   regions reading a common input are merged horizontally. A merge happens only if it
+   creates no cycle (no path between the two regions through a third node), the region stays under `max_region_size` statements, and
    `executor.can_fuse_region` accepts the union. A broadcast that makes more elements than
    it reads joins its consumers' region, never its producer's (NOTE [a broadcast joins its
    consumers]).
@@ -335,7 +334,7 @@ class _Partition:
     def _by_position(self, names) -> list[str]:
         """`names` (a set) in the order of their producing statements: merges are tried in
         the same order in every process (a set of strings iterates in an order that changes
-        with the hash seed, and so did the partition of litgpt's partial rotary)."""
+        with the hash seed, and the partition with it)."""
         return sorted(names, key=lambda name: self.producer.get(name, -1))
 
     def _producers(self, names, i: int) -> list[int]:
@@ -365,33 +364,9 @@ class _Partition:
                     merged |= self.try_merge(producer, i)
             if not merged:
                 break
-        self._merge_consumers_together()
         for readers in self.consumers.values():
             for other in readers[1:]:
                 self.try_merge(readers[0], other)
-
-    def _merge_consumers_together(self) -> None:
-        """NOTE [consumers that fit only together]: statements that read only one region and
-        that each failed to join it may fit all at once: litgpt's partial rotary ends in one
-        `cat((roped, pass_through))` for q and one for k, and a region holding both rotaries
-        fits a pointwise kernel with both cats (their shape) or with none (the rotaries'),
-        not with one. Such statements (each a region of its own, reading no other region)
-        join their producer's region together when the executor accepts the union; none can
-        close a cycle, as nothing else reaches them."""
-        for region in list(self.members):
-            if region not in self.members or not self.fusible(region):
-                continue
-            group = [s for s in self.succ[region] if len(self.members[s]) == 1
-                     and self.fusible(s) and self.pred[s] == {region}
-                     and not _expands(self.nodes[s].bsym)]
-            members = sorted(self.members[region] + group)
-            if len(group) < 2 or len(members) > self.max_size or not self._accepts(members):
-                continue
-            for gone in group:
-                self._contract(region, gone)
-                del self.members[gone]
-                self.region_of[gone] = region
-            self.members[region] = members
 
     def outputs(self, region: int, trace_outputs: set[str]) -> list:
         inside = set(self.members[region])

@@ -15,23 +15,14 @@ through the access plus a `shift` step (the operand's offset in the output) and 
 the operand lies (a mask access, `ir.MASK_INPUT`), so nothing is read outside an input; a
 `where` on the mask picks the operand's value. `cat((a, b), d)` is `where(in_a, a', b')`,
 `pad(a, v)` is `where(in_a, a', v)`. Rotary embeddings' `cat((-x2, x1))` and its backward's
-pads then fuse with the multiplies around them. Refused: a lazy value leaving the region, views
-of pad or cat outputs (views read inputs only).
-
-NOTE [a pad or cat inside another one's operand]: the iteration shape is that of the outermost
-pads and cats (those no other one reads, `_iteration_shape`). An inner one, read where an outer
-one places its operand, is lowered at that place: its masks are laid over the iteration space
-moved by the place's offsets (a shift only moves points: the composed offsets are the sums of
-each level's) and taken together (`and`) with the place's mask, so a load is masked by every
-level it sits under; its operands' accesses end in its own shift, then the place's. litgpt's
-partial rotary, `cat((x * cos + cat((-x2, x1)) * sin, q[..., n:]))` (pythia: 8 of 32 channels),
-so becomes one kernel writing q and k whole, not the rotated channels for torch to concatenate.
+pads then fuse with the multiplies around them. Refused: a pad or cat inside another one's
+operand, a lazy value leaving the region, views of pad or cat outputs (views read inputs only).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -93,33 +84,21 @@ class LoweredRegion:
 
 
 def _iteration_shape(region: list[BoundSymbol]):
-    """The shape every computing statement has, except lazy ones: that of the outermost pad/cat
-    outputs (which must agree; NOTE [a pad or cat inside another one's operand]), else of the
-    first computing statement; None if there is none.
+    """The shape every computing statement has, except lazy ones: that of the pad/cat outputs
+    (which must agree), else of the first computing statement; None if there is none.
 
     Raises:
-        Unsupported: outermost pad/cat outputs of different shapes.
+        Unsupported: pad/cat outputs of different shapes.
     """
     shape = None
-    inner = _inner_selects(region)
     for bsym in region:
-        if _selects(bsym) and bsym.output.name not in inner:
+        if _selects(bsym):
             if shape is not None and not same_shape(tuple(bsym.output.shape), shape):
                 raise Unsupported("pad or cat outputs of different shapes")
             shape = tuple(bsym.output.shape)
     if shape is None:
         shape = next((tuple(b.output.shape) for b in region if b.sym.name not in VIEWS), None)
     return shape
-
-
-def _inner_selects(region: list[BoundSymbol]) -> set[str]:
-    """The names of the values of `region` that another pad or cat of it reads, directly or
-    through other statements: the outputs of the pads and cats inside another one's operand."""
-    feeding: set[str] = set()
-    for bsym in reversed(region):
-        if _selects(bsym) or bsym.output.name in feeding:
-            feeding |= bsym.input_names
-    return feeding
 
 
 def _selects(bsym: BoundSymbol) -> bool:
@@ -142,8 +121,8 @@ def fits_pointwise(region: list[BoundSymbol], escapes=None) -> bool:
     """Whether `lower(region, ..., check_only=True)` accepts the region, without building the
     kernel (the partitioner asks this for every candidate merge): every computing statement
     has one shape or is lazy (of another shape, reading a lazy value, or a view of a computed
-    value of that shape) and read here, each outermost pad/cat has that shape (inner ones are
-    lazy), and views read inputs, computed values of that shape or views of them.
+    value of that shape) and read here, each pad/cat has that shape and reads no other one,
+    and views read inputs, computed values of that shape or views of them.
     Lazy values must end in a pad or cat; one also read outside the region makes `lower`
     refuse it: `escapes(name)`, when given (the partitioner's), tells whether a value is read
     outside the region."""
@@ -165,9 +144,11 @@ def fits_pointwise(region: list[BoundSymbol], escapes=None) -> bool:
                     lazy.add(out.name)
                     views.add(out.name)
                 continue
-            if _selects(bsym):  # of another shape: inside another one's operand, lazy
+            if _selects(bsym):
+                if inputs & selected or not same_shape(tuple(out.shape), shape):
+                    return False  # a pad or cat inside another's operand
                 selected.add(out.name)
-                (computed if same_shape(tuple(out.shape), shape) else lazy).add(out.name)
+                computed.add(out.name)
                 continue
             if inputs & selected:
                 selected.add(out.name)
@@ -189,9 +170,6 @@ class _Place:
 
     steps: tuple[ViewStep, ...]
     mask: int | None
-    # the sums of the shifts' offsets per dim (sizes as traced, symbolic ones too): where a
-    # pad or cat read at this place lays its masks; not part of the key (`steps` has them)
-    offsets: tuple = field(default=(), compare=False, hash=False)
 
 
 def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) -> LoweredRegion:
@@ -256,7 +234,9 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             built[key] = operand(_filled(bsym)[0], out.dtype, place)
             return built[key]
         if name in SELECTS:
-            built[key] = select(bsym, place)
+            if place is not None:
+                raise Unsupported("a pad or cat inside another one's operand")
+            built[key] = select(bsym)
             return built[key]
         if name == "convert_element_type":
             args = (operand(bsym.args[0], bsym.args[0].dtype, place),)
@@ -272,60 +252,37 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         built[key] = len(values) - 1
         return built[key]
 
-    def mask(dim: int, start, length, place: _Place | None) -> int:
-        """Points whose index along `dim` lies in [start, start + length) of the value read at
-        `place` (None: the iteration space)."""
-        if place is not None:
-            start = start + place.offsets[dim]
+    def mask(dim: int, start, length) -> int:
         step = ViewStep("mask", freeze((dim, start, length, shape)))
         return load(Access(MASK_INPUT, (step,)), torch.bool)
-
-    def both(a: int | None, b: int | None) -> int | None:
-        if a is None or b is None:
-            return b if a is None else a
-        values.append(Op("mul", (a, b), torch.bool))
-        return len(values) - 1
-
-    def shifted(offsets: list, to: tuple, inside: int | None, place: _Place | None) -> _Place:
-        """The place of an operand at `offsets` in a pad/cat output of shape `to` that is
-        itself read at `place`."""
-        step = ViewStep("shift", (freeze(tuple(offsets)), freeze(to)))
-        if place is None:
-            return _Place((step,), inside, tuple(offsets))
-        total = tuple(a + b for a, b in zip(offsets, place.offsets, strict=True))
-        return _Place((step, *place.steps), inside, total)
 
     def where(cond: int, a: int, b: int, dtype: torch.dtype) -> int:
         values.append(Op("where", (cond, a, b), dtype))
         return len(values) - 1
 
-    def select(bsym: BoundSymbol, at: _Place | None) -> int:
-        """The value of a pad or cat read at `at` (None: the iteration space; NOTE [a pad or
-        cat inside another one's operand]): its masks are and-ed with `at`'s."""
-        if at is not None and any(step.name != "shift" for step in at.steps):
-            raise Unsupported("a pad or cat read through a view")  # fits_pointwise refuses it
+    def select(bsym: BoundSymbol) -> int:
         dtype = bsym.output.dtype
-        to = shape if at is None else tuple(bsym.output.shape)
         if bsym.sym.name == "pad":
             a, fill, config = bsym.args
-            inside = None  # None: crops only, every point reads a
-            for d, (lo, hi, _) in enumerate(config):
-                if not _known_le(lo, 0) or not _known_le(hi, 0):
-                    inside = both(inside, mask(d, lo, a.shape[d], at))
-            inside = both(inside, at.mask if at is not None else None)
-            place = shifted([lo for lo, _, _ in config], to, inside, at)
+            masks = [mask(d, lo, a.shape[d]) for d, (lo, hi, _) in enumerate(config)
+                     if not _known_le(lo, 0) or not _known_le(hi, 0)]
+            inside = masks[0] if masks else None  # None: crops only, every point reads a
+            for other in masks[1:]:
+                values.append(Op("mul", (inside, other), torch.bool))
+                inside = len(values) - 1
+            offsets = freeze(tuple(lo for lo, _, _ in config))
+            place = _Place((ViewStep("shift", (offsets, freeze(shape))),), inside)
             if inside is None:
                 return operand(a, dtype, place)
             return where(inside, operand(a, dtype, place), operand(fill, dtype), dtype)
         tensors, dim = bsym.args
-        dim %= len(to)
+        dim %= len(shape)
         start, picks = 0, []
         for tensor in tensors:
-            offsets = [0] * len(to)
+            offsets = [0] * len(shape)
             offsets[dim] = start
-            inside = both(mask(dim, start, tensor.shape[dim], at),
-                          at.mask if at is not None else None)
-            place = shifted(offsets, to, inside, at)
+            inside = mask(dim, start, tensor.shape[dim])
+            place = _Place((ViewStep("shift", freeze((tuple(offsets), shape))),), inside)
             picks.append((inside, operand(tensor, dtype, place)))
             start = start + tensor.shape[dim]
         result = picks[-1][1]
@@ -351,9 +308,11 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
         out = bsym.output
         producers[out.name] = bsym
         reads_lazy = any(env.get(n, ("",))[0] in ("lazy", "lazyview") for n in bsym.input_names)
-        if not same_shape(tuple(out.shape), shape) or (reads_lazy and not _selects(bsym)):
+        if not _selects(bsym) and (reads_lazy or not same_shape(tuple(out.shape), shape)):
             env[out.name] = ("lazy",)  # computed where a pad or cat reads it
             continue
+        if not same_shape(tuple(out.shape), shape):
+            raise Unsupported(f"{name} on shape {tuple(out.shape)} in a {shape} kernel")
         env[out.name] = ("value", build(bsym, None))
     if shape is None:
         if check_only:
