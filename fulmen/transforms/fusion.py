@@ -11,9 +11,9 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    higher-priority operator executor stay whole and unfused.
 2. Merge: on the dataflow graph (one node per region), each fusible statement is
    merged with the regions of its fusible producers (a second pass retries what the order of
-   the first refused), then regions reading a common input are
-   merged horizontally. A merge happens only if it creates no cycle (no path between the two
-   regions through a third node), the region stays under `max_region_size` statements, and
+   the first refused; merges are tried in the order of the producing statements), then
+   regions reading a common input are merged horizontally. A merge happens only if it
+   creates no cycle (no path between the two regions through a third node), the region stays under `max_region_size` statements, and
    `executor.can_fuse_region` accepts the union. A broadcast that makes more elements than
    it reads joins its consumers' region, never its producer's (NOTE [a broadcast joins its
    consumers]).
@@ -64,6 +64,9 @@ class FusionExecutor(Protocol):
     def can_fuse(self, bsym: BoundSymbol) -> bool: ...
 
     def can_fuse_region(self, region: list[BoundSymbol]) -> bool: ...
+    # an executor with `asks_escapes = True` is called `can_fuse_region(region, escapes)`,
+    # `escapes(name)` telling whether a value of the region is read after it (codegen: a value
+    # computed only where a pad or cat reads it cannot leave its kernel)
 
     def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None: ...
 
@@ -225,8 +228,10 @@ class _Partition:
     descendants of each as a bitset, so the cycle check of a merge reads a few bits instead of
     searching the graph; the final order is a networkx topological sort."""
 
-    def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int) -> None:
+    def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int,
+                 trace_outputs: frozenset = frozenset()) -> None:
         self.nodes = nodes
+        self.trace_outputs = trace_outputs
         self.executor = executor
         self.max_size = max_size
         self.succ: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
@@ -304,7 +309,7 @@ class _Partition:
         members = sorted(self.members[a] + self.members[b])
         if len(members) > self.max_size or self._would_cycle(a, b):
             return False
-        if not self.executor.can_fuse_region([self.nodes[i].bsym for i in members]):
+        if not self._accepts(members):
             return False
         keep, gone = (a, b) if a < b else (b, a)
         self._contract(keep, gone)
@@ -312,6 +317,25 @@ class _Partition:
             self.region_of[i] = keep
         self.members[keep] = members
         return True
+
+    def _accepts(self, members: list[int]) -> bool:
+        """Whether the executor accepts the statements `members` as one region."""
+        bsyms = [self.nodes[i].bsym for i in members]
+        if not getattr(self.executor, "asks_escapes", False):
+            return self.executor.can_fuse_region(bsyms)
+        inside = set(members)
+
+        def escapes(name: str) -> bool:
+            return name in self.trace_outputs or any(
+                reader not in inside for reader in self.consumers.get(name, ()))
+
+        return self.executor.can_fuse_region(bsyms, escapes)
+
+    def _by_position(self, names) -> list[str]:
+        """`names` (a set) in the order of their producing statements: merges are tried in
+        the same order in every process (a set of strings iterates in an order that changes
+        with the hash seed, and the partition with it)."""
+        return sorted(names, key=lambda name: self.producer.get(name, -1))
 
     def _producers(self, names, i: int) -> list[int]:
         """The statements before `i` producing `names`, each followed, when it is a broadcast
@@ -323,7 +347,8 @@ class _Partition:
             if producer is not None and producer < i:
                 found.append(producer)
                 if _expands(self.nodes[producer].bsym):
-                    found += self._producers(self.nodes[producer].bsym.input_names, producer)
+                    found += self._producers(
+                        self._by_position(self.nodes[producer].bsym.input_names), producer)
         return found
 
     def merge_all(self) -> None:
@@ -335,7 +360,7 @@ class _Partition:
             for i, node in enumerate(self.nodes):
                 if not node.fusible or _expands(node.bsym):
                     continue
-                for producer in self._producers(node.bsym.input_names, i):
+                for producer in self._producers(self._by_position(node.bsym.input_names), i):
                     merged |= self.try_merge(producer, i)
             if not merged:
                 break
@@ -408,9 +433,9 @@ def partition_for_fusion(
     they claim are left alone. Returns `trace` itself when nothing was fused.
     """
     nodes = _flatten_for(trace, executor, before)
-    part = _Partition(nodes, executor, max_region_size)
-    part.merge_all()
     trace_outputs = trace.output_names
+    part = _Partition(nodes, executor, max_region_size, frozenset(trace_outputs))
+    part.merge_all()
     eager = _eager_layout_outputs(trace)
     emitted: list[tuple[int, list[BoundSymbol]]] = []
     fused_origins: set[int] = set()

@@ -282,3 +282,18 @@ def test_a_cpu_cat_of_views_only_runs_on_torch():
     assert "torch.cat" in calls and not any(c.startswith("codegen.") for c in calls), calls
     _check(lambda q, k: torch.cat((q.permute(0, 3, 1, 2).reshape(2, 8, 64).neg(),
                                    k.transpose(1, 2).reshape(2, 8, 64)), dim=2), q, k)
+
+
+def test_a_computed_cat_operand_read_after_the_region_stays_out_of_the_cats_region():
+    """A value computed only where a cat reads it (a lazy value, of another shape) cannot also
+    leave the kernel: the partitioner asks codegen with `escapes`, so the negated slice read
+    again after the cat gets a region of its own instead of making the merged region
+    unlowerable (slice, neg, cat and mul all ran on torch)."""
+    def fn(x):
+        y = x[:, :2].neg()
+        return torch.cat((y, x[:, 2:]), 1) * 2, y.exp()
+
+    jfn = _check(fn, torch.randn(4, 6), rtol=1e-6, atol=1e-6)
+    calls = [bsym.sym.python_name for bsym in fulmen.last_traces(jfn)[-1].bsyms]
+    kept = [c for c in calls if c != "del"]
+    assert len(kept) == 2 and all(c.startswith("codegen.fusion") for c in kept), calls

@@ -2360,4 +2360,10 @@ MUTANTS: list[Mutant] = [
            "        if True:",
            ("tests/tracer/test_repeated_arguments.py::"
             "test_a_tensor_an_object_argument_holds_as_well_is_the_same_tensor_inside",)),
+    # --- session 49, h49perf: the partitioner tells codegen which values leave a region -------
+    Mutant("codegen_escaping_lazy_value_merged", "fusion", "executors/codegen/lower.py",
+           "    if escapes is not None and any(escapes(name) for name in lazy):",
+           "    if False:",
+           ("tests/executors/test_codegen_select.py::"
+            "test_a_computed_cat_operand_read_after_the_region_stays_out_of_the_cats_region",)),
 ]

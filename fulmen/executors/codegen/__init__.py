@@ -120,6 +120,7 @@ class CodegenExecutor(FusionExecutor):
     fused too (`sizes.py`): one kernel serves every size."""
 
     symbolic_sizes = True
+    asks_escapes = True  # a lazy value (lower.py) leaving its region makes it unlowerable
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         return fusible(bsym, target_of(bsym))
@@ -128,9 +129,9 @@ class CodegenExecutor(FusionExecutor):
         super().__init__(*args, **kwargs)
         self._row_checks = RowChecks()  # NOTE [growing row regions]
 
-    def can_fuse_region(self, region: list[BoundSymbol]) -> bool:
+    def can_fuse_region(self, region: list[BoundSymbol], escapes=None) -> bool:
         if not any(bsym.sym.name in REDUCTIONS for bsym in region):
-            return fits_pointwise(region)
+            return fits_pointwise(region, escapes)
         return self._row_checks.fits(region)
 
     def fuse(self, region: list[BoundSymbol], outputs: list) -> BoundSymbol | None:

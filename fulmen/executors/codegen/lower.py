@@ -117,14 +117,15 @@ def _filled(bsym: BoundSymbol) -> list:
     return filled or list(tensors)
 
 
-def fits_pointwise(region: list[BoundSymbol]) -> bool:
+def fits_pointwise(region: list[BoundSymbol], escapes=None) -> bool:
     """Whether `lower(region, ..., check_only=True)` accepts the region, without building the
     kernel (the partitioner asks this for every candidate merge): every computing statement
     has one shape or is lazy (of another shape, reading a lazy value, or a view of a computed
     value of that shape) and read here, each pad/cat has that shape and reads no other one,
     and views read inputs, computed values of that shape or views of them.
     Lazy values must end in a pad or cat; one also read outside the region makes `lower`
-    refuse it (the partitioner asks without the outputs)."""
+    refuse it: `escapes(name)`, when given (the partitioner's), tells whether a value is read
+    outside the region."""
     computed: set[str] = set()
     lazy: set[str] = set()
     views: set[str] = set()  # the lazy values that are views of computed values
@@ -157,6 +158,8 @@ def fits_pointwise(region: list[BoundSymbol]) -> bool:
                 computed.add(out.name)
     except Unsupported:
         return False
+    if escapes is not None and any(escapes(name) for name in lazy):
+        return False  # `lower` would refuse a lazy value leaving the region
     return lazy <= read  # a lazy value no statement here reads would leave the region
 
 
