@@ -2304,4 +2304,26 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/transforms/test_fusion.py::"
             "test_partition_reach_is_the_descendants_of_each_region_after_merges",)),
+    # --- session 49, h49mut: stores of symbolic sizes, eager calls over a recompile ----------
+    Mutant("symbolic_size_store_refused", "mutation", "tracer/module_stores.py",
+           "    if isinstance(value, (TensorProxy, *TRACED_NUMBERS)):\n        return True\n"
+           "    if type(value) is dict:",
+           "    if isinstance(value, TensorProxy):\n        return True\n"
+           "    if type(value) is dict:",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_symbolic_sizes_stored_on_the_module_are_each_calls_own",
+            "tests/tracer/test_module_stores.py::"
+            "test_constants_stored_by_the_forward_are_stored_by_every_compiled_call")),
+    Mutant("symbolic_size_left_in_a_config_object", "mutation", "tracer/module_stores.py",
+           "                if _holds_traced(value):\n",
+           "                if _holds_proxy(value):\n",
+           ("tests/tracer/test_module_stores.py::"
+            "test_a_symbolic_size_stored_into_a_config_object_is_the_calls_size",)),
+    Mutant("eager_calls_reset_on_recompile", "bridge", "wrappers.py",
+           "            self._jit._stats.eager_calls = before._stats.eager_calls",
+           "            pass",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_eager_calls_stay_counted_when_the_module_is_compiled_anew",
+            "tests/tracer/test_module_tensor_stores.py::"
+            "test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients")),
 ]
