@@ -1154,8 +1154,10 @@ MUTANTS: list[Mutant] = [
     Mutant("python_type_dtype_kept", "mutation", "tracer/dispatch.py",
            "if isinstance(dtype, type) and dtype in _PYTHON_DTYPES:",
            "if False:", ("tests/tracer/test_sharp_edges.py",)),
-    Mutant("new_leaf_updated_in_place_compiles", "mutation", "tracer/mutation.py",
-           "if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():",
+    # (session 49: was mutation.py's LeafModified check alone, which FreshLeafGraph has also
+    # caught since factories with requires_grad=True are fresh leaves; both read this line)
+    Mutant("new_leaf_updated_in_place_compiles", "mutation", "tracer/dispatch.py",
+           'if kwargs.get("requires_grad") is True:  # `torch.zeros(n, requires_grad=True)`',
            "if False:", ("tests/tracer/test_inplace.py",)),
     Mutant("host_random_traced_without_sentinel", "guards", "tracer/host_random.py",
            "            numpy.random.random()\n", "            pass\n",
