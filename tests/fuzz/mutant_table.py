@@ -1313,9 +1313,15 @@ MUTANTS: list[Mutant] = [
            "create_graph=True, allow_unused=True) if pairs and wrt",
            "create_graph=False, allow_unused=True) if pairs and wrt",
            ("tests/transforms/test_double_backward.py",)),
+    # (session 49: was the second check alone; a leaf made by a factory with requires_grad=True
+    # is also a fresh root, checked first: the row drops both)
     Mutant("metadata_change_of_a_grad_leaf", "mutation", "tracer/metadata_inplace.py",
+           "    if root in functionalizer.inputs or root in functionalizer.fresh_roots \\\n"
+           "            or root in functionalizer.poisoned:\n        return None\n"
+           "    ctx = functionalizer.ctx\n"
            "    if target.name not in ctx.requires_grad_names and (",
-           "    if False and (",
+           "    if root in functionalizer.inputs or root in functionalizer.poisoned:\n"
+           "        return None\n    ctx = functionalizer.ctx\n    if False and (",
            ("tests/tracer/test_metadata_inplace.py",)),
     Mutant("double_backward_recomputes_updates", "bridge", "pipeline.py",
            "_NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})",
