@@ -129,8 +129,11 @@ class JittedModule(torch.nn.Module):
         self.register_load_state_dict_pre_hook(add_wrapper_prefix)
 
     def _start_jit(self) -> None:
+        before = getattr(self, "_jit", None)
         self._jit = _Jitted()
         self._jit._setup(self._orig_mod, self._orig_mod, **self._jit_options)
+        if before is not None:  # calls that ran eagerly stay counted (`fulmen.compile_stats`)
+            self._jit._stats.eager_calls = before._stats.eager_calls
         self._hooks = HookWatch(self._orig_mod)
         self._structure = StructureWatch(self._orig_mod)
         self._ties = TieWatch(self._orig_mod)

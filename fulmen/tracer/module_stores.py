@@ -9,8 +9,10 @@ While tracing, every module is put back as it was afterwards, and each change is
   `self.inv_freq = self.original_inv_freq`), or a new tuple or list of traced tensors and
   constants (`self.kv = (k, v)`, a dict too), is `traced`: the trace returns the tensors and the compiled
   program stores the call's real ones (an epilogue store, `fulmen.tracer.objects`), so autograd
-  reaches them as in eager. A traced tensor put into a module's list or dict in place
-  (`self.cache["h"] = t`, `self.maps.append(t)`) is refused;
+  reaches them as in eager. So is a symbolic size (`self.n = x.shape[0]`, `(k, x.shape[0])`):
+  the epilogue stores the call's own value (NOTE [traced numbers in stores]). A traced tensor
+  put into a module's list or dict in place (`self.cache["h"] = t`, `self.maps.append(t)`) is
+  refused;
 - a plain constant stored (numbers, strings, None, dtypes, tuples of them) on a module or on a
   plain object a module holds (`self.config.count += 1`; such objects keep the stores made
   while tracing), or a module's plain list or dict changed in place to hold only such
@@ -21,8 +23,9 @@ While tracing, every module is put back as it was afterwards, and each change is
   `self.training` does, and never gives a stale one;
 - hooks registered on a module are kept, as in eager (HF registers its output-capturing
   hooks in the first forward that asks for hidden states; the jitted module then retraces);
-- anything else (another object stored, an attribute deleted, a symbolic size stored) makes
-  the call run eagerly (`UnreplayableStore`, a `RunsEagerly`; raised under `fullgraph=True`),
+- anything else (another object stored, an attribute deleted, a symbolic size stored on a
+  plain object a module holds, where it would stay a symbol) makes the call run eagerly
+  (`UnreplayableStore`, a `RunsEagerly`; raised under `fullgraph=True`),
   naming the attribute. (A store such as HF LeViT's eval-mode `attention_bias_cache[key] = t`
   happens on the first call only: that call runs eagerly, the next compile.)
 
@@ -33,8 +36,8 @@ argument, one held by an argument object, a closure or a global; `held_modules`)
 the same way (`module_stores(module, proxy_of, captured)`): constants they store are replayed
 as above, an in-place update of a buffer (`self.seen += 1`, which stores the buffer itself
 again) needs no store (the trace writes the buffer back), and a traced value stored on them
-(`self.last = t`) makes the call run eagerly, since the epilogue stores only into the jitted
-module and argument objects.
+(`self.last = t`, a symbolic size too) makes the call run eagerly, since the epilogue stores
+only into the jitted module and argument objects.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from fulmen.core import RunsEagerly
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.module_hooks import backward_hooked
 from fulmen.tracer.objects import (
+    TRACED_NUMBERS,
     function_roots,
     is_plain_object,
     restore,
@@ -93,14 +97,25 @@ def _constant_contents(value: Any, depth: int = 0) -> bool:
 
 
 def _traced_value(value: Any) -> bool:
-    """Whether `value` is a traced tensor, or a new tuple, list or dict of traced tensors and
-    constants, that a store can take from the trace's outputs."""
-    if isinstance(value, TensorProxy):
+    """Whether `value` is a traced tensor or number (a symbolic size), or a new tuple, list or
+    dict of such and constants, that a store can take from the trace's outputs (numbers: NOTE
+    [traced numbers in stores])."""
+    if isinstance(value, (TensorProxy, *TRACED_NUMBERS)):
         return True
     if type(value) is dict:
         value = [*value.keys(), *value.values()]
     return type(value) in (tuple, list) and all(
-        isinstance(item, TensorProxy) or _constant(item) for item in value)
+        isinstance(item, (TensorProxy, *TRACED_NUMBERS)) or _constant(item) for item in value)
+
+
+def _holds_traced(value) -> bool:
+    """Whether `value` is or holds a traced tensor or number (a symbolic size)."""
+    traced = (TensorProxy, *TRACED_NUMBERS)
+    if isinstance(value, traced):
+        return True
+    if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
+        return any(isinstance(item, traced) for _, item in walk(value))
+    return False
 
 
 def _holds_proxy(value) -> bool:
@@ -290,9 +305,10 @@ def module_stores(module: torch.nn.Module,
                 if captured is not None and isinstance(value, TensorProxy) and isinstance(
                         before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:
                     continue  # `self.seen += 1`: the tensor updated in place, written back
-                if captured is not None and _holds_proxy(value):
-                    refusal = refusal or _refuse(where, "a traced tensor")
-                elif _holds_proxy(value) and not in_place and _traced_value(value):
+                if captured is not None and _holds_traced(value):
+                    refusal = refusal or _refuse(where, "a traced tensor" if _holds_proxy(value)
+                                                 else "a symbolic size")
+                elif _holds_traced(value) and not in_place and _traced_value(value):
                     steps = tuple(("attr", part) for part in name.split(".")) if name else ()
                     found.append(ModuleStore(sub, key, value, traced=True, path=steps))
                 elif _holds_proxy(value):
@@ -318,8 +334,9 @@ def module_stores(module: torch.nn.Module,
             for key, value in vars(owner).items():
                 if value is before.get(key, _MISSING):
                     continue
-                if _holds_proxy(value):
-                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor")
+                if _holds_traced(value):
+                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor"
+                                                 if _holds_proxy(value) else "a symbolic size")
                 elif _constant(value):
                     found.append(ModuleStore(owner, key, value))
         if refusal is not None and not failed:

@@ -1154,8 +1154,10 @@ MUTANTS: list[Mutant] = [
     Mutant("python_type_dtype_kept", "mutation", "tracer/dispatch.py",
            "if isinstance(dtype, type) and dtype in _PYTHON_DTYPES:",
            "if False:", ("tests/tracer/test_sharp_edges.py",)),
-    Mutant("new_leaf_updated_in_place_compiles", "mutation", "tracer/mutation.py",
-           "if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():",
+    # (session 49: was mutation.py's LeafModified check alone, which FreshLeafGraph has also
+    # caught since factories with requires_grad=True are fresh leaves; both read this line)
+    Mutant("new_leaf_updated_in_place_compiles", "mutation", "tracer/dispatch.py",
+           'if kwargs.get("requires_grad") is True:  # `torch.zeros(n, requires_grad=True)`',
            "if False:", ("tests/tracer/test_inplace.py",)),
     Mutant("host_random_traced_without_sentinel", "guards", "tracer/host_random.py",
            "            numpy.random.random()\n", "            pass\n",
@@ -1311,9 +1313,15 @@ MUTANTS: list[Mutant] = [
            "create_graph=True, allow_unused=True) if pairs and wrt",
            "create_graph=False, allow_unused=True) if pairs and wrt",
            ("tests/transforms/test_double_backward.py",)),
+    # (session 49: was the second check alone; a leaf made by a factory with requires_grad=True
+    # is also a fresh root, checked first: the row drops both)
     Mutant("metadata_change_of_a_grad_leaf", "mutation", "tracer/metadata_inplace.py",
+           "    if root in functionalizer.inputs or root in functionalizer.fresh_roots \\\n"
+           "            or root in functionalizer.poisoned:\n        return None\n"
+           "    ctx = functionalizer.ctx\n"
            "    if target.name not in ctx.requires_grad_names and (",
-           "    if False and (",
+           "    if root in functionalizer.inputs or root in functionalizer.poisoned:\n"
+           "        return None\n    ctx = functionalizer.ctx\n    if False and (",
            ("tests/tracer/test_metadata_inplace.py",)),
     Mutant("double_backward_recomputes_updates", "bridge", "pipeline.py",
            "_NOT_RECOMPUTABLE = frozenset({Tag.RANDOM, Tag.WRITE_BACK, Tag.SIDE_EFFECT})",
@@ -2366,4 +2374,26 @@ MUTANTS: list[Mutant] = [
            "    if False:",
            ("tests/executors/test_codegen_select.py::"
             "test_a_computed_cat_operand_read_after_the_region_stays_out_of_the_cats_region",)),
+    # --- session 49, h49mut: stores of symbolic sizes, eager calls over a recompile ----------
+    Mutant("symbolic_size_store_refused", "mutation", "tracer/module_stores.py",
+           "    if isinstance(value, (TensorProxy, *TRACED_NUMBERS)):\n        return True\n"
+           "    if type(value) is dict:",
+           "    if isinstance(value, TensorProxy):\n        return True\n"
+           "    if type(value) is dict:",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_symbolic_sizes_stored_on_the_module_are_each_calls_own",
+            "tests/tracer/test_module_stores.py::"
+            "test_constants_stored_by_the_forward_are_stored_by_every_compiled_call")),
+    Mutant("symbolic_size_left_in_a_config_object", "mutation", "tracer/module_stores.py",
+           "                if _holds_traced(value):\n",
+           "                if _holds_proxy(value):\n",
+           ("tests/tracer/test_module_stores.py::"
+            "test_a_symbolic_size_stored_into_a_config_object_is_the_calls_size",)),
+    Mutant("eager_calls_reset_on_recompile", "bridge", "wrappers.py",
+           "            self._jit._stats.eager_calls = before._stats.eager_calls",
+           "            pass",
+           ("tests/tracer/test_module_tensor_stores.py::"
+            "test_eager_calls_stay_counted_when_the_module_is_compiled_anew",
+            "tests/tracer/test_module_tensor_stores.py::"
+            "test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients")),
 ]

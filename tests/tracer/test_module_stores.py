@@ -50,6 +50,9 @@ def test_constants_stored_by_the_forward_are_stored_by_every_compiled_call():
         compiled, eager = jmodel._orig_mod.inner, model.inner
         assert (compiled.calls, compiled.history, compiled.mode, compiled.last_shape) == \
             (eager.calls, eager.history, eager.mode, eager.last_shape)
+    # the compiled path, not an eager fallback: `last_shape` holds symbolic sizes from the second
+    # shape on (a symbolic size stored made every such call run eagerly)
+    assert fulmen.compile_stats(jmodel).eager_calls == 0
 
 
 class _StoresObject(torch.nn.Module):
@@ -134,3 +137,23 @@ def test_a_store_into_a_config_object_is_repeated_on_cache_hits():
         torch.testing.assert_close(jmodel(x), model(x))
         assert jmodel._orig_mod.config.mode == model.config.mode
     assert fulmen.cache_misses(jmodel) == 2
+
+
+class _CountsRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(rows=0)
+
+    def forward(self, x):
+        self.config.rows = x.shape[0]
+        return x * 2
+
+
+def test_a_symbolic_size_stored_into_a_config_object_is_the_calls_size():
+    # was left there as the symbol itself (`s77`) from the second batch size on: neither
+    # replayed nor refused; such a call runs eagerly now
+    model, eager = _CountsRows(), _CountsRows()
+    jmodel = fulmen.jit(model)
+    for rows in (3, 4, 5):
+        torch.testing.assert_close(jmodel(torch.ones(rows, 2)), eager(torch.ones(rows, 2)))
+        assert type(model.config.rows) is int and model.config.rows == eager.config.rows == rows

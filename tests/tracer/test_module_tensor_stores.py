@@ -3,6 +3,7 @@
 (`fulmen.tracer.module_stores`)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -75,6 +76,57 @@ def test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients():
         torch.testing.assert_close(_step(jitted, x)[0], _step(eager, x)[0])
     assert fulmen.compile_stats(jitted).cache_misses == compiles
 
+
+
+class _KeepsSizes(torch.nn.Module):
+    def forward(self, x):
+        self.rows = x.shape[0]
+        self.kv = (x[:1], x.shape[0] * 2, "kv")
+        return x * 2
+
+
+def test_symbolic_sizes_stored_on_the_module_are_each_calls_own():
+    # a stored symbolic size (the batch of a call past the first shape) was refused: every such
+    # call ran eagerly (fullgraph=True raised)
+    model, eager = _KeepsSizes(), _KeepsSizes()
+    jitted = fulmen.jit(model, fullgraph=True)
+    for rows in (3, 4, 5, 4):
+        x = torch.randn(rows, 2)
+        torch.testing.assert_close(jitted(x), eager(x))
+        assert type(model.rows) is int and model.rows == eager.rows == rows
+        assert model.kv[1:] == eager.kv[1:] and type(model.kv[1]) is int
+        torch.testing.assert_close(model.kv[0], eager.kv[0])
+
+
+_EAGER_LOG = []
+
+
+class _ReplacesAndMayLog(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(1))
+        self.log = False
+
+    def forward(self, x):
+        self.total = self.total + x.sum()
+        if self.log:  # a store into a global list: the call runs eagerly
+            _EAGER_LOG.append(1)
+        return x * self.total
+
+
+def test_eager_calls_stay_counted_when_the_module_is_compiled_anew():
+    """An eager call that replaces a buffer changes the module's structure, so the next call
+    compiles anew; `compile_stats` counted the eager calls of the new compilation only, so a
+    test asserting no eager call passed after one."""
+    model, eager = _ReplacesAndMayLog(), _ReplacesAndMayLog()
+    jitted = fulmen.jit(model)
+    for log in (False, True, False):
+        model.log = eager.log = log
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(jitted(torch.ones(2)), eager(torch.ones(2)))
+    assert len(_EAGER_LOG) == 2  # (the eager model's call and the eager run's)
+    assert fulmen.compile_stats(jitted).eager_calls == 1
 
 class _ReadsLater(torch.nn.Module):
     """Stores a tensor every call; reads it back only once `self.read` is set."""
