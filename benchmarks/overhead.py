@@ -8,7 +8,7 @@ microseconds per call and the difference to eager. Run: `make bench`.
 `--regions` instead measures what a codegen region call costs against the torch ops it
 replaces: chains of k elementwise ops on n elements, jitted with the torch executor alone and
 with codegen (`FULMEN_FUSE_TINY=1`, so every region is fused), in thread CPU time per call (a
-shared machine's other load barely moves it). This chose `fulmen.transforms.fusion.TINY_REGION`.
+shared machine's other load barely moves it). This chose `fulmen.transforms.region_size.TINY_REGION`.
 """
 
 from __future__ import annotations

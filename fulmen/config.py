@@ -61,7 +61,7 @@ VARIABLES: dict[str, Variable] = {variable.name: variable for variable in (
              "the call of a region at which its lazy compile starts"),
     Variable("FULMEN_FUSE_TINY", int, 0,
              "`1`: fuse every CPU region, also those the tiny-region policy leaves on torch "
-             "(`transforms/fusion.py` `TINY_REGION`; the test suite sets it); read at each "
+             "(`transforms/region_size.py` `TINY_REGION`; the test suite sets it); read at each "
              "fusion pass"),
     Variable("FULMEN_CODEGEN_POOL_BYTES", int, None,
              "bytes of free blocks the CPU output pool keeps (0 turns it off); unset: "

@@ -3,7 +3,7 @@
 
 - `FULMEN_CHECK=1`: `check_trace` after every pass.
 - `FULMEN_FUSE_TINY=1`: tests check kernels on small tensors, so every region is fused, even
-  those the tiny-region policy (`fulmen.transforms.fusion.TINY_REGION`) leaves on torch; its
+  those the tiny-region policy (`fulmen.transforms.region_size.TINY_REGION`) leaves on torch; its
   own tests unset it.
 
 A value already in the environment wins (`FULMEN_FUSE_TINY=0 make fuzz` fuzzes the partition

@@ -144,7 +144,7 @@ def test_row_major_answers_are_kept_and_tiny_regions_sized_from_hints():
     """A proxy's `is_contiguous()` with symbolic sizes is kept per ShapeEnv too; the tiny-region
     size test of fusion reads the sizes' traced values (no SymInt product, no sympy question,
     nothing to keep). The answers are the computed ones (no guard recorded)."""
-    from fulmen.transforms.fusion import _numel_at_most
+    from fulmen.transforms.region_size import _numel_at_most
 
     sizes = SymbolicSizes()
     shape, strides = sizes.symbolize(torch.empty(6, 5, 4), "x", dims=(0, 1))

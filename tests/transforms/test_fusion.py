@@ -226,7 +226,7 @@ def _fused_regions(jfn) -> list[list[str]]:
 def test_tiny_cpu_regions_stay_on_torch(monkeypatch):
     # TINY_REGION: up to 4 torch ops on at most 16384 elements run faster as torch ops
     # than as one region call; larger tensors or longer chains are fused
-    from fulmen.transforms.fusion import TINY_REGION
+    from fulmen.transforms.region_size import TINY_REGION
 
     monkeypatch.delenv("FULMEN_FUSE_TINY")
     max_ops, max_numel = TINY_REGION
@@ -253,7 +253,7 @@ def test_tiny_cpu_regions_stay_on_torch(monkeypatch):
 def test_tiny_policy_with_symbolic_sizes_adds_no_guard(monkeypatch):
     # a region of symbolic sizes is tiny when it is at the traced sizes; deciding so adds no
     # guard, so one compilation serves small and large calls alike (results equal eager)
-    from fulmen.transforms.fusion import TINY_REGION
+    from fulmen.transforms.region_size import TINY_REGION
 
     monkeypatch.delenv("FULMEN_FUSE_TINY")
     fn = lambda x, y: torch.relu(x * y + 1.0)  # noqa: E731
