@@ -2396,4 +2396,10 @@ MUTANTS: list[Mutant] = [
             "test_eager_calls_stay_counted_when_the_module_is_compiled_anew",
             "tests/tracer/test_module_tensor_stores.py::"
             "test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients")),
+    # --- session 49, h49zoo: the packed-sequence RNN overloads read batch_sizes' values -------
+    Mutant("packed_rnn_on_fake_tensors", "decomposition", "ops/opaque.py",
+           "    if len(args) > 3 and isinstance(args[3], (list, tuple)):\n        raise",
+           "    if False:\n        raise",
+           ("tests/models/test_torch_patterns.py::"
+            "test_a_packed_sequence_passed_in_runs_as_eager_with_symbolic_sizes",)),
 ]
