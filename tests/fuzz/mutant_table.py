@@ -2402,4 +2402,9 @@ MUTANTS: list[Mutant] = [
            "    if False:\n        raise",
            ("tests/models/test_torch_patterns.py::"
             "test_a_packed_sequence_passed_in_runs_as_eager_with_symbolic_sizes",)),
+    Mutant("fast_paths_only_for_a_jitted_module", "decomposition", "tracer/tracer.py",
+           "                with eager_fast_paths():\n                    out = fn(",
+           "                if True:\n                    out = fn(",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
 ]
