@@ -350,9 +350,13 @@ def _packed_rnn_meta(fn, *args, **kwargs):
     return run_meta(fn, *args, **kwargs)
 
 
+# Ops whose kernel reads a tensor argument's values for some calls: refused before the meta
+# kernel (not `_META_OVERRIDES`, whose ops autocast runs on fake tensors expecting failures)
+_VALUE_READERS: dict[Callable, Callable] = dict.fromkeys(_PACKED_RNNS, _packed_rnn_meta)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
-                                             **dict.fromkeys(_PACKED_RNNS, _packed_rnn_meta),
                                              torch.polar: _polar_meta,
                                              BATCH_NORM_FUNCTIONAL: _batch_norm_functional_meta,
                                              torch.nn.functional.batch_norm: _batch_norm_meta,
@@ -407,7 +411,8 @@ def opaque_symbol(fn: Callable, random: bool = False) -> Symbol:
 
     def meta(*args, **kwargs):
         try:
-            return _META_OVERRIDES.get(fn, run_meta)(fn, *args, **kwargs)
+            describe = _META_OVERRIDES.get(fn) or _VALUE_READERS.get(fn, run_meta)
+            return describe(fn, *args, **kwargs)
         except FulmenError:
             raise
         except Exception as error:
