@@ -335,6 +335,26 @@ def _pad_meta(fn, input, pad, mode="constant", value=None):
     return _in_suggested_layout(out, input)
 
 
+_PACKED_RNNS = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+
+
+def _packed_rnn_meta(fn, *args, **kwargs):
+    """`torch.lstm` / `gru` / `rnn_tanh` / `rnn_relu`: the packed-sequence overloads (`data,
+    batch_sizes, hx, params, ...`, whose fourth argument is the weight list) read the values of
+    `batch_sizes`, which a meta tensor does not have: with plain meta tensors PyTorch raises,
+    but with the fake tensors of a symbolic trace (`dynamic=True`) the kernel crashed the
+    process (a segmentation fault). Refused here, so the call runs on the real values and its
+    shapes are guarded (a graph break); the padded overloads go to the meta kernel."""
+    if len(args) > 3 and isinstance(args[3], (list, tuple)):
+        raise RuntimeError("a packed-sequence RNN reads the values of its batch_sizes")
+    return run_meta(fn, *args, **kwargs)
+
+
+# Ops whose kernel reads a tensor argument's values for some calls: refused before the meta
+# kernel (not `_META_OVERRIDES`, whose ops autocast runs on fake tensors expecting failures)
+_VALUE_READERS: dict[Callable, Callable] = dict.fromkeys(_PACKED_RNNS, _packed_rnn_meta)
+
+
 # Ops whose PyTorch meta kernel does not describe every call eager accepts.
 _META_OVERRIDES: dict[Callable, Callable] = {torch._grouped_mm: _grouped_mm_meta,
                                              torch.polar: _polar_meta,
@@ -391,7 +411,8 @@ def opaque_symbol(fn: Callable, random: bool = False) -> Symbol:
 
     def meta(*args, **kwargs):
         try:
-            return _META_OVERRIDES.get(fn, run_meta)(fn, *args, **kwargs)
+            describe = _META_OVERRIDES.get(fn) or _VALUE_READERS.get(fn, run_meta)
+            return describe(fn, *args, **kwargs)
         except FulmenError:
             raise
         except Exception as error:

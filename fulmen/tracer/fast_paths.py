@@ -5,8 +5,8 @@ its layers on a nested tensor and pads the result back with zeros: every positio
 holds 0 (the final norm, if any, then sees those zeros). Traced with proxies its `forward` takes
 the regular path (a proxy has `__torch_function__`, which the fast path refuses), and that path
 computes the padded positions like any other row, so the compiled result differed from eager
-there (torch.compile differs the same way). While tracing, a forward hook on each encoder
-replaces those positions as eager's fast path leaves them, under the conditions of PyTorch's own
+there (torch.compile differs the same way). While tracing, a global forward hook (each encoder
+the traced module or function calls) replaces those positions as eager's fast path leaves them, under the conditions of PyTorch's own
 `TransformerEncoder.forward` (its `why_not_sparsity_fast_path` checks).
 
 `nn.MultiheadAttention` with `batch_first=True` differs in layout: its fast path
@@ -24,11 +24,12 @@ values and layouts are eager's, and nothing is changed.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from collections.abc import Iterator
 
 import torch
 
-_KEY = "fulmen.nested_padding"  # the hooks' key in the module's hook dicts (no handle)
 _DEVICES = ("cpu", "cuda", "xpu")
 
 
@@ -146,8 +147,8 @@ def _fast_path_attention(attention, args, kwargs, output):
 
 def _layer_takes_fast_path(layer: torch.nn.TransformerEncoderLayer, src) -> bool:
     """Whether eager's `layer(src, ...)` returns `torch._transformer_encoder_layer_fwd`'s
-    result (PyTorch 2.x's `why_not_sparsity_fast_path` checks; fulmen's own hooks and a
-    proxy's `__torch_function__` left out)."""
+    result (PyTorch 2.x's `why_not_sparsity_fast_path` checks; a proxy's
+    `__torch_function__` left out)."""
     attention = layer.self_attn
     if not (torch.backends.mha.get_fastpath_enabled() and isinstance(src, torch.Tensor)):
         return False
@@ -159,8 +160,7 @@ def _layer_takes_fast_path(layer: torch.nn.TransformerEncoderLayer, src) -> bool
         return False
     if attention.num_heads % 2 or torch.is_autocast_enabled():
         return False
-    if any(key != _KEY for sub in layer.modules()
-           for hooks in (sub._forward_hooks, sub._forward_pre_hooks) for key in hooks):
+    if any(sub._forward_hooks or sub._forward_pre_hooks for sub in layer.modules()):
         return False
     tensors = (src, *(t for sub in (attention, attention.out_proj, layer.norm1, layer.norm2,
                                     layer.linear1, layer.linear2)
@@ -194,23 +194,45 @@ _HOOKS = ((torch.nn.TransformerEncoder, _zero_padded_positions),
           (torch.nn.MultiheadAttention, _fast_path_attention),
           (torch.nn.TransformerEncoderLayer, _fast_path_layer))
 
+_TRACING = contextvars.ContextVar("fulmen_eager_fast_paths", default=False)
+_KEY = "fulmen.eager_fast_paths"  # the hook's key in PyTorch's global hook dicts (no handle)
+_USERS = [0]  # traces inside `eager_fast_paths`, in every thread
+_LOCK = threading.Lock()
+_MODULE = torch.nn.modules.module
+
+
+def _eager_result(module, args, kwargs, output):
+    """The global forward hook: eager's fast-path result for a module called while this
+    thread traces (None, the output unchanged, elsewhere)."""
+    if not _TRACING.get():
+        return None
+    for kind, hook in _HOOKS:
+        if isinstance(module, kind):
+            return hook(module, args, kwargs, output)
+    return None
+
 
 @contextlib.contextmanager
-def eager_fast_paths(module: torch.nn.Module | None) -> Iterator[None]:
-    """While tracing `module`: each `nn.TransformerEncoder` inside it gives eager's fast-path
-    result (zeros where the key padding mask pads), each `nn.MultiheadAttention` its fast
-    path's row-major output. The hooks are put into the modules' hook dicts directly and taken
-    out after, so hook watchers see no change."""
-    hooked = []
-    for sub in module.modules() if module is not None else ():
-        for kind, hook in _HOOKS:
-            if isinstance(sub, kind):
-                sub._forward_hooks[_KEY] = hook
-                sub._forward_hooks_with_kwargs[_KEY] = True
-                hooked.append(sub)
+def eager_fast_paths() -> Iterator[None]:
+    """While tracing: each `nn.TransformerEncoder` called gives eager's fast-path result (zeros
+    where the key padding mask pads), each `nn.MultiheadAttention` its fast path's row-major
+    output, each `nn.TransformerEncoderLayer` its NaN rows. A global forward hook, so a module
+    a jitted *function* calls is covered as well as the jitted module's own (hooks on the
+    jitted module's submodules missed `fulmen.jit(lambda x: encoder(x, ...))`, whose padded
+    positions differed from eager). It is put into PyTorch's global hook dict directly and
+    taken out after (no handle), so hook watchers see no change; other threads' calls are
+    left alone."""
+    token = _TRACING.set(True)
+    with _LOCK:
+        _USERS[0] += 1
+        _MODULE._global_forward_hooks[_KEY] = _eager_result
+        _MODULE._global_forward_hooks_with_kwargs[_KEY] = True
     try:
         yield
     finally:
-        for sub in hooked:
-            sub._forward_hooks.pop(_KEY, None)
-            sub._forward_hooks_with_kwargs.pop(_KEY, None)
+        _TRACING.reset(token)
+        with _LOCK:
+            _USERS[0] -= 1
+            if not _USERS[0]:
+                _MODULE._global_forward_hooks.pop(_KEY, None)
+                _MODULE._global_forward_hooks_with_kwargs.pop(_KEY, None)

@@ -478,10 +478,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 # the module keeps its real tensors (another thread may use it meanwhile);
                 # every torch call made while tracing sees its state proxies instead
                 ctx.state_proxies = state
-                with module_stores(module, ctx.capture) as stores, eager_fast_paths(module):
+                with module_stores(module, ctx.capture) as stores, eager_fast_paths():
                     out = module(*proxy_args, **proxy_kwargs)
             else:
-                out = fn(*proxy_args, **proxy_kwargs)
+                with eager_fast_paths():
+                    out = fn(*proxy_args, **proxy_kwargs)
             writes = {(id(store.module), store.key) for store in stores if store.traced}
             stores = _traced_stores(stores, objects)
             held_stores.close()  # their stores are known (or refused) from here on

@@ -2396,4 +2396,15 @@ MUTANTS: list[Mutant] = [
             "test_eager_calls_stay_counted_when_the_module_is_compiled_anew",
             "tests/tracer/test_module_tensor_stores.py::"
             "test_tensor_stores_are_made_by_every_compiled_call_and_carry_gradients")),
+    # --- session 49, h49zoo: the packed-sequence RNN overloads read batch_sizes' values -------
+    Mutant("packed_rnn_on_fake_tensors", "decomposition", "ops/opaque.py",
+           "    if len(args) > 3 and isinstance(args[3], (list, tuple)):\n        raise",
+           "    if False:\n        raise",
+           ("tests/models/test_torch_patterns.py::"
+            "test_a_packed_sequence_passed_in_runs_as_eager_with_symbolic_sizes",)),
+    Mutant("fast_paths_only_for_a_jitted_module", "decomposition", "tracer/tracer.py",
+           "                with eager_fast_paths():\n                    out = fn(",
+           "                if True:\n                    out = fn(",
+           ("tests/tracer/test_fast_paths.py::"
+            "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
 ]

@@ -17,6 +17,7 @@ from torch.nn.utils import prune
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fulmen
+from fulmen.ops import meta, opaque
 
 
 def _train_matches_eager(make, batch, steps=3, loss_fn=lambda out: out.pow(2).mean()):
@@ -68,6 +69,41 @@ def test_packed_lstm_trains_as_eager():
     for row, length in enumerate(lengths):
         ids[row, length:] = 0
     _train_matches_eager(_PackedLSTM, lambda step: (ids, lengths))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(3, 4, bidirectional=True),
+                                  lambda: nn.GRU(3, 4, num_layers=2),
+                                  lambda: nn.RNN(3, 4, nonlinearity="relu")],
+                         ids=["lstm", "gru", "rnn_relu"])
+def test_a_packed_sequence_passed_in_runs_as_eager_with_symbolic_sizes(make, monkeypatch):
+    """A `PackedSequence` given to a jitted RNN with `dynamic=True`: the packed overload of
+    `torch.lstm` reads `batch_sizes`' values, and PyTorch's kernel on fake tensors crashed the
+    process; the call now runs on the real values (a graph break), equal to eager. (The spy
+    refuses, rather than runs, a packed call that reaches the meta kernel: it would crash.)"""
+    reached = []
+
+    def spy(fn, *args, **kwargs):
+        if fn in (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu) \
+                and isinstance(args[3], list):
+            reached.append(fn)
+            raise RuntimeError("packed RNN on meta tensors")
+        return meta.run_meta(fn, *args, **kwargs)
+
+    monkeypatch.setattr(opaque, "run_meta", spy)
+    torch.manual_seed(0)
+    rnn = make()
+    jitted = fulmen.jit(lambda packed: rnn(packed)[0].data, dynamic=True)
+    for seq, lengths in ((5, [5, 3, 2]), (6, [6, 6, 4, 1])):
+        x = _randn(seq, len(lengths), 3, seed=seq).requires_grad_()
+        x_eager = x.detach().clone().requires_grad_()
+        got = jitted(pack_padded_sequence(x, torch.tensor(lengths)))
+        want = rnn(pack_padded_sequence(x_eager, torch.tensor(lengths)))[0].data
+        torch.testing.assert_close(got, want)
+        want_grads = torch.autograd.grad(want.pow(2).sum(), (x_eager, *rnn.parameters()))
+        got_grads = torch.autograd.grad(got.pow(2).sum(), (x, *rnn.parameters()))
+        torch.testing.assert_close(got_grads, want_grads)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+    assert not reached
 
 
 def test_batchnorm_cumulative_average_trains_as_eager():

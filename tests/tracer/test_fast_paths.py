@@ -196,3 +196,29 @@ def test_encoder_layers_fast_path_gives_nan_on_fully_masked_rows_as_eager(paddin
         got = fulmen.jit(copy.deepcopy(model))(x, **masks)
     assert want.isnan().any() and not want[0].isnan().any()  # not vacuous
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager(dynamic):
+    """`fulmen.jit(lambda x, p: encoder(x, src_key_padding_mask=p))`: the encoder and the
+    attention are called by a jitted function, not jitted themselves. The hooks went on the
+    jitted module's submodules only, so the padded positions held the regular path's numbers
+    (eager: zeros, then the final norm) and the attention output its transposed layout."""
+    encoder = _encoder(norm=True).eval()
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    run_encoder = fulmen.jit(lambda x, p: encoder(x, src_key_padding_mask=p), dynamic=dynamic)
+    run_attention = fulmen.jit(lambda x: attention(x, x, x, need_weights=False)[0],
+                               dynamic=dynamic)
+    with torch.no_grad():
+        for lengths in ([6, 3], [4, 5, 2]):
+            x = torch.randn(len(lengths), 6, 8)
+            padding = _right_padded(lengths)
+            want = encoder(x, src_key_padding_mask=padding)
+            # eager's padded positions: the final norm of zeros, its (nonzero) bias
+            assert torch.allclose(want[padding], encoder.norm.bias.expand(int(padding.sum()), 8))
+            torch.testing.assert_close(run_encoder(x, padding), want, rtol=1e-5, atol=1e-5)
+            got, want = run_attention(x), attention(x, x, x, need_weights=False)[0]
+            assert got.stride() == want.stride() == (48, 8, 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fulmen.compile_stats(run_encoder).eager_calls == 0
+    assert not torch.nn.modules.module._global_forward_hooks
