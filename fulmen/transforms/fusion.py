@@ -13,10 +13,10 @@ regions and replaces each region by the one bound symbol `executor.fuse` returns
    merged with the regions of its fusible producers (a second pass retries what the order of
    the first refused; merges are tried in the order of the producing statements), then
    regions reading a common input are merged horizontally. A merge happens only if it
-   creates no cycle (no path between the two regions through a third node), the region stays under `max_region_size` statements, and
-   `executor.can_fuse_region` accepts the union. A broadcast that makes more elements than
-   it reads joins its consumers' region, never its producer's (NOTE [a broadcast joins its
-   consumers]).
+   creates no cycle (no path between the two regions through a third node), the region stays
+   under `max_region_size` statements, and `executor.can_fuse_region` accepts the union. A
+   broadcast that makes more elements than it reads joins its consumers' region, never its
+   producer's (NOTE [a broadcast joins its consumers]).
 3. Emit: regions in a topological order of the region graph (ties by first statement);
    `executor.fuse(region, outputs)` returns the fused bound symbol, or None to keep the
    statements. A tiny CPU region is not offered (`is_tiny_region`): one region call costs
@@ -165,7 +165,7 @@ class _Partition:
     searching the graph; the final order is a networkx topological sort."""
 
     def __init__(self, nodes: list[_Node], executor: FusionExecutor, max_size: int,
-                 trace_outputs: frozenset = frozenset()) -> None:
+                 trace_outputs: set[str]) -> None:
         self.nodes = nodes
         self.trace_outputs = trace_outputs
         self.executor = executor
@@ -260,12 +260,13 @@ class _Partition:
         if not getattr(self.executor, "asks_escapes", False):
             return self.executor.can_fuse_region(bsyms)
         inside = set(members)
+        return self.executor.can_fuse_region(bsyms, lambda name: self._escapes(name, inside))
 
-        def escapes(name: str) -> bool:
-            return name in self.trace_outputs or any(
-                reader not in inside for reader in self.consumers.get(name, ()))
-
-        return self.executor.can_fuse_region(bsyms, escapes)
+    def _escapes(self, name: str, inside: set[int]) -> bool:
+        """Whether the value `name` is read after the statements `inside` (a trace output, or
+        read by a statement not among them)."""
+        return name in self.trace_outputs or any(
+            reader not in inside for reader in self.consumers.get(name, ()))
 
     def _by_position(self, names) -> list[str]:
         """`names` (a set) in the order of their producing statements: merges are tried in
@@ -304,15 +305,11 @@ class _Partition:
             for other in readers[1:]:
                 self.try_merge(readers[0], other)
 
-    def outputs(self, region: int, trace_outputs: set[str]) -> list:
+    def outputs(self, region: int) -> list:
+        """The values `region` computes that are read after it."""
         inside = set(self.members[region])
-        out = []
-        for i in self.members[region]:
-            for proxy in self.nodes[i].bsym.proxy_outputs:
-                readers = self.consumers.get(proxy.name, ())
-                if proxy.name in trace_outputs or any(r not in inside for r in readers):
-                    out.append(proxy)
-        return out
+        return [proxy for i in self.members[region] for proxy in self.nodes[i].bsym.proxy_outputs
+                if self._escapes(proxy.name, inside)]
 
     def order(self) -> list[int]:
         graph = nx.DiGraph()
@@ -369,8 +366,7 @@ def partition_for_fusion(
     they claim are left alone. Returns `trace` itself when nothing was fused.
     """
     nodes = _flatten_for(trace, executor, before)
-    trace_outputs = trace.output_names
-    part = _Partition(nodes, executor, max_region_size, frozenset(trace_outputs))
+    part = _Partition(nodes, executor, max_region_size, trace.output_names)
     part.merge_all()
     eager = _eager_layout_outputs(trace)
     emitted: list[tuple[int, list[BoundSymbol]]] = []
@@ -382,7 +378,7 @@ def partition_for_fusion(
         if part.fusible(region) and not is_tiny_region(
                 region_bsyms, len({nodes[i].origin for i in members})):
             outputs = [eager.get(proxy.name, proxy)
-                       for proxy in part.outputs(region, trace_outputs)]
+                       for proxy in part.outputs(region)]
             fused = executor.fuse(region_bsyms, outputs)
         if fused is not None:
             emitted.append((-1, [fused]))
