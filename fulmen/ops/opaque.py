@@ -261,10 +261,18 @@ def _batch_norm_meta(fn, *args, **kwargs):
     first = out[0] if isinstance(out, tuple) else out
     input = args[0] if args else kwargs.get("input")
     strides = batch_norm_strides(input, first.shape) if isinstance(first, TensorProxy) else None
-    if strides is None or tuple(first.stride()) == strides:
+    relaid = _relaid(first, strides)
+    if relaid is first:
         return out
-    first = with_strides(first, strides)
-    return (first, *out[1:]) if isinstance(out, tuple) else first
+    return (relaid, *out[1:]) if isinstance(out, tuple) else relaid
+
+
+def _relaid(out: TensorProxy, strides) -> TensorProxy:
+    """`out`, or where its strides are not `strides` (eager's; None: unknown), a proxy of the
+    same value reporting them (`with_strides`)."""
+    if strides is None or tuple(out.stride()) == tuple(strides):
+        return out
+    return with_strides(out, strides)
 
 
 _CONVOLUTION_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -300,16 +308,13 @@ def _convolution_meta(fn, *args, **kwargs):
                                   expand("padding", 0), expand("dilation", 1),
                                   bound.get("groups") or 1, transposed,
                                   expand("output_padding", 0))
-    if strides is None or tuple(out.stride()) == tuple(strides):
-        return out
-    return with_strides(out, strides)
+    return _relaid(out, strides)
 
 
 def _in_suggested_layout(out: TensorProxy, input: TensorProxy) -> TensorProxy:
     """`out` laid out densely in the memory format `input` suggests (as CPU kernels allocating
     `empty(..., memory_format=input.suggest_memory_format())` lay out their outputs)."""
-    strides = suggested_layout_strides(input, tuple(out.shape))
-    return out if tuple(out.stride()) == tuple(strides) else with_strides(out, strides)
+    return _relaid(out, suggested_layout_strides(input, tuple(out.shape)))
 
 
 def _channel_shuffle_meta(fn, input, groups, *args, **kwargs):

@@ -96,34 +96,35 @@ def _constant_contents(value: Any, depth: int = 0) -> bool:
                for item in items)
 
 
+# what a store may take from the trace's outputs: a traced tensor or number (a symbolic size)
+_TRACED = (TensorProxy, *TRACED_NUMBERS)
+
+
 def _traced_value(value: Any) -> bool:
     """Whether `value` is a traced tensor or number (a symbolic size), or a new tuple, list or
     dict of such and constants, that a store can take from the trace's outputs (numbers: NOTE
     [traced numbers in stores])."""
-    if isinstance(value, (TensorProxy, *TRACED_NUMBERS)):
+    if isinstance(value, _TRACED):
         return True
     if type(value) is dict:
         value = [*value.keys(), *value.values()]
     return type(value) in (tuple, list) and all(
-        isinstance(item, (TensorProxy, *TRACED_NUMBERS)) or _constant(item) for item in value)
+        isinstance(item, _TRACED) or _constant(item) for item in value)
 
 
-def _holds_traced(value) -> bool:
-    """Whether `value` is or holds a traced tensor or number (a symbolic size)."""
-    traced = (TensorProxy, *TRACED_NUMBERS)
-    if isinstance(value, traced):
+def _holds(value, kinds: tuple = (TensorProxy,)) -> bool:
+    """Whether `value` is or holds (in a list, tuple, dict or plain object) an instance of
+    `kinds`: by default a traced tensor; `_TRACED`, a traced tensor or number."""
+    if isinstance(value, kinds):
         return True
     if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
-        return any(isinstance(item, traced) for _, item in walk(value))
+        return any(isinstance(item, kinds) for _, item in walk(value))
     return False
 
 
-def _holds_proxy(value) -> bool:
-    if isinstance(value, TensorProxy):
-        return True
-    if isinstance(value, (list, tuple, dict)) or is_plain_object(value):
-        return any(isinstance(item, TensorProxy) for _, item in walk(value))
-    return False
+def _traced_kind(value) -> str:
+    """What a refused store of `value` (which `_holds(value, _TRACED)`) holds, for the message."""
+    return "a traced tensor" if _holds(value) else "a symbolic size"
 
 
 @dataclass(frozen=True)
@@ -305,13 +306,12 @@ def module_stores(module: torch.nn.Module,
                 if captured is not None and isinstance(value, TensorProxy) and isinstance(
                         before, torch.Tensor) and captured.get(id(before), (None, None))[1] is value:
                     continue  # `self.seen += 1`: the tensor updated in place, written back
-                if captured is not None and _holds_traced(value):
-                    refusal = refusal or _refuse(where, "a traced tensor" if _holds_proxy(value)
-                                                 else "a symbolic size")
-                elif _holds_traced(value) and not in_place and _traced_value(value):
+                if captured is not None and _holds(value, _TRACED):
+                    refusal = refusal or _refuse(where, _traced_kind(value))
+                elif _holds(value, _TRACED) and not in_place and _traced_value(value):
                     steps = tuple(("attr", part) for part in name.split(".")) if name else ()
                     found.append(ModuleStore(sub, key, value, traced=True, path=steps))
-                elif _holds_proxy(value):
+                elif _holds(value):
                     refusal = refusal or _refuse(where, "a traced tensor inside a list or dict")
                 elif in_place and _constant_contents(value):
                     found.append(ModuleStore(sub, key, snapshot(value), contents=True))
@@ -334,9 +334,8 @@ def module_stores(module: torch.nn.Module,
             for key, value in vars(owner).items():
                 if value is before.get(key, _MISSING):
                     continue
-                if _holds_traced(value):
-                    refusal = refusal or _refuse(f"{where}.{key}", "a traced tensor"
-                                                 if _holds_proxy(value) else "a symbolic size")
+                if _holds(value, _TRACED):
+                    refusal = refusal or _refuse(f"{where}.{key}", _traced_kind(value))
                 elif _constant(value):
                     found.append(ModuleStore(owner, key, value))
         if refusal is not None and not failed:

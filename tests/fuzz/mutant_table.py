@@ -1983,7 +1983,7 @@ MUTANTS: list[Mutant] = [
            ("tests/ops/test_strides.py::"
             "test_ops_laid_out_by_device_report_the_cpu_kernels_strides",)),
     Mutant("batch_norm_laid_out_like_its_input", "layout", "ops/opaque.py",
-           "    if strides is None or tuple(first.stride()) == strides:",
+           "    if relaid is first:",
            "    if True:",
            ("tests/ops/test_strides.py::"
             "test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides",)),
@@ -2255,7 +2255,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_fast_paths.py::"
             "test_multihead_attention_regular_path_where_eager_takes_it",)),
     Mutant("transposed_convolution_laid_out_by_the_meta_kernel", "layout", "ops/opaque.py",
-           "    return with_strides(out, strides)", "    return out",
+           "    return _relaid(out, strides)", "    return out",
            ("tests/ops/test_strides.py::"
             "test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides",)),
     Mutant("group_norm_layout_of_symbolic_sizes_row_major", "dynamic", "ops/kernel_layouts.py",
@@ -2376,7 +2376,7 @@ MUTANTS: list[Mutant] = [
             "test_a_computed_cat_operand_read_after_the_region_stays_out_of_the_cats_region",)),
     # --- session 49, h49mut: stores of symbolic sizes, eager calls over a recompile ----------
     Mutant("symbolic_size_store_refused", "mutation", "tracer/module_stores.py",
-           "    if isinstance(value, (TensorProxy, *TRACED_NUMBERS)):\n        return True\n"
+           "    if isinstance(value, _TRACED):\n        return True\n"
            "    if type(value) is dict:",
            "    if isinstance(value, TensorProxy):\n        return True\n"
            "    if type(value) is dict:",
@@ -2385,8 +2385,8 @@ MUTANTS: list[Mutant] = [
             "tests/tracer/test_module_stores.py::"
             "test_constants_stored_by_the_forward_are_stored_by_every_compiled_call")),
     Mutant("symbolic_size_left_in_a_config_object", "mutation", "tracer/module_stores.py",
-           "                if _holds_traced(value):\n",
-           "                if _holds_proxy(value):\n",
+           "                if _holds(value, _TRACED):\n",
+           "                if _holds(value):\n",
            ("tests/tracer/test_module_stores.py::"
             "test_a_symbolic_size_stored_into_a_config_object_is_the_calls_size",)),
     Mutant("eager_calls_reset_on_recompile", "bridge", "wrappers.py",
