@@ -265,6 +265,17 @@ def test_group_norm_of_a_channels_last_input_reports_the_cpu_kernels_strides(mem
     assert not stride_mismatches(expected, traced)
 
 
+def _assert_compiled_in_eagers_layout(fn, x) -> None:
+    """`jit(fn)(x)`, with static and with symbolic sizes, gives eager's values and eager's
+    strides, which are not row-major (else the check could not fail)."""
+    want = fn(x)
+    assert want.stride() != want.contiguous().stride()  # not vacuous
+    for dynamic in (False, True):
+        got = jit(fn, dynamic=dynamic)(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+
+
 def test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides():
     """Eager's CPU transposed convolution writes a channels-last result for a channels-last
     input; PyTorch's meta kernel answers row-major, and the compiled result was copied
@@ -273,12 +284,7 @@ def test_transposed_convolution_of_a_channels_last_input_returns_eagers_strides(
     model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3, 2), torch.nn.ReLU(),
                                 torch.nn.AvgPool2d(2))
     x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
-    want = model(x)
-    assert want.stride() != want.contiguous().stride()  # not vacuous
-    for dynamic in (False, True):
-        got = jit(model, dynamic=dynamic)(x)
-        assert got.stride() == want.stride()
-        torch.testing.assert_close(got, want)
+    _assert_compiled_in_eagers_layout(model, x)
 
 
 @pytest.mark.parametrize("memory_format", [torch.channels_last, torch.channels_last_3d],
@@ -290,12 +296,7 @@ def test_channel_shuffle_of_a_channels_last_input_returns_eagers_strides(memory_
     shuffle = torch.nn.Sequential(torch.nn.ChannelShuffle(2), torch.nn.Hardtanh())
     rank = 4 if memory_format == torch.channels_last else 5
     x = torch.randn(2, 4, *[3, 5, 2][:rank - 2]).contiguous(memory_format=memory_format)
-    want = shuffle(x)
-    assert want.stride() != want.contiguous().stride()  # not vacuous
-    for dynamic in (False, True):
-        got = jit(shuffle, dynamic=dynamic)(x)
-        assert got.stride() == want.stride()
-        torch.testing.assert_close(got, want)
+    _assert_compiled_in_eagers_layout(shuffle, x)
 
 
 @pytest.mark.parametrize("mode", ["reflect", "replicate"])
@@ -309,9 +310,4 @@ def test_a_3d_pad_of_a_channels_last_3d_input_returns_eagers_strides(mode):
     def fn(x):
         return F.pad(x, (1, 1, 1, 1, 1, 1), mode=mode)
 
-    want = fn(x)
-    assert want.stride() != want.contiguous().stride()  # not vacuous
-    for dynamic in (False, True):
-        got = jit(fn, dynamic=dynamic)(x)
-        assert got.stride() == want.stride()
-        torch.testing.assert_close(got, want)
+    _assert_compiled_in_eagers_layout(fn, x)
