@@ -29,6 +29,7 @@ from fulmen.core.printer import (
     executable_source,
     highlight_html,
     print_trace,
+    resolve_dotted,
 )
 from fulmen.core.proxy import Proxy, iter_proxies
 from fulmen.core.source import user_source_location
@@ -107,12 +108,9 @@ class Trace:
 def _resolve(node: ast.expr, namespace: dict) -> Any:
     """The object a dotted name (`torch.nn.functional.linear`, `codegen.fusion3`) stands for
     in `namespace`, or None."""
-    if isinstance(node, ast.Name):
-        return namespace.get(node.id)
-    if isinstance(node, ast.Attribute):
-        base = _resolve(node.value, namespace)
-        return None if base is None else getattr(base, node.attr, None)
-    return None
+    if not isinstance(node, (ast.Name, ast.Attribute)):
+        return None
+    return resolve_dotted(ast.unparse(node), namespace)
 
 
 def bind_callables(module: ast.Module, namespace: dict) -> ast.Module:
