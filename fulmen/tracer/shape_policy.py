@@ -178,6 +178,10 @@ def _root_floats(roots: list) -> list[tuple[Any, float]]:
 # (and the 1s beside them generalised): one compilation for the sweep. Only where an eager run
 # is allowed (not under `fullgraph=True`, not for `fulmen.grad`), and not by default: the
 # first call of a jitted function then has no traces to show (`fulmen.last_traces`).
+# Deferring the second distinct shape instead keeps both compilations (and adds an eager call).
+# Session 50, tiny HF Llama training sweep, CPU ms (`benchmarks/dynamic.py --breakdown`): eager
+# 147; static compile 186, symbolic 266, the other 34 calls 187 (116 again: 71 are new shapes'
+# kernel call plans).
 
 class DynamicDims:
     """The dimensions a jitted callable treats as dynamic, and its entries with symbolic sizes.
