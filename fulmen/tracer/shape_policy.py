@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import float_in_tuple, follow, is_plain_object, path_text, walk
+from fulmen.tracer.call_values import (
+    int_values,
+    is_learning_rate,
+    number_in_tuple,
+    root_floats,
+    tensor_shapes,
+)
+from fulmen.tracer.objects import path_text
 from fulmen.tracer.symbolic import FLOAT, INT, STRIDES, is_symbolic, tensor_at
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
@@ -76,19 +83,6 @@ def _dim(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
-def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
-    """`(position, shape)` of each tensor of a call: flattened arguments, and the tensors
-    inside object arguments (an HF `DynamicCache`) at `(index, path)` (see `tensor_at`)."""
-    shapes = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            shapes.append((i, tuple(leaf.shape)))
-        elif is_plain_object(leaf):
-            shapes.extend(((i, path), tuple(value.shape)) for path, value in walk(leaf)
-                          if isinstance(value, torch.Tensor))
-    return shapes
-
-
 # NOTE [what a symbolic int cannot answer]
 # A SymInt answers arithmetic, comparisons (each a guard), `int()`/`range()` and, from user code,
 # `str(n)`/`f"{n}"` (a guard on its value: `fulmen.tracer.formatting`) and `isinstance(n, int)`
@@ -97,50 +91,6 @@ def _tensor_shapes(leaves: list) -> list[tuple[Any, tuple[int, ...]]]:
 # check in user code on an integer argument that varies would take the other path; `type` is
 # not replaceable as `isinstance` is, and the check is rare next to `isinstance` (HF, litgpt
 # and torch's own Python use `isinstance`).
-
-
-def _int_values(leaves: list, kind: type = int) -> list[tuple[Any, int]]:
-    """`(position, value)` of each integer (not a bool; with `kind=float`, each float) among
-    the call's arguments (at its index) and inside its object arguments (at `(index, path)`)."""
-    found = []
-    for i, leaf in enumerate(leaves):
-        if type(leaf) is kind:
-            found.append((i, leaf))
-        elif is_plain_object(leaf):
-            found.extend(((i, path), value) for path, value in walk(leaf) if type(value) is kind)
-    return found
-
-
-def _in_tuple(leaves: list, roots, position) -> bool:
-    """Whether the number at `(root, path)` is an item of a tuple that tracing cannot give a
-    proxy (`ObjectInputs.swap_in` rebuilds only a plain tuple held by a list, dict or object:
-    `objects.float_in_tuple`)."""
-    if not isinstance(position, tuple):
-        return False
-    root, path = position
-    root_object = roots[-1 - root] if root < 0 else leaves[root]
-    return isinstance(follow(root_object, path[:-1]), tuple) \
-        and not float_in_tuple(root_object, path)
-
-
-def _is_learning_rate(leaves: list, roots, position) -> bool:
-    """Whether the float at `position` is a learning rate in a torch optimizer's
-    `param_groups` (`optimizer.param_groups[i]["lr"]`): read at run time from the first call,
-    since LR schedulers change it at every step (NOTE [floats read at run time])."""
-    if not isinstance(position, tuple) or len(position[1]) != 3:
-        return False
-    root, path = position
-    owner = roots[-1 - root] if root < 0 else leaves[root]
-    return path[0] == ("attr", "param_groups") and path[2] == ("key", "lr") \
-        and isinstance(owner, torch.optim.Optimizer)
-
-
-def _root_floats(roots: list) -> list[tuple[Any, float]]:
-    """`((root, path), value)` of each float inside the jitted function's own objects (a bound
-    method's `self`, an LR scheduler's optimizer: `fulmen.tracer.sources.function_roots`), at
-    negative roots (`symbolic.number_at`)."""
-    return [((-1 - i, path), value) for i, root in enumerate(roots) if is_plain_object(root)
-            for path, value in walk(root) if type(value) is float]
 
 
 # NOTE [a varying size back at 1]
@@ -253,7 +203,7 @@ class DynamicDims:
         a generate over another prompt length starts with calls of another structure (the
         prefill without a cache), so comparing only calls of one structure would never see the
         encoder's length change, and would compile each decode step again for each length."""
-        shapes = _tensor_shapes(leaves)
+        shapes = tensor_shapes(leaves)
         names = [label(i) for i, _ in shapes]
         # argument name -> its dims seen to grow from 1 that are 1 again now, having been
         # larger at the last miss: generalised (NOTE [a varying size back at 1])
@@ -326,8 +276,8 @@ class DynamicDims:
         # (a float inside a tuple that `ObjectInputs.swap_in` cannot rebuild stays a
         # constant, keyed by its value)
         floats = [(position, value) for position, value in
-                  _int_values(leaves, float) + _root_floats(list(roots))
-                  if not _in_tuple(leaves, roots, position)]
+                  int_values(leaves, float) + root_floats(list(roots))
+                  if not number_in_tuple(leaves, roots, position)]
         names = [label(position) if not isinstance(position, tuple) or position[0] >= 0
                  else f"self{-1 - position[0] or ''}{path_text(position[1])}"
                  for position, _ in floats]
@@ -335,7 +285,7 @@ class DynamicDims:
                       self.varying_floats, "float", "reading it at run time")
         chosen = [position for name, (position, _) in zip(names, floats)
                   if name in self.varying_floats or position in self.float_positions
-                  or _is_learning_rate(leaves, roots, position)]
+                  or is_learning_rate(leaves, roots, position)]
         self.float_positions.update(chosen)
         return chosen
 
@@ -384,7 +334,7 @@ class DynamicDims:
         and the unconditional one (without), and the cache's `cumulative_length` sits at
         another argument position in each; compared only within one structure it never varied
         and every step compiled."""
-        ints = _int_values(leaves)
+        ints = int_values(leaves)
         names = [label(position) for position, _ in ints]
         watched = self.dynamic is not False and not self.ints_broken
         _note_changes(names, [value for _, value in ints], self.last_ints,

@@ -626,7 +626,7 @@ MUTANTS: list[Mutant] = [
     # --- integer arguments traced as symbols answer isinstance as numbers (int_answers.py) ---
     Mutant("symbolic_int_not_an_int_to_isinstance", "dynamic", "tracer/int_answers.py",
            "    return as_number\n", "    return answer\n", ("tests/tracer/test_dynamic_ints.py",)),
-    Mutant("int_arguments_stay_constants", "dynamic", "tracer/shape_policy.py",
+    Mutant("int_arguments_stay_constants", "dynamic", "tracer/call_values.py",
            "        if type(leaf) is kind:\n            found.append((i, leaf))",
            "        if type(leaf) is kind and kind is not int:\n            found.append((i, leaf))",
            ("tests/tracer/test_dynamic_ints.py",)),
@@ -1175,7 +1175,7 @@ MUTANTS: list[Mutant] = [
     # a float the key leaves out but the trace keeps constant (inside a nested tuple): a wrong
     # cache hit (killed by test_a_changing_float_in_a_nested_tuple_is_keyed_by_its_value)
     Mutant("float_in_tuple_keyed_by_type", "guards", "tracer/shape_policy.py",
-           "if not _in_tuple(leaves, roots, position)]", "]",
+           "if not number_in_tuple(leaves, roots, position)]", "]",
            ("tests/tracer/test_host_floats.py",)),
     # a torch call taking a float read at run time decomposed (its scalar folded at trace time)
     Mutant("host_float_call_decomposed", "guards", "tracer/dispatch.py",
