@@ -11,7 +11,6 @@ the trace; the cache key guards their values.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,13 @@ from fulmen.tracer.argument_containers import ArgumentContainers
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
+from fulmen.tracer.call_outputs import (
+    clear_grads_after_each_call,
+    epilogue_values,
+    flatten_output,
+    is_printable_spec,
+    traced_stores,
+)
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.tracer.environment import environment_recorded
@@ -45,7 +51,6 @@ from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_caches import library_caches_set_aside
 from fulmen.tracer.library_flags import answered_for_proxies
-from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import (
     ModuleStore,
     held_modules,
@@ -53,13 +58,10 @@ from fulmen.tracer.module_stores import (
     refuse_held,
 )
 from fulmen.tracer.objects import (
-    MODULE,
-    TRACED_NUMBERS,
     ObjectInputs,
     function_roots,
     has_argument_grad,
     is_plain_object,
-    walk,
 )
 from fulmen.tracer.size_trees import keep_sizes
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
@@ -161,68 +163,6 @@ def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[i
                      + [-1 for name in read if name in state_names])
 
 
-def _is_printable_spec(spec) -> bool:
-    if spec.is_leaf():
-        return True
-    if spec.type not in (tuple, list, dict):
-        return False
-    if spec.type is dict and not all(isinstance(k, (str, int)) for k in spec.context):
-        return False
-    return all(_is_printable_spec(child) for child in spec.children())
-
-
-def _flatten_output(out) -> tuple[list, Any]:
-    """`pytree.tree_flatten(out)`, registering dataclass types met among the leaves as pytree
-    nodes first (so a dataclass of tensors is rebuilt around the compiled outputs).
-
-    Other objects holding traced tensors stay leaves; the epilogue rebuilds them per call
-    (`fulmen.tracer.objects`).
-    """
-    while True:
-        leaves, spec = pytree.tree_flatten(out)
-        registered = False
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) or leaf is None:
-                continue
-            kind = type(leaf)
-            if dataclasses.is_dataclass(leaf) and all(f.init for f in dataclasses.fields(leaf)):
-                if kind not in pytree.SUPPORTED_NODES:
-                    pytree.register_dataclass(kind)
-                    registered = True
-                continue
-        if not registered:
-            return leaves, keep_sizes(spec)  # a `torch.Size` returned stays one
-
-
-def _epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProxy]:
-    """Record the stores into the object arguments and the output objects holding traced
-    tensors (replacing them by None in `out_leaves`); return the proxies their templates hold,
-    which the trace must return."""
-    objects.record_stores()
-    for index, leaf in enumerate(out_leaves):
-        if is_plain_object(leaf) and any(isinstance(v, TensorProxy) for _, v in walk(leaf)):
-            objects.epilogue.outputs.append((index, leaf))
-            out_leaves[index] = None
-    templates = [store[3] for store in objects.epilogue.stores]
-    templates += [store[2][1] for store in objects.epilogue.stores
-                  if store[2] is not None and isinstance(store[2][1], TensorProxy)]
-    templates += [template for _, template in objects.epilogue.outputs]
-    found: dict[str, TensorProxy] = {}
-    numbers: dict[int, Any] = {}  # traced numbers (NOTE [traced numbers in stores])
-    arguments = objects.epilogue.arguments  # the call's own tensors: not returned
-    for template in templates:
-        values = [template] if isinstance(template, (TensorProxy, *TRACED_NUMBERS)) \
-            else [v for _, v in walk(template)]
-        for value in values:
-            if isinstance(value, TensorProxy) and id(value) not in arguments:
-                found.setdefault(value.name, value)
-            elif isinstance(value, TRACED_NUMBERS):
-                numbers.setdefault(id(value), value)
-    objects.epilogue.names = list(found)
-    objects.epilogue.numbers = list(numbers.values())
-    return list(found.values())
-
-
 def _attribute_owners(module: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
     """id of each plain tensor attribute of `module`'s modules (not a parameter or buffer:
     `self.h = torch.zeros(4)`) -> `(owner, attribute)`."""
@@ -232,39 +172,6 @@ def _attribute_owners(module: torch.nn.Module) -> dict[int, tuple[torch.nn.Modul
             if type(value) is torch.Tensor:
                 owners.setdefault(id(value), (sub, key))
     return owners
-
-
-def _clear_grads_after_each_call(cleared: list[TensorProxy], objects: ObjectInputs,
-                                 object_pairs: list) -> None:
-    """`p.grad = None` on tensors inside argument objects (`optimizer.zero_grad()` in a jitted
-    step) become epilogue stores on the call's own tensors.
-
-    Raises:
-        MetadataMutation: the tensor is not inside an argument object (a parameter reached
-            through a module argument): the call runs eagerly.
-    """
-    if not cleared:
-        return
-    paths = {proxy.name: objects.tensor_paths[index]
-             for index, (proxy, _) in enumerate(object_pairs)}
-    for proxy in cleared:
-        if proxy.name not in paths:
-            raise MetadataMutation(
-                f"setting the .grad of {proxy.name}, which is not inside an argument object",
-                op="Tensor.grad", hint="pass the optimizer (fulmen replays its zero_grad())")
-        root, path = paths[proxy.name]
-        objects.epilogue.stores.append((root, path, ("attr", "grad"), None))
-
-
-def _traced_stores(stores: list[ModuleStore], objects: ObjectInputs) -> list[ModuleStore]:
-    """Make the module stores of traced tensors epilogue stores of `objects` (the trace returns
-    their tensors; with graph breaks, each path has its own epilogue); return the other
-    stores."""
-    traced = [store for store in stores if store.traced]
-    for store in traced:
-        objects.epilogue.stores.append((MODULE, store.path, ("attr", store.key), store.value))
-        objects.epilogue.replaces_buffers |= store.key in store.module._buffers
-    return [store for store in stores if not store.traced]
 
 
 class TorchFunctionSubclass(RunsEagerly):
@@ -484,18 +391,18 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 with eager_fast_paths():
                     out = fn(*proxy_args, **proxy_kwargs)
             writes = {(id(store.module), store.key) for store in stores if store.traced}
-            stores = _traced_stores(stores, objects)
+            stores = traced_stores(stores, objects)
             held_stores.close()  # their stores are known (or refused) from here on
             stores += [store for found in held_found for store in found]
-            out_leaves, out_spec = _flatten_output(out)
+            out_leaves, out_spec = flatten_output(out)
             out_leaves = [ctx.capture(leaf) if isinstance(leaf, torch.Tensor)
                           and not isinstance(leaf, TensorProxy) else leaf for leaf in out_leaves]
             if replay_stores:
                 input_paths = [(proxy, leaves_with_paths[index][0])
                                for proxy, index in zip(inputs, positions)]
                 containers.record(objects.epilogue, out, input_paths)
-            _clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
-            extras = _epilogue_values(objects, out_leaves)
+            clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
+            extras = epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             refuse_escaping_fresh(ctx, resolved, len(out_leaves))
             refuse_inference_results(ctx, resolved)  # NOTE [inference tensors made inside]
@@ -518,7 +425,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
     if objects.epilogue:
         output, output_spec = (tuple(out_leaves), tuple(extras)), out_spec
-    elif _is_printable_spec(out_spec):
+    elif is_printable_spec(out_spec):
         output, output_spec = pytree.tree_unflatten(out_leaves, out_spec), None
     else:
         output, output_spec = tuple(out_leaves), out_spec
