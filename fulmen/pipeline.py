@@ -54,6 +54,7 @@ from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.attention_masks import additive_attention_masks
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.autodiff.eager_replay import eager_replay
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
@@ -130,6 +131,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     if needs_grad:
         returned = returned_views(traces[-1])
         recompute = _recompute(traces[-1])
+        replay = eager_replay(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
         seconds["autodiff"] = time.perf_counter() - start
@@ -167,7 +169,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants), recompute=recompute,
                             size_only=_size_only_residuals(unclaimed, len(residuals)),
-                            input_residuals=_input_residuals(traces[-1]))
+                            input_residuals=_input_residuals(traces[-1]), replay=replay)
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 

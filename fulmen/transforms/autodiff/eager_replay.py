@@ -1,0 +1,181 @@
+"""What eager's autograd would do with a program, found by running it once on fake tensors.
+
+NOTE [eager's gradient layouts]: `torch.autograd.grad` returns each input's gradient in the
+layout its backward formulas produce: `x @ w` with a transposed `x` gives a transposed
+gradient (`mm_mat1_backward` keeps mat1's layout), `x.mean(0)` a row-major one (an expand
+divided), `F.mse_loss(x.T, y)` the layout of `y`. fulmen's VJP rules compute the same values
+with other formulas (`mean` as `sum * 1/n`: the gradient an expand), so their layouts differ,
+and code reading `g.stride()`, `g.is_contiguous()` or `g.view(...)` saw another tensor. (`.grad`
+is not concerned: AccumulateGrad lays every gradient out like its parameter, or row-major.)
+The first backward of a compiled call whose inputs or gradients are not all row-major runs the
+program's computation trace with torch's ops on fake tensors of the inputs' and cotangents'
+layouts, asks torch's autograd for the gradients, and keeps their layouts; that backward and
+the later ones relay out a gradient that differs (`EagerReplay.relaid`), a copy (an eager
+gradient that is an expand is left as fulmen computed it). Row-major inputs with row-major
+gradients, the common case, cost one check at the first backward.
+
+NOTE [inference tensors saved for backward]: eager raises "Inference tensors cannot be saved
+for backward" when an op recording a graph saves a tensor made under `torch.inference_mode()`
+(`x * w` saves `x` for `w`'s gradient; `x.exp() * w` saves only `x.exp()`, an ordinary
+tensor). A compiled call's residuals are not eager's saved tensors, so the call with an
+inference tensor argument runs the program on fake tensors with a saved-tensors hook
+(`EagerReplay.refuse_saved_inference`, once per set of inference arguments) and raises
+eager's error, naming the argument, where eager would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
+
+from fulmen.core import Tag, Trace, any_tagged
+from fulmen.core.ambient import without_autocast
+from fulmen.proxies import TensorProxy
+
+_UNDECIDED = object()
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _like(t):
+    """A fake stand-in (inside a fake mode) with `t`'s layout and requires_grad where `t` is a
+    tensor; other values as they are."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return fake.requires_grad_(t.requires_grad)
+
+
+class EagerReplay:
+    """A program's computation trace, run with torch's ops on fake tensors to learn what
+    eager's autograd would do with it (NOTE [eager's gradient layouts], NOTE [inference
+    tensors saved for backward])."""
+
+    def __init__(self, computation: Trace):
+        self._trace = computation
+        self._fn: Callable | None = None
+        self.names = [p.name if isinstance(p, TensorProxy) else None for p in computation.args]
+        # per input: eager's (shape, strides) of its gradient where a relayout is due, else None
+        self.layouts = _UNDECIDED
+        self._saving: dict[tuple, frozenset[int]] = {}
+
+    @property
+    def undecided(self) -> bool:
+        return self.layouts is _UNDECIDED
+
+    def _run(self, inputs, cotangents=None, saved: list | None = None):
+        """Fake inputs, and eager's gradients (with `cotangents`) or None."""
+        if self._fn is None:
+            self._fn = without_autocast(self._trace.python_callable())
+        hooks = contextlib.nullcontext()
+        with _fake_mode(), torch.enable_grad():
+            fakes = [_like(x) for x in inputs]
+            if saved is not None:
+                ids = {id(f): i for i, f in enumerate(fakes)}
+
+                def pack(t):
+                    while t is not None:
+                        if id(t) in ids:
+                            saved.append(ids[id(t)])
+                            break
+                        t = t._base
+                    return None
+
+                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None)
+            with hooks:
+                outputs = pytree.tree_leaves(self._fn(*fakes))
+            if cotangents is None:
+                return fakes, None
+            pairs = [(o, _like(g)) for o, g in zip(outputs, cotangents)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            wrt = [f for f in fakes if isinstance(f, torch.Tensor) and f.requires_grad]
+            if not pairs or not wrt:
+                return fakes, [None] * len(wrt)
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                        allow_unused=True)
+            return fakes, grads
+
+    def decide_layouts(self, inputs: list, cotangents, grads) -> None:
+        """Record, from the first backward's `inputs` (fake stand-ins or tensors), `cotangents`
+        and fulmen's `grads`, which gradients to relay out (NOTE [eager's gradient layouts])."""
+        self.layouts = None
+        pairs = [(x, g) for x, g in zip(inputs, grads) if isinstance(g, torch.Tensor)]
+        if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):
+            return
+        try:
+            fakes, eager = self._run(inputs, cotangents)
+        except Exception:  # a program torch's fake tensors cannot run: layouts left as computed
+            return
+        eager = iter(eager)
+        layouts = []
+        for fake, grad in zip(fakes, grads):
+            want = next(eager) if isinstance(fake, torch.Tensor) and fake.requires_grad else None
+            if (not isinstance(grad, torch.Tensor) or want is None or not _dense(want)
+                    or grad.stride() == want.stride() or grad.shape != want.shape):
+                layouts.append(None)
+            else:
+                layouts.append((tuple(want.shape), tuple(want.stride())))
+        if any(layouts):
+            self.layouts = tuple(layouts)
+
+    def relaid(self, grads) -> tuple:
+        """`grads` with each one laid out as eager's (`self.layouts`)."""
+        return tuple(_relaid(g, layout) for g, layout in zip(grads, self.layouts))
+
+    def refuse_saved_inference(self, inputs) -> None:
+        """Raise eager's error where an op recording a graph would save an inference tensor
+        argument (NOTE [inference tensors saved for backward])."""
+        made = tuple(i for i, x in enumerate(inputs)
+                     if isinstance(x, torch.Tensor) and x.is_inference())
+        key = (made, tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
+        saved = self._saving.get(key)
+        if saved is None:
+            found: list[int] = []
+            try:
+                self._run(inputs, saved=found)
+            except Exception:  # fake tensors cannot run it: the call goes ahead
+                pass
+            saved = self._saving[key] = frozenset(found)
+        for i in made:
+            if i in saved:
+                name = self.names[i] if i < len(self.names) else None
+                raise RuntimeError(
+                    "Inference tensors cannot be saved for backward. Please do not use Tensors "
+                    "created in inference mode in computation tracked by autograd. To work "
+                    "around this, you can make a clone to get a normal tensor (the argument "
+                    f"`{name}` of the fulmen-compiled function was made under "
+                    "torch.inference_mode(), and eager saves it for backward)")
+
+
+def _relaid(grad, layout):
+    if layout is None or grad is None:
+        return grad
+    shape, strides = layout
+    if grad.stride() == strides and tuple(grad.shape) == shape:
+        return grad
+    if tuple(grad.shape) == shape:
+        out = torch.empty_strided(shape, strides, dtype=grad.dtype, device=grad.device)
+    else:  # another size of a symbolic entry: eager's order of dims in memory
+        order = sorted(range(len(shape)), key=lambda d: -strides[d])
+        out = torch.empty_permuted(grad.shape, order, dtype=grad.dtype, device=grad.device)
+        if out.stride() == grad.stride():
+            return grad
+    return out.copy_(grad)
+
+
+def eager_replay(computation: Trace) -> EagerReplay | None:
+    """An `EagerReplay` of `computation`; None where running it again on fake tensors could
+    act on the world (side effects)."""
+    if any_tagged(computation.bsyms, frozenset({Tag.SIDE_EFFECT})):
+        return None
+    return EagerReplay(computation)
+
+
+__all__ = ["EagerReplay", "eager_replay"]
