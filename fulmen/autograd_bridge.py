@@ -96,6 +96,17 @@ def _saved_inference(ctx, pair: CompiledPair, inputs, residuals: list) -> None:
     ctx.save_for_backward(*[r.clone() if r.is_inference() else r for r in residuals])
 
 
+def _refuse_inference_arguments(pair: CompiledPair, inputs) -> None:
+    """After the forward failed: raise eager's error where eager saves an inference tensor
+    argument for backward (NOTE [inference tensors saved for backward] in
+    `fulmen.transforms.autodiff.eager_replay`). An op run by torch.autograd inside the forward
+    (a 3-d convolution, a GRU) fails first on an inference tensor requiring grad ("Setting
+    requires_grad=True on inference tensor")."""
+    if pair.replay is not None and any(
+            isinstance(x, torch.Tensor) and x.is_inference() for x in inputs):
+        pair.replay.refuse_saved_inference(inputs)
+
+
 def _sizes_of(residual):
     """NOTE [residuals read for their sizes]: a backward with symbolic sizes binds them from
     its arguments' sizes and strides (`s0 = y.shape[0]`); one that needs nothing else of a
@@ -113,7 +124,11 @@ class FulmenAutogradFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pair: CompiledPair, *inputs):
-        outputs, residuals = pair.forward(*inputs)
+        try:
+            outputs, residuals = pair.forward(*inputs)
+        except RuntimeError:
+            _refuse_inference_arguments(pair, inputs)
+            raise
         ctx.pair = pair
         if pair.size_only:
             residuals = list(residuals)

@@ -2423,4 +2423,10 @@ MUTANTS: list[Mutant] = [
            "        pass",
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_an_inference_tensor_eager_saves_for_backward_raises_eagers_error",)),
+    Mutant("inference_argument_error_of_a_failed_forward_left_as_is", "bridge",
+           "autograd_bridge.py",
+           "            _refuse_inference_arguments(pair, inputs)\n",
+           "",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_a_module_made_under_inference_mode_raises_eagers_error",)),
 ]

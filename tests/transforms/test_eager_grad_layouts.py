@@ -153,3 +153,19 @@ def test_an_inference_tensor_eager_does_not_save_is_accepted():
     torch.testing.assert_close(actual, expected)
     actual.sum().backward()
     torch.testing.assert_close(w.grad, x.exp())
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.BatchNorm2d(3).eval(), (2, 3, 4, 4)),
+    (lambda: torch.nn.Conv3d(3, 2, 2), (1, 3, 3, 3, 3)),
+], ids=["batch_norm_eval", "conv3d"])
+def test_a_module_made_under_inference_mode_raises_eagers_error(make, shape):
+    """An op run by torch.autograd inside the forward failed first with another message
+    ("Setting requires_grad=True on inference tensor outside InferenceMode")."""
+    with torch.inference_mode():
+        module = make()
+    x = torch.randn(shape)
+    with pytest.raises(RuntimeError, match="cannot be saved for backward"):
+        module(x)
+    with pytest.raises(RuntimeError, match="cannot be saved for backward"):
+        fulmen.jit(module)(x)
