@@ -150,7 +150,7 @@ class FulmenAutogradFunction(torch.autograd.Function):
         except _InferenceResidual:
             _saved_inference(ctx, pair, inputs, residuals)
         ctx.objects = objects
-        if pair.replay is not None and pair.replay.undecided:  # NOTE [eager's gradient layouts]
+        if pair.replay is not None and pair.replay.pending:  # NOTE [eager's gradient layouts]
             ctx.first_inputs = inputs
         if not pair.all_outputs_differentiable:
             ctx.mark_non_differentiable(*[
@@ -181,10 +181,10 @@ class FulmenAutogradFunction(torch.autograd.Function):
         input_grads = backward(*residuals, *cotangents)
         replay = pair.replay
         if replay is not None:  # NOTE [eager's gradient layouts]
-            if replay.undecided and getattr(ctx, "first_inputs", None) is not None:
+            if replay.pending and getattr(ctx, "first_inputs", None) is not None:
                 replay.decide_layouts(ctx.first_inputs, grads, input_grads)
                 ctx.first_inputs = None
-            if replay.layouts is not None and not replay.undecided:
+            if replay.layouts is not None:
                 input_grads = replay.relaid(input_grads)
         return (None, *input_grads)
 

@@ -36,9 +36,6 @@ from fulmen.core import Tag, Trace, any_tagged
 from fulmen.core.ambient import without_autocast
 from fulmen.proxies import TensorProxy
 
-_UNDECIDED = object()
-
-
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -62,13 +59,11 @@ class EagerReplay:
         self._trace = computation
         self._fn: Callable | None = None
         self.names = [p.name if isinstance(p, TensorProxy) else None for p in computation.args]
-        # per input: eager's (shape, strides) of its gradient where a relayout is due, else None
-        self.layouts = _UNDECIDED
+        # until the first backward has decided `layouts`: per input, eager's (shape, strides)
+        # of its gradient where a relayout is due, else None; None where none is
+        self.pending = True
+        self.layouts: tuple | None = None
         self._saving: dict[tuple, frozenset[int]] = {}
-
-    @property
-    def undecided(self) -> bool:
-        return self.layouts is _UNDECIDED
 
     def _run(self, inputs, cotangents=None, saved: list | None = None):
         """Fake inputs, and eager's gradients (with `cotangents`) or None."""
@@ -105,7 +100,7 @@ class EagerReplay:
     def decide_layouts(self, inputs: list, cotangents, grads) -> None:
         """Record, from the first backward's `inputs` (fake stand-ins or tensors), `cotangents`
         and fulmen's `grads`, which gradients to relay out (NOTE [eager's gradient layouts])."""
-        self.layouts = None
+        self.pending = False
         pairs = [(x, g) for x, g in zip(inputs, grads) if isinstance(g, torch.Tensor)]
         if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):
             return
