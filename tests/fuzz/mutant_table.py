@@ -2429,4 +2429,10 @@ MUTANTS: list[Mutant] = [
            "",
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_a_module_made_under_inference_mode_raises_eagers_error",)),
+    Mutant("gradient_layouts_replayed_on_fake_tensors_only", "bridge",
+           "transforms/autodiff/eager_replay.py",
+           "        real = (all(x.device.type == \"cpu\" for x in tensors)",
+           "        real = False and (all(x.device.type == \"cpu\" for x in tensors)",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_autograd_grad_returns_eagers_gradient_layouts",)),
 ]

@@ -36,6 +36,14 @@ def _norm(x):
     return x.norm(dim=0)
 
 
+def _mse(x, y):
+    return F.mse_loss(x, y)
+
+
+def _eval_batch_norm(x, weight):
+    return F.batch_norm(x, torch.zeros(3), torch.ones(3), weight, training=False)
+
+
 # name -> (program, inputs as (shape, layout)): each one's fulmen gradient had another layout
 _CASES = {
     "mm_of_a_transposed_input": (_mm, [((4, 5), "t"), ((5, 3), "row")]),
@@ -43,6 +51,11 @@ _CASES = {
     "linear_of_a_transposed_weight": (_linear, [((4, 5), "row"), ((3, 5), "t")]),
     "mean_of_a_channels_last_input": (_mean, [((2, 3, 4, 5), "cl")]),
     "norm_of_a_transposed_input": (_norm, [((4, 5), "t")]),
+    # PyTorch's meta kernels lay these out otherwise than its CPU kernels: a replay on fake
+    # tensors gave the second a row-major gradient (eager's and fulmen's: channels-last)
+    "mse_loss_of_a_transposed_input": (_mse, [((5, 4), "t"), ((5, 4), "row")]),
+    "eval_batch_norm_of_a_channels_last_input": (_eval_batch_norm, [((2, 3, 5, 5), "cl"),
+                                                                   ((3,), "row")]),
 }
 # right before the replay too, and slow to compile: `make test` runs the `.grad` test below
 _SLOW_CASES = {

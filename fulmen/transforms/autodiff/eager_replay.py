@@ -8,8 +8,10 @@ with other formulas (`mean` as `sum * 1/n`: the gradient an expand), so their la
 and code reading `g.stride()`, `g.is_contiguous()` or `g.view(...)` saw another tensor. (`.grad`
 is not concerned: AccumulateGrad lays every gradient out like its parameter, or row-major.)
 The first backward of a compiled call whose inputs or gradients are not all row-major runs the
-program's computation trace with torch's ops on fake tensors of the inputs' and cotangents'
-layouts, asks torch's autograd for the gradients, and keeps their layouts; that backward and
+program's computation trace with torch's ops on its inputs and cotangents (detached; CPU inputs
+up to `REAL_REPLAY_BYTES`) or on fake tensors of their layouts (PyTorch's meta kernels, which
+lay a few backwards out otherwise than the CPU kernels), asks torch's autograd for the
+gradients, and keeps their layouts (the random state restored after); that backward and
 the later ones relay out a gradient that differs (`EagerReplay.relaid`), a copy (an eager
 gradient that is an expand is left as fulmen computed it). Row-major inputs with row-major
 gradients, the common case, cost one check at the first backward.
@@ -36,9 +38,30 @@ from fulmen.core import Tag, Trace, any_tagged
 from fulmen.core.ambient import without_autocast
 from fulmen.proxies import TensorProxy
 
+
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# inputs (all on the CPU) up to this size replay on the real tensors: PyTorch's meta kernels
+# lay some backwards out otherwise than its CPU kernels (`mse_loss` of a transposed input, an
+# eval-mode `batch_norm` of a channels-last one); larger ones, and other devices, on fake ones
+REAL_REPLAY_BYTES = 1 << 26
+
+
+def _real_like(t, writes: bool):
+    """`t` detached (a copy where the program writes into its inputs, or an inference tensor),
+    requiring grad as `t` does; other values as they are."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    same = t.detach()
+    if (writes or t.is_inference()) and _dense(t):
+        same = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        same.copy_(t.detach())
+    elif writes or t.is_inference():  # (overlapping: an expand)
+        same = same.clone()
+    return same.requires_grad_(t.requires_grad)
 
 
 def _like(t):
@@ -64,16 +87,20 @@ class EagerReplay:
         self.pending = True
         self.layouts: tuple | None = None
         self._saving: dict[tuple, frozenset[int]] = {}
+        self._writes = any_tagged(computation.bsyms, frozenset({Tag.WRITE_BACK}))
 
-    def _run(self, inputs, cotangents=None, saved: list | None = None):
-        """Fake inputs, and eager's gradients (with `cotangents`) or None."""
+    def _run(self, inputs, cotangents=None, saved: list | None = None, real: bool = False):
+        """The stand-ins of `inputs`, and eager's gradients of them (with `cotangents`) or None.
+        Fake stand-ins, or with `real`, the inputs themselves (detached; copies where the
+        program writes into them), the random state restored after."""
         if self._fn is None:
             self._fn = without_autocast(self._trace.python_callable())
         hooks = contextlib.nullcontext()
-        with _fake_mode(), torch.enable_grad():
-            fakes = [_like(x) for x in inputs]
+        mode = torch.random.fork_rng(devices=[]) if real else _fake_mode()
+        with mode, torch.enable_grad():
+            stand_ins = [_real_like(x, self._writes) if real else _like(x) for x in inputs]
             if saved is not None:
-                ids = {id(f): i for i, f in enumerate(fakes)}
+                ids = {id(f): i for i, f in enumerate(stand_ins)}
 
                 def pack(t):
                     while t is not None:
@@ -85,17 +112,17 @@ class EagerReplay:
 
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None)
             with hooks:
-                outputs = pytree.tree_leaves(self._fn(*fakes))
+                outputs = pytree.tree_leaves(self._fn(*stand_ins))
             if cotangents is None:
-                return fakes, None
-            pairs = [(o, _like(g)) for o, g in zip(outputs, cotangents)
+                return stand_ins, None
+            pairs = [(o, g.detach() if real else _like(g)) for o, g in zip(outputs, cotangents)
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            wrt = [f for f in fakes if isinstance(f, torch.Tensor) and f.requires_grad]
+            wrt = [f for f in stand_ins if isinstance(f, torch.Tensor) and f.requires_grad]
             if not pairs or not wrt:
-                return fakes, [None] * len(wrt)
+                return stand_ins, [None] * len(wrt)
             grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
                                         allow_unused=True)
-            return fakes, grads
+            return stand_ins, grads
 
     def decide_layouts(self, inputs: list, cotangents, grads) -> None:
         """Record, from the first backward's `inputs` (fake stand-ins or tensors), `cotangents`
@@ -104,14 +131,18 @@ class EagerReplay:
         pairs = [(x, g) for x, g in zip(inputs, grads) if isinstance(g, torch.Tensor)]
         if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):
             return
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        real = (all(x.device.type == "cpu" for x in tensors)
+                and sum(x.numel() * x.element_size() for x in tensors) <= REAL_REPLAY_BYTES)
         try:
-            fakes, eager = self._run(inputs, cotangents)
-        except Exception:  # a program torch's fake tensors cannot run: layouts left as computed
+            stand_ins, eager = self._run(inputs, cotangents, real=real)
+        except Exception:  # a program torch cannot run so: layouts left as computed
             return
         eager = iter(eager)
         layouts = []
-        for fake, grad in zip(fakes, grads):
-            want = next(eager) if isinstance(fake, torch.Tensor) and fake.requires_grad else None
+        for stand_in, grad in zip(stand_ins, grads):
+            want = next(eager) if isinstance(stand_in, torch.Tensor) and stand_in.requires_grad \
+                else None
             if (not isinstance(grad, torch.Tensor) or want is None or not _dense(want)
                     or grad.stride() == want.stride() or grad.shape != want.shape):
                 layouts.append(None)
