@@ -2419,8 +2419,8 @@ MUTANTS: list[Mutant] = [
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_autograd_grad_returns_eagers_gradient_layouts",)),
     Mutant("inference_tensor_saved_for_backward_accepted", "bridge", "autograd_bridge.py",
-           "        pair.replay.refuse_saved_inference(inputs)",
-           "        pass",
+           "        pair.replay.refuse_saved_inference(inputs)\n    ctx.save_for_backward(",
+           "        pass\n    ctx.save_for_backward(",
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_an_inference_tensor_eager_saves_for_backward_raises_eagers_error",)),
     Mutant("inference_argument_error_of_a_failed_forward_left_as_is", "bridge",
