@@ -74,8 +74,8 @@ def _like(t):
 
 
 class EagerReplay:
-    """A program's computation trace, run with torch's ops on fake tensors to learn what
-    eager's autograd would do with it (NOTE [eager's gradient layouts], NOTE [inference
+    """A program's computation trace, run with torch's ops (on fake tensors, or on its inputs)
+    to learn what eager's autograd would do with it (NOTE [eager's gradient layouts], NOTE [inference
     tensors saved for backward])."""
 
     def __init__(self, computation: Trace):
@@ -125,8 +125,8 @@ class EagerReplay:
             return stand_ins, grads
 
     def decide_layouts(self, inputs: list, cotangents, grads) -> None:
-        """Record, from the first backward's `inputs` (fake stand-ins or tensors), `cotangents`
-        and fulmen's `grads`, which gradients to relay out (NOTE [eager's gradient layouts])."""
+        """Record, from the first backward's call `inputs`, `cotangents` and fulmen's `grads`,
+        which gradients to relay out (NOTE [eager's gradient layouts])."""
         self.pending = False
         pairs = [(x, g) for x, g in zip(inputs, grads) if isinstance(g, torch.Tensor)]
         if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):
@@ -197,8 +197,8 @@ def _relaid(grad, layout):
 
 
 def eager_replay(computation: Trace) -> EagerReplay | None:
-    """An `EagerReplay` of `computation`; None where running it again on fake tensors could
-    act on the world (side effects)."""
+    """An `EagerReplay` of `computation`; None where running it again could act on the world
+    (side effects)."""
     if any_tagged(computation.bsyms, frozenset({Tag.SIDE_EFFECT})):
         return None
     return EagerReplay(computation)
