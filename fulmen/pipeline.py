@@ -54,7 +54,7 @@ from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.attention_masks import additive_attention_masks
 from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.transforms.autodiff.eager_replay import eager_replay
+from fulmen.transforms.autodiff.eager_replay import eager_replay, grads_laid_out_as_eager
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
@@ -124,6 +124,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     run(traces, cse)
     for user_transform in transforms:
         run(traces, user_transform)
+    computation = traces[-1]
     if wrt is not None:
         run(traces, value_and_grad_trace, wrt)
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
@@ -159,6 +160,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     # the traces hold autocast's casts explicitly: never cast again under the caller's
     fn = without_autocast(traces[-1].python_callable())
     seconds["python compilation"] = time.perf_counter() - start
+    if wrt is not None:  # NOTE [eager's gradient layouts]
+        fn = grads_laid_out_as_eager(fn, computation, wrt)
     finish_backward = None
     if needs_grad:
         residuals = traces[-1].output[1]

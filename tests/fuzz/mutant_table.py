@@ -2435,4 +2435,14 @@ MUTANTS: list[Mutant] = [
            "        real = False and (all(x.device.type == \"cpu\" for x in tensors)",
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_autograd_grad_returns_eagers_gradient_layouts",)),
+    Mutant("fulmen_grad_layouts_as_computed", "bridge", "pipeline.py",
+           "        fn = grads_laid_out_as_eager(fn, computation, wrt)",
+           "        pass",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_fulmen_grad_returns_the_layouts_of_torch_func_grad",)),
+    Mutant("fulmen_vjp_layouts_as_computed", "bridge", "functional.py",
+           "                    grads[i] = grad\n",
+           "                    pass\n",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_fulmen_vjp_returns_the_layouts_of_torch_func_vjp",)),
 ]

@@ -182,3 +182,32 @@ def test_a_module_made_under_inference_mode_raises_eagers_error(make, shape):
         module(x)
     with pytest.raises(RuntimeError, match="cannot be saved for backward"):
         fulmen.jit(module)(x)
+
+
+@pytest.mark.parametrize("case", ["mm_of_a_transposed_input", "mean_of_a_channels_last_input",
+                                  "eval_batch_norm_of_a_channels_last_input"])
+def test_fulmen_grad_returns_the_layouts_of_torch_func_grad(case):
+    fn, spec = _CASES[case]
+    argnums = tuple(range(len(spec)))
+
+    def loss(*args):
+        return fn(*args).square().sum()
+
+    inputs = [t.detach() for t in _inputs(spec)]
+    expected = torch.func.grad(loss, argnums)(*inputs)
+    for _ in range(2):
+        actual = fulmen.grad(loss, argnums)(*inputs)
+        for got, want in zip(actual, expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert got.stride() == want.stride(), (case, got.stride(), want.stride())
+
+
+def test_fulmen_vjp_returns_the_layouts_of_torch_func_vjp():
+    inputs = [t.detach() for t in _inputs(_CASES["mm_of_a_transposed_input"][1])]
+    cotangent = torch.randn(4, 3)
+    expected = torch.func.vjp(_mm, *inputs)[1](cotangent)
+    actual = fulmen.vjp(_mm, *inputs)[1](cotangent)
+    assert expected[0].stride() == (1, 4)  # transposed: not vacuous
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert got.stride() == want.stride()

@@ -89,7 +89,8 @@ class EagerReplay:
         self._saving: dict[tuple, frozenset[int]] = {}
         self._writes = any_tagged(computation.bsyms, frozenset({Tag.WRITE_BACK}))
 
-    def _run(self, inputs, cotangents=None, saved: list | None = None, real: bool = False):
+    def _run(self, inputs, cotangents=None, saved: list | None = None, real: bool = False,
+             wrt: frozenset[int] | None = None):
         """The stand-ins of `inputs`, and eager's gradients of them (with `cotangents`) or None.
         Fake stand-ins, or with `real`, the inputs themselves (detached; copies where the
         program writes into them), the random state restored after."""
@@ -99,6 +100,10 @@ class EagerReplay:
         mode = torch.random.fork_rng(devices=[]) if real else _fake_mode()
         with mode, torch.enable_grad():
             stand_ins = [_real_like(x, self._writes) if real else _like(x) for x in inputs]
+            if wrt is not None:  # (`fulmen.grad`: the inputs differentiated)
+                stand_ins = [x.detach().requires_grad_(i in wrt)
+                             if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else x
+                             for i, x in enumerate(stand_ins)]
             if saved is not None:
                 ids = {id(f): i for i, f in enumerate(stand_ins)}
 
@@ -124,25 +129,30 @@ class EagerReplay:
                                         allow_unused=True)
             return stand_ins, grads
 
-    def decide_layouts(self, inputs: list, cotangents, grads) -> None:
-        """Record, from the first backward's call `inputs`, `cotangents` and fulmen's `grads`,
-        which gradients to relay out (NOTE [eager's gradient layouts])."""
+    def decide_layouts(self, inputs: list, cotangents, grads,
+                       wrt: tuple[int, ...] | None = None) -> None:
+        """Record, from the first backward's call `inputs`, `cotangents` and fulmen's `grads`
+        (one per input, or with `wrt`, one per input at those positions), which gradients to
+        relay out (NOTE [eager's gradient layouts])."""
         self.pending = False
-        pairs = [(x, g) for x, g in zip(inputs, grads) if isinstance(g, torch.Tensor)]
+        positions = range(len(inputs)) if wrt is None else wrt
+        pairs = [(inputs[i], g) for i, g in zip(positions, grads) if isinstance(g, torch.Tensor)]
         if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):
             return
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         real = (all(x.device.type == "cpu" for x in tensors)
                 and sum(x.numel() * x.element_size() for x in tensors) <= REAL_REPLAY_BYTES)
         try:
-            stand_ins, eager = self._run(inputs, cotangents, real=real)
+            stand_ins, eager = self._run(inputs, cotangents, real=real,
+                                         wrt=None if wrt is None else frozenset(wrt))
         except Exception:  # a program torch cannot run so: layouts left as computed
             return
-        eager = iter(eager)
+        differentiated = [i for i, x in enumerate(stand_ins)
+                          if isinstance(x, torch.Tensor) and x.requires_grad]
+        eager_of = dict(zip(differentiated, eager))
         layouts = []
-        for stand_in, grad in zip(stand_ins, grads):
-            want = next(eager) if isinstance(stand_in, torch.Tensor) and stand_in.requires_grad \
-                else None
+        for i, grad in zip(positions, grads):
+            want = eager_of.get(i)
             if (not isinstance(grad, torch.Tensor) or want is None or not _dense(want)
                     or grad.stride() == want.stride() or grad.shape != want.shape):
                 layouts.append(None)
@@ -196,6 +206,26 @@ def _relaid(grad, layout):
     return out.copy_(grad)
 
 
+def grads_laid_out_as_eager(fn: Callable, computation: Trace, wrt) -> Callable:
+    """`fn` (a compiled `fulmen.grad` program of `computation`: `inputs -> (value, grads)`,
+    one gradient per input named in `wrt`) with its gradients in the layouts eager's
+    `torch.func.grad` gives (NOTE [eager's gradient layouts])."""
+    replay = eager_replay(computation)
+    if replay is None:
+        return fn
+    positions = tuple(replay.names.index(name) for name in wrt)
+
+    def run(*inputs):
+        value, grads = fn(*inputs)
+        if replay.pending:
+            replay.decide_layouts(list(inputs), [torch.ones_like(value)], grads, positions)
+        if replay.layouts is not None:
+            grads = replay.relaid(grads)
+        return value, grads
+
+    return run
+
+
 def eager_replay(computation: Trace) -> EagerReplay | None:
     """An `EagerReplay` of `computation`; None where running it again could act on the world
     (side effects)."""
@@ -204,4 +234,4 @@ def eager_replay(computation: Trace) -> EagerReplay | None:
     return EagerReplay(computation)
 
 
-__all__ = ["EagerReplay", "eager_replay"]
+__all__ = ["EagerReplay", "eager_replay", "grads_laid_out_as_eager"]
