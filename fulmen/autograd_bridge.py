@@ -55,6 +55,9 @@ class CompiledPair:
     # positions of the residuals that are inputs of the forward (NOTE [outputs backpropagated
     # in turns])
     input_residuals: frozenset[int] = frozenset()
+    # the program run on fake tensors, for eager's gradient layouts and saved-tensor errors
+    # (`fulmen.transforms.autodiff.eager_replay`); None where it has side effects
+    replay: object | None = None
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -69,12 +72,39 @@ def _version(x) -> int | None:
     return x._version
 
 
+class _InferenceResidual(Exception):
+    pass
+
+
 def _savable(residual: torch.Tensor) -> torch.Tensor:
-    """`residual`, or a copy of it where it is an inference tensor, which autograd refuses to
-    save: such a residual is an input made under `torch.inference_mode()` that eager reads in
-    the forward only (eager saves what it computes from it, `a + b` for `(a + b).sin()`), kept
-    by rematerialization because it is cheaper to save than a result."""
-    return residual.clone() if residual.is_inference() else residual
+    """`residual`; raises `_InferenceResidual` where it is an inference tensor, which autograd
+    refuses to save (`_saved_inference`)."""
+    if residual.is_inference():
+        raise _InferenceResidual
+    return residual
+
+
+def _saved_inference(ctx, pair: CompiledPair, inputs, residuals: list) -> None:
+    """Save `residuals`, one of which is an inference tensor: an input made under
+    `torch.inference_mode()`. Where eager saves it for backward, raise eager's error (NOTE
+    [inference tensors saved for backward] in `fulmen.transforms.autodiff.eager_replay`);
+    else eager reads it in the forward only (it saves what it computes from it, `a + b` for
+    `(a + b).sin()`), and rematerialization kept it because it is cheaper to save than a
+    result: a copy is saved."""
+    if pair.replay is not None:
+        pair.replay.refuse_saved_inference(inputs)
+    ctx.save_for_backward(*[r.clone() if r.is_inference() else r for r in residuals])
+
+
+def _refuse_inference_arguments(pair: CompiledPair, inputs) -> None:
+    """After the forward failed: raise eager's error where eager saves an inference tensor
+    argument for backward (NOTE [inference tensors saved for backward] in
+    `fulmen.transforms.autodiff.eager_replay`). An op run by torch.autograd inside the forward
+    (a 3-d convolution, a GRU) fails first on an inference tensor requiring grad ("Setting
+    requires_grad=True on inference tensor")."""
+    if pair.replay is not None and any(
+            isinstance(x, torch.Tensor) and x.is_inference() for x in inputs):
+        pair.replay.refuse_saved_inference(inputs)
 
 
 def _sizes_of(residual):
@@ -94,7 +124,11 @@ class FulmenAutogradFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pair: CompiledPair, *inputs):
-        outputs, residuals = pair.forward(*inputs)
+        try:
+            outputs, residuals = pair.forward(*inputs)
+        except RuntimeError:
+            _refuse_inference_arguments(pair, inputs)
+            raise
         ctx.pair = pair
         if pair.size_only:
             residuals = list(residuals)
@@ -111,8 +145,13 @@ class FulmenAutogradFunction(torch.autograd.Function):
         if pair.has_object_residuals:
             objects = [(i, r) for i, r in enumerate(residuals) if not isinstance(r, torch.Tensor)]
             residuals = [r for r in residuals if isinstance(r, torch.Tensor)]
-        ctx.save_for_backward(*map(_savable, residuals))
+        try:
+            ctx.save_for_backward(*map(_savable, residuals))
+        except _InferenceResidual:
+            _saved_inference(ctx, pair, inputs, residuals)
         ctx.objects = objects
+        if pair.replay is not None and pair.replay.pending:  # NOTE [eager's gradient layouts]
+            ctx.first_inputs = inputs
         if not pair.all_outputs_differentiable:
             ctx.mark_non_differentiable(*[
                 out for out, flag in zip(outputs, pair.differentiable_outputs)
@@ -140,6 +179,13 @@ class FulmenAutogradFunction(torch.autograd.Function):
         if pair.backward_without is not None and not all(reached):
             cotangents = [g for g in cotangents if g is not None]
         input_grads = backward(*residuals, *cotangents)
+        replay = pair.replay
+        if replay is not None:  # NOTE [eager's gradient layouts]
+            if replay.pending and getattr(ctx, "first_inputs", None) is not None:
+                replay.decide_layouts(ctx.first_inputs, grads, input_grads)
+                ctx.first_inputs = None
+            if replay.layouts is not None:
+                input_grads = replay.relaid(input_grads)
         return (None, *input_grads)
 
 

@@ -21,6 +21,7 @@ from fulmen.pipeline import lower
 from fulmen.tracer import trace_program
 from fulmen.transforms import dce
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.autodiff.eager_replay import eager_replay
 
 
 def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *, executors=None) -> Callable:
@@ -72,6 +73,8 @@ def vjp(fn: Callable, *primals, executors=None):
     backward = lower(dce(split.backward), chosen)
 
     tensor_inputs = [inputs[p] for p in positions]
+    replay = eager_replay(trace)
+    wrt_at = tuple(i for i, p in enumerate(trace.args[:len(positions)]) if p.name in wrt)
     output_leaves, residuals = forward(*tensor_inputs, *program.captured)
     outputs = pytree.tree_unflatten(list(output_leaves), split.output_spec)
     if program.output_spec is not None:
@@ -84,6 +87,14 @@ def vjp(fn: Callable, *primals, executors=None):
                              f"{len(leaves)}")
         chosen_cotangents = [c for c, flag in zip(leaves, split.differentiable_outputs) if flag]
         grads = backward(*residuals, *chosen_cotangents)
+        if replay is not None:  # NOTE [eager's gradient layouts]
+            picked = [grads[i] for i in wrt_at]
+            if replay.pending:
+                replay.decide_layouts([*tensor_inputs, *program.captured], leaves, picked, wrt_at)
+            if replay.layouts is not None:
+                grads = list(grads)
+                for i, grad in zip(wrt_at, replay.relaid(picked)):
+                    grads[i] = grad
         per_leaf = [None] * len(inputs)
         for index, position in enumerate(positions):
             per_leaf[position] = grads[index]

@@ -54,6 +54,7 @@ from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.attention_masks import additive_attention_masks
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.transforms.autodiff.eager_replay import eager_replay, grads_laid_out_as_eager
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
@@ -123,6 +124,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     run(traces, cse)
     for user_transform in transforms:
         run(traces, user_transform)
+    computation = traces[-1]
     if wrt is not None:
         run(traces, value_and_grad_trace, wrt)
     needs_grad = (wrt is None and torch.is_grad_enabled() and traces[-1].output != ()
@@ -130,6 +132,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     if needs_grad:
         returned = returned_views(traces[-1])
         recompute = _recompute(traces[-1])
+        replay = eager_replay(traces[-1])
         start = time.perf_counter()
         split = split_forward_backward(traces[-1])
         seconds["autodiff"] = time.perf_counter() - start
@@ -157,6 +160,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
     # the traces hold autocast's casts explicitly: never cast again under the caller's
     fn = without_autocast(traces[-1].python_callable())
     seconds["python compilation"] = time.perf_counter() - start
+    if wrt is not None:  # NOTE [eager's gradient layouts]
+        fn = grads_laid_out_as_eager(fn, computation, wrt)
     finish_backward = None
     if needs_grad:
         residuals = traces[-1].output[1]
@@ -167,7 +172,7 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants), recompute=recompute,
                             size_only=_size_only_residuals(unclaimed, len(residuals)),
-                            input_residuals=_input_residuals(traces[-1]))
+                            input_residuals=_input_residuals(traces[-1]), replay=replay)
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 

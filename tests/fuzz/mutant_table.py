@@ -1040,7 +1040,7 @@ MUTANTS: list[Mutant] = [
            "False for x, version in zip(inputs, ctx.versions))",
            ("tests/transforms/test_double_backward.py",)),
     Mutant("inference_tensor_residual_saved_as_is", "bridge", "autograd_bridge.py",
-           "return residual.clone() if residual.is_inference() else residual", "return residual",
+           "r.clone() if r.is_inference() else r for r in residuals", "r for r in residuals",
            ("tests/transforms/test_double_backward.py",)),
     Mutant("inference_tensor_version_read", "bridge", "autograd_bridge.py",
            "if not isinstance(x, torch.Tensor) or x.is_inference():",
@@ -2407,4 +2407,42 @@ MUTANTS: list[Mutant] = [
            "                if True:\n                    out = fn(",
            ("tests/tracer/test_fast_paths.py::"
             "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
+    # --- session 50, h50lay: eager's gradient layouts; inference tensors saved for backward ---
+    Mutant("eager_gradient_layouts_not_relaid", "bridge", "autograd_bridge.py",
+           "                input_grads = replay.relaid(input_grads)",
+           "                pass",
+           ("tests/transforms/test_eager_grad_layouts.py",)),
+    Mutant("gradient_layouts_checked_for_strided_inputs_only", "bridge",
+           "transforms/autodiff/eager_replay.py",
+           "if all(x.is_contiguous() and g.is_contiguous() for x, g in pairs):",
+           "if all(x.is_contiguous() for x, g in pairs):",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_autograd_grad_returns_eagers_gradient_layouts",)),
+    Mutant("inference_tensor_saved_for_backward_accepted", "bridge", "autograd_bridge.py",
+           "        pair.replay.refuse_saved_inference(inputs)\n    ctx.save_for_backward(",
+           "        pass\n    ctx.save_for_backward(",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_an_inference_tensor_eager_saves_for_backward_raises_eagers_error",)),
+    Mutant("inference_argument_error_of_a_failed_forward_left_as_is", "bridge",
+           "autograd_bridge.py",
+           "            _refuse_inference_arguments(pair, inputs)\n",
+           "",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_a_module_made_under_inference_mode_raises_eagers_error",)),
+    Mutant("gradient_layouts_replayed_on_fake_tensors_only", "bridge",
+           "transforms/autodiff/eager_replay.py",
+           "        real = (all(x.device.type == \"cpu\" for x in tensors)",
+           "        real = False and (all(x.device.type == \"cpu\" for x in tensors)",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_autograd_grad_returns_eagers_gradient_layouts",)),
+    Mutant("fulmen_grad_layouts_as_computed", "bridge", "pipeline.py",
+           "        fn = grads_laid_out_as_eager(fn, computation, wrt)",
+           "        pass",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_fulmen_grad_returns_the_layouts_of_torch_func_grad",)),
+    Mutant("fulmen_vjp_layouts_as_computed", "bridge", "functional.py",
+           "                    grads[i] = grad\n",
+           "                    pass\n",
+           ("tests/transforms/test_eager_grad_layouts.py::"
+            "test_fulmen_vjp_returns_the_layouts_of_torch_func_vjp",)),
 ]
