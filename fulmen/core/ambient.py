@@ -26,15 +26,19 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _is_enabled = torch.is_autocast_enabled
 _DisableAutocast = torch._C._DisableAutocast
 _get_dtype = torch.get_autocast_dtype
+_cache_enabled = torch.is_autocast_cache_enabled
 
 
 def autocast_key() -> tuple:
     """`()` when autocast is off; else `((device, dtype), ...)` for each device with autocast
-    enabled (the dtype matters: bfloat16 and float16 regions trace differently)."""
+    enabled (the dtype matters: bfloat16 and float16 regions trace differently), then
+    `"no cast cache"` for a region entered with `cache_enabled=False` (an op run inside
+    autocast, `fulmen.ops.opaque_autocast`, caches casts as the region does)."""
     if not _any_autocast():
         return ()
-    return tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
-                  if _is_enabled(device)])
+    key = tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
+                 if _is_enabled(device)])
+    return key if _cache_enabled() else (*key, "no cast cache")
 
 
 def run_without_autocast(fn: Callable, *args: Any) -> Any:

@@ -2407,4 +2407,21 @@ MUTANTS: list[Mutant] = [
            "                if True:\n                    out = fn(",
            ("tests/tracer/test_fast_paths.py::"
             "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
+    # --- session 50, h50ac: autocast inside composite ops ---------------------------------
+    Mutant("autocast_inside_an_op_not_detected", "dtype", "tracer/autocast.py",
+           "    return off.kernels != on.kernels", "    return False",
+           ("tests/tracer/test_autocast_composites.py",)),
+    Mutant("autocast_bilinear_kernel_not_listed", "dtype", "tracer/autocast.py",
+           "_KERNELS_AUTOCAST_REACHES = frozenset({torch.bilinear, torch._trilinear})",
+           "_KERNELS_AUTOCAST_REACHES = frozenset()",
+           ("tests/tracer/test_autocast_composites.py::test_op_autocast_reaches_inside_is_eagers",)),
+    Mutant("autocast_inside_an_op_without_the_cast_cache", "dtype", "ops/opaque_autocast.py",
+           "with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):",
+           "with torch.autocast(device_type, dtype=dtype, cache_enabled=False):",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_rnn_under_autocast_casts_its_weights_as_the_regions_cache_says",)),
+    Mutant("autocast_cache_state_not_in_the_key", "guards", "core/ambient.py",
+           'return key if _cache_enabled() else (*key, "no cast cache")', "return key",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_rnn_under_autocast_casts_its_weights_as_the_regions_cache_says",)),
 ]
