@@ -49,7 +49,8 @@ class _CastLog(TorchDispatchMode):
         self.watched = watched
         self.casts: dict[str, torch.dtype] = {}
         self.copies = 0  # `_to_copy` calls, on any tensor
-        # every other call, with the dtypes of its tensor arguments and results
+        # every other call that makes tensors, with the dtypes of its tensor arguments and
+        # results (not the queries autocast itself makes: `prim.device`)
         self.kernels: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -63,7 +64,9 @@ class _CastLog(TorchDispatchMode):
                     self.casts.setdefault(self.watched[id(args[0])], dtype)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        self.kernels.append((func, _dtypes((args, kwargs)), _dtypes(out)))
+        made = _dtypes(out)
+        if made:
+            self.kernels.append((func, _dtypes((args, kwargs)), made))
         return out
 
 

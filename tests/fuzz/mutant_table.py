@@ -2424,4 +2424,9 @@ MUTANTS: list[Mutant] = [
            'return key if _cache_enabled() else (*key, "no cast cache")', "return key",
            ("tests/tracer/test_autocast_composites.py::"
             "test_rnn_under_autocast_casts_its_weights_as_the_regions_cache_says",)),
+    Mutant("autocast_queries_taken_for_kernels", "dtype", "tracer/autocast.py",
+           "        if made:\n            self.kernels.append(",
+           "        if True:\n            self.kernels.append(",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_ops_autocast_casts_only_at_entry_keep_their_explicit_casts",)),
 ]

@@ -108,3 +108,21 @@ def test_op_autocast_reaches_inside_is_eagers(case):
     torch.manual_seed(0)
     inputs = (torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True))
     _assert_as_eager(fn, fulmen.jit(fn), inputs, torch.bfloat16)
+
+
+def test_ops_autocast_casts_only_at_entry_keep_their_explicit_casts():
+    # `linear` and `matmul` are cast by autocast on entry: the trace records the casts and the
+    # ops as themselves (fusible, decomposed), not run whole inside autocast. Autocast's own
+    # queries during the call (`prim.device`) once made every cast op look reached inside.
+    def fn(x, w):
+        return (F.linear(x, w).relu() @ w).exp()
+
+    jfn = fulmen.jit(fn)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = fn(x, w), jfn(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    printed = str(fulmen.last_traces(jfn)[0])
+    assert "ltorch.linear(" in printed and "ltorch.to(" in printed
+    assert "_autocast_cpu" not in printed
