@@ -24,6 +24,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core import FulmenError, NotYetSupportedError
@@ -49,6 +54,7 @@ class _CastLog(TorchDispatchMode):
         self.watched = watched
         self.casts: dict[str, torch.dtype] = {}
         self.copies = 0  # `_to_copy` calls, on any tensor
+        self.unfinished = False  # the run stopped at a kernel that needs values
         # every other call that makes tensors, with the dtypes of its tensor arguments and
         # results (not the queries autocast itself makes: `prim.device`)
         self.kernels: list[tuple] = []
@@ -74,14 +80,16 @@ def _dtypes(tree) -> tuple:
     return tuple(t.dtype for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
+# fake tensors' answer for a kernel whose output shape depends on values
+_SHAPE_FROM_VALUES = (DynamicOutputShapeException, DataDependentOutputException)
+
+
 def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: bool = False,
          casts: dict[str, torch.dtype] | None = None) -> _CastLog:
     """The log of the call run on fake tensors, with autocast `enabled` or not, on the arguments
     cast to `casts` (by name) first. With `kernel_may_fail` (an op whose meta kernel refuses
     calls eager accepts), a failure of the call gives the casts logged before it: autocast casts
     the arguments before the call reaches the (meta) kernel."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with torch._C.DisableTorchFunction(), FakeTensorMode():
         fakes: dict[str, torch.Tensor] = {}
 
@@ -100,6 +108,12 @@ def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: b
         with torch.autocast(device_type, enabled=enabled), log:
             try:
                 func(*fake_args, **fake_kwargs)
+            except _SHAPE_FROM_VALUES:
+                # the first kernel needs values (`_ctc_loss`): autocast, which casts before any
+                # kernel, has logged its casts; later kernels are not known (`unfinished`)
+                if log.kernels and not kernel_may_fail:
+                    raise
+                log.unfinished = True
             except Exception:
                 if not kernel_may_fail:
                     raise
@@ -143,7 +157,7 @@ def _reaches_inside(func, args, kwargs, device_type: str, on: _CastLog,
     without any cannot have been changed by it."""
     if func in _KERNELS_AUTOCAST_REACHES:
         return True
-    if not on.copies:
+    if not on.copies or on.unfinished:
         return False
     try:
         with _quiet_fake_tensors():
