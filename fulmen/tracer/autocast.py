@@ -53,7 +53,7 @@ class _CastLog(TorchDispatchMode):
         super().__init__()
         self.watched = watched
         self.casts: dict[str, torch.dtype] = {}
-        self.copies = 0  # `_to_copy` calls, on any tensor
+        self.late_copies = 0  # `_to_copy` calls after the first kernel, on any tensor
         self.unfinished = False  # the run stopped at a kernel that needs values
         # every other call that makes tensors, with the dtypes of its tensor arguments and
         # results (not the queries autocast itself makes: `prim.device`)
@@ -62,7 +62,7 @@ class _CastLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _TO_COPY:
-            self.copies += 1
+            self.late_copies += bool(self.kernels)
             if args and id(args[0]) in self.watched:
                 dtype = kwargs.get("dtype")
                 first = next(iter(self.casts.values()), dtype)
@@ -153,11 +153,12 @@ def _reaches_inside(func, args, kwargs, device_type: str, on: _CastLog,
                     casts: dict[str, torch.dtype]) -> bool:
     """Whether autocast acts inside the call, not only on its arguments: run on the arguments
     cast as recorded with autocast off, it raises, or its kernels see other dtypes than in
-    `on` (the run with autocast on). Autocast acts only by casting (`_to_copy`), so a run
-    without any cannot have been changed by it."""
+    `on` (the run with autocast on). Autocast acts only by casting (`_to_copy`), and casts
+    made before the first kernel are of the arguments (recorded), so a run with no cast after
+    a kernel cannot have been changed inside (linear, matmul: no third run)."""
     if func in _KERNELS_AUTOCAST_REACHES:
         return True
-    if not on.copies or on.unfinished:
+    if not on.late_copies or on.unfinished:
         return False
     try:
         with _quiet_fake_tensors():
