@@ -7,7 +7,9 @@ projects each slice, `torch.einsum` reshapes its operands and calls `bmm`. Casti
 op's arguments cannot reproduce that (the tensors cast are made inside it), so such a call is
 recorded with the symbol made here: it runs the op whole inside `torch.autocast(device_type,
 dtype=dtype)`, as eager does, and its meta runs the op on fake tensors of the argument's device
-(meta tensors carry no autocast dispatch key). Its gradient is torch.autograd's of that call,
+(meta tensors carry no autocast dispatch key); where that fails (a packed-sequence RNN reads
+`batch_sizes`' values), the call takes a graph break and runs on the real values, inside
+autocast too. Its gradient is torch.autograd's of that call,
 recorded under the same autocast state, so values, dtypes and gradients are eager's. Compiled
 traces run with autocast disabled (`fulmen.core.ambient`); entering `torch.autocast` inside
 re-enables it for this call only. `fulmen.tracer.autocast` decides which calls need it.
@@ -30,7 +32,14 @@ import torch.utils._pytree as pytree
 from fulmen.core import FulmenError, Symbol
 from fulmen.core.source import user_source_location
 from fulmen.ops.meta import first_device, from_meta
-from fulmen.ops.opaque import _BY_NAME, _OPAQUE, OPAQUE_NAMESPACE, _is_random, opaque_name
+from fulmen.ops.opaque import (
+    _BY_NAME,
+    _OPAQUE,
+    _VALUE_READERS,
+    OPAQUE_NAMESPACE,
+    _is_random,
+    opaque_name,
+)
 
 _RUNS: dict[tuple, Callable] = {}
 
@@ -68,6 +77,8 @@ def under_autocast(fn: Callable, device_type: str, dtype: torch.dtype,
 
     def meta(*args, **kwargs):
         try:
+            if fn in _VALUE_READERS:  # a packed-sequence RNN: refused before any fake run
+                _VALUE_READERS[fn](_no_outputs, *args, **kwargs)
             return _fake_call(run, args, kwargs)
         except FulmenError:
             raise
@@ -83,6 +94,10 @@ def under_autocast(fn: Callable, device_type: str, dtype: torch.dtype,
                                            torch_fn=run, tags=tags)
     _RUNS[key] = run
     return run
+
+
+def _no_outputs(*args, **kwargs) -> None:
+    """Stands for the op where a value reader's check is wanted, not its meta kernel."""
 
 
 def _fake_call(fn: Callable, args: tuple, kwargs: dict):

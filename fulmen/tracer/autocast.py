@@ -6,14 +6,14 @@ PyTorch's per-device op lists, the tracer asks PyTorch: the call is run once on 
 (no storage, no compute) with autocast on and once with it off, and the `_to_copy` casts of the
 call's own arguments that happen only with autocast on are the casts autocast applies. They are
 recorded as ordinary `Tensor.to(dtype)` statements before the op, so the trace is exact and
-needs no autocast state to run. An op PyTorch cannot run on fake tensors raises
-`NotYetSupportedError` inside an autocast region instead of guessing.
+needs no autocast state to run.
 
 An op autocast reaches inside (a composite op whose kernel calls `linear` or `bmm` on tensors
 it makes: `torch.gru`, `F.multi_head_attention_forward`, `torch.einsum`) is told apart by a
 third fake run: the op on its arguments cast as recorded, autocast off. Where that run raises,
 or its kernels see other dtypes than with autocast on, the call is recorded whole, to run inside
-`torch.autocast` (NOTE [autocast inside an op] in `fulmen.ops.opaque_autocast`).
+`torch.autocast` (NOTE [autocast inside an op] in `fulmen.ops.opaque_autocast`); so is a call
+PyTorch cannot run on fake tensors at all (a packed-sequence RNN), rather than guessing.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from fulmen.ops.opaque_autocast import under_autocast
 from fulmen.proxies import TensorProxy
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_get_dtype = torch.get_autocast_dtype
 
 
 class _CastLog(TorchDispatchMode):
@@ -179,9 +180,12 @@ def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]
         ...     autocast_call(F.linear, (x, w), {})  # (F.linear, (x.to(bf16), w.to(bf16)), {})
         ...     autocast_call(torch.gru, gru_args, {})  # (under_autocast(torch.gru, ...), ...)
 
+    An op PyTorch cannot run on fake tensors is run whole inside autocast too (its meta then
+    fails alike, and the tracer takes a graph break or raises, as for any op it cannot describe).
+
     Raises:
-        NotYetSupportedError: inside an autocast region, for an op PyTorch cannot run on fake
-            tensors (so its autocast behaviour cannot be determined).
+        NotYetSupportedError: an op inside autocast on tensors of several devices, or one whose
+            fake run with autocast succeeds and whose later fake runs fail.
     """
     proxies = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, TensorProxy)]
     devices = {p.device.type for p in proxies if p.dtype.is_floating_point}
@@ -194,18 +198,25 @@ def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]
                                    where=user_source_location())
     device_type = active[0]
     overridden = meta_overridden(func)
+    cache_enabled = torch.is_autocast_cache_enabled()
     try:
         if overridden:
             with _quiet_fake_tensors():
                 on = _run(func, args, kwargs, device_type, True, kernel_may_fail=True)
         else:
-            on = _run(func, args, kwargs, device_type, True)
+            try:
+                with _quiet_fake_tensors():
+                    on = _run(func, args, kwargs, device_type, True)
+            except Exception:
+                # fake tensors cannot run it (a packed-sequence RNN reads values): the call
+                # runs whole inside autocast, described by a graph break where need be
+                return under_autocast(func, device_type, _get_dtype(device_type),
+                                      cache_enabled), args, kwargs
         with_autocast = on.casts
         without = _own_casts(func, args, kwargs, device_type) if with_autocast else {}
         casts = {name: dtype for name, dtype in with_autocast.items() if without.get(name) != dtype}
         if not overridden and _reaches_inside(func, args, kwargs, device_type, on, casts):
-            run = under_autocast(func, device_type, torch.get_autocast_dtype(device_type),
-                                 torch.is_autocast_cache_enabled())
+            run = under_autocast(func, device_type, _get_dtype(device_type), cache_enabled)
             return run, args, kwargs
     except FulmenError:
         raise

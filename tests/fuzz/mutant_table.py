@@ -2433,4 +2433,9 @@ MUTANTS: list[Mutant] = [
            "                if log.kernels and not kernel_may_fail:",
            "                if not kernel_may_fail:",
            ("tests/tracer/test_autocast_scenarios.py::test_ctc_loss_under_autocast_is_eagers",)),
+    Mutant("autocast_op_fake_tensors_cannot_run_refused", "dtype", "tracer/autocast.py",
+           "                return under_autocast(func, device_type, _get_dtype(device_type),\n"
+           "                                      cache_enabled), args, kwargs",
+           "                raise", ("tests/tracer/test_autocast_scenarios.py::"
+                                   "test_packed_sequence_lstm_under_autocast_is_eagers",)),
 ]

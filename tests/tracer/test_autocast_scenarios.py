@@ -1,5 +1,7 @@
 """Autocast scenarios a user writes, each compared with eager: outputs, dtypes, gradients.
 
+A packed-sequence LSTM: fake tensors cannot run it, so it runs whole inside autocast.
+
 CTC loss: autocast runs `ctc_loss` in float32, and its kernel's output shape comes from the
 lengths' values, so the fake run that tells autocast's casts stops at the kernel: the casts
 autocast logged before it are the answer (the compiled call refused the op inside autocast).
@@ -50,3 +52,20 @@ def test_ctc_loss_under_autocast_is_eagers(lengths):
     if lengths == "tensors":
         sizes = tuple(torch.tensor(s) for s in sizes)
     _assert_as_eager(lambda x, w: ctc(x, w, targets, *sizes), (x, w), [x, w], _bf16)
+
+
+def test_packed_sequence_lstm_under_autocast_is_eagers():
+    # A packed-sequence LSTM reads `batch_sizes`' values, so the fake run that tells autocast's
+    # casts cannot run it: the compiled call refused it inside autocast. It now runs whole
+    # inside autocast (a graph break describes its outputs), bfloat16 as in eager.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 5, batch_first=True)
+
+    def packed(x):
+        sequence = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 3]),
+                                                           batch_first=True)
+        out, (h, c) = lstm(sequence)
+        return torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0], h, c
+
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    _assert_as_eager(packed, (x,), [x, *lstm.parameters()], _bf16)
