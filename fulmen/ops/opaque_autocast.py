@@ -102,11 +102,12 @@ def _no_outputs(*args, **kwargs) -> None:
 
 def _fake_call(fn: Callable, args: tuple, kwargs: dict):
     """`fn` run on fake tensors of the arguments' devices (so autocast applies); proxies for
-    its tensor outputs, with the strides the kernel chose."""
+    its tensor outputs, with the strides the kernel chose (outside inference mode, as
+    `fulmen.tracer.autocast`'s runs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = first_device(args, kwargs)
-    with torch._C.DisableTorchFunction(), FakeTensorMode():
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():
 
         def fake(leaf):
             if not isinstance(leaf, torch.Tensor):

@@ -90,8 +90,12 @@ def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: b
     """The log of the call run on fake tensors, with autocast `enabled` or not, on the arguments
     cast to `casts` (by name) first. With `kernel_may_fail` (an op whose meta kernel refuses
     calls eager accepts), a failure of the call gives the casts logged before it: autocast casts
-    the arguments before the call reaches the (meta) kernel."""
-    with torch._C.DisableTorchFunction(), FakeTensorMode():
+    the arguments before the call reaches the (meta) kernel.
+
+    Outside inference mode: there the fake mode gets a composite op whole (`aten.gru.input`:
+    autograd's keys, where it decomposes, are skipped), where eager's CPU kernel decomposes it
+    and autocast casts inside; the run saw no cast and the GRU ran in float32."""
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():
         fakes: dict[str, torch.Tensor] = {}
 
         def fake(leaf):

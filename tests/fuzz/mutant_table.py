@@ -2438,4 +2438,9 @@ MUTANTS: list[Mutant] = [
            "                                      cache_enabled), args, kwargs",
            "                raise", ("tests/tracer/test_autocast_scenarios.py::"
                                    "test_packed_sequence_lstm_under_autocast_is_eagers",)),
+    Mutant("autocast_fake_runs_in_inference_mode", "dtype", "tracer/autocast.py",
+           "with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():",
+           "with torch._C.DisableTorchFunction(), FakeTensorMode():",
+           ("tests/tracer/test_autocast_scenarios.py::"
+            "test_composite_ops_under_autocast_in_inference_are_eagers",)),
 ]
