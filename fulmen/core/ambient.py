@@ -13,8 +13,9 @@ Both cost one `torch._C._is_any_autocast_enabled()` check when autocast is off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,21 @@ def autocast_key() -> tuple:
     key = tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
                  if _is_enabled(device)])
     return key if _cache_enabled() else (*key, "no cast cache")
+
+
+@contextlib.contextmanager
+def without_cast_cache() -> Iterator[None]:
+    """Autocast's cast cache off, for a run on fake tensors while tracing: autocast caches the
+    cast of a real leaf tensor requiring grad (a module's weight, read by a custom
+    `autograd.Function` run on fake tensors) until the outermost region exits, and a fake cast
+    cached there was what the compiled call's own casts of that weight returned (its outputs
+    were fake tensors, without values)."""
+    was = _cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def run_without_autocast(fn: Callable, *args: Any) -> Any:
@@ -68,4 +84,5 @@ def without_autocast(fn: Callable) -> Callable:
     return run
 
 
-__all__ = ["AUTOCAST_DEVICES", "autocast_key", "run_without_autocast", "without_autocast"]
+__all__ = ["AUTOCAST_DEVICES", "autocast_key", "run_without_autocast", "without_autocast",
+           "without_cast_cache"]

@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, Symbol
+from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
 from fulmen.ops.meta import first_device, from_meta
 from fulmen.ops.opaque import (
@@ -107,7 +108,8 @@ def _fake_call(fn: Callable, args: tuple, kwargs: dict):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = first_device(args, kwargs)
-    with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
+            FakeTensorMode():
 
         def fake(leaf):
             if not isinstance(leaf, torch.Tensor):

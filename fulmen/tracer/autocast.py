@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
 from fulmen.ops.opaque import meta_overridden
 from fulmen.ops.opaque_autocast import under_autocast
@@ -95,7 +96,8 @@ def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: b
     Outside inference mode: there the fake mode gets a composite op whole (`aten.gru.input`:
     autograd's keys, where it decomposes, are skipped), where eager's CPU kernel decomposes it
     and autocast casts inside; the run saw no cast and the GRU ran in float32."""
-    with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
+            FakeTensorMode():
         fakes: dict[str, torch.Tensor] = {}
 
         def fake(leaf):

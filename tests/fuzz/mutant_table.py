@@ -2439,8 +2439,13 @@ MUTANTS: list[Mutant] = [
            "                raise", ("tests/tracer/test_autocast_scenarios.py::"
                                    "test_packed_sequence_lstm_under_autocast_is_eagers",)),
     Mutant("autocast_fake_runs_in_inference_mode", "dtype", "tracer/autocast.py",
-           "with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode():",
-           "with torch._C.DisableTorchFunction(), FakeTensorMode():",
+           "torch.inference_mode(False), without_cast_cache(), \\",
+           "without_cast_cache(), \\",
            ("tests/tracer/test_autocast_scenarios.py::"
             "test_composite_ops_under_autocast_in_inference_are_eagers",)),
+    Mutant("autocast_fake_casts_left_in_the_cast_cache", "dtype", "ops/autograd_function.py",
+           "torch._C.DisableTorchFunction(), without_cast_cache(), \\",
+           "torch._C.DisableTorchFunction(), \\",
+           ("tests/tracer/test_autocast_scenarios.py::"
+            "test_custom_function_reading_a_weight_under_autocast_returns_real_tensors",)),
 ]

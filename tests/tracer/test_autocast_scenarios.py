@@ -1,6 +1,8 @@
 """Autocast scenarios a user writes, each compared with eager: outputs, dtypes, gradients.
 
-A packed-sequence LSTM: fake tensors cannot run it, so it runs whole inside autocast.
+A packed-sequence LSTM: fake tensors cannot run it, so it runs whole inside autocast. A custom
+Function reading a module's weight, traced on fake tensors, must leave no fake cast in
+autocast's cast cache. In inference mode composite ops reach the fake mode whole.
 
 CTC loss: autocast runs `ctc_loss` in float32, and its kernel's output shape comes from the
 lengths' values, so the fake run that tells autocast's casts stops at the kernel: the casts
@@ -138,3 +140,35 @@ def test_composite_ops_under_autocast_in_inference_are_eagers(mode):
     for g, e in zip(got, want, strict=True):
         assert g.dtype == e.dtype
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+class _GruFunction(torch.autograd.Function):
+    """A custom Function whose forward reads a module's weights (leaves requiring grad)."""
+
+    gru = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return _GruFunction.gru(x)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.sum(-1, keepdim=True).expand(3, 2, 4).float()
+
+
+def test_custom_function_reading_a_weight_under_autocast_returns_real_tensors():
+    # Tracing runs the Function on fake tensors; under autocast its forward cast the GRU's
+    # real weights, and autocast's cast cache kept those fake casts until the region exited:
+    # the compiled call, in the same region, got them back and returned a FakeTensor.
+    # (a region of its own: an eager call first would cache real casts)
+    torch.manual_seed(0)
+    _GruFunction.gru = torch.nn.GRU(4, 5)
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    jfn = fulmen.jit(lambda x: _GruFunction.apply(x))
+    with _bf16():
+        got = jfn(x)
+    with _bf16():
+        want = _GruFunction.apply(x)
+    assert type(got) is torch.Tensor and got.dtype == want.dtype
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(_grads([got], [x]), _grads([want], [x]))
