@@ -2448,4 +2448,8 @@ MUTANTS: list[Mutant] = [
            "torch._C.DisableTorchFunction(), \\",
            ("tests/tracer/test_autocast_scenarios.py::"
             "test_custom_function_reading_a_weight_under_autocast_returns_real_tensors",)),
+    Mutant("function_apply_jitted_bound_early", "autodiff", "jit.py",
+           "    return JittedFunction(_apply_looked_up_per_call(fn), executors, transforms,",
+           "    return JittedFunction(fn, executors, transforms,",
+           ("tests/tracer/test_function_apply_jitted.py",)),
 ]
