@@ -10,6 +10,7 @@ callable, a miss traces and compiles anew.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -79,9 +80,26 @@ def jit(
     if isinstance(fn, torch.nn.Module):
         return JittedModule(fn, executors, transforms, rematerialize, fullgraph,
                             cache_size_limit, dynamic)
-    return JittedFunction(fn, executors, transforms, rematerialize=rematerialize,
-                          fullgraph=fullgraph, cache_size_limit=cache_size_limit,
-                          dynamic=dynamic)
+    return JittedFunction(_apply_looked_up_per_call(fn), executors, transforms,
+                          rematerialize=rematerialize, fullgraph=fullgraph,
+                          cache_size_limit=cache_size_limit, dynamic=dynamic)
+
+
+def _apply_looked_up_per_call(fn: Callable) -> Callable:
+    """`fulmen.jit(Fn.apply)` of a custom `autograd.Function`: `Fn.apply` was bound before any
+    trace replaced it (`tracer/patching.py`), so the trace ran the Function's forward under
+    its no_grad and the compiled output carried no gradient (silently: other grads summed
+    without it). A function looking `Fn.apply` up at each call gets the replacement."""
+    cls = getattr(fn, "__self__", None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)
+            and getattr(fn, "__name__", None) == "apply"):
+        return fn
+
+    @functools.wraps(fn)
+    def apply(*args, **kwargs):
+        return cls.apply(*args, **kwargs)
+
+    return apply
 
 
 def _jitted(jfn) -> _Jitted:

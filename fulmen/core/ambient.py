@@ -13,8 +13,9 @@ Both cost one `torch._C._is_any_autocast_enabled()` check when autocast is off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,15 +27,34 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _is_enabled = torch.is_autocast_enabled
 _DisableAutocast = torch._C._DisableAutocast
 _get_dtype = torch.get_autocast_dtype
+_cache_enabled = torch.is_autocast_cache_enabled
 
 
 def autocast_key() -> tuple:
     """`()` when autocast is off; else `((device, dtype), ...)` for each device with autocast
-    enabled (the dtype matters: bfloat16 and float16 regions trace differently)."""
+    enabled (the dtype matters: bfloat16 and float16 regions trace differently), then
+    `"no cast cache"` for a region entered with `cache_enabled=False` (an op run inside
+    autocast, `fulmen.ops.opaque_autocast`, caches casts as the region does)."""
     if not _any_autocast():
         return ()
-    return tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
-                  if _is_enabled(device)])
+    key = tuple([(device, _get_dtype(device)) for device in AUTOCAST_DEVICES
+                 if _is_enabled(device)])
+    return key if _cache_enabled() else (*key, "no cast cache")
+
+
+@contextlib.contextmanager
+def without_cast_cache() -> Iterator[None]:
+    """Autocast's cast cache off, for a run on fake tensors while tracing: autocast caches the
+    cast of a real leaf tensor requiring grad (a module's weight, read by a custom
+    `autograd.Function` run on fake tensors) until the outermost region exits, and a fake cast
+    cached there was what the compiled call's own casts of that weight returned (its outputs
+    were fake tensors, without values)."""
+    was = _cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def run_without_autocast(fn: Callable, *args: Any) -> Any:
@@ -64,4 +84,5 @@ def without_autocast(fn: Callable) -> Callable:
     return run
 
 
-__all__ = ["AUTOCAST_DEVICES", "autocast_key", "run_without_autocast", "without_autocast"]
+__all__ = ["AUTOCAST_DEVICES", "autocast_key", "run_without_autocast", "without_autocast",
+           "without_cast_cache"]

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Symbol
+from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.core.trace import get_tracectx, not_tracing
@@ -91,7 +92,7 @@ def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fakes: dict[str, torch.Tensor] = {}
-    with not_tracing(), torch._C.DisableTorchFunction(), \
+    with not_tracing(), torch._C.DisableTorchFunction(), without_cast_cache(), \
             FakeTensorMode(allow_non_fake_inputs=True):
 
         def fake(leaf):

@@ -6,8 +6,14 @@ PyTorch's per-device op lists, the tracer asks PyTorch: the call is run once on 
 (no storage, no compute) with autocast on and once with it off, and the `_to_copy` casts of the
 call's own arguments that happen only with autocast on are the casts autocast applies. They are
 recorded as ordinary `Tensor.to(dtype)` statements before the op, so the trace is exact and
-needs no autocast state to run. An op PyTorch cannot run on fake tensors raises
-`NotYetSupportedError` inside an autocast region instead of guessing.
+needs no autocast state to run.
+
+An op autocast reaches inside (a composite op whose kernel calls `linear` or `bmm` on tensors
+it makes: `torch.gru`, `F.multi_head_attention_forward`, `torch.einsum`) is told apart by a
+third fake run: the op on its arguments cast as recorded, autocast off. Where that run raises,
+or its kernels see other dtypes than with autocast on, the call is recorded whole, to run inside
+`torch.autocast` (NOTE [autocast inside an op] in `fulmen.ops.opaque_autocast`); so is a call
+PyTorch cannot run on fake tensors at all (a packed-sequence RNN), rather than guessing.
 """
 
 from __future__ import annotations
@@ -18,14 +24,22 @@ from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
 from fulmen.ops.opaque import meta_overridden
+from fulmen.ops.opaque_autocast import under_autocast
 from fulmen.proxies import TensorProxy
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_get_dtype = torch.get_autocast_dtype
 
 
 class _CastLog(TorchDispatchMode):
@@ -41,26 +55,49 @@ class _CastLog(TorchDispatchMode):
         super().__init__()
         self.watched = watched
         self.casts: dict[str, torch.dtype] = {}
+        self.late_copies = 0  # `_to_copy` calls after the first kernel, on any tensor
+        self.unfinished = False  # the run stopped at a kernel that needs values
+        # every other call that makes tensors, with the dtypes of its tensor arguments and
+        # results (not the queries autocast itself makes: `prim.device`)
+        self.kernels: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _TO_COPY and args and id(args[0]) in self.watched:
-            dtype = kwargs.get("dtype")
-            first = next(iter(self.casts.values()), dtype)
-            if dtype is not None and dtype != args[0].dtype and dtype == first:
-                self.casts.setdefault(self.watched[id(args[0])], dtype)
-        return func(*args, **kwargs)
+        if func is _TO_COPY:
+            self.late_copies += bool(self.kernels)
+            if args and id(args[0]) in self.watched:
+                dtype = kwargs.get("dtype")
+                first = next(iter(self.casts.values()), dtype)
+                if dtype is not None and dtype != args[0].dtype and dtype == first:
+                    self.casts.setdefault(self.watched[id(args[0])], dtype)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        made = _dtypes(out)
+        if made:
+            self.kernels.append((func, _dtypes((args, kwargs)), made))
+        return out
 
 
-def _casts(func, args, kwargs, device_type: str, enabled: bool,
-           kernel_may_fail: bool = False) -> dict[str, torch.dtype]:
-    """The casts of the call's arguments logged while it runs on fake tensors, with autocast
-    `enabled` or not. With `kernel_may_fail` (an op whose meta kernel refuses calls eager
-    accepts), a failure of the call gives the casts logged before it: autocast casts the
-    arguments before the call reaches the (meta) kernel."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _dtypes(tree) -> tuple:
+    return tuple(t.dtype for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
-    with torch._C.DisableTorchFunction(), FakeTensorMode():
+
+# fake tensors' answer for a kernel whose output shape depends on values
+_SHAPE_FROM_VALUES = (DynamicOutputShapeException, DataDependentOutputException)
+
+
+def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: bool = False,
+         casts: dict[str, torch.dtype] | None = None) -> _CastLog:
+    """The log of the call run on fake tensors, with autocast `enabled` or not, on the arguments
+    cast to `casts` (by name) first. With `kernel_may_fail` (an op whose meta kernel refuses
+    calls eager accepts), a failure of the call gives the casts logged before it: autocast casts
+    the arguments before the call reaches the (meta) kernel.
+
+    Outside inference mode: there the fake mode gets a composite op whole (`aten.gru.input`:
+    autograd's keys, where it decomposes, are skipped), where eager's CPU kernel decomposes it
+    and autocast casts inside; the run saw no cast and the GRU ran in float32."""
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
+            FakeTensorMode():
         fakes: dict[str, torch.Tensor] = {}
 
         def fake(leaf):
@@ -69,6 +106,8 @@ def _casts(func, args, kwargs, device_type: str, enabled: bool,
             if leaf.name not in fakes:
                 fakes[leaf.name] = torch.empty_strided(tuple(leaf.shape), tuple(leaf.stride()),
                                                        dtype=leaf.dtype, device=leaf.device)
+                if casts and leaf.name in casts:
+                    fakes[leaf.name] = fakes[leaf.name].to(casts[leaf.name])
             return fakes[leaf.name]
 
         fake_args, fake_kwargs = pytree.tree_map(fake, (args, kwargs))
@@ -76,10 +115,16 @@ def _casts(func, args, kwargs, device_type: str, enabled: bool,
         with torch.autocast(device_type, enabled=enabled), log:
             try:
                 func(*fake_args, **fake_kwargs)
+            except _SHAPE_FROM_VALUES:
+                # the first kernel needs values (`_ctc_loss`): autocast, which casts before any
+                # kernel, has logged its casts; later kernels are not known (`unfinished`)
+                if log.kernels and not kernel_may_fail:
+                    raise
+                log.unfinished = True
             except Exception:
                 if not kernel_may_fail:
                     raise
-    return log.casts
+    return log
 
 
 @contextlib.contextmanager
@@ -100,35 +145,85 @@ def _own_casts(func, args, kwargs, device_type: str) -> dict[str, torch.dtype]:
     because autocast casts them alike)."""
     with _quiet_fake_tensors():
         try:
-            return _casts(func, args, kwargs, device_type, False)
+            return _run(func, args, kwargs, device_type, False).casts
         except Exception:
             return {}
 
 
-def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`(args, kwargs)` with the casts autocast would apply to `func`'s tensor arguments
-    recorded as `Tensor.to` statements (unchanged outside autocast or for unaffected ops).
+# Ops whose kernel calls an op autocast casts below the Python dispatch key, where a fake run
+# does not see it: `torch.bilinear`'s `_trilinear` kernel calls `bmm`, which autocast runs in
+# bfloat16, and returns float32 (values off by ~3e-2 when its arguments were only cast).
+_KERNELS_AUTOCAST_REACHES = frozenset({torch.bilinear, torch._trilinear})
+
+
+def _reaches_inside(func, args, kwargs, device_type: str, on: _CastLog,
+                    casts: dict[str, torch.dtype]) -> bool:
+    """Whether autocast acts inside the call, not only on its arguments: run on the arguments
+    cast as recorded with autocast off, it raises, or its kernels see other dtypes than in
+    `on` (the run with autocast on). Autocast acts only by casting (`_to_copy`), and casts
+    made before the first kernel are of the arguments (recorded), so a run with no cast after
+    a kernel cannot have been changed inside (linear, matmul: no third run)."""
+    if func in _KERNELS_AUTOCAST_REACHES:
+        return True
+    if not on.late_copies or on.unfinished:
+        return False
+    try:
+        with _quiet_fake_tensors():
+            off = _run(func, args, kwargs, device_type, False, casts=casts)
+    except Exception:
+        return True
+    return off.kernels != on.kernels
+
+
+def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]:
+    """`(func, args, kwargs)` with the casts autocast would apply to `func`'s tensor arguments
+    recorded as `Tensor.to` statements (unchanged outside autocast or for unaffected ops); for
+    an op autocast reaches inside, `func` made to run inside autocast instead (`under_autocast`),
+    with the arguments unchanged.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):  # while tracing, on proxies
+        ...     autocast_call(F.linear, (x, w), {})  # (F.linear, (x.to(bf16), w.to(bf16)), {})
+        ...     autocast_call(torch.gru, gru_args, {})  # (under_autocast(torch.gru, ...), ...)
+
+    An op PyTorch cannot run on fake tensors is run whole inside autocast too (its meta then
+    fails alike, and the tracer takes a graph break or raises, as for any op it cannot describe).
 
     Raises:
-        NotYetSupportedError: inside an autocast region, for an op PyTorch cannot run on fake
-            tensors (so its autocast behaviour cannot be determined).
+        NotYetSupportedError: an op inside autocast on tensors of several devices, or one whose
+            fake run with autocast succeeds and whose later fake runs fail.
     """
     proxies = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, TensorProxy)]
     devices = {p.device.type for p in proxies if p.dtype.is_floating_point}
     active = [d for d in devices if torch.is_autocast_enabled(d)]
     if not active:
-        return args, kwargs
+        return func, args, kwargs
     if len(devices) > 1:
         raise NotYetSupportedError("an op inside torch.autocast with tensors on several devices",
                                    op=getattr(func, "__name__", str(func)),
                                    where=user_source_location())
+    device_type = active[0]
+    overridden = meta_overridden(func)
+    cache_enabled = torch.is_autocast_cache_enabled()
     try:
-        if meta_overridden(func):
+        if overridden:
             with _quiet_fake_tensors():
-                with_autocast = _casts(func, args, kwargs, active[0], True, kernel_may_fail=True)
+                on = _run(func, args, kwargs, device_type, True, kernel_may_fail=True)
         else:
-            with_autocast = _casts(func, args, kwargs, active[0], True)
-        without = _own_casts(func, args, kwargs, active[0]) if with_autocast else {}
+            try:
+                with _quiet_fake_tensors():
+                    on = _run(func, args, kwargs, device_type, True)
+            except Exception:
+                # fake tensors cannot run it (a packed-sequence RNN reads values): the call
+                # runs whole inside autocast, described by a graph break where need be
+                return under_autocast(func, device_type, _get_dtype(device_type),
+                                      cache_enabled), args, kwargs
+        with_autocast = on.casts
+        without = _own_casts(func, args, kwargs, device_type) if with_autocast else {}
+        casts = {name: dtype for name, dtype in with_autocast.items() if without.get(name) != dtype}
+        if not overridden and _reaches_inside(func, args, kwargs, device_type, on, casts):
+            run = under_autocast(func, device_type, _get_dtype(device_type), cache_enabled)
+            return run, args, kwargs
     except FulmenError:
         raise
     except Exception as error:
@@ -137,9 +232,8 @@ def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             op=getattr(func, "__name__", str(func)), where=user_source_location(),
             hint="move the op out of the autocast region, or cast its inputs explicitly",
         ) from error
-    casts = {name: dtype for name, dtype in with_autocast.items() if without.get(name) != dtype}
     if not casts:
-        return args, kwargs
+        return func, args, kwargs
     converted: dict[str, TensorProxy] = {}
 
     def cast(leaf):
@@ -149,7 +243,8 @@ def autocast_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return converted[leaf.name]
         return leaf
 
-    return pytree.tree_map(cast, (args, kwargs))
+    args, kwargs = pytree.tree_map(cast, (args, kwargs))
+    return func, args, kwargs
 
 
-__all__ = ["autocast_arguments"]
+__all__ = ["autocast_call"]

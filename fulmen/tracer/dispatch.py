@@ -48,7 +48,7 @@ from fulmen.ops.host_float import has_host_float
 from fulmen.ops.opaque import draws_random, opaque_symbol
 from fulmen.ops.torch import symbol_for
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.autocast import autocast_arguments
+from fulmen.tracer.autocast import autocast_call
 from fulmen.tracer.autograd_function import (
     BACKWARD_CALLS,
     backward_refusal,
@@ -273,9 +273,10 @@ class TracerCtx(LayoutTruth, TraceCtx):
         r_args, r_kwargs = self.mutation.resolve_tree((args, kwargs))
         try:
             with self.internal():
-                if torch._C._is_any_autocast_enabled():
-                    r_args, r_kwargs = autocast_arguments(func, r_args, r_kwargs)
-                out = self._dispatch(func, r_args, r_kwargs)
+                call = func
+                if torch._C._is_any_autocast_enabled():  # NOTE [autocast inside an op]
+                    call, r_args, r_kwargs = autocast_call(func, r_args, r_kwargs)
+                out = self._dispatch(call, r_args, r_kwargs)
         except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
             _name_the_call(error, func)
             raise

@@ -2445,4 +2445,49 @@ MUTANTS: list[Mutant] = [
            "                    pass\n",
            ("tests/transforms/test_eager_grad_layouts.py::"
             "test_fulmen_vjp_returns_the_layouts_of_torch_func_vjp",)),
+    # --- session 50, h50ac: autocast inside composite ops ---------------------------------
+    Mutant("autocast_inside_an_op_not_detected", "dtype", "tracer/autocast.py",
+           "    return off.kernels != on.kernels", "    return False",
+           ("tests/tracer/test_autocast_composites.py",)),
+    Mutant("autocast_bilinear_kernel_not_listed", "dtype", "tracer/autocast.py",
+           "_KERNELS_AUTOCAST_REACHES = frozenset({torch.bilinear, torch._trilinear})",
+           "_KERNELS_AUTOCAST_REACHES = frozenset()",
+           ("tests/tracer/test_autocast_composites.py::test_op_autocast_reaches_inside_is_eagers",)),
+    Mutant("autocast_inside_an_op_without_the_cast_cache", "dtype", "ops/opaque_autocast.py",
+           "with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):",
+           "with torch.autocast(device_type, dtype=dtype, cache_enabled=False):",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_rnn_under_autocast_casts_its_weights_as_the_regions_cache_says",)),
+    Mutant("autocast_cache_state_not_in_the_key", "guards", "core/ambient.py",
+           'return key if _cache_enabled() else (*key, "no cast cache")', "return key",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_rnn_under_autocast_casts_its_weights_as_the_regions_cache_says",)),
+    Mutant("autocast_queries_taken_for_kernels", "dtype", "tracer/autocast.py",
+           "        if made:\n            self.kernels.append(",
+           "        if True:\n            self.kernels.append(",
+           ("tests/tracer/test_autocast_composites.py::"
+            "test_ops_autocast_casts_only_at_entry_keep_their_explicit_casts",)),
+    Mutant("autocast_value_shaped_kernel_refused", "dtype", "tracer/autocast.py",
+           "                if log.kernels and not kernel_may_fail:",
+           "                if not kernel_may_fail:",
+           ("tests/tracer/test_autocast_scenarios.py::test_ctc_loss_under_autocast_is_eagers",)),
+    Mutant("autocast_op_fake_tensors_cannot_run_refused", "dtype", "tracer/autocast.py",
+           "                return under_autocast(func, device_type, _get_dtype(device_type),\n"
+           "                                      cache_enabled), args, kwargs",
+           "                raise", ("tests/tracer/test_autocast_scenarios.py::"
+                                   "test_packed_sequence_lstm_under_autocast_is_eagers",)),
+    Mutant("autocast_fake_runs_in_inference_mode", "dtype", "tracer/autocast.py",
+           "torch.inference_mode(False), without_cast_cache(), \\",
+           "without_cast_cache(), \\",
+           ("tests/tracer/test_autocast_scenarios.py::"
+            "test_composite_ops_under_autocast_in_inference_are_eagers",)),
+    Mutant("autocast_fake_casts_left_in_the_cast_cache", "dtype", "ops/autograd_function.py",
+           "torch._C.DisableTorchFunction(), without_cast_cache(), \\",
+           "torch._C.DisableTorchFunction(), \\",
+           ("tests/tracer/test_autocast_scenarios.py::"
+            "test_custom_function_reading_a_weight_under_autocast_returns_real_tensors",)),
+    Mutant("function_apply_jitted_bound_early", "autodiff", "jit.py",
+           "    return JittedFunction(_apply_looked_up_per_call(fn), executors, transforms,",
+           "    return JittedFunction(fn, executors, transforms,",
+           ("tests/tracer/test_function_apply_jitted.py",)),
 ]
