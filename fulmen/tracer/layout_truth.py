@@ -14,7 +14,8 @@ from fulmen.ops.meta import call_on_meta, eager_layouts, with_strides
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import known_same_shape, strides_of
 from fulmen.tracer.call_kinds import _func_name
-from fulmen.tracer.layout import rule_layouts, stand_in_layouts
+from fulmen.tracer.layout import rule_layouts
+from fulmen.tracer.stand_in_layouts import stand_in_layouts
 
 T = torch.Tensor
 

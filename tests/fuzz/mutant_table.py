@@ -657,7 +657,7 @@ MUTANTS: list[Mutant] = [
            "None if free else t.is_contiguous()", "t.is_contiguous()",
            ("tests/tracer/test_dynamic_view_layouts.py",)),
     # --- session 34: fuzzer findings and user patterns (lead) -------------------------------
-    Mutant("size_one_strides_no_fast_setup", "layout", "tracer/layout.py",
+    Mutant("size_one_strides_no_fast_setup", "layout", "tracer/stand_in_layouts.py",
            "return isinstance(out, torch.Tensor) and out.stride() == contiguous_strides(out.shape)",
            "return False", ("tests/fuzz/test_found_bugs.py",)),
     Mutant("cse_merges_narrowing_casts", "passes", "transforms/cse.py",
@@ -700,7 +700,7 @@ MUTANTS: list[Mutant] = [
            "        if self._ready.get(plan.layout) is not plan.fn:", "        if False:",
            ("tests/executors/test_codegen_policy.py",)),
     Mutant("layout_size_one_strides_as_row_major", "layout", "tracer/layout.py",
-           "if any(_odd_size_one_strides(p) for p in inputs):",
+           "if any(odd_size_one_strides(p) for p in inputs):",
            "if any(False for p in inputs):", LAYOUT),
     Mutant("unused_cotangents_empty_path_grad_as_none", "passes", "transforms/unused_cotangents.py",
            "(g.name not in reached and g.name in from_unused)", "(g.name not in reached)",
@@ -1289,7 +1289,7 @@ MUTANTS: list[Mutant] = [
            "if any_tagged(recorded, {Tag.RANDOM}):",
            "if False:",
            ("tests/tracer/test_vmap.py",)),
-    Mutant("stand_in_strides_from_stand_in_sizes", "layout", "tracer/layout.py",
+    Mutant("stand_in_strides_from_stand_in_sizes", "layout", "tracer/stand_in_layouts.py",
            "inner_size, inner = inner_size * sizes[d], inner * shape[d]",
            "inner_size, inner = inner_size * sizes[d], inner * sizes[d]",
            ("tests/tracer/test_dynamic_edges.py",)),
@@ -1824,7 +1824,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_dynamic_cost.py::"
             "test_size_sources_find_the_symbols_of_each_expression",)),
     # --- session 46 (h46mut) ---
-    Mutant("layout_stand_in_draws_from_the_global_generator", "random", "tracer/layout.py",
+    Mutant("layout_stand_in_draws_from_the_global_generator", "random", "tracer/stand_in_layouts.py",
            "    finally:\n        generator.set_state(state)\n", "    finally:\n        pass\n",
            ("tests/ops/test_nn.py::"
             "test_the_layout_query_of_a_dropout_leaves_the_global_generator_alone",)),
@@ -1987,7 +1987,7 @@ MUTANTS: list[Mutant] = [
            "    if True:",
            ("tests/ops/test_strides.py::"
             "test_batch_norm_of_a_permuted_input_reports_the_cpu_kernels_strides",)),
-    Mutant("whole_op_drops_a_kept_size_one_stride", "layout", "tracer/layout.py",
+    Mutant("whole_op_drops_a_kept_size_one_stride", "layout", "tracer/stand_in_layouts.py",
            "            strides = tuple(kept[0]) if kept else None",
            "            strides = None",
            ("tests/tracer/test_layout_degenerate.py::"
