@@ -87,11 +87,13 @@ def _label(cls: type) -> str:
 
 def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
     """Run `cls.apply` on fake tensors standing for the proxies; return the outputs with each
-    fake tensor replaced by a new proxy, and raise if `forward` modified an input in place."""
+    fake tensor replaced by a new proxy, and raise if `forward` modified an input in place.
+    The fakes are made outside inference mode (a call under `torch.inference_mode()`: inference
+    tensors have no version counter to check, and the outputs' shapes are the same)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fakes: dict[str, torch.Tensor] = {}
-    with not_tracing(), torch._C.DisableTorchFunction(), \
+    with not_tracing(), torch._C.DisableTorchFunction(), torch.inference_mode(False), \
             FakeTensorMode(allow_non_fake_inputs=True):
 
         def fake(leaf):

@@ -2407,4 +2407,11 @@ MUTANTS: list[Mutant] = [
            "                if True:\n                    out = fn(",
            ("tests/tracer/test_fast_paths.py::"
             "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
+    # --- session 50, h50sweep: a custom autograd.Function under inference mode ---------------
+    Mutant("autograd_function_fakes_made_in_inference_mode", "decomposition",
+           "ops/autograd_function.py",
+           "torch._C.DisableTorchFunction(), torch.inference_mode(False), \\\n",
+           "torch._C.DisableTorchFunction(), \\\n",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_under_inference_mode_is_compiled",)),
 ]
