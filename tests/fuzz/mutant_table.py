@@ -2414,4 +2414,14 @@ MUTANTS: list[Mutant] = [
            "torch._C.DisableTorchFunction(), \\\n",
            ("tests/models/test_hf_usage_50.py::"
             "test_a_custom_function_under_inference_mode_is_compiled",)),
+    Mutant("autograd_function_python_objects_traced", "mutation", "ops/autograd_function.py",
+           "        _refuse_held_objects(cls, (args, kwargs))\n",
+           "",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager",)),
+    Mutant("autograd_function_list_changes_traced", "mutation", "ops/autograd_function.py",
+           "    if pytree.tree_structure((fake_args, fake_kwargs)) != structure:",
+           "    if False:",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager",)),
 ]

@@ -43,6 +43,51 @@ def test_a_custom_function_under_inference_mode_is_compiled():
     assert fulmen.compile_stats(jf).eager_calls == 0
 
 
+class _Store:
+    """A cache object as Reformer's: made by the forward, filled by each layer."""
+
+    def __init__(self):
+        self.items = []
+
+
+class _Counted(torch.autograd.Function):
+    """Reformer's reversible layers: forward reads how many layers the cache it gets holds,
+    adds one, or appends to a list it gets (the hidden states)."""
+
+    @staticmethod
+    def forward(ctx, x, store):
+        if isinstance(store, list):
+            store.append(x.shape[0])
+            return x * 2
+        out = x * (len(store.items) + 1)
+        store.items.append(1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _held_object(x):
+    return _Counted.apply(x, _Store())
+
+
+def _held_list(x):
+    seen = []
+    return _Counted.apply(x, seen), len(seen)
+
+
+@pytest.mark.parametrize("fn", [_held_object, _held_list])
+def test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager(fn):
+    # the fake run describing the outputs appended to the object, and the compiled call
+    # passed the object kept from tracing: x * 2 (then x * 3, ...) where eager gives x; the
+    # list was a copy, so the caller's stayed empty (length 0, eager's 1)
+    jf = fulmen.jit(fn)
+    for n in (3, 3, 5):
+        x = torch.randn(n, 2)
+        torch.testing.assert_close(jf(x), fn(x))
+
+
 def test_bloom_under_inference_mode_matches_eager_compiled():
     config = T.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0)
     torch.manual_seed(0)
