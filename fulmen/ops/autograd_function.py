@@ -17,6 +17,7 @@ runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 import torch.utils._pytree as pytree
@@ -87,11 +88,11 @@ def _label(cls: type) -> str:
     return f"{cls.__qualname__}.apply"
 
 
-# arguments of `apply` that forward cannot change: constants, modules (their tensors are
-# traced values, refused when forward reads them) and functions
+# arguments of `apply` that forward cannot change: constants (symbolic sizes too), modules
+# (their tensors are traced values, refused when forward reads them) and functions
 _INERT = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-          torch.layout, torch.memory_format, torch.Size, slice, type(Ellipsis), range,
-          torch.nn.Module, TensorProxy, torch.Tensor)
+          torch.layout, torch.memory_format, torch.Size, slice, type(Ellipsis), range, enum.Enum,
+          torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module, TensorProxy, torch.Tensor)
 
 
 def _refuse_held_objects(cls: type, arguments) -> None:

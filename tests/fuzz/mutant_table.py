@@ -2424,4 +2424,9 @@ MUTANTS: list[Mutant] = [
            "    if False:",
            ("tests/models/test_hf_usage_50.py::"
             "test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager",)),
+    Mutant("autograd_function_symbolic_size_refused", "mutation", "ops/autograd_function.py",
+           "          torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module,",
+           "          torch.nn.Module,",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_getting_a_symbolic_size_is_compiled_once",)),
 ]

@@ -88,6 +88,29 @@ def test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager(fn)
         torch.testing.assert_close(jf(x), fn(x))
 
 
+class _Head(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n):
+        return x[:n] * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def test_a_custom_function_getting_a_symbolic_size_is_compiled_once():
+    # a size is no object forward can change (Reformer's masked LM passes one under
+    # dynamic shapes): the calls stay compiled
+    def f(x):
+        return _Head.apply(x, x.shape[0] - 1)
+
+    jf = fulmen.jit(f, dynamic=True)
+    for n in (4, 5, 6):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(jf(x), f(x))
+    assert fulmen.compile_stats(jf).eager_calls == 0
+
+
 def test_bloom_under_inference_mode_matches_eager_compiled():
     config = T.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0)
     torch.manual_seed(0)
