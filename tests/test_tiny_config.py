@@ -74,3 +74,13 @@ def test_shared_tail_layers_hybrids_and_empty_per_kind_settings():
              "languages": ["en_XX", "de_DE"]}
     tiny = _shrink(axial, {})
     assert sum(tiny["axial_pos_embds_dim"]) == HIDDEN and tiny["default_language"] == "en_XX"
+
+
+def test_relative_attention_buckets_leave_a_decoders_log_range():
+    # T5's decoder buckets distances past num_buckets // 2 by log(distance / that) /
+    # log(max_distance / that): max_distance must stay above it (32 and 16 failed eagerly)
+    default = {"d_model": 512, "relative_attention_num_buckets": 32,
+               "relative_attention_max_distance": 128}
+    tiny = _shrink(default, {})
+    assert tiny["relative_attention_num_buckets"] == 32  # MPNet's bucket function assumes 32
+    assert tiny["relative_attention_max_distance"] > tiny["relative_attention_num_buckets"] // 2

@@ -46,7 +46,6 @@ SIZES = {
     "mamba_n_heads": 4, "mamba_d_head": 16, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "sliding_window": 8, "attention_window": 4, "local_attention": 8,
-    "relative_attention_max_distance": 16,
     "num_buckets": 8, "max_distance": 16,
     # model-family spellings of the same sizes (kept generic: a name, not a model)
     "qk_head_dim": 2 * HEAD_DIM, "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS,
@@ -65,7 +64,9 @@ SIZES = {
     "attention_head_dim": 2 * HIDDEN // HEADS,
 }
 # attributes no larger than this after shrinking (positions stay long enough for the checks)
-AT_MOST = {"relative_attention_num_buckets": 32,  # MPNet's bucket function assumes 32
+# (relative attention buckets: MPNet's bucket function assumes 32; T5's decoder needs a
+# `relative_attention_max_distance` above half of them, so that keeps its default)
+AT_MOST = {"relative_attention_num_buckets": 32,
            "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
            "max_seq_len": 128, "max_sequence_length": 128, "block_size": 128}
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
