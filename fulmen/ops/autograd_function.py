@@ -9,12 +9,15 @@ ops in forward]) the backward is the user's `backward`, exactly as in eager: `ct
 Its meta function runs `cls.apply` once on fake tensors (no storage, no compute) to describe the
 outputs; the op has no decomposition, so executors run it whole and never fuse across it, and
 it is never dropped or reordered (forward may draw random numbers). A
-`forward` that modifies an input in place (`ctx.mark_dirty`) is not traced: the call runs eagerly.
+`forward` that modifies an input in place (`ctx.mark_dirty`), or that gets a Python object it
+may change (a cache, a list it appends to: Reformer's reversible layers) is not traced: the call
+runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 import torch.utils._pytree as pytree
@@ -86,14 +89,38 @@ def _label(cls: type) -> str:
     return f"{cls.__qualname__}.apply"
 
 
+# arguments of `apply` that forward cannot change: constants (symbolic sizes too), modules
+# (their tensors are traced values, refused when forward reads them) and functions
+_INERT = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, torch.Size, slice, type(Ellipsis), range, enum.Enum,
+          torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module, TensorProxy, torch.Tensor)
+
+
+def _refuse_held_objects(cls: type, arguments) -> None:
+    """Raise UntraceableFunction when `apply` gets a Python object other than a constant, a
+    module or a function (Reformer's reversible layers get the model's cache and append to it):
+    the fake run that describes the outputs would change it, and the compiled call would pass
+    the object kept from tracing, not the caller's."""
+    for leaf in pytree.tree_leaves(arguments):
+        if not isinstance(leaf, _INERT) and not callable(leaf):
+            raise UntraceableFunction(
+                f"the custom autograd.Function gets a {type(leaf).__name__}, a Python object "
+                "its forward may change (eager changes the caller's; a compiled call would "
+                "change the one kept from tracing)", op=_label(cls), where=user_source_location(),
+                hint="pass tensors and constants to apply, or call the Function outside the "
+                "compiled function")
+
+
 def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
     """Run `cls.apply` on fake tensors standing for the proxies; return the outputs with each
-    fake tensor replaced by a new proxy, and raise if `forward` modified an input in place."""
+    fake tensor replaced by a new proxy, and raise if `forward` modified an input in place.
+    The fakes are made outside inference mode (a call under `torch.inference_mode()`: inference
+    tensors have no version counter to check, and the outputs' shapes are the same)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fakes: dict[str, torch.Tensor] = {}
     with not_tracing(), torch._C.DisableTorchFunction(), without_cast_cache(), \
-            FakeTensorMode(allow_non_fake_inputs=True):
+            torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
 
         def fake(leaf):
             if not isinstance(leaf, TensorProxy):
@@ -106,11 +133,20 @@ def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
                 fakes[leaf.name] = tensor
             return fakes[leaf.name]
 
+        _refuse_held_objects(cls, (args, kwargs))
         fake_args, fake_kwargs = pytree.tree_map(fake, (args, kwargs))
+        structure = pytree.tree_structure((fake_args, fake_kwargs))
         versions = {name: t._version for name, t in fakes.items()}
         with torch.enable_grad():
             out = cls.apply(*fake_args, **fake_kwargs)
         modified = [name for name, t in fakes.items() if t._version != versions[name]]
+    if pytree.tree_structure((fake_args, fake_kwargs)) != structure:
+        raise UntraceableFunction(
+            "the custom autograd.Function's forward adds to or removes from a list or dict "
+            "it gets (eager changes the caller's; a compiled call would change a copy)",
+            op=_label(cls), where=user_source_location(),
+            hint="return the values from forward, or call the Function outside the compiled "
+            "function")
     if modified:
         raise UntraceableFunction(
             f"the custom autograd.Function's forward modifies its input {modified[0]} in place "

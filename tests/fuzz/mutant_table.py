@@ -2490,4 +2490,26 @@ MUTANTS: list[Mutant] = [
            "    return JittedFunction(_apply_looked_up_per_call(fn), executors, transforms,",
            "    return JittedFunction(fn, executors, transforms,",
            ("tests/tracer/test_function_apply_jitted.py",)),
+    # --- session 50, h50sweep: a custom autograd.Function under inference mode ---------------
+    Mutant("autograd_function_fakes_made_in_inference_mode", "decomposition",
+           "ops/autograd_function.py",
+           "torch._C.DisableTorchFunction(), torch.inference_mode(False), \\\n",
+           "torch._C.DisableTorchFunction(), \\\n",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_under_inference_mode_is_compiled",)),
+    Mutant("autograd_function_python_objects_traced", "mutation", "ops/autograd_function.py",
+           "        _refuse_held_objects(cls, (args, kwargs))\n",
+           "",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager",)),
+    Mutant("autograd_function_list_changes_traced", "mutation", "ops/autograd_function.py",
+           "    if pytree.tree_structure((fake_args, fake_kwargs)) != structure:",
+           "    if False:",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_that_changes_python_objects_it_gets_runs_as_eager",)),
+    Mutant("autograd_function_symbolic_size_refused", "mutation", "ops/autograd_function.py",
+           "          torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module,",
+           "          torch.nn.Module,",
+           ("tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_getting_a_symbolic_size_is_compiled_once",)),
 ]

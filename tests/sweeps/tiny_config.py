@@ -46,7 +46,6 @@ SIZES = {
     "mamba_n_heads": 4, "mamba_d_head": 16, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "sliding_window": 8, "attention_window": 4, "local_attention": 8,
-    "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16,
     "num_buckets": 8, "max_distance": 16,
     # model-family spellings of the same sizes (kept generic: a name, not a model)
     "qk_head_dim": 2 * HEAD_DIM, "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS,
@@ -58,9 +57,17 @@ SIZES = {
     "hidden_size_per_layer_input": 8, "pronunciation_embed_dim": 16, "shape_embed_dim": 16,
     "attention_window_size": 8, "sliding_window_size": 8, "attention_chunk_size": 8,
     "mamba_d_ssm": 4 * 16,  # mamba_n_heads * mamba_d_head (Falcon-H1 checks it)
+    "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": 8, "indexer_compress_ratio": 4,
+    # Zamba2's spellings: its attention and Mamba heads each span twice the hidden size
+    "n_mamba_heads": HEADS, "mamba_headdim": 2 * HIDDEN // HEADS,
+    "attention_head_dim": 2 * HIDDEN // HEADS,
 }
 # attributes no larger than this after shrinking (positions stay long enough for the checks)
-AT_MOST = {"max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
+# (relative attention buckets: MPNet's bucket function assumes 32; T5's decoder needs a
+# `relative_attention_max_distance` above half of them, so that keeps its default)
+AT_MOST = {"relative_attention_num_buckets": 32,
+           "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
            "max_seq_len": 128, "max_sequence_length": 128, "block_size": 128}
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
                 "decoder_layers", "num_decoder_layers", "num_encoder_layers")
@@ -69,7 +76,15 @@ LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encod
 # DeepSeek-V2's `num_experts_per_tok`, a CTC head's `vocab_size`); None stays None for every
 # other name (often "off")
 NONE_FILLED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts",
-               "n_shared_experts", "n_group", "topk_group", "vocab_size")
+               "n_shared_experts", "n_group", "topk_group", "vocab_size", "indexer_n_heads",
+               "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+# counts of the last layers of a model that are of one kind (Gemma-3n's layers reusing an
+# earlier layer's keys and values): kept as a kind of layer, then counted again
+TAIL_COUNTS = ("num_kv_shared_layers",)
+# per-layer attention kinds of a hybrid (SSM + attention) model; a default config of only
+# linear layers (Bamba, GraniteMoeHybrid: their checkpoints have attention layers; transformers'
+# mask code then fails eagerly) gets its last kept layer as attention
+LINEAR_KIND, ATTENTION_KIND = "linear_attention", "full_attention"
 # counts a config derives from `num_hidden_layers` in `__post_init__` and stores: set to None so
 # the shrunk config derives them again (HRM's layers per stack)
 DERIVED = ("num_layers_per_stack",)
@@ -148,6 +163,8 @@ def _shrink(d: dict, renumber: dict) -> dict:
     layers = _layer_count(d)
     out = dict(d)
     lists, indexed, index_lists = {}, {}, {}
+    tails = {key: list(range(layers - d[key], layers)) for key in TAIL_COUNTS
+             if layers and layers > LAYERS and isinstance(d.get(key), int) and 0 < d[key] <= layers}
     for key, value in d.items():
         if layers and layers > LAYERS and _index_list(key, value, layers):
             index_lists[key] = value
@@ -155,12 +172,19 @@ def _shrink(d: dict, renumber: dict) -> dict:
             lists[key] = value
         elif layers and layers > LAYERS and _layer_indexed(value, layers):
             indexed[key] = value
+        elif key.endswith("attn_layer_indices") and value is None and layers:
+            out[key] = [min(layers, LAYERS) - 1]  # see LINEAR_KIND
+        elif key == "default_language" and value is None and d.get("languages"):
+            out[key] = list(d["languages"])[0]  # X-MOD refuses to run without one
+        elif _sums_to_hidden(value, d):
+            out[key] = _scaled_to_hidden(value, d)  # Reformer's axial_pos_embds_dim
         elif isinstance(value, dict) and ("model_type" in value or key.endswith("config")):
             out[key] = _shrink(value, renumber)
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool):
             out[key] = min(value, SIZES[key]) if key in ("num_experts_per_tok",) else SIZES[key]
-        elif "vocab_size" in key and isinstance(value, int) and not isinstance(value, bool):
-            out[key] = min(value, VOCAB)  # unpadded_vocab_size, vocab_size_per_layer_input, ...
+        elif ("vocab_size" in key or key.endswith("_vocab")) and isinstance(value, int) \
+                and not isinstance(value, bool):
+            out[key] = min(value, VOCAB)  # unpadded_vocab_size, BLT's hash_byte_group_vocab, ...
         elif _hidden_multiple(key, value, d):
             out[key] = HIDDEN * value // _old_hidden(d)  # RWKV's attention_hidden_size
         elif key in DERIVED:
@@ -186,17 +210,29 @@ def _shrink(d: dict, renumber: dict) -> dict:
         for key in LAYER_COUNTS:
             if isinstance(out.get(key), int):
                 out[key] = max(LAYERS, *(len(v) for v in cycled))
-    if lists or indexed or index_lists:
-        kept = _kept_layers(lists, indexed, index_lists, layers)
+    indexed = {key: {index: _layer_entry(entry, d, out, renumber) for index, entry in value.items()}
+               for key, value in indexed.items()}
+    if lists or indexed or index_lists or tails:
+        kept = _kept_layers(lists, indexed, {**index_lists, **tails}, layers)
         for key, value in lists.items():
-            out[key] = [value[i] for i in kept]
+            out[key] = [_per_layer_size(key, value, i) for i in kept]
         for key, value in index_lists.items():
             out[key] = [new for new, old in enumerate(kept) if old in value]
+        for key, value in tails.items():
+            out[key] = sum(old in value for old in kept)
         for key, value in indexed.items():
             out[key] = _reindexed(value, kept)
         for key in LAYER_COUNTS:
             if isinstance(out.get(key), int):
                 out[key] = len(kept)
+    kinds = out.get("layer_types")
+    if isinstance(kinds, list) and kinds and all(kind == LINEAR_KIND for kind in kinds):
+        out["layer_types"] = kinds[:-1] + [ATTENTION_KIND]
+    if d.get("rope_parameters") == {} and isinstance(out.get("layer_types"), list):
+        # one RoPE per layer kind, read unconditionally (Cohere-Compass's default config leaves
+        # it empty and cannot build its model)
+        out["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                  for kind in dict.fromkeys(out["layer_types"])}
     if "num_key_value_heads" in d and isinstance(out["num_key_value_heads"], int):
         heads = d.get("num_attention_heads")
         out["num_key_value_heads"] = HEADS if d["num_key_value_heads"] in (heads, None) \
@@ -211,6 +247,51 @@ def _shrink(d: dict, renumber: dict) -> dict:
         out["num_kv_heads"] = HEADS // 2
     shrink_media(d, out)
     return out
+
+
+def _per_layer_size(key: str, value: list, i: int):
+    """Layer `i`'s entry of a per-layer list; a size named in SIZES (Gemma-3n's per-layer
+    `intermediate_size`; not a per-stage head count) shrunk, keeping its ratio to the list's largest."""
+    entry = value[i]
+    if key in SIZES and "heads" not in key \
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return max(1, SIZES[key] * entry // max(value))
+    return entry
+
+
+def _sums_to_hidden(value, d: dict) -> bool:
+    """A list of widths that add up to the hidden size (Reformer's axial position embedding
+    widths, one per axis)."""
+    hidden = _old_hidden(d)
+    return hidden is not None and isinstance(value, (list, tuple)) and len(value) > 1 \
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) \
+        and sum(value) == hidden and all(HIDDEN * v % hidden == 0 for v in value)
+
+
+def _scaled_to_hidden(value, d: dict) -> list:
+    hidden = _old_hidden(d)
+    return [HIDDEN * v // hidden for v in value]
+
+
+def _layer_entry(entry, d: dict, out: dict, renumber: dict):
+    """One layer's entry of a layer-indexed dict (`per_layer_config`), shrunk: its sizes keep
+    their ratio to the config's own (Gemma-4's global layers: twice the head size), and a head
+    size that was the sum of the no-RoPE and RoPE parts stays that sum (Dots3's sliding
+    layers)."""
+    if not isinstance(entry, dict):
+        return entry
+    new = _shrink(entry, renumber)
+    for key, value in entry.items():
+        top = d.get(key)
+        if key in SIZES and "heads" not in key and isinstance(value, int) \
+                and isinstance(top, int) and top > 0 and isinstance(out.get(key), int):
+            new[key] = max(1, out[key] * value // top)
+    parts = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+    before, after = {**d, **entry}, {**out, **new}
+    if all(isinstance(before.get(k), int) for k in parts) \
+            and before["head_dim"] == before["qk_nope_head_dim"] + before["qk_rope_head_dim"]:
+        new["head_dim"] = after["qk_nope_head_dim"] + after["qk_rope_head_dim"]
+    return new
 
 
 def _renumbered(value, renumber: dict):
