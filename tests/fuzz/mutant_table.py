@@ -2467,10 +2467,6 @@ MUTANTS: list[Mutant] = [
            "        if True:\n            self.kernels.append(",
            ("tests/tracer/test_autocast_composites.py::"
             "test_ops_autocast_casts_only_at_entry_keep_their_explicit_casts",)),
-    Mutant("autocast_value_shaped_kernel_refused", "dtype", "tracer/autocast.py",
-           "                if log.kernels and not kernel_may_fail:",
-           "                if not kernel_may_fail:",
-           ("tests/tracer/test_autocast_scenarios.py::test_ctc_loss_under_autocast_is_eagers",)),
     Mutant("autocast_op_fake_tensors_cannot_run_refused", "dtype", "tracer/autocast.py",
            "                return under_autocast(func, device_type, _get_dtype(device_type),\n"
            "                                      cache_enabled), args, kwargs",
