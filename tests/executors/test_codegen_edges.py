@@ -296,3 +296,24 @@ def test_threads_starting_mid_row_find_their_offsets():
         assert _fused(jfn)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_walked_in_spans_cover_every_row_once(threads):
+    """A pointwise kernel steps its pointers from row to row along the next-to-last dim, in
+    spans cut so every thread has work (NOTE [rows walked in spans] in `cpu/render.py`): 3 runs
+    of 2047 short rows (no dims merge: a permuted input, a broadcast one) split into spans that
+    do not divide the run, and a 2-d space of one run. Every element is computed once, from its
+    own row."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(16, 2047, 3).permute(2, 1, 0)
+        y = torch.randn(2047, 1)
+        z = torch.randn(16, 4001).t()
+        jfn = fulmen.jit(lambda x, y, z: ((x * y).exp() - x, z * 3 + 1), executors=EXECUTORS)
+        for actual, expected in zip(jfn(x, y, z), ((x * y).exp() - x, z * 3 + 1), strict=True):
+            torch.testing.assert_close(actual, expected)
+        assert _fused(jfn)
+    finally:
+        torch.set_num_threads(previous)

@@ -2128,9 +2128,10 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_layout_guards.py::"
             "test_a_module_parameters_storage_offset_read_is_guarded",)),
     Mutant('codegen_row_walk_skips_the_first_dim', 'codegen', 'executors/codegen/cpu/render.py',
-           '"    for (int64_t d = ndim - 2; d >= 0; --d) {",',
-           '"    for (int64_t d = ndim - 2; d > 0; --d) {",',
-           CODEGEN),
+           '"    for (int64_t d = ndim - 3; d >= 0; --d) {",',
+           '"    for (int64_t d = ndim - 3; d > 0; --d) {",',
+           ("tests/executors/test_codegen_edges.py::"
+            "test_rows_walked_in_spans_cover_every_row_once", *CODEGEN)),
     Mutant('codegen_reduction_rows_walk_skips_the_first_dim', 'codegen',
            'executors/codegen/cpu/rows.py',
            '"for (int64_t d = nouter - 1; d >= 0; --d) {",',
@@ -2508,4 +2509,15 @@ MUTANTS: list[Mutant] = [
            "          torch.nn.Module,",
            ("tests/models/test_hf_usage_50.py::"
             "test_a_custom_function_getting_a_symbolic_size_is_compiled_once",)),
+    # --- session 50, h50perf: pointwise rows walked in spans (NOTE [rows walked in spans]) ----
+    Mutant("codegen_span_start_ignored", "codegen", "executors/codegen/cpu/render.py",
+           '"    const int64_t i0 = (task / nblocks % nspans) * span;",',
+           '"    const int64_t i0 = 0 * span;",',
+           ("tests/executors/test_codegen_edges.py::"
+            "test_rows_walked_in_spans_cover_every_row_once",)),
+    Mutant("codegen_row_step_missing_in_2d", "codegen", "executors/codegen/cpu/render.py",
+           "ndim >= 2 ? strides[{p} * ndim + ndim - 2] : 0;",
+           "ndim >= 3 ? strides[{p} * ndim + ndim - 2] : 0;",
+           ("tests/executors/test_codegen_edges.py::"
+            "test_rows_walked_in_spans_cover_every_row_once",)),
 ]

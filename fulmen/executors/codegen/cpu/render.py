@@ -5,10 +5,18 @@
 
 `strides` holds one row of `ndim` element strides per pointer (accesses, then outputs). The
 iteration space is split into rows (all dims but the last) and blocks of `block` elements of
-the last dim; OpenMP shares (row, block) tasks among `nthreads` threads. The inner loop is a
+the last dim; OpenMP shares tasks among `nthreads` threads. The inner loop is a
 `#pragma omp simd` loop; its addressing is specialised on each pointer's inner-stride class
 (`layout`: 1 contiguous, 0 broadcast, 2 any stride), so the compiled kernel serves every shape
 and stride of that layout.
+
+NOTE [rows walked in spans]: a task is one block of a span of consecutive rows along the
+next-to-last dim (`mid`); the task finds its first row's offsets with a division per outer dim,
+then steps each pointer by its stride along `mid` from row to row. Finding every row's offsets
+by divisions cost more than the elements of a short row: a rotary kernel over (2, 4, 64, 16)
+with 12 pointers took 70 µs, 30 µs in spans (14 µs for the same elements in one flat loop).
+One thread takes whole runs of `mid` rows; with more threads and fewer than 4 tasks per thread,
+runs are cut into spans so that every thread has work.
 
 Values are spelled by the CPU target (`target.py`: storage and compute types, rounding of
 float16/bfloat16 after each op, the prelude's helpers). A Python number exponent of a float32
@@ -30,17 +38,26 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     lines = [PRELUDE, 'extern "C" void fulmen_kernel(int64_t ndim, const int64_t* sizes, '
              "const int64_t* strides, char* const* ptrs, int64_t block, int64_t nthreads) {",
              "  const int64_t inner = sizes[ndim - 1];",
-             "  int64_t rows = 1;",
-             "  for (int64_t d = 0; d + 1 < ndim; ++d) rows *= sizes[d];",
+             "  const int64_t mid = ndim >= 2 ? sizes[ndim - 2] : 1;",
+             "  int64_t runs = 1;",
+             "  for (int64_t d = 0; d + 2 < ndim; ++d) runs *= sizes[d];",
              "  const int64_t nblocks = (inner + block - 1) / block;",
+             "  int64_t nspans = 1;  // NOTE [rows walked in spans]",
+             "  if (nthreads > 1 && runs * nblocks < 4 * nthreads) {",
+             "    nspans = (4 * nthreads + runs * nblocks - 1) / (runs * nblocks);",
+             "    nspans = nspans < mid ? nspans : mid;",
+             "  }",
+             "  const int64_t span = (mid + nspans - 1) / nspans;",
+             "  nspans = (mid + span - 1) / span;",
              "  #pragma omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1)",
-             "  for (int64_t task = 0; task < rows * nblocks; ++task) {",
-             "    const int64_t row = task / nblocks;",
+             "  for (int64_t task = 0; task < runs * nspans * nblocks; ++task) {",
              "    const int64_t j0 = (task % nblocks) * block;",
              "    const int64_t j1 = inner < j0 + block ? inner : j0 + block;",
+             "    const int64_t i0 = (task / nblocks % nspans) * span;",
+             "    const int64_t i1 = mid < i0 + span ? mid : i0 + span;",
              f"    int64_t off[{nptr}] = {{0}};",
-             "    int64_t r = row;",
-             "    for (int64_t d = ndim - 2; d >= 0; --d) {",
+             "    int64_t r = task / nblocks / nspans;",
+             "    for (int64_t d = ndim - 3; d >= 0; --d) {",
              "      const int64_t i = r % sizes[d];",
              "      r /= sizes[d];",
              f"      for (int p = 0; p < {nptr}; ++p) off[p] += i * strides[p * ndim + d];",
@@ -49,11 +66,14 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
     for p, dtype in enumerate(dtypes):
         const = "const " if p < len(kernel.accesses) else ""
         ctype = CPU.storage[dtype]
-        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}];")
+        lines.append(f"    const int64_t m{p} = ndim >= 2 ? strides[{p} * ndim + ndim - 2] : 0;")
+        lines.append(f"    {const}{ctype}* __restrict__ p{p} = ({const}{ctype}*)ptrs[{p}] + off[{p}]"
+                     f" + i0 * m{p};")
         if layout[p] == 2:
             lines.append(f"    const int64_t s{p} = strides[{p} * ndim + ndim - 1];")
-    lines.append("    #pragma omp simd")
-    lines.append("    for (int64_t j = j0; j < j1; ++j) {")
+    lines.append("    for (int64_t i = i0; i < i1; ++i) {")
+    lines.append("      #pragma omp simd")
+    lines.append("      for (int64_t j = j0; j < j1; ++j) {")
     names: list[str] = []
     for v, value in enumerate(kernel.values):
         name = f"v{v}"
@@ -67,12 +87,14 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
             expr = CPU.literal(value.value, value.dtype)
         else:
             expr = CPU.value(kernel, value, names)
-        lines.append(f"      const {ctype} {name} = {expr};")
+        lines.append(f"        const {ctype} {name} = {expr};")
         names.append(name)
     for k, v in enumerate(kernel.outputs):
         p = len(kernel.accesses) + k
         dtype = kernel.values[v].dtype
         value = CPU.store(names[v], dtype)
-        lines.append(f"      p{p}[{CPU.index(layout[p], p)}] = {value};")
+        lines.append(f"        p{p}[{CPU.index(layout[p], p)}] = {value};")
+    lines.append("      }")
+    lines += [f"      p{p} += m{p};" for p in range(nptr)]
     lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)
