@@ -149,7 +149,7 @@ def test_column_sums_over_other_axes_do_not_share_plans():
     """`(x * 2).sum(0)` and `(x * 2).sum((0, 1))` of one (30, 20, 70) input lower to equal
     kernels over one shape, reduced over other axes (`LoweredRows.reduced`: (1, 2) and (2,)),
     so their plans differ ((20, 70) and (70,) outputs): the regions never share them (NOTE [a
-    plan's signature is the whole lowered region] in `runtime.py`), and each result is its
+    plan's signature is the whole lowered region] in `cpu/plans.py`), and each result is its
     own. A signature without `reduced` ran the second region with the first's plan. (Small
     integers: sums exact in any order.)"""
     x = torch.randint(-4, 5, (30, 20, 70)).float()

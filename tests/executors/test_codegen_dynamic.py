@@ -139,7 +139,7 @@ def test_lowering_asks_the_shape_env_without_guards():
 
 
 def test_a_short_inner_axis_iterates_the_longest_axis_innermost():
-    from fulmen.executors.codegen.cpu.runtime import _long_inner
+    from fulmen.executors.codegen.cpu.plans import long_inner as _long_inner
 
     sizes, rows = _long_inner([8, 4, 128, 4], [[2048, 4, 16, 1], [2048, 512, 4, 1]])
     assert sizes == [8, 4, 4, 128] and rows == [[2048, 4, 1, 16], [2048, 512, 1, 4]]

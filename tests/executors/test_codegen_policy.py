@@ -140,7 +140,7 @@ def test_lazy_runs_a_cached_kernel_of_a_new_layout_on_its_first_call(lazy, monke
 
 
 def test_a_region_sharing_plans_waits_for_its_own_kernel(lazy, monkeypatch, tmp_path):
-    """Regions of one signature share call plans (`runtime._plan_table`), not compiles: a new
+    """Regions of one signature share call plans (`plans.plan_table`), not compiles: a new
     region calling a plan another region made runs its own kernel, when its own policy has
     it (eager: its first call waits for it)."""
     x, y = torch.randn(16, 8), torch.randn(16, 8)

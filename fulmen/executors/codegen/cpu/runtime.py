@@ -8,9 +8,9 @@
    contiguously (so a contiguous region runs as one flat loop);
 3. picks the kernel compiled for the pointers' inner-stride classes and calls it.
 
-Steps 1-3 make a call plan (`_Plan`), kept per (threads, sizes, strides, dtypes, devices) of
+Steps 1-3 make a call plan (`plans.Plan`), kept per (threads, sizes, strides, dtypes, devices) of
 the inputs, in a table shared by every live region of the same lowered description
-(`_signature`: the layers of a model repeat their regions): a call then only allocates its
+(`plans.plan_table`: the layers of a model repeat their regions): a call then only allocates its
 outputs, writes its pointers into a block of the kernel's arguments (sizes and strides written
 once) and calls the kernel's one-argument entry (NOTE [one-argument entry] in `compiler.py`).
 NOTE [the last plan]: a region remembers the plan it last ran with a C++ check of that plan's
@@ -42,13 +42,8 @@ executor from then on: never a crash, never a wrong result.
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import functools
 import math
 import warnings
-import weakref
-from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -56,7 +51,15 @@ import torch
 from fulmen.executors.codegen import cache
 from fulmen.executors.codegen.build import policy, submit
 from fulmen.executors.codegen.cpu import compiler
-from fulmen.executors.codegen.cpu.pool import CPU, MIN_BYTES, empty
+from fulmen.executors.codegen.cpu.plans import (
+    Copy,
+    Plan,
+    contiguous,
+    kept_key,
+    long_inner,
+    plan_table,
+)
+from fulmen.executors.codegen.cpu.pool import CPU
 from fulmen.executors.codegen.cpu.render import render
 from fulmen.executors.codegen.cpu.rows import render_rows
 from fulmen.executors.codegen.ir import MASK_INPUT, RowKernel
@@ -65,14 +68,12 @@ from fulmen.executors.codegen.region import (
     Fallback,
     RegionCallable,
     coalesce,
-    copy_base,
     mask_tensor,
     region_results,
     resolve,
     split_dims,
     strided_views,
 )
-from fulmen.executors.codegen.sizes import freeze
 from fulmen.tracer.key_memo import tensor_check
 
 __all__ = ["FusedRegion", "render_any"]
@@ -113,7 +114,7 @@ class FusedRegion(RegionCallable):
             rows = self.kernel.access_rows + self.kernel.output_rows
             contiguous = tuple(0 if row else 1 for row in rows)
         source = self._source(contiguous)
-        self._plans = _plan_table(self, source)
+        self._plans = plan_table(self, source)
         self._last = None  # (threads, input count, tensor check, plan) of the last plan run
         if policy.mode == "eager" or compiler.is_kernel_cached(source):
             self._start(contiguous)  # the common layout, in the background
@@ -202,11 +203,11 @@ class FusedRegion(RegionCallable):
                 plan.check = tensor_check(inputs)
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
-                self._plans[_kept_key(key)] = plan
+                self._plans[kept_key(key)] = plan
             if plan.check is not None:
                 self._last = (threads, len(inputs), plan.check, plan)
         if self._ready.get(plan.layout) is not plan.fn:
-            # a plan another region of this signature made (`_plan_table`): this region runs
+            # a plan another region of this signature made (`plan_table`): this region runs
             # it with its own kernel, once its compile policy has it (it raises Fallback before)
             plan.fn = self._kernel_for(plan.layout)
         outs = [new() for new in plan.news]
@@ -257,9 +258,9 @@ class FusedRegion(RegionCallable):
                 for row, column in zip(kernel.output_rows, kernel.output_columns)]
 
     def _pointers(self, inputs, expected, accesses, split=False) -> tuple[list, list]:
-        """Per access: (input index, mask tensor or `_Copy`, byte offset), and its strides
+        """Per access: (input index, mask tensor or `Copy`, byte offset), and its strides
         (with `split`, a merged dim's may be a tuple: `resolve`); they serve every call with
-        these input shapes and strides (a copy is made again by each call: `_Copy`)."""
+        these input shapes and strides (a copy is made again by each call: `Copy`)."""
         pointers, rows = [], []
         for access, shape in zip(accesses, expected):
             if access.input == MASK_INPUT:  # made from the sizes, the same for every call
@@ -271,17 +272,17 @@ class FusedRegion(RegionCallable):
             base, offset, sizes, strides = resolve(inputs[access.input], access, copies, split)
             if tuple(sizes) != shape:
                 raise Fallback
-            where = _Copy(access.input, tuple(copies)) if copies else access.input
+            where = Copy(access.input, tuple(copies)) if copies else access.input
             pointers.append((where, offset * base.element_size()))
             rows.append(strides)
         return pointers, rows
 
-    def _plan(self, inputs, lowered) -> _Plan:
-        """How to call a pointwise kernel for inputs of these shapes and strides (`_Plan`)."""
+    def _plan(self, inputs, lowered) -> Plan:
+        """How to call a pointwise kernel for inputs of these shapes and strides (`Plan`)."""
         kernel, shape = lowered.kernel, lowered.shape
         expected = [shape] * len(kernel.accesses)
         pointers, rows = self._pointers(inputs, expected, kernel.accesses, split=True)
-        rows += [_contiguous(shape) for _ in kernel.outputs]
+        rows += [contiguous(shape) for _ in kernel.outputs]
         # NOTE [a merged broadcast is a split iteration dim]: an access whose reshape merges a
         # broadcast dim with another (grouped-query attention's repeated keys) has no one
         # stride over the merged dim; the kernel iterates that dim as the dims it merges, so
@@ -289,9 +290,9 @@ class FusedRegion(RegionCallable):
         refined = split_dims(shape, rows)
         if refined is None:
             pointers, rows = self._pointers(inputs, expected, kernel.accesses)
-            rows += [_contiguous(shape) for _ in kernel.outputs]
+            rows += [contiguous(shape) for _ in kernel.outputs]
             refined = shape, rows
-        sizes, rows = _long_inner(*coalesce(*refined))
+        sizes, rows = long_inner(*coalesce(*refined))
         layout = tuple(1 if row[-1] == 1 else 0 if row[-1] == 0 else 2 for row in rows)
         fn = self._kernel_for(layout)
         numel = math.prod(shape)
@@ -305,7 +306,7 @@ class FusedRegion(RegionCallable):
         return self._call_plan(fn, layout, sizes, rows, pointers, block, nthreads, lowered,
                                inputs)
 
-    def _plan_rows(self, inputs, lowered) -> _Plan:
+    def _plan_rows(self, inputs, lowered) -> Plan:
         """How to call a `RowKernel` (as `_plan`, with the number of kept axes in place of the
         block): strides over (kept axes, reduced axes), each part coalesced."""
         kernel = lowered.kernel
@@ -331,7 +332,7 @@ class FusedRegion(RegionCallable):
         expected = [kept_shape if row else shape for row in kernel.access_rows]
         pointers, strides = self._pointers(inputs, expected, kernel.accesses)
         rows = [full(s, row) for s, row in zip(strides, kernel.access_rows)]
-        rows += [full(_contiguous(out_shape), row, column) for out_shape, row, column
+        rows += [full(contiguous(out_shape), row, column) for out_shape, row, column
                  in zip(out_shapes, kernel.output_rows, kernel.output_columns)]
         outer, outer_rows = coalesce(kept_shape, [[r[d] for d in kept] for r in rows])
         inner, inner_rows = coalesce([shape[d] for d in reduced],
@@ -343,7 +344,7 @@ class FusedRegion(RegionCallable):
                                lowered, inputs)
 
     def _call_plan(self, fn, layout, sizes, rows, pointers, arg, nthreads, lowered,
-                   inputs) -> _Plan:
+                   inputs) -> Plan:
         """A plan (see `_plan`) from the coalesced sizes and stride rows, the kernel's
         pointers, its block (or number of kept axes) and threads. Plans are kept per shape (up
         to `MAX_BOUND`), so one does not hold the concrete region `lowered`."""
@@ -351,166 +352,5 @@ class FusedRegion(RegionCallable):
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
-        return _Plan(fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
+        return Plan(fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                      len(inputs))
-
-
-class _PlanTable(dict):
-    """The call plans of one region signature (`_plan_table`), by plan key."""
-
-    __slots__ = ("__weakref__",)
-
-
-# the plan tables of the live regions, by signature: a table lives as long as a region using it
-_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _plan_table(region: FusedRegion, source: str) -> dict:
-    """The table of call plans `region` shares with every live region of the same signature
-    (`_signature`): such regions make the same plan for the same inputs, down to the kernel
-    (compiled from the same source), so a plan one of them made serves them all: the layers of
-    tiny HF Llama repeat their regions, and a sweep over shapes made each plan once per layer.
-    Each region runs a shared plan with its own kernel (`plan.layout`'s, as its compile
-    policy gives it: `_kernel_for`), so when it compiles and whether it waits stay its own."""
-    signature = _signature(region, source)
-    try:
-        table = _TABLES.get(signature)
-    except TypeError:  # an unhashable parameter: a table of its own
-        return _PlanTable()
-    if table is None:
-        table = _TABLES[signature] = _PlanTable()
-    return table
-
-
-def _signature(region: FusedRegion, source: str) -> tuple:
-    """What a plan of `region` is made from, besides the call's inputs (its plan key): the
-    region made concrete for the call (`bind`: every field of the lowered region, each
-    `SymSize` by the value the binder reads), the input types `accepts` checks, and the
-    kernel's source (`source`, its common layout: constants that compare equal but are not,
-    such as -0.0 and 0.0, print apart).
-
-    NOTE [a plan's signature is the whole lowered region]: the signature holds every field of
-    the lowered region (its dataclass fields, so a field added later is in it too), with the
-    region's input proxies, whose names differ between regions, described by their type and
-    frozen sizes, and the binder's source (which input size gives each symbol). A signature
-    naming chosen fields missed `LoweredRows.reduced`: a column sum over axes (0, 2) and one
-    over (2,) have equal kernels, sources and shapes, and the second ran the first's plans."""
-    lowered = region.lowered
-    fields = tuple((field.name, _inputs(lowered.inputs) if field.name == "inputs"
-                    else getattr(lowered, field.name)) for field in dataclasses.fields(lowered))
-    binder = region.binder
-    return (type(region), type(lowered), fields, source, region.input_types,
-            None if binder is None else binder.source)
-
-
-def _inputs(proxies) -> tuple:
-    """The region inputs as a plan signature holds them: their types and sizes (each symbolic
-    one as its `SymSize`), not their names (their dtypes and devices are `input_types`)."""
-    return tuple((type(proxy), freeze(tuple(proxy.shape)) if isinstance(proxy, torch.Tensor)
-                  else None) for proxy in proxies)
-
-
-class _Plan:
-    """All a call of one kernel needs for inputs of one key (sizes, strides, dtypes, threads),
-    made once (`FusedRegion._call_plan`), so that a call only allocates its outputs, writes
-    its pointers into a block of the kernel's arguments and calls it (NOTE [one-argument
-    entry] in `compiler.py`).
-
-    `reads` are (source, byte offset) per access: a source indexes the call's inputs, then
-    `masks` (the plan's own tensors), then one base per `_Copy` in `copies`, made anew by each
-    call. `news` allocate the outputs. `fn` is the kernel compiled for `layout` (the
-    pointers' inner-stride classes). A block holds the sizes and strides, written once, and
-    the pointers of one call: blocks not in use wait in `free`, and a call takes one from it
-    (or makes one), so calls on several threads (the GIL is released while a kernel runs)
-    never share a block."""
-
-    __slots__ = ("fn", "layout", "reads", "masks", "copies", "extra", "news", "start", "header",
-                 "block_type", "free", "direct", "views", "check")
-
-    def __init__(self, fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
-                 ninputs: int) -> None:
-        self.fn, self.layout, self.direct, self.views = fn, layout, direct, views
-        self.check = None  # C++ check of the inputs' metadata (NOTE [the last plan])
-        masks = [where for where, _ in pointers if isinstance(where, torch.Tensor)]
-        copies = [where for where, _ in pointers if isinstance(where, _Copy)]
-        reads = []
-        for where, offset in pointers:
-            if isinstance(where, int):
-                source = where
-            elif isinstance(where, torch.Tensor):
-                source = ninputs + next(m for m, mask in enumerate(masks) if mask is where)
-            else:
-                source = ninputs + len(masks) + copies.index(where)
-            reads.append((source, offset))
-        self.reads, self.masks, self.copies = tuple(reads), tuple(masks), tuple(copies)
-        self.extra = bool(masks or copies)
-        self.news = tuple(_allocator(shape, dtype) for shape, dtype in out_specs)
-        flat = [s for row in rows for s in row]
-        self.start = 4 + len(sizes) + len(flat)
-        self.header = (len(sizes), arg, nthreads, self.start, *sizes, *flat)
-        self.block_type = ctypes.c_int64 * (self.start + len(pointers) + len(out_specs))
-        self.free = deque((self.block(),))
-
-    def block(self):
-        """A new block of the kernel's arguments, its pointers not yet written."""
-        return self.block_type(*self.header)
-
-
-def _allocator(shape: tuple, dtype: torch.dtype):
-    """A callable making an output of `shape` and `dtype` (`pool.empty`): for an output
-    smaller than the pool's `MIN_BYTES`, `torch.empty_strided` with the row-major strides
-    `torch.empty` gives (the same tensor; about 1 µs less than `torch.empty`, whose argument
-    parser tries several signatures)."""
-    if math.prod(shape) * dtype.itemsize < MIN_BYTES:
-        return functools.partial(torch.empty_strided, tuple(shape), tuple(_contiguous(shape)),
-                                 dtype=dtype, device=CPU)
-    return functools.partial(empty, shape, dtype)
-
-
-def _kept_key(key: tuple) -> tuple:
-    """A plan key as kept: its `torch.Size`s as tuples (equal, with the same hash), which the
-    garbage collector stops tracking as it does tuples of numbers."""
-    return (key[0], *[(tuple(shape), *rest) for shape, *rest in key[1:]])
-
-
-class _Copy:
-    """An access whose view chain copies its input (a reshape no strides express, such as
-    that of a permuted tensor): each call makes the copy afresh from that call's input (its
-    sizes and strides, so the copy's layout and offset, are the plan's: `copies`, as
-    `resolve` recorded them when the plan was made)."""
-
-    __slots__ = ("input", "copies")
-
-    def __init__(self, input: int, copies: tuple) -> None:
-        self.input, self.copies = input, copies
-
-    def base(self, inputs) -> torch.Tensor:
-        return copy_base(inputs[self.input], self.copies)
-
-
-SHORT_INNER = 16  # a pointwise loop this short costs more in row offsets than in elements
-
-
-def _long_inner(sizes: list, rows: list) -> tuple[list, list]:
-    """The iteration space of a pointwise kernel with its longest axis innermost, when the
-    inner one (after coalescing) is shorter than `SHORT_INNER` and the longest is at least 4
-    times as long: the kernel computes each row's offsets with a division per axis, which would
-    cost more than the elements of a short row (a transposed (8, 4, 128, 4) input: 4096 rows of
-    4 contiguous elements, or 128 rows of 128 strided ones). Every point is computed
-    independently, so any order of the axes gives the same result."""
-    if len(sizes) < 2 or sizes[-1] >= SHORT_INNER:
-        return sizes, rows
-    longest = max(range(len(sizes) - 1), key=lambda d: sizes[d])
-    if sizes[longest] < 4 * sizes[-1]:
-        return sizes, rows
-    order = [d for d in range(len(sizes)) if d != longest] + [longest]
-    return [sizes[d] for d in order], [[row[d] for d in order] for row in rows]
-
-
-def _contiguous(shape) -> list[int]:
-    """Row-major element strides of `shape` (those of `torch.empty(shape)`)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
