@@ -39,7 +39,10 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
-_MODULE_FILE = torch.nn.modules.module.__file__
+# the one frame of torch's that may read a parameter's grad while tracing: `nn.Module._apply`
+# converts it along with its parameter. `Module.zero_grad` (same file) reads it to zero it,
+# and its trace captured the grad of the first call: later calls zeroed nothing
+_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 def _unread_grad(tensor, caller) -> bool:
@@ -51,7 +54,7 @@ def _unread_grad(tensor, caller) -> bool:
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
     return (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
-            and caller.f_code.co_filename != _MODULE_FILE)
+            and caller.f_code is not _MODULE_APPLY)
 
 
 # factories of tensors from Python data with no decomposition: on lists and numbers they are

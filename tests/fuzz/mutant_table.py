@@ -384,8 +384,8 @@ MUTANTS: list[Mutant] = [
            "        if not self._watched:\n            return False\n        changed = False",
            "        if True:\n            return False\n        changed = False", HELD),
     Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
-           "and caller.f_code.co_filename != _MODULE_FILE)",
-           "and caller.f_code.co_filename != _MODULE_FILE and False)", HELD),
+           "and caller.f_code is not _MODULE_APPLY)",
+           "and caller.f_code is not _MODULE_APPLY and False)", HELD),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
            "if self.no_grad_updates and self.ctx.differentiable and differentiated:", "if False:",
            HELD),
@@ -2407,4 +2407,10 @@ MUTANTS: list[Mutant] = [
            "                if True:\n                    out = fn(",
            ("tests/tracer/test_fast_paths.py::"
             "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
+    # --- session 50, h50probe: training-loop calls compared with eager over several steps ----
+    Mutant("module_zero_grad_reads_let_through", "guards", "tracer/factory_mode.py",
+           "and caller.f_code is not _MODULE_APPLY)",
+           "and caller.f_code.co_filename != _MODULE_APPLY.co_filename)",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients",)),
 ]
