@@ -45,7 +45,7 @@ from fulmen.tracer.module_hooks import (
 from fulmen.tracer.module_stores import (
     replay_module_stores,
 )
-from fulmen.tracer.objects import ARGUMENTS, MODULE, path_text
+from fulmen.tracer.objects import ARGUMENTS, MODULE, NotWalked, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
@@ -56,7 +56,7 @@ _is_lazy = torch.nn.parameter.is_lazy
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-class _Jitted(CompileMiss):
+class _Jitted(CompileMiss, NotWalked):
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
     def _setup(self, fn, module, executors, transforms, grad_argnums=None,

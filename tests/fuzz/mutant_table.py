@@ -2413,4 +2413,8 @@ MUTANTS: list[Mutant] = [
            "and caller.f_code.co_filename != _MODULE_APPLY.co_filename)",
            ("tests/tracer/test_training_integrations.py::"
             "test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients",)),
+    Mutant("jitted_function_attribute_walked", "guards", "tracer/objects.py",
+           "_OPAQUE = (NotWalked, torch.Tensor,", "_OPAQUE = (torch.Tensor,",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_an_optimizers_step_replaced_by_its_jitted_method_under_a_grad_scaler",)),
 ]

@@ -27,3 +27,39 @@ def test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients(dynami
         assert [p.grad.data_ptr() for p in model.parameters()] == addresses
         for p in model.parameters():
             torch.testing.assert_close(p.grad, torch.zeros_like(p))
+
+
+def _scaled_steps(jit: bool, dynamic):
+    """Four steps of `GradScaler` around an Adam optimizer whose `step` attribute is replaced
+    by its jitted method (the scaler calls `optimizer.step()`); the third step's gradients
+    hold an inf, so the scaler skips it and halves the scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if jit:
+        opt.step = fulmen.jit(opt.step, dynamic=dynamic)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    records = []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).square().sum()).backward()
+        if step == 2:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        records += [p.detach().clone() for p in model.parameters()]
+        records.append(torch.tensor(scaler.get_scale()))
+    return records, opt.step
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_an_optimizers_step_replaced_by_its_jitted_method_under_a_grad_scaler(dynamic):
+    """`opt.step = fulmen.jit(opt.step)`: the call's key walked the optimizer's attributes,
+    `step` among them, into the jitted function's own cache and traces, and raised `TypeError:
+    unhashable type` on the first call."""
+    want, _ = _scaled_steps(False, dynamic)
+    got, step = _scaled_steps(True, dynamic)
+    torch.testing.assert_close(got, want)
+    stats = fulmen.compile_stats(step)
+    assert stats.calls == 3 and stats.eager_calls == 0  # the scaler skipped the inf step
