@@ -2417,4 +2417,8 @@ MUTANTS: list[Mutant] = [
            "_OPAQUE = (NotWalked, torch.Tensor,", "_OPAQUE = (torch.Tensor,",
            ("tests/tracer/test_training_integrations.py::"
             "test_an_optimizers_step_replaced_by_its_jitted_method_under_a_grad_scaler",)),
+    Mutant("forward_ad_dual_level_compiled", "bridge", "jitted.py",
+           "        if _forward_ad._current_level >= 0:", "        if False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_calls_inside_a_forward_ad_dual_level_run_eagerly",)),
 ]

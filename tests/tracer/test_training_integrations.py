@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import fulmen
+from fulmen.core import NotYetSupportedError
 
 
+@pytest.mark.filterwarnings("ignore:fulmen. Tensor.grad")
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients(dynamic):
     """`fulmen.jit(lambda: model.zero_grad(set_to_none=False))`: `Module.zero_grad` reads each
@@ -63,3 +65,27 @@ def test_an_optimizers_step_replaced_by_its_jitted_method_under_a_grad_scaler(dy
     torch.testing.assert_close(got, want)
     stats = fulmen.compile_stats(step)
     assert stats.calls == 3 and stats.eager_calls == 0  # the scaler skipped the inf step
+
+
+@pytest.mark.filterwarnings("ignore:fulmen. forward_ad")
+def test_calls_inside_a_forward_ad_dual_level_run_eagerly():
+    """Dual tensors through a jitted module with grad mode on (forward-mode Jacobian-vector
+    products, as in some second-order optimizers): the compiled program's autograd.Function
+    has no `jvp`, so the call raised `NotImplementedError` where eager runs; such calls run
+    eagerly now (and raise under fullgraph)."""
+    fwad = torch.autograd.forward_ad
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    jitted = fulmen.jit(model)
+    for _ in range(2):
+        x, tangent = torch.randn(2, 4), torch.randn(2, 4)
+        with fwad.dual_level():
+            want = fwad.unpack_dual(model(fwad.make_dual(x, tangent)))
+            got = fwad.unpack_dual(jitted(fwad.make_dual(x, tangent)))
+        torch.testing.assert_close(got.primal, want.primal)
+        torch.testing.assert_close(got.tangent, want.tangent)
+    assert fulmen.compile_stats(jitted).eager_calls == 2
+    with fwad.dual_level(), pytest.raises(NotYetSupportedError, match="dual_level"):
+        fulmen.jit(model, fullgraph=True)(fwad.make_dual(x, tangent))
+    torch.testing.assert_close(jitted(x), model(x))  # outside: compiled
+    assert fulmen.compile_stats(jitted).cache_misses >= 1
