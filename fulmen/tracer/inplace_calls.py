@@ -17,7 +17,9 @@ from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_random, setitem
 from fulmen.ops.meta import call_on_meta
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
+from fulmen.tracer.aten_inplace import (
+    functional_variant, products_of_rounded_scalars, returns_nothing, rounds_its_scalars,
+    written_arguments)
 from fulmen.tracer.batch_norm import functionalize_batch_norm
 from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf
 from fulmen.tracer.metadata_inplace import MetadataMutation, trace_metadata_change
@@ -181,7 +183,10 @@ class InplaceCalls:
                    for position, argument in written]
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with self.ctx.internal():
-            values = functional(*r_args, **r_kwargs)
+            if rounds_its_scalars(name, r_args, r_kwargs):  # NOTE [in-place foreach products ...]
+                values = products_of_rounded_scalars(*r_args)
+            else:
+                values = functional(*r_args, **r_kwargs)
         if len(written) == 1:
             values = (values,)
         for target, value in zip(targets, values, strict=True):

@@ -2421,4 +2421,8 @@ MUTANTS: list[Mutant] = [
            "        if _forward_ad._current_level >= 0:", "        if False:",
            ("tests/tracer/test_training_integrations.py::"
             "test_calls_inside_a_forward_ad_dual_level_run_eagerly",)),
+    Mutant("foreach_mul_scalar_not_rounded", "mutation", "tracer/inplace_calls.py",
+           "            if rounds_its_scalars(name, r_args, r_kwargs):", "            if False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_foreach_optimizers_on_low_precision_parameters_step_as_eager",)),
 ]
