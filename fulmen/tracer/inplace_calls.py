@@ -18,8 +18,12 @@ from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_r
 from fulmen.ops.meta import call_on_meta
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import (
-    functional_variant, products_of_rounded_scalars, returns_nothing, rounds_its_scalars,
-    written_arguments)
+    functional_variant,
+    products_of_rounded_scalars,
+    returns_nothing,
+    rounds_its_scalars,
+    written_arguments,
+)
 from fulmen.tracer.batch_norm import functionalize_batch_norm
 from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf
 from fulmen.tracer.metadata_inplace import MetadataMutation, trace_metadata_change
