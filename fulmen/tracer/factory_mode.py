@@ -47,14 +47,20 @@ _MODULE_APPLY = torch.nn.Module._apply.__code__
 
 def _unread_grad(tensor, caller) -> bool:
     """Whether reading `tensor.grad` while tracing would bake in a gradient that is no input: a
-    tensor argument's (`unseen_grad`), or a real leaf's that requires grad (a parameter of a
-    module argument or a global: each backward, after `zero_grad()`, makes a new one), unless
-    `caller` (the reading frame) is `nn.Module._apply` converting it along with its parameter
-    (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its forward)."""
+    tensor argument's (`unseen_grad`), a real leaf's that requires grad (a parameter of a
+    module argument or a global: each backward, after `zero_grad()`, makes a new one), or any
+    real tensor's that has one (a frozen parameter's: the caller may set another, and the trace
+    took the one it met for a tensor the call made, so `p.grad.mul_(0.5)` updated a copy),
+    unless `caller` (the reading frame) is `nn.Module._apply` converting it along with its
+    parameter (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its
+    forward)."""
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
-    return (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
-            and caller.f_code is not _MODULE_APPLY)
+    if not isinstance(tensor, torch.Tensor) or caller.f_code is _MODULE_APPLY:
+        return False
+    if tensor.is_leaf:
+        return tensor.requires_grad or _GRAD_GET(tensor) is not None
+    return tensor.retains_grad and _GRAD_GET(tensor) is not None  # (else a warning, and None)
 
 
 # factories of tensors from Python data with no decomposition: on lists and numbers they are

@@ -384,8 +384,8 @@ MUTANTS: list[Mutant] = [
            "        if not self._watched:\n            return False\n        changed = False",
            "        if True:\n            return False\n        changed = False", HELD),
     Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
-           "and caller.f_code is not _MODULE_APPLY)",
-           "and caller.f_code is not _MODULE_APPLY and False)", HELD),
+           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
+           "        return False", HELD),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
            "if self.no_grad_updates and self.ctx.differentiable and differentiated:", "if False:",
            HELD),
@@ -2409,8 +2409,8 @@ MUTANTS: list[Mutant] = [
             "test_modules_a_jitted_function_calls_give_their_fast_path_results_as_eager",)),
     # --- session 50, h50probe: training-loop calls compared with eager over several steps ----
     Mutant("module_zero_grad_reads_let_through", "guards", "tracer/factory_mode.py",
-           "and caller.f_code is not _MODULE_APPLY)",
-           "and caller.f_code.co_filename != _MODULE_APPLY.co_filename)",
+           "or caller.f_code is _MODULE_APPLY:",
+           "or caller.f_code.co_filename == _MODULE_APPLY.co_filename:",
            ("tests/tracer/test_training_integrations.py::"
             "test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients",)),
     Mutant("jitted_function_attribute_walked", "guards", "tracer/objects.py",
@@ -2425,4 +2425,9 @@ MUTANTS: list[Mutant] = [
            "            if rounds_its_scalars(name, r_args, r_kwargs):", "            if False:",
            ("tests/tracer/test_training_integrations.py::"
             "test_foreach_optimizers_on_low_precision_parameters_step_as_eager",)),
+    Mutant("frozen_parameters_grad_baked", "guards", "tracer/factory_mode.py",
+           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
+           "        return tensor.requires_grad",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_gradients_of_frozen_parameters_updated_in_a_jitted_function",)),
 ]

@@ -31,6 +31,31 @@ def test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients(dynami
             torch.testing.assert_close(p.grad, torch.zeros_like(p))
 
 
+def _halve_frozen_grads(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+
+@pytest.mark.filterwarnings("ignore:fulmen. Tensor.grad")
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_gradients_of_frozen_parameters_updated_in_a_jitted_function(dynamic):
+    """A frozen layer (`requires_grad_(False)`) keeps the gradients it had, or ones the caller
+    sets: reading them was allowed (only grads of leaves requiring grad were refused), and the
+    trace took the tensor it met, which only its parameter holds, for one the call made: each
+    call halved a copy of it (and after `p.grad = ...`, that of the first call)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).requires_grad_(False)
+    halve = fulmen.jit(lambda: _halve_frozen_grads(model), dynamic=dynamic)
+    for step in range(3):
+        model.weight.grad = torch.full((2, 3), step + 1.0)
+        model.bias.grad = None if step == 1 else torch.ones(2)
+        halve()
+        torch.testing.assert_close(model.weight.grad, torch.full((2, 3), (step + 1.0) / 2))
+        if step != 1:
+            torch.testing.assert_close(model.bias.grad, torch.full((2,), 0.5))
+
+
 def _scaled_steps(jit: bool, dynamic):
     """Four steps of `GradScaler` around an Adam optimizer whose `step` attribute is replaced
     by its jitted method (the scaler calls `optimizer.step()`); the third step's gradients
