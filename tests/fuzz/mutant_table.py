@@ -2430,4 +2430,8 @@ MUTANTS: list[Mutant] = [
            "        return tensor.requires_grad",
            ("tests/tracer/test_training_integrations.py::"
             "test_gradients_of_frozen_parameters_updated_in_a_jitted_function",)),
+    Mutant("global_optimizer_hooks_unkeyed", "guards", "tracer/process_state.py",
+           '    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),\n', "",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_global_optimizer_step_hooks_registered_between_jitted_steps",)),
 ]

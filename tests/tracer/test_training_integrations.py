@@ -154,3 +154,58 @@ def test_foreach_optimizers_on_low_precision_parameters_step_as_eager(make, dtyp
     for a, b in zip(got, want):  # (float16's eps underflows: NaN where eager has NaN)
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert fulmen.compile_stats(step).eager_calls == 0
+
+
+def _steps_under_global_hooks(jit: bool, dynamic):
+    """Five SGD steps through `opt.step` (jitted or not); a global optimizer step pre-hook
+    doubling the gradients is registered before the second and removed before the fourth,
+    a post-hook clamping the weights is registered before the third."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def double(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(2)
+
+    def clamp(opt, args, kwargs):
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.clamp_(-0.3, 0.3)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = fulmen.jit(opt.step, dynamic=dynamic) if jit else opt.step
+    handles, records = [], []
+    try:
+        for i in range(5):
+            if i == 1:
+                handles.append(register_optimizer_step_pre_hook(double))
+            if i == 2:
+                handles.append(register_optimizer_step_post_hook(clamp))
+            if i == 3:
+                handles.pop(0).remove()
+            opt.zero_grad()
+            model(torch.randn(2, 4)).square().sum().backward()
+            step()
+            records += [p.detach().clone() for p in model.parameters()]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records, step
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_global_optimizer_step_hooks_registered_between_jitted_steps(dynamic):
+    """`torch.optim.optimizer.register_optimizer_step_pre_hook` (and post-hooks): every
+    `Optimizer.step` runs the global hooks, which a jitted `opt.step` traced with those of its
+    first call: a hook registered later never ran, one removed kept running. They are in
+    every call's key now (`process_state.PROCESS_STATES`)."""
+    want, _ = _steps_under_global_hooks(False, dynamic)
+    got, step = _steps_under_global_hooks(True, dynamic)
+    torch.testing.assert_close(got, want)
+    assert fulmen.compile_stats(step).eager_calls == 0
