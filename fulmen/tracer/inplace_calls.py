@@ -89,10 +89,15 @@ class InplaceCalls:
         return False
 
     def _requires_grad_unchanged(self, args: tuple, kwargs: dict) -> bool:
-        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`."""
+        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`,
+        and `t` is a value of the trace, not one of its inputs. An input's flag may differ at
+        the next call (a parameter of a module the function closes over is not keyed by it):
+        `model.requires_grad_(True)` traced with the model trainable was dropped from calls
+        made with it frozen, so it stayed frozen (the call now runs eagerly)."""
         target = args[0]
         flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-        if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
+        if not isinstance(target, TensorProxy) or not isinstance(flag, bool) \
+                or target.name in self.inputs:
             return False
         return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)
 

@@ -2434,4 +2434,8 @@ MUTANTS: list[Mutant] = [
            '    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),\n', "",
            ("tests/tracer/test_training_integrations.py::"
             "test_global_optimizer_step_hooks_registered_between_jitted_steps",)),
+    Mutant("requires_grad_of_an_input_taken_as_unchanged", "mutation", "tracer/inplace_calls.py",
+           "                or target.name in self.inputs:", "                or False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_requires_grad_set_inside_on_a_layer_frozen_between_calls",)),
 ]

@@ -209,3 +209,39 @@ def test_global_optimizer_step_hooks_registered_between_jitted_steps(dynamic):
     got, step = _steps_under_global_hooks(True, dynamic)
     torch.testing.assert_close(got, want)
     assert fulmen.compile_stats(step).eager_calls == 0
+
+
+def _unfreezing_calls(jit: bool, dynamic):
+    """Four calls of a function that unfreezes the layer it closes over before using it; the
+    caller freezes the layer before the second and third (a fine-tuning schedule)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+
+    def forward(x):
+        layer.requires_grad_(True)
+        return layer(x).tanh()
+
+    fn = fulmen.jit(forward, dynamic=dynamic) if jit else forward
+    records = []
+    for step in range(4):
+        layer.requires_grad_(step not in (1, 2))
+        y = fn(torch.randn(2 + step, 4))
+        y.sum().backward()
+        records += [y.detach(), y.requires_grad, layer.weight.requires_grad,
+                    layer.weight.grad.clone(), layer.bias.grad.clone()]
+        layer.zero_grad()
+    return records
+
+
+@pytest.mark.filterwarnings("ignore:fulmen. Tensor.requires_grad_")
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_requires_grad_set_inside_on_a_layer_frozen_between_calls(dynamic):
+    """`layer.requires_grad_(True)` asks the parameters for the flag they had while tracing,
+    so it was left out of the trace; a parameter of a module the function closes over is not
+    keyed by its flag, so the calls made with the layer frozen reused that trace: the layer
+    stayed frozen and `backward()` raised (its output did not require grad)."""
+    want = _unfreezing_calls(False, dynamic)
+    got = _unfreezing_calls(True, dynamic)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
