@@ -39,6 +39,18 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
+class UnkeyedFlagRead(RunsEagerly):
+    """The user's traced code reads `requires_grad` of a tensor it closes over (a parameter of
+    a module it reaches, a global): no key holds that flag (the traced module's own state is
+    keyed by it), so a branch on it (`y * 2 if w.requires_grad else y * 3`) would keep the
+    answer of the call that traced it after the caller froze or unfroze the tensor. The call
+    runs eagerly. Torch's own reads (modules' fast-path checks) decide nothing the results
+    show."""
+
+
+_REQUIRES_GRAD_GET = torch.Tensor.requires_grad.__get__
+
+
 # the one frame of torch's that may read a parameter's grad while tracing: `nn.Module._apply`
 # converts it along with its parameter. `Module.zero_grad` (same file) reads it to zero it,
 # and its trace captured the grad of the first call: later calls zeroed nothing
@@ -112,6 +124,15 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
+            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \
+                    and isinstance(args[0], torch.Tensor) \
+                    and id(args[0]) not in self.ctx.state_proxies \
+                    and not is_internal(sys._getframe(1).f_code.co_filename):
+                raise UnkeyedFlagRead(
+                    "reading requires_grad of a tensor the function closes over (a parameter of "
+                    "a module it reaches, a global): the flag is not in the cache key",
+                    op="Tensor.requires_grad", where=user_source_location(),
+                    hint="pass the module or tensor as an argument, or jit the module itself")
             if func in GRAPH_READS and isinstance(args[0], TensorProxy) \
                     and args[0].requires_grad \
                     and not is_fulmens_own(sys._getframe(1).f_code.co_filename):

@@ -2438,4 +2438,9 @@ MUTANTS: list[Mutant] = [
            "                or target.name in self.inputs:", "                or False:",
            ("tests/tracer/test_training_integrations.py::"
             "test_requires_grad_set_inside_on_a_layer_frozen_between_calls",)),
+    Mutant("closed_over_requires_grad_read_baked", "guards", "tracer/factory_mode.py",
+           "            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \\",
+           "            if False and not isinstance(args[0], TensorProxy) \\",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_a_branch_on_requires_grad_of_a_closed_over_parameter",)),
 ]
