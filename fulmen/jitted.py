@@ -45,7 +45,7 @@ from fulmen.tracer.module_hooks import (
 from fulmen.tracer.module_stores import (
     replay_module_stores,
 )
-from fulmen.tracer.objects import ARGUMENTS, MODULE, path_text
+from fulmen.tracer.objects import ARGUMENTS, MODULE, NotWalked, path_text
 from fulmen.tracer.shape_policy import DynamicDims
 from fulmen.tracer.subsumed import accepts, call_sizes, erased_key
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
@@ -54,9 +54,10 @@ from fulmen.tracer.symbolic import carrier, number_at
 _getitem = operator.getitem
 _is_lazy = torch.nn.parameter.is_lazy
 _functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad  # `_current_level`: -1 outside `dual_level()`
 
 
-class _Jitted(CompileMiss):
+class _Jitted(CompileMiss, NotWalked):
     """Shared machinery of `JittedFunction` and `JittedModule`."""
 
     def _setup(self, fn, module, executors, transforms, grad_argnums=None,
@@ -123,6 +124,11 @@ class _Jitted(CompileMiss):
                 "program runs outside the transform's levels", op="torch.func",
                 hint="for compiled gradients use fulmen.grad, fulmen.vjp or "
                 "fulmen.value_and_grad"))
+        if _forward_ad._current_level >= 0:  # dual tensors would lose their tangents
+            return self._eagerly_or_raise(args, kwargs, ForwardAD(
+                "called inside torch.autograd.forward_ad.dual_level(): a compiled program has "
+                "no forward-mode derivative (its autograd.Function no jvp)",
+                op="forward_ad", hint="call it outside dual_level()"))
         # a trace swaps proxies into argument objects and undoes stores into modules: every
         # read of module state and objects (and every trace) holds the tracing lock, so no
         # thread ever sees a proxy
@@ -390,6 +396,13 @@ class FunctorchTransform(RunsEagerly):
     """The call is made inside a `torch.func` transform (`grad`, `vmap`, `jacrev`): its tensors
     are wrapped per transform level, which a compiled program does not see, so the call runs
     eagerly (the transform differentiates or batches the eager ops)."""
+
+
+class ForwardAD(RunsEagerly):
+    """The call is made inside `torch.autograd.forward_ad.dual_level()`: tensors may carry
+    tangents, which a compiled program neither reads nor gives (the `autograd.Function` that
+    runs it has no `jvp`: eager runs raised `NotImplementedError`), so the call runs
+    eagerly."""
 
 
 def _restructure_grads(out, specs: list, argnums):

@@ -39,19 +39,40 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
-_MODULE_FILE = torch.nn.modules.module.__file__
+class UnkeyedFlagRead(RunsEagerly):
+    """The user's traced code reads `requires_grad` of a tensor it closes over (a parameter of
+    a module it reaches, a global): no key holds that flag (the traced module's own state is
+    keyed by it), so a branch on it (`y * 2 if w.requires_grad else y * 3`) would keep the
+    answer of the call that traced it after the caller froze or unfroze the tensor. The call
+    runs eagerly. Torch's own reads (modules' fast-path checks) decide nothing the results
+    show."""
+
+
+_REQUIRES_GRAD_GET = torch.Tensor.requires_grad.__get__
+
+
+# the one frame of torch's that may read a parameter's grad while tracing: `nn.Module._apply`
+# converts it along with its parameter. `Module.zero_grad` (same file) reads it to zero it,
+# and its trace captured the grad of the first call: later calls zeroed nothing
+_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 def _unread_grad(tensor, caller) -> bool:
     """Whether reading `tensor.grad` while tracing would bake in a gradient that is no input: a
-    tensor argument's (`unseen_grad`), or a real leaf's that requires grad (a parameter of a
-    module argument or a global: each backward, after `zero_grad()`, makes a new one), unless
-    `caller` (the reading frame) is `nn.Module._apply` converting it along with its parameter
-    (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its forward)."""
+    tensor argument's (`unseen_grad`), a real leaf's that requires grad (a parameter of a
+    module argument or a global: each backward, after `zero_grad()`, makes a new one), or any
+    real tensor's that has one (a frozen parameter's: the caller may set another, and the trace
+    took the one it met for a tensor the call made, so `p.grad.mul_(0.5)` updated a copy),
+    unless `caller` (the reading frame) is `nn.Module._apply` converting it along with its
+    parameter (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its
+    forward)."""
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
-    return (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
-            and caller.f_code.co_filename != _MODULE_FILE)
+    if not isinstance(tensor, torch.Tensor) or caller.f_code is _MODULE_APPLY:
+        return False
+    if tensor.is_leaf:
+        return tensor.requires_grad or _GRAD_GET(tensor) is not None
+    return tensor.retains_grad and _GRAD_GET(tensor) is not None  # (else a warning, and None)
 
 
 # factories of tensors from Python data with no decomposition: on lists and numbers they are
@@ -103,6 +124,15 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
+            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \
+                    and isinstance(args[0], torch.Tensor) \
+                    and id(args[0]) not in self.ctx.state_proxies \
+                    and not is_internal(sys._getframe(1).f_code.co_filename):
+                raise UnkeyedFlagRead(
+                    "reading requires_grad of a tensor the function closes over (a parameter of "
+                    "a module it reaches, a global): the flag is not in the cache key",
+                    op="Tensor.requires_grad", where=user_source_location(),
+                    hint="pass the module or tensor as an argument, or jit the module itself")
             if func in GRAPH_READS and isinstance(args[0], TensorProxy) \
                     and args[0].requires_grad \
                     and not is_fulmens_own(sys._getframe(1).f_code.co_filename):

@@ -17,7 +17,13 @@ from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_random, setitem
 from fulmen.ops.meta import call_on_meta
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.aten_inplace import functional_variant, returns_nothing, written_arguments
+from fulmen.tracer.aten_inplace import (
+    functional_variant,
+    products_of_rounded_scalars,
+    returns_nothing,
+    rounds_its_scalars,
+    written_arguments,
+)
 from fulmen.tracer.batch_norm import functionalize_batch_norm
 from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf
 from fulmen.tracer.metadata_inplace import MetadataMutation, trace_metadata_change
@@ -83,10 +89,15 @@ class InplaceCalls:
         return False
 
     def _requires_grad_unchanged(self, args: tuple, kwargs: dict) -> bool:
-        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`."""
+        """Whether `t.requires_grad_(flag)` leaves `t` as it is: its flag is already `flag`,
+        and `t` is a value of the trace, not one of its inputs. An input's flag may differ at
+        the next call (a parameter of a module the function closes over is not keyed by it):
+        `model.requires_grad_(True)` traced with the model trainable was dropped from calls
+        made with it frozen, so it stayed frozen (the call now runs eagerly)."""
         target = args[0]
         flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-        if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
+        if not isinstance(target, TensorProxy) or not isinstance(flag, bool) \
+                or target.name in self.inputs:
             return False
         return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)
 
@@ -181,7 +192,10 @@ class InplaceCalls:
                    for position, argument in written]
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with self.ctx.internal():
-            values = functional(*r_args, **r_kwargs)
+            if rounds_its_scalars(name, r_args, r_kwargs):  # NOTE [in-place foreach products ...]
+                values = products_of_rounded_scalars(*r_args)
+            else:
+                values = functional(*r_args, **r_kwargs)
         if len(written) == 1:
             values = (values,)
         for target, value in zip(targets, values, strict=True):

@@ -45,8 +45,17 @@ PLAIN_NUMBER = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _ATOMS = (*TRACED_NUMBERS, bool, int, float, complex, str, bytes, type(None), torch.dtype,
           torch.device, torch.Size, enum.Enum, slice, range, type(Ellipsis), torch.memory_format,
           torch.layout)
+
+
+class NotWalked:
+    """Base of fulmen's own objects a user's object may hold (`opt.step = fulmen.jit(opt.step)`,
+    as `GradScaler.step(opt)` calls `opt.step`): such an attribute is keyed by identity and
+    never looked inside. Walked, the key of a call held the jitted function's cache and traces
+    (and the traces' unhashable bound symbols), so the call raised `TypeError`."""
+
+
 # (loggers: their `_cache` fills as they are asked, and their manager holds every logger)
-_OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
+_OPAQUE = (NotWalked, torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
            types.ModuleType, types.BuiltinFunctionType, functools.partial, torch.Generator,
            logging.Logger, logging.Manager, logging.LoggerAdapter)
 _NOT_PLAIN = _ATOMS + _OPAQUE

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.optim.optimizer as _optimizer_module
 
 from fulmen.core.ambient import autocast_key
 
@@ -55,6 +56,16 @@ def float32_precision() -> object:
 def autocast_state() -> tuple:
     """`()` when autocast is off, else its devices and dtypes (`autocast_key`)."""
     return _any_autocast() and autocast_key()
+
+
+# the global optimizer step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook`),
+# read by every `Optimizer.step`: a jitted `opt.step` ran the hooks it was traced with (a hook
+# registered later never ran, one removed kept running); live views, read as tuples of the
+# hooks
+_optimizer_pre_hooks = functools.partial(
+    tuple, _optimizer_module._global_optimizer_pre_hooks.values())
+_optimizer_post_hooks = functools.partial(
+    tuple, _optimizer_module._global_optimizer_post_hooks.values())
 
 
 def function_modes() -> tuple:
@@ -110,6 +121,8 @@ PROCESS_STATES: tuple[ProcessState, ...] = (
     ProcessState("memory-efficient attention enabled", _C._get_mem_efficient_sdp_enabled),
     ProcessState("math attention enabled", _C._get_math_sdp_enabled),
     ProcessState("cuDNN attention enabled", _C._get_cudnn_sdp_enabled),
+    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),
+    ProcessState("global optimizer step post-hooks", _optimizer_post_hooks),
 )
 
 _READERS = tuple([state.read for state in PROCESS_STATES])

@@ -384,8 +384,8 @@ MUTANTS: list[Mutant] = [
            "        if not self._watched:\n            return False\n        changed = False",
            "        if True:\n            return False\n        changed = False", HELD),
     Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
-           "and caller.f_code.co_filename != _MODULE_FILE)",
-           "and caller.f_code.co_filename != _MODULE_FILE and False)", HELD),
+           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
+           "        return False", HELD),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
            "if self.no_grad_updates and self.ctx.differentiable and differentiated:", "if False:",
            HELD),
@@ -2520,4 +2520,40 @@ MUTANTS: list[Mutant] = [
            "ndim >= 3 ? strides[{p} * ndim + ndim - 2] : 0;",
            ("tests/executors/test_codegen_edges.py::"
             "test_rows_walked_in_spans_cover_every_row_once",)),
+    # --- session 50, h50probe: training-loop calls compared with eager over several steps ----
+    Mutant("module_zero_grad_reads_let_through", "guards", "tracer/factory_mode.py",
+           "or caller.f_code is _MODULE_APPLY:",
+           "or caller.f_code.co_filename == _MODULE_APPLY.co_filename:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients",)),
+    Mutant("jitted_function_attribute_walked", "guards", "tracer/objects.py",
+           "_OPAQUE = (NotWalked, torch.Tensor,", "_OPAQUE = (torch.Tensor,",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_an_optimizers_step_replaced_by_its_jitted_method_under_a_grad_scaler",)),
+    Mutant("forward_ad_dual_level_compiled", "bridge", "jitted.py",
+           "        if _forward_ad._current_level >= 0:", "        if False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_calls_inside_a_forward_ad_dual_level_run_eagerly",)),
+    Mutant("foreach_mul_scalar_not_rounded", "mutation", "tracer/inplace_calls.py",
+           "            if rounds_its_scalars(name, r_args, r_kwargs):", "            if False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_foreach_optimizers_on_low_precision_parameters_step_as_eager",)),
+    Mutant("frozen_parameters_grad_baked", "guards", "tracer/factory_mode.py",
+           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
+           "        return tensor.requires_grad",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_gradients_of_frozen_parameters_updated_in_a_jitted_function",)),
+    Mutant("global_optimizer_hooks_unkeyed", "guards", "tracer/process_state.py",
+           '    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),\n', "",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_global_optimizer_step_hooks_registered_between_jitted_steps",)),
+    Mutant("requires_grad_of_an_input_taken_as_unchanged", "mutation", "tracer/inplace_calls.py",
+           "                or target.name in self.inputs:", "                or False:",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_requires_grad_set_inside_on_a_layer_frozen_between_calls",)),
+    Mutant("closed_over_requires_grad_read_baked", "guards", "tracer/factory_mode.py",
+           "            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \\",
+           "            if False and not isinstance(args[0], TensorProxy) \\",
+           ("tests/tracer/test_training_integrations.py::"
+            "test_a_branch_on_requires_grad_of_a_closed_over_parameter",)),
 ]
