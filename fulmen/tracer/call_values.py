@@ -63,9 +63,10 @@ def is_learning_rate(leaves: list, roots, position) -> bool:
         and isinstance(owner, torch.optim.Optimizer)
 
 
-def root_floats(roots: list) -> list[tuple[Any, float]]:
-    """`((root, path), value)` of each float inside the jitted function's own objects (a bound
-    method's `self`, an LR scheduler's optimizer: `fulmen.tracer.sources.function_roots`), at
-    negative roots (`symbolic.number_at`)."""
+def root_floats(roots: list, kind: type = float) -> list[tuple[Any, float]]:
+    """`((root, path), value)` of each float (with `kind=int`, each integer, not a bool) inside
+    the jitted function's own objects (a bound method's `self`, an LR scheduler's optimizer:
+    `fulmen.tracer.sources.function_roots`; a custom optimizer's step count in
+    `self.state[p]["step"]`), at negative roots (`symbolic.number_at`)."""
     return [((-1 - i, path), value) for i, root in enumerate(roots) if is_plain_object(root)
-            for path, value in walk(root) if type(value) is float]
+            for path, value in walk(root) if type(value) is kind]

@@ -384,11 +384,15 @@ class CacheKeyBuilder:
         no symbolic lookup of the same call (`key(same_call=True)`) follows."""
         self._walks = {}
 
-    def _fn_roots_key(self) -> tuple:
+    def _fn_roots_key(self, ints: dict | None = None) -> tuple:
+        """The key of the function's own objects (`function_roots`): floats read at run time
+        keyed by type, and the integers at `ints` (negative roots, traced as symbols) too."""
         if self.fn is None:
             return ()
         self.fn_roots = function_roots(self.fn)
         masks = _float_masks(self.float_positions) if self.float_positions else {}
+        for root, path in ints or ():
+            masks.setdefault(root, {})[path] = INT_KEY
         return tuple([object_key(root, _leaf_key, masks.get(-1 - i))
                       for i, root in enumerate(self.fn_roots)])
 
@@ -413,6 +417,13 @@ class CacheKeyBuilder:
                 state_key = (state_key, tuple([t.storage_offset() for t in state]))
             self._last_parts = (global_key, state_key)
             self._last_leaf_keys = None
+        own = {position: dims for position, dims in (symbolic or {}).items()
+               if isinstance(position, tuple) and position[0] < 0}
+        if own:  # integers of the function's own objects traced as symbols: keyed by type
+            if any(dims != INT for dims in own.values()):
+                return (), []  # (only integers there are traced with symbols)
+            global_key = (*global_key[:-1], self._fn_roots_key(own))
+            symbolic = {p: dims for p, dims in symbolic.items() if p not in own}
         if not kwargs and not offsets:
             tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
             if len(tensor_keys) == len(args) and (len(args) < 2 or len(set(map(id, args)))

@@ -262,7 +262,7 @@ class DynamicDims:
         views |= {i for name, (i, _) in zip(names, shapes) if name in self.strides_vary}
         found = {i: (*sorted(d), STRIDES) if i in views else tuple(sorted(d))
                  for i, d in dims.items()}
-        found.update({position: INT for position in self._ints_for(leaves, label)})
+        found.update({position: INT for position in self._ints_for(leaves, label, roots)})
         found.update({position: FLOAT for position in self._floats_for(leaves, label, roots)})
         return found
 
@@ -278,9 +278,7 @@ class DynamicDims:
         floats = [(position, value) for position, value in
                   int_values(leaves, float) + root_floats(list(roots))
                   if not number_in_tuple(leaves, roots, position)]
-        names = [label(position) if not isinstance(position, tuple) or position[0] >= 0
-                 else f"self{-1 - position[0] or ''}{path_text(position[1])}"
-                 for position, _ in floats]
+        names = [_number_name(label, position) for position, _ in floats]
         _note_changes(names, [value for _, value in floats], self.last_floats,
                       self.varying_floats, "float", "reading it at run time")
         chosen = [position for name, (position, _) in zip(names, floats)
@@ -324,7 +322,7 @@ class DynamicDims:
         self.floats_broken = True
         return True
 
-    def _ints_for(self, leaves: list, label) -> list:
+    def _ints_for(self, leaves: list, label, roots: list = ()) -> list:
         """The positions of the call's integers to trace as symbols: those seen to change
         between two calls that missed the cache (values of at least 2 only).
 
@@ -333,9 +331,10 @@ class DynamicDims:
         classifier-free guidance alternates the model's decoding step (with `position_ids`)
         and the unconditional one (without), and the cache's `cumulative_length` sits at
         another argument position in each; compared only within one structure it never varied
-        and every step compiled."""
-        ints = int_values(leaves)
-        names = [label(position) for position, _ in ints]
+        and every step compiled. Integers inside the function's own objects `roots` count too
+        (a custom optimizer's `self.state[p]["step"]`, with `fulmen.jit(opt.step)`)."""
+        ints = int_values(leaves) + root_floats(list(roots), int)
+        names = [_number_name(label, position) for position, _ in ints]
         watched = self.dynamic is not False and not self.ints_broken
         _note_changes(names, [value for _, value in ints], self.last_ints,
                       self.varying_ints if watched else None, "integer",
@@ -443,6 +442,14 @@ class DynamicDims:
                 if entry.shape_guard(leaves):
                     return entry
         return None
+
+
+def _number_name(label, position) -> str:
+    """The name of a number of the call: `label(position)`, or `self...` inside the function's
+    own objects (a negative root)."""
+    if not isinstance(position, tuple) or position[0] >= 0:
+        return label(position)
+    return f"self{-1 - position[0] or ''}{path_text(position[1])}"
 
 
 def _note_changes(names: list[str], values: list, last: dict, varying: set | None, kind: str,

@@ -168,6 +168,8 @@ def erased_key(key: tuple, symbolic: dict, offsets: frozenset) -> tuple | None:
     held: dict[int, dict] = {}  # object argument -> path -> dims
     for position, dims in symbolic.items():
         if isinstance(position, tuple):
+            if position[0] < 0:  # an integer of the function's own objects: keyed apart
+                return None
             held.setdefault(position[0], {})[position[1]] = dims
             continue
         if position >= len(leaf_keys) or position in offsets:

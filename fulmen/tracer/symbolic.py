@@ -35,7 +35,7 @@ import torch
 from fulmen.core.printer import symbol_bindings
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.formatting import SHAPE_ENV_MARK
-from fulmen.tracer.objects import follow
+from fulmen.tracer.objects import follow, function_roots
 from fulmen.tracer.sym_ops import keep_symbolic_ops
 
 
@@ -183,6 +183,9 @@ class SymbolicSizes:
         self.proxies: list[TensorProxy] = []  # inputs with a symbolic size, in order
         self.free_strides: set[str] = set()  # inputs with a stride symbol of its own, by name
         self.positions: list[int] = []  # the flattened-argument position of each
+        # the jitted function, whose own objects (`objects.function_roots`) hold the numbers
+        # at negative roots (`number_at`: a custom optimizer's `self.state[p]["step"]`)
+        self.fn: Callable | None = None
 
     def symbolize(self, tensor: torch.Tensor, label: str, dims: Sequence[int]):
         """`(shape, strides)` for the input proxy of `tensor` (a trace input called `label`),
@@ -333,10 +336,12 @@ class SymbolicSizes:
             return lambda leaves: True
         code = " and ".join(guards)
         compiled = compile(code, "<fulmen shape guards>", "eval")
-        positions = self.positions
+        positions, fn = self.positions, self.fn
+        own = any(isinstance(p, tuple) and p[0] < 0 for p in positions)
 
         def check(leaves: list) -> bool:
-            scope = {f"t{i}": tensor_at(leaves, p) for i, p in enumerate(positions)}
+            roots = function_roots(fn) if own else ()  # (read anew: a closure cell may change)
+            scope = {f"t{i}": number_at(leaves, roots, p) for i, p in enumerate(positions)}
             try:
                 return bool(eval(compiled, SYMPY_INTERP, {"L": scope}))
             except ZeroDivisionError:  # a divisor the trace had nonzero (`n // ((1 + s) // 4)`)

@@ -248,6 +248,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     positions: list[int] = []
     proxied_leaves = []
     symbolic = SymbolicSizes() if dynamic else None
+    if symbolic is not None and module is None:
+        symbolic.fn = fn  # (its objects' numbers, at negative roots, in the shape guard)
     numbers: list[tuple[Any, torch.SymInt, TensorProxy, int]] = []  # integers given symbols
 
     def make_int(position, label: str, value: int) -> torch.SymInt | None:
