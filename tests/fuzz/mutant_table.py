@@ -2556,4 +2556,14 @@ MUTANTS: list[Mutant] = [
            "            if False and not isinstance(args[0], TensorProxy) \\",
            ("tests/tracer/test_training_integrations.py::"
             "test_a_branch_on_requires_grad_of_a_closed_over_parameter",)),
+    # --- session 50, h50ints: ints in a jitted function's own objects traced as symbols ------
+    Mutant("own_object_ints_not_watched", "guards", "tracer/shape_policy.py",
+           "ints = int_values(leaves) + root_floats(list(roots), int)",
+           "ints = int_values(leaves)",
+           ("tests/tracer/test_optimizer_step_counts.py::"
+            "test_a_python_int_step_count_in_optimizer_state_is_traced_as_a_symbol",)),
+    Mutant("own_object_symbolic_int_keyed_by_value", "guards", "tracer/guards.py",
+           "global_key = (*global_key[:-1], self._fn_roots_key(own))", "pass",
+           ("tests/tracer/test_optimizer_step_counts.py::"
+            "test_a_python_int_step_count_in_optimizer_state_is_traced_as_a_symbol",)),
 ]
