@@ -49,6 +49,17 @@ class UnkeyedFlagRead(RunsEagerly):
 
 
 _REQUIRES_GRAD_GET = torch.Tensor.requires_grad.__get__
+_BASE_GET = torch.Tensor._base.__get__
+
+
+class ViewBaseRead(RunsEagerly):
+    """The traced code reads `._base` of a traced tensor (an argument, a value computed
+    inside): a proxy keeps no view base, and `._base` answered None where eager's view
+    (`x[1:]`) answers its base, so `v._base.sum()` crashed and `v._base is None` took the
+    other branch, silently. An argument's base lies outside the trace, and whether the
+    caller's tensor is a view is not keyed: the call runs eagerly. A real tensor the code
+    reaches (a closed-over view `base[1:]`, a parameter) answers its own base, as in eager
+    (it answered None too, through the trace's torch-function mode)."""
 
 
 # the one frame of torch's that may read a parameter's grad while tracing: `nn.Module._apply`
@@ -112,6 +123,14 @@ class FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _BASE_GET and not isinstance(args[0], TensorProxy):
+            return func(*args)  # a real tensor (closed over, a parameter): its own base
+        if func == _BASE_GET and not is_fulmens_own(sys._getframe(1).f_code.co_filename):
+            raise ViewBaseRead(
+                f"reading ._base of {args[0].name}, a traced tensor: the trace keeps no view "
+                "bases (eager answers the tensor a view was taken from)", op="Tensor._base",
+                where=user_source_location(),
+                hint="read the base tensor itself (pass it, or close over it)")
         if func in METADATA_FUNCTIONS:
             if self.ctx.vmap_emulation is not None and self.ctx.vmap_emulation.checking():
                 self.ctx.vmap_emulation.metadata(func, args, sys._getframe(1))

@@ -2566,4 +2566,13 @@ MUTANTS: list[Mutant] = [
            "global_key = (*global_key[:-1], self._fn_roots_key(own))", "pass",
            ("tests/tracer/test_optimizer_step_counts.py::"
             "test_a_python_int_step_count_in_optimizer_state_is_traced_as_a_symbol",)),
+    Mutant("closed_over_view_base_answered_none", "guards", "tracer/factory_mode.py",
+           "            return func(*args)  # a real tensor (closed over, a parameter): its own base",
+           "            return None",
+           ("tests/tracer/test_view_base_reads.py::"
+            "test_the_base_of_a_closed_over_view_is_its_real_base",)),
+    Mutant("traced_view_base_answered_none", "guards", "tracer/factory_mode.py",
+           "            raise ViewBaseRead(", "            return None\n            raise ViewBaseRead(",
+           ("tests/tracer/test_view_base_reads.py::"
+            "test_the_base_of_a_traced_tensor_runs_the_call_eagerly",)),
 ]
