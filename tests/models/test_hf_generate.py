@@ -137,3 +137,22 @@ def test_prompt_lookup_decoding_compiles_a_bounded_number_of_times(name):
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
                   do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
     _greedy_tokens_as_eager(name, model, kwargs, max_misses=4)
+
+
+def test_decoding_across_the_sliding_window_matches_eager():
+    """A short prompt (2) decoded past Gemma2's sliding window (4; its other layer attends to
+    all): the sliding layer's cache grows, then holds its last `window - 1` positions as a view
+    of each step's `cat`, with eager's tokens and every call compiled. HF's sliding-window code
+    branches where the cache fills (`kv_length >= local_attention_size` in `masking_utils.
+    _ignore_causal_mask_sdpa`; `is_full` and `max()` in `DynamicSlidingWindowLayer.
+    get_mask_sizes`; the `[-window + 1:]` slice clamping in its `update`), so decoding compiles
+    once per side of each branch: the first step, the step at `cumulative_length == window -
+    1`, the steps past it; 4 with the prefill. torch.compile makes as many graphs of such a
+    `generate` (session 50: 4 at window 8 and prompt 6, 6 at prompt 3, as fulmen)."""
+    torch.manual_seed(0)
+    model = MODELS["gemma2"][1]().eval()
+    assert model.config.sliding_window == 4
+    ids = torch.randint(3, VOCAB, (1, 2))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                  do_sample=False, pad_token_id=0)
+    _greedy_tokens_as_eager("gemma2", model, kwargs, max_misses=4)
