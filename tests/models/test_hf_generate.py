@@ -156,3 +156,23 @@ def test_decoding_across_the_sliding_window_matches_eager():
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                   do_sample=False, pad_token_id=0)
     _greedy_tokens_as_eager("gemma2", model, kwargs, max_misses=4)
+
+
+def test_prompts_longer_than_the_sliding_window_share_the_decoding_entries():
+    """After a prefill longer than Mistral's window (4) the sliding layer's keys are a view at
+    offset `(prompt - 3) * row`, at every later step at one row: the offset, guarded as a
+    constant inside the cache object, made each prompt length compile its first decoding step
+    anew (7 compiles for 4 prompt lengths, one more per length up to the cache size limit).
+    It is guarded only where read (NOTE [offsets of held tensors]): 4, with eager's tokens."""
+    torch.manual_seed(0)
+    model = MODELS["mistral"][1]().eval()
+    jmodel = fulmen.jit(model)
+    for length in (5, 6, 7, 9):
+        ids = torch.randint(3, VOCAB, (1, length))
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                      do_sample=False, pad_token_id=0)
+        got, want = jmodel.generate(**kwargs), model.generate(**kwargs)
+        assert torch.equal(got, want), f"{length}: fulmen {got.tolist()} eager {want.tolist()}"
+    stats = fulmen.compile_stats(jmodel)
+    assert stats.calls == 16 and stats.eager_calls == 0, stats
+    assert stats.cache_misses <= 4, stats.recompile_reasons
