@@ -310,16 +310,26 @@ class SymbolicSizes:
             self.proxies.append(proxy)
             self.positions.append(position)
 
+    # NOTE [offsets of held tensors]
+    # HF's sliding-window cache layer keeps `cat(keys, new)[:, :, 1 - window:]`: after a
+    # prefill longer than the window its keys sit at offset `(prompt - window + 1) * row`, at
+    # every later step at one row. Guarded as a constant, the offset of a tensor inside an
+    # object argument made the first decoding step of each prompt length compile an entry no
+    # other call could use (one more compile per prompt length, up to `cache_size_limit`, then
+    # eager calls). It is guarded, as an argument's, only where the program reads it; static
+    # keys still key held tensors by their offsets.
+
     def guard(self, offsets_read: frozenset = frozenset()) -> Callable[[list], bool]:
         """A function of the call's flattened arguments: whether this trace's specialisations
         (every guard the ShapeEnv recorded while tracing and compiling, equalities between
         duck-sized dimensions, the symbols' ranges) hold for their sizes.
 
         An argument's storage offset is checked only where the program read it (its position
-        in `offsets_read`, `TracedProgram.offset_reads`) or the tensor sits inside an object
-        argument (always keyed by its offset): the micro-batch `x[i:j]` of a batch whose size
-        varies has another offset at each size, which the compiled program never reads. Sizes
-        at which a guard cannot be evaluated (a divisor that is 0 there) fail the check."""
+        in `offsets_read`, `TracedProgram.offset_reads`; `(root, path)` for a tensor inside an
+        object argument): the micro-batch `x[i:j]` of a batch whose size varies has another
+        offset at each size, which the compiled program never reads (NOTE [offsets of held
+        tensors]). Sizes at which a guard cannot be evaluated (a divisor that is 0 there) fail
+        the check."""
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
@@ -329,7 +339,7 @@ class SymbolicSizes:
         guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
                                          ignore_static=False)
         unread = tuple(f"L['{name}'].storage_offset() == " for name, p in
-                       zip(names, self.positions) if isinstance(p, int) and p not in offsets_read)
+                       zip(names, self.positions) if p not in offsets_read)
         guards = [g for g in guards if not (g.startswith(unread)
                                             and g.rsplit(" == ", 1)[1].isdigit())]
         if not guards:

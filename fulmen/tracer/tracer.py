@@ -153,11 +153,14 @@ def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
     return made_during_the_call(captured, candidates, internal, ctx.foreign_sources)
 
 
-def _offset_reads(read: set[str], inputs, positions, state: dict) -> frozenset[int]:
-    """The flattened-argument positions of the inputs whose `storage_offset()` was read, with
-    `-1` standing for any parameter or buffer of the module (object tensors are always keyed
-    by their offsets)."""
+def _offset_reads(read: set[str], inputs, positions, state: dict,
+                  held_at: dict[str, tuple]) -> frozenset:
+    """The flattened-argument positions of the inputs whose `storage_offset()` was read (an
+    object-held tensor's as `(root, path)`, see `held_at`), with `-1` standing for any
+    parameter or buffer of the module. Static keys key object-held tensors by their offsets
+    always; symbolic entries guard them only where read (NOTE [offsets of held tensors])."""
     at = dict(zip([proxy.name for proxy in inputs], positions))
+    at.update(held_at)
     state_names = {proxy.name for proxy in state.values()}
     return frozenset([at[name] for name in read if name in at]
                      + [-1 for name in read if name in state_names])
@@ -303,6 +306,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
         roots[-1 - index] = obj  # a bound method's self, objects in the closure
     objects = ObjectInputs(roots)
     object_pairs = []
+    held_at: dict[str, tuple] = {}  # an object-held input's name -> its `(root, path)`
     if roots:
         def make_proxy(root, path, tensor):
             label = _path_name(leaves_with_paths[root][0], param_names) if root >= 0 else \
@@ -321,6 +325,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
             if symbolic is not None:
                 symbolic.add_input(proxy, (root, path))
             ctx.add_input(proxy)
+            held_at[name] = (root, path)
             return proxy
 
         def make_object_int(root, path, value):
@@ -455,7 +460,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          breaks=tuple(ctx.breaks.breaks) if ctx.breaks is not None else (),
                          requires_grad_names=frozenset(ctx.requires_grad_names),
                          objects=objects if objects.roots or objects.epilogue else None,
-                         offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state),
+                         offset_reads=_offset_reads(ctx.offset_reads, inputs, positions, state,
+                                                         held_at),
                          symbolic=symbolic, module_stores=tuple(stores),
                          module_writes=frozenset(writes),
                          captured_attributes=captured_attributes,

@@ -632,7 +632,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_dynamic_ints.py",)),
     # --- storage offsets in symbolic shape guards only where read (tracer/symbolic.py) -----
     Mutant("symbolic_guard_drops_read_offsets", "dynamic", "tracer/symbolic.py",
-           "if isinstance(p, int) and p not in offsets_read)", "if isinstance(p, int))",
+           "zip(names, self.positions) if p not in offsets_read)",
+           "zip(names, self.positions) if True)",
            ("tests/tracer/test_dynamic_edges.py",)),
     # --- dropout masks in the input's memory order with symbolic sizes (ops/torch/nn.py) ---
     Mutant("symbolic_dropout_mask_row_major", "layout", "ops/torch/nn.py",
@@ -2575,4 +2576,13 @@ MUTANTS: list[Mutant] = [
            "            raise ViewBaseRead(", "            return None\n            raise ViewBaseRead(",
            ("tests/tracer/test_view_base_reads.py::"
             "test_the_base_of_a_traced_tensor_runs_the_call_eagerly",)),
+    Mutant("held_offset_reads_dropped", "guards", "tracer/tracer.py",
+           "    at.update(held_at)\n", "",
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_held_tensors_offset_is_guarded_only_where_read",)),
+    Mutant("held_offsets_guarded_unread", "guards", "tracer/symbolic.py",
+           "zip(names, self.positions) if p not in offsets_read)",
+           "zip(names, self.positions) if isinstance(p, int) and p not in offsets_read)",
+           ("tests/tracer/test_dynamic_edges.py::"
+            "test_a_held_tensors_offset_is_guarded_only_where_read",)),
 ]

@@ -137,3 +137,42 @@ def test_prompt_lookup_decoding_compiles_a_bounded_number_of_times(name):
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
                   do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
     _greedy_tokens_as_eager(name, model, kwargs, max_misses=4)
+
+
+def test_decoding_across_the_sliding_window_matches_eager():
+    """A short prompt (2) decoded past Gemma2's sliding window (4; its other layer attends to
+    all): the sliding layer's cache grows, then holds its last `window - 1` positions as a view
+    of each step's `cat`, with eager's tokens and every call compiled. HF's sliding-window code
+    branches where the cache fills (`kv_length >= local_attention_size` in `masking_utils.
+    _ignore_causal_mask_sdpa`; `is_full` and `max()` in `DynamicSlidingWindowLayer.
+    get_mask_sizes`; the `[-window + 1:]` slice clamping in its `update`), so decoding compiles
+    once per side of each branch: the first step, the step at `cumulative_length == window -
+    1`, the steps past it; 4 with the prefill. torch.compile makes as many graphs of such a
+    `generate` (session 50: 4 at window 8 and prompt 6, 6 at prompt 3, as fulmen)."""
+    torch.manual_seed(0)
+    model = MODELS["gemma2"][1]().eval()
+    assert model.config.sliding_window == 4
+    ids = torch.randint(3, VOCAB, (1, 2))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                  do_sample=False, pad_token_id=0)
+    _greedy_tokens_as_eager("gemma2", model, kwargs, max_misses=4)
+
+
+def test_prompts_longer_than_the_sliding_window_share_the_decoding_entries():
+    """After a prefill longer than Mistral's window (4) the sliding layer's keys are a view at
+    offset `(prompt - 3) * row`, at every later step at one row: the offset, guarded as a
+    constant inside the cache object, made each prompt length compile its first decoding step
+    anew (7 compiles for 4 prompt lengths, one more per length up to the cache size limit).
+    It is guarded only where read (NOTE [offsets of held tensors]): 4, with eager's tokens."""
+    torch.manual_seed(0)
+    model = MODELS["mistral"][1]().eval()
+    jmodel = fulmen.jit(model)
+    for length in (5, 6, 7, 9):
+        ids = torch.randint(3, VOCAB, (1, length))
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                      do_sample=False, pad_token_id=0)
+        got, want = jmodel.generate(**kwargs), model.generate(**kwargs)
+        assert torch.equal(got, want), f"{length}: fulmen {got.tolist()} eager {want.tolist()}"
+    stats = fulmen.compile_stats(jmodel)
+    assert stats.calls == 16 and stats.eager_calls == 0, stats
+    assert stats.cache_misses <= 4, stats.recompile_reasons

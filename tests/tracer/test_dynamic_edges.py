@@ -339,3 +339,31 @@ def test_a_pooling_after_a_group_norm_of_a_channels_last_batch_keeps_eagers_layo
         assert out.stride() == want.stride() != want.contiguous().stride()
         torch.testing.assert_close(out, want)
     assert fulmen.cache_misses(jmodel) == 1
+
+
+class _Holder:
+    """A plain object holding a tensor, as an HF cache layer holds its keys."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _reads_held_offset(holder):
+    return holder.t * holder.t.storage_offset()
+
+
+def _doubles_held(holder):
+    return holder.t * 2
+
+
+def test_a_held_tensors_offset_is_guarded_only_where_read():
+    # NOTE [offsets of held tensors]: an unread offset of a tensor inside an object argument
+    # was guarded as a constant, so each offset compiled a symbolic entry of its own (HF's
+    # sliding-window cache: one more compile per prompt length); one the program reads is
+    # still answered as eager
+    reads, doubles = fulmen.jit(_reads_held_offset), fulmen.jit(_doubles_held)
+    for n in (8, 6, 10, 4, 6):
+        x = torch.randn(2 * n, 3)[n:]
+        torch.testing.assert_close(reads(_Holder(x)), _reads_held_offset(_Holder(x)))
+        torch.testing.assert_close(doubles(_Holder(x)), x * 2)
+    assert fulmen.compile_stats(doubles).cache_misses == 2
