@@ -2522,11 +2522,6 @@ MUTANTS: list[Mutant] = [
            ("tests/executors/test_codegen_edges.py::"
             "test_rows_walked_in_spans_cover_every_row_once",)),
     # --- session 50, h50probe: training-loop calls compared with eager over several steps ----
-    Mutant("module_zero_grad_reads_let_through", "guards", "tracer/factory_mode.py",
-           "or caller.f_code is _MODULE_APPLY:",
-           "or caller.f_code.co_filename == _MODULE_APPLY.co_filename:",
-           ("tests/tracer/test_training_integrations.py::"
-            "test_module_zero_grad_keeping_the_tensors_zeroes_each_calls_gradients",)),
     Mutant("jitted_function_attribute_walked", "guards", "tracer/objects.py",
            "_OPAQUE = (NotWalked, torch.Tensor,", "_OPAQUE = (torch.Tensor,",
            ("tests/tracer/test_training_integrations.py::"
