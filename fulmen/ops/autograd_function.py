@@ -23,10 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly, Symbol
-from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
 from fulmen.core.symbol import Namespace
 from fulmen.core.trace import get_tracectx, not_tracing
+from fulmen.ops.meta import fake_run
 from fulmen.proxies import TensorProxy
 
 
@@ -116,11 +116,8 @@ def _fake_outputs(cls: type, args: tuple, kwargs: dict, requires: set[str]):
     fake tensor replaced by a new proxy, and raise if `forward` modified an input in place.
     The fakes are made outside inference mode (a call under `torch.inference_mode()`: inference
     tensors have no version counter to check, and the outputs' shapes are the same)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fakes: dict[str, torch.Tensor] = {}
-    with not_tracing(), torch._C.DisableTorchFunction(), without_cast_cache(), \
-            torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
+    with not_tracing(), fake_run(allow_non_fake_inputs=True):
 
         def fake(leaf):
             if not isinstance(leaf, TensorProxy):

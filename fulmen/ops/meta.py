@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from fulmen.core.ambient import without_cast_cache
 from fulmen.proxies import TensorProxy
 from fulmen.proxies.tensor import requires_grad_of, strides_of
 
@@ -77,6 +78,23 @@ def call_on_meta(fn, args, kwargs) -> tuple[Any, torch.device]:
 # PyTorch's fake tensor mode logs a meta kernel's failure at ERROR (with a traceback) before
 # raising it; here a failure is an answer (no layout, or a graph break), not the user's error
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def fake_run(allow_non_fake_inputs: bool = False):
+    """The context of a run on fake tensors that describes a call (its casts under autocast, a
+    custom `autograd.Function`'s outputs): torch functions off, a `FakeTensorMode` entered
+    (yielded), and the user's ambient state kept from reaching the fakes. Outside inference
+    mode: there the fake mode gets a composite op whole (`aten.gru.input`, so autocast's casts
+    inside it are not seen), and fakes made inside it are inference tensors, without the
+    version counter an in-place check reads. Autocast's cast cache off: a fake cast of a real
+    leaf cached there (a module's weight) was what the compiled call's own casts of that
+    weight returned."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
+            FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs) as mode:
+        yield mode
 
 
 @contextlib.contextmanager

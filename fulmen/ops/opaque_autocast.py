@@ -30,9 +30,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import FulmenError, Symbol
-from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
-from fulmen.ops.meta import first_device, from_meta
+from fulmen.ops.meta import fake_run, first_device, from_meta
 from fulmen.ops.opaque import (
     _BY_NAME,
     _OPAQUE,
@@ -105,11 +104,8 @@ def _fake_call(fn: Callable, args: tuple, kwargs: dict):
     """`fn` run on fake tensors of the arguments' devices (so autocast applies); proxies for
     its tensor outputs, with the strides the kernel chose (outside inference mode, as
     `fulmen.tracer.autocast`'s runs)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     device = first_device(args, kwargs)
-    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
-            FakeTensorMode():
+    with fake_run():
 
         def fake(leaf):
             if not isinstance(leaf, torch.Tensor):

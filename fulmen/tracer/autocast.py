@@ -27,13 +27,12 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensorMode,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core import FulmenError, NotYetSupportedError
-from fulmen.core.ambient import without_cast_cache
 from fulmen.core.source import user_source_location
+from fulmen.ops.meta import fake_run
 from fulmen.ops.opaque import meta_overridden
 from fulmen.ops.opaque_autocast import under_autocast
 from fulmen.proxies import TensorProxy
@@ -93,11 +92,11 @@ def _run(func, args, kwargs, device_type: str, enabled: bool, kernel_may_fail: b
     calls eager accepts), a failure of the call gives the casts logged before it: autocast casts
     the arguments before the call reaches the (meta) kernel.
 
-    Outside inference mode: there the fake mode gets a composite op whole (`aten.gru.input`:
-    autograd's keys, where it decomposes, are skipped), where eager's CPU kernel decomposes it
-    and autocast casts inside; the run saw no cast and the GRU ran in float32."""
-    with torch._C.DisableTorchFunction(), torch.inference_mode(False), without_cast_cache(), \
-            FakeTensorMode():
+    In `fake_run` (`fulmen.ops.meta`), outside inference mode: there the fake mode gets a
+    composite op whole (`aten.gru.input`: autograd's keys, where it decomposes, are skipped),
+    where eager's CPU kernel decomposes it and autocast casts inside; the run saw no cast and
+    the GRU ran in float32."""
+    with fake_run():
         fakes: dict[str, torch.Tensor] = {}
 
         def fake(leaf):

@@ -2474,14 +2474,16 @@ MUTANTS: list[Mutant] = [
            "                                      cache_enabled), args, kwargs",
            "                raise", ("tests/tracer/test_autocast_scenarios.py::"
                                    "test_packed_sequence_lstm_under_autocast_is_eagers",)),
-    Mutant("autocast_fake_runs_in_inference_mode", "dtype", "tracer/autocast.py",
+    Mutant("autocast_fake_runs_in_inference_mode", "dtype", "ops/meta.py",
            "torch.inference_mode(False), without_cast_cache(), \\",
            "without_cast_cache(), \\",
            ("tests/tracer/test_autocast_scenarios.py::"
-            "test_composite_ops_under_autocast_in_inference_are_eagers",)),
-    Mutant("autocast_fake_casts_left_in_the_cast_cache", "dtype", "ops/autograd_function.py",
-           "torch._C.DisableTorchFunction(), without_cast_cache(), \\",
-           "torch._C.DisableTorchFunction(), \\",
+            "test_composite_ops_under_autocast_in_inference_are_eagers",
+            "tests/models/test_hf_usage_50.py::"
+            "test_a_custom_function_under_inference_mode_is_compiled")),
+    Mutant("autocast_fake_casts_left_in_the_cast_cache", "dtype", "ops/meta.py",
+           "torch.inference_mode(False), without_cast_cache(), \\",
+           "torch.inference_mode(False), \\",
            ("tests/tracer/test_autocast_scenarios.py::"
             "test_custom_function_reading_a_weight_under_autocast_returns_real_tensors",)),
     Mutant("function_apply_jitted_bound_early", "autodiff", "jit.py",
@@ -2489,12 +2491,6 @@ MUTANTS: list[Mutant] = [
            "    return JittedFunction(fn, executors, transforms,",
            ("tests/tracer/test_function_apply_jitted.py",)),
     # --- session 50, h50sweep: a custom autograd.Function under inference mode ---------------
-    Mutant("autograd_function_fakes_made_in_inference_mode", "decomposition",
-           "ops/autograd_function.py",
-           "            torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True):",
-           "            FakeTensorMode(allow_non_fake_inputs=True):",
-           ("tests/models/test_hf_usage_50.py::"
-            "test_a_custom_function_under_inference_mode_is_compiled",)),
     Mutant("autograd_function_python_objects_traced", "mutation", "ops/autograd_function.py",
            "        _refuse_held_objects(cls, (args, kwargs))\n",
            "",
