@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.tracer.environment import environment_source
 from fulmen.tracer.key_memo import (
+    ArgumentKeyMemo,
     HashedKey,
     KeyMemo,
     TensorKeyMemo,
@@ -131,6 +132,7 @@ class CacheKeyBuilder:
         self._walks: dict[int, list] = {}  # ... and the walks of its object arguments
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
+        self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -334,9 +336,14 @@ class CacheKeyBuilder:
     def _sources_key(self) -> HashedKey:
         """The key of the modules' training flags and of the sources' values, reused while
         nothing it was computed from changed (`KeyMemo`)."""
+        if self._read_sources.unchanged():  # NOTE [unchanged sources]: the values read last
+            memo = self._sources_memo.held_key()
+            if memo is not None:
+                return memo
         values = self._source_values()
         memo = self._sources_memo.lookup(values)  # nothing they hold changed: the same key
         if memo is not None:
+            self._read_sources.remember(values)
             return memo
         count = len(self.modules)
         flags = tuple(values[:count])
@@ -377,6 +384,7 @@ class CacheKeyBuilder:
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
         key = HashedKey((flags, tuple(keys)))
         self._sources_memo.store(values, key, snapshots)
+        self._read_sources.remember(values if snapshots is not None else None)
         return key
 
     def forget_walks(self) -> None:
@@ -425,13 +433,14 @@ class CacheKeyBuilder:
             global_key = (*global_key[:-1], self._fn_roots_key(own))
             symbolic = {p: dims for p, dims in symbolic.items() if p not in own}
         if not kwargs and not offsets:
-            tensor_keys = [_argument_tensor_key(a) for a in args if type(a) is Tensor]
-            if len(tensor_keys) == len(args) and (len(args) < 2 or len(set(map(id, args)))
-                                                  == len(args)):
+            tensor_keys = self._argument_memo.keys(args)
+            if tensor_keys is not None and (len(args) < 2 or len(set(map(id, args)))
+                                            == len(args)):
                 # fast path: positional plain tensors, each a different one
                 if symbolic:
                     if not all(type(p) is int and p < len(args) for p in symbolic):
                         return (), args
+                    tensor_keys = list(tensor_keys)
                     for position, dims in symbolic.items():
                         tensor_keys[position] = _masked_key(args[position], dims)
                 return (len(args), global_key, state_key, *tensor_keys), args

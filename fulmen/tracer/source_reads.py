@@ -15,6 +15,16 @@ class, no `__getattribute__` override), and calling the reader otherwise:
 A module attribute that is no longer in its `__dict__` (deleted, or another added in its place,
 which keeps the counts `global_key` compares) raises `KeyError`; `read` then returns None and
 the caller collects the sources again, as it does when a module gains an attribute.
+
+NOTE [unchanged sources]: between two calls of a model nothing `read` returns changes, and the
+key memo (`key_memo.KeyMemo.lookup`) then compares every value with the last by identity, after
+the caller compared the modules' attribute counts: three passes over the values. The same
+generated code has `read.unchanged()`, one expression doing all of it at once,
+
+    len(m0) == 7 and len(m1) == 9 and d0['training'] is v0 and d1['in_features'] is v1 ...
+
+against the values last given to `read.remember(values)` (`remember(None)`: none, and
+`unchanged()` is False until the next), so a hit reads each source once.
 """
 
 from __future__ import annotations
@@ -76,7 +86,9 @@ def _global_name(read) -> tuple[dict, str] | None:
 def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str, Any]]):
     """A function of no arguments returning `[m.training for m in modules] + [read() for _,
     read in sources]`, or None when a module attribute it reads from a `__dict__` is gone
-    (see the module docstring)."""
+    (see the module docstring); with `remember(values)` and `unchanged()`, whether it would
+    return exactly (by identity) those values again, no module having gained or lost an
+    attribute meanwhile (NOTE [unchanged sources])."""
     cells: dict[str, Any] = {}
     by_id: dict[int, str] = {}
 
@@ -88,6 +100,8 @@ def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str,
         return name
 
     items = []
+    # every module's `__dict__` and its attribute count now (`unchanged`: none added or gone)
+    counts = [f"len({bind(vars(module), 'd')}) == {len(vars(module))}" for module in modules]
     for module in modules:
         if reads_dict_entry(module, "training"):
             items.append(f"{bind(vars(module), 'd')}['training']")
@@ -105,12 +119,30 @@ def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str,
         else:
             items.append(f"{bind(read, 'r')}()")
     body = ", ".join(items)
+    remembered = [f"v{index}" for index in range(len(items))]
+    same = " and ".join(["ok", *counts, *[f"{item} is {value}"
+                                          for item, value in zip(items, remembered)]])
+    unpack = f"        ({', '.join(remembered)},) = values\n" if items else ""
     source = (f"def make({', '.join(cells)}):\n"
+              f"    ok = False\n"
+              f"    {' = '.join([*remembered, 'None'])}\n"
               "    def read():\n"
               "        try:\n"
               f"            return [{body}]\n"
               "        except KeyError:\n"
               "            return None\n"
+              "    def unchanged():\n"
+              "        try:\n"
+              f"            return {same}\n"
+              "        except KeyError:\n"
+              "            return False\n"
+              "    def remember(values):\n"
+              f"        nonlocal {', '.join(['ok', *remembered])}\n"
+              "        ok = values is not None\n"
+              "        if ok:\n"
+              f"    {unpack}"
+              "            pass\n"
+              "    read.unchanged, read.remember = unchanged, remember\n"
               "    return read\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<fulmen source reader>", "exec"), namespace)  # noqa: S102
