@@ -2576,4 +2576,23 @@ MUTANTS: list[Mutant] = [
            "zip(names, self.positions) if isinstance(p, int) and p not in offsets_read)",
            ("tests/tracer/test_dynamic_edges.py::"
             "test_a_held_tensors_offset_is_guarded_only_where_read",)),
+    # --- session 51, h51inf: per-call fast paths of the cache key ----------------------------
+    Mutant("argument_memo_remembers_grad_leaves", "guards", "tracer/key_memo.py",
+           "remember = args and not any([a.requires_grad for a in args])",
+           "remember = bool(args)",
+           ("tests/tracer/test_call_fast_path.py::"
+            "test_a_grad_gained_by_an_argument_after_hits_is_seen",)),
+    Mutant("argument_memo_check_skipped", "guards", "tracer/key_memo.py",
+           "if check is not None and len(args) == self._count and check.check(*args):",
+           "if check is not None and len(args) == self._count:",
+           ("tests/tracer/test_call_fast_path.py::"
+            "test_an_argument_metadata_change_after_hits_retraces",)),
+    Mutant("unchanged_sources_skip_attribute_counts", "guards", "tracer/source_reads.py",
+           'same = " and ".join(["ok", *counts, *[', 'same = " and ".join(["ok", *[',
+           ("tests/tracer/test_call_fast_path.py::"
+            "test_a_module_change_after_hits_answers_as_eager",)),
+    Mutant("unchanged_sources_skip_values", "guards", "tracer/source_reads.py",
+           'f"{item} is {value}"', 'f"{item} is {item}"',
+           ("tests/tracer/test_call_fast_path.py::"
+            "test_a_module_change_after_hits_answers_as_eager",)),
 ]
