@@ -2,8 +2,10 @@
 8 x (Linear(16, 16) + ReLU) on a (4, 16) input (issue 21: both should beat eager's many
 dispatches), without grad.
 
-Measures eager, fulmen.jit and torch.compile in one run and prints a markdown table with
-microseconds per call and the difference to eager. Run: `make bench`.
+Measures eager, fulmen.jit and torch.compile in one run, in interleaved rounds (each round times
+every callable in turn; medians over rounds), and prints a markdown table with microseconds per
+call in thread CPU time (what other load on a shared machine disturbs least) and the ratios to
+eager in CPU and wall time. Run: `make bench`.
 
 `--regions` instead measures what a codegen region call costs against the torch ops it
 replaces: chains of k elementwise ops on n elements, jitted with the torch executor alone and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 import timeit
 
@@ -98,9 +101,30 @@ def warm_up(fn, args, calls: int = 5) -> None:
 
 
 def per_call_us(fn, args, number: int, repeat: int) -> float:
+    """Best wall time per call in µs of one callable alone, after warming up (`breaks.py`)."""
     warm_up(fn, args)
     times = timeit.repeat(lambda: fn(*args), number=number, repeat=repeat)
     return min(times) / number * 1e6
+
+
+def interleaved_us(candidates: dict, args, number: int, repeat: int) -> dict[str, tuple]:
+    """`{name: (wall µs, thread CPU µs)}` per call: `repeat` rounds, each timing `number` calls
+    of every candidate in turn, and the median over rounds of each (so load that comes and
+    goes on a shared machine hits every candidate alike; thread CPU time also leaves out the
+    time other processes held the core)."""
+    for fn in candidates.values():
+        warm_up(fn, args)
+    wall: dict[str, list] = {name: [] for name in candidates}
+    cpu: dict[str, list] = {name: [] for name in candidates}
+    for _ in range(repeat):
+        for name, fn in candidates.items():
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            for _ in range(number):
+                fn(*args)
+            wall[name].append((time.perf_counter() - start) / number * 1e6)
+            cpu[name].append((time.thread_time() - start_cpu) / number * 1e6)
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name]))
+            for name in candidates}
 
 
 def linear_relu() -> torch.nn.Module:
@@ -111,10 +135,12 @@ def linear_relu() -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True,
-            module: bool = False) -> dict[str, float]:
+def measure(number: int = 1000, repeat: int = 9, compile_too: bool = True,
+            module: bool = False, clock: str = "cpu") -> dict[str, float]:
     """µs per call of eager, fulmen.jit and (optionally) torch.compile, on one thread, of
-    `ten_ops` on 8x8 tensors or (`module=True`) of `linear_relu()` on a (4, 16) input."""
+    `ten_ops` on 8x8 tensors or (`module=True`) of `linear_relu()` on a (4, 16) input: medians
+    of interleaved rounds (`interleaved_us`) in thread CPU time (`clock="cpu"`) or wall time
+    (`"wall"`; `"both"`: `{name: (wall, cpu)}`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -128,10 +154,12 @@ def measure(number: int = 2000, repeat: int = 7, compile_too: bool = True,
             expected = fn(*args)
             for fn in candidates.values():
                 torch.testing.assert_close(fn(*args), expected)
-            return {name: per_call_us(fn, args, number, repeat)
-                    for name, fn in candidates.items()}
+            results = interleaved_us(candidates, args, number, repeat)
     finally:
         torch.set_num_threads(threads)
+    if clock == "both":
+        return results
+    return {name: times[clock == "cpu"] for name, times in results.items()}
 
 
 def rows(compile_too: bool = True) -> list[dict]:
@@ -148,8 +176,8 @@ def rows(compile_too: bool = True) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--number", type=int, default=2000)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--number", type=int, default=1000, help="calls per timed round")
+    parser.add_argument("--repeat", type=int, default=9, help="interleaved rounds (median)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--regions", action="store_true",
                         help="region call vs torch ops table (see the module docstring)")
@@ -163,14 +191,18 @@ def main() -> None:
     machine = platform.processor() or platform.machine()
     for module, label in ((False, "10 elementwise ops on 8x8 float32"),
                           (True, "8 x (Linear(16, 16) + ReLU) on a (4, 16) input")):
-        results = measure(opts.number, opts.repeat, not opts.no_compile, module=module)
-        eager = results["eager"]
+        results = measure(opts.number, opts.repeat, not opts.no_compile, module=module,
+                          clock="both")
+        eager_wall, eager_cpu = results["eager"]
         print(f"Per-call time, {label} ({machine}, torch {torch.__version__}, 1 thread, "
-              "no grad)\n")
-        print("| callable | µs per call | over eager (µs) | ratio to eager |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, us in results.items():
-            print(f"| {name} | {us:.1f} | {us - eager:+.1f} | {us / eager:.2f} |")
+              f"no grad; medians of {opts.repeat} interleaved rounds, load average "
+              f"{os.getloadavg()[0]:.1f})\n")
+        print("| callable | µs per call (CPU) | over eager (µs) | ratio to eager (CPU) "
+              "| ratio to eager (wall) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, (wall, cpu) in results.items():
+            print(f"| {name} | {cpu:.1f} | {cpu - eager_cpu:+.1f} | {cpu / eager_cpu:.2f} "
+                  f"| {wall / eager_wall:.2f} |")
         print()
 
 
