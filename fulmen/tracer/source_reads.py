@@ -21,7 +21,7 @@ key memo (`key_memo.KeyMemo.lookup`) then compares every value with the last by 
 the caller compared the modules' attribute counts: three passes over the values. The same
 generated code has `read.unchanged()`, one expression doing all of it at once,
 
-    len(m0) == 7 and len(m1) == 9 and d0['training'] is v0 and d1['in_features'] is v1 ...
+    len(d0) == 7 and len(d1) == 9 and d0['training'] is v[0] and d1['in_features'] is v[1] ...
 
 against the values last given to `read.remember(values)` (`remember(None)`: none, and
 `unchanged()` is False until the next), so a hit reads each source once.
@@ -119,13 +119,10 @@ def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str,
         else:
             items.append(f"{bind(read, 'r')}()")
     body = ", ".join(items)
-    remembered = [f"v{index}" for index in range(len(items))]
-    same = " and ".join(["ok", *counts, *[f"{item} is {value}"
-                                          for item, value in zip(items, remembered)]])
-    unpack = f"        ({', '.join(remembered)},) = values\n" if items else ""
+    same = " and ".join(["ok", *counts, *[f"{item} is v[{index}]"
+                                          for index, item in enumerate(items)]])
     source = (f"def make({', '.join(cells)}):\n"
-              f"    ok = False\n"
-              f"    {' = '.join([*remembered, 'None'])}\n"
+              "    ok, v = False, ()\n"
               "    def read():\n"
               "        try:\n"
               f"            return [{body}]\n"
@@ -137,11 +134,8 @@ def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str,
               "        except KeyError:\n"
               "            return False\n"
               "    def remember(values):\n"
-              f"        nonlocal {', '.join(['ok', *remembered])}\n"
-              "        ok = values is not None\n"
-              "        if ok:\n"
-              f"    {unpack}"
-              "            pass\n"
+              "        nonlocal ok, v\n"
+              "        ok, v = values is not None, tuple(values or ())\n"
               "    read.unchanged, read.remember = unchanged, remember\n"
               "    return read\n")
     namespace: dict[str, Any] = {}

@@ -2592,7 +2592,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_call_fast_path.py::"
             "test_a_module_change_after_hits_answers_as_eager",)),
     Mutant("unchanged_sources_skip_values", "guards", "tracer/source_reads.py",
-           'f"{item} is {value}"', 'f"{item} is {item}"',
+           'f"{item} is v[{index}]"', 'f"{item} is {item}"',
            ("tests/tracer/test_call_fast_path.py::"
             "test_a_module_change_after_hits_answers_as_eager",)),
 ]
