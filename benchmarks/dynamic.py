@@ -18,7 +18,8 @@ process: each call that compiled (with its stages' wall seconds from `fulmen.com
 backward's stages included), the collector's full collections, and the other calls beside
 eager's time for the same calls and fulmen's for them again in a second pass (nothing new to
 compile): the difference is what a new shape costs a compiled entry (binding a symbolic
-region's sizes, a kernel call plan per region and shape).
+region's sizes, a kernel call plan per region and shape); the plans made in the whole first
+pass, and their CPU milliseconds (binding included), are counted apart (`_PlanClock`).
 
 Run: `python benchmarks/dynamic.py [--models llama,gpt2,qwen2,gemma2] [--tokens 64] [--no-compile]
 [--skip-sweep] [--skip-decode] [--caches dynamic,static] [--breakdown]`
@@ -121,6 +122,40 @@ def sweep(name: str, use_compile: bool) -> None:
                   f" {steady_cpu / eager_steady_cpu:5.2f}x)  compiles {compiles}")
 
 
+class _PlanClock:
+    """The count and CPU seconds of the CPU runtime's call plans made while it is entered: it
+    wraps `FusedRegion`'s plan makers and the binding of a symbolic region's sizes."""
+
+    def __init__(self) -> None:
+        from fulmen.executors.codegen.cpu.runtime import FusedRegion
+        from fulmen.executors.codegen.region import RegionCallable
+
+        self.seconds, self.plans = 0.0, 0
+        self._patched = [(FusedRegion, "_plan"), (FusedRegion, "_plan_rows"),
+                         (RegionCallable, "bind")]
+        self._saved = [cls.__dict__[attr] for cls, attr in self._patched]
+
+    def __enter__(self) -> _PlanClock:
+        for (cls, attr), method in zip(self._patched, self._saved):
+            setattr(cls, attr, self._timed(method, attr != "bind"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (cls, attr), method in zip(self._patched, self._saved):
+            setattr(cls, attr, method)
+
+    def _timed(self, method, counts: bool):
+        def timed(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - start
+                self.plans += counts
+
+        return timed
+
+
 def breakdown(name: str) -> None:
     """Print where fulmen's first pass over the sweep goes (module docstring)."""
     collections: list[float] = []
@@ -136,7 +171,7 @@ def breakdown(name: str) -> None:
         torch.manual_seed(0)
         model = _model(name).train(train)
         jitted = fulmen.jit(model)
-        eager_cpu, other, compiles = 0.0, 0.0, []
+        eager_cpu, other, compiles, clock = 0.0, 0.0, [], _PlanClock()
         collections.clear()
         gc.callbacks.append(timed)
         try:
@@ -145,7 +180,8 @@ def breakdown(name: str) -> None:
                     ids = torch.randint(0, VOCAB, (batch, length))
                     for kind, call in (("eager", model), ("fulmen", jitted)):
                         misses, full = fulmen.cache_misses(jitted), len(collections)
-                        cpu = _call_cpu(call, ids, train)
+                        with clock:
+                            cpu = _call_cpu(call, ids, train)
                         if kind == "eager":
                             eager_cpu += cpu
                         elif fulmen.cache_misses(jitted) != misses:
@@ -168,6 +204,8 @@ def breakdown(name: str) -> None:
         print(f"  full collections: {len(collections)}, {sum(collections) * 1e3:.0f} ms;"
               f" the other {36 - len(compiles)} calls: {other * 1e3:.0f} ms, again in a second"
               f" pass {again * 1e3:.0f} ms")
+        print(f"  call plans made in the first pass: {clock.plans},"
+              f" {clock.seconds * 1e3:.0f} ms cpu (binding sizes included)")
 
 
 def _call_cpu(call, ids: torch.Tensor, train: bool) -> float:

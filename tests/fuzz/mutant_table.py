@@ -2595,4 +2595,21 @@ MUTANTS: list[Mutant] = [
            'f"{item} is v[{index}]"', 'f"{item} is {item}"',
            ("tests/tracer/test_call_fast_path.py::"
             "test_a_module_change_after_hits_answers_as_eager",)),
+    # --- session 51, h51dyn: call plans of symbolic regions over a sweep of sizes ----------
+    Mutant("codegen_plan_split_skipped_for_a_merged_broadcast", "codegen",
+           "executors/codegen/cpu/runtime.py",
+           "merged = any(type(stride) is tuple for row in rows for stride in row)",
+           "merged = False",
+           ("tests/executors/test_plan_reuse.py::"
+            "test_a_merged_broadcast_is_split_in_a_symbolic_sweep",)),
+    Mutant("codegen_symbolic_plan_reused_across_strides", "codegen",
+           "executors/codegen/cpu/runtime.py",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           ("tests/executors/test_plan_reuse.py",)),
+    Mutant("codegen_plan_check_never_made", "codegen", "executors/codegen/cpu/runtime.py",
+           "                plan.uses += 1  # NOTE [a check for reuse]",
+           "                pass",
+           ("tests/executors/test_plan_reuse.py::"
+            "test_a_plan_run_again_and_again_gets_its_check",)),
 ]

@@ -91,12 +91,13 @@ class Plan:
     never share a block."""
 
     __slots__ = ("fn", "layout", "reads", "masks", "copies", "extra", "news", "start", "header",
-                 "block_type", "free", "direct", "views", "check")
+                 "block_type", "free", "direct", "views", "check", "uses")
 
     def __init__(self, fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
                  ninputs: int) -> None:
         self.fn, self.layout, self.direct, self.views = fn, layout, direct, views
         self.check = None  # C++ check of the inputs' metadata (NOTE [the last plan])
+        self.uses = 0  # table hits until the check is made (NOTE [a check for reuse])
         masks = [where for where, _ in pointers if isinstance(where, torch.Tensor)]
         copies = [where for where, _ in pointers if isinstance(where, Copy)]
         reads = []

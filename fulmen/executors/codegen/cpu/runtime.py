@@ -18,6 +18,9 @@ inputs (`tensor_check`: sizes, strides, dtype, device, dispatch keys such as the
 requires_grad, exact type: all the key holds, and more); a call whose inputs pass it, on as many
 threads, runs that plan without building the key in Python (about 2 µs of a region call on
 small inputs). Anything else, a stricter check failing included, takes the table.
+NOTE [a check for reuse]: the check is made at a plan's `CHECK_AFTER`-th table hit, not when
+the plan is made: a sweep over shapes runs most plans once or twice (the layers of a model
+share them), and a check (about 12 µs) is worth making only for a plan run again and again.
 A plan is made only for inputs of the dtypes and devices the kernel was built for (`accepts`):
 a kernel reads raw memory, so other inputs run the region's torch fallback, never a kernel that
 would reinterpret their bytes.
@@ -78,6 +81,7 @@ from fulmen.tracer.key_memo import tensor_check
 
 __all__ = ["FusedRegion", "render_any"]
 
+CHECK_AFTER = 2  # table hits of a plan before its check is made (NOTE [a check for reuse])
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
 
 
@@ -192,7 +196,11 @@ class FusedRegion(RegionCallable):
             key = (threads,
                    *[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])
             plan = self._plans.get(key)
-            if plan is None:
+            if plan is not None and plan.check is None and plan.uses < CHECK_AFTER:
+                plan.uses += 1  # NOTE [a check for reuse]
+                if plan.uses == CHECK_AFTER:
+                    plan.check = tensor_check(inputs)
+            elif plan is None:
                 lowered = self.bind(inputs)
                 if not self.accepts(inputs):
                     raise Fallback
@@ -200,7 +208,6 @@ class FusedRegion(RegionCallable):
                     return self._run_empty(lowered, inputs)
                 rows = isinstance(lowered.kernel, RowKernel)
                 plan = self._plan_rows(inputs, lowered) if rows else self._plan(inputs, lowered)
-                plan.check = tensor_check(inputs)
                 if len(self._plans) >= MAX_BOUND:
                     self._plans.clear()
                 self._plans[kept_key(key)] = plan
@@ -287,7 +294,9 @@ class FusedRegion(RegionCallable):
         # broadcast dim with another (grouped-query attention's repeated keys) has no one
         # stride over the merged dim; the kernel iterates that dim as the dims it merges, so
         # the access is read in place instead of copied by every call
-        refined = split_dims(shape, rows)
+        # (nothing to split, the common case, skips the walk over every stride)
+        merged = any(type(stride) is tuple for row in rows for stride in row)
+        refined = split_dims(shape, rows) if merged else (shape, rows)
         if refined is None:
             pointers, rows = self._pointers(inputs, expected, kernel.accesses)
             rows += [contiguous(shape) for _ in kernel.outputs]
@@ -341,14 +350,16 @@ class FusedRegion(RegionCallable):
         fn = self._kernel_for(layout)
         rows = [o + i for o, i in zip(outer_rows, inner_rows)]
         return self._call_plan(fn, layout, outer + inner, rows, pointers, len(outer), nthreads,
-                               lowered, inputs)
+                               lowered, inputs, out_shapes)
 
     def _call_plan(self, fn, layout, sizes, rows, pointers, arg, nthreads, lowered,
-                   inputs) -> Plan:
+                   inputs, out_shapes=None) -> Plan:
         """A plan (see `_plan`) from the coalesced sizes and stride rows, the kernel's
         pointers, its block (or number of kept axes) and threads. Plans are kept per shape (up
         to `MAX_BOUND`), so one does not hold the concrete region `lowered`."""
-        out_specs = tuple(zip(self._out_shapes(lowered), lowered.kernel.output_dtypes))
+        if out_shapes is None:
+            out_shapes = self._out_shapes(lowered)
+        out_specs = tuple(zip(out_shapes, lowered.kernel.output_dtypes))
         direct = [plan[0] for plan in lowered.outputs] == ["kernel"] * len(out_specs) and \
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
