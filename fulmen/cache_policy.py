@@ -9,8 +9,10 @@ torch.compile's per code object) was spent by the structures themselves: a `gene
 batch size after a few prompt lengths ran its calls eagerly, though no guard kept failing.
 
 The limit the user sets (`cache_size_limit`, `FULMEN_CACHE_SIZE_LIMIT`) is therefore counted per
-call structure: the tree of the arguments, each leaf's type, and for an object argument (an HF
-cache) the paths of the tensors and numbers it holds, without their sizes or values. A guard that
+call structure: the paths of the argument tree with each leaf's type, and for an object argument
+(an HF cache) the paths of the tensors and numbers it holds, without sizes, values or the lengths
+of lists and tuples (`layers[0].keys` and `layers[1].keys` are one path; a list that grows at
+every call is one structure, whose entries the limit bounds). A guard that
 keeps failing (a size or number that changes at every call without becoming symbolic, a dtype
 alternating) makes entries of one structure and reaches the limit as before; the warning names
 the guard that failed most often between calls of that structure. An overall cap
@@ -35,19 +37,37 @@ from fulmen.tracer.objects import is_plain_object, walk
 _NUMBERS = (int, float, bool)
 
 
-def call_structure(args: tuple, kwargs: dict) -> tuple:
-    """What a call's structure is made of: the argument tree, each leaf's type, and the paths
-    of the tensors and numbers inside object arguments; no size, dtype or value."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts: list[Any] = [str(spec)]
-    for leaf in leaves:
+def call_structure(args: tuple, kwargs: dict) -> frozenset:
+    """What a call's structure is made of: the paths of the argument tree with each leaf's type,
+    and the paths of the tensors and numbers inside object arguments; no size, dtype or value,
+    and no list or tuple length (a list that grows at every call keeps its structure, and the
+    limit bounds its entries as it bounds a size that keeps changing)."""
+    parts = set()
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        # (args or kwargs, and the position of a positional argument, kept)
+        path = (*path[:2], *map(_step, path[2:]))
         if is_plain_object(leaf):
-            held = tuple(path for path, value in walk(leaf)
+            parts.add((path, type(leaf)))
+            parts.update((path, *(_held_step(step) for step in steps)) for steps, value
+                         in walk(leaf)
                          if isinstance(value, torch.Tensor) or type(value) in _NUMBERS)
-            parts.append((type(leaf), held))
         else:
-            parts.append(torch.Tensor if isinstance(leaf, torch.Tensor) else type(leaf))
-    return tuple(parts)
+            parts.add((path, torch.Tensor if isinstance(leaf, torch.Tensor) else type(leaf)))
+    return frozenset(parts)
+
+
+def _step(key) -> Any:
+    """A step of a pytree path, list and tuple positions left out."""
+    if isinstance(key, pytree.SequenceKey):
+        return "[]"
+    if isinstance(key, pytree.MappingKey):
+        return ("key", key.key)
+    return str(key)
+
+
+def _held_step(step: tuple) -> tuple:
+    """A step of `walk`'s paths, list and tuple positions left out."""
+    return ("item",) if step[0] == "item" else step
 
 
 def _subject(reason: str) -> str:

@@ -2589,4 +2589,12 @@ MUTANTS: list[Mutant] = [
            "self.accumulated = max(accumulated, per_structure)", "self.accumulated = accumulated",
            ("tests/tracer/test_cache_policy.py::"
             "test_the_limit_is_never_below_the_per_structure_limit",)),
+    Mutant("cache_structure_counts_list_lengths", "guards", "cache_policy.py",
+           "path = (*path[:2], *map(_step, path[2:]))", "path = tuple(path)",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_a_list_that_grows_at_every_call_is_one_structure",)),
+    Mutant("cache_structure_merges_positional_arguments", "guards", "cache_policy.py",
+           "path = (*path[:2], *map(_step, path[2:]))", "path = tuple(map(_step, path))",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_each_call_structure_has_its_own_cache_size_limit",)),
 ]

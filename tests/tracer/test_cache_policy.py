@@ -19,13 +19,12 @@ def _fn(x, y=None, mask=None):
 
 
 def _calls(structures: int, sizes=(3, 4)):
-    """Calls of `structures` structures (x; x, y; x, y, mask; x, mask), each at `sizes`."""
+    """Calls of `structures` structures (x; x, y; x, y, mask positionally; x, mask=), each
+    at `sizes`."""
     for n in sizes:
-        x = torch.randn(n)
-        kinds = [{}, {"y": torch.randn(2)}, {"y": torch.randn(2), "mask": torch.ones(n)},
-                 {"mask": torch.ones(n)}]
-        for kwargs in kinds[:structures]:
-            yield (x,), kwargs
+        x, y, mask = torch.randn(n), torch.randn(2), torch.ones(n)
+        kinds = [((x,), {}), ((x, y), {}), ((x, y, mask), {}), ((x,), {"mask": mask})]
+        yield from kinds[:structures]
 
 
 def test_each_call_structure_has_its_own_cache_size_limit():
@@ -80,3 +79,22 @@ def test_the_limit_is_never_below_the_per_structure_limit(monkeypatch):
         x = torch.randn(n)
         torch.testing.assert_close(jfn(x), _fn(x))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _total(x, items):
+    return x + sum(item.sum() for item in items)
+
+
+def test_a_list_that_grows_at_every_call_is_one_structure():
+    """The length of a list argument is no part of the structure: a list that grows at every
+    call compiles `cache_size_limit` times, then runs eagerly, as a size that keeps changing
+    (counted as new structures, it compiled up to the accumulated cap of 64)."""
+    jfn = fulmen.jit(_total, cache_size_limit=3)
+    x, items = torch.randn(3), []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            items.append(torch.randn(2))
+            torch.testing.assert_close(jfn(x, list(items)), _total(x, items))
+    assert fulmen.compile_stats(jfn).eager_calls == 3
+    assert sum("cache_size_limit" in str(w.message) for w in caught) == 1
