@@ -17,15 +17,15 @@ pytest.importorskip("transformers")
 from tests.models.test_hf_models import MODELS, VOCAB  # noqa: E402
 
 
-def test_generate_at_new_batch_sizes_after_several_prompt_lengths_stays_compiled():
-    """Mistral (window 4), prompts 5 and 7 unpadded, then left-padded batches of 2 and 4: the
-    unpadded prefill, its decoding (two entries: the first step, the later ones), the padded
-    prefill and its decoding, at batch 2 and 4. With `cache_size_limit=3` over all entries
-    (before) the fourth compilation ran eagerly; per structure, none does."""
+def test_generate_unpadded_then_padded_at_a_new_batch_stays_compiled():
+    """Mistral (window 4), a prompt of 5 unpadded, then a left-padded batch of 2: the unpadded
+    prefill, its decoding (two entries: the first step, the later ones), the padded prefill and
+    its decoding. With `cache_size_limit=3` over all entries (before) the fourth compilation
+    and every call after it ran eagerly; per structure, none does."""
     torch.manual_seed(0)
     model = MODELS["mistral"][1]().eval()
     jmodel = fulmen.jit(model, cache_size_limit=3)
-    for batch, length in ((1, 5), (1, 7), (2, 6), (4, 6)):
+    for batch, length in ((1, 5), (2, 6)):
         ids = torch.randint(3, VOCAB, (batch, length))
         mask = torch.ones_like(ids)
         mask[-1, :2] = 0 if batch > 1 else 1
@@ -34,5 +34,5 @@ def test_generate_at_new_batch_sizes_after_several_prompt_lengths_stays_compiled
         got, want = jmodel.generate(**kwargs), model.generate(**kwargs)
         assert torch.equal(got, want), f"{batch}x{length}: {got.tolist()} {want.tolist()}"
     stats = fulmen.compile_stats(jmodel)
-    assert stats.calls == 16 and stats.eager_calls == 0, stats.recompile_reasons
-    assert stats.cache_misses <= 8, stats.recompile_reasons
+    assert stats.calls == 8 and stats.eager_calls == 0, stats.recompile_reasons
+    assert stats.cache_misses <= 6, stats.recompile_reasons
