@@ -47,6 +47,8 @@ class CacheEntry:
     int_positions: tuple = ()
     # a static entry: the sizes of the call it was compiled for (`subsumed.call_sizes`)
     sizes: list | None = None
+    # the call structure it was compiled for (`fulmen.cache_policy.CacheLimits`)
+    structure: int = -1
 
     def captured_now(self) -> tuple:
         """The captured tensors for this call (module tensor attributes as they are now, a new

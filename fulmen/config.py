@@ -48,8 +48,12 @@ VARIABLES: dict[str, Variable] = {variable.name: variable for variable in (
              "a sweep of shapes compiles once (NOTE [a deferred first call] in "
              "`tracer/shape_policy.py`)"),
     Variable("FULMEN_CACHE_SIZE_LIMIT", int, 8,
-             "the default of `jit(cache_size_limit=)`: specialisations kept per function before "
-             "calls run eagerly"),
+             "the default of `jit(cache_size_limit=)`: specialisations kept per call structure "
+             "(argument tree, leaf types, what object arguments hold; NOTE [cache limits per "
+             "call structure] in `fulmen/cache_policy.py`) before its calls run eagerly"),
+    Variable("FULMEN_ACCUMULATED_CACHE_SIZE_LIMIT", int, 64,
+             "specialisations kept per jitted function over all call structures together "
+             "(at least `cache_size_limit`), before further new calls run eagerly"),
     Variable("FULMEN_CACHE_DIR", str, None,
              "the compiled-kernel disk cache; unset or empty: `$XDG_CACHE_HOME/fulmen`, else "
              "`~/.cache/fulmen` (`executors/codegen/cache.py`)"),

@@ -46,7 +46,9 @@ def jit(
             `.item()`, `nonzero`) instead of splitting it there into segments joined by a
             guard (a graph break; see `fulmen.tree`).
         cache_size_limit: how many compiled specialisations (shapes, dtypes, guarded values)
-            one function keeps; a call matching none of them once the limit is reached runs
+            one function keeps per call structure (NOTE [cache limits per call structure] in
+            `fulmen.cache_policy`; `FULMEN_ACCUMULATED_CACHE_SIZE_LIMIT`, 64, caps all
+            structures together); a call matching none of them once the limit is reached runs
             eagerly, with one warning naming the guard that kept failing. Default
             `FULMEN_CACHE_SIZE_LIMIT` or 8 (torch.compile's default).
         dynamic: symbolic sizes (`fulmen.tracer.shape_policy`): None compiles the first call

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from fulmen import config
 from fulmen.cache_entry import CacheEntry, CompileStats
+from fulmen.cache_policy import CacheLimits
 from fulmen.compile_miss import (
     _RECOMPILES,
     _TRACING,
@@ -78,6 +79,7 @@ class _Jitted(CompileMiss, NotWalked):
             cache_size_limit = config.get("FULMEN_CACHE_SIZE_LIMIT")
         # functional autodiff returns (value, grads): no eager fallback has that structure
         self._cache_size_limit = cache_size_limit if grad_argnums is None else sys.maxsize
+        self._limits = CacheLimits(self._cache_size_limit)  # per call structure, and overall
         self._warned: set[str] = set()  # the eager-fallback warnings given
         # keys whose calls run eagerly (`RunsEagerly`: a backward inside, Python's random
         # generator): the kind of reason and its warning
@@ -159,9 +161,10 @@ class _Jitted(CompileMiss, NotWalked):
                 return self._run_eagerly(args, kwargs, "first call", None)
             if entry is None:
                 stats.cache_misses += 1
-                reasons = self._explain_miss(args, kwargs)
-                if len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit:
-                    return self._over_limit(args, kwargs, reasons)
+                self._explain_miss(args, kwargs)
+                over = self._limits.over_limit([*self._cache.values(), *self._shapes.entries])
+                if over is not None:
+                    return self._over_limit(args, kwargs, over)
                 if key in self._eager_keys:
                     kind, warning = self._eager_keys[key]
                     return self._run_eagerly(args, kwargs, kind, warning)
@@ -178,6 +181,7 @@ class _Jitted(CompileMiss, NotWalked):
                         key if isinstance(error, RunsEagerly) and error.remembered else None,
                         streak=True)
                 self._eager_streak.end()
+                self._limits.compiled(entry)
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale() \
                         or floats != self._shapes.float_positions:  # keyed by type from now
@@ -268,6 +272,7 @@ class _Jitted(CompileMiss, NotWalked):
         names = [name for name, _ in self._module.named_modules()] if self._module else []
         described = describe_call(_positional_names(target), args, kwargs,
                                   self._guard.modules, names, self._guard.scalar_sources)
+        self._limits.missed(args, kwargs, described)
         reasons = ["first call"]
         if self._last_described is not None:
             reasons = explain_change(self._last_described, described)
@@ -277,16 +282,13 @@ class _Jitted(CompileMiss, NotWalked):
         self._last_described = described
         return reasons
 
-    def _over_limit(self, args: tuple, kwargs: dict, reasons: list[str]):
-        """A call past `cache_size_limit` specialisations: run it eagerly (warning once)."""
+    def _over_limit(self, args: tuple, kwargs: dict, over: tuple[str, str]):
+        """A call past the cache limits (`CacheLimits`): run it eagerly, warning once per
+        call structure."""
         target = self._module if self._module is not None else self._fn
         name = getattr(getattr(target, "forward", target), "__qualname__", repr(target))
-        return self._run_eagerly(args, kwargs, "cache_size_limit", (
-            f"fulmen: {name} has been compiled for {self._cache_size_limit} different calls "
-            f"(cache_size_limit); calls matching none of them run eagerly. The last "
-            f"retrace was because {'; '.join(reasons)}. Raise the limit with "
-            "fulmen.jit(..., cache_size_limit=N) or FULMEN_CACHE_SIZE_LIMIT, or keep that "
-            "value fixed between calls"))
+        kind, warning = over
+        return self._run_eagerly(args, kwargs, kind, f"fulmen: {name} {warning}")
 
     def _compile_call(self, args: tuple, kwargs: dict, leaves: list) -> CacheEntry:
         """Compile a call that missed the cache: with symbolic sizes in the dimensions the

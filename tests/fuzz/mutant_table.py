@@ -366,12 +366,11 @@ MUTANTS: list[Mutant] = [
     Mutant("contiguous_batch1_strides", "layout", "ops/opaque.py",
            "            acc = acc * size\n        result = TensorProxy(",
            "            acc = size\n        result = TensorProxy(", CONTIGUOUS),
-    Mutant("cache_limit_off_by_one", "guards", "jitted.py",
-           "len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit",
-           "len(self._cache) + len(self._shapes.entries) > self._cache_size_limit", CACHE),
+    Mutant("cache_limit_off_by_one", "guards", "cache_policy.py",
+           "if same < self.per_structure:", "if same <= self.per_structure:", CACHE),
     Mutant("cache_limit_ignores_symbolic", "guards", "jitted.py",
-           "len(self._cache) + len(self._shapes.entries) >= self._cache_size_limit",
-           "len(self._cache) >= self._cache_size_limit", (*DYNAMIC_EDGES, *CACHE, *DYNAMIC)),
+           "[*self._cache.values(), *self._shapes.entries]",
+           "[*self._cache.values()]", (*DYNAMIC_EDGES, *CACHE, *DYNAMIC)),
     # --- modules reached besides a jitted one, the eager fallback, order of draws -------------
     Mutant("held_modules_unkeyed", "guards", "tracer/guards.py",
            "if not new or len(self.modules) >= _MAX_HELD_MODULES:", "if True:", HELD),
@@ -2612,4 +2611,26 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/executors/test_plan_reuse.py::"
             "test_a_plan_run_again_and_again_gets_its_check",)),
+    # --- session 51, h51gen: cache limits per call structure ----------------------------------
+    Mutant("cache_limit_counts_all_structures", "guards", "cache_policy.py",
+           "same = sum(entry.structure == self._current for entry in entries)",
+           "same = len(entries)",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_each_call_structure_has_its_own_cache_size_limit",)),
+    Mutant("cache_limit_accumulated_cap_dropped", "guards", "cache_policy.py",
+           "if len(entries) >= self.accumulated:", "if False:",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_the_accumulated_limit_caps_the_entries_of_all_structures",)),
+    Mutant("cache_limit_accumulated_below_per_structure", "guards", "cache_policy.py",
+           "self.accumulated = max(accumulated, per_structure)", "self.accumulated = accumulated",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_the_limit_is_never_below_the_per_structure_limit",)),
+    Mutant("cache_structure_counts_list_lengths", "guards", "cache_policy.py",
+           "path = (*path[:2], *map(_step, path[2:]))", "path = tuple(path)",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_a_list_that_grows_at_every_call_is_one_structure",)),
+    Mutant("cache_structure_merges_positional_arguments", "guards", "cache_policy.py",
+           "path = (*path[:2], *map(_step, path[2:]))", "path = tuple(map(_step, path))",
+           ("tests/tracer/test_cache_policy.py::"
+            "test_each_call_structure_has_its_own_cache_size_limit",)),
 ]
