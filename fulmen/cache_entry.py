@@ -11,7 +11,7 @@ import torch
 
 from fulmen.core import Trace
 from fulmen.tracer.call_constants import copy_of
-from fulmen.tracer.objects import ObjectInputs
+from fulmen.tracer.object_inputs import ObjectInputs
 
 
 @dataclass

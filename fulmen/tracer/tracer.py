@@ -57,8 +57,8 @@ from fulmen.tracer.module_stores import (
     module_stores,
     refuse_held,
 )
+from fulmen.tracer.object_inputs import ObjectInputs
 from fulmen.tracer.objects import (
-    ObjectInputs,
     function_roots,
     has_argument_grad,
     is_plain_object,
