@@ -5,7 +5,8 @@ The key covers the input tree's structure; for each tensor its shape, dtype, dev
 requires_grad and strides (and its storage offset where a program read it); the values of Python scalars and other
 constants; the process-wide state traced code may read (grad mode, autocast, default dtype and
 device, matmul precision, ...: `process_state.PROCESS_STATES`) and the environment variables it
-looked up (`environment.py`); and, for modules, the `training` flag of every submodule.
+looked up (`environment.py`); the autograd flags of real tensors traced code read
+(`flag_reads.py`); and, for modules, the `training` flag of every submodule.
 
 Computing the key is the whole cost of a cache hit besides the call itself, so the common case
 (positional tensor arguments, no kwargs) avoids pytree flattening.
@@ -21,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.tracer.environment import environment_source
+from fulmen.tracer.flag_reads import FlagReads
 from fulmen.tracer.key_memo import (
     HashedKey,
     KeyMemo,
@@ -131,6 +133,7 @@ class CacheKeyBuilder:
         self._walks: dict[int, list] = {}  # ... and the walks of its object arguments
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
+        self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -267,6 +270,12 @@ class CacheKeyBuilder:
         self._set_sources()
         self._stale = True
 
+    def watch_flags(self, reads: tuple) -> None:
+        """Key the autograd flags `reads` from now on (`FlagReads.watch`); keys computed before
+        are stale when that is new."""
+        if reads and self.flag_reads.watch(reads):
+            self._stale = True
+
     def global_snapshots(self) -> list[tuple[Any, Any]]:
         """`(holder, snapshot)` of the globals and closure variables the code reads (as
         `(namespace, name)` and `(cell, None)` with their values) and of the lists, dicts and
@@ -311,6 +320,7 @@ class CacheKeyBuilder:
         return (
             process_state_key(),
             self._sources_key(),
+            self.flag_reads.key() if self.flag_reads else (),
             self._fn_roots_key(),
         )
 
