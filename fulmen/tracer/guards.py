@@ -317,6 +317,8 @@ class CacheKeyBuilder:
         mode, default dtype and device, autocast, matmul precision, threads, ...: the table
         `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
         Python scalars the code can read besides its arguments (see `scalar_sources`)."""
+        if self.fn is not None:  # (before the sources: they leave these objects to their key)
+            self.fn_roots = function_roots(self.fn)
         return (
             process_state_key(),
             self._sources_key(),
@@ -353,6 +355,10 @@ class CacheKeyBuilder:
         keys, objects = [], {}  # a config object many modules hold is keyed once
         snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
         written = self.written
+        # the function's own objects (a closure's optimizer): keyed by `_fn_roots_key`, whose
+        # integers traced as symbols are keyed by type (here they were keyed by value, and a
+        # counter changing each call compiled each call)
+        own = {id(root) for root in self.fn_roots} if self.fn is not None else ()
         for index, (value, object_type) in enumerate(zip(values[count:],
                                                          self._object_types)):
             kind = type(value)
@@ -366,6 +372,10 @@ class CacheKeyBuilder:
                     snapshots.append(holder_snapshot(value))
             elif kind in _EXACT_SCALARS:
                 keys.append((kind, value))
+            elif kind is object_type and own and id(value) in own:
+                keys.append(("function's own object", kind))
+                if snapshots is not None:
+                    snapshots.append(typed_snapshot(value))
             elif kind is object_type:  # (isinstance on an HF config is slow: type is exact)
                 key = objects.get(id(value))
                 if key is None:
@@ -399,7 +409,6 @@ class CacheKeyBuilder:
         keyed by type, and the integers at `ints` (negative roots, traced as symbols) too."""
         if self.fn is None:
             return ()
-        self.fn_roots = function_roots(self.fn)
         masks = _float_masks(self.float_positions) if self.float_positions else {}
         for root, path in ints or ():
             masks.setdefault(root, {})[path] = INT_KEY

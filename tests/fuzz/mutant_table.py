@@ -2588,4 +2588,8 @@ MUTANTS: list[Mutant] = [
     Mutant("closed_over_grad_copied_as_fresh", "mutation", "tracer/tracer.py",
            "if id(captured[index]) not in ctx.grad_owners)", "if True)",
            ("tests/tracer/test_closure_flags.py",)),
+    Mutant("closure_object_ints_keyed_by_value", "guards", "tracer/guards.py",
+           "            elif kind is object_type and own and id(value) in own:",
+           "            elif False:",
+           ("tests/tracer/test_objects_closure_ints.py",)),
 ]
