@@ -2592,4 +2592,10 @@ MUTANTS: list[Mutant] = [
            "            elif kind is object_type and own and id(value) in own:",
            "            elif False:",
            ("tests/tracer/test_objects_closure_ints.py",)),
+    Mutant("intermediate_views_left_as_views", "bridge", "autograd_bridge.py",
+           "        outputs = _intermediate_views_detached(outputs, inputs)\n", "",
+           ("tests/tracer/test_returned_intermediate_views.py",)),
+    Mutant("views_of_a_shared_intermediate_detached", "bridge", "autograd_bridge.py",
+           " and bases[id(out._base)] == 1 else out", " else out",
+           ("tests/tracer/test_returned_intermediate_views.py",)),
 ]
