@@ -271,8 +271,7 @@ class CacheKeyBuilder:
         self._stale = True
 
     def watch_flags(self, reads: tuple) -> None:
-        """Key the autograd flags `reads` from now on (`FlagReads.watch`); keys computed before
-        are stale when that is new."""
+        """Key the autograd flags `reads` from now on; if that is new, older keys are stale."""
         if reads and self.flag_reads.watch(reads):
             self._stale = True
 
@@ -355,9 +354,8 @@ class CacheKeyBuilder:
         keys, objects = [], {}  # a config object many modules hold is keyed once
         snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
         written = self.written
-        # the function's own objects (a closure's optimizer): keyed by `_fn_roots_key`, whose
-        # integers traced as symbols are keyed by type (here they were keyed by value, and a
-        # counter changing each call compiled each call)
+        # the function's own objects: keyed by `_fn_roots_key` (by value here, a counter in
+        # a closure's object missed its symbolic entry each call)
         own = {id(root) for root in self.fn_roots} if self.fn is not None else ()
         for index, (value, object_type) in enumerate(zip(values[count:],
                                                          self._object_types)):
