@@ -14,10 +14,19 @@ returns carry a graph to the inputs. An input updated in place since the forward
 version moved) makes it raise, and so does a program that draws random numbers, writes into
 its inputs or has side effects (`CompiledPair.recompute` is None): its recomputation would not
 be the forward that ran.
+
+NOTE [a view of an intermediate returned]: eager's `return (x * 2)[0]` is a view of a tensor
+the call made; an output of a custom Function that is a view of a tensor made inside it is one
+autograd forbids to update in place ("Output 0 of FulmenAutogradFunction is a view and is being
+modified inplace"), where eager updates it and differentiates through the update. Such
+outputs leave the Function detached (`_intermediate_views_detached`: the same memory, no view
+of anything), so an in-place update and its gradient are eager's; `_is_view()` and `._base`
+answer as for a tensor that is no view (eager: its intermediate base), a known difference.
 """
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +128,24 @@ def _sizes_of(residual):
                                device="meta")
 
 
+def _intermediate_views_detached(outputs, inputs):
+    """`outputs` with each view of a tensor that is no input detached (NOTE [a view of an
+    intermediate returned]); views of inputs are replayed outside (`returned_views`). Views
+    of one base that another output also views or is stay views: detached, an in-place update
+    of one would change the other unseen by autograd (its gradient silently eager's no more),
+    where the Function's view raises."""
+    views = [out for out in outputs if isinstance(out, torch.Tensor) and out._is_view()]
+    if not views:
+        return outputs
+    given = {id(x) for x in inputs}
+    bases = collections.Counter(id(view._base) for view in views)
+    bases.update(id(out) for out in outputs if isinstance(out, torch.Tensor))
+    return type(outputs)(
+        out.detach() if isinstance(out, torch.Tensor) and out._is_view() and id(out) not in given
+        and id(out._base) not in given and bases[id(out._base)] == 1 else out
+        for out in outputs)
+
+
 class FulmenAutogradFunction(torch.autograd.Function):
     """One node in the autograd graph for a whole compiled program."""
 
@@ -152,6 +179,7 @@ class FulmenAutogradFunction(torch.autograd.Function):
         ctx.objects = objects
         if pair.replay is not None and pair.replay.pending:  # NOTE [eager's gradient layouts]
             ctx.first_inputs = inputs
+        outputs = _intermediate_views_detached(outputs, inputs)
         if not pair.all_outputs_differentiable:
             ctx.mark_non_differentiable(*[
                 out for out, flag in zip(outputs, pair.differentiable_outputs)

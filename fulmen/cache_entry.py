@@ -11,7 +11,7 @@ import torch
 
 from fulmen.core import Trace
 from fulmen.tracer.call_constants import copy_of
-from fulmen.tracer.objects import ObjectInputs
+from fulmen.tracer.object_inputs import ObjectInputs
 
 
 @dataclass
@@ -43,6 +43,8 @@ class CacheEntry:
     captured_attributes: tuple = ()
     # indices of captured tensors the traced call made itself: copied for each call
     captured_fresh: tuple = ()
+    # `(index, tensor)`: captured gradients read afresh as `tensor.grad` on each call
+    captured_grads: tuple = ()
     # integers traced as symbols: passed as carriers after the object tensors
     int_positions: tuple = ()
     # a static entry: the sizes of the call it was compiled for (`subsumed.call_sizes`)
@@ -53,11 +55,13 @@ class CacheEntry:
     def captured_now(self) -> tuple:
         """The captured tensors for this call (module tensor attributes as they are now, a new
         copy of each tensor the traced call made itself: `TracedProgram.captured_fresh`)."""
-        if not self.captured_attributes and not self.captured_fresh:
+        if not self.captured_attributes and not self.captured_fresh and not self.captured_grads:
             return self.captured
         values = list(self.captured)
         for index, owner, name in self.captured_attributes:
             values[index] = vars(owner)[name]
+        for index, owner in self.captured_grads:  # NOTE [flags of closed-over tensors]
+            values[index] = owner.grad
         for index in self.captured_fresh:
             values[index] = copy_of(values[index])
         return tuple(values)

@@ -111,6 +111,7 @@ class CompileMiss:
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._guard.watch_environment(program.environment_reads)
+        self._guard.watch_flags(program.flag_reads)
         self._held_watch.add(program.held_modules)
         host_random.refuse_draws()
         refuse_private_generators(program.trace, (args, kwargs))
@@ -188,6 +189,7 @@ class CompileMiss:
                           module_stores=program.module_stores,
                           captured_attributes=program.captured_attributes,
                           captured_fresh=program.captured_fresh,
+                          captured_grads=program.captured_grads,
                           int_positions=program.int_positions,
                           **self._shapes.entry_fields(program))
 

@@ -14,6 +14,15 @@ third fake run: the op on its arguments cast as recorded, autocast off. Where th
 or its kernels see other dtypes than with autocast on, the call is recorded whole, to run inside
 `torch.autocast` (NOTE [autocast inside an op] in `fulmen.ops.opaque_autocast`); so is a call
 PyTorch cannot run on fake tensors at all (a packed-sequence RNN), rather than guessing.
+
+NOTE [autocast's cast cache]: eager casts a float32 leaf that requires grad (a parameter) to
+the low-precision dtype once per autocast region (its cast cache, while
+`torch.is_autocast_cache_enabled()`), so the gradients of the ops that read the weight are added
+in that dtype before the cast's backward widens them once; cast per op, they were widened each
+and added in float32 (a bfloat16 gradient apart). The tracer keeps such casts per region in
+`TracerCtx.autocast_casts` (cleared by the first op traced outside autocast) and reuses them;
+the leaves are the traced module's parameters and the captured leaf tensors requiring grad
+(an argument's leafness is not in the cache key: its casts stay per op).
 """
 
 from __future__ import annotations
@@ -174,7 +183,16 @@ def _reaches_inside(func, args, kwargs, device_type: str, on: _CastLog,
     return off.kernels != on.kernels
 
 
-def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]:
+def _cached_leaves(ctx) -> frozenset[str]:
+    """The proxies whose autocast casts eager caches (NOTE [autocast's cast cache]): the traced
+    module's parameters and the captured leaf tensors, where they require grad."""
+    names = [proxy.name for proxy in ctx.state_proxies.values() if proxy.requires_grad]
+    names += [proxy.name for tensor, proxy in ctx.captured.values()
+              if tensor.is_leaf and tensor.requires_grad]
+    return frozenset(names)
+
+
+def autocast_call(func, args: tuple, kwargs: dict, ctx=None) -> tuple[object, tuple, dict]:
     """`(func, args, kwargs)` with the casts autocast would apply to `func`'s tensor arguments
     recorded as `Tensor.to` statements (unchanged outside autocast or for unaffected ops); for
     an op autocast reaches inside, `func` made to run inside autocast instead (`under_autocast`),
@@ -187,6 +205,8 @@ def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]
 
     An op PyTorch cannot run on fake tensors is run whole inside autocast too (its meta then
     fails alike, and the tracer takes a graph break or raises, as for any op it cannot describe).
+    With `ctx` (the `TracerCtx`), casts of leaves eager caches are reused within the region
+    (NOTE [autocast's cast cache]).
 
     Raises:
         NotYetSupportedError: an op inside autocast on tensors of several devices, or one whose
@@ -234,11 +254,21 @@ def autocast_call(func, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]
     if not casts:
         return func, args, kwargs
     converted: dict[str, TensorProxy] = {}
+    cached = ctx.autocast_casts if ctx is not None and cache_enabled else None
+    leaves = _cached_leaves(ctx) if cached is not None else frozenset()
+    low = _get_dtype(device_type)
 
     def cast(leaf):
         if isinstance(leaf, TensorProxy) and leaf.name in casts:
             if leaf.name not in converted:
-                converted[leaf.name] = leaf.to(casts[leaf.name])
+                dtype = casts[leaf.name]
+                if leaf.name in leaves and dtype == low and leaf.dtype == torch.float32:
+                    key = (leaf.name, dtype, torch.is_grad_enabled())  # (a no_grad cast: its own)
+                    if key not in cached:
+                        cached[key] = leaf.to(dtype)
+                    converted[leaf.name] = cached[key]
+                else:
+                    converted[leaf.name] = leaf.to(dtype)
             return converted[leaf.name]
         return leaf
 

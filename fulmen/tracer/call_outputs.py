@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import ModuleStore
-from fulmen.tracer.objects import MODULE, TRACED_NUMBERS, ObjectInputs, is_plain_object, walk
+from fulmen.tracer.object_inputs import ObjectInputs
+from fulmen.tracer.objects import MODULE, TRACED_NUMBERS, is_plain_object, walk
 from fulmen.tracer.size_trees import keep_sizes
 
 

@@ -141,6 +141,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.breaks = None
         # id of each parameter/buffer of the traced module -> its input proxy
         self.state_proxies: dict[int, TensorProxy] = {}
+        # (leaf name, dtype, grad mode) -> its cast in this autocast region (NOTE [autocast's
+        # cast cache])
+        self.autocast_casts: dict[tuple, TensorProxy] = {}
 
     def add_input(self, proxy: TensorProxy) -> None:
         """Declare `proxy` a trace input (argument, module state or captured tensor)."""
@@ -275,7 +278,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
             with self.internal():
                 call = func
                 if torch._C._is_any_autocast_enabled():  # NOTE [autocast inside an op]
-                    call, r_args, r_kwargs = autocast_call(func, r_args, r_kwargs)
+                    call, r_args, r_kwargs = autocast_call(func, r_args, r_kwargs, self)
+                elif self.autocast_casts:  # the region ended (NOTE [autocast's cast cache])
+                    self.autocast_casts.clear()
                 out = self._dispatch(call, r_args, r_kwargs)
         except (FulmenError, RuntimeError, ValueError, TypeError, IndexError) as error:
             _name_the_call(error, func)

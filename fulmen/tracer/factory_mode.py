@@ -25,6 +25,7 @@ from fulmen.tracer.autograd_function import intercept_function_apply
 from fulmen.tracer.call_constants import foreign_memory_recorded
 from fulmen.tracer.call_kinds import _func_name
 from fulmen.tracer.dispatch import TracerCtx
+from fulmen.tracer.flag_reads import GRAD, REQUIRES_GRAD, note_flag_read
 from fulmen.tracer.fresh_leaves import GRAPH_READS, graph_read
 from fulmen.tracer.host_floats import refuse_host_floats
 from fulmen.tracer.metadata_inplace import StaleTensorProxy, stale_use
@@ -39,16 +40,9 @@ class UnreadGrad(RunsEagerly):
     the call runs eagerly."""
 
 
-class UnkeyedFlagRead(RunsEagerly):
-    """The user's traced code reads `requires_grad` of a tensor it closes over (a parameter of
-    a module it reaches, a global): no key holds that flag (the traced module's own state is
-    keyed by it), so a branch on it (`y * 2 if w.requires_grad else y * 3`) would keep the
-    answer of the call that traced it after the caller froze or unfroze the tensor. The call
-    runs eagerly. Torch's own reads (modules' fast-path checks) decide nothing the results
-    show."""
-
-
 _REQUIRES_GRAD_GET = torch.Tensor.requires_grad.__get__
+# the autograd flags of real tensors whose reads by the user's code are keyed
+_FLAG_GETS = {_GRAD_GET: GRAD, _REQUIRES_GRAD_GET: REQUIRES_GRAD}
 _BASE_GET = torch.Tensor._base.__get__
 
 
@@ -76,7 +70,8 @@ def _unread_grad(tensor, caller) -> bool:
     took the one it met for a tensor the call made, so `p.grad.mul_(0.5)` updated a copy),
     unless `caller` (the reading frame) is `nn.Module._apply` converting it along with its
     parameter (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its
-    forward)."""
+    forward). (The user's own reads of a real tensor's `.grad` are keyed instead, NOTE [flags
+    of closed-over tensors]: this decides torch's reads, `clip_grad_norm_`'s.)"""
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
     if not isinstance(tensor, torch.Tensor) or caller.f_code is _MODULE_APPLY:
@@ -134,7 +129,13 @@ class FactoryMode(TorchFunctionMode):
         if func in METADATA_FUNCTIONS:
             if self.ctx.vmap_emulation is not None and self.ctx.vmap_emulation.checking():
                 self.ctx.vmap_emulation.metadata(func, args, sys._getframe(1))
-            if func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
+            if func in _FLAG_GETS and not isinstance(args[0], TensorProxy) \
+                    and isinstance(args[0], torch.Tensor) \
+                    and (func == _GRAD_GET or id(args[0]) not in self.ctx.state_proxies) \
+                    and not is_internal(sys._getframe(1).f_code.co_filename):
+                # keyed from now on (NOTE [flags of closed-over tensors])
+                note_flag_read(self.ctx, args[0], _FLAG_GETS[func])
+            elif func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
                 what = f"the tensor argument {args[0].name}" if isinstance(
                     args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"
                 raise UnreadGrad(
@@ -143,15 +144,6 @@ class FactoryMode(TorchFunctionMode):
                     where=user_source_location(),
                     hint="pass the optimizer (fulmen reads p.grad of the parameters inside it "
                     "on every call), or compute with the gradients outside the compiled function")
-            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \
-                    and isinstance(args[0], torch.Tensor) \
-                    and id(args[0]) not in self.ctx.state_proxies \
-                    and not is_internal(sys._getframe(1).f_code.co_filename):
-                raise UnkeyedFlagRead(
-                    "reading requires_grad of a tensor the function closes over (a parameter of "
-                    "a module it reaches, a global): the flag is not in the cache key",
-                    op="Tensor.requires_grad", where=user_source_location(),
-                    hint="pass the module or tensor as an argument, or jit the module itself")
             if func in GRAPH_READS and isinstance(args[0], TensorProxy) \
                     and args[0].requires_grad \
                     and not is_fulmens_own(sys._getframe(1).f_code.co_filename):

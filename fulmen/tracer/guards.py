@@ -5,7 +5,8 @@ The key covers the input tree's structure; for each tensor its shape, dtype, dev
 requires_grad and strides (and its storage offset where a program read it); the values of Python scalars and other
 constants; the process-wide state traced code may read (grad mode, autocast, default dtype and
 device, matmul precision, ...: `process_state.PROCESS_STATES`) and the environment variables it
-looked up (`environment.py`); and, for modules, the `training` flag of every submodule.
+looked up (`environment.py`); the autograd flags of real tensors traced code read
+(`flag_reads.py`); and, for modules, the `training` flag of every submodule.
 
 Computing the key is the whole cost of a cache hit besides the call itself, so the common case
 (positional tensor arguments, no kwargs) avoids pytree flattening.
@@ -21,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.tracer.environment import environment_source
+from fulmen.tracer.flag_reads import FlagReads
 from fulmen.tracer.key_memo import (
     ArgumentKeyMemo,
     HashedKey,
@@ -133,6 +135,7 @@ class CacheKeyBuilder:
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
+        self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
         # a jitted bound method reads its object, a wrapper the objects it closes over (found
         # again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
@@ -269,6 +272,11 @@ class CacheKeyBuilder:
         self._set_sources()
         self._stale = True
 
+    def watch_flags(self, reads: tuple) -> None:
+        """Key the autograd flags `reads` from now on; if that is new, older keys are stale."""
+        if reads and self.flag_reads.watch(reads):
+            self._stale = True
+
     def global_snapshots(self) -> list[tuple[Any, Any]]:
         """`(holder, snapshot)` of the globals and closure variables the code reads (as
         `(namespace, name)` and `(cell, None)` with their values) and of the lists, dicts and
@@ -310,9 +318,12 @@ class CacheKeyBuilder:
         mode, default dtype and device, autocast, matmul precision, threads, ...: the table
         `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
         Python scalars the code can read besides its arguments (see `scalar_sources`)."""
+        if self.fn is not None:  # (before the sources: they leave these objects to their key)
+            self.fn_roots = function_roots(self.fn)
         return (
             process_state_key(),
             self._sources_key(),
+            self.flag_reads.key() if self.flag_reads else (),
             self._fn_roots_key(),
         )
 
@@ -350,6 +361,9 @@ class CacheKeyBuilder:
         keys, objects = [], {}  # a config object many modules hold is keyed once
         snapshots: list[tuple] | None = []  # what the key read, for the memo (None: more)
         written = self.written
+        # the function's own objects: keyed by `_fn_roots_key` (by value here, a counter in
+        # a closure's object missed its symbolic entry each call)
+        own = {id(root) for root in self.fn_roots} if self.fn is not None else ()
         for index, (value, object_type) in enumerate(zip(values[count:],
                                                          self._object_types)):
             kind = type(value)
@@ -363,6 +377,10 @@ class CacheKeyBuilder:
                     snapshots.append(holder_snapshot(value))
             elif kind in _EXACT_SCALARS:
                 keys.append((kind, value))
+            elif kind is object_type and own and id(value) in own:
+                keys.append(("function's own object", kind))
+                if snapshots is not None:
+                    snapshots.append(typed_snapshot(value))
             elif kind is object_type:  # (isinstance on an HF config is slow: type is exact)
                 key = objects.get(id(value))
                 if key is None:
@@ -397,7 +415,6 @@ class CacheKeyBuilder:
         keyed by type, and the integers at `ints` (negative roots, traced as symbols) too."""
         if self.fn is None:
             return ()
-        self.fn_roots = function_roots(self.fn)
         masks = _float_masks(self.float_positions) if self.float_positions else {}
         for root, path in ints or ():
             masks.setdefault(root, {})[path] = INT_KEY

@@ -5,7 +5,8 @@ Model code hands objects around that are not tensors or pytrees: an HF `DynamicC
 layers, each holding key and value tensors and flags), an optimizer (`param_groups`, `state`),
 a config. Baking what the code read from them into the trace would be wrong on the next call,
 and so would leaving proxies in them after tracing. For every such object among the call's
-arguments (and the `self` of a jitted bound method), `ObjectInputs`:
+arguments (and the `self` of a jitted bound method), `ObjectInputs`
+(`fulmen.tracer.object_inputs`, the layer above this module):
 
 - walks what it holds (attributes, lists, tuples, dicts; `walk`), and makes each tensor found a
   trace input, read again through the same path on every call (`read_tensors`);
@@ -35,8 +36,6 @@ from typing import Any
 
 import torch
 
-from fulmen.core import NotYetSupportedError, RunsEagerly
-from fulmen.ops.host_float import FloatDecided, FloatProxy
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -100,14 +99,6 @@ def _children(value: Any) -> list[tuple[tuple, Any]]:
     if is_plain_object(value):
         return [(("attr", name), item) for name, item in vars(value).items()]
     return []
-
-
-def _holds_float_proxy(value: Any, depth: int) -> bool:
-    """Whether `value` is or holds (within `depth` levels) a float read at run time."""
-    if isinstance(value, FloatProxy):
-        return True
-    return depth > 0 and any(_holds_float_proxy(child, depth - 1)
-                             for _, child in _children(value))
 
 
 def _walkable(value: Any) -> bool:
@@ -360,152 +351,3 @@ class Epilogue:
                 _store(owner, (kind, key), self._materialize(template, real, roots, current, numbers))
         for index, template in self.outputs:
             out_leaves[index] = self._materialize(template, real, roots, current, numbers)
-
-
-
-
-class UnreplayableObjectStore(RunsEagerly):
-    """A store into an object the traced code reads whose value cannot be rebuilt on later
-    calls: the call runs eagerly."""
-
-
-class ObjectInputs:
-    """The object arguments of one traced call (see the module docstring).
-
-    `roots` maps a flat argument index (or, negative, the position in `function_roots` of the
-    traced function: -1 is the first) to the object.
-    """
-
-    def __init__(self, roots: dict[int, Any]) -> None:
-        self.roots = roots
-        self.tensor_paths: list[tuple[int, tuple]] = []
-        self.epilogue = Epilogue()
-        self._saved: list[tuple[Any, Any, Any]] = []  # (owner, step, real tensor or int)
-        self._objects: dict[int, Any] = {}  # every container walked, by id
-        self._snapshots: dict[int, tuple[Any, Any]] = {}
-        self._rekeyed: list[tuple[dict, list]] = []
-
-    def swap_in(self, make_proxy, make_int=None, stand_in=None
-                ) -> list[tuple[TensorProxy, torch.Tensor]]:
-        """Replace each tensor inside the objects by `make_proxy(root, path, tensor)` (or by
-        what `stand_in(root, tensor, proxy)` gives for it: the proxy of the same tensor met
-        before, NOTE [repeated tensor arguments]), and each
-        integer or float for which `make_int(root, path, value)` gives a SymInt (a
-        `FloatProxy`) by it; return
-        `(proxy, tensor)` pairs in input order."""
-        pairs = []
-        stored = []  # what each tensor of `pairs` was replaced by in its holder
-        existing = self.epilogue.existing
-        for root_index, root in self.roots.items():
-            self._objects[id(root)] = root
-            existing.setdefault(id(root), (root_index, ()))
-            for path, value in walk(root):
-                if type(value) in (int, float) and make_int is not None:
-                    owner = follow(root, path[:-1])
-                    if isinstance(owner, tuple):  # a float in a plain tuple: the tuple rebuilt
-                        if type(value) is float and float_in_tuple(root, path):
-                            number = make_int(root_index, path, value)
-                            if number is not None:
-                                items = list(owner)
-                                items[path[-1][1]] = number
-                                holder = follow(root, path[:-2])
-                                self._saved.append((holder, path[-2], owner))
-                                _store(holder, path[-2], tuple(items))
-                        continue
-                    number = make_int(root_index, path, value)
-                    if number is not None:
-                        self._saved.append((owner, path[-1], value))
-                        _store(owner, path[-1], number)
-                elif _walkable(value):
-                    self._objects[id(value)] = value
-                    existing.setdefault(id(value), (root_index, path))
-                elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
-                    owner = follow(root, path[:-1])
-                    if isinstance(owner, tuple):
-                        continue  # cannot be swapped in place; read as a captured tensor
-                    proxy = make_proxy(root_index, path, value)
-                    held = proxy if stand_in is None else stand_in(root_index, value, proxy)
-                    self._saved.append((owner, path[-1], value))
-                    _store(owner, path[-1], held)
-                    self.tensor_paths.append((root_index, path))
-                    pairs.append((proxy, value))
-                    stored.append(held)
-                    grad_tensor = _grad_of(value)
-                    if grad_tensor is not None:  # an optimizer reads `p.grad`: an input too
-                        grad_path = (*path, ("attr", "grad"))
-                        grad = make_proxy(root_index, grad_path, grad_tensor)
-                        with torch._C.DisableTorchFunctionSubclass():
-                            proxy.grad = grad
-                        self.tensor_paths.append((root_index, grad_path))
-                        pairs.append((grad, grad_tensor))
-                        stored.append(grad)
-        self._rekey(stored, [tensor for _, tensor in pairs])
-        self._snapshots = {cid: (obj, snapshot(obj)) for cid, obj in self._objects.items()}
-        return pairs
-
-    def _rekey(self, proxies: list, tensors: list) -> None:
-        """Dicts keyed by a tensor that is now an input (`optimizer.state[param]`) are keyed
-        by its proxy while tracing, so the traced code finds the entries."""
-        by_tensor = {id(t): p for p, t in zip(proxies, tensors)}
-        for container in self._objects.values():
-            if isinstance(container, dict) and any(id(k) in by_tensor for k in container):
-                items = list(container.items())
-                self._rekeyed.append((container, items))
-                container.clear()
-                container.update((by_tensor.get(id(k), k), v) for k, v in items)
-
-    def record_stores(self) -> None:
-        """Record the stores the traced code made into the objects (`epilogue.stores`)."""
-        for obj, saved in self._snapshots.values():
-            if saved is None or unchanged(obj, saved):
-                continue
-            root, path = self.epilogue.existing[id(obj)]
-            if isinstance(obj, list):
-                self.epilogue.stores.append((root, path, None, list(obj)))
-                continue
-            now = dict(obj) if isinstance(obj, dict) else dict(vars(obj))
-            kind = "key" if isinstance(obj, dict) else "attr"
-            if set(saved) - set(now):
-                raise NotYetSupportedError(
-                    f"the compiled function deletes {sorted(set(saved) - set(now))} from an "
-                    f"object it was given ({type(obj).__qualname__})", op="del",
-                    hint="delete outside the compiled function")
-            for key, value in now.items():
-                if key not in saved or saved[key] is not value:
-                    self.epilogue.stores.append((root, path, (kind, key), value))
-        for _, _, _, template in self.epilogue.stores:
-            self._check_replayable(template)
-
-    def _check_replayable(self, template: Any) -> None:
-        """Raise `UnreplayableObjectStore` if a stored value cannot be rebuilt for later calls
-        (`Epilogue.run` deep-copies what is new in it: a lock, a file, a C object cannot be)."""
-        if _holds_float_proxy(template, _MAX_DEPTH):  # its value changes per call
-            raise FloatDecided("storing it into an object")
-        def kept(value):
-            if isinstance(value, _OPAQUE) or id(value) in self.epilogue.existing \
-                    or not _walkable(value):
-                return value
-            return _COPIED
-
-        try:
-            copy.deepcopy(template, _copy_memo(template, kept))
-        except Exception as error:  # noqa: BLE001 - pickling protocols raise anything
-            raise UnreplayableObjectStore(
-                f"the function stores a value into an object it reads that cannot be copied "
-                f"for later calls ({type(error).__name__}: {error})", op="setattr",
-                hint="keep such objects out of the compiled function") from None
-
-    def finish_restore(self) -> None:
-        """Put every object back as it was before tracing (real tensors, no proxies)."""
-        for obj, saved in self._snapshots.values():
-            if saved is not None:
-                restore(obj, saved)
-        for owner, step, tensor in reversed(self._saved):  # (a tuple rebuilt twice: its first)
-            _store(owner, step, tensor)
-        for container, items in self._rekeyed:
-            container.clear()
-            container.update(items)
-
-    def read_tensors(self, roots: dict[int, Any]) -> list[torch.Tensor]:
-        """The tensors inside the call's objects, in input order."""
-        return [follow(roots[root], path) for root, path in self.tensor_paths]

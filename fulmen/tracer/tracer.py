@@ -37,7 +37,7 @@ from fulmen.tracer.call_outputs import (
 from fulmen.tracer.compiled_callees import compiled_code_runs_eagerly
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.tracer.environment import environment_recorded
-from fulmen.tracer.factory_mode import FactoryMode
+from fulmen.tracer.factory_mode import FactoryMode, UnreadGrad
 from fulmen.tracer.fast_paths import eager_fast_paths
 from fulmen.tracer.fresh_leaves import refuse_escaping_fresh
 from fulmen.tracer.host_floats import (
@@ -57,8 +57,8 @@ from fulmen.tracer.module_stores import (
     module_stores,
     refuse_held,
 )
+from fulmen.tracer.object_inputs import ObjectInputs
 from fulmen.tracer.objects import (
-    ObjectInputs,
     function_roots,
     has_argument_grad,
     is_plain_object,
@@ -112,6 +112,10 @@ class TracedProgram:
         environment_reads: the environment variables the traced code looked up (`WHOLE`: it
             read them all), whose values the cache key must cover from now on (NOTE
             [environment reads]).
+        flag_reads: `(tensor, flag)` for each autograd flag of a real tensor the code read,
+            which the cache key must cover from now on; `captured_grads`: `(index, tensor)` of
+            each captured tensor that is such a tensor's `.grad`, read afresh on every call
+            (NOTE [flags of closed-over tensors]).
     """
 
     trace: Trace
@@ -134,6 +138,8 @@ class TracedProgram:
     int_positions: tuple = ()
     held_modules: tuple[torch.nn.Module, ...] = ()
     environment_reads: frozenset[str] = frozenset()
+    flag_reads: tuple = ()
+    captured_grads: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 def _captured_fresh(ctx, captured: list, proxies: list, trace: Trace,
@@ -242,6 +248,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     start = time.perf_counter()
     ctx = TracerCtx(name) if ctx is None else ctx
     ctx.offset_reads = set()  # inputs whose storage_offset() the program read (to be guarded)
+    ctx.flag_reads, ctx.grad_owners = {}, {}  # NOTE [flags of closed-over tensors]
     target = module.forward if module is not None else fn
     param_names = _positional_names(target)
     leaves_with_paths, in_spec = pytree.tree_flatten_with_path((args, kwargs))
@@ -452,7 +459,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     arg_index = {proxy.name: index for index, proxy in enumerate(trace.args)}
     mutated = tuple(arg_index[b.args[0].name] for b in trace.bsyms if b.sym is WRITE_BACK)
     out = None  # the call's own output refers to a tensor it made and returns
-    captured_fresh = _captured_fresh(ctx, captured, captured_proxies, trace, mutated)
+    grads = tuple((index, ctx.grad_owners[id(tensor)]) for index, tensor in enumerate(captured)
+                  if id(tensor) in ctx.grad_owners)
+    if grads and ctx.breaks is not None and ctx.breaks.breaks:  # (a tree's captures are fixed)
+        raise UnreadGrad("computing with the .grad of a tensor the function closes over, in a "
+                         "function with graph breaks", op="Tensor.grad")
+    captured_fresh = tuple(index for index in _captured_fresh(ctx, captured, captured_proxies,
+                                                              trace, mutated)
+                           if id(captured[index]) not in ctx.grad_owners)  # (only `p` holds it)
     for index in captured_fresh:  # NOTE [tensors made during the call]: its value when made
         captured[index] = copy_of(captured[index])
     return TracedProgram(trace, tuple(positions), tuple(state_names), tuple(captured),
@@ -468,4 +482,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          captured_fresh=captured_fresh,
                          int_positions=tuple(position for position, *_ in numbers),
                          held_modules=tuple(held),
-                         environment_reads=frozenset(environment.reads))
+                         environment_reads=frozenset(environment.reads),
+                         flag_reads=tuple(ctx.flag_reads.values()), captured_grads=grads)

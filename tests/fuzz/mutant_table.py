@@ -384,7 +384,9 @@ MUTANTS: list[Mutant] = [
            "        if True:\n            return False\n        changed = False", HELD),
     Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
            "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
-           "        return False", HELD),
+           "        return False",
+           ("tests/tracer/test_closure_flags.py::"
+            "test_torchs_own_reads_of_closed_over_gradients_run_eagerly",)),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
            "if self.no_grad_updates and self.ctx.differentiable and differentiated:", "if False:",
            HELD),
@@ -2532,8 +2534,8 @@ MUTANTS: list[Mutant] = [
     Mutant("frozen_parameters_grad_baked", "guards", "tracer/factory_mode.py",
            "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
            "        return tensor.requires_grad",
-           ("tests/tracer/test_training_integrations.py::"
-            "test_gradients_of_frozen_parameters_updated_in_a_jitted_function",)),
+           ("tests/tracer/test_closure_flags.py::"
+            "test_torchs_own_reads_of_closed_over_gradients_run_eagerly",)),
     Mutant("global_optimizer_hooks_unkeyed", "guards", "tracer/process_state.py",
            '    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),\n', "",
            ("tests/tracer/test_training_integrations.py::"
@@ -2543,8 +2545,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_training_integrations.py::"
             "test_requires_grad_set_inside_on_a_layer_frozen_between_calls",)),
     Mutant("closed_over_requires_grad_read_baked", "guards", "tracer/factory_mode.py",
-           "            if func == _REQUIRES_GRAD_GET and not isinstance(args[0], TensorProxy) \\",
-           "            if False and not isinstance(args[0], TensorProxy) \\",
+           "                note_flag_read(self.ctx, args[0], _FLAG_GETS[func])",
+           "                pass",
            ("tests/tracer/test_training_integrations.py::"
             "test_a_branch_on_requires_grad_of_a_closed_over_parameter",)),
     # --- session 50, h50ints: ints in a jitted function's own objects traced as symbols ------
@@ -2633,4 +2635,34 @@ MUTANTS: list[Mutant] = [
            "path = (*path[:2], *map(_step, path[2:]))", "path = tuple(map(_step, path))",
            ("tests/tracer/test_cache_policy.py::"
             "test_each_call_structure_has_its_own_cache_size_limit",)),
+    # --- session 51, h51keys: autograd flags of closed-over tensors keyed ------------------
+    Mutant("closed_over_flag_key_dropped", "guards", "tracer/guards.py",
+           "            self.flag_reads.key() if self.flag_reads else (),", "            (),",
+           ("tests/tracer/test_closure_flags.py",)),
+    Mutant("closed_over_grad_captured_once", "guards", "cache_entry.py",
+           "            values[index] = owner.grad", "            pass",
+           ("tests/tracer/test_closure_flags.py",)),
+    Mutant("closed_over_grad_copied_as_fresh", "mutation", "tracer/tracer.py",
+           "if id(captured[index]) not in ctx.grad_owners)", "if True)",
+           ("tests/tracer/test_closure_flags.py",)),
+    Mutant("closure_object_ints_keyed_by_value", "guards", "tracer/guards.py",
+           "            elif kind is object_type and own and id(value) in own:",
+           "            elif False:",
+           ("tests/tracer/test_objects_closure_ints.py",)),
+    Mutant("intermediate_views_left_as_views", "bridge", "autograd_bridge.py",
+           "        outputs = _intermediate_views_detached(outputs, inputs)\n", "",
+           ("tests/tracer/test_returned_intermediate_views.py",)),
+    Mutant("views_of_a_shared_intermediate_detached", "bridge", "autograd_bridge.py",
+           " and bases[id(out._base)] == 1 else out", " else out",
+           ("tests/tracer/test_returned_intermediate_views.py",)),
+    Mutant("autocast_cast_cache_off", "dtypes", "tracer/autocast.py",
+           "    cached = ctx.autocast_casts if ctx is not None and cache_enabled else None",
+           "    cached = None",
+           ("tests/tracer/test_autocast_cast_cache.py",)),
+    Mutant("autocast_cast_cache_kept_across_regions", "dtypes", "tracer/dispatch.py",
+           "                    self.autocast_casts.clear()", "                    pass",
+           ("tests/tracer/test_autocast_cast_cache.py",)),
+    Mutant("autocast_cast_cache_ignores_grad_mode", "dtypes", "tracer/autocast.py",
+           "key = (leaf.name, dtype, torch.is_grad_enabled())", "key = (leaf.name, dtype)",
+           ("tests/tracer/test_autocast_cast_cache.py",)),
 ]

@@ -90,10 +90,10 @@ def _reused_grads(model, x):
     return torch.autograd.grad(out.float().sum(), [x, *model.parameters()])
 
 
-@pytest.mark.xfail(strict=True, reason="autocast's cast cache across ops: eager casts a leaf "
-                   "weight once per region and adds its uses' bfloat16 gradients; the trace "
-                   "casts it per op and adds float32 gradients (~3e-2 apart on the weight's)")
 def test_a_weight_cast_once_per_region_gets_eagers_gradient_bits():
+    # autocast's cast cache (NOTE [autocast's cast cache]): eager casts a leaf weight once per
+    # region and adds its uses' bfloat16 gradients; the trace cast it per op and added float32
+    # gradients (~3e-2 apart on the weight's)
     torch.manual_seed(0)
     model, x = _Reused(), torch.randn(4, 8, requires_grad=True)
     for got, want in zip(_reused_grads(fulmen.jit(model), x), _reused_grads(model, x)):
