@@ -2576,4 +2576,13 @@ MUTANTS: list[Mutant] = [
            "zip(names, self.positions) if isinstance(p, int) and p not in offsets_read)",
            ("tests/tracer/test_dynamic_edges.py::"
             "test_a_held_tensors_offset_is_guarded_only_where_read",)),
+    # --- session 51, h51probe: updates through p.detach() / p.data with grad on ------------------
+    Mutant("detached_updates_taken_as_recorded", "mutation", "tracer/mutation.py",
+           "        if not torch.is_grad_enabled() or detached:",
+           "        if not torch.is_grad_enabled():",
+           ("tests/tracer/test_user_patterns_51.py",)),
+    Mutant("detached_update_scatter_recorded", "mutation", "tracer/mutation.py",
+           "with torch.no_grad() if outside_autograd else nullcontext():",
+           "with nullcontext():",
+           ("tests/tracer/test_user_patterns_51.py",)),
 ]
