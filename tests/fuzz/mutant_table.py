@@ -2585,4 +2585,12 @@ MUTANTS: list[Mutant] = [
            "with torch.no_grad() if outside_autograd else nullcontext():",
            "with nullcontext():",
            ("tests/tracer/test_user_patterns_51.py",)),
+    Mutant("symbolic_unused_outputs_grads_as_zeros", "bridge", "autograd_bridge.py",
+           "            input_grads = [None if i in unreached else g for i, g in enumerate(input_grads)]",
+           "            pass",
+           ("tests/tracer/test_user_patterns_51.py",)),
+    Mutant("unreached_gradients_from_used_too", "bridge", "transforms/unused_cotangents.py",
+           "                     and g.name not in reached and g.name in from_unused)",
+           "                     and g.name in from_unused)",
+           ("tests/tracer/test_user_patterns_51.py",)),
 ]

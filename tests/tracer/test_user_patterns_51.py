@@ -85,3 +85,43 @@ def test_updates_through_detach_or_data_with_grad_on(fn, dynamic):
             assert a.requires_grad and a.is_leaf
     stats = fulmen.compile_stats(jf)
     assert stats.eager_calls == (3 if fn is _update_then_forward else 0), stats.recompile_reasons
+
+
+class _TwoHeads(nn.Module):
+    """A model returning a second output nobody backpropagates (hidden states past the layer
+    a vision tower's features are taken from, in LLaVA; an auxiliary head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h).square().mean(), self.aux(h)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_parameters_reached_only_from_unused_outputs_get_no_grad_at_symbolic_sizes(dynamic):
+    """With symbolic sizes (batch 3, then 4, 5) autograd materialized zeros for the unused
+    output and the backward gave its head zero gradients, where eager leaves them None:
+    AdamW then decayed and moved the head eager leaves alone."""
+    torch.manual_seed(0)
+    models = [_TwoHeads(), None]
+    models[1] = copy.deepcopy(models[0])
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in models]
+    jitted = fulmen.jit(models[1], dynamic=dynamic)
+    for step in range(3):
+        x = torch.randn(3 + step, 4)
+        for call in (models[0], jitted):
+            loss, _ = call(x)
+            loss.backward()
+        for a, b in zip(models[1].parameters(), models[0].parameters()):
+            assert (a.grad is None) == (b.grad is None)
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[1].parameters(), models[0].parameters()):
+        torch.testing.assert_close(a, b)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
