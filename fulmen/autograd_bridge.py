@@ -58,9 +58,9 @@ class CompiledPair:
     # the program run on fake tensors, for eager's gradient layouts and saved-tensor errors
     # (`fulmen.transforms.autodiff.eager_replay`); None where it has side effects
     replay: object | None = None
-    # where `backward_without` is None (symbolic cotangent sizes): `unused -> positions` of the
-    # input gradients reached from unused outputs alone, None as in eager (the backward runs on
-    # zeros for the unused, as autograd would materialize them)
+    # where `backward_without` is None (symbolic cotangent sizes): `unused -> (positions, reads)`:
+    # the input gradients reached from unused outputs alone, None as in eager (the backward runs
+    # on zeros for the unused, as autograd would materialize them), and the residuals it reads
     unreached: Callable | None = None
 
     @property
@@ -179,16 +179,17 @@ class FulmenAutogradFunction(torch.autograd.Function):
             backward = pair.variants.get(unused)
             if backward is None:
                 backward = pair.variants[unused] = pair.backward_without(unused)
+        reached = tuple(g is not None for g in cotangents)
+        reads = getattr(backward, "residuals_read", None)
         unreached = ()
-        if pair.unreached is not None and any(g is None for g in cotangents):
-            unreached = pair.unreached(tuple(g is None for g in cotangents))
+        if pair.unreached is not None and not all(reached):
+            unreached, reads = pair.unreached(tuple(not r for r in reached))
             zeros = [meta for meta, flag in zip(ctx.zeros_like, pair.differentiable_outputs)
                      if flag]
             cotangents = [g if g is not None else torch.zeros(meta[0], dtype=meta[1],
                                                               device=meta[2])
                           for g, meta in zip(cotangents, zeros)]
-        reached = tuple(g is not None for g in cotangents)
-        residuals = _residuals(ctx, getattr(backward, "residuals_read", None), reached)
+        residuals = _residuals(ctx, reads, reached)
         if residuals is None:  # freed, and not all kept: the forward again, with a graph
             with torch.enable_grad():
                 return (None, *_recomputed_grads(ctx, grads))

@@ -313,12 +313,19 @@ def _promote_survivors() -> None:
 
 def _unreached_builder(backward: Trace, count: int) -> Callable | None:
     """For a backward with symbolic cotangent sizes (no folded variants, `_variant_builder`):
-    `unused -> positions` of the input gradients that come from unused cotangents alone, None
-    as in eager (`unused_cotangents.unreached_gradients`); None for other backwards."""
+    `unused -> (positions, reads)`: the input gradients that come from unused cotangents alone,
+    None as in eager (`unused_cotangents.unreached_gradients`), and the residuals the backward
+    reads (NOTE [outputs backpropagated in turns]); None for other backwards."""
     cotangents = backward.args[len(backward.args) - count:]
     if all(isinstance(s, int) for c in cotangents for s in c.shape):
         return None
-    return functools.lru_cache(maxsize=None)(functools.partial(unreached_gradients, backward))
+    reads = _residuals_read(backward, len(backward.args) - count)
+
+    @functools.cache
+    def unreached(unused: tuple[bool, ...]) -> tuple[frozenset[int], frozenset[int]]:
+        return unreached_gradients(backward, unused), reads
+
+    return unreached
 
 
 def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],

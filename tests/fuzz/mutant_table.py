@@ -2593,4 +2593,8 @@ MUTANTS: list[Mutant] = [
            "                     and g.name not in reached and g.name in from_unused)",
            "                     and g.name in from_unused)",
            ("tests/tracer/test_user_patterns_51.py",)),
+    Mutant("symbolic_backward_reads_unrecorded", "bridge", "autograd_bridge.py",
+           "            unreached, reads = pair.unreached(tuple(not r for r in reached))",
+           "            unreached, _ = pair.unreached(tuple(not r for r in reached))",
+           ("tests/tracer/test_user_patterns_51.py",)),
 ]

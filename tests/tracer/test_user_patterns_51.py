@@ -125,3 +125,34 @@ def test_parameters_reached_only_from_unused_outputs_get_no_grad_at_symbolic_siz
     for a, b in zip(models[1].parameters(), models[0].parameters()):
         torch.testing.assert_close(a, b)
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+class _Separate(nn.Module):
+    """Two outputs sharing no saved tensor (a generator's and a discriminator's loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x).sin().sum(), self.b(x).cos()
+
+
+def test_outputs_backpropagated_in_turns_at_symbolic_sizes():
+    """`loss.backward()` then `aux.sum().backward()` works in eager (two graphs); at symbolic
+    sizes the first backward freed every residual of the one compiled node and the second
+    raised "Trying to backward through the graph a second time"."""
+    torch.manual_seed(0)
+    models = [_Separate(), None]
+    models[1] = copy.deepcopy(models[0])
+    jitted = fulmen.jit(models[1], dynamic=True)
+    for step in range(2):
+        x = torch.randn(3 + step, 4)
+        for call in (models[0], jitted):
+            loss, aux = call(x)
+            loss.backward()
+            aux.sum().backward()
+        for a, b in zip(models[1].parameters(), models[0].parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+            a.grad = b.grad = None
+    assert fulmen.compile_stats(jitted).eager_calls == 0
