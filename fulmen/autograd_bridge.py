@@ -67,6 +67,10 @@ class CompiledPair:
     # the program run on fake tensors, for eager's gradient layouts and saved-tensor errors
     # (`fulmen.transforms.autodiff.eager_replay`); None where it has side effects
     replay: object | None = None
+    # where `backward_without` is None (symbolic cotangent sizes): `unused -> (positions, reads)`:
+    # the input gradients reached from unused outputs alone, None as in eager (the backward runs
+    # on zeros for the unused, as autograd would materialize them), and the residuals it reads
+    unreached: Callable | None = None
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -166,6 +170,10 @@ class FulmenAutogradFunction(torch.autograd.Function):
             ctx.versions = [_version(x) for x in inputs]
         if pair.backward_without is not None:  # unused outputs get None, not zeros
             ctx.set_materialize_grads(False)
+        elif pair.unreached is not None:  # zeros made here, to tell the unused outputs
+            ctx.set_materialize_grads(False)
+            ctx.zeros_like = [(out.shape, out.dtype, out.device) if flag else None
+                              for out, flag in zip(outputs, pair.differentiable_outputs)]
         # tensors go through save_for_backward (hooks, version checks); other residuals (kept
         # autograd graphs of opaque ops) ride on ctx
         objects = ()
@@ -200,7 +208,16 @@ class FulmenAutogradFunction(torch.autograd.Function):
             if backward is None:
                 backward = pair.variants[unused] = pair.backward_without(unused)
         reached = tuple(g is not None for g in cotangents)
-        residuals = _residuals(ctx, getattr(backward, "residuals_read", None), reached)
+        reads = getattr(backward, "residuals_read", None)
+        unreached = ()
+        if pair.unreached is not None and not all(reached):
+            unreached, reads = pair.unreached(tuple(not r for r in reached))
+            zeros = [meta for meta, flag in zip(ctx.zeros_like, pair.differentiable_outputs)
+                     if flag]
+            cotangents = [g if g is not None else torch.zeros(meta[0], dtype=meta[1],
+                                                              device=meta[2])
+                          for g, meta in zip(cotangents, zeros)]
+        residuals = _residuals(ctx, reads, reached)
         if residuals is None:  # freed, and not all kept: the forward again, with a graph
             with torch.enable_grad():
                 return (None, *_recomputed_grads(ctx, grads))
@@ -214,6 +231,8 @@ class FulmenAutogradFunction(torch.autograd.Function):
                 ctx.first_inputs = None
             if replay.layouts is not None:
                 input_grads = replay.relaid(input_grads)
+        if unreached:
+            input_grads = [None if i in unreached else g for i, g in enumerate(input_grads)]
         return (None, *input_grads)
 
 

@@ -60,7 +60,7 @@ from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
 from fulmen.transforms.layer_norm_reuse import reuse_layer_norm
 from fulmen.transforms.remat import rematerialize as rematerialize_split
-from fulmen.transforms.unused_cotangents import fold_unused_cotangents
+from fulmen.transforms.unused_cotangents import fold_unused_cotangents, unreached_gradients
 from fulmen.tree import CompiledSegment
 
 _PASSES = get_logger("passes")
@@ -171,6 +171,8 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             any(not isinstance(r, torch.Tensor) for r in residuals),
                             _variant_builder(unclaimed, sum(split.differentiable_outputs),
                                              executors, variants), recompute=recompute,
+                            unreached=_unreached_builder(unclaimed,
+                                                         sum(split.differentiable_outputs)),
                             size_only=_size_only_residuals(unclaimed, len(residuals)),
                             input_residuals=_input_residuals(traces[-1]), replay=replay)
         fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
@@ -307,6 +309,23 @@ def _promote_survivors() -> None:
     if gc.get_freeze_count() == 0:
         gc.freeze()
         gc.unfreeze()
+
+
+def _unreached_builder(backward: Trace, count: int) -> Callable | None:
+    """For a backward with symbolic cotangent sizes (no folded variants, `_variant_builder`):
+    `unused -> (positions, reads)`: the input gradients that come from unused cotangents alone,
+    None as in eager (`unused_cotangents.unreached_gradients`), and the residuals the backward
+    reads (NOTE [outputs backpropagated in turns]); None for other backwards."""
+    cotangents = backward.args[len(backward.args) - count:]
+    if all(isinstance(s, int) for c in cotangents for s in c.shape):
+        return None
+    reads = _residuals_read(backward, len(backward.args) - count)
+
+    @functools.cache
+    def unreached(unused: tuple[bool, ...]) -> tuple[frozenset[int], frozenset[int]]:
+        return unreached_gradients(backward, unused), reads
+
+    return unreached
 
 
 def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],

@@ -40,6 +40,7 @@ plain SSA and differentiates like any other op.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,9 @@ class NoGradUpdate(RunsEagerly):
     """NOTE [no_grad updates of tensors requiring grad]: `with torch.no_grad(): p -= lr *
     p.grad` (a hand-written SGD step, an EMA update, `torch._foreach_lerp_`) is eager's way to
     update parameters, and a trace that computes nothing with grad compiles it: its write-back
-    updates the leaf outside autograd, as eager does. A trace that also computes with grad
+    updates the leaf outside autograd, as eager does. So does an update with grad on through
+    `p.detach()` or `p.data` of a value that needs no grad (`AveragedModel.update_parameters`):
+    autograd records none of it. A trace that also computes with grad
     (a forward reading the parameter before or after the update) cannot keep eager's meaning
     (the gradient flows to the leaf as updated, or eager's version check fails): the call runs
     eagerly."""
@@ -340,7 +343,7 @@ class Functionalizer(InplaceCalls):
         if self.grad_leaves and root.proxy.name in self.grad_leaves and torch.is_grad_enabled():
             raise LeafModified(f"{root.proxy.name}, made with requires_grad=True, (or a view of "
                                "it) is modified in place", op=op, where=user_source_location())
-        self._check_grad(root, op)
+        outside_autograd = self._check_grad(root, op, target, value)
         if root.proxy.name in self.inputs and torch.is_grad_enabled() \
                 and CallSiteTag.CHECKPOINT in self.ctx.call_site_tags():
             raise CheckpointedUpdate(f"{root.proxy.name} is modified in place inside a "
@@ -355,7 +358,8 @@ class Functionalizer(InplaceCalls):
             else:
                 if not view.exact:
                     self._undecidable(view, "modified in place")
-                root.value = self.ctx.call(view_scatter, root.value, value, view.steps)
+                with torch.no_grad() if outside_autograd else nullcontext():
+                    root.value = self.ctx.call(view_scatter, root.value, value, view.steps)
                 view.value = value
             if keeps_fresh:  # the leaf's new value (NOTE [fresh leaves])
                 mark_fresh(self.ctx, value)
@@ -366,14 +370,21 @@ class Functionalizer(InplaceCalls):
             view.version = root.version
         self.mutated = True
 
-    def _check_grad(self, root: _Root, op: str) -> None:
+    def _check_grad(self, root: _Root, op: str, target: TensorProxy, value: TensorProxy) -> bool:
+        """Refuse an update autograd would record into an argument requiring grad; True for an
+        update of one that autograd does not see, with grad on: through `p.detach()` or
+        `p.data`, of a value that needs no grad (`AveragedModel.update_parameters`, a
+        hand-written EMA or clamp), which eager makes as one under no_grad (NOTE [no_grad
+        updates of tensors requiring grad])."""
         if not self.ctx.differentiable or root.proxy.name not in self.ctx.requires_grad_names:
-            return
+            return False
         if root.proxy.name not in self.inputs:
-            return
-        if not torch.is_grad_enabled():  # NOTE [no_grad updates of tensors requiring grad]
+            return False
+        detached = target.name not in self.ctx.requires_grad_names \
+            and value.name not in self.ctx.requires_grad_names
+        if not torch.is_grad_enabled() or detached:
             self.no_grad_updates.append((root.proxy.name, op, user_source_location()))
-            return
+            return torch.is_grad_enabled()
         raise InputRequiringGradModified(
             f"an argument that requires grad (or a view of one), {root.proxy.name}, is modified "
             "in place", op=op, where=user_source_location(),

@@ -164,4 +164,16 @@ def fold_unused_cotangents(trace: Trace, unused: tuple[bool, ...], *, fold: bool
                          provenance="after folding unused cotangents")
 
 
-__all__ = ["fold_unused_cotangents"]
+def unreached_gradients(trace: Trace, unused: tuple[bool, ...]) -> frozenset[int]:
+    """Positions of the input gradients of backward `trace` computed from the cotangents
+    flagged in `unused` and from none of the others: run on autograd's zeros for the unused,
+    the trace gives zeros there, where eager does not reach the input (None). For a backward
+    with symbolic cotangent sizes, whose unused cotangents are not folded."""
+    cotangents = trace.args[len(trace.args) - len(unused):]
+    reached = _reached(list(trace.bsyms), {c.name for c, f in zip(cotangents, unused) if not f})
+    from_unused = _reached(list(trace.bsyms), {c.name for c, f in zip(cotangents, unused) if f})
+    return frozenset(i for i, g in enumerate(trace.output) if isinstance(g, Proxy)
+                     and g.name not in reached and g.name in from_unused)
+
+
+__all__ = ["fold_unused_cotangents", "unreached_gradients"]
