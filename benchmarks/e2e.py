@@ -30,8 +30,11 @@ fulmen pay them alike, but not equally often: pythia-14m's training ratio was 0.
 default and 0.98-1.01 with a steady heap in the same session. The steady heap compares the
 computations; the default, what a user gets.
 
+`--phases` times each phase of the training step instead (forward and loss, backward, optimizer;
+process CPU time, first thread count): where a gap to eager or torch.compile lies.
+
 Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]
-[--steady-heap]`
+[--steady-heap] [--phases]`
 """
 
 from __future__ import annotations
@@ -258,6 +261,56 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
     return rows
 
 
+def phase_rows(case: Case, threads: int, repeat: int, compile_too: bool) -> list[dict]:
+    """Process CPU ms per training-step phase (forward and loss, backward, optimizer step) of
+    eager, fulmen and torch.compile, medians over `repeat` rounds taking one step of each in
+    turn: which phase a gap between them lies in (issue 21's attribution)."""
+    torch.set_num_threads(threads)
+    model = case.model
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
+    candidates = {"eager": model, "fulmen": fulmen.jit(model)}
+    if compile_too:
+        candidates["torch.compile"] = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    phases = ("forward+loss", "backward", "optimizer")
+    times = {label: {phase: [] for phase in phases} for label in candidates}
+
+    def step(fn, record=None):
+        marks = [time.process_time()]
+        optimizer.zero_grad(set_to_none=True)
+        loss = case.call(fn)
+        marks.append(time.process_time())
+        loss.backward()
+        marks.append(time.process_time())
+        optimizer.step()
+        marks.append(time.process_time())
+        if record is not None:
+            for phase, start, end in zip(phases, marks, marks[1:]):
+                record[phase].append(end - start)
+
+    model.train()
+    for fn in candidates.values():
+        _warm(fn, lambda fn=fn: step(fn))
+    for _ in range(repeat):
+        for label, fn in candidates.items():
+            step(fn, times[label])
+    model.eval()
+    return [{"model": case.name, "callable": label, "threads": threads,
+             **{phase: statistics.median(values) * 1e3 for phase, values in record.items()}}
+            for label, record in times.items()]
+
+
+def print_phases(rows: list[dict]) -> None:
+    """The table of `phase_rows`."""
+    print("| model | callable | threads | forward+loss CPU ms | backward CPU ms "
+          "| optimizer CPU ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['model']} | {row['callable']} | {row['threads']} "
+              f"| {row['forward+loss']:.3f} | {row['backward']:.3f} | {row['optimizer']:.3f} |")
+
+
 def _ratio(row: dict, label: str, suffix: str = "") -> str:
     value, base = row.get(f"fulmen{suffix}"), row.get(f"{label}{suffix}")
     return f"{value / base:.2f}" if value and base else "-"
@@ -294,6 +347,9 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=3, help="steps per timed sample")
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (median)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--phases", action="store_true",
+                        help="instead: CPU time per training-step phase (forward and loss, "
+                             "backward, optimizer) of each callable, first thread count only")
     parser.add_argument("--steady-heap", action="store_true",
                         help="keep glibc's heap: no page faults from memory given back")
     opts = parser.parse_args()
@@ -307,14 +363,18 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     for case in make_cases(opts.size, opts.models.split(",")):
-        rows += measure(case, threads_list, opts.number, opts.repeat, not opts.no_compile)
+        if opts.phases:
+            rows += phase_rows(case, threads_list[0], opts.repeat * opts.number,
+                               not opts.no_compile)
+        else:
+            rows += measure(case, threads_list, opts.number, opts.repeat, not opts.no_compile)
     torch.set_num_threads(initial_threads)
     print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} at the end, "
           f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
           f"{opts.number} steps; fulmen from {Path(fulmen.__file__).parent}"
           f"{'; steady heap' if opts.steady_heap else ''}\n")
-    print_table(rows)
+    print_phases(rows) if opts.phases else print_table(rows)
 
 
 if __name__ == "__main__":

@@ -2686,4 +2686,14 @@ MUTANTS: list[Mutant] = [
            "            unreached, reads = pair.unreached(tuple(not r for r in reached))",
            "            unreached, _ = pair.unreached(tuple(not r for r in reached))",
            ("tests/tracer/test_user_patterns_51.py",)),
+    # --- session 51, h51train: values computed once per kernel; SwiGLU's backward exp --------
+    Mutant("lowered_ops_numbered_without_dtype", "codegen", "executors/codegen/lower.py",
+           "numbered_value((name, args, out.dtype), Op(", "numbered_value((name, args), Op(",
+           ("tests/executors/test_codegen_rows.py::"
+            "test_conversions_of_one_value_to_two_dtypes_stay_apart",)),
+    Mutant("silu_backward_plain_exp", "decomposition", "ops/torch/nn.py",
+           "sigmoid = prims.reciprocal(prims.add(exp_saturating(prims.neg(x)), 1))",
+           "sigmoid = prims.reciprocal(prims.add(prims.exp(prims.neg(x)), 1))",
+           ("tests/executors/test_codegen_rows.py::"
+            "test_swiglu_backward_kernel_computes_one_exp",)),
 ]

@@ -17,6 +17,13 @@ the operand lies (a mask access, `ir.MASK_INPUT`), so nothing is read outside an
 `pad(a, v)` is `where(in_a, a', v)`. Rotary embeddings' `cat((-x2, x1))` and its backward's
 pads then fuse with the multiplies around them. Refused: a pad or cat inside another one's
 operand, a lazy value leaving the region, views of pad or cat outputs (views read inputs only).
+
+NOTE [values numbered once]: a region often computes one value twice: a backward recomputes a
+forward value next to its own formula of the same subexpression (a SwiGLU gate's `silu` and
+`silu_backward` share `1 + exp(-x)`). An op with the same name, operands and dtype as an
+earlier one, and a constant with the same value and dtype, is the earlier value (the ops are
+pure: nothing random lowers), so the kernel computes it once, wherever the C++ compiler would
+not have proved the two equal.
 """
 
 from __future__ import annotations
@@ -188,6 +195,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
     values: list = []
     loads: dict[tuple, int] = {}
     built: dict[tuple, int] = {}
+    numbered: dict[tuple, int] = {}  # NOTE [values numbered once]
     shape = _iteration_shape(region)
 
     def view_of(proxy) -> tuple:
@@ -207,8 +215,7 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
     def operand(arg, dtype, place: _Place | None = None) -> int:
         if not isinstance(arg, torch.Tensor):
             value = cast_scalar(arg, dtype)
-            values.append(Const(value, dtype))
-            return len(values) - 1
+            return numbered_value(("const", type(value), repr(value), dtype), Const(value, dtype))
         kind = view_of(arg)
         if kind[0] == "view":
             if place is None:
@@ -248,9 +255,14 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             dtype = next(a.dtype for a in bsym.args if isinstance(a, torch.Tensor))
             args = tuple(operand(arg, number_dtype(name, i, dtype), place)
                          for i, arg in enumerate(bsym.args))
-        values.append(Op(name, args, out.dtype))
-        built[key] = len(values) - 1
+        built[key] = numbered_value((name, args, out.dtype), Op(name, args, out.dtype))
         return built[key]
+
+    def numbered_value(key: tuple, value) -> int:
+        if key not in numbered:
+            values.append(value)
+            numbered[key] = len(values) - 1
+        return numbered[key]
 
     def mask(dim: int, start, length) -> int:
         step = ViewStep("mask", freeze((dim, start, length, shape)))

@@ -206,7 +206,7 @@ def silu_backward(grad_output, input):
     _check_floating("silu_backward", input)
     dtype = compute_dtype(input.dtype)
     x, g = to_dtype(input, dtype), to_dtype(grad_output, dtype)
-    sigmoid = prims.reciprocal(prims.add(prims.exp(prims.neg(x)), 1))
+    sigmoid = prims.reciprocal(prims.add(exp_saturating(prims.neg(x)), 1))
     slope = prims.add(prims.mul(x, prims.sub(1, sigmoid)), 1)
     return to_dtype(prims.mul(prims.mul(g, sigmoid), slope), grad_output.dtype)
 
