@@ -34,8 +34,10 @@ from fulmen.tracer.key_memo import (
 from fulmen.tracer.leaf_keys import (
     _FLAT_LEAVES,
     _argument_tensor_key,
+    _float_masks,
     _is_object_leaf,
     _leaf_key,
+    _mask_floats,
     _masked_key,
     _object_leaf_key,
     _pytree_leaf,
@@ -44,7 +46,6 @@ from fulmen.tracer.leaf_keys import (
     mark_repeated,
 )
 from fulmen.tracer.objects import (
-    FLOAT_KEY,
     INT_KEY,
     function_roots,
     is_plain_object,
@@ -82,25 +83,6 @@ from fulmen.tracer.symbolic import INT
 
 Tensor = torch.Tensor
 _training = operator.attrgetter("training")
-
-
-def _float_masks(positions) -> dict[int, dict]:
-    """Object root -> {path: FLOAT_KEY} for the floats read at run time at `positions`."""
-    masks: dict[int, dict] = {}
-    for position in positions:
-        if isinstance(position, tuple):
-            masks.setdefault(position[0], {})[position[1]] = FLOAT_KEY
-    return masks
-
-
-def _mask_floats(leaves: list, leaf_keys: list, positions, walks: dict) -> None:
-    """Key the floats read at run time (`positions`) among a call's leaves by their type."""
-    for root, paths in _float_masks(positions).items():
-        if 0 <= root < len(leaves) and is_plain_object(leaves[root]):
-            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths, walks.get(root))
-    for position in positions:
-        if type(position) is int and position < len(leaves) and type(leaves[position]) is float:
-            leaf_keys[position] = FLOAT_KEY
 
 
 _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)

@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.tracer.objects import (
+    FLOAT_KEY,
     has_argument_grad,
     is_plain_object,
     object_key,
@@ -177,6 +178,24 @@ def _pytree_leaf(value: Any) -> bool:
     no tuple (every namedtuple is a node). An object argument (a KV cache) is one."""
     return type(value) not in pytree.SUPPORTED_NODES and not isinstance(value, tuple)
 
+
+def _float_masks(positions) -> dict[int, dict]:
+    """Object root -> {path: FLOAT_KEY} for the floats read at run time at `positions`."""
+    masks: dict[int, dict] = {}
+    for position in positions:
+        if isinstance(position, tuple):
+            masks.setdefault(position[0], {})[position[1]] = FLOAT_KEY
+    return masks
+
+
+def _mask_floats(leaves: list, leaf_keys: list, positions, walks: dict) -> None:
+    """Key the floats read at run time (`positions`) among a call's leaves by their type."""
+    for root, paths in _float_masks(positions).items():
+        if 0 <= root < len(leaves) and is_plain_object(leaves[root]):
+            leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths, walks.get(root))
+    for position in positions:
+        if type(position) is int and position < len(leaves) and type(leaves[position]) is float:
+            leaf_keys[position] = FLOAT_KEY
 
 
 __all__ = ["StateRemoved"]
