@@ -90,16 +90,18 @@ def test_retain_grad_on_an_output_other_outputs_are_computed_from_raises():
     _compiled_path(jf)
 
 
-def test_hook_on_a_read_output_alone_reached_equals_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hook_on_a_read_output_alone_reached_equals_eager(dynamic):
     """Only the hooked output is backpropagated: the outputs computed from it get no gradient,
-    so the hook sees all of eager's."""
+    so the hook sees all of eager's (also at symbolic sizes, where unused cotangents are
+    told apart otherwise)."""
     a, b = _layers()
 
     def f(x):
         h = torch.tanh(a(x))
         return b(h), h
 
-    jf = fulmen.jit(f)
+    jf = fulmen.jit(f, dynamic=dynamic)
     params = list(a.parameters())
     eager = _run(f, params, lambda o: [o[1]], lambda o: o[1].square().sum())
     _assert_same(_run(jf, params, lambda o: [o[1]], lambda o: o[1].square().sum()), eager)
@@ -123,6 +125,26 @@ def test_hooks_on_outputs_no_other_output_reads_equal_eager():
     eager = _run(f, params, lambda o: list(o), loss)
     assert len(eager[0]) == 3
     _assert_same(_run(jf, params, lambda o: list(o), loss), eager)
+    _compiled_path(jf)
+
+
+def test_hook_on_an_output_others_read_without_gradient_equals_eager():
+    """Other outputs read `h` only through `detach` and `argmax`: no gradient of theirs
+    reaches `h`, so the hook sees all of eager's."""
+    a, b = _layers()
+
+    def f(x):
+        h = torch.tanh(a(x))
+        return b(h.detach()) * h.argmax(1, keepdim=True), h
+
+    jf = fulmen.jit(f)
+    params = list(a.parameters())
+
+    def loss(o):
+        return o[0].sum() + o[1].square().sum()
+
+    eager = _run(f, params, lambda o: [o[1]], loss)
+    _assert_same(_run(jf, params, lambda o: [o[1]], loss), eager)
     _compiled_path(jf)
 
 
