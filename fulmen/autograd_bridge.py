@@ -270,12 +270,13 @@ def _refuse_hooks_on_read_outputs(ctx, grads) -> None:
         if any(grads[j] is not None for j in others):
             what = "a hook (register_hook)" if out._backward_hooks else "retain_grad()"
             raise RuntimeError(
-                f"fulmen: {what} on output {path} of a compiled function, which other outputs "
-                "of the same call are computed from: the compiled call is one autograd node, "
-                "so the hook would see only the gradient from outside the call, not eager's "
-                "(it already ran on that partial gradient). Register the hook inside the "
-                "compiled function, return the tensor without computing other outputs from "
-                "it, or call the function eagerly")
+                f"fulmen: {what} on output {path} (shape {tuple(out.shape)}) of a compiled "
+                "function, which other outputs of the same call are computed from: the call "
+                "is one autograd node, so the hook gets only the gradient from outside the "
+                "call, not eager's sum over all its uses (the hook already ran on that part). "
+                "Register the hook inside the compiled function (the call then runs eagerly), "
+                "return the tensor without computing other outputs from it, or call the "
+                "function eagerly")
 
 
 def _residuals(ctx, reads: frozenset[int] | None, reached: tuple[bool, ...]) -> list | None:

@@ -69,7 +69,8 @@ def test_hook_on_an_output_other_outputs_are_computed_from_raises():
     # eager's hook sees both uses of h: not what the caller's `h.sum()` alone gives
     assert not torch.allclose(eager[0][0], torch.ones(3, 6))
     jf = fulmen.jit(f)
-    with pytest.raises(RuntimeError, match=r"register_hook\) on output \[1\].*other outputs"):
+    message = r"register_hook\) on output \[1\] \(shape \(3, 6\)\).*other outputs"
+    with pytest.raises(RuntimeError, match=message):
         _run(jf, params, lambda o: [o[1]], lambda o: o[0].sum() + o[1].sum())
     _compiled_path(jf)
 
