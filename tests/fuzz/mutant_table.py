@@ -2696,4 +2696,19 @@ MUTANTS: list[Mutant] = [
            "sigmoid = prims.reciprocal(prims.add(prims.exp(prims.neg(x)), 1))",
            ("tests/executors/test_codegen_rows.py::"
             "test_swiglu_backward_kernel_computes_one_exp",)),
+    # --- session 51, h51hook: hooks / retain_grad on outputs other outputs are computed from --
+    Mutant("hooks_on_read_outputs_unchecked", "bridge", "autograd_bridge.py",
+           "            _refuse_hooks_on_read_outputs(ctx, grads)", "            pass",
+           ("tests/tracer/test_output_hooks.py",)),
+    Mutant("retain_grad_on_read_outputs_unchecked", "bridge", "autograd_bridge.py",
+           "if out is None or not (out._backward_hooks or out.retains_grad):",
+           "if out is None or not out._backward_hooks:",
+           ("tests/tracer/test_output_hooks.py",)),
+    Mutant("hooked_read_output_refused_when_others_unreached", "bridge", "autograd_bridge.py",
+           "        if any(grads[j] is not None for j in others):", "        if others:",
+           ("tests/tracer/test_output_hooks.py",)),
+    Mutant("read_outputs_through_detach", "bridge", "pipeline.py",
+           "            produced = [name for name in produced if name in through]",
+           "            pass",
+           ("tests/tracer/test_output_hooks.py",)),
 ]
