@@ -237,7 +237,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
                 "would never fire it",
                 op=_func_name(func), where=user_source_location(),
                 hint="register it outside the compiled function, on an input or parameter "
-                "(p.register_hook(...)) or on the compiled function's output")
+                "(p.register_hook(...)) or on an output that no other output is computed from "
+                "(on one that others are, the backward raises: NOTE [hooks on outputs other "
+                "outputs read])")
         if func is T.item and getattr(self, "host_floats", False):  # NOTE [floats read at run time]
             out = item_at_run_time(self, func, *self.mutation.resolve_tree(
                 self._proxify((args, kwargs))))
