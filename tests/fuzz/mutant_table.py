@@ -2612,4 +2612,9 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/executors/test_plan_reuse.py::"
             "test_a_plan_run_again_and_again_gets_its_check",)),
+    # --- session 51, h51probe2: user patterns (layouts of a fusion's torch fallback) -------
+    Mutant("codegen_fallback_layout_static_only", "layout", "executors/codegen/__init__.py",
+           "        return None if order is None else functools.partial(_strides_in_order, order)",
+           "        return None",
+           ("tests/tracer/test_user_patterns_51b.py",)),
 ]
