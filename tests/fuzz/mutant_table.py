@@ -2617,4 +2617,8 @@ MUTANTS: list[Mutant] = [
            "        return None if order is None else functools.partial(_strides_in_order, order)",
            "        return None",
            ("tests/tracer/test_user_patterns_51b.py",)),
+    Mutant("view_scatter_copy_row_major", "mutation", "ops/functionalized.py",
+           "    out = base.clone(memory_format=torch.preserve_format)",
+           "    out = base.clone(memory_format=torch.contiguous_format)",
+           ("tests/tracer/test_user_patterns_51b.py",)),
 ]

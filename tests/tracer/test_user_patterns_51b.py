@@ -38,3 +38,57 @@ def test_fused_softmax_of_a_transposed_input_is_row_major_with_symbolic_sizes(
     stats = fulmen.compile_stats(jfn)
     assert stats.eager_calls == 0
     assert any("fusion" in str(trace) for trace in stats.last_traces)  # a region was fused
+
+
+def _scale_row_then_add(x):
+    x[0].mul_(2)
+    return x + 1
+
+
+def _scale_flat_view(x):
+    x.t().view(-1)[:5].mul_(2)  # a view eager's strides allow (x is column-major)
+    return x * 3
+
+
+def _intermediate_row_scaled(x):
+    h = x.t() * 2
+    h[0].mul_(3)
+    return h.exp(), h.sum()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_in_place_through_a_view_of_a_column_major_tensor_keeps_eagers_layout(dynamic):
+    """A mutation through a view writes into a copy of its base (`view_scatter`), which was
+    row-major: what read the base after it came back row-major where eager keeps the
+    column-major layout, and `x.t().view(-1)` of a column-major input, a view in eager, raised
+    "the view of a mutation does not alias its base" (an error where eager has none)."""
+    for fn in (_scale_row_then_add, _scale_flat_view):
+        jfn = fulmen.jit(fn, dynamic=dynamic) if dynamic else fulmen.jit(fn)
+        for rows in (4, 6):
+            expected_x = torch.randn(rows, 3).T
+            actual_x = expected_x.T.clone().T
+            expected, actual = fn(expected_x), jfn(actual_x)
+            torch.testing.assert_close(actual, expected)
+            torch.testing.assert_close(actual_x, expected_x)
+            assert actual.stride() == expected.stride(), (fn.__name__, rows)
+        assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_in_place_on_a_transposed_intermediate_gradients(dynamic):
+    """The same copy on a transposed intermediate that requires grad: values, strides and
+    the input's gradient equal eager's."""
+    jfn = fulmen.jit(_intermediate_row_scaled, dynamic=dynamic) if dynamic \
+        else fulmen.jit(_intermediate_row_scaled)
+    for rows in (4, 6):
+        torch.manual_seed(rows)
+        x = torch.randn(rows, 3, requires_grad=True)
+        twin = x.detach().clone().requires_grad_()
+        expected, actual = _intermediate_row_scaled(x), jfn(twin)
+        for want, got in zip(expected, actual):
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+        (expected[0].sum() + expected[1]).backward()
+        (actual[0].sum() + actual[1]).backward()
+        torch.testing.assert_close(twin.grad, x.grad)
+    assert fulmen.compile_stats(jfn).eager_calls == 0
