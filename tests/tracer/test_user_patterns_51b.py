@@ -92,3 +92,23 @@ def test_in_place_on_a_transposed_intermediate_gradients(dynamic):
         (actual[0].sum() + actual[1]).backward()
         torch.testing.assert_close(twin.grad, x.grad)
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _bump_pixels(x):
+    x.permute(0, 2, 3, 1).view(-1, x.shape[1])[:3].add_(1)  # a view of a channels_last x
+    return x.relu()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_in_place_through_a_pixel_view_of_a_channels_last_input(dynamic):
+    """`x.permute(0, 2, 3, 1).view(-1, C)` of a channels_last `x` is a view in eager; an
+    update through it raised "does not alias its base" (the copy of `x` was row-major)."""
+    jfn = fulmen.jit(_bump_pixels, dynamic=dynamic) if dynamic else fulmen.jit(_bump_pixels)
+    for height in (4, 6):
+        expected_x = torch.randn(2, 3, height, 5).to(memory_format=torch.channels_last)
+        actual_x = expected_x.clone(memory_format=torch.preserve_format)
+        expected, actual = _bump_pixels(expected_x), jfn(actual_x)
+        torch.testing.assert_close(actual, expected)
+        torch.testing.assert_close(actual_x, expected_x)
+        assert actual.stride() == expected.stride()
+    assert fulmen.compile_stats(jfn).eager_calls == 0
