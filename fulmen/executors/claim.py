@@ -154,10 +154,10 @@ class _Relayout:
 def _needs_layout(proxy: TensorProxy, row_major_ok: bool) -> bool:
     """Whether `proxy` reports eager's strides, dense and non-overlapping (and, with
     `row_major_ok`, not row-major). Symbolic sizes and strides are compared as expressions
-    (`_dense_order`), never evaluated: no guard is added."""
+    (`dense_order`), never evaluated: no guard is added."""
     if not getattr(proxy, "_fulmen_exact_strides", False):
         return False
-    order = _dense_order(tuple(proxy.shape), tuple(proxy.stride()))
+    order = dense_order(tuple(proxy.shape), tuple(proxy.stride()))
     if order is None:
         return False
     return not (row_major_ok and order == sorted(order, reverse=True))
@@ -180,7 +180,7 @@ def _other_than_one(expr):
     return expr.args[0] if expr.args[1] == 1 else expr.args[1]
 
 
-def _dense_order(shape: tuple, strides: tuple) -> list[int] | None:
+def dense_order(shape: tuple, strides: tuple) -> list[int] | None:
     """The dims of size above 1, innermost first, when `strides` lay out `shape` densely
     without overlap (each stride the product of the sizes of the dims inside it); else None.
     Symbolic sizes (never 0 or 1: PyTorch specializes those) and strides are matched as

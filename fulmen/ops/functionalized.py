@@ -50,8 +50,13 @@ def replay(view: T, steps) -> T:
 
 
 def view_scatter_impl(base: T, value: T, steps: tuple) -> T:
-    """A copy of `base` whose view `steps` is overwritten with `value` (same shape and dtype)."""
-    out = base.clone(memory_format=torch.contiguous_format)
+    """A copy of `base` whose view `steps` is overwritten with `value` (same shape and dtype).
+
+    The copy keeps `base`'s layout (dense in its order of strides): eager's views of `base`
+    are then views of it too (`x.t().view(-1)` of a transposed `x`: a row-major copy raised
+    "does not alias"), and what reads it is laid out as eager's (`x + 1` after `x[0].mul_(2)`
+    of a transposed `x` came back row-major)."""
+    out = base.clone(memory_format=torch.preserve_format)
     view = replay(out, steps)
     # never expected; storages compared by identity (a fake tensor's data_ptr warns)
     if view.untyped_storage()._cdata != out.untyped_storage()._cdata:

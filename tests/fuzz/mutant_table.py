@@ -2711,4 +2711,13 @@ MUTANTS: list[Mutant] = [
            "            produced = [name for name in produced if name in through]",
            "            pass",
            ("tests/tracer/test_output_hooks.py",)),
+    # --- session 51, h51probe2: user patterns (layouts of a fusion's torch fallback) -------
+    Mutant("codegen_fallback_layout_static_only", "layout", "executors/codegen/__init__.py",
+           "        return None if order is None else functools.partial(_strides_in_order, order)",
+           "        return None",
+           ("tests/tracer/test_user_patterns_51b.py",)),
+    Mutant("view_scatter_copy_row_major", "mutation", "ops/functionalized.py",
+           "    out = base.clone(memory_format=torch.preserve_format)",
+           "    out = base.clone(memory_format=torch.contiguous_format)",
+           ("tests/tracer/test_user_patterns_51b.py",)),
 ]

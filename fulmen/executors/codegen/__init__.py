@@ -32,6 +32,7 @@ import torch
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.executors.base import FusionExecutor
+from fulmen.executors.claim import dense_order
 from fulmen.executors.codegen.build import set_compile_policy
 from fulmen.executors.codegen.cpu import CPU, FusedRegion
 from fulmen.executors.codegen.cuda import CUDA, CudaFusedRegion
@@ -80,8 +81,11 @@ def _on_torch(body: Trace):
     whole op may not (a layer norm of a transposed input is row-major in eager, its prims run
     one by one give a transposed result), and the claim pass takes a fusion's outputs to be
     laid out as its kernel writes them. So an output whose eager layout the trace knows (exact,
-    dense, static strides) comes back in that layout: `F.layer_norm(x.T)` returned transposed
+    dense strides) comes back in that layout: `F.layer_norm(x.T)` returned transposed
     strides for the calls before its kernel was ready (the lazy compile policy), eager's after.
+    Symbolic strides give the order of the dims, and the strides follow from the run's sizes
+    (`x.softmax(-1)` of a transposed `x` next to other fused outputs, dynamic: transposed
+    strides for the first calls, row-major once the kernel ran).
     """
     run = FusionExecutor.fallback_callable(body, get_executor("torch"))
     single = not isinstance(body.output, tuple)
@@ -92,19 +96,22 @@ def _on_torch(body: Trace):
     def relaid(*inputs):
         results = run(*inputs)
         listed = [results] if single else list(results)
-        listed = [t if s is None else AS_LAYOUT.impl(t, s) for t, s in zip(listed, layouts)]
+        listed = [t if s is None else AS_LAYOUT.impl(t, s(t.shape) if callable(s) else s)
+                  for t, s in zip(listed, layouts)]
         return listed[0] if single else tuple(listed)
 
     return relaid
 
 
-def _known_layout(proxy) -> tuple[int, ...] | None:
-    """`proxy`'s strides when they are eager's (exact), static, dense and non-overlapping."""
+def _known_layout(proxy):
+    """`proxy`'s strides when they are eager's (exact), dense and non-overlapping: a tuple
+    when static, else a function of the run's shape giving them (`_strides_in_order`)."""
     if not getattr(proxy, "_fulmen_exact_strides", False):
         return None
     shape, strides = tuple(proxy.shape), tuple(proxy.stride())
     if not all(type(v) is int for v in (*shape, *strides)):
-        return None
+        order = dense_order(shape, strides)
+        return None if order is None else functools.partial(_strides_in_order, order)
     expected = 1
     for size, stride in sorted((p for p in zip(shape, strides) if p[0] > 1),
                                key=lambda p: p[1]):
@@ -112,6 +119,16 @@ def _known_layout(proxy) -> tuple[int, ...] | None:
             return None
         expected *= size
     return strides
+
+
+def _strides_in_order(order: list[int], shape) -> tuple[int, ...]:
+    """Dense strides of `shape` with the dims of `order` innermost first (a dim not in it has
+    size 1 or 0: its stride is never compared)."""
+    strides, expected = [0] * len(shape), 1
+    for d in order:
+        strides[d] = expected
+        expected *= shape[d]
+    return tuple(expected if d not in order else s for d, s in enumerate(strides))
 
 
 class CodegenExecutor(FusionExecutor):
