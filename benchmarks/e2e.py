@@ -123,6 +123,7 @@ def make_cases(size_name: str, names: list[str]) -> list[Case]:
         "pythia-14m": lambda: _pythia(size),
         "litgpt-llama": lambda: _litgpt_llama(size),
         "linear-relu": _linear_relu,
+        "demo": _demo,
     }
     cases = []
     for name in names:
@@ -164,6 +165,27 @@ def _litgpt_llama(size: dict) -> Case:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
 
     return Case("litgpt-llama", model, call, lambda fn: fn(ids))
+
+
+def _demo() -> Case:
+    """`make demo`'s model (examples/train_gpt.py at its default sizes: litgpt's GPT with
+    layer norms, a partial rotary and a parallel residual) on one batch of random bytes."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.make_model(layers=2, width=128, heads=4, context=128)
+    ids = torch.randint(0, 256, (8, 129))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    def call(fn):
+        logits = fn(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Case("demo (train_gpt)", model, call, lambda fn: fn(inputs))
 
 
 def _linear_relu() -> Case:
@@ -334,7 +356,7 @@ def print_table(rows: list[dict]) -> None:
               f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
-MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "litgpt-llama", "linear-relu")
+MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "litgpt-llama", "linear-relu", "demo")
 
 
 def main() -> None:
