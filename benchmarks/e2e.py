@@ -5,7 +5,9 @@ Models (tiny configs by default, `--size small` for larger ones; random weights,
 HF Llama, HF GPT-2, HF BERT and HF T5 (the installed transformers, called with `labels=` and
 an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt
 pythia-14m (its own config, a short sequence), litgpt's Llama architecture at the tiny sizes
-(litgpt-llama), and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
+(litgpt-llama), 8 x (Linear(16, 16) + ReLU) on a (4, 16) input, and `make demo`'s model (demo:
+examples/train_gpt.py's litgpt GPT at its default sizes, one batch of random bytes; not in the
+default list).
 
 - training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
   cross entropy / mean square on the output), `backward`, `AdamW.step` - the optimizer is eager
@@ -356,14 +358,15 @@ def print_table(rows: list[dict]) -> None:
               f"| {_ratio(row, 'torch.compile', ' cpu')} |")
 
 
-MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "litgpt-llama", "linear-relu", "demo")
+MODELS = ("llama", "gpt2", "bert", "t5", "pythia-14m", "litgpt-llama", "linear-relu")
 
 
 def main() -> None:
     """Parse the arguments, measure every model, print the table."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)}, demo")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--number", type=int, default=3, help="steps per timed sample")
