@@ -5,7 +5,9 @@ Models (tiny configs by default, `--size small` for larger ones; random weights,
 HF Llama, HF GPT-2, HF BERT and HF T5 (the installed transformers, called with `labels=` and
 an attention mask that right-pads one row; T5's decoder inputs come from the labels), litgpt
 pythia-14m (its own config, a short sequence), litgpt's Llama architecture at the tiny sizes
-(litgpt-llama), and 8 x (Linear(16, 16) + ReLU) on a (4, 16) input.
+(litgpt-llama), 8 x (Linear(16, 16) + ReLU) on a (4, 16) input, and `make demo`'s model (demo:
+examples/train_gpt.py's litgpt GPT at its default sizes, one batch of random bytes; not in the
+default list).
 
 - training step: `zero_grad`, forward, loss (HF: computed by the model from `labels`; others: a
   cross entropy / mean square on the output), `backward`, `AdamW.step` - the optimizer is eager
@@ -123,6 +125,7 @@ def make_cases(size_name: str, names: list[str]) -> list[Case]:
         "pythia-14m": lambda: _pythia(size),
         "litgpt-llama": lambda: _litgpt_llama(size),
         "linear-relu": _linear_relu,
+        "demo": _demo,
     }
     cases = []
     for name in names:
@@ -164,6 +167,27 @@ def _litgpt_llama(size: dict) -> Case:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
 
     return Case("litgpt-llama", model, call, lambda fn: fn(ids))
+
+
+def _demo() -> Case:
+    """`make demo`'s model (examples/train_gpt.py at its default sizes: litgpt's GPT with
+    layer norms, a partial rotary and a parallel residual) on one batch of random bytes."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.make_model(layers=2, width=128, heads=4, context=128)
+    ids = torch.randint(0, 256, (8, 129))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    def call(fn):
+        logits = fn(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Case("demo (train_gpt)", model, call, lambda fn: fn(inputs))
 
 
 def _linear_relu() -> Case:
@@ -341,7 +365,8 @@ def main() -> None:
     """Parse the arguments, measure every model, print the table."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)}, demo")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--number", type=int, default=3, help="steps per timed sample")
