@@ -2612,4 +2612,8 @@ MUTANTS: list[Mutant] = [
            "                pass",
            ("tests/executors/test_plan_reuse.py::"
             "test_a_plan_run_again_and_again_gets_its_check",)),
+    # --- session 51, h51sym: comparisons of linear sizes settled without sympy -------------
+    Mutant("linear_comparison_growth_ignored", "guards", "tracer/sym_compare.py",
+           "truths.add(True)  # d grows past zero", "truths.add(False)  # d grows past zero",
+           ("tests/tracer/test_dynamic_cost_compare.py",)),
 ]
