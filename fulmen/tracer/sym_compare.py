@@ -18,8 +18,6 @@ other expressions) is None, and the caller asks sympy.
 
 from __future__ import annotations
 
-import sympy
-
 __all__ = ["DEPENDS", "decide"]
 
 DEPENDS = "depends"  # `decide`'s answer when the truth depends on the symbol's value
