@@ -24,17 +24,23 @@ expression and summation flag, and the operand: a plain `int` by type and value 
 `bool` or `float`, which PyTorch promotes differently), or a `SymInt` of the same ShapeEnv by
 its expression and flag (`2` and `2.0` are equal keys: a float must never look one up).
 Anything else, and any call outside the switch, is PyTorch's own.
+
+A comparison of two int nodes with hints that `sym_compare.decide` settles (NOTE [comparisons
+decided by arithmetic]) is built without asking sympy, as the node PyTorch would build: the
+constant `sympy.true` or `sympy.false`, or the relational unevaluated.
 """
 
 from __future__ import annotations
 
 import functools
 
+import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.fx.experimental.sym_node import SymNode
+from torch.fx.experimental.sym_node import SymNode, method_to_operator
 
 from fulmen.tracer.process_switch import ProcessSwitch
+from fulmen.tracer.sym_compare import DEPENDS, decide
 
 __all__ = ["keep_symbolic_ops", "memoized_symbolic_ops"]
 
@@ -44,6 +50,9 @@ _MEMO = "_fulmen_symbolic_ops"  # the attribute holding a ShapeEnv's built opera
 # `Mod` or `PythonMod` by the value ranges, which guards narrow)
 _PURE = ("add", "sub", "mul", "int_floordiv", "sym_max", "sym_min", "and_", "or_",
          "eq", "ne", "lt", "le", "gt", "ge")
+
+_RELATIONS = {"eq": sympy.Eq, "ne": sympy.Ne, "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt,
+              "ge": sympy.Ge}
 
 _ORIGINALS = {name: getattr(SymNode, name) for name in _PURE}
 
@@ -75,10 +84,29 @@ def _kept(name: str, original):
                self._optimized_summation, other._optimized_summation)
         node = memo.get(key)
         if node is None:
-            node = memo[key] = original(self, other)
+            node = memo[key] = _decided(name, self, other) or original(self, other)
         return node
 
     return operation
+
+
+def _decided(name: str, a: SymNode, b: SymNode) -> SymNode | None:
+    """The node of comparison `name` of int nodes `a` and `b` when `decide` settles it (built as
+    `binary_magic_impl` builds one, its expression the answer or the unevaluated relational),
+    else None."""
+    if name not in _RELATIONS or a.pytype is not int or b.pytype is not int \
+            or a.hint is None or b.hint is None:
+        return None
+    answer = decide(name, a.expr, b.expr)
+    if answer is None:
+        return None
+    op = method_to_operator(name)
+    if answer is DEPENDS:
+        expr = _RELATIONS[name](a.expr, b.expr, evaluate=False)
+    else:
+        expr = sympy.true if answer else sympy.false
+    fx_node, _ = a.shape_env._create_fx_call_function(op, (a.fx_node, b.fx_node))
+    return SymNode(expr, a.shape_env, bool, bool(op(a.hint, b.hint)), fx_node=fx_node)
 
 
 _KEPT = {name: _kept(name, original) for name, original in _ORIGINALS.items()}

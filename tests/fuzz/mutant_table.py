@@ -2720,4 +2720,8 @@ MUTANTS: list[Mutant] = [
            "    out = base.clone(memory_format=torch.preserve_format)",
            "    out = base.clone(memory_format=torch.contiguous_format)",
            ("tests/tracer/test_user_patterns_51b.py",)),
+    # --- session 51, h51sym: comparisons of linear sizes settled without sympy -------------
+    Mutant("linear_comparison_growth_ignored", "guards", "tracer/sym_compare.py",
+           "truths.add(True)  # d grows past zero", "truths.add(False)  # d grows past zero",
+           ("tests/tracer/test_dynamic_cost_compare.py",)),
 ]
