@@ -36,7 +36,7 @@ from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
 from fulmen.tracer.autograd_function import BackwardInTrace
 from fulmen.tracer.dispatch import LazyParameters
-from fulmen.tracer.explain import describe_call, explain_change
+from fulmen.tracer.explain import describe_call, explain_change, tensor_names
 from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
@@ -182,6 +182,9 @@ class _Jitted(CompileMiss, NotWalked):
                         streak=True)
                 self._eager_streak.end()
                 self._limits.compiled(entry)
+                # described again as now keyed (the trace may have added held modules, read
+                # flags): the next miss names what changed, not what the key grew by
+                self._last_described = self._describe(args, kwargs)
                 # offsets the program read, attributes it wrote: keyed from now on
                 if self._guard.guard_offsets(entry.offset_reads) | self._guard.take_stale() \
                         or floats != self._shapes.float_positions:  # keyed by type from now
@@ -266,12 +269,22 @@ class _Jitted(CompileMiss, NotWalked):
                 _RECOMPILES.info("an entry with symbolic sizes takes the calls of an entry "
                                  "for exact sizes; dropped that entry")
 
-    def _explain_miss(self, args: tuple, kwargs: dict) -> list[str]:
-        """Record (and log to `fulmen.recompiles`) why this call missed the cache."""
+    def _describe(self, args: tuple, kwargs: dict) -> dict[str, object]:
+        """What this call is keyed on, by name (`describe_call`, and the autograd flags of
+        closed-over tensors the programs read: `FlagReads.describe`)."""
         target = self._module.forward if self._module is not None else self._fn
         names = [name for name, _ in self._module.named_modules()] if self._module else []
         described = describe_call(_positional_names(target), args, kwargs,
                                   self._guard.modules, names, self._guard.scalar_sources)
+        if self._guard.flag_reads:
+            described.update(self._guard.flag_reads.describe(
+                tensor_names(self._fn if self._module is None else target, self._module)))
+        return described
+
+    def _explain_miss(self, args: tuple, kwargs: dict) -> list[str]:
+        """Record (and log to `fulmen.recompiles`) why this call missed the cache."""
+        target = self._module.forward if self._module is not None else self._fn
+        described = self._describe(args, kwargs)
         self._limits.missed(args, kwargs, described)
         reasons = ["first call"]
         if self._last_described is not None:

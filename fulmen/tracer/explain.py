@@ -14,7 +14,7 @@ from fulmen.tracer.leaf_keys import _float_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
 from fulmen.tracer.process_state import describe_process_state
 from fulmen.tracer.source_keys import object_source_key, source_key
-from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key
+from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key, global_names
 from fulmen.tracer.symbolic import _row_major
 
 Tensor = torch.Tensor
@@ -59,6 +59,34 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
         else:
             described[name] = leaf
     return described
+
+
+def tensor_names(fn, module=None) -> dict[int, str]:
+    """A name per tensor id for the tensors a call may reach besides its arguments, for naming
+    the flags it read (`FlagReads.describe`): the parameters and buffers of `module` (by their
+    names in it) and of the modules `fn` reads as globals or closure cells (`a.weight`), and the
+    tensors it reads so (`w`). One named twice keeps its first name."""
+    roots: list[tuple[str, object]] = [("", module)] if module is not None else []
+    inner = getattr(fn, "__func__", fn)
+    code = getattr(inner, "__code__", None)
+    if code is not None:
+        namespace = getattr(inner, "__globals__", {})
+        roots += [(name, namespace[name]) for name in sorted(global_names(code))
+                  if name in namespace]
+        for name, cell in zip(code.co_freevars, inner.__closure__ or ()):
+            try:
+                roots.append((name, cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+    names: dict[int, str] = {}
+    for root, value in roots:
+        if isinstance(value, Tensor):
+            names.setdefault(id(value), root)
+        elif isinstance(value, torch.nn.Module):
+            for name, tensor in [*value.named_parameters(remove_duplicate=False),
+                                 *value.named_buffers(remove_duplicate=False)]:
+                names.setdefault(id(tensor), f"{root}.{name}" if root else name)
+    return names
 
 
 def _differs(old: object, new: object) -> bool:

@@ -17,7 +17,9 @@ caller froze the layer, or after a backward gave `p` its first gradient, traces 
   afresh from its tensor on every call (`TracedProgram.captured_grads`): each backward after
   `zero_grad()` makes a new one, which a captured constant would miss.
 
-The tensors are held by weak references; one that died keys as `None`.
+The tensors are held by weak references; one that died keys as `None`. A miss explains a
+flip by the flag's name (`FlagReads.describe`: `a.weight.requires_grad changed from True to
+False`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,23 @@ class FlagReads:
             self._watched[slot] = (weakref.ref(tensor), flag)
             new = True
         return new
+
+    def describe(self, names: dict[int, str]) -> dict[str, object]:
+        """Each watched flag by name (`names`: a name per tensor id; else the tensor's shape
+        and address), for explaining a miss in words: `{'a.weight.requires_grad': False,
+        'p.grad': None}`; a gradient by its shape, dtype and strides, as keyed."""
+        described: dict[str, object] = {}
+        for ref, flag in self._watched.values():
+            tensor = ref()
+            if tensor is None:
+                continue
+            name = names.get(id(tensor)) or f"<tensor {tuple(tensor.shape)} at {id(tensor):#x}>"
+            described[f"{name}.requires_grad"] = tensor.requires_grad
+            if flag == GRAD:
+                grad = _grad_of(tensor)
+                described[f"{name}.grad"] = None if grad is None else (
+                    f"<tensor {tuple(grad.shape)} {grad.dtype} stride {grad.stride()}>")
+        return described
 
     def key(self) -> tuple:
         """The current value of every watched flag."""

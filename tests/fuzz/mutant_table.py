@@ -2724,4 +2724,13 @@ MUTANTS: list[Mutant] = [
     Mutant("linear_comparison_growth_ignored", "guards", "tracer/sym_compare.py",
            "truths.add(True)  # d grows past zero", "truths.add(False)  # d grows past zero",
            ("tests/tracer/test_dynamic_cost_compare.py",)),
+    # --- session 51, h51flags: misses after a flip of a closed-over tensor's flag, in words ---
+    Mutant("flag_flip_explained_without_flags", "guards", "jitted.py",
+           "        if self._guard.flag_reads:\n            described.update(",
+           "        if False:\n            described.update(",
+           ("tests/tracer/test_closure_flags_51b.py",)),
+    Mutant("miss_compared_to_description_before_trace", "guards", "jitted.py",
+           "                self._last_described = self._describe(args, kwargs)",
+           "                pass",
+           ("tests/tracer/test_closure_flags_51b.py",)),
 ]
