@@ -56,10 +56,23 @@ class ViewBaseRead(RunsEagerly):
     (it answered None too, through the trace's torch-function mode)."""
 
 
-# the one frame of torch's that may read a parameter's grad while tracing: `nn.Module._apply`
-# converts it along with its parameter. `Module.zero_grad` (same file) reads it to zero it,
-# and its trace captured the grad of the first call: later calls zeroed nothing
+# the one frame of torch's whose reads of a parameter's grad are neither keyed nor refused:
+# `nn.Module._apply` converts it along with its parameter. (`Module.zero_grad`, same file,
+# reads it to zero it: keyed, `_keyed_read`; once its trace captured the grad of the first
+# call, and later calls zeroed nothing)
 _MODULE_APPLY = torch.nn.Module._apply.__code__
+
+
+def _keyed_read(func, code) -> bool:
+    """Whether a read of a real tensor's autograd flag by `code` is keyed (NOTE [flags of
+    closed-over tensors]): the user's reads; torch's of `.grad` (`clip_grad_norm_`,
+    `Module.zero_grad`), except `Module._apply`'s, which converts it along with its
+    parameter. Not fulmen's own, nor torch's of `requires_grad` (they decide nothing the
+    results show)."""
+    if not is_internal(code.co_filename):
+        return True
+    return func == _GRAD_GET and code is not _MODULE_APPLY and not is_fulmens_own(
+        code.co_filename)
 
 
 def _unread_grad(tensor, caller) -> bool:
@@ -70,8 +83,8 @@ def _unread_grad(tensor, caller) -> bool:
     took the one it met for a tensor the call made, so `p.grad.mul_(0.5)` updated a copy),
     unless `caller` (the reading frame) is `nn.Module._apply` converting it along with its
     parameter (HF Switch Transformers' router calls `self.classifier.to(dtype)` in its
-    forward). (The user's own reads of a real tensor's `.grad` are keyed instead, NOTE [flags
-    of closed-over tensors]: this decides torch's reads, `clip_grad_norm_`'s.)"""
+    forward). (Reads of a real tensor's `.grad` by the user's code and torch's are keyed
+    instead, NOTE [flags of closed-over tensors]: `_keyed_read`.)"""
     if isinstance(tensor, TensorProxy):
         return getattr(tensor, "unseen_grad", False)
     if not isinstance(tensor, torch.Tensor) or caller.f_code is _MODULE_APPLY:
@@ -132,7 +145,7 @@ class FactoryMode(TorchFunctionMode):
             if func in _FLAG_GETS and not isinstance(args[0], TensorProxy) \
                     and isinstance(args[0], torch.Tensor) \
                     and (func == _GRAD_GET or id(args[0]) not in self.ctx.state_proxies) \
-                    and not is_internal(sys._getframe(1).f_code.co_filename):
+                    and _keyed_read(func, sys._getframe(1).f_code):
                 # keyed from now on (NOTE [flags of closed-over tensors])
                 note_flag_read(self.ctx, args[0], _FLAG_GETS[func])
             elif func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):

@@ -15,7 +15,12 @@ caller froze the layer, or after a backward gave `p` its first gradient, traces 
 - `.grad`: keyed by `requires_grad`, whether the gradient is None and, when it is not, its
   metadata (`_tensor_key`). A gradient the code then computes with is a trace input read
   afresh from its tensor on every call (`TracedProgram.captured_grads`): each backward after
-  `zero_grad()` makes a new one, which a captured constant would miss.
+  `zero_grad()` makes a new one, which a captured constant would miss. Torch's own reads of
+  `.grad` are keyed the same way (`clip_grad_norm_`, `Module.zero_grad(set_to_none=False)`
+  on a closed-over model scale or zero the current gradients in place); `requires_grad_(flag)`
+  on such a gradient that already has `flag` changes nothing (`keyed_gradient`: its flag is
+  keyed), as `zero_grad` calls it. (`p.grad = None` of a closed-over tensor still runs the
+  call eagerly: nothing replays it.)
 
 The tensors are held by weak references; one that died keys as `None`. A miss explains a
 flip by the flag's name (`FlagReads.describe`: `a.weight.requires_grad changed from True to
@@ -51,6 +56,16 @@ def note_flag_read(ctx: Any, tensor: torch.Tensor, flag: str) -> None:
         grad = _grad_of(tensor)
         if grad is not None:
             ctx.grad_owners.setdefault(id(grad), tensor)
+
+
+def keyed_gradient(ctx: Any, proxy: Any) -> torch.Tensor | None:
+    """The real gradient that the captured trace input `proxy` stands for, if it is one the
+    cache key covers (read as `p.grad` of a real tensor: its metadata, `requires_grad` with it,
+    is keyed); else None."""
+    for tensor, captured in ctx.captured.values():
+        if captured is proxy:
+            return tensor if id(tensor) in ctx.grad_owners else None
+    return None
 
 
 def _flag_key(tensor: torch.Tensor | None, flag: str) -> Any:

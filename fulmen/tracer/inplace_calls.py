@@ -25,6 +25,7 @@ from fulmen.tracer.aten_inplace import (
     written_arguments,
 )
 from fulmen.tracer.batch_norm import functionalize_batch_norm
+from fulmen.tracer.flag_reads import keyed_gradient
 from fulmen.tracer.fresh_leaves import is_requires_grad_set, make_fresh_leaf
 from fulmen.tracer.metadata_inplace import MetadataMutation, trace_metadata_change
 
@@ -96,9 +97,11 @@ class InplaceCalls:
         made with it frozen, so it stayed frozen (the call now runs eagerly)."""
         target = args[0]
         flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-        if not isinstance(target, TensorProxy) or not isinstance(flag, bool) \
-                or target.name in self.inputs:
+        if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
             return False
+        if target.name in self.inputs:  # a closed-over gradient's flag is keyed
+            grad = keyed_gradient(self.ctx, target)
+            return grad is not None and flag == grad.requires_grad
         return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)
 
     # -- routing of one in-place call -----------------------------------------------------------

@@ -382,11 +382,14 @@ MUTANTS: list[Mutant] = [
     Mutant("held_watch_off", "guards", "tracer/module_hooks.py",
            "        if not self._watched:\n            return False\n        changed = False",
            "        if True:\n            return False\n        changed = False", HELD),
-    Mutant("unread_grad_compiled", "guards", "tracer/factory_mode.py",
-           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
-           "        return False",
+    # (replanted by h51flags: torch's reads of closed-over gradients are keyed, and no longer
+    # reach `_unread_grad`; the same bug in the keyed path: the gradient captured, not read)
+    Mutant("unread_grad_compiled", "guards", "tracer/tracer.py",
+           "    grads = tuple((index, ctx.grad_owners[id(tensor)]) for index, tensor in",
+           "    grads = tuple((index, ctx.grad_owners[id(tensor)]) for index, tensor in [] and",
            ("tests/tracer/test_closure_flags.py::"
-            "test_torchs_own_reads_of_closed_over_gradients_run_eagerly",)),
+            "test_torchs_own_reads_of_closed_over_gradients_are_read_on_every_call",
+            "tests/tracer/test_closure_flags_51b.py")),
     Mutant("no_grad_update_beside_grad", "mutation", "tracer/mutation.py",
            "if self.no_grad_updates and self.ctx.differentiable and differentiated:", "if False:",
            HELD),
@@ -2531,17 +2534,21 @@ MUTANTS: list[Mutant] = [
            "            if rounds_its_scalars(name, r_args, r_kwargs):", "            if False:",
            ("tests/tracer/test_training_integrations.py::"
             "test_foreach_optimizers_on_low_precision_parameters_step_as_eager",)),
-    Mutant("frozen_parameters_grad_baked", "guards", "tracer/factory_mode.py",
-           "        return tensor.requires_grad or _GRAD_GET(tensor) is not None",
-           "        return tensor.requires_grad",
+    # (replanted by h51flags, as `unread_grad_compiled`: a frozen parameter's gradient taken
+    # for one the call made, so each call saw a copy of the first one)
+    Mutant("frozen_parameters_grad_baked", "guards", "tracer/flag_reads.py",
+           "    if flag == GRAD:\n        grad = _grad_of(tensor)\n        if grad is not None:",
+           "    if flag == GRAD:\n        grad = _grad_of(tensor)\n"
+           "        if grad is not None and tensor.requires_grad:",
            ("tests/tracer/test_closure_flags.py::"
-            "test_torchs_own_reads_of_closed_over_gradients_run_eagerly",)),
+            "test_torchs_own_reads_of_closed_over_gradients_are_read_on_every_call",
+            "tests/tracer/test_closure_flags_51b.py")),
     Mutant("global_optimizer_hooks_unkeyed", "guards", "tracer/process_state.py",
            '    ProcessState("global optimizer step pre-hooks", _optimizer_pre_hooks),\n', "",
            ("tests/tracer/test_training_integrations.py::"
             "test_global_optimizer_step_hooks_registered_between_jitted_steps",)),
     Mutant("requires_grad_of_an_input_taken_as_unchanged", "mutation", "tracer/inplace_calls.py",
-           "                or target.name in self.inputs:", "                or False:",
+           "        if target.name in self.inputs:  # a closed-over", "        if False:  # a",
            ("tests/tracer/test_training_integrations.py::"
             "test_requires_grad_set_inside_on_a_layer_frozen_between_calls",)),
     Mutant("closed_over_requires_grad_read_baked", "guards", "tracer/factory_mode.py",
@@ -2732,5 +2739,16 @@ MUTANTS: list[Mutant] = [
     Mutant("miss_compared_to_description_before_trace", "guards", "jitted.py",
            "                self._last_described = self._describe(args, kwargs)",
            "                pass",
+           ("tests/tracer/test_closure_flags_51b.py",)),
+    Mutant("torch_grad_reads_run_eagerly", "guards", "tracer/factory_mode.py",
+           "    return func == _GRAD_GET and code is not _MODULE_APPLY and not is_fulmens_own(",
+           "    return False and code is not _MODULE_APPLY and not is_fulmens_own(",
+           ("tests/tracer/test_closure_flags_51b.py",)),
+    Mutant("keyed_gradient_flag_ignored", "mutation", "tracer/inplace_calls.py",
+           "            return grad is not None and flag == grad.requires_grad",
+           "            return grad is not None",
+           ("tests/tracer/test_closure_flags_51b.py",)),
+    Mutant("closed_over_grad_owner_forgotten", "mutation", "tracer/flag_reads.py",
+           "            ctx.grad_owners.setdefault(id(grad), tensor)", "            pass",
            ("tests/tracer/test_closure_flags_51b.py",)),
 ]

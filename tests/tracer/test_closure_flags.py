@@ -128,12 +128,12 @@ def test_a_closed_over_gradient_in_a_function_with_graph_breaks_runs_eagerly():
     assert fulmen.compile_stats(jitted).eager_calls == 3
 
 
-@pytest.mark.filterwarnings("ignore:fulmen. Tensor.grad")
 @pytest.mark.parametrize("frozen", [False, True])
-def test_torchs_own_reads_of_closed_over_gradients_run_eagerly(frozen):
-    """Torch's own reads of `.grad` (`clip_grad_norm_` on a closed-over model) are not keyed:
-    the call runs eagerly, also for a frozen model whose gradients the caller sets (a read let
-    through scaled the first call's gradients, or a copy of them, on every call)."""
+def test_torchs_own_reads_of_closed_over_gradients_are_read_on_every_call(frozen):
+    """Torch's own reads of `.grad` (`clip_grad_norm_` on a closed-over model) are keyed and
+    read afresh as the user's are (they ran the call eagerly before session 51's h51flags),
+    also for a frozen model whose gradients the caller sets (a read baked into the trace
+    scaled the first call's gradients, or a copy of them, on every call)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).requires_grad_(not frozen)
     twin = torch.nn.Linear(3, 2).requires_grad_(not frozen)
@@ -145,3 +145,4 @@ def test_torchs_own_reads_of_closed_over_gradients_run_eagerly(frozen):
         torch.testing.assert_close(clip(), torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1))
         for p, q in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+    assert fulmen.compile_stats(clip).eager_calls == 0
