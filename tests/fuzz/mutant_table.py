@@ -2724,4 +2724,13 @@ MUTANTS: list[Mutant] = [
     Mutant("linear_comparison_growth_ignored", "guards", "tracer/sym_compare.py",
            "truths.add(True)  # d grows past zero", "truths.add(False)  # d grows past zero",
            ("tests/tracer/test_dynamic_cost_compare.py",)),
+    # --- session 51, h51probe3: TorchScript submodules inside a jitted module -------------
+    Mutant("script_forward_read_from_class", "guards", "tracer/sources.py",
+           'return inspect.getattr_static(cls, "forward", None)',
+           'return type.__getattribute__(cls, "forward")',
+           ("tests/tracer/test_user_patterns_51c.py",)),
+    Mutant("script_tables_cleared", "modules", "tracer/module_stores.py",
+           "    if list(table.keys()) != list(saved) or any(",
+           "    if True or any(",
+           ("tests/tracer/test_user_patterns_51c.py",)),
 ]

@@ -1,0 +1,68 @@
+"""User patterns probed in session 51 (h51probe3): attention variants, TorchScript and
+torch.compile interplay, quantization-like forwards; each compared with eager PyTorch."""
+
+import pytest
+import torch
+from torch import nn
+
+import fulmen
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _WithScripted(nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.sub = make(_Block())
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.sub(x) + x)
+
+
+_SCRIPTERS = {"script": torch.jit.script,
+              "trace": lambda block: torch.jit.trace(block, torch.randn(2, 8))}
+
+
+@pytest.mark.parametrize("make", _SCRIPTERS.values(), ids=_SCRIPTERS)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_torchscript_submodule_inside_a_jitted_module(make, dynamic):
+    """A `torch.jit.script`-ed (or traced) submodule: the class's `forward` is a descriptor
+    that raises when read from the class, and its parameter tables are C++ views without
+    `clear`; jitting the module raised AttributeError on its first call. Values and
+    gradients equal eager's, and an update to the scripted weights is seen."""
+    torch.manual_seed(0)
+    model = _WithScripted(make)
+    jitted = fulmen.jit(model, dynamic=dynamic) if dynamic else fulmen.jit(model)
+    for rows in (4, 5):
+        x = torch.randn(rows, 8, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        actual, expected = jitted(x), model(x_eager)
+        torch.testing.assert_close(actual, expected)
+        actual.sum().backward()
+        got = model.sub.lin.weight.grad.clone()
+        model.zero_grad()
+        expected.sum().backward()
+        torch.testing.assert_close(got, model.sub.lin.weight.grad)
+        torch.testing.assert_close(x.grad, x_eager.grad)
+        model.zero_grad()
+    with torch.no_grad():
+        model.sub.lin.weight.mul_(2)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_a_jitted_scripted_module():
+    """`fulmen.jit(torch.jit.script(module))` itself: values equal eager's."""
+    scripted = torch.jit.script(_Block())
+    jitted = fulmen.jit(scripted)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(jitted(x), scripted(x))
