@@ -2733,4 +2733,12 @@ MUTANTS: list[Mutant] = [
            "    if list(table.keys()) != list(saved) or any(",
            "    if True or any(",
            ("tests/tracer/test_user_patterns_51c.py",)),
+    Mutant("jitted_function_ignores_export", "bridge", "wrappers.py",
+           "        if torch.compiler.is_exporting():  # `torch.export` traces the original's torch calls",
+           "        if False:",
+           ("tests/tracer/test_user_patterns_51c.py",)),
+    Mutant("jitted_module_ignores_export", "bridge", "wrappers.py",
+           "        if torch.compiler.is_exporting():  # `torch.export` traces the module's torch calls",
+           "        if False:",
+           ("tests/tracer/test_user_patterns_51c.py",)),
 ]

@@ -66,3 +66,40 @@ def test_a_jitted_scripted_module():
     jitted = fulmen.jit(scripted)
     x = torch.randn(4, 8)
     torch.testing.assert_close(jitted(x), scripted(x))
+
+
+_sin_twice = fulmen.jit(lambda t: t.sin() * 2)
+
+
+class _CallsJitted(nn.Module):
+    def forward(self, x):
+        return _sin_twice(x) + 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_a_module_calling_a_jitted_function(strict):
+    """`torch.export` of a model whose forward calls a jitted function: the export traces the
+    function's torch calls. The jitted call took export's tracing for `torch.compile`'s and
+    recursed (RecursionError, non-strict) or hit its `torch.compiler.disable`d graph break
+    (strict export: Unsupported)."""
+    x = torch.randn(4, 8)
+    model = _CallsJitted()
+    program = torch.export.export(model, (x,), strict=strict)
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert torch.ops.aten.sin.default in targets
+    torch.testing.assert_close(program.module()(x), model(x))
+    torch.testing.assert_close(_sin_twice(x), x.sin() * 2)
+
+
+def test_strict_torch_export_of_a_jitted_module():
+    """`torch.export.export(fulmen.jit(model), strict=True)` exports the model's own torch
+    calls; the jitted module still compiles afterwards."""
+    torch.manual_seed(0)
+    model = _Block()
+    jitted = fulmen.jit(model)
+    x = torch.randn(4, 8)
+    program = torch.export.export(jitted, (x,), strict=True)
+    torch.testing.assert_close(program.module()(x), model(x))
+    torch.testing.assert_close(jitted(x), model(x))
+    torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.compile_stats(jitted).eager_calls == 0
