@@ -269,7 +269,7 @@ class _Jitted(CompileMiss, NotWalked):
     def _explain_miss(self, args: tuple, kwargs: dict) -> list[str]:
         """Record (and log to `fulmen.recompiles`) why this call missed the cache."""
         target = self._module.forward if self._module is not None else self._fn
-        names = [name for name, _ in self._module.named_modules()] if self._module else []
+        names = [name for name, _ in self._module.named_modules()] if self._module is not None else []
         described = describe_call(_positional_names(target), args, kwargs,
                                   self._guard.modules, names, self._guard.scalar_sources)
         self._limits.missed(args, kwargs, described)

@@ -2741,4 +2741,8 @@ MUTANTS: list[Mutant] = [
            "        if torch.compiler.is_exporting():  # `torch.export` traces the module's torch calls",
            "        if False:",
            ("tests/tracer/test_user_patterns_51c.py",)),
+    Mutant("explain_miss_module_truth", "bridge", "jitted.py",
+           "named_modules()] if self._module is not None else []",
+           "named_modules()] if self._module else []",
+           ("tests/tracer/test_user_patterns_51c.py",)),
 ]

@@ -103,3 +103,15 @@ def test_strict_torch_export_of_a_jitted_module():
     torch.testing.assert_close(jitted(x), model(x))
     torch.testing.assert_close(jitted(x), model(x))
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_jit_of_a_torch_compiled_module():
+    """`fulmen.jit(torch.compile(model))`: explaining the first miss took the module's truth
+    value, which `OptimizedModule.__len__` refuses (TypeError "does not support len()")."""
+    torch.manual_seed(0)
+    model = _Block()
+    jitted = fulmen.jit(torch.compile(model, backend="eager"))
+    for rows in (4, 5, 6):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.compile_stats(jitted).eager_calls == 0
