@@ -2745,4 +2745,8 @@ MUTANTS: list[Mutant] = [
            "named_modules()] if self._module is not None else []",
            "named_modules()] if self._module else []",
            ("tests/tracer/test_user_patterns_51c.py",)),
+    Mutant("script_writes_ignored", "mutation", "tracer/dispatch.py",
+           'if node.kind() in ("prim::SetAttr", "prim::PythonOp") or "!" in node.schema():',
+           'if node.kind() == "prim::PythonOp":',
+           ("tests/tracer/test_user_patterns_51c.py",)),
 ]

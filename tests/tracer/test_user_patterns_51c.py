@@ -115,3 +115,39 @@ def test_jit_of_a_torch_compiled_module():
         x = torch.randn(rows, 8)
         torch.testing.assert_close(jitted(x), model(x))
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.count += 1
+        return self.lin(x) * self.count
+
+
+class _WithScriptedCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.counter = torch.jit.script(_Counter())
+
+    def forward(self, x):
+        return self.counter(x).relu()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_scripted_submodule_that_updates_a_buffer_counts_once_per_call(dynamic):
+    """A scripted submodule's `self.count += 1` ran for real while tracing and again in the
+    compiled (or eager) call: after the first call the count was 3, not 1, and the outputs
+    scaled by it were wrong, silently. Such a call runs eagerly now."""
+    torch.manual_seed(0)
+    expected_model = _WithScriptedCounter()
+    torch.manual_seed(0)
+    model = _WithScriptedCounter()
+    jitted = fulmen.jit(model, dynamic=dynamic) if dynamic else fulmen.jit(model)
+    for calls, rows in enumerate((4, 4, 5, 4), start=1):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(jitted(x), expected_model(x))
+        assert model.counter.count.item() == expected_model.counter.count.item() == calls
