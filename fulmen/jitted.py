@@ -273,7 +273,7 @@ class _Jitted(CompileMiss, NotWalked):
         """What this call is keyed on, by name (`describe_call`, and the autograd flags of
         closed-over tensors the programs read: `FlagReads.describe`)."""
         target = self._module.forward if self._module is not None else self._fn
-        names = [name for name, _ in self._module.named_modules()] if self._module else []
+        names = [name for name, _ in self._module.named_modules()] if self._module is not None else []
         described = describe_call(_positional_names(target), args, kwargs,
                                   self._guard.modules, names, self._guard.scalar_sources)
         if self._guard.flag_reads:

@@ -44,6 +44,8 @@ class JittedFunction(_Jitted):
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_exporting():  # `torch.export` traces the original's torch calls
+            return self._fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # `torch.compile` traces a caller: a graph break
             return outside_dynamo(self.__call__, *args, **kwargs)
         if self._grad_free and torch.is_grad_enabled():
@@ -168,6 +170,8 @@ class JittedModule(torch.nn.Module):
 
     def _compiled_forward(self, *args, **kwargs):
         """The module's forward, compiled (what `jmodel(...)` and `jmodel.forward(...)` run)."""
+        if torch.compiler.is_exporting():  # `torch.export` traces the module's torch calls
+            return self._orig_mod(*args, **kwargs)
         if torch.compiler.is_compiling():  # `torch.compile` traces a caller: a graph break
             return outside_dynamo(self._compiled_forward, *args, **kwargs)
         if self._structure.changed():  # a submodule or parameter replaced: everything anew

@@ -112,6 +112,25 @@ class LazyBitQuery(RunsEagerly):
 _LAZY_BIT_QUERIES = frozenset({T.is_conj, T.is_neg, torch.is_conj})
 
 
+class TorchScriptCall(RunsEagerly):
+    """The traced code calls TorchScript (a `torch.jit.script`-ed or traced module) that
+    writes state (`self.n += 1`, an in-place op, a Python call): its body is opaque to fulmen
+    and runs for real while tracing, so its writes would apply twice; the call runs eagerly.
+    Scripted code that writes nothing runs for real as an op of unknown output shapes."""
+
+
+def _script_writes(method) -> bool:
+    """Whether TorchScript `method`'s graph (submodule calls inlined) may write state: an
+    attribute store, an op whose schema writes an argument (`Tensor(a!)`), a Python call."""
+    pending = [method.inlined_graph.nodes()]
+    while pending:
+        for node in pending.pop():
+            if node.kind() in ("prim::SetAttr", "prim::PythonOp") or "!" in node.schema():
+                return True
+            pending.extend(block.nodes() for block in node.blocks())
+    return False
+
+
 class TracerCtx(LayoutTruth, TraceCtx):
     """A `TraceCtx` that also routes torch calls and captures real tensors as inputs.
 
@@ -265,6 +284,12 @@ class TracerCtx(LayoutTruth, TraceCtx):
             kwargs = {**kwargs, "dtype": _PYTHON_DTYPES[dtype]}
         if self._internal:
             return self._dispatch(func, args, kwargs)
+        if isinstance(func, torch._C.ScriptMethod) and _script_writes(func):
+            raise TorchScriptCall(
+                "a TorchScript module that writes state is called, whose body fulmen does not "
+                "trace", op="torch.jit.ScriptModule", where=user_source_location(),
+                hint="jit the module before scripting it, or call the scripted code outside "
+                "the compiled function")
         if func in _LAZY_BIT_QUERIES:
             raise LazyBitQuery(
                 "a tensor's conjugate or negative bit is read, which traced tensors do not carry",

@@ -256,6 +256,13 @@ def _refuse(name: str, what: str) -> UnreplayableStore:
         "outside the module")
 
 
+def _restore_table(table, saved: dict) -> None:
+    """Put a module's parameter or buffer table back as `saved` held it, when it changed (a
+    TorchScript module's tables are C++ views without `clear`)."""
+    if list(table.keys()) != list(saved) or any(table[k] is not v for k, v in saved.items()):
+        table.clear()
+        table.update(saved)
+
 @contextlib.contextmanager
 def module_stores(module: torch.nn.Module,
                   proxy_of: Callable[[torch.Tensor], TensorProxy],
@@ -326,10 +333,8 @@ def module_stores(module: torch.nn.Module,
             vars(sub).update(attrs)
             for key, value in contents.items():
                 restore(attrs[key], value)
-            sub._parameters.clear()
-            sub._parameters.update(params)
-            sub._buffers.clear()
-            sub._buffers.update(buffers)
+            _restore_table(sub._parameters, params)
+            _restore_table(sub._buffers, buffers)
         for owner, before, where in held.values():  # `self.config.count += 1`
             for key, value in vars(owner).items():
                 if value is before.get(key, _MISSING):

@@ -10,6 +10,7 @@ import dis
 import enum
 import functools
 import hashlib
+import inspect
 import operator
 import os
 import sys
@@ -346,6 +347,12 @@ def reads_cell(read) -> types.CellType | None:
     return None
 
 
+def _class_forward(cls: type):
+    """`cls.forward` as the class holds it: a TorchScript class's `forward` is a descriptor
+    that raises when read from the class (`torch.jit.script(module)`)."""
+    return inspect.getattr_static(cls, "forward", None)
+
+
 def _class_sources(cls: type, seen: set[type], read=None) -> list[tuple[str, object]]:
     """A source for `cls` (read by `read` when given: a module's `__class__`) and for each user
     base class of it, those not in `seen` (added to it); they are keyed by their data
@@ -401,7 +408,7 @@ def scalar_sources(fn, modules=(), functions=()) -> list[tuple[str, object]]:
         if type(module) not in forwards:  # `LlamaRMSNorm.forward = patched` after jitting
             forwards.add(type(module))
             sources.append((f"{type(module).__name__}.forward (class)",
-                            functools.partial(getattr, type(module), "forward")))
+                            functools.partial(_class_forward, type(module))))
         # private attributes of the user's own modules (`self._scale`); a library's are its
         # bookkeeping (HF's `_is_hf_initialized`), except tensors, read afresh by programs
         private = is_user_class(type(module))
