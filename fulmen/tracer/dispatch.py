@@ -41,6 +41,7 @@ from fulmen.core import (
     RunsEagerly,
     Tag,
     TraceCtx,
+    get_tracectx,
 )
 from fulmen.core.proxy import iter_proxies
 from fulmen.core.source import is_fulmens_own, user_source_location
@@ -64,6 +65,7 @@ from fulmen.tracer.fresh_leaves import mark_fresh, mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.mutation import Functionalizer
+from fulmen.tracer.patching import TracingPatch
 from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 
 T = torch.Tensor
@@ -113,10 +115,37 @@ _LAZY_BIT_QUERIES = frozenset({T.is_conj, T.is_neg, torch.is_conj})
 
 
 class TorchScriptCall(RunsEagerly):
-    """The traced code calls TorchScript (a `torch.jit.script`-ed or traced module) that
-    writes state (`self.n += 1`, an in-place op, a Python call): its body is opaque to fulmen
+    """The traced code calls a `torch.jit.script`-ed function, or TorchScript (a scripted or
+    traced module) that writes state (`self.n += 1`, an in-place op, a Python call): its body is opaque to fulmen
     and runs for real while tracing, so its writes would apply twice; the call runs eagerly.
     Scripted code that writes nothing runs for real as an op of unknown output shapes."""
+
+
+_SCRIPT_FUNCTION_CALL = torch.jit.ScriptFunction.__dict__["__call__"]
+
+
+def _script_function_call(function, *args, **kwargs):
+    """`torch.jit.ScriptFunction.__call__` while a trace records: the TorchScript interpreter
+    reaches no `__torch_function__`, so a call from traced code would hand it proxies (or bake
+    in its result on closed-over tensors); the call runs eagerly. Elsewhere, TorchScript's."""
+    ctx = get_tracectx()
+    if isinstance(ctx, TracerCtx) and not ctx._internal:
+        raise TorchScriptCall(
+            f"the TorchScript function {function.name} is called, whose body fulmen does not "
+            "trace", op="torch.jit.ScriptFunction", where=user_source_location(),
+            hint="jit the Python function instead of scripting it, or call the scripted "
+            "function outside the compiled function")
+    return _SCRIPT_FUNCTION_CALL(function, *args, **kwargs)
+
+
+_SCRIPT_FUNCTION_PATCH = TracingPatch(
+    (torch.jit.ScriptFunction, "__call__", _script_function_call))
+
+
+def script_functions_refused() -> contextlib.AbstractContextManager:
+    """While active, a `torch.jit.script`-ed function called by traced code makes the call run
+    eagerly (`TorchScriptCall`); other callers, and other threads, run it as TorchScript."""
+    return _SCRIPT_FUNCTION_PATCH.held()
 
 
 def _script_writes(method) -> bool:

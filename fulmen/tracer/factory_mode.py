@@ -24,7 +24,7 @@ from fulmen.proxies.tensor import METADATA_FUNCTIONS
 from fulmen.tracer.autograd_function import intercept_function_apply
 from fulmen.tracer.call_constants import foreign_memory_recorded
 from fulmen.tracer.call_kinds import _func_name
-from fulmen.tracer.dispatch import TracerCtx
+from fulmen.tracer.dispatch import TracerCtx, script_functions_refused
 from fulmen.tracer.flag_reads import GRAD, REQUIRES_GRAD, note_flag_read
 from fulmen.tracer.fresh_leaves import GRAPH_READS, graph_read
 from fulmen.tracer.host_floats import refuse_host_floats
@@ -118,14 +118,17 @@ class FactoryMode(TorchFunctionMode):
         self.ctx = ctx
         self._apply_hook = intercept_function_apply(ctx)  # autograd.Function.apply: no torch fn
         self._foreign_hook = foreign_memory_recorded()  # torch.from_numpy/frombuffer: neither
+        self._script_hook = script_functions_refused()  # a ScriptFunction: neither
 
     def __enter__(self):
         self._apply_hook.__enter__()
         self._foreign_hook.__enter__()
+        self._script_hook.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         super().__exit__(*exc_info)
+        self._script_hook.__exit__(*exc_info)
         self._foreign_hook.__exit__(*exc_info)
         self._apply_hook.__exit__(*exc_info)
 

@@ -2776,4 +2776,9 @@ MUTANTS: list[Mutant] = [
            'if node.kind() in ("prim::SetAttr", "prim::PythonOp") or "!" in node.schema():',
            'if node.kind() == "prim::PythonOp":',
            ("tests/tracer/test_user_patterns_51c.py",)),
+    # --- session 51, h51script: TorchScript functions, frozen modules, export ---------------
+    Mutant("script_function_call_traced", "mutation", "tracer/dispatch.py",
+           "    if isinstance(ctx, TracerCtx) and not ctx._internal:\n        raise TorchScriptCall(",
+           "    if False:\n        raise TorchScriptCall(",
+           ("tests/tracer/test_user_patterns_51d.py",)),
 ]
