@@ -14,6 +14,7 @@ from fulmen.tracer.leaf_keys import _float_key
 from fulmen.tracer.objects import is_plain_object, path_text, walk
 from fulmen.tracer.process_state import describe_process_state
 from fulmen.tracer.source_keys import object_source_key, source_key
+from fulmen.tracer.source_reads import training_of
 from fulmen.tracer.sources import CONTAINERS, NUMPY_ARRAYS, array_key, global_names
 from fulmen.tracer.symbolic import _row_major
 
@@ -26,7 +27,7 @@ def describe_call(param_names: list[str], args: tuple, kwargs: dict, modules=(),
     explaining retraces in words. Names follow the trace's input names."""
     described: dict[str, object] = describe_process_state()
     for name, module in zip(module_names, modules):
-        described[f"{name or 'model'}.training"] = module.training
+        described[f"{name or 'model'}.training"] = training_of(module)
     for name, read in sources:
         value = read()
         if isinstance(value, Tensor):  # compared by identity, as keyed

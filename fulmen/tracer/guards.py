@@ -15,7 +15,6 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any
 
 import torch
@@ -65,7 +64,7 @@ from fulmen.tracer.source_keys import (
     object_source_key,
     source_key,
 )
-from fulmen.tracer.source_reads import source_reader
+from fulmen.tracer.source_reads import source_reader, training_of
 from fulmen.tracer.sources import (
     ATOMS,
     CONTAINERS,
@@ -82,7 +81,6 @@ from fulmen.tracer.sources import (
 from fulmen.tracer.symbolic import INT
 
 Tensor = torch.Tensor
-_training = operator.attrgetter("training")
 
 
 _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`add_modules`)
@@ -322,7 +320,7 @@ class CacheKeyBuilder:
         self._set_sources()
         values = self._read_sources()
         if values is None:  # (cannot be: the reader was made from these very dicts)
-            values = [*map(_training, self.modules), *[read() for _, read in
+            values = [*map(training_of, self.modules), *[read() for _, read in
                                                        self.scalar_sources]]
         return values
 

@@ -83,6 +83,12 @@ def _global_name(read) -> tuple[dict, str] | None:
     return None
 
 
+def training_of(module: torch.nn.Module) -> bool | None:
+    """`module.training`, or None for a module without the flag (a `torch.jit.freeze`-d
+    TorchScript module keeps no `training`: it is always in eval mode)."""
+    return getattr(module, "training", None)
+
+
 def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str, Any]]):
     """A function of no arguments returning `[m.training for m in modules] + [read() for _,
     read in sources]`, or None when a module attribute it reads from a `__dict__` is gone
@@ -106,7 +112,7 @@ def source_reader(modules: tuple[torch.nn.Module, ...], sources: list[tuple[str,
         if reads_dict_entry(module, "training"):
             items.append(f"{bind(vars(module), 'd')}['training']")
         else:
-            items.append(f"{bind(functools.partial(getattr, module, 'training'), 'r')}()")
+            items.append(f"{bind(functools.partial(training_of, module), 'r')}()")
     for _, read in sources:
         attribute = _module_attribute(read)
         glob = _global_name(read)

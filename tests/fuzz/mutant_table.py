@@ -2781,4 +2781,12 @@ MUTANTS: list[Mutant] = [
            "    if isinstance(ctx, TracerCtx) and not ctx._internal:\n        raise TorchScriptCall(",
            "    if False:\n        raise TorchScriptCall(",
            ("tests/tracer/test_user_patterns_51d.py",)),
+    Mutant("frozen_module_training_read", "guards", "tracer/source_reads.py",
+           '    return getattr(module, "training", None)',
+           "    return module.training",
+           ("tests/tracer/test_user_patterns_51d.py",)),
+    Mutant("frozen_module_training_explained", "bridge", "tracer/explain.py",
+           "] = training_of(module)",
+           "] = module.training",
+           ("tests/tracer/test_user_patterns_51d.py",)),
 ]

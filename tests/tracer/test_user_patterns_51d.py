@@ -39,3 +39,29 @@ def test_a_script_function_called_by_jitted_code_runs_the_call_eagerly():
             assert fulmen.compile_stats(jf).eager_calls == 2
     assert any("TorchScript function _scaled" in str(w.message) for w in caught)
     torch.testing.assert_close(_scaled(x), x * 2)  # outside a trace: TorchScript's own call
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self, frozen):
+        super().__init__()
+        self.frozen = frozen
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.frozen(x).relu())
+
+
+def test_a_frozen_scripted_module_and_one_as_a_submodule():
+    """A `torch.jit.freeze`-d module keeps no `training` flag (its weights are constants, it is
+    always in eval mode): the guard's read of every module's flag raised AttributeError on the
+    first call. Values equal eager's across a retrace for a new shape (whose explanation names
+    each module's flag), compiled, for the frozen module alone and as a submodule."""
+    torch.manual_seed(0)
+    frozen = torch.jit.freeze(torch.jit.script(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()))
+    for model in (frozen, _Outer(frozen)):
+        jm = fulmen.jit(model)
+        for rows in (4, 4, 6):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(jm(x), model(x))
+        assert fulmen.compile_stats(jm).eager_calls == 0
