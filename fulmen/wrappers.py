@@ -98,6 +98,15 @@ class _BoundForward:
     def __signature__(self):
         return inspect.signature(self.__self__._orig_mod.forward)
 
+    @property
+    def __code__(self):
+        # non-strict `torch.export` reads it first, then would name the parameters wrongly
+        raise AttributeError(
+            "the forward of a fulmen-jitted module is the compiled call, not a Python function "
+            "(no __code__): to torch.export it, export the original module, "
+            "`torch.export.export(jitted._orig_mod, args)` (the same parameters), or pass "
+            "strict=True")
+
 
 class _ForwardDescriptor:
     """Class attribute `JittedModule.forward`: instances get a `_BoundForward`."""

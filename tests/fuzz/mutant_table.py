@@ -2789,4 +2789,7 @@ MUTANTS: list[Mutant] = [
            "] = training_of(module)",
            "] = module.training",
            ("tests/tracer/test_user_patterns_51d.py",)),
+    Mutant("jitted_module_export_unexplained", "bridge", "wrappers.py",
+           "    def __code__(self):", "    def _no_code(self):",
+           ("tests/tracer/test_user_patterns_51d.py",)),
 ]

@@ -65,3 +65,23 @@ def test_a_frozen_scripted_module_and_one_as_a_submodule():
             x = torch.randn(rows, 8)
             torch.testing.assert_close(jm(x), model(x))
         assert fulmen.compile_stats(jm).eager_calls == 0
+
+
+def test_non_strict_torch_export_of_a_jitted_module_names_the_way_out():
+    """Non-strict `torch.export` (the default) of a jitted module read `forward.__code__`
+    (AttributeError with no way out) and, past it, named the parameters twice (KeyError):
+    the error says to export the original module, and that export equals eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    jm = fulmen.jit(model)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(jm(x), model(x))
+    try:
+        torch.export.export(jm, (x,))
+    except AttributeError as error:
+        assert "jitted._orig_mod" in str(error)
+    else:
+        raise AssertionError("non-strict export of a jitted module raised nothing")
+    exported = torch.export.export(jm._orig_mod, (x,))
+    torch.testing.assert_close(exported.module()(x), model(x))
+    assert getattr(jm.forward, "__code__", None) is None  # `hasattr` callers see no code
