@@ -888,7 +888,7 @@ MUTANTS: list[Mutant] = [
     Mutant("executor_implementation_view_tag_dropped", "passes", "executors/base.py",
            "tags=sym.tags & {Tag.VIEW})", "tags=set())",
            ("tests/transforms/test_memory.py", "tests/ops/test_view_tag.py")),
-    Mutant("claim_dense_order_stride_not_accumulated", "layout", "executors/claim.py",
+    Mutant("claim_dense_order_stride_not_accumulated", "layout", "executors/dense_layout.py",
            "expected = expected * exprs[found[0]][0]", "expected = exprs[found[0]][0]",
            ("tests/tracer/test_layout.py", "-k", "channels_last")),
     Mutant("claim_prims_taken_as_eager_layout", "layout", "executors/claim.py",
@@ -2307,7 +2307,7 @@ MUTANTS: list[Mutant] = [
            "",
            ("tests/executors/test_layout_audit.py::"
             "test_ops_keeping_a_channels_last_input_format_on_cpu_are_traced_so",)),
-    Mutant("claim_dense_order_unexpanded", "layout", "executors/claim.py",
+    Mutant("claim_dense_order_unexpanded", "layout", "executors/dense_layout.py",
            "        found = [d for d in left if _same_expr(exprs[d][1], expected)]",
            "        found = [d for d in left if exprs[d][1] == expected]",
            ("tests/executors/test_layout_audit.py::"

@@ -32,7 +32,6 @@ import torch
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.executors.base import FusionExecutor
-from fulmen.executors.claim import dense_order
 from fulmen.executors.codegen.build import set_compile_policy
 from fulmen.executors.codegen.cpu import CPU, FusedRegion
 from fulmen.executors.codegen.cuda import CUDA, CudaFusedRegion
@@ -41,6 +40,7 @@ from fulmen.executors.codegen.ops import REDUCTIONS, VIEWS, Unsupported, fusible
 from fulmen.executors.codegen.region import RegionCallable
 from fulmen.executors.codegen.rows import RowChecks, lower_any
 from fulmen.executors.codegen.target import Target
+from fulmen.executors.dense_layout import dense_order
 from fulmen.executors.registry import get_executor, register_executor
 from fulmen.executors.torch import AS_LAYOUT
 
