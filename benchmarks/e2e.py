@@ -225,10 +225,9 @@ def step_functions(case: Case):
     return train_step, infer_step
 
 
-def measure(case: Case, threads_list: list[int], number: int, repeat: int,
-            compile_too: bool) -> list[dict]:
-    """Rows `{model, mode, threads, eager, fulmen, torch.compile}` in ms per step."""
-    model = case.model
+def _candidates(model, compile_too: bool) -> dict:
+    """`{label: callable}`: the model itself (eager), `fulmen.jit` of it and, with
+    `compile_too`, `torch.compile` of it, with a fresh dynamo cache."""
     # HF models share one decorated `forward` wrapper (one code object): torch.compile's
     # per-code recompile limit would otherwise be spent by the earlier models (grad mode x
     # threads x train/eval each), and later ones would silently run eagerly
@@ -237,6 +236,14 @@ def measure(case: Case, threads_list: list[int], number: int, repeat: int,
     candidates = {"eager": model, "fulmen": fulmen.jit(model)}
     if compile_too:
         candidates["torch.compile"] = torch.compile(model)
+    return candidates
+
+
+def measure(case: Case, threads_list: list[int], number: int, repeat: int,
+            compile_too: bool) -> list[dict]:
+    """Rows `{model, mode, threads, eager, fulmen, torch.compile}` in ms per step."""
+    model = case.model
+    candidates = _candidates(model, compile_too)
     train_step, infer_step = step_functions(case)
     model.eval()
     with torch.no_grad():  # the compiled callables agree with eager before anything is timed
@@ -291,11 +298,7 @@ def phase_rows(case: Case, threads: int, repeat: int, compile_too: bool) -> list
     turn: which phase a gap between them lies in (issue 21's attribution)."""
     torch.set_num_threads(threads)
     model = case.model
-    torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64
-    candidates = {"eager": model, "fulmen": fulmen.jit(model)}
-    if compile_too:
-        candidates["torch.compile"] = torch.compile(model)
+    candidates = _candidates(model, compile_too)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     phases = ("forward+loss", "backward", "optimizer")
     times = {label: {phase: [] for phase in phases} for label in candidates}

@@ -89,25 +89,34 @@ def test_an_in_place_update_of_a_closed_over_gradient_reaches_the_current_gradie
     _no_eager_calls(jitted, 1)  # (each call finds a new gradient, of the same metadata)
 
 
-def test_a_module_reading_its_own_parameters_grad_recompiles_when_it_appears():
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(3, 3)
+class ReadsOwnGrad(torch.nn.Module):
+    """A module whose forward branches on its own weight's `.grad`."""
 
-        def forward(self, x):
-            g = self.linear.weight.grad
-            return self.linear(x) if g is None else self.linear(x) - g.sum()
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
 
+    def forward(self, x):
+        g = self.linear.weight.grad
+        return self.linear(x) if g is None else self.linear(x) - g.sum()
+
+
+def three_steps_reading_own_grad():
+    """`fulmen.jit` of a `ReadsOwnGrad` after three calls equal to eager's, each followed by a
+    backward of eager's output (the first gives the weight its gradient)."""
     torch.manual_seed(0)
-    model = Scaled()
+    model = ReadsOwnGrad()
     jitted = fulmen.jit(model)
     for _ in range(3):
         x = torch.randn(2, 3)
         got, want = jitted(x), model(x)
         torch.testing.assert_close(got, want)
         want.sum().backward()
-    _no_eager_calls(jitted, 2)
+    return jitted
+
+
+def test_a_module_reading_its_own_parameters_grad_recompiles_when_it_appears():
+    _no_eager_calls(three_steps_reading_own_grad(), 2)
 
 
 @pytest.mark.filterwarnings("ignore:fulmen")

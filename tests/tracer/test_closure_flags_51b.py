@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fulmen
+from tests.tracer.test_closure_flags import three_steps_reading_own_grad
 
 
 def test_a_requires_grad_flip_is_explained_by_the_flags_name():
@@ -55,24 +56,7 @@ def test_a_gradient_appearing_or_changing_strides_is_explained_by_name():
 
 
 def test_a_jitted_modules_read_of_its_own_parameters_grad_is_named():
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(3, 3)
-
-        def forward(self, x):
-            g = self.linear.weight.grad
-            return self.linear(x) if g is None else self.linear(x) - g.sum()
-
-    torch.manual_seed(0)
-    model = Scaled()
-    jitted = fulmen.jit(model)
-    for _ in range(3):
-        x = torch.randn(2, 3)
-        got, want = jitted(x), model(x)
-        torch.testing.assert_close(got, want)
-        want.sum().backward()
-    reasons = fulmen.compile_stats(jitted).recompile_reasons
+    reasons = fulmen.compile_stats(three_steps_reading_own_grad()).recompile_reasons
     assert reasons[-1] == [
         "linear.weight.grad changed from None to '<tensor (3, 3) torch.float32 stride (3, 1)>'"]
 
