@@ -2554,8 +2554,8 @@ MUTANTS: list[Mutant] = [
     Mutant("closed_over_requires_grad_read_baked", "guards", "tracer/factory_mode.py",
            "                note_flag_read(self.ctx, args[0], _FLAG_GETS[func])",
            "                pass",
-           ("tests/tracer/test_training_integrations.py::"
-            "test_a_branch_on_requires_grad_of_a_closed_over_parameter",)),
+           ("tests/tracer/test_closure_flags.py::"
+            "test_a_requires_grad_flip_of_a_closed_over_parameter_recompiles",)),
     # --- session 50, h50ints: ints in a jitted function's own objects traced as symbols ------
     Mutant("own_object_ints_not_watched", "guards", "tracer/shape_policy.py",
            "ints = int_values(leaves) + root_floats(list(roots), int)",

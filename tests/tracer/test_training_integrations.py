@@ -247,23 +247,3 @@ def test_requires_grad_set_inside_on_a_layer_frozen_between_calls(dynamic):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("dynamic", [None, True])
-def test_a_branch_on_requires_grad_of_a_closed_over_parameter(dynamic):
-    """`y * 2 if layer.weight.requires_grad else y * 3` in a function closing over the layer:
-    the flag of a closed-over parameter is no part of the key, so after the caller froze the
-    layer the trace of its trainable call answered (2x instead of 3x). Such reads are keyed
-    now (NOTE [flags of closed-over tensors], `test_closure_flags.py`)."""
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(4, 3)
-
-    def forward(x):
-        y = layer(x)
-        return y * 2 if layer.weight.requires_grad else y * 3
-
-    jitted = fulmen.jit(forward, dynamic=dynamic)
-    for frozen in (False, True, False, True):
-        layer.requires_grad_(not frozen)
-        x = torch.randn(2, 4)
-        got, want = jitted(x), forward(x)
-        torch.testing.assert_close(got, want)
-        assert got.requires_grad == want.requires_grad
