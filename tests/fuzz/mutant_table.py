@@ -2792,4 +2792,17 @@ MUTANTS: list[Mutant] = [
     Mutant("jitted_module_export_unexplained", "bridge", "wrappers.py",
            "    def __code__(self):", "    def _no_code(self):",
            ("tests/tracer/test_user_patterns_51d.py",)),
+    # --- session 52, h52comp: symbolic compile cost ---
+    Mutant("sym_expr_ignores_replacements", "guards", "tracer/sym_ops.py",
+           "        if version == 0:\n            return self._expr",
+           "        if True:\n            return self._expr",
+           ("tests/tracer/test_dynamic_cost_52.py",)),
+    Mutant("sym_expr_stale_after_replacement", "guards", "tracer/sym_ops.py",
+           "if self._expr_cache is not None and version == self._expr_ver:",
+           "if self._expr_cache is not None:",
+           ("tests/tracer/test_dynamic_cost_52.py",)),
+    Mutant("sym_ops_kept_under_pre_dispatch_proxy", "guards", "tracer/sym_ops.py",
+           "        or mode_stack_state_for_pre_dispatch().get(0) is not None",
+           "        or False",
+           ("tests/tracer/test_dynamic_cost_52.py",)),
 ]
