@@ -62,22 +62,26 @@ def same(a, b) -> bool:
     Raises:
         Unsupported: when it does not know (their equality depends on the call).
     """
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
     if a is b:
         return True
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
     # lowering asks the same questions many times (every operand of every candidate region):
     # the answers are kept by the ShapeEnv (a known answer stays known: guards only add facts)
     env = (a if isinstance(a, torch.SymInt) else b).node.shape_env
-    known = env.__dict__.setdefault("_fulmen_same_sizes", {}) if env is not None else {}
     key = (_key(a), _key(b))
+    if env is None:
+        known = {}
+    else:
+        known = env.__dict__.get(_SAME_SIZES)
+        if known is None:
+            known = env.__dict__[_SAME_SIZES] = {}
     answer = known.get(key)
     if answer is None:
-        if statically_known_true(a == b):
+        known_true = _statically_known_true()
+        if known_true(a == b):
             answer = True
-        elif statically_known_true(a != b):
+        elif known_true(a != b):
             answer = False
         else:
             raise Unsupported(f"whether sizes {a} and {b} are equal depends on the call")
@@ -85,13 +89,24 @@ def same(a, b) -> bool:
     return answer
 
 
+_SAME_SIZES = "_fulmen_same_sizes"  # the ShapeEnv's attribute keeping `same`'s answers
+
+
+def _statically_known_true():
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true
+
+
 def _key(size):
     return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def same_shape(a, b) -> bool:
-    """Whether shapes `a` and `b` are equal (`same` for each size; raises like it)."""
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    """Whether shapes `a` and `b` are equal (`same` for each size; raises like it). A size
+    compared with itself (the same object: most of lowering's comparisons) is equal without
+    a call."""
+    return len(a) == len(b) and all(x is y or same(x, y) for x, y in zip(a, b))
 
 
 def has_sym_sizes(value) -> bool:
