@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError, Tag, Trace
+from fulmen.core import NotYetSupportedError, Tag, Trace, any_tagged
 from fulmen.core.ambient import without_autocast
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import map_proxies
@@ -115,9 +115,9 @@ def find_read_outputs(computation: Trace, returned, differentiable: tuple[bool, 
         statements = _closure(computation, [leaves[k].name for k in outputs],
                               needs | set(positions))
         refused = next((f"it runs {bsym.sym.name}, which " + (
-            "draws random numbers" if Tag.RANDOM in bsym.sym.tags else "has side effects")
+            "draws random numbers" if any_tagged([bsym], {Tag.RANDOM}) else "has side effects")
             for bsym in map(computation.bsyms.__getitem__, statements)
-            if _NOT_RECOMPUTABLE & set(bsym.sym.tags)), None)
+            if any_tagged([bsym], _NOT_RECOMPUTABLE)), None)
         stages.append(Stage(outputs, tuple(sorted(first[n] for n in needs if n in read)),
                             tuple(sorted(positions[n] for n in needs if n in positions)),
                             statements, refused))
@@ -277,7 +277,7 @@ class _Call:
                     "an inplace operation (an input of a fulmen-compiled call)")
         create = torch.is_grad_enabled()
         trace, names = self.read.trace, self.read.names
-        env = {}
+        env = dict(zip(trace.arg_names, self.inputs))  # (those read for no gradient as they are)
         for i in stage.inputs:
             x = self.inputs[i]
             env[trace.arg_names[i]] = x if create or not isinstance(x, torch.Tensor) else \
