@@ -215,6 +215,7 @@ class _Call:
                          else None for x in inputs]
         self.refs: dict[int, tuple] = {}
         self.hooks: list = []
+        self.node = None  # the call's node
 
     def watch(self, outputs) -> None:
         """Keep weak references to the read outputs given and make their hook dicts now, so a
@@ -229,13 +230,20 @@ class _Call:
                 out.grad_fn._register_hook_dict(out)
             self.hooks.append(out._backward_hooks)
 
-    def exact(self, node) -> bool:
-        """Whether this backward needs the stages' own VJPs (not passed through)."""
-        if torch.is_grad_enabled() or any(self.hooks):
+    def exact(self, node, stage: Stage) -> bool:
+        """Whether this backward needs `stage`'s own VJP (not passed through): a read output
+        has a hook or retains its gradient, the backward makes a graph, or it captures
+        gradients (`torch.autograd.grad`: one may be at a read output). A stage that cannot
+        run again passes a capturing backward through where the call's node runs in it (the
+        gradients asked for may all be past the call: `autograd.grad(loss, params)` of a
+        model with dropout), a gap where one is also at a read output."""
+        if torch.is_grad_enabled() or any(self.hooks) or any(
+                (out := ref()) is not None and out.retains_grad for ref, _ in self.refs.values()):
             return True
-        if not torch._C._will_engine_execute_node(node.next_functions[-1][0]):
-            return True
-        return any((out := ref()) is not None and out.retains_grad for ref, _ in self.refs.values())
+        if torch._C._will_engine_execute_node(node.next_functions[-1][0]):
+            return False  # (a backward running every node: nothing captured)
+        return stage.refused is None or self.node is None or \
+            not torch._C._will_engine_execute_node(self.node)
 
     def value(self, k: int):
         """The read output at `k` as the forward gave it: its tensor where it is alive, else
@@ -318,13 +326,14 @@ class _StageNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, stage: Stage, *tensors):
         ctx.call, ctx.stage = call, stage
+        ctx.set_materialize_grads(False)  # (an unused output's None reaches the call's node)
         return tuple(t.detach() for t in tensors[:len(stage.outputs)])
 
     @staticmethod
     def backward(ctx, *grads):
         stage, count = ctx.stage, len(ctx.stage.outputs)
         rest = len(stage.reads) + len(stage.inputs) + 1
-        if not ctx.call.exact(ctx):  # to the fused node's own slots for these outputs
+        if not ctx.call.exact(ctx, stage):  # to the call node's own slots for them
             return (None, None, *grads, *[None] * rest)
         return (None, None, *[None] * count, *ctx.call.vjp(stage, grads), None)
 
@@ -334,6 +343,8 @@ def give_outputs(read: ReadOutputs, outputs, inputs, returned) -> list:
     views replayed outside (`returned_views`) made once what they view is given."""
     call = _Call(read, inputs)
     outputs = list(outputs)
+    call.node = next((out.grad_fn for out in outputs if isinstance(out, torch.Tensor)
+                      and type(out.grad_fn).__name__ == "FulmenAutogradFunctionBackward"), None)
     ready = set(range(len(outputs))) - {k for s in read.stages for k in s.outputs} - {
         entry[0] for entry in returned}
     pending = _replayed(list(returned), inputs, outputs, ready)

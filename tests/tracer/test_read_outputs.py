@@ -245,6 +245,7 @@ def test_calls_without_read_outputs_have_no_node_of_their_own():
     assert nodes == {"FulmenAutogradFunctionBackward"}
 
 
+@pytest.mark.slow
 def test_hf_llama_hidden_states_equal_eager():
     """A tiny HF Llama with `output_hidden_states=True`: a training step's parameter gradients,
     and the gradient `retain_grad` keeps at a hidden state (read by the next layers and the
