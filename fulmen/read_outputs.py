@@ -27,8 +27,11 @@ Its backward has two ways:
   logits) and `torch.autograd.grad` gives the gradients of the read outputs and inputs, the
   VJP of that stage alone: the read outputs get eager's total before their hooks run. A read
   output dropped since the forward is recomputed (without a graph) from the inputs. It raises
-  where the stage cannot be run again (random draws, side effects) or an input or read output
-  was updated in place since the forward.
+  where an input or read output was updated in place since the forward, and where the stage
+  cannot be run again (random draws, side effects) and a hook needs it or the call's node does
+  not run (the gradient is asked at a read output); a capturing backward that runs the call's
+  node passes such a stage through (`autograd.grad(loss, params)` of a model with dropout: a
+  gap where a gradient is also asked at a read output).
 
 Calls without read outputs (or whose read outputs need no gradient) have none of this.
 """

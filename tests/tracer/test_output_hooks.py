@@ -1,7 +1,8 @@
-"""Tensor hooks and `retain_grad()` on the outputs of a compiled call (NOTE [hooks on outputs
-other outputs read] in `fulmen/autograd_bridge.py`): on an output other outputs of the call are
-computed from, the compiled call (one autograd node) would hand the hook only the gradient from
-outside the call, so the backward raises; on any other output the hook sees eager's gradient."""
+"""Tensor hooks and `retain_grad()` on the outputs of a compiled call (NOTE [outputs other
+outputs read] in `fulmen/read_outputs.py`): on an output other outputs of the call are computed
+from, the outputs computed from it leave through nodes of their own, so the hook (and
+`torch.autograd.grad`) sees eager's total gradient; on any other output the hook sees eager's
+gradient as it is."""
 
 import warnings
 
