@@ -248,20 +248,21 @@ class _Call:
         return stage.refused is None or self.node is None or \
             not torch._C._will_engine_execute_node(self.node)
 
-    def value(self, k: int):
-        """The read output at `k` as the forward gave it: its tensor where it is alive, else
-        computed again (no graph) from the inputs."""
+    def given(self, k: int):
+        """The read output at `k` as the forward gave it, where it is alive and not updated in
+        place since; else None."""
         ref, version = self.refs.get(k, (lambda: None, None))
         out = ref()
+        return out if out is not None and out._version == version else None
+
+    def value(self, k: int):
+        """The value of the read output at `k` (no graph): its tensor where `given`, else
+        computed again from the inputs."""
+        out = self.given(k)
         if out is not None:
-            if out._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by "
-                    "an inplace operation (an output of a fulmen-compiled call that other "
-                    "outputs were computed from)")
             return out.detach()
         trace, name = self.read.trace, self.read.names[k]
-        alive = {self.read.names[j]: j for j, (r, _) in self.refs.items() if r() is not None}
+        alive = {self.read.names[j]: j for j in self.refs if self.given(j) is not None}
         env = dict(zip(trace.arg_names, self.inputs))
         statements = _closure(trace, [name], set(env) | set(alive))
         for j_name, j in alive.items():
@@ -294,8 +295,16 @@ class _Call:
             env[trace.arg_names[i]] = x if create or not isinstance(x, torch.Tensor) else \
                 x.detach().requires_grad_(x.requires_grad)
         for k in stage.reads:
-            out = self.refs[k][0]() if create else None
-            env[names[k]] = out if out is not None else self.value(k).requires_grad_()
+            if not create:
+                env[names[k]] = self.value(k).requires_grad_()
+            elif (out := self.given(k)) is not None:  # (the graph goes on through it)
+                env[names[k]] = out
+            else:
+                raise NotYetSupportedError(
+                    "a backward with create_graph=True through an output of a fulmen-compiled "
+                    "function that other outputs are computed from, dropped or updated in place "
+                    "since the call", op="torch.autograd.backward",
+                    hint="keep the output unchanged until the backward")
         with torch.enable_grad():
             _run(trace, stage.statements, env)
         pairs = [(env[names[k]], g) for k, g in zip(stage.outputs, grads)

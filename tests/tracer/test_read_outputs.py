@@ -269,3 +269,24 @@ def test_hf_llama_hidden_states_equal_eager():
     assert results[0][0] is not None
     _assert_same(results[1], results[0])
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_a_read_output_updated_in_place_after_the_call_equals_eager():
+    """A hook on `h`, then `h.mul_(3)` and a hook on the new `h`: the stage reading `h` runs
+    again from the inputs (the value it read is gone), the hooks see eager's gradients."""
+    a, = _linears((4, 6))
+
+    def f(x):
+        h = a(x)
+        return h.sum(1, keepdim=True) * h.detach().square(), h
+
+    def observe(outputs, loss):
+        seen = [None, None]
+        outputs[1].register_hook(lambda g: (seen.__setitem__(0, g.clone()), g * 2)[1])
+        outputs[1].mul_(3)
+        outputs[1].register_hook(lambda g: (seen.__setitem__(1, g.clone()), g * 5)[1])
+        (outputs[0].square().sum() + outputs[1].sum()).backward()
+        return lambda: seen
+
+    eager, compiled = _compare(f, list(a.parameters()), observe, lambda o: None)
+    _assert_same(compiled, eager)
