@@ -350,6 +350,16 @@ class _StageNode(torch.autograd.Function):
         return (None, None, *[None] * count, *ctx.call.vjp(stage, grads), None)
 
 
+# the C++ apply under `Function.apply` (its Python wrapper only adds functorch handling)
+_plain_apply = super(torch.autograd.Function, _StageNode).apply
+
+
+def _stage_apply(*args):
+    if torch._C._are_functorch_transforms_active():
+        return _StageNode.apply(*args)
+    return _plain_apply(*args)
+
+
 def give_outputs(read: ReadOutputs, outputs, inputs, returned) -> list:
     """The fused node's `outputs` with the outputs of each stage given by its own node, and the
     views replayed outside (`returned_views`) made once what they view is given."""
@@ -363,7 +373,7 @@ def give_outputs(read: ReadOutputs, outputs, inputs, returned) -> list:
     for stage in read.stages:
         tensors = [outputs[k] for k in stage.outputs] + [outputs[k] for k in stage.reads] + [
             inputs[i] for i in stage.inputs] + [_WITNESS]
-        for k, out in zip(stage.outputs, _StageNode.apply(call, stage, *tensors)):
+        for k, out in zip(stage.outputs, _stage_apply(call, stage, *tensors)):
             outputs[k] = out
         ready.update(stage.outputs)
         pending = _replayed(pending, inputs, outputs, ready)
