@@ -287,6 +287,8 @@ class _Call:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
                     "an inplace operation (an input of a fulmen-compiled call)")
+        if all(g is None for g in grads):  # (a model's caches and hidden states in training)
+            return [None] * (len(stage.reads) + len(stage.inputs))
         create = torch.is_grad_enabled()
         trace, names = self.read.trace, self.read.names
         env = dict(zip(trace.arg_names, self.inputs))  # (those read for no gradient as they are)
