@@ -274,6 +274,8 @@ class _Call:
     def vjp(self, stage: Stage, grads) -> list:
         """The gradients of the stage's read outputs and inputs (`stage.reads`, `stage.inputs`)
         from its outputs' `grads`."""
+        if all(g is None for g in grads):  # (a model's caches and hidden states in training)
+            return [None] * (len(stage.reads) + len(stage.inputs))
         if stage.refused is not None:
             raise NotYetSupportedError(
                 "the gradient at an output of a fulmen-compiled function that other outputs are "
@@ -287,8 +289,6 @@ class _Call:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
                     "an inplace operation (an input of a fulmen-compiled call)")
-        if all(g is None for g in grads):  # (a model's caches and hidden states in training)
-            return [None] * (len(stage.reads) + len(stage.inputs))
         create = torch.is_grad_enabled()
         trace, names = self.read.trace, self.read.names
         env = dict(zip(trace.arg_names, self.inputs))  # (those read for no gradient as they are)

@@ -230,6 +230,15 @@ def test_a_read_output_of_a_program_drawing_random_numbers():
     h.register_hook(lambda g: g * 2)
     with pytest.raises(NotYetSupportedError, match="draws random numbers"):
         o.sum().backward()
+    # where the dropout's output is not backpropagated, the hook is eager's
+    hooked = []
+    for fn in (f, jf):
+        a.weight.grad = None
+        o, h = fn(torch.ones(3, 4))
+        h.register_hook(lambda g: g * 2)
+        h.sum().backward()
+        hooked.append(a.weight.grad.clone())
+    torch.testing.assert_close(hooked[1], hooked[0])
 
 
 def test_calls_without_read_outputs_have_no_node_of_their_own():
