@@ -23,26 +23,15 @@ outputs leave the Function detached (`_intermediate_views_detached`: the same me
 of anything), so an in-place update and its gradient are eager's; `_is_view()` and `._base`
 answer as for a tensor that is no view (eager: its intermediate base), a known difference.
 
-NOTE [hooks on outputs other outputs read]: in `h = tanh(a(x)); return b(h), h`, eager's `h`
-gets the gradient of both uses, `b(h)`'s and the caller's, before its hooks run and
-`retain_grad` stores it. The compiled call is one node: autograd hands a hook (or
-`retain_grad`) on the returned `h` only the caller's part, and the part through `b(h)` flows
-inside the backward unseen, so the hook's answer would be dropped or changed silently (a
-doubling hook gave wrong parameter gradients; an HF model's `hidden_states[1].retain_grad()`
-kept None). Eager's answer cannot be rebuilt once autograd has run the hook on the partial
-gradient, so the backward raises instead: the pipeline finds such outputs at compile time
-(`pipeline._outputs_read_by_outputs`: `CompiledPair.read_outputs`), the forward keeps weak
-references to them, and the backward raises where one has a hook or retains its gradient and
-an output computed from it got a gradient. Hooks on outputs no other output reads are eager's.
-Calls without such outputs do nothing more. A hook registered inside the compiled function
-runs the call eagerly (the tracer's `register_hook`).
+NOTE [outputs other outputs read] (`fulmen/read_outputs.py`): an output other outputs of the
+call are computed from (`h` in `return b(h), h`) would get, at this one node, only the
+gradient from outside the call; the outputs computed from it leave through nodes of their own.
 """
 
 from __future__ import annotations
 
 import collections
 import operator
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -86,9 +75,6 @@ class CompiledPair:
     # the input gradients reached from unused outputs alone, None as in eager (the backward runs
     # on zeros for the unused, as autograd would materialize them), and the residuals it reads
     unreached: Callable | None = None
-    # `(position, path, others)`: output leaves the outputs at `others` are computed from
-    # (NOTE [hooks on outputs other outputs read])
-    read_outputs: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     @property
     def all_outputs_differentiable(self) -> bool:
@@ -206,9 +192,6 @@ class FulmenAutogradFunction(torch.autograd.Function):
         if pair.replay is not None and pair.replay.pending:  # NOTE [eager's gradient layouts]
             ctx.first_inputs = inputs
         outputs = _intermediate_views_detached(outputs, inputs)
-        if pair.read_outputs:  # NOTE [hooks on outputs other outputs read]
-            ctx.read_outputs = [(weakref.ref(outputs[k]), path, others)
-                                for k, path, others in pair.read_outputs]
         if not pair.all_outputs_differentiable:
             ctx.mark_non_differentiable(*[
                 out for out, flag in zip(outputs, pair.differentiable_outputs)
@@ -218,8 +201,6 @@ class FulmenAutogradFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.pair.read_outputs:
-            _refuse_hooks_on_read_outputs(ctx, grads)
         if torch.is_grad_enabled():
             return (None, *_recomputed_grads(ctx, grads))
         pair: CompiledPair = ctx.pair
@@ -257,26 +238,6 @@ class FulmenAutogradFunction(torch.autograd.Function):
         if unreached:
             input_grads = [None if i in unreached else g for i, g in enumerate(input_grads)]
         return (None, *input_grads)
-
-
-def _refuse_hooks_on_read_outputs(ctx, grads) -> None:
-    """Raise where an output other outputs were computed from has a hook or retains its
-    gradient, and one of those others got a gradient (NOTE [hooks on outputs other outputs
-    read])."""
-    for ref, path, others in ctx.read_outputs:
-        out = ref()
-        if out is None or not (out._backward_hooks or out.retains_grad):
-            continue
-        if any(grads[j] is not None for j in others):
-            what = "a hook (register_hook)" if out._backward_hooks else "retain_grad()"
-            raise RuntimeError(
-                f"fulmen: {what} on output {path} (shape {tuple(out.shape)}) of a compiled "
-                "function, which other outputs of the same call are computed from: the call "
-                "is one autograd node, so the hook gets only the gradient from outside the "
-                "call, not eager's sum over all its uses (the hook already ran on that part). "
-                "Register the hook inside the compiled function (the call then runs eagerly), "
-                "return the tensor without computing other outputs from it, or call the "
-                "function eagerly")
 
 
 def _residuals(ctx, reads: frozenset[int] | None, reached: tuple[bool, ...]) -> list | None:

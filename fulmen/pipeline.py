@@ -48,15 +48,15 @@ from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.executors.torch.pooled_outputs import pooled_outputs
 from fulmen.logs import get_logger
-from fulmen.proxies import TensorProxy, differentiable_value
+from fulmen.proxies import TensorProxy
+from fulmen.read_outputs import find_read_outputs, give_outputs
 from fulmen.returned_views import replay, returned_views
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.transforms import dce, delete_last_used
 from fulmen.transforms.attention_masks import additive_attention_masks
-from fulmen.transforms.autodiff import rule_for, split_forward_backward
+from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.eager_replay import eager_replay, grads_laid_out_as_eager
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
-from fulmen.transforms.autodiff.rules import differentiable_outputs
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
 from fulmen.transforms.layer_norm_reuse import reuse_layer_norm
@@ -175,10 +175,9 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
                             unreached=_unreached_builder(unclaimed,
                                                          sum(split.differentiable_outputs)),
                             size_only=_size_only_residuals(unclaimed, len(residuals)),
-                            input_residuals=_input_residuals(traces[-1]), replay=replay,
-                            read_outputs=_outputs_read_by_outputs(
-                                computation, returned, split.differentiable_outputs))
-        fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned)
+                            input_residuals=_input_residuals(traces[-1]), replay=replay)
+        read = find_read_outputs(computation, returned, split.differentiable_outputs)
+        fn = functools.partial(_call_with_autograd, pair, split.output_spec, returned, read)
     return CompiledSegment(fn, traces, backward_traces, variants, finish_backward), seconds
 
 
@@ -196,50 +195,6 @@ def _input_residuals(forward: Trace) -> frozenset[int]:
     inputs = {p.name for p in forward.args if isinstance(p, TensorProxy)}
     return frozenset(i for i, r in enumerate(forward.output[1])
                      if isinstance(r, TensorProxy) and r.name in inputs)
-
-
-def _outputs_read_by_outputs(computation: Trace, returned, differentiable: tuple[bool, ...]
-                             ) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
-    """`(position, path, others)` for each differentiable output leaf of `computation` that
-    the differentiable output leaves at positions `others` are computed from (`h` in `return
-    b(h), h`), `path` naming it in the returned structure (NOTE [hooks on outputs other
-    outputs read] in `fulmen.autograd_bridge`), through the statements gradients flow through
-    (not an argmax's or a `detach`'s). Leaves replayed outside the Function (`returned`:
-    inputs and views) are left out: autograd sees their uses."""
-    leaves, _ = pytree.tree_flatten_with_path(computation.output)
-    replayed = {entry[0] for entry in returned}
-    kept = [k for k, (_, leaf) in enumerate(leaves) if isinstance(leaf, TensorProxy)
-            and k not in replayed and k < len(differentiable) and differentiable[k]]
-    if len(kept) < 2:
-        return ()
-    reached: dict[str, int] = {}  # name -> bits of the output leaves it is computed from
-    for k in kept:
-        name = leaves[k][1].name
-        reached[name] = reached.get(name, 0) | 1 << k
-    for bsym in computation.bsyms:
-        if Tag.NOT_DIFFERENTIABLE in bsym.sym.tags:
-            continue
-        bits = 0
-        for proxy in bsym.read_proxies:
-            bits |= reached.get(proxy.name, 0)
-        if not bits:
-            continue
-        produced = [p.name for p in bsym.proxy_outputs if differentiable_value(p)]
-        if produced and Tag.OPAQUE in bsym.sym.tags and rule_for(bsym.sym) is None:
-            # as the autodiff split asks: which outputs autograd differentiates (not `detach`'s)
-            through = differentiable_outputs(bsym, {p.name for p in bsym.read_proxies
-                                                    if p.name in reached})
-            produced = [name for name in produced if name in through]
-        for name in produced:
-            reached[name] = reached.get(name, 0) | bits
-    found = []
-    for k in kept:
-        name = leaves[k][1].name
-        others = tuple(j for j in kept if leaves[j][1].name != name
-                       and reached.get(leaves[j][1].name, 0) >> k & 1)
-        if others:
-            found.append((k, pytree.keystr(leaves[k][0]) or "the output", others))
-    return tuple(found)
 
 
 def _residuals_read(backward: Trace, count: int) -> frozenset[int]:
@@ -408,9 +363,11 @@ def _variant_builder(backward: Trace, count: int, executors: Sequence[Executor],
     return build
 
 
-def _call_with_autograd(pair: CompiledPair, output_spec, returned, *inputs):
+def _call_with_autograd(pair: CompiledPair, output_spec, returned, read, *inputs):
     outputs = run_with_autograd(pair, inputs)
-    if returned:  # NOTE [a view of an input returned]: eager's views, made outside
+    if read is not None:  # NOTE [outputs other outputs read]: their own nodes, views replayed
+        outputs = give_outputs(read, outputs, inputs, returned)
+    elif returned:  # NOTE [a view of an input returned]: eager's views, made outside
         outputs = replay(returned, inputs, outputs)
     if output_spec.is_leaf():
         return outputs[0]

@@ -2704,19 +2704,13 @@ MUTANTS: list[Mutant] = [
            ("tests/executors/test_codegen_rows.py::"
             "test_swiglu_backward_kernel_computes_one_exp",)),
     # --- session 51, h51hook: hooks / retain_grad on outputs other outputs are computed from --
-    Mutant("hooks_on_read_outputs_unchecked", "bridge", "autograd_bridge.py",
-           "            _refuse_hooks_on_read_outputs(ctx, grads)", "            pass",
+    Mutant("hooks_on_read_outputs_unchecked", "bridge", "read_outputs.py",
+           "        if torch.is_grad_enabled() or any(self.hooks) or any(",
+           "        if torch.is_grad_enabled() or any(",
            ("tests/tracer/test_output_hooks.py",)),
-    Mutant("retain_grad_on_read_outputs_unchecked", "bridge", "autograd_bridge.py",
-           "if out is None or not (out._backward_hooks or out.retains_grad):",
-           "if out is None or not out._backward_hooks:",
-           ("tests/tracer/test_output_hooks.py",)),
-    Mutant("hooked_read_output_refused_when_others_unreached", "bridge", "autograd_bridge.py",
-           "        if any(grads[j] is not None for j in others):", "        if others:",
-           ("tests/tracer/test_output_hooks.py",)),
-    Mutant("read_outputs_through_detach", "bridge", "pipeline.py",
-           "            produced = [name for name in produced if name in through]",
-           "            pass",
+    Mutant("retain_grad_on_read_outputs_unchecked", "bridge", "read_outputs.py",
+           "(out := ref()) is not None and out.retains_grad for ref, _ in self.refs.values()",
+           "False for ref, _ in self.refs.values()",
            ("tests/tracer/test_output_hooks.py",)),
     # --- session 51, h51probe2: user patterns (layouts of a fusion's torch fallback) -------
     Mutant("codegen_fallback_layout_static_only", "layout", "executors/codegen/__init__.py",
@@ -2805,4 +2799,26 @@ MUTANTS: list[Mutant] = [
            "        or mode_stack_state_for_pre_dispatch().get(0) is not None",
            "        or False",
            ("tests/tracer/test_dynamic_cost_52.py",)),
+    # --- session 52, h52grad: outputs other outputs read, behind nodes of their own -------
+    Mutant("read_output_stages_always_pass_through", "bridge", "read_outputs.py",
+           "        if torch._C._will_engine_execute_node(node.next_functions[-1][0]):\n"
+           "            return False",
+           "        if True:\n            return False",
+           ("tests/tracer/test_output_hooks.py",)),
+    Mutant("read_output_hook_dicts_not_made", "bridge", "read_outputs.py",
+           "            if out._backward_hooks is None:", "            if False:",
+           ("tests/tracer/test_read_outputs.py",)),
+    Mutant("read_output_depth_flat", "bridge", "read_outputs.py",
+           "level, found = max(level, depth.get(name, 0) + 1), found | {name}",
+           "level, found = max(level, depth.get(name, 0)), found | {name}",
+           ("tests/tracer/test_read_outputs.py",)),
+    Mutant("read_output_stage_materializes_grads", "bridge", "read_outputs.py",
+           "        ctx.set_materialize_grads(False)", "        pass",
+           ("tests/transforms/test_unused_cotangents.py::"
+            "test_hf_gpt2_with_labels_caches_and_hidden_states_trains_like_eager",)),
+    Mutant("read_output_random_stage_exact_for_parameters", "bridge", "read_outputs.py",
+           "        return stage.refused is None or self.node is None or \\\n",
+           "        return True or \\\n",
+           ("tests/models/test_hf_call_variants.py::"
+            "test_layerdrop_in_training_matches_eager_under_the_same_seed",)),
 ]
