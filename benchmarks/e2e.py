@@ -33,10 +33,12 @@ default and 0.98-1.01 with a steady heap in the same session. The steady heap co
 computations; the default, what a user gets.
 
 `--phases` times each phase of the training step instead (forward and loss, backward, optimizer;
-process CPU time, first thread count): where a gap to eager or torch.compile lies.
+process CPU time, first thread count): where a gap to eager or torch.compile lies. `--profile`
+prints `fulmen.profile` of fulmen's training step instead (CPU time): which statements of its
+traces the time goes to (`--models demo --profile --steady-heap`).
 
 Run: `python benchmarks/e2e.py [--models llama,gpt2] [--threads 1,2] [--no-compile] [--size small]
-[--steady-heap] [--phases]`
+[--steady-heap] [--phases | --profile]`
 """
 
 from __future__ import annotations
@@ -328,6 +330,21 @@ def phase_rows(case: Case, threads: int, repeat: int, compile_too: bool) -> list
             for label, record in times.items()]
 
 
+def profile_case(case: Case, threads: int, steps: int) -> None:
+    """Print `fulmen.profile` of fulmen's training step on `case` (process CPU time, medians of
+    `steps` steps): the statements of its forward and backward traces, by the traces' names,
+    behind a gap that `--phases` finds (the loss, autograd engine and optimizer are in its host
+    overhead row)."""
+    torch.set_num_threads(threads)
+    jfn = fulmen.jit(case.model)
+    train_step, _ = step_functions(case)
+    case.model.train()
+    _warm(jfn, lambda: train_step(jfn))
+    print(f"## {case.name}\n")
+    print(fulmen.profile(jfn, step=lambda: train_step(jfn), clock="cpu", steps=steps), "\n")
+    case.model.eval()
+
+
 def print_phases(rows: list[dict]) -> None:
     """The table of `phase_rows`."""
     print("| model | callable | threads | forward+loss CPU ms | backward CPU ms "
@@ -378,6 +395,9 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="instead: CPU time per training-step phase (forward and loss, "
                              "backward, optimizer) of each callable, first thread count only")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: fulmen.profile of fulmen's training step (CPU time, "
+                             "first thread count): its trace statements, slowest first")
     parser.add_argument("--steady-heap", action="store_true",
                         help="keep glibc's heap: no page faults from memory given back")
     opts = parser.parse_args()
@@ -391,12 +411,16 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     for case in make_cases(opts.size, opts.models.split(",")):
-        if opts.phases:
+        if opts.profile:
+            profile_case(case, threads_list[0], opts.repeat * opts.number)
+        elif opts.phases:
             rows += phase_rows(case, threads_list[0], opts.repeat * opts.number,
                                not opts.no_compile)
         else:
             rows += measure(case, threads_list, opts.number, opts.repeat, not opts.no_compile)
     torch.set_num_threads(initial_threads)
+    if opts.profile:
+        return
     print(f"End to end, {opts.size} configs: {platform.machine()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} at the end, "
           f"{time.perf_counter() - start:.0f} s; medians of {opts.repeat} alternating rounds of "
