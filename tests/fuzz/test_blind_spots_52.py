@@ -194,4 +194,3 @@ def test_a_fused_truncated_division_rounds_toward_zero(codegen_eager, monkeypatc
     from fulmen.executors.codegen import kernel_sources
 
     assert "trunc" in "".join(kernel_sources(fulmen.last_traces(jfn)[-1]).values())
-
