@@ -52,6 +52,7 @@ from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.library_caches import library_caches_set_aside
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
+    captured_grad_clears,
     ModuleStore,
     held_modules,
     module_stores,
@@ -415,7 +416,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 input_paths = [(proxy, leaves_with_paths[index][0])
                                for proxy, index in zip(inputs, positions)]
                 containers.record(objects.epilogue, out, input_paths)
-            clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
+            cleared, grad_clears = captured_grad_clears(
+                ctx.mutation.grad_clears, ctx.captured,
+                ctx.breaks is not None and bool(ctx.breaks.breaks))
+            clear_grads_after_each_call(cleared, objects, object_pairs)
+            stores += grad_clears  # (`model.zero_grad()` of a closed-over model)
             extras = epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             refuse_escaping_fresh(ctx, resolved, len(out_leaves))
