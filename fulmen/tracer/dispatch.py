@@ -189,6 +189,10 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.breaks = None
         # id of each parameter/buffer of the traced module -> its input proxy
         self.state_proxies: dict[int, TensorProxy] = {}
+        # id of each tensor inside an argument object (an optimizer's parameters and their
+        # gradients) -> its input proxy: the same tensor reached otherwise (the closed-over
+        # model's parameter) is that input, not a second one aliasing it
+        self.object_proxies: dict[int, TensorProxy] = {}
         # (leaf name, dtype, grad mode) -> its cast in this autocast region (NOTE [autocast's
         # cast cache])
         self.autocast_casts: dict[tuple, TensorProxy] = {}
@@ -231,6 +235,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
         if state is not None:  # a parameter or buffer of the traced module
             return state
         entry = self.captured.get(id(tensor))
+        if entry is None and id(tensor) in self.object_proxies:
+            return self.object_proxies[id(tensor)]
         if entry is None:
             if torch.nn.parameter.is_lazy(tensor):  # a lazy module's first call sizes it
                 raise LazyParameters(

@@ -350,6 +350,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
         object_pairs = objects.swap_in(make_proxy, make_object_int, stand_in)
         inputs.extend(proxy for proxy, _ in object_pairs)
+        ctx.object_proxies = {id(tensor): proxy for proxy, tensor in object_pairs}
     for _, _, proxy, _ in numbers:  # the carriers of the integers (`symbolic.carrier`)
         ctx.add_input(proxy)
         inputs.append(proxy)

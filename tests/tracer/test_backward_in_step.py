@@ -1,5 +1,6 @@
 """Training steps with their bookkeeping inside the jitted function: `model.zero_grad()` of a
-closed-over model and `optimizer.zero_grad(set_to_none=False)` compile (they ran eagerly),
+closed-over model, `optimizer.zero_grad(set_to_none=False)` and a step closing over both the
+model and its optimizer (`clip_grad_norm_(model.parameters())`) compile (they ran eagerly),
 with the parameters, gradients (None-ness too) and optimizer state of eager's loop.
 
 (`loss.backward()` inside the jitted function still runs the call eagerly: `BackwardInTrace`,
@@ -105,6 +106,39 @@ def test_optimizer_step_and_zero_grad_compile(make_opt, set_to_none):
     _same(got, want)
     stats = fulmen.compile_stats(fn)
     assert stats.eager_calls == 0 and stats.calls == 4
+
+
+def _clip_step_loop(variant: str, jit: bool):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step():  # closes over both the model and its optimizer
+        if variant == "clip":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            norm = sum(p.grad.square().sum() for p in model.parameters())
+        opt.step()
+        model.zero_grad()
+        return norm
+
+    fn = fulmen.jit(step) if jit else step
+    norms = []
+    for x, y in _batches(4):
+        F.mse_loss(model(x), y).backward()
+        norms.append(fn())
+    return norms + _state(model, opt), fn
+
+
+@pytest.mark.parametrize("variant", ["clip", "read"])
+def test_a_step_closing_over_the_model_and_its_optimizer_compiles(variant):
+    """The model's parameters and gradients, reached through the closed-over model
+    (`clip_grad_norm_(model.parameters())`, `model.zero_grad()`), are the optimizer's inputs,
+    not second inputs aliasing them (the call ran eagerly: 'may share memory, and input 9 is
+    modified in place'); the clipping scales the gradients the optimizer steps with."""
+    got, fn = _clip_step_loop(variant, True)
+    want, _ = _clip_step_loop(variant, False)
+    _same(got, want)
+    assert fulmen.compile_stats(fn).eager_calls == 0
 
 
 def test_backward_inside_the_step_runs_eagerly_with_eager_results():
