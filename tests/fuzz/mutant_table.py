@@ -2792,4 +2792,14 @@ MUTANTS: list[Mutant] = [
     Mutant("jitted_module_export_unexplained", "bridge", "wrappers.py",
            "    def __code__(self):", "    def _no_code(self):",
            ("tests/tracer/test_user_patterns_51d.py",)),
+    # --- session 52, h52step: training-step bookkeeping inside a jitted step ---------------
+    Mutant("captured_grad_clear_not_replayed", "mutation", "tracer/module_stores.py",
+           "        self.tensor.grad = None", "        pass",
+           ("tests/tracer/test_backward_in_step.py",)),
+    Mutant("optimizer_grad_flag_unchanged_refused", "mutation", "tracer/inplace_calls.py",
+           "                return flag == target.requires_grad", "                return False",
+           ("tests/tracer/test_backward_in_step.py",)),
+    Mutant("object_tensor_captured_again", "mutation", "tracer/dispatch.py",
+           "if entry is None and id(tensor) in self.object_proxies:", "if False:",
+           ("tests/tracer/test_backward_in_step.py",)),
 ]
