@@ -7,6 +7,8 @@ where it has graph breaks, `_compile_tree`) and run a trace tree, grafting new p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
+from fulmen.tracer.backward_in_trace import use_autodiff
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off
@@ -28,14 +31,27 @@ from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_classes, stored_proxies
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
+from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
+
+use_autodiff(split_forward_backward)  # `loss.backward()` inside traced code
 
 _RECOMPILES = get_logger("recompiles")
 # Held while a call reads module state or object tensors, and while a program is traced.
 _TRACING = threading.RLock()
 _BREAKS = get_logger("breaks")
 
+
+
+def _without_grad(fn):
+    """`fn` run under `torch.no_grad()`: a trace holding `loss.backward()`
+    (`fulmen.tracer.backward_in_trace`) computes its gradients itself."""
+    @functools.wraps(fn)
+    def run(*args):
+        with torch.no_grad():
+            return fn(*args)
+    return run
 
 class CompileMiss:
     """The miss path of `_Jitted` (which provides `_fn`, `_module`, `_guard`, `_stats`,
@@ -171,7 +187,12 @@ class CompileMiss:
         grad_specs = wrt = None
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
-        compiled, seconds = self._compile_trace(program.trace, wrt)
+        if program.extra.get("backward_in_trace"):  # its gradients are values of the trace
+            with torch.no_grad():
+                compiled, seconds = self._compile_trace(program.trace, wrt)
+            compiled = dataclasses.replace(compiled, fn=_without_grad(compiled.fn))
+        else:
+            compiled, seconds = self._compile_trace(program.trace, wrt)
         # tracing first, in the dict the backward adds its stages to when it compiles
         stages = dict(seconds)
         seconds.clear()

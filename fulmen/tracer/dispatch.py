@@ -54,6 +54,7 @@ from fulmen.tracer.autograd_function import (
     BACKWARD_CALLS,
     backward_refusal,
 )
+from fulmen.tracer.backward_in_trace import record_backward
 from fulmen.tracer.call_kinds import (
     _IDENTITY,
     _VALUE_DEPENDENT,
@@ -193,6 +194,11 @@ class TracerCtx(LayoutTruth, TraceCtx):
         # gradients) -> its input proxy: the same tensor reached otherwise (the closed-over
         # model's parameter) is that input, not a second one aliasing it
         self.object_proxies: dict[int, TensorProxy] = {}
+        self.object_tensors: dict[int, torch.Tensor] = {}  # (the real tensors of those ids)
+        # `loss.backward()` traced (`fulmen.tracer.backward_in_trace`): the argument-object
+        # tensors whose `.grad` it made, for the tracer's epilogue stores
+        self.backward_in_trace = False
+        self.step_grads: list[TensorProxy] = []
         # (leaf name, dtype, grad mode) -> its cast in this autocast region (NOTE [autocast's
         # cast cache])
         self.autocast_casts: dict[tuple, TensorProxy] = {}
@@ -283,7 +289,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
     def _handle(self, func, types, args, kwargs):
         if func in BACKWARD_CALLS:
-            raise backward_refusal(func)
+            if func is torch.autograd.grad:
+                raise backward_refusal(func)
+            return record_backward(self, func, args, kwargs)
         if func in _TENSOR_HOOKS:
             raise TensorHookInTrace(
                 "a tensor hook registered (or retain_grad) inside a compiled function: the "

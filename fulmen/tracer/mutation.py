@@ -398,6 +398,8 @@ class Functionalizer(InplaceCalls):
         if not self.mutated:
             return out_leaves
         differentiated = set(self.ctx.requires_grad_names) - set(self.inputs)
+        if self.ctx.backward_in_trace:  # it runs without torch.autograd: nothing saved for a
+            differentiated = set()      # backward sees the update
         if self.no_grad_updates and self.ctx.differentiable and differentiated:
             name, op, where = self.no_grad_updates[0]
             raise NoGradUpdate(

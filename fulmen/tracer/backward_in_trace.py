@@ -1,0 +1,259 @@
+"""`loss.backward()` inside traced code: a whole training step in one trace.
+
+    @fulmen.jit
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        return loss
+
+When the traced code calls `loss.backward()` (or `torch.autograd.backward(loss)`),
+`record_backward` differentiates the statements recorded so far with fulmen's own autodiff
+(`split_forward_backward`, as `fulmen.grad` does): the recorded prefix is replaced by the
+split's forward, followed by a seed of ones and the backward statements. Each gradient is then
+accumulated as eager's `AccumulateGrad` does: into the gradient the trace sees for the leaf
+(`p.grad += g`, in place, when it has one), or it becomes the leaf's gradient (`p.grad = g`).
+Later reads of `p.grad` in the trace (the optimizer's, `clip_grad_norm_`'s) see the new value,
+and the tracer stores the gradients that were None after each call (`grad_stores`), as it
+replays `p.grad = None`.
+
+Only the plain case is traced; anything else raises `BackwardInTrace` and the call runs
+eagerly (never a wrong answer):
+
+- the leaves that receive a gradient must be tensors inside argument objects (the optimizer,
+  closed over or passed: its parameters; `ctx.object_proxies`), each a real autograd leaf
+  without hooks; a gradient for any other input (a tensor argument, a closed-over tensor no
+  argument object holds, the jitted module's own parameters) is refused;
+- a one-element floating loss computed in the trace with grad enabled; no `gradient`,
+  `retain_graph`, `create_graph` or `inputs=` argument; anomaly mode off; `torch.autograd.grad`
+  is always refused;
+- no graph break before or after it (checked by the tracer at the end).
+
+A trace holding a backward is compiled and run without torch.autograd (the gradients are its
+values): its outputs do not require grad, where eager's loss does (and raises when backward is
+called on it again).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from fulmen.core import BoundSymbol, Trace
+from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
+from fulmen.ops import prims
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.autograd_function import BackwardInTrace, backward_refusal
+
+# `fulmen.transforms.autodiff.split_forward_backward`, which sits above the tracer: set by
+# `fulmen.compile_miss` when it is imported (`use_autodiff`)
+_split = None
+
+
+def use_autodiff(split) -> None:
+    """Make `record_backward` differentiate with `split` (`split_forward_backward`)."""
+    global _split
+    _split = split
+
+_SIGNATURES = {
+    torch.Tensor.backward: inspect.signature(torch.Tensor.backward),
+    torch.autograd.backward: inspect.signature(torch.autograd.backward),
+}
+
+
+def _grad_of(proxy: TensorProxy):
+    with torch._C.DisableTorchFunctionSubclass():
+        return proxy.grad
+
+
+def _set_grad(proxy: TensorProxy, value) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        proxy.grad = value
+
+
+def _plain_loss(func, args: tuple, kwargs: dict):
+    """The loss of a `backward` call without options, or None."""
+    signature = _SIGNATURES.get(func)
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    values = dict(bound.arguments)
+    loss = values.pop("self", None) if func is torch.Tensor.backward else values.pop("tensors")
+    if isinstance(loss, (tuple, list)):
+        loss = loss[0] if len(loss) == 1 else None
+    plain = all(values.get(name) in (None, False) for name in (
+        "gradient", "grad_tensors", "grad_variables", "retain_graph", "create_graph", "inputs"))
+    return loss if plain and isinstance(loss, TensorProxy) else None
+
+
+def _refusal(func, why: str) -> BackwardInTrace:
+    error = backward_refusal(func)
+    error.args = (f"{error.args[0]} ({why})", *error.args[1:]) if error.args else error.args
+    return error
+
+
+def _free_inputs(bsyms) -> tuple[TensorProxy, ...]:
+    """The proxies `bsyms` read that none of them defines, in order of first read."""
+    defined: set[str] = set()
+    free: dict[str, TensorProxy] = {}
+    for bsym in bsyms:
+        for proxy in bsym.proxy_inputs:
+            if proxy.name not in defined:
+                free.setdefault(proxy.name, proxy)
+        defined |= bsym.output_names
+    return tuple(free.values())
+
+
+def _defined(bsyms) -> set[str]:
+    names: set[str] = set()
+    for bsym in bsyms:
+        names |= bsym.output_names
+    return names
+
+
+def _all_names(bsyms) -> set[str]:
+    """Every name `bsyms` assign, inside their decompositions too."""
+    names: set[str] = set()
+    stack = list(bsyms)
+    while stack:
+        bsym = stack.pop()
+        names |= bsym.output_names
+        stack.extend(bsym.subsymbols)
+    return names
+
+
+def _renamed(proxy, name: str):
+    if isinstance(proxy, TensorProxy):
+        with torch._C.DisableTorchFunctionSubclass():
+            offset = torch.Tensor.storage_offset(proxy)
+        return TensorProxy(name, proxy.shape, proxy.dtype, proxy.device,
+                           requires_grad=proxy.requires_grad, strides=strides_of(proxy),
+                           storage_offset=offset)
+    if isinstance(proxy, ObjectProxy):
+        return ObjectProxy(name, proxy.kind)
+    return None
+
+
+def _apart(ctx, forward: list, backward: list, grads: dict, func) -> list:
+    """`backward` with each name it assigns that `forward` also assigns (inside a
+    decomposition: the split copies a decomposition's statements into the backward, names and
+    all, where forward and backward are two traces) given a new name; `grads` renamed too."""
+    taken = _all_names(forward)
+    clashes = _all_names(backward) & taken
+    if not clashes:
+        return backward
+    new: dict[str, object] = {}
+    for bsym in backward:
+        stack = [bsym]
+        while stack:
+            current = stack.pop()
+            for proxy in iter_proxies(current.output):
+                if proxy.name in clashes and proxy.name not in new:
+                    fresh = _renamed(proxy, ctx.names.new())
+                    if fresh is None:
+                        raise _refusal(func, f"the backward's name {proxy.name} is taken")
+                    new[proxy.name] = fresh
+            stack.extend(current.subsymbols)
+
+    def rename(proxy):
+        return new.get(proxy.name, proxy)
+
+    for name, grad in list(grads.items()):
+        grads[name] = rename(grad)
+    return [bsym.renamed(rename, outputs=True) for bsym in backward]
+
+
+def _real_leaf(ctx, proxy: TensorProxy):
+    """The real tensor inside an argument object that `proxy` stands for, or None."""
+    for tensor_id, candidate in ctx.object_proxies.items():
+        if candidate is proxy:
+            return ctx.object_tensors.get(tensor_id)
+    return None
+
+
+def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
+    """Record `loss.backward()` in the trace `ctx` records (see the module docstring).
+
+    Raises:
+        BackwardInTrace: a case this does not trace (the call runs eagerly).
+    """
+    loss = _plain_loss(func, args, kwargs)
+    if loss is None:
+        raise _refusal(func, "with arguments fulmen does not trace")
+    loss = ctx.mutation.resolve(loss)
+    breaks = ctx.breaks
+    if breaks is not None and (breaks.breaks or breaks.done):
+        raise _refusal(func, "after a graph break")
+    if not (torch.is_grad_enabled() and ctx.differentiable) or torch.is_anomaly_enabled() \
+            or ctx.vmap_emulation is not None:
+        raise _refusal(func, "grad mode off, anomaly mode or vmap")
+    if loss.name not in ctx.requires_grad_names or not loss.dtype.is_floating_point \
+            or any(not isinstance(size, int) for size in loss.shape) or loss.numel() != 1:
+        raise _refusal(func, "on a value that is not a one-element loss computed with grad")
+    if ctx.mutation.fresh_roots or ctx.mutation.grad_leaves:
+        raise _refusal(func, "with autograd leaves made inside the call, whose .grad eager fills")
+    if _split is None:
+        raise _refusal(func, "no autodiff installed")
+    prefix = list(ctx.bsyms)
+    free = _free_inputs(prefix)
+    wrt = [p for p in free if isinstance(p, TensorProxy) and p.requires_grad
+           and (p.dtype.is_floating_point or p.dtype.is_complex)]
+    if loss.name not in _defined(prefix):
+        raise _refusal(func, "on a value the trace did not compute")
+    trace = Trace("backward_prefix", free, tuple(prefix), loss,
+                  provenance="the statements before loss.backward()")
+    split = _split(trace, {p.name for p in wrt})
+    grads = {p.name: g for p, g in zip(trace.args, split.backward.output) if g is not None}
+    leaves = []
+    for proxy in wrt:
+        if proxy.name not in grads:
+            continue  # not reached: eager leaves its .grad as it is
+        real = _real_leaf(ctx, proxy)
+        if real is None or not real.is_leaf or not real.requires_grad:
+            raise _refusal(func, f"a gradient for {proxy.name}, which no argument object "
+                           "(optimizer) holds as a leaf")
+        if real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None):
+            raise _refusal(func, f"{proxy.name} has gradient hooks")
+        leaves.append(proxy)
+    if not leaves:
+        raise _refusal(func, "no parameter of an argument object receives a gradient")
+    forward = list(split.forward.bsyms)
+    if not _defined(prefix) <= _defined(forward):
+        raise _refusal(func, "the forward's statements change under autodiff")
+    residual_count = len(split.forward.output[1])
+    seeds = [BoundSymbol(prims.full, (tuple(c.shape), 1.0, c.dtype, c.device), {}, c)
+             for c in split.backward.args[residual_count:]]
+    for bsym in [*forward, *split.backward.bsyms]:  # names the split made: never made again
+        for name in _all_names([bsym]) | bsym.input_names:
+            ctx.names.reserve(name)
+    backward = _apart(ctx, forward, list(split.backward.bsyms), grads, func)
+    ctx.bsyms[:] = [*forward, *seeds, *backward]
+    ctx.backward_in_trace = True
+    for proxy in leaves:
+        grad = grads[proxy.name]
+        old = _grad_of(proxy)
+        if old is None:
+            _set_grad(proxy, grad)
+            if all(done is not proxy for done in ctx.step_grads):
+                ctx.step_grads.append(proxy)
+        else:  # eager's AccumulateGrad adds into the gradient in place
+            with torch.no_grad():
+                ctx.mutation.functionalize(torch.Tensor.add_, (old, grad), {})
+
+
+def grad_stores(ctx, paths: dict[str, tuple], stores: list) -> None:
+    """Append to `stores` (epilogue stores: `(root, path, step, template)`) a store of the
+    final `.grad` of each argument-object tensor whose gradient a backward in the trace made
+    (it was None): `paths` maps a proxy's name to its object path."""
+    for proxy in ctx.step_grads:
+        final = _grad_of(proxy)
+        if final is not None:
+            root, path = paths[proxy.name]
+            stores.append((root, path, ("attr", "grad"), final))
+
+
+__all__ = ["grad_stores", "record_backward", "use_autodiff"]
