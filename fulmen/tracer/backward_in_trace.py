@@ -27,7 +27,9 @@ eagerly (never a wrong answer):
 - a one-element floating loss computed in the trace with grad enabled; no `gradient`,
   `retain_graph`, `create_graph` or `inputs=` argument; anomaly mode off; `torch.autograd.grad`
   is always refused;
-- no graph break before or after it (checked by the tracer at the end).
+- no graph break before or after it (checked by the tracer at the end), and a new gradient
+  laid out as its parameter (eager's layout contract). (A loss computed from parameters an
+  earlier `opt.step()` of the call updated is refused before: `NoGradUpdate`'s read check.)
 
 A trace holding a backward is compiled and run without torch.autograd (the gradients are its
 values): its outputs do not require grad, where eager's loss does (and raises when backward is
@@ -218,6 +220,9 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
                            "(optimizer) holds as a leaf")
         if real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None):
             raise _refusal(func, f"{proxy.name} has gradient hooks")
+        if _grad_of(proxy) is None and strides_of(grads[proxy.name]) != strides_of(proxy):
+            # eager's new .grad is laid out as its parameter
+            raise _refusal(func, f"the gradient of {proxy.name} is laid out otherwise")
         leaves.append(proxy)
     if not leaves:
         raise _refusal(func, "no parameter of an argument object receives a gradient")

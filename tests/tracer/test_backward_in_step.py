@@ -37,11 +37,12 @@ def _same(got, want) -> None:
             assert a is None and b is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert a.stride() == b.stride()  # (a gradient laid out as eager's)
 
 
 def _state(model, opt=None) -> list:
     out = [p.detach().clone() for p in model.parameters()]
-    out += [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    out += [None if p.grad is None else p.grad.detach() for p in model.parameters()]
     if opt is not None:
         out += [value for per_param in opt.state.values() for value in per_param.values()
                 if isinstance(value, torch.Tensor)]
@@ -285,6 +286,7 @@ def test_a_tiny_llama_train_step():
             assert a is None and b is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert a.stride() == b.stride()
     assert fulmen.compile_stats(fn).eager_calls == 0
 
 
@@ -330,10 +332,26 @@ def _autograd_grad_step(model, opt, x, y):
     return loss
 
 
-@pytest.mark.parametrize("case", ["hook", "retain_graph", "fresh_leaf", "autograd_grad"])
+def _two_steps(model, opt, x, y):
+    """Two optimizer steps in one call: the second loss reads the updated parameters."""
+    total = 0
+    for half in (slice(0, 2), slice(2, None)):
+        loss = F.mse_loss(model(x[half]), y[half])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = total + loss
+    return total
+
+
+@pytest.mark.parametrize("case", ["hook", "retain_graph", "fresh_leaf", "autograd_grad",
+                                  "two_steps"])
 def test_what_is_not_traced_runs_eagerly_with_eager_results(case):
+    """(`two_steps`: the second loss reads parameters updated in place under no_grad, which
+    the trace's autodiff would see as computed values, not leaves: refused.)"""
     body = {"hook": _plain_step(True), "retain_graph": _retaining_step,
-            "fresh_leaf": _input_grad_step, "autograd_grad": _autograd_grad_step}[case]
+            "fresh_leaf": _input_grad_step, "autograd_grad": _autograd_grad_step,
+            "two_steps": _two_steps}[case]
     model_fn = _hooked_model if case == "hook" else _model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
