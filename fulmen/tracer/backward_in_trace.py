@@ -46,7 +46,7 @@ from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
-from fulmen.tracer.autograd_function import BackwardInTrace, backward_refusal
+from fulmen.tracer.autograd_function import backward_refusal
 
 # `fulmen.transforms.autodiff.split_forward_backward`, which sits above the tracer: set by
 # `fulmen.compile_miss` when it is imported (`use_autodiff`)
@@ -90,12 +90,6 @@ def _plain_loss(func, args: tuple, kwargs: dict):
     plain = all(values.get(name) in (None, False) for name in (
         "gradient", "grad_tensors", "grad_variables", "retain_graph", "create_graph", "inputs"))
     return loss if plain and isinstance(loss, TensorProxy) else None
-
-
-def _refusal(func, why: str) -> BackwardInTrace:
-    error = backward_refusal(func)
-    error.args = (f"{error.args[0]} ({why})", *error.args[1:]) if error.args else error.args
-    return error
 
 
 def _free_inputs(bsyms) -> tuple[TensorProxy, ...]:
@@ -157,7 +151,7 @@ def _apart(ctx, forward: list, backward: list, grads: dict, func) -> list:
                 if proxy.name in clashes and proxy.name not in new:
                     fresh = _renamed(proxy, ctx.names.new())
                     if fresh is None:
-                        raise _refusal(func, f"the backward's name {proxy.name} is taken")
+                        raise backward_refusal(func, f"the backward's name {proxy.name} is taken")
                     new[proxy.name] = fresh
             stack.extend(current.subsymbols)
 
@@ -185,27 +179,27 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
     """
     loss = _plain_loss(func, args, kwargs)
     if loss is None:
-        raise _refusal(func, "with arguments fulmen does not trace")
+        raise backward_refusal(func, "with arguments fulmen does not trace")
     loss = ctx.mutation.resolve(loss)
     breaks = ctx.breaks
     if breaks is not None and (breaks.breaks or breaks.done):
-        raise _refusal(func, "after a graph break")
+        raise backward_refusal(func, "after a graph break")
     if not (torch.is_grad_enabled() and ctx.differentiable) or torch.is_anomaly_enabled() \
             or ctx.vmap_emulation is not None:
-        raise _refusal(func, "grad mode off, anomaly mode or vmap")
+        raise backward_refusal(func, "grad mode off, anomaly mode or vmap")
     if loss.name not in ctx.requires_grad_names or not loss.dtype.is_floating_point \
             or any(not isinstance(size, int) for size in loss.shape) or loss.numel() != 1:
-        raise _refusal(func, "on a value that is not a one-element loss computed with grad")
+        raise backward_refusal(func, "on a value that is not a one-element loss computed with grad")
     if ctx.mutation.fresh_roots or ctx.mutation.grad_leaves:
-        raise _refusal(func, "with autograd leaves made inside the call, whose .grad eager fills")
+        raise backward_refusal(func, "with autograd leaves made inside the call, whose .grad eager fills")
     if _split is None:
-        raise _refusal(func, "no autodiff installed")
+        raise backward_refusal(func, "no autodiff installed")
     prefix = list(ctx.bsyms)
     free = _free_inputs(prefix)
     wrt = [p for p in free if isinstance(p, TensorProxy) and p.requires_grad
            and (p.dtype.is_floating_point or p.dtype.is_complex)]
     if loss.name not in _defined(prefix):
-        raise _refusal(func, "on a value the trace did not compute")
+        raise backward_refusal(func, "on a value the trace did not compute")
     trace = Trace("backward_prefix", free, tuple(prefix), loss,
                   provenance="the statements before loss.backward()")
     split = _split(trace, {p.name for p in wrt})
@@ -216,19 +210,19 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
             continue  # not reached: eager leaves its .grad as it is
         real = _real_leaf(ctx, proxy)
         if real is None or not real.is_leaf or not real.requires_grad:
-            raise _refusal(func, f"a gradient for {proxy.name}, which no argument object "
+            raise backward_refusal(func, f"a gradient for {proxy.name}, which no argument object "
                            "(optimizer) holds as a leaf")
         if real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None):
-            raise _refusal(func, f"{proxy.name} has gradient hooks")
+            raise backward_refusal(func, f"{proxy.name} has gradient hooks")
         if _grad_of(proxy) is None and strides_of(grads[proxy.name]) != strides_of(proxy):
             # eager's new .grad is laid out as its parameter
-            raise _refusal(func, f"the gradient of {proxy.name} is laid out otherwise")
+            raise backward_refusal(func, f"the gradient of {proxy.name} is laid out otherwise")
         leaves.append(proxy)
     if not leaves:
-        raise _refusal(func, "no parameter of an argument object receives a gradient")
+        raise backward_refusal(func, "no parameter of an argument object receives a gradient")
     forward = list(split.forward.bsyms)
     if not _defined(prefix) <= _defined(forward):
-        raise _refusal(func, "the forward's statements change under autodiff")
+        raise backward_refusal(func, "the forward's statements change under autodiff")
     residual_count = len(split.forward.output[1])
     seeds = [BoundSymbol(prims.full, (tuple(c.shape), 1.0, c.dtype, c.device), {}, c)
              for c in split.backward.args[residual_count:]]

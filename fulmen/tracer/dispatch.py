@@ -290,7 +290,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
     def _handle(self, func, types, args, kwargs):
         if func in BACKWARD_CALLS:
             if func is torch.autograd.grad:
-                raise backward_refusal(func)
+                raise backward_refusal(func, "gradients as values: use fulmen.grad")
             return record_backward(self, func, args, kwargs)
         if func in _TENSOR_HOOKS:
             raise TensorHookInTrace(
