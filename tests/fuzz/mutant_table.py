@@ -2819,4 +2819,8 @@ MUTANTS: list[Mutant] = [
     Mutant("step_backward_names_clash", "mutation", "tracer/backward_in_trace.py",
            "    if not clashes:\n        return backward", "    if True:\n        return backward",
            ("tests/tracer/test_backward_in_step.py",)),
+    Mutant("captured_grad_clear_beside_breaks", "mutation", "tracer/module_stores.py",
+           "        elif has_breaks:\n            raise UnreplayableStore(",
+           "        elif False:\n            raise UnreplayableStore(",
+           ("tests/tracer/test_backward_in_step.py",)),
 ]

@@ -79,6 +79,30 @@ def test_model_zero_grad_of_a_closed_over_model_compiles():
     assert fulmen.compile_stats(fn).eager_calls == 0
 
 
+def test_model_zero_grad_in_a_function_with_a_graph_break_runs_eagerly():
+    """With graph breaks the module stores are settled by replaying them while tracing, which
+    a gradient's clear cannot undo: such calls run eagerly, with eager's gradients."""
+    def loop(jit: bool):
+        model = _model()
+
+        def loss_fn(x, y):
+            model.zero_grad()
+            out = model(x)
+            return F.mse_loss(out if out.sum() > 0 else -out, y)
+
+        fn = fulmen.jit(loss_fn) if jit else loss_fn
+        for x, y in _batches(3):
+            fn(x, y).backward()
+        return _state(model), fn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, fn = loop(True)
+    want, _ = loop(False)
+    _same(got, want)
+    assert fulmen.compile_stats(fn).eager_calls >= 1
+
+
 def _optimizer_step_loop(make_opt, jit: bool, set_to_none: bool):
     model = _model()
     opt = make_opt(model.parameters())
