@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
-from fulmen.tracer.backward_in_trace import use_autodiff
+from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off
@@ -42,16 +41,6 @@ _RECOMPILES = get_logger("recompiles")
 _TRACING = threading.RLock()
 _BREAKS = get_logger("breaks")
 
-
-
-def _without_grad(fn):
-    """`fn` run under `torch.no_grad()`: a trace holding `loss.backward()`
-    (`fulmen.tracer.backward_in_trace`) computes its gradients itself."""
-    @functools.wraps(fn)
-    def run(*args):
-        with torch.no_grad():
-            return fn(*args)
-    return run
 
 class CompileMiss:
     """The miss path of `_Jitted` (which provides `_fn`, `_module`, `_guard`, `_stats`,
@@ -190,7 +179,8 @@ class CompileMiss:
         if program.extra.get("backward_in_trace"):  # its gradients are values of the trace
             with torch.no_grad():
                 compiled, seconds = self._compile_trace(program.trace, wrt)
-            compiled = dataclasses.replace(compiled, fn=_without_grad(compiled.fn))
+            compiled = dataclasses.replace(
+                compiled, fn=run_without_grad(compiled.fn, program.trace.output))
         else:
             compiled, seconds = self._compile_trace(program.trace, wrt)
         # tracing first, in the dict the backward adds its stages to when it compiles

@@ -32,15 +32,18 @@ eagerly (never a wrong answer):
   earlier `opt.step()` of the call updated is refused before: `NoGradUpdate`'s read check.)
 
 A trace holding a backward is compiled and run without torch.autograd (the gradients are its
-values): its outputs do not require grad, where eager's loss does (and raises when backward is
-called on it again).
+values, `run_without_grad`); an output eager would return requiring grad (the loss) requires
+grad through a spent graph: backward through it raises, as eager's does.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
@@ -255,4 +258,52 @@ def grad_stores(ctx, paths: dict[str, tuple], stores: list) -> None:
             stores.append((root, path, ("attr", "grad"), final))
 
 
-__all__ = ["grad_stores", "record_backward", "use_autodiff"]
+# the input requiring grad that makes `_SpentGraph`'s outputs require grad (never reached)
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class _SpentGraph(torch.autograd.Function):
+    """An output eager would return with a graph its `loss.backward()` already spent:
+    requires grad, and backward through it raises as eager's does."""
+
+    @staticmethod
+    def forward(ctx, tensor, anchor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (fulmen: the compiled training "
+            "step's own loss.backward() already ran through it)")
+
+
+def run_without_grad(fn, output) -> Callable:
+    """`fn` (a compiled trace holding a backward, whose output is `output`: the trace's, with
+    the user's leaves first when the tracer's epilogue adds values) run under `no_grad`; each
+    returned tensor the trace computed with grad (its proxy requires grad) comes back requiring
+    grad through a spent graph (`_SpentGraph`), as eager's loss does."""
+    nested = isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], tuple) \
+        and isinstance(output[1], tuple)
+    leaves = output[0] if nested else pytree.tree_leaves(output)
+    flags = [isinstance(p, TensorProxy) and p.requires_grad for p in leaves]
+
+    def spent(values):
+        with torch.enable_grad():
+            return [_SpentGraph.apply(v, _ANCHOR) if flag and isinstance(v, torch.Tensor) else v
+                    for v, flag in zip(values, flags)]
+
+    @functools.wraps(fn)
+    def run(*args):
+        with torch.no_grad():
+            out = fn(*args)
+        if not any(flags) or not torch.is_grad_enabled():
+            return out
+        if nested:
+            return (tuple(spent(out[0])), out[1])
+        values, spec = pytree.tree_flatten(out)
+        return pytree.tree_unflatten(spent(values), spec)
+
+    return run
+
+
+__all__ = ["grad_stores", "record_backward", "run_without_grad", "use_autodiff"]

@@ -2823,4 +2823,8 @@ MUTANTS: list[Mutant] = [
            "        elif has_breaks:\n            raise UnreplayableStore(",
            "        elif False:\n            raise UnreplayableStore(",
            ("tests/tracer/test_backward_in_step.py",)),
+    Mutant("step_loss_without_spent_graph", "bridge", "tracer/backward_in_trace.py",
+           "flags = [isinstance(p, TensorProxy) and p.requires_grad for p in leaves]",
+           "flags = [False for p in leaves]",
+           ("tests/tracer/test_backward_in_step.py",)),
 ]

@@ -314,14 +314,30 @@ def test_a_tiny_llama_train_step():
     assert fulmen.compile_stats(fn).eager_calls == 0
 
 
-def test_the_returned_loss_cannot_be_backpropagated_again():
-    """Eager's loss requires grad but its graph is spent (backward raises); the compiled
-    step's loss is a value without a graph (backward raises as well)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = fulmen.jit(lambda x, y: _plain_step(True)(model, opt, x, y))(*_batches(1)[0])
-    with pytest.raises(RuntimeError):
-        loss.backward()
+def test_the_returned_loss_requires_grad_through_a_spent_graph():
+    """Eager's loss requires grad, its graph spent by the step's backward: backward through it
+    raises. So does the compiled step's; a returned value computed without grad does not
+    require it."""
+    def outputs(jit: bool):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            return _plain_step(True)(model, opt, x, y), y * 2
+
+        fn = fulmen.jit(step) if jit else step
+        return fn(*_batches(1)[0]), fn
+
+    (loss, doubled), fn = outputs(True)
+    (eager_loss, eager_doubled), _ = outputs(False)
+    assert fulmen.compile_stats(fn).eager_calls == 0
+    assert (loss.requires_grad, doubled.requires_grad) == (eager_loss.requires_grad,
+                                                           eager_doubled.requires_grad)
+    assert loss.grad_fn is not None
+    torch.testing.assert_close(loss.detach(), eager_loss.detach())
+    for value in (loss, eager_loss):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            value.backward()
 
 
 def _hooked_model():
