@@ -176,11 +176,11 @@ class CompileMiss:
         grad_specs = wrt = None
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
-        if program.extra.get("backward_in_trace"):  # its gradients are values of the trace
+        if "spent" in program.extra:  # `loss.backward()` inside: gradients are trace values
             with torch.no_grad():
                 compiled, seconds = self._compile_trace(program.trace, wrt)
-            compiled = dataclasses.replace(
-                compiled, fn=run_without_grad(compiled.fn, program.trace.output))
+            compiled = dataclasses.replace(compiled, fn=run_without_grad(
+                compiled.fn, program.trace.output, program.extra["spent"]))
         else:
             compiled, seconds = self._compile_trace(program.trace, wrt)
         # tracing first, in the dict the backward adds its stages to when it compiles

@@ -234,6 +234,7 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
             ctx.names.reserve(name)
     backward = _apart(ctx, forward, list(split.backward.bsyms), grads, func)
     ctx.bsyms[:] = [*forward, *seeds, *backward]
+    ctx.spent_names |= _defined(prefix)
     ctx.backward_in_trace = True
     for proxy in leaves:
         grad = grads[proxy.name]
@@ -245,6 +246,41 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
         else:  # eager's AccumulateGrad adds into the gradient in place
             with torch.no_grad():
                 ctx.mutation.functionalize(torch.Tensor.add_, (old, grad), {})
+
+
+def finish_backward(ctx, trace: Trace) -> dict:
+    """What the compiled program of `trace` (recorded by `ctx`) needs to know of its backward:
+    `{}` without one, else `{"spent": names}`, the returned values requiring grad whose graph
+    eager's backward spent (computed before it, or after it from such values only:
+    `run_without_grad`).
+
+    Raises:
+        BackwardInTrace: the trace has graph breaks, or returns a value requiring grad
+            computed after the last backward (eager gives it a live graph; the trace runs
+            without torch.autograd).
+    """
+    if not ctx.backward_in_trace:
+        return {}
+    func = torch.Tensor.backward
+    if ctx.breaks is not None and ctx.breaks.breaks:
+        raise backward_refusal(func, "in a function with graph breaks")
+    inputs = {p.name for p in trace.args}
+    # values computed after the backward from the leaves, not through a spent graph only
+    live = {p.name for p in trace.args if isinstance(p, TensorProxy) and p.requires_grad}
+    for bsym in trace.bsyms:
+        if bsym.input_names & live and not bsym.output_names & ctx.spent_names:
+            live |= {p.name for p in bsym.proxy_outputs
+                     if isinstance(p, TensorProxy) and p.requires_grad}
+    spent = set()
+    for proxy in iter_proxies(trace.output):
+        if not isinstance(proxy, TensorProxy) or not proxy.requires_grad \
+                or proxy.name in inputs:
+            continue
+        if proxy.name in live:
+            raise backward_refusal(func, f"the function returns {proxy.name}, computed with "
+                                   "grad after it")
+        spent.add(proxy.name)
+    return {"spent": frozenset(spent)}
 
 
 def grad_stores(ctx, paths: dict[str, tuple], stores: list) -> None:
@@ -277,15 +313,15 @@ class _SpentGraph(torch.autograd.Function):
             "step's own loss.backward() already ran through it)")
 
 
-def run_without_grad(fn, output) -> Callable:
+def run_without_grad(fn, output, spent: frozenset[str]) -> Callable:
     """`fn` (a compiled trace holding a backward, whose output is `output`: the trace's, with
     the user's leaves first when the tracer's epilogue adds values) run under `no_grad`; each
-    returned tensor the trace computed with grad (its proxy requires grad) comes back requiring
-    grad through a spent graph (`_SpentGraph`), as eager's loss does."""
+    returned tensor computed with grad before a backward (named in `spent`) comes back
+    requiring grad through a spent graph (`_SpentGraph`), as eager's loss does."""
     nested = isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], tuple) \
         and isinstance(output[1], tuple)
     leaves = output[0] if nested else pytree.tree_leaves(output)
-    flags = [isinstance(p, TensorProxy) and p.requires_grad for p in leaves]
+    flags = [isinstance(p, TensorProxy) and p.requires_grad and p.name in spent for p in leaves]
 
     def spent(values):
         with torch.enable_grad():
@@ -306,4 +342,4 @@ def run_without_grad(fn, output) -> Callable:
     return run
 
 
-__all__ = ["grad_stores", "record_backward", "run_without_grad", "use_autodiff"]
+__all__ = ["finish_backward", "grad_stores", "record_backward", "run_without_grad", "use_autodiff"]

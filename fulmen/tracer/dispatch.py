@@ -199,6 +199,7 @@ class TracerCtx(LayoutTruth, TraceCtx):
         # tensors whose `.grad` it made, for the tracer's epilogue stores
         self.backward_in_trace = False
         self.step_grads: list[TensorProxy] = []
+        self.spent_names: set[str] = set()  # values computed before such a backward
         # (leaf name, dtype, grad mode) -> its cast in this autocast region (NOTE [autocast's
         # cast cache])
         self.autocast_casts: dict[tuple, TensorProxy] = {}

@@ -24,8 +24,7 @@ from fulmen.core.errors import RunsEagerly
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.argument_containers import ArgumentContainers
-from fulmen.tracer.autograd_function import BackwardInTrace
-from fulmen.tracer.backward_in_trace import grad_stores
+from fulmen.tracer.backward_in_trace import finish_backward, grad_stores
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
@@ -473,9 +472,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     out = None  # the call's own output refers to a tensor it made and returns
     grads = tuple((index, ctx.grad_owners[id(tensor)]) for index, tensor in enumerate(captured)
                   if id(tensor) in ctx.grad_owners)
-    if ctx.backward_in_trace and ctx.breaks is not None and ctx.breaks.breaks:
-        raise BackwardInTrace("loss.backward() in a function with graph breaks",
-                              op="torch.Tensor.backward")
+    step = finish_backward(ctx, trace)  # (a trace holding `loss.backward()`, or {})
     if grads and ctx.breaks is not None and ctx.breaks.breaks:  # (a tree's captures are fixed)
         raise UnreadGrad("computing with the .grad of a tensor the function closes over, in a "
                          "function with graph breaks", op="Tensor.grad")
@@ -499,4 +496,4 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          held_modules=tuple(held),
                          environment_reads=frozenset(environment.reads),
                          flag_reads=tuple(ctx.flag_reads.values()), captured_grads=grads,
-                         extra={"backward_in_trace": True} if ctx.backward_in_trace else {})
+                         extra=step)

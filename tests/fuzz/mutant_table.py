@@ -2824,7 +2824,7 @@ MUTANTS: list[Mutant] = [
            "        elif False:\n            raise UnreplayableStore(",
            ("tests/tracer/test_backward_in_step.py",)),
     Mutant("step_loss_without_spent_graph", "bridge", "tracer/backward_in_trace.py",
-           "flags = [isinstance(p, TensorProxy) and p.requires_grad for p in leaves]",
-           "flags = [False for p in leaves]",
+           "        spent.add(proxy.name)\n",
+           "        pass\n",
            ("tests/tracer/test_backward_in_step.py",)),
 ]

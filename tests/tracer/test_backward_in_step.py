@@ -372,6 +372,12 @@ def _autograd_grad_step(model, opt, x, y):
     return loss
 
 
+def _live_output_step(model, opt, x, y):
+    """The value returned is computed with grad after the step: eager gives it a live graph."""
+    _plain_step(True)(model, opt, x, y)
+    return F.mse_loss(model(x), y)
+
+
 def _two_steps(model, opt, x, y):
     """Two optimizer steps in one call: the second loss reads the updated parameters."""
     total = 0
@@ -385,13 +391,13 @@ def _two_steps(model, opt, x, y):
 
 
 @pytest.mark.parametrize("case", ["hook", "retain_graph", "fresh_leaf", "autograd_grad",
-                                  "two_steps"])
+                                  "two_steps", "live_output"])
 def test_what_is_not_traced_runs_eagerly_with_eager_results(case):
     """(`two_steps`: the second loss reads parameters updated in place under no_grad, which
     the trace's autodiff would see as computed values, not leaves: refused.)"""
     body = {"hook": _plain_step(True), "retain_graph": _retaining_step,
             "fresh_leaf": _input_grad_step, "autograd_grad": _autograd_grad_step,
-            "two_steps": _two_steps}[case]
+            "two_steps": _two_steps, "live_output": _live_output_step}[case]
     model_fn = _hooked_model if case == "hook" else _model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
