@@ -7,6 +7,7 @@ where it has graph breaks, `_compile_tree`) and run a trace tree, grafting new p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from fulmen.logs import get_logger
 from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
+from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off
@@ -28,8 +30,11 @@ from fulmen.tracer.seeding import seeds_inside
 from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_classes, stored_proxies
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
+from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
+
+use_autodiff(split_forward_backward)  # `loss.backward()` inside traced code
 
 _RECOMPILES = get_logger("recompiles")
 # Held while a call reads module state or object tensors, and while a program is traced.
@@ -171,7 +176,13 @@ class CompileMiss:
         grad_specs = wrt = None
         if self._grad_argnums is not None:
             wrt, grad_specs = _grad_inputs(program, args, kwargs, self._grad_argnums)
-        compiled, seconds = self._compile_trace(program.trace, wrt)
+        if "spent" in program.extra:  # `loss.backward()` inside: gradients are trace values
+            with torch.no_grad():
+                compiled, seconds = self._compile_trace(program.trace, wrt)
+            compiled = dataclasses.replace(compiled, fn=run_without_grad(
+                compiled.fn, program.trace.output, program.extra["spent"]))
+        else:
+            compiled, seconds = self._compile_trace(program.trace, wrt)
         # tracing first, in the dict the backward adds its stages to when it compiles
         stages = dict(seconds)
         seconds.clear()

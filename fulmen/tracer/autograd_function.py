@@ -113,15 +113,15 @@ class BackwardInTrace(RunsEagerly):
     """The traced function runs a backward itself (`loss.backward()`, `torch.autograd.grad`)."""
 
 
-def backward_refusal(func) -> BackwardInTrace:
+def backward_refusal(func, why: str = "") -> BackwardInTrace:
     """The error for `loss.backward()` (or `torch.autograd.backward`/`grad`) inside a
-    compiled function: the trace is the forward, and fulmen derives its backward itself, so
-    `fulmen.jit` runs such a call eagerly (a whole training step: forward, backward, optimizer)
-    and raises this error only with `fullgraph=True`."""
+    compiled function in a case `fulmen.tracer.backward_in_trace` does not trace (`why`):
+    `fulmen.jit` runs such a call eagerly and raises this error only with `fullgraph=True`."""
     op, spelling = BACKWARD_CALLS[func]
+    because = f" ({why})" if why else ""
     return BackwardInTrace(
-        f"{spelling} inside a compiled function: fulmen compiles the forward and derives its "
-        "backward; the backward cannot run in the middle of the trace",
+        f"{spelling} inside a compiled function{because}: fulmen traces a plain backward of a "
+        "one-element loss whose gradients go to an optimizer's parameters, and no other",
         op=op, where=user_source_location(),
         hint="compile the forward and the loss, and call backward on the result: loss = "
         "fulmen.jit(model_and_loss)(batch); loss.backward(); optimizer.step() (the optimizer "

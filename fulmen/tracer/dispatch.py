@@ -54,6 +54,7 @@ from fulmen.tracer.autograd_function import (
     BACKWARD_CALLS,
     backward_refusal,
 )
+from fulmen.tracer.backward_in_trace import record_backward
 from fulmen.tracer.call_kinds import (
     _IDENTITY,
     _VALUE_DEPENDENT,
@@ -189,6 +190,16 @@ class TracerCtx(LayoutTruth, TraceCtx):
         self.breaks = None
         # id of each parameter/buffer of the traced module -> its input proxy
         self.state_proxies: dict[int, TensorProxy] = {}
+        # id of each tensor inside an argument object (an optimizer's parameters and their
+        # gradients) -> its input proxy: the same tensor reached otherwise (the closed-over
+        # model's parameter) is that input, not a second one aliasing it
+        self.object_proxies: dict[int, TensorProxy] = {}
+        self.object_tensors: dict[int, torch.Tensor] = {}  # (the real tensors of those ids)
+        # `loss.backward()` traced (`fulmen.tracer.backward_in_trace`): the argument-object
+        # tensors whose `.grad` it made, for the tracer's epilogue stores
+        self.backward_in_trace = False
+        self.step_grads: list[TensorProxy] = []
+        self.spent_names: set[str] = set()  # values computed before such a backward
         # (leaf name, dtype, grad mode) -> its cast in this autocast region (NOTE [autocast's
         # cast cache])
         self.autocast_casts: dict[tuple, TensorProxy] = {}
@@ -231,6 +242,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
         if state is not None:  # a parameter or buffer of the traced module
             return state
         entry = self.captured.get(id(tensor))
+        if entry is None and id(tensor) in self.object_proxies:
+            return self.object_proxies[id(tensor)]
         if entry is None:
             if torch.nn.parameter.is_lazy(tensor):  # a lazy module's first call sizes it
                 raise LazyParameters(
@@ -277,7 +290,9 @@ class TracerCtx(LayoutTruth, TraceCtx):
 
     def _handle(self, func, types, args, kwargs):
         if func in BACKWARD_CALLS:
-            raise backward_refusal(func)
+            if func is torch.autograd.grad:
+                raise backward_refusal(func, "gradients as values: use fulmen.grad")
+            return record_backward(self, func, args, kwargs)
         if func in _TENSOR_HOOKS:
             raise TensorHookInTrace(
                 "a tensor hook registered (or retain_grad) inside a compiled function: the "

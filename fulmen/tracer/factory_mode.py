@@ -151,6 +151,11 @@ class FactoryMode(TorchFunctionMode):
                     and _keyed_read(func, sys._getframe(1).f_code):
                 # keyed from now on (NOTE [flags of closed-over tensors])
                 note_flag_read(self.ctx, args[0], _FLAG_GETS[func])
+                if func == _GRAD_GET and self.ctx.backward_in_trace \
+                        and id(args[0]) in self.ctx.object_proxies:
+                    # a leaf of `loss.backward()` in the trace: the gradient it made
+                    with torch._C.DisableTorchFunctionSubclass():
+                        return self.ctx.object_proxies[id(args[0])].grad
             elif func == _GRAD_GET and _unread_grad(args[0], sys._getframe(1)):
                 what = f"the tensor argument {args[0].name}" if isinstance(
                     args[0], TensorProxy) else "a tensor the function reaches (a module's parameter)"

@@ -100,6 +100,11 @@ class InplaceCalls:
         if not isinstance(target, TensorProxy) or not isinstance(flag, bool):
             return False
         if target.name in self.inputs:  # a closed-over gradient's flag is keyed
+            if not any(proxy is target for _, proxy in self.ctx.captured.values()):
+                # an argument's tensor, or one inside an argument object (an optimizer's
+                # `p.grad`, which its `zero_grad(set_to_none=False)` sets to False): the cache
+                # key holds its flag
+                return flag == target.requires_grad
             grad = keyed_gradient(self.ctx, target)
             return grad is not None and flag == grad.requires_grad
         return flag == (self.ctx.differentiable and target.name in self.ctx.requires_grad_names)

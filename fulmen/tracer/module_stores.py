@@ -148,6 +148,46 @@ class ModuleStore:
             attrs[self.key] = self.value
 
 
+@dataclass(frozen=True)
+class GradClear:
+    """`tensor.grad = None` on a tensor the function closes over (a parameter of a closed-over
+    model: `model.zero_grad()` in a jitted step), replayed after each call as a module store
+    is. The tensor is a captured input of the trace, the same object on every call."""
+
+    tensor: torch.Tensor
+    key: str = "grad"
+    traced: bool = False
+
+    def replay(self) -> None:
+        self.tensor.grad = None
+
+
+def captured_grad_clears(cleared: list[TensorProxy], captured: dict, has_breaks: bool,
+                         ) -> tuple[list[TensorProxy], list[GradClear]]:
+    """Split the tensors whose `.grad` the traced code set to None into those it closes over
+    (`captured`, the tracer's table: id -> (tensor, proxy)), whose clears are returned as
+    `GradClear` stores, and the rest (argument objects' tensors: epilogue stores).
+
+    Raises:
+        UnreplayableStore: a closed-over tensor's `.grad` is cleared in a function with graph
+            breaks (whose module stores are settled by replaying them while tracing, which a
+            gradient's clear cannot undo).
+    """
+    by_proxy = {id(proxy): tensor for tensor, proxy in captured.values()}
+    rest, clears = [], []
+    for proxy in cleared:
+        tensor = by_proxy.get(id(proxy))
+        if tensor is None:
+            rest.append(proxy)
+        elif has_breaks:
+            raise UnreplayableStore(
+                f"setting the .grad of {proxy.name}, a tensor the function closes over, in a "
+                "function with graph breaks", op="Tensor.grad")
+        elif all(clear.tensor is not tensor for clear in clears):
+            clears.append(GradClear(tensor))
+    return rest, clears
+
+
 def _is_module(value: Any) -> bool:
     return isinstance(value, torch.nn.Module)
 

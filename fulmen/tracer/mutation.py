@@ -398,6 +398,8 @@ class Functionalizer(InplaceCalls):
         if not self.mutated:
             return out_leaves
         differentiated = set(self.ctx.requires_grad_names) - set(self.inputs)
+        if self.ctx.backward_in_trace:  # it runs without torch.autograd: nothing saved for a
+            differentiated = set()      # backward sees the update
         if self.no_grad_updates and self.ctx.differentiable and differentiated:
             name, op, where = self.no_grad_updates[0]
             raise NoGradUpdate(
@@ -422,7 +424,8 @@ class Functionalizer(InplaceCalls):
                     "a value that requires grad", op=root.op, where=root.source,
                     hint="detach the value (or update it under torch.no_grad()) to compile "
                     "the call")
-        if self.ctx.differentiable and self.ctx.requires_grad_names:
+        if self.ctx.differentiable and self.ctx.requires_grad_names \
+                and not self.ctx.backward_in_trace:  # (such a trace is never split)
             self._snapshot_mutated_inputs()
         for name, root in self.roots.items():
             if name not in self.inputs or root.value is root.proxy:

@@ -24,6 +24,7 @@ from fulmen.core.errors import RunsEagerly
 from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.argument_containers import ArgumentContainers
+from fulmen.tracer.backward_in_trace import finish_backward, grad_stores
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.breaks import BreakInfo, BreakRecorder
 from fulmen.tracer.call_constants import copy_of, made_during_the_call
@@ -53,6 +54,7 @@ from fulmen.tracer.library_caches import library_caches_set_aside
 from fulmen.tracer.library_flags import answered_for_proxies
 from fulmen.tracer.module_stores import (
     ModuleStore,
+    captured_grad_clears,
     held_modules,
     module_stores,
     refuse_held,
@@ -349,6 +351,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
         object_pairs = objects.swap_in(make_proxy, make_object_int, stand_in)
         inputs.extend(proxy for proxy, _ in object_pairs)
+        ctx.object_proxies = {id(tensor): proxy for proxy, tensor in object_pairs}
+        ctx.object_tensors = {id(tensor): tensor for _, tensor in object_pairs}
     for _, _, proxy, _ in numbers:  # the carriers of the integers (`symbolic.carrier`)
         ctx.add_input(proxy)
         inputs.append(proxy)
@@ -415,7 +419,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                 input_paths = [(proxy, leaves_with_paths[index][0])
                                for proxy, index in zip(inputs, positions)]
                 containers.record(objects.epilogue, out, input_paths)
-            clear_grads_after_each_call(ctx.mutation.grad_clears, objects, object_pairs)
+            cleared, grad_clears = captured_grad_clears(
+                ctx.mutation.grad_clears, ctx.captured,
+                ctx.breaks is not None and bool(ctx.breaks.breaks))
+            clear_grads_after_each_call(cleared, objects, object_pairs)
+            if ctx.step_grads:  # gradients a `loss.backward()` in the trace made
+                grad_stores(ctx, {proxy.name: objects.tensor_paths[index] for index, (proxy, _)
+                                  in enumerate(object_pairs)}, objects.epilogue.stores)
+            stores += grad_clears  # (`model.zero_grad()` of a closed-over model)
             extras = epilogue_values(objects, out_leaves)
             resolved = ctx.mutation.finish([*out_leaves, *extras])
             refuse_escaping_fresh(ctx, resolved, len(out_leaves))
@@ -461,6 +472,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     out = None  # the call's own output refers to a tensor it made and returns
     grads = tuple((index, ctx.grad_owners[id(tensor)]) for index, tensor in enumerate(captured)
                   if id(tensor) in ctx.grad_owners)
+    step = finish_backward(ctx, trace)  # (a trace holding `loss.backward()`, or {})
     if grads and ctx.breaks is not None and ctx.breaks.breaks:  # (a tree's captures are fixed)
         raise UnreadGrad("computing with the .grad of a tensor the function closes over, in a "
                          "function with graph breaks", op="Tensor.grad")
@@ -483,4 +495,5 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
                          int_positions=tuple(position for position, *_ in numbers),
                          held_modules=tuple(held),
                          environment_reads=frozenset(environment.reads),
-                         flag_reads=tuple(ctx.flag_reads.values()), captured_grads=grads)
+                         flag_reads=tuple(ctx.flag_reads.values()), captured_grads=grads,
+                         extra=step)

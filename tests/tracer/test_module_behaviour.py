@@ -294,26 +294,29 @@ def _training_step(model, optimizer, x, y):
     return loss
 
 
-def test_a_whole_training_step_with_backward_inside_runs_eagerly_and_equals_eager():
+def test_a_whole_training_step_with_backward_inside_compiles_and_equals_eager():
+    """(It ran eagerly before session 52: `fulmen.tracer.backward_in_trace`.) Compiled, the
+    backward sums in another order than eager's, so not bit for bit; the activation comes
+    before the batch norm: a linear layer's bias right before a batch norm gets a gradient of
+    rounding noise only, which AdamW scales to full steps in either direction."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
-                                torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(),
+                                torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 3))
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     step = fulmen.jit(_training_step)
-    with pytest.warns(UserWarning, match="inside a compiled function"):
-        for i in range(4):
-            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-            torch.manual_seed(i)
-            expected = _training_step(model, opt, x, y)
-            torch.manual_seed(i)
-            got = step(twin, twin_opt, x, y)
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for i in range(4):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        torch.manual_seed(i)
+        expected = _training_step(model, opt, x, y)
+        torch.manual_seed(i)
+        got = step(twin, twin_opt, x, y)
+        torch.testing.assert_close(got, expected.detach())
     for mine, theirs in zip(twin.state_dict().values(), model.state_dict().values()):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-    assert fulmen.compile_stats(step).eager_calls == 4
-    assert fulmen.cache_misses(step) == 4 and not fulmen.last_traces(step)  # never traced again
+        torch.testing.assert_close(mine, theirs)
+    assert fulmen.compile_stats(step).eager_calls == 0
 
 
 def test_a_gradient_penalty_with_autograd_grad_inside_runs_eagerly():
