@@ -21,6 +21,7 @@ from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.host_floats import items_read_at_run_time
+from fulmen.tracer.host_output import catch_prints
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off
 from fulmen.tracer.module_stores import make_module_stores
@@ -62,7 +63,8 @@ class CompileMiss:
         global_holders = self._guard.global_snapshots()
         given = answers_given()
         try:
-            with contextlib.nullcontext() if self._library_answers else library_answers_off():
+            with contextlib.nullcontext() if self._library_answers else library_answers_off(), \
+                    catch_prints() as prints:
                 program = trace_program(self._fn, args, kwargs, module=self._module,
                                         allow_breaks=self._eager_allowed,
                                         dynamic=dynamic, replay_stores=True,
@@ -108,6 +110,10 @@ class CompileMiss:
                 "store", op="store",
                 hint="keep changing state in a module attribute or an argument object, whose "
                 "stores fulmen replays")
+        if prints.wrote:  # a compiled call would not print (fulmen.tracer.host_output)
+            restore_classes(classes)
+            host_random.restore()
+            prints.refuse_writes()
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._guard.watch_environment(program.environment_reads)

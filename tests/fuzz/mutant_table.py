@@ -2792,4 +2792,9 @@ MUTANTS: list[Mutant] = [
     Mutant("jitted_module_export_unexplained", "bridge", "wrappers.py",
            "    def __code__(self):", "    def _no_code(self):",
            ("tests/tracer/test_user_patterns_51d.py",)),
+    # --- session 52, h52probe: user patterns (prints in traced code) -------------------
+    Mutant("print_in_trace_compiled", "bridge", "compile_miss.py",
+           "        if prints.wrote:  # a compiled call would not print",
+           "        if False:  # a compiled call would not print",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

@@ -1,0 +1,61 @@
+"""User patterns probed in session 52 (h52probe): debugging prints inside a jitted function
+print what eager prints, on every call, and a function that prints nothing stays compiled."""
+
+import contextlib
+import io
+
+import torch
+from torch import nn
+
+import fulmen
+
+
+class _Printing(nn.Module):
+    """A model with a debugging print in its forward (`print(x.shape)`, `print(x)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        print("h", h.shape, h)
+        return h.relu()
+
+
+def _printed(call, x) -> tuple[str, torch.Tensor]:
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        out = call(x)
+    return text.getvalue(), out
+
+
+def test_a_print_in_forward_prints_eagers_text_on_every_call():
+    """A compiled call runs no Python: the print ran while tracing only, and printed the
+    traced tensor as its placeholder (`<TensorProxy t0: ...>`); calls served from the cache
+    printed nothing."""
+    torch.manual_seed(0)
+    model = _Printing()
+    jmodel = fulmen.jit(model)
+    inputs = [torch.randn(4, 3), torch.randn(4, 3)]
+    for x in [*inputs, inputs[0]]:  # the third call has the first call's key
+        want_text, want = _printed(model, x)
+        got_text, got = _printed(jmodel, x)
+        assert got_text == want_text, (got_text, want_text)
+        assert "tensor(" in got_text and "Proxy" not in got_text
+        torch.testing.assert_close(got, want)
+
+
+def test_output_other_code_writes_is_not_taken_for_a_print():
+    """Only what the traced function prints refuses the trace: a function without a print
+    is compiled, while the caller's own prints around the calls still reach stdout."""
+    jfn = fulmen.jit(lambda x: x * 2 + 1)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        for i in range(3):
+            print("step", i)
+            torch.testing.assert_close(jfn(torch.full((2,), float(i))),
+                                       torch.full((2,), 2.0 * i + 1))
+    assert text.getvalue() == "step 0\nstep 1\nstep 2\n"
+    stats = fulmen.compile_stats(jfn)
+    assert stats.calls == 3 and stats.eager_calls == 0
