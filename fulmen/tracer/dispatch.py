@@ -104,6 +104,12 @@ class CapturedOffsetRead(RunsEagerly):
     call runs eagerly."""
 
 
+class StorageIdentityRead(RunsEagerly):
+    """The traced code asks where a tensor's memory lies (`x.data_ptr()`,
+    `x.untyped_storage()`: packed-projection or alignment checks): no trace can answer or
+    guard it (every call's tensors lie elsewhere), so the call runs eagerly."""
+
+
 class LazyBitQuery(RunsEagerly):
     """The traced code asks whether a tensor's conjugate or negative bit is set (`z.is_conj()`,
     true of `z.conj()` until it is resolved): a proxy carries neither bit, nor does the cache
@@ -297,6 +303,12 @@ class TracerCtx(LayoutTruth, TraceCtx):
             if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
                 args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))
                 return self.breaks.take_value(func, args, kwargs)
+            if func in _IDENTITY:
+                raise StorageIdentityRead(
+                    f"{_VALUE_DEPENDENT[func]} asks where a traced tensor's memory lies, which "
+                    "a compiled call cannot answer", op=_func_name(func),
+                    where=user_source_location(),
+                    hint="compare tensors with `is`, or decide outside the compiled function")
             raise FulmenError(
                 f"{_VALUE_DEPENDENT[func]} needs the tensor's value, which is unknown while tracing",
                 op=_func_name(func),

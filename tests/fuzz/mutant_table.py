@@ -2797,4 +2797,8 @@ MUTANTS: list[Mutant] = [
            "        if prints.wrote:  # a compiled call would not print",
            "        if False:  # a compiled call would not print",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("storage_identity_read_raises", "bridge", "tracer/dispatch.py",
+           "            if func in _IDENTITY:\n                raise StorageIdentityRead(",
+           "            if False:\n                raise StorageIdentityRead(",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

@@ -59,3 +59,20 @@ def test_output_other_code_writes_is_not_taken_for_a_print():
     assert text.getvalue() == "step 0\nstep 1\nstep 2\n"
     stats = fulmen.compile_stats(jfn)
     assert stats.calls == 3 and stats.eager_calls == 0
+
+
+def _shares_storage(x, y):
+    """Packed attention's check (`q.data_ptr() == k.data_ptr()`), or an alignment check of a
+    kernel choice (HF's grouped-mm `weight.data_ptr() % 16`)."""
+    same = x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    return x * 2 if same or x.data_ptr() % 16 else x * 3
+
+
+def test_a_storage_identity_question_runs_the_call_eagerly():
+    """`data_ptr()` / `untyped_storage()` of a traced tensor has no answer a trace can guard:
+    the call raised a FulmenError ('needs the tensor's value') where eager runs."""
+    base = torch.randn(4, 3)
+    jfn = fulmen.jit(_shares_storage)
+    for x, y in [(base, base[1:]), (base, torch.randn(4, 3)), (base[1:], base)]:
+        torch.testing.assert_close(jfn(x, y), _shares_storage(x, y))
+    assert fulmen.compile_stats(jfn).eager_calls == 3
