@@ -414,9 +414,10 @@ MUTANTS: list[Mutant] = [
            'if type(sub).__module__.startswith("torch.distributed") or isinstance(',
            "if False and isinstance(", ("tests/tracer/test_distributed.py",)),
     Mutant("tensor_format_repr", "decomposition", "proxies/tensor.py",
-           "                not is_internal(sys._getframe(1).f_code.co_filename):\n"
-           "            return ctx.torch_function(",
-           "                False:\n            return ctx.torch_function(", SHARP),
+           "        if _read_by_user_code():\n"
+           "            return get_tracectx().torch_function(torch.Tensor.__format__",
+           "        if False:\n            return get_tracectx().torch_function(torch.Tensor.__format__",
+           SHARP),
     Mutant("data_set_always_noop", "mutation", "tracer/inplace_calls.py",
            "return bsym.sym.torch_fn in _DETACHES and bool(bsym.args) and isinstance(",
            "return True or isinstance(", SHARP),
@@ -2801,4 +2802,13 @@ MUTANTS: list[Mutant] = [
            "            if func in _IDENTITY:\n                raise StorageIdentityRead(",
            "            if False:\n                raise StorageIdentityRead(",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("tensor_str_placeholder", "decomposition", "proxies/tensor.py",
+           "        if _read_by_user_code():\n"
+           "            return get_tracectx().torch_function(torch.Tensor.__repr__",
+           "        if False:\n            return get_tracectx().torch_function(torch.Tensor.__repr__",
+           ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("user_text_caller_frame", "decomposition", "proxies/tensor.py",
+           "not is_internal(sys._getframe(2).f_code.co_filename)",
+           "not is_internal(sys._getframe(1).f_code.co_filename)",
+           ("tests/tracer/test_user_patterns_52.py", *SHARP)),
 ]

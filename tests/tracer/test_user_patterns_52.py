@@ -76,3 +76,18 @@ def test_a_storage_identity_question_runs_the_call_eagerly():
     for x, y in [(base, base[1:]), (base, torch.randn(4, 3)), (base[1:], base)]:
         torch.testing.assert_close(jfn(x, y), _shares_storage(x, y))
     assert fulmen.compile_stats(jfn).eager_calls == 3
+
+
+def _described(x):
+    """Text of a tensor used by the program (`str(t)`, `repr(t)`, `"%s" % t`)."""
+    text = str(x) + repr(x[0]) + "%s" % x.sum()  # noqa: UP031 - the spelling is the test
+    return x * len(text)
+
+
+def test_a_tensors_text_read_by_the_program_is_eagers():
+    """`str(t)` of a traced tensor gave the placeholder `<TensorProxy t0: ...>` (as `f"{t}"`
+    did before it broke the graph): a silently wrong length here, a wrong log line."""
+    jfn = fulmen.jit(_described)
+    for x in [torch.ones(2, 3), torch.full((2, 3), 100.0), torch.ones(2, 3)]:
+        torch.testing.assert_close(jfn(x), _described(x))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
