@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +64,17 @@ _INPLACE_DUNDER_TO_OUT = {
     "__ixor__": "__xor__", "__ilshift__": "__lshift__", "__irshift__": "__rshift__",
     "__imatmul__": "__matmul__",
 }  # fmt: skip
+
+
+def _beside(func, out_name: str):
+    """The out-of-place op next to the in-place function `func` that is no tensor method
+    (`F.hardtanh_` is `torch._C._nn.hardtanh_`, beside `torch._C._nn.hardtanh`; `torch.selu_`
+    beside `torch.selu`): ATen's pairs take the same arguments. None where there is none."""
+    home = getattr(func, "__self__", None)
+    if not isinstance(home, types.ModuleType):
+        home = sys.modules.get(getattr(func, "__module__", None) or "")
+    found = getattr(home, out_name, None) if home is not None else None
+    return found if callable(found) else None
 
 
 def _as_number(value):
@@ -163,7 +176,7 @@ class InplaceCalls:
                                        "keyword)", op=label, where=user_source_location())
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with ctx.internal():
-            value = self._out_of_place(name, r_args, r_kwargs, label)
+            value = self._out_of_place(name, r_args, r_kwargs, label, func)
         self.mutate(target, value, label, start)
         return target
 
@@ -212,7 +225,8 @@ class InplaceCalls:
             return None
         return targets[0] if len(targets) == 1 else tuple(targets)
 
-    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str) -> TensorProxy:
+    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str,
+                      func=None) -> TensorProxy:
         self_value, rest = args[0], args[1:]
         if name == "copy_":
             src = rest[0] if rest else kwargs["src"]
@@ -228,7 +242,7 @@ class InplaceCalls:
             value = rest[0] if rest else kwargs["value"]
             return self._overwrite(self_value, torch.full_like(self_value, value))
         out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
-        out_fn = getattr(T, out_name, None)
+        out_fn = getattr(T, out_name, None) or _beside(func, out_name)
         if name in _RANDOM_INPLACE and name != "bernoulli_":  # (bernoulli_ takes a tensor p)
             # their bounds and parameters are Python numbers, which eager also reads from a 0-d
             # tensor (`uniform_(-mag, mag)`, HF's NEFTune): its value, a graph break here

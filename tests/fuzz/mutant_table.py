@@ -2811,4 +2811,8 @@ MUTANTS: list[Mutant] = [
            "not is_internal(sys._getframe(2).f_code.co_filename)",
            "not is_internal(sys._getframe(1).f_code.co_filename)",
            ("tests/tracer/test_user_patterns_52.py", *SHARP)),
+    Mutant("inplace_function_as_method", "mutation", "tracer/inplace_calls.py",
+           "out_fn = getattr(T, out_name, None) or _beside(func, out_name)",
+           "out_fn = getattr(T, out_name, None)",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

@@ -1,9 +1,11 @@
-"""User patterns probed in session 52 (h52probe): debugging prints inside a jitted function
-print what eager prints, on every call, and a function that prints nothing stays compiled."""
+"""User patterns probed in session 52 (h52probe), each compared with eager: debugging prints
+and a tensor's text inside a jitted function, storage-identity checks (`data_ptr()`), in-place
+activation functions that are no tensor method (`F.leaky_relu_`)."""
 
 import contextlib
 import io
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,3 +93,40 @@ def test_a_tensors_text_read_by_the_program_is_eagers():
     for x in [torch.ones(2, 3), torch.full((2, 3), 100.0), torch.ones(2, 3)]:
         torch.testing.assert_close(jfn(x), _described(x))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+_FUNCTION_ONLY_INPLACE = {  # in-place functions that are no tensor method (`torch._C._nn`'s)
+    "hardtanh_": lambda x: torch.nn.functional.hardtanh_(x, -0.5, 0.5),
+    "elu_": lambda x: torch.nn.functional.elu_(x, 0.7),
+    "leaky_relu_": lambda x: torch.nn.functional.leaky_relu_(x, 0.2),
+    "threshold_": lambda x: torch.nn.functional.threshold_(x, 0.1, 5.0),
+    "rrelu_": lambda x: torch.nn.functional.rrelu_(x, training=False),
+}
+
+
+@pytest.mark.parametrize("name", list(_FUNCTION_ONLY_INPLACE))
+def test_in_place_activation_functions_train_and_mutate_as_eager(name):
+    """`F.leaky_relu_(h, 0.2)` (a function only; `h.leaky_relu_` does not exist) was recorded
+    as the method `h.leaky_relu_(...)`: AttributeError, raised as a FulmenError where eager
+    runs. On an intermediate with gradients, and on an argument (row 0 a view of it)."""
+    activation = _FUNCTION_ONLY_INPLACE[name]
+
+    def on_intermediate(x):
+        return activation(x * 2) + x
+
+    def on_argument(x):
+        activation(x[0])
+        return activation(x) * 3
+
+    jfn, jarg = fulmen.jit(on_intermediate), fulmen.jit(on_argument)
+    for seed in range(2):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        want, got = on_intermediate(x), jfn(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x),
+                                   torch.autograd.grad(want.sum(), x))
+        a, b = x.detach().clone(), x.detach().clone()
+        torch.testing.assert_close(jarg(b), on_argument(a))
+        torch.testing.assert_close(b, a)
+    for jitted in (jfn, jarg):
+        assert fulmen.compile_stats(jitted).eager_calls == 0
