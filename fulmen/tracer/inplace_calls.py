@@ -14,7 +14,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_random, setitem
 from fulmen.ops.meta import call_on_meta
@@ -64,6 +64,11 @@ _INPLACE_DUNDER_TO_OUT = {
     "__ixor__": "__xor__", "__ilshift__": "__lshift__", "__irshift__": "__rshift__",
     "__imatmul__": "__matmul__",
 }  # fmt: skip
+
+
+class OpWritingArguments(RunsEagerly):
+    """The traced code calls an op through `torch.ops` that writes its arguments (`out=`, or a
+    mutable argument of a user's `torch.library.custom_op`): the call runs eagerly."""
 
 
 def _beside(func, out_name: str):
@@ -129,10 +134,12 @@ class InplaceCalls:
         if isinstance(func, torch._ops.OpOverload):  # `torch.ops.aten.add_.Tensor(x, y)`
             name, label = func.overloadpacket.__name__, str(func)
             if not name.endswith("_") or kwargs.get("out") is not None:
-                raise NotYetSupportedError(
-                    "an ATen op that writes its arguments (out= or a mutable argument), called "
-                    "through torch.ops", op=label, where=user_source_location(),
-                    hint="call the in-place method (x.add_(y)) or the op without out=")
+                raise OpWritingArguments(  # (a user's `torch.library.custom_op` that mutates)
+                    "an op that writes its arguments (out= or a mutable argument: a custom op "
+                    "with mutates_args) is called through torch.ops, which fulmen does not "
+                    "record functionally", op=label, where=user_source_location(),
+                    hint="call the in-place method (x.add_(y)) or the op without out=; a "
+                    "custom op may return new tensors instead of writing its arguments")
         if kwargs.get("out") is not None:
             return self._out_variant(func, args, kwargs, label, start)
         if func in (F.batch_norm, torch.batch_norm):

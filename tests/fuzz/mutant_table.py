@@ -2815,4 +2815,8 @@ MUTANTS: list[Mutant] = [
            "out_fn = getattr(T, out_name, None) or _beside(func, out_name)",
            "out_fn = getattr(T, out_name, None)",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("custom_op_writes_raise", "mutation", "tracer/inplace_calls.py",
+           "                raise OpWritingArguments(  # (a user's",
+           "                raise NotYetSupportedError(  # (a user's",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

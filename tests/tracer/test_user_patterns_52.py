@@ -130,3 +130,32 @@ def test_in_place_activation_functions_train_and_mutate_as_eager(name):
         torch.testing.assert_close(b, a)
     for jitted in (jfn, jarg):
         assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+@torch.library.custom_op("fulmen_test52::accumulate", mutates_args=("total",))
+def _accumulate(x: torch.Tensor, total: torch.Tensor) -> None:
+    """A user's custom op that writes one of its arguments (a cache or accumulator update)."""
+    total.add_(x)
+
+
+@_accumulate.register_fake
+def _(x, total):
+    return None
+
+
+def _step(x, total):
+    _accumulate(x * 2, total)
+    return total + 1
+
+
+def test_a_custom_op_that_writes_its_arguments_runs_as_eager():
+    """`torch.library.custom_op(..., mutates_args=...)` reaches the tracer as an OpOverload that
+    writes an argument, which fulmen does not functionalize: the call raised
+    NotYetSupportedError where eager runs; it now runs eagerly, with eager's writes."""
+    jfn = fulmen.jit(_step)
+    for seed in range(2):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+        want_total, got_total = torch.ones(3), torch.ones(3)
+        torch.testing.assert_close(jfn(x, got_total), _step(x, want_total))
+        torch.testing.assert_close(got_total, want_total)
+    assert fulmen.compile_stats(jfn).eager_calls == 2
