@@ -310,6 +310,12 @@ class InplaceCalls:
                 raise NotYetSupportedError("out= with this op", op=label,
                                            where=user_source_location())
             _check_out_dtypes(func, r_args, r_kwargs, results, targets, self.resolve, label)
+            if any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)
+                   and tuple(r.shape) != tuple(t.shape) for r, t in zip(results, targets)):
+                raise MetadataMutation(  # eager resizes it (warning when it was not empty)
+                    "an out= tensor of another shape than the result, which eager resizes",
+                    op=label, where=user_source_location(),
+                    hint="pass an out= tensor of the result's shape, or call the op without out=")
             values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
         if torch.is_grad_enabled() and any(isinstance(r, TensorProxy) and r.name in
                                            self.ctx.requires_grad_names for r in results):

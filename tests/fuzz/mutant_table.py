@@ -2819,4 +2819,8 @@ MUTANTS: list[Mutant] = [
            "                raise OpWritingArguments(  # (a user's",
            "                raise NotYetSupportedError(  # (a user's",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("out_resize_raises", "mutation", "tracer/inplace_calls.py",
+           "            if any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)\n",
+           "            if False and any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)\n",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

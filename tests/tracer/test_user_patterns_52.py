@@ -159,3 +159,23 @@ def test_a_custom_op_that_writes_its_arguments_runs_as_eager():
         torch.testing.assert_close(jfn(x, got_total), _step(x, want_total))
         torch.testing.assert_close(got_total, want_total)
     assert fulmen.compile_stats(jfn).eager_calls == 2
+
+
+def _into_buffers(a, b, rows, total):
+    torch.mm(a, b, out=rows)
+    torch.sum(a, 0, out=total)
+    return rows + total
+
+
+@pytest.mark.parametrize("size", [(3, 3), (0,)], ids=["fitting", "empty"])
+def test_out_tensors_eager_resizes_run_as_eager(size):
+    """`torch.mm(a, b, out=torch.empty(0))`: eager resizes an `out=` tensor of another shape;
+    the trace raised 'output with shape [0] doesn't match the broadcast shape [3, 3]'."""
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    jfn = fulmen.jit(_into_buffers)
+    want_buffers = [torch.zeros(size), torch.zeros(size[:1])]
+    got_buffers = [torch.zeros(size), torch.zeros(size[:1])]
+    torch.testing.assert_close(jfn(a, b, *got_buffers), _into_buffers(a, b, *want_buffers))
+    for got, want in zip(got_buffers, want_buffers):
+        torch.testing.assert_close(got, want)
+    assert fulmen.compile_stats(jfn).eager_calls == (size == (0,))
