@@ -2823,4 +2823,8 @@ MUTANTS: list[Mutant] = [
            "            if any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)\n",
            "            if False and any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)\n",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("container_store_refusal_raises", "bridge", "tracer/argument_containers.py",
+           "class ContainerStoreRefused(RunsEagerly):",
+           "class ContainerStoreRefused(RunsEagerly.__base__):  # NotYetSupportedError",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

@@ -179,3 +179,32 @@ def test_out_tensors_eager_resizes_run_as_eager(size):
     for got, want in zip(got_buffers, want_buffers):
         torch.testing.assert_close(got, want)
     assert fulmen.compile_stats(jfn).eager_calls == (size == (0,))
+
+
+def _annotate(batch):
+    """A training framework's step: results stored into the batch dict it returns."""
+    batch["logits"] = batch["x"] * 2
+    return batch
+
+
+def _log_twice(x, log, same_log):
+    log.append(x + 1)
+    return x * len(same_log)
+
+
+def test_containers_stored_into_and_returned_or_passed_twice_run_as_eager():
+    """A dict argument the function stores into and returns (eager returns the very object),
+    or a list passed twice and appended to: fulmen's copies cannot be eager's one object, and
+    the call raised NotYetSupportedError where eager runs; it now runs eagerly."""
+    jannotate, jlog = fulmen.jit(_annotate), fulmen.jit(_log_twice)
+    for seed in range(2):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+        batch = {"x": x}
+        assert jannotate(batch) is batch and set(batch) == {"x", "logits"}
+        torch.testing.assert_close(batch["logits"], x * 2)
+        log, want = [], []
+        torch.testing.assert_close(jlog(x, log, log), _log_twice(x, want, want))
+        assert len(log) == 1
+        torch.testing.assert_close(log[0], want[0])
+    assert fulmen.compile_stats(jannotate).eager_calls == 2
+    assert fulmen.compile_stats(jlog).eager_calls == 2
