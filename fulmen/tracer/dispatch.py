@@ -30,6 +30,7 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -108,6 +109,35 @@ class StorageIdentityRead(RunsEagerly):
     """The traced code asks where a tensor's memory lies (`x.data_ptr()`,
     `x.untyped_storage()`: packed-projection or alignment checks): no trace can answer or
     guard it (every call's tensors lie elsewhere), so the call runs eagerly."""
+
+
+_INDEXING = (T.__getitem__, T.__setitem__)
+
+
+def _index_tensor(bound) -> bool:
+    """Whether a slice bound is a 0-d integer tensor, which eager reads with `__index__`."""
+    return isinstance(bound, TensorProxy) and bound.ndim == 0 and bound.dtype != torch.bool \
+        and not bound.dtype.is_floating_point and not bound.dtype.is_complex
+
+
+def _tensor_bounded(index) -> bool:
+    """Whether a basic index has a slice bounded by a 0-d integer tensor (`x[:n]`)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, slice) and any(map(_index_tensor, (item.start, item.stop,
+                                                                   item.step)))
+               for item in items)
+
+
+def _bounds_read(index):
+    """`index` with each 0-d integer tensor bounding a slice read as eager reads it,
+    `operator.index(n)` (a value the trace guards: a graph break)."""
+    def item_read(item):
+        if not isinstance(item, slice):
+            return item
+        return slice(*(operator.index(b) if _index_tensor(b) else b
+                       for b in (item.start, item.stop, item.step)))
+
+    return tuple(map(item_read, index)) if isinstance(index, tuple) else item_read(index)
 
 
 class LazyBitQuery(RunsEagerly):
@@ -318,6 +348,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
+        if func in _INDEXING and len(args) >= 2 and _tensor_bounded(args[1]):
+            args = (args[0], _bounds_read(args[1]), *args[2:])  # `x[:n]`, n a 0-d tensor
         user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
         dtype = kwargs.get("dtype")

@@ -208,3 +208,24 @@ def test_containers_stored_into_and_returned_or_passed_twice_run_as_eager():
         torch.testing.assert_close(log[0], want[0])
     assert fulmen.compile_stats(jannotate).eager_calls == 2
     assert fulmen.compile_stats(jlog).eager_calls == 2
+
+
+def _trimmed(hidden, mask):
+    """Padding trimmed by a length read from a mask (`hidden[:, :mask.sum(1).max()]`), and a
+    window written through such a slice."""
+    length = mask.sum(1).max()
+    out = hidden[:, :length] * 2
+    out[:, length - 1:] = 0.0
+    return out
+
+
+def test_slices_bounded_by_zero_dim_tensors_as_eager():
+    """A slice bound that is a 0-d integer tensor (eager reads it with `__index__`) reached
+    the meta kernel as a traced tensor: FulmenError 'aten._local_scalar_dense ... reached the
+    dispatcher with a traced tensor' where eager runs."""
+    jfn = fulmen.jit(_trimmed)
+    hidden = torch.randn(2, 6, 3)
+    for lengths in ([4, 2], [3, 3], [4, 1]):
+        mask = (torch.arange(6) < torch.tensor(lengths)[:, None]).long()
+        torch.testing.assert_close(jfn(hidden, mask), _trimmed(hidden, mask))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
