@@ -1,6 +1,8 @@
 """User patterns probed in session 52 (h52probe), each compared with eager: debugging prints
 and a tensor's text inside a jitted function, storage-identity checks (`data_ptr()`), in-place
-activation functions that are no tensor method (`F.leaky_relu_`)."""
+activation functions that are no tensor method (`F.leaky_relu_`), a custom op writing its
+arguments, `out=` tensors eager resizes, dict/list arguments stored into and returned, slices
+bounded by 0-d tensors. Constructs fulmen cannot compile run eagerly, never raise."""
 
 import contextlib
 import io
