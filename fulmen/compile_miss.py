@@ -30,7 +30,7 @@ from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_clas
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.segments import split_at_breaks
-from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
+from fulmen.tree import MAX_BRANCHES, CompiledSegment, OutputsDiffer, PathMiss, TraceTree
 
 _RECOMPILES = get_logger("recompiles")
 # Held while a call reads module state or object tensors, and while a program is traced.
@@ -254,6 +254,10 @@ class CompileMiss:
         for attempt in range(2):
             try:
                 return entry.fn(*inputs)
+            except OutputsDiffer as error:  # no path fits: this call runs eagerly
+                torch.random.set_rng_state(rng_state)
+                return _RanEagerly(self._run_eagerly(args, kwargs, "outputs", (
+                    f"fulmen: {error}; such calls run eagerly")))
             except PathMiss as error:
                 miss = error
                 torch.random.set_rng_state(rng_state)  # the next run draws the same numbers

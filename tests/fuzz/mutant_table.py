@@ -2831,4 +2831,8 @@ MUTANTS: list[Mutant] = [
            "        if func in _INDEXING and len(args) >= 2 and _tensor_bounded(args[1]):",
            "        if False:",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("tree_op_output_count_unchecked", "bridge", "tree.py",
+           "    if got != traced:\n        raise OutputsDiffer(",
+           "    if False:\n        raise OutputsDiffer(",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

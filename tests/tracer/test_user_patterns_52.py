@@ -231,3 +231,21 @@ def test_slices_bounded_by_zero_dim_tensors_as_eager():
         mask = (torch.arange(6) < torch.tensor(lengths)[:, None]).long()
         torch.testing.assert_close(jfn(hidden, mask), _trimmed(hidden, mask))
     assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
+def _pieces(x, size):
+    return [piece.sum(0) for piece in x.split(size)]
+
+
+def test_a_split_whose_piece_count_follows_a_tensor_runs_as_eager():
+    """`x.split(n)` with `n` a 0-d tensor runs between compiled segments; called again with
+    another `n` it returned fewer pieces than traced and the trace tree failed (KeyError 't2')
+    where eager runs; the call now runs eagerly, and the traced count stays compiled."""
+    jfn = fulmen.jit(_pieces)
+    x = torch.randn(6, 4)
+    for size in (2, 3, 2):
+        got, want = jfn(x, torch.tensor(size)), _pieces(x, torch.tensor(size))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert fulmen.compile_stats(jfn).eager_calls == 1
