@@ -2835,4 +2835,8 @@ MUTANTS: list[Mutant] = [
            "    if got != traced:\n        raise OutputsDiffer(",
            "    if False:\n        raise OutputsDiffer(",
            ("tests/tracer/test_user_patterns_52.py",)),
+    Mutant("roll_tensor_shift_iterated", "decomposition", "ops/torch/indexing.py",
+           "    if isinstance(shifts, torch.Tensor) or isinstance(dims, torch.Tensor):",
+           "    if False:",
+           ("tests/tracer/test_user_patterns_52.py",)),
 ]

@@ -249,3 +249,18 @@ def test_a_split_whose_piece_count_follows_a_tensor_runs_as_eager():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     assert fulmen.compile_stats(jfn).eager_calls == 1
+
+
+def _rolled(x, shift):
+    return torch.roll(x, shifts=shift, dims=0) * 2
+
+
+def test_a_roll_by_a_zero_dim_tensor_as_eager():
+    """`torch.roll(x, shifts=n)` with `n` a 0-d tensor (a shift drawn with torch.randint, as in
+    shifted-window attention or augmentation): the decomposition iterated the 0-d tensor,
+    TypeError where eager runs; it now runs as the torch op."""
+    jfn = fulmen.jit(_rolled)
+    x = torch.randn(6, 4)
+    for shift in (2, 3, 2):
+        torch.testing.assert_close(jfn(x, torch.tensor(shift)), _rolled(x, torch.tensor(shift)))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
