@@ -23,6 +23,7 @@ from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
 from fulmen.tracer.host_floats import items_read_at_run_time
+from fulmen.tracer.host_output import catch_prints
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off
 from fulmen.tracer.module_stores import make_module_stores
@@ -32,7 +33,7 @@ from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.segments import split_at_breaks
-from fulmen.tree import MAX_BRANCHES, CompiledSegment, PathMiss, TraceTree
+from fulmen.tree import MAX_BRANCHES, CompiledSegment, OutputsDiffer, PathMiss, TraceTree
 
 use_autodiff(split_forward_backward)  # `loss.backward()` inside traced code
 
@@ -67,7 +68,8 @@ class CompileMiss:
         global_holders = self._guard.global_snapshots()
         given = answers_given()
         try:
-            with contextlib.nullcontext() if self._library_answers else library_answers_off():
+            with contextlib.nullcontext() if self._library_answers else library_answers_off(), \
+                    catch_prints() as prints:
                 program = trace_program(self._fn, args, kwargs, module=self._module,
                                         allow_breaks=self._eager_allowed,
                                         dynamic=dynamic, replay_stores=True,
@@ -113,6 +115,10 @@ class CompileMiss:
                 "store", op="store",
                 hint="keep changing state in a module attribute or an argument object, whose "
                 "stores fulmen replays")
+        if prints.wrote:  # a compiled call would not print (fulmen.tracer.host_output)
+            restore_classes(classes)
+            host_random.restore()
+            prints.refuse_writes()
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._guard.watch_environment(program.environment_reads)
@@ -259,6 +265,10 @@ class CompileMiss:
         for attempt in range(2):
             try:
                 return entry.fn(*inputs)
+            except OutputsDiffer as error:  # no path fits: this call runs eagerly
+                torch.random.set_rng_state(rng_state)
+                return _RanEagerly(self._run_eagerly(args, kwargs, "outputs", (
+                    f"fulmen: {error}; such calls run eagerly")))
             except PathMiss as error:
                 miss = error
                 torch.random.set_rng_state(rng_state)  # the next run draws the same numbers

@@ -105,6 +105,11 @@ class PathMiss(Exception):
         self.answer = answer
 
 
+class OutputsDiffer(Exception):
+    """A data-dependent op run between segments returned another number of results than when
+    it was traced (`x.split(n)` with `n` a 0-d tensor): no path of the tree fits the call."""
+
+
 def _real(env: dict[str, Any]):
     return lambda proxy: env[proxy.name]
 
@@ -116,6 +121,7 @@ class TraceTree:
 
     Raises:
         PathMiss: when a guard answers something no compiled path continues from.
+        OutputsDiffer: when a data-dependent op returns another number of results.
     """
 
     def __init__(self, arg_names: tuple[str, ...]) -> None:
@@ -248,6 +254,10 @@ def _run_op(op: BoundSymbol, env: dict[str, Any]) -> None:
     grad = CallSiteTag.GRAD in op.tags and torch.is_grad_enabled()
     with torch.set_grad_enabled(grad), no_autocast():
         out = op.sym.impl(*args, **kwargs)
+    got, traced = len(pytree.tree_leaves(out)), len(pytree.tree_leaves(op.output))
+    if got < traced:  # (more results: the guard on the traced ones' shapes tells the paths)
+        raise OutputsDiffer(f"{op.sym.name} returned {got} results where it returned {traced} "
+                            "when traced")
     bind_outputs(op.output, out, env)
 
 

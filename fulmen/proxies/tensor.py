@@ -217,6 +217,14 @@ def _statically_known_true(condition: torch.SymBool) -> bool:
     return statically_known_true(condition)
 
 
+def _read_by_user_code() -> bool:
+    """Whether a trace records and the caller of the calling dunder (`__repr__`, `__format__`)
+    is the user's code, not fulmen's or torch's."""
+    ctx = get_tracectx()
+    return ctx is not None and getattr(ctx, "torch_function", None) is not None and \
+        not is_internal(sys._getframe(2).f_code.co_filename)
+
+
 class TensorProxy(torch.Tensor, Proxy):
     """A tensor's metadata (shape, dtype, device, strides, requires_grad) and an SSA name.
 
@@ -316,6 +324,12 @@ class TensorProxy(torch.Tensor, Proxy):
         return f"{self.device} {dtype_short_name(self.dtype)}[{dims}]"
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        """User code reading a traced tensor's text (`str(t)`, `repr(t)`, `"%s" % t`, a log
+        record's arguments) gets eager's text, a graph break as `__format__`'s; fulmen's and
+        torch's own messages get the placeholder `<TensorProxy t0: "cpu f32[2]">`."""
+        if _read_by_user_code():
+            return get_tracectx().torch_function(torch.Tensor.__repr__, (type(self),), (self,),
+                                                 {})
         return f'<TensorProxy {self.name}: "{self.type_string()}">'
 
     __str__ = __repr__
@@ -324,11 +338,10 @@ class TensorProxy(torch.Tensor, Proxy):
         """User code formatting a traced tensor (`f"expert_{idx}"` with a 0-d index: HF Switch
         Transformers) gets eager's text, a graph break (`Tensor.__format__` is value-dependent
         in `fulmen.tracer.dispatch`); fulmen's and torch's own messages get the proxy's repr."""
-        ctx = get_tracectx()
-        if ctx is not None and getattr(ctx, "torch_function", None) is not None and \
-                not is_internal(sys._getframe(1).f_code.co_filename):
-            return ctx.torch_function(torch.Tensor.__format__, (type(self),), (self, spec), {})
-        return repr(self)
+        if _read_by_user_code():
+            return get_tracectx().torch_function(torch.Tensor.__format__, (type(self),),
+                                                 (self, spec), {})
+        return TensorProxy.__repr__(self)
 
     def __reduce_ex__(self, protocol):
         raise FulmenError("a traced tensor cannot be pickled or deep-copied", op="pickle")

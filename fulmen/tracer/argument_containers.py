@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import NotYetSupportedError
+from fulmen.core import RunsEagerly
 from fulmen.tracer.objects import (
     ARGUMENTS,
     Epilogue,
@@ -36,6 +36,11 @@ def _steps(key_path) -> tuple | None:
     return tuple(steps)
 
 
+class ContainerStoreRefused(RunsEagerly):
+    """The traced code changes a list or dict argument in a way the epilogue cannot replay
+    (NOTE [argument container stores]): the call runs eagerly."""
+
+
 class ArgumentContainers:
     """The lists and dicts inside a call's arguments, and the stores the traced code makes into
     them (`cache.append(kv)`, `state["h"] = h`, `cache.pop()`).
@@ -47,12 +52,12 @@ class ArgumentContainers:
     argument containers and the argument tensors stand for the current call's (`arguments`), so
     unchanged items keep their identity; new tensors are the trace's results. The cache key
     holds the arguments' tree structure (each list's length, each dict's keys), so a container
-    that changed shape compiles anew. Refused (NotYetSupportedError), where the copies cannot
+    that changed shape compiles anew. Refused where the copies cannot
     behave as eager's one object: a changed container passed twice or also reachable from an
     object argument (a store through one would show in the other), one the function also
     returns (eager returns the very object), a subclass of list or dict (HF's `ModelOutput`
     keeps attributes beside its items), and a store of a traced Python number (a symbolic
-    size).
+    size). Such a call runs eagerly (`ContainerStoreRefused`), where eager's stores are made.
     """
 
     def __init__(self, copies: Any, real: Any) -> None:
@@ -83,7 +88,7 @@ class ArgumentContainers:
         holds `(proxy, pytree key path)` of the call's tensor leaves.
 
         Raises:
-            NotYetSupportedError: in the refused cases of the note.
+            ContainerStoreRefused: in the refused cases of the note.
         """
         for proxy, key_path in input_paths:  # stored as themselves (`self.last = x`)
             steps = _steps(key_path)
@@ -98,22 +103,22 @@ class ArgumentContainers:
             where = "arguments" + path_text(steps)
             real_id = self._real_ids[steps]
             if self._counts[real_id] > 1 or real_id in epilogue.existing:
-                raise NotYetSupportedError(
+                raise ContainerStoreRefused(
                     f"the function changes the list or dict passed as {where}, which is also "
                     "passed elsewhere in the arguments", op="list/dict argument",
                     hint="pass it once, or return the new value instead")
             if type(seen) not in (list, dict):  # a subclass may keep more than its items
-                raise NotYetSupportedError(
+                raise ContainerStoreRefused(
                     f"the function changes the {type(seen).__qualname__} passed as {where}",
                     op="list/dict argument", hint="return the new value instead")
             if id(seen) in returned:
-                raise NotYetSupportedError(
+                raise ContainerStoreRefused(
                     f"the function changes the list or dict passed as {where} and returns it",
                     op="list/dict argument", hint="return a new list, or only change it")
             template = list(seen) if isinstance(seen, list) else dict(seen)
             if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
                    for _, v in walk(template)):
-                raise NotYetSupportedError(
+                raise ContainerStoreRefused(
                     f"the function stores a traced size into the list or dict passed as {where}",
                     op="list/dict argument", hint="store int(size), or return it")
             epilogue.stores.append((ARGUMENTS, steps, None, template))

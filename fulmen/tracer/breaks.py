@@ -46,7 +46,7 @@ _READABLE = {
     torch.Tensor.__bool__: "bool", torch.Tensor.item: "item", torch.Tensor.tolist: "tolist",
     torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
     torch.Tensor.__contains__: "contains", torch.is_nonzero: "is_nonzero",
-    torch.Tensor.__format__: "format",
+    torch.Tensor.__format__: "format", torch.Tensor.__repr__: "repr",
     output_shapes: "shapes",
 }  # fmt: skip
 

@@ -33,6 +33,7 @@ _VALUE_DEPENDENT = {
     torch.is_nonzero: "torch.is_nonzero()",
     T.__contains__: "`element in tensor`",
     T.__format__: "formatting a tensor (f\"{t}\", format(t))",
+    T.__repr__: "a tensor's text (str(t), repr(t))",
 }
 # Questions about a tensor's storage rather than its values: no graph break can answer them.
 _IDENTITY = frozenset({T.data_ptr, T.untyped_storage})

@@ -30,6 +30,7 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -103,6 +104,41 @@ class CapturedOffsetRead(RunsEagerly):
     """The traced code reads `storage_offset()` of a tensor it closes over (a global, a tensor
     attribute): the key holds no such offset (`m.t.data = flat[5:9]` keeps the tensor), so the
     call runs eagerly."""
+
+
+class StorageIdentityRead(RunsEagerly):
+    """The traced code asks where a tensor's memory lies (`x.data_ptr()`,
+    `x.untyped_storage()`: packed-projection or alignment checks): no trace can answer or
+    guard it (every call's tensors lie elsewhere), so the call runs eagerly."""
+
+
+_INDEXING = (T.__getitem__, T.__setitem__)
+
+
+def _index_tensor(bound) -> bool:
+    """Whether a slice bound is a 0-d integer tensor, which eager reads with `__index__`."""
+    return isinstance(bound, TensorProxy) and bound.ndim == 0 and bound.dtype != torch.bool \
+        and not bound.dtype.is_floating_point and not bound.dtype.is_complex
+
+
+def _tensor_bounded(index) -> bool:
+    """Whether a basic index has a slice bounded by a 0-d integer tensor (`x[:n]`)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, slice) and any(map(_index_tensor, (item.start, item.stop,
+                                                                   item.step)))
+               for item in items)
+
+
+def _bounds_read(index):
+    """`index` with each 0-d integer tensor bounding a slice read as eager reads it,
+    `operator.index(n)` (a value the trace guards: a graph break)."""
+    def item_read(item):
+        if not isinstance(item, slice):
+            return item
+        return slice(*(operator.index(b) if _index_tensor(b) else b
+                       for b in (item.start, item.stop, item.step)))
+
+    return tuple(map(item_read, index)) if isinstance(index, tuple) else item_read(index)
 
 
 class LazyBitQuery(RunsEagerly):
@@ -312,6 +348,12 @@ class TracerCtx(LayoutTruth, TraceCtx):
             if self.breaks is not None and len(self.scopes) == 1 and func not in _IDENTITY:
                 args, kwargs = self.mutation.resolve_tree(self._proxify((args, kwargs)))
                 return self.breaks.take_value(func, args, kwargs)
+            if func in _IDENTITY:
+                raise StorageIdentityRead(
+                    f"{_VALUE_DEPENDENT[func]} asks where a traced tensor's memory lies, which "
+                    "a compiled call cannot answer", op=_func_name(func),
+                    where=user_source_location(),
+                    hint="compare tensors with `is`, or decide outside the compiled function")
             raise FulmenError(
                 f"{_VALUE_DEPENDENT[func]} needs the tensor's value, which is unknown while tracing",
                 op=_func_name(func),
@@ -321,6 +363,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
+        if func in _INDEXING and len(args) >= 2 and _tensor_bounded(args[1]):
+            args = (args[0], _bounds_read(args[1]), *args[2:])  # `x[:n]`, n a 0-d tensor
         user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
         dtype = kwargs.get("dtype")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import types
 
 import torch
 import torch.nn.functional as F
 
-from fulmen.core import FulmenError, NotYetSupportedError
+from fulmen.core import FulmenError, NotYetSupportedError, RunsEagerly
 from fulmen.core.source import user_source_location
 from fulmen.ops.functionalized import apply_init, apply_inplace, apply_inplace_random, setitem
 from fulmen.ops.meta import call_on_meta
@@ -62,6 +64,22 @@ _INPLACE_DUNDER_TO_OUT = {
     "__ixor__": "__xor__", "__ilshift__": "__lshift__", "__irshift__": "__rshift__",
     "__imatmul__": "__matmul__",
 }  # fmt: skip
+
+
+class OpWritingArguments(RunsEagerly):
+    """The traced code calls an op through `torch.ops` that writes its arguments (`out=`, or a
+    mutable argument of a user's `torch.library.custom_op`): the call runs eagerly."""
+
+
+def _beside(func, out_name: str):
+    """The out-of-place op next to the in-place function `func` that is no tensor method
+    (`F.hardtanh_` is `torch._C._nn.hardtanh_`, beside `torch._C._nn.hardtanh`; `torch.selu_`
+    beside `torch.selu`): ATen's pairs take the same arguments. None where there is none."""
+    home = getattr(func, "__self__", None)
+    if not isinstance(home, types.ModuleType):
+        home = sys.modules.get(getattr(func, "__module__", None) or "")
+    found = getattr(home, out_name, None) if home is not None else None
+    return found if callable(found) else None
 
 
 def _as_number(value):
@@ -121,10 +139,12 @@ class InplaceCalls:
         if isinstance(func, torch._ops.OpOverload):  # `torch.ops.aten.add_.Tensor(x, y)`
             name, label = func.overloadpacket.__name__, str(func)
             if not name.endswith("_") or kwargs.get("out") is not None:
-                raise NotYetSupportedError(
-                    "an ATen op that writes its arguments (out= or a mutable argument), called "
-                    "through torch.ops", op=label, where=user_source_location(),
-                    hint="call the in-place method (x.add_(y)) or the op without out=")
+                raise OpWritingArguments(  # (a user's `torch.library.custom_op` that mutates)
+                    "an op that writes its arguments (out= or a mutable argument: a custom op "
+                    "with mutates_args) is called through torch.ops, which fulmen does not "
+                    "record functionally", op=label, where=user_source_location(),
+                    hint="call the in-place method (x.add_(y)) or the op without out=; a "
+                    "custom op may return new tensors instead of writing its arguments")
         if kwargs.get("out") is not None:
             return self._out_variant(func, args, kwargs, label, start)
         if func in (F.batch_norm, torch.batch_norm):
@@ -168,7 +188,7 @@ class InplaceCalls:
                                        "keyword)", op=label, where=user_source_location())
         r_args, r_kwargs = self.resolve_tree((args, kwargs))
         with ctx.internal():
-            value = self._out_of_place(name, r_args, r_kwargs, label)
+            value = self._out_of_place(name, r_args, r_kwargs, label, func)
         self.mutate(target, value, label, start)
         return target
 
@@ -217,7 +237,8 @@ class InplaceCalls:
             return None
         return targets[0] if len(targets) == 1 else tuple(targets)
 
-    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str) -> TensorProxy:
+    def _out_of_place(self, name: str, args: tuple, kwargs: dict, label: str,
+                      func=None) -> TensorProxy:
         self_value, rest = args[0], args[1:]
         if name == "copy_":
             src = rest[0] if rest else kwargs["src"]
@@ -233,7 +254,7 @@ class InplaceCalls:
             value = rest[0] if rest else kwargs["value"]
             return self._overwrite(self_value, torch.full_like(self_value, value))
         out_name = _INPLACE_DUNDER_TO_OUT.get(name, name[:-1])
-        out_fn = getattr(T, out_name, None)
+        out_fn = getattr(T, out_name, None) or _beside(func, out_name)
         if name in _RANDOM_INPLACE and name != "bernoulli_":  # (bernoulli_ takes a tensor p)
             # their bounds and parameters are Python numbers, which eager also reads from a 0-d
             # tensor (`uniform_(-mag, mag)`, HF's NEFTune): its value, a graph break here
@@ -294,6 +315,12 @@ class InplaceCalls:
                 raise NotYetSupportedError("out= with this op", op=label,
                                            where=user_source_location())
             _check_out_dtypes(func, r_args, r_kwargs, results, targets, self.resolve, label)
+            if any(isinstance(r, TensorProxy) and isinstance(t, TensorProxy)
+                   and tuple(r.shape) != tuple(t.shape) for r, t in zip(results, targets)):
+                raise MetadataMutation(  # eager resizes it (warning when it was not empty)
+                    "an out= tensor of another shape than the result, which eager resizes",
+                    op=label, where=user_source_location(),
+                    hint="pass an out= tensor of the result's shape, or call the op without out=")
             values = [self._fit(r, self.resolve(t), label) for r, t in zip(results, targets)]
         if torch.is_grad_enabled() and any(isinstance(r, TensorProxy) and r.name in
                                            self.ctx.requires_grad_names for r in results):

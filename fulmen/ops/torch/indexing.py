@@ -184,6 +184,8 @@ def _roll_one(a, shift: int, dim: int):
 def roll(input, shifts, dims=None):
     """`torch.roll`: elements shifted along `dims` (wrapping around); without `dims` the
     flattened tensor is rolled and the shape restored."""
+    if isinstance(shifts, torch.Tensor) or isinstance(dims, torch.Tensor):
+        raise _unsupported("roll", "shifts or dims given as a tensor")
     shifts = (shifts,) if _int_or_symbolic(shifts) else tuple(shifts)
     if dims is None or (not _int_or_symbolic(dims) and len(dims) == 0):
         if len(shifts) != 1:
