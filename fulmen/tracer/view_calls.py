@@ -41,10 +41,21 @@ def replay_call(fn, args: tuple, kwargs: dict) -> tuple | None:
     if fn in SHAPE_OF_SECOND and len(args) == 1 and not kwargs \
             and isinstance(args[0], torch.Tensor):
         fn, args = SHAPE_OF_SECOND[fn], (tuple(args[0].shape),)
-    if any(isinstance(v, (Proxy, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
-           for v in pytree.tree_leaves((args, kwargs))):
+    if any(isinstance(v, _VARYING) for v in _leaves((args, kwargs))):
         return None
     return fn, args
+
+
+_VARYING = (Proxy, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _leaves(tree) -> list:
+    """The leaves of `tree`, a slice's start, stop and step among them (`x[:n]` with a
+    symbolic `n` holds it in a slice, which pytree takes for a leaf)."""
+    leaves = []
+    for leaf in pytree.tree_leaves(tree):
+        leaves += [leaf.start, leaf.stop, leaf.step] if isinstance(leaf, slice) else [leaf]
+    return leaves
 
 
 def _view_table() -> dict:

@@ -3068,4 +3068,10 @@ MUTANTS: list[Mutant] = [
            "    if isinstance(shifts, torch.Tensor) or isinstance(dims, torch.Tensor):",
            "    if False:",
            ("tests/tracer/test_user_patterns_52.py",)),
+    # --- session 52, h52lit: litgpt paths -------------------------------------------------
+    Mutant("replay_call_blind_to_slice_bounds", "bridge", "tracer/view_calls.py",
+           "    if any(isinstance(v, _VARYING) for v in _leaves((args, kwargs))):",
+           "    if any(isinstance(v, _VARYING) for v in pytree.tree_leaves((args, kwargs))):",
+           ("tests/models/test_litgpt_52.py::"
+            "test_a_returned_slice_of_a_buffer_to_a_symbolic_length_follows_the_length",)),
 ]
