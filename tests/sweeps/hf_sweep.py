@@ -16,7 +16,9 @@ labels on every third real token / one label per row, then eval right-padded at 
 left-padded at 14; a classifier's config without a pad token gets one, each row ends with the
 eos token when the config has one; `--mapping image` / `segment` / `audio` / `ctc`, the image
 classification, semantic segmentation, audio classification and CTC mappings: the checks of
-`tests/sweeps/hf_media.py`, in train() and eval() modes at two batch sizes and resolutions)
+`tests/sweeps/hf_media.py`, in train() and eval() modes at two batch sizes and resolutions; a
+causal draft model reading a target's `shared_kv_states`: the drafting loop of
+`tests/sweeps/hf_assistant.py`)
 
 counting compiles (`compile_stats(...).cache_misses`) and calls that ran eagerly
 (`eager_calls`). Values are compared with fulmen's float64 accuracy rule
@@ -40,6 +42,7 @@ import sys
 import traceback
 import warnings
 
+from tests.sweeps.hf_assistant import AssistantCase, takes_shared_kv
 from tests.sweeps.hf_media import TASKS as MEDIA_TASKS
 from tests.sweeps.hf_media import MediaCase
 from tests.sweeps.runner import result_line, run_cases
@@ -271,6 +274,9 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     if params > max_params:
         return result_line("SKIP", f"{params / 1e6:.1f}M parameters")
     task = TASKS.get(mapping, "lm")
+    if task == "lm" and takes_shared_kv(model):  # a draft model (`tests/sweeps/hf_assistant.py`)
+        case = AssistantCase(model, config)
+        return _outcome(case.jitted, case.checks())
     if task in MEDIA_TASKS:
         case = MediaCase(model, config, task)
         return _outcome(case.jitted, case.checks())
