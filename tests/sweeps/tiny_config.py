@@ -115,6 +115,9 @@ CHECKPOINT_FACTS = {
     # ESM checkpoints pad with id 1 and mask with id 32 (the default leaves both None and the
     # embedding reads `input_ids.ne(padding_idx)`)
     "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # the full-attention layers rotate a quarter of each head in M-RoPE pairs of pairs: a head
+    # of 16 (NeoMME's checkpoints: 256) rotates 4
+    "neomme": {"head_dim": 2 * HEAD_DIM},
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
