@@ -103,6 +103,9 @@ class Case:
 
         self.model, self.seq2seq, self.vocab, self.pad = model, seq2seq, vocab, pad
         self.task, self.eos = task, eos
+        # a decoder of audio codes (MusicGen) reads `num_codebooks` rows of ids per sequence,
+        # (batch * codebooks, length), and its labels as (batch, length, codebooks)
+        self.codebooks = getattr(model.config, "num_codebooks", None) if task == "lm" else None
         self.pristine = copy.deepcopy(model)
         self.twin = copy.deepcopy(model)
         self.jitted = fulmen.jit(self.twin)
@@ -125,6 +128,16 @@ class Case:
             ids[ids.new_tensor([0, 1]), last] = self.eos
         return ids, mask
 
+    def _codes(self, ids):
+        """`ids` (batch, length) as the (batch * codebooks, length) rows of a codebook decoder:
+        the row's ids, shifted within the vocabulary per codebook."""
+        if not self.codebooks:
+            return ids
+        shift = ids.new_tensor(range(self.codebooks)).view(1, -1, 1)
+        low = min(self.vocab, 100)
+        codes = (ids.unsqueeze(1) - 3 + 7 * shift) % (low - 3) + 3
+        return codes.masked_fill(ids.unsqueeze(1) == self.pad, self.pad).flatten(0, 1)
+
     def train_inputs(self):
         ids, mask = self._text(12, 1, "right")
         if self.task == "classify":
@@ -137,18 +150,23 @@ class Case:
             labels = labels.masked_fill(lmask == 0, -100)
         else:
             labels = ids.masked_fill(mask == 0, -100)
+        if self.codebooks:
+            codes = self._codes(ids)
+            labels = codes.view(2, self.codebooks, -1).transpose(1, 2)
+            return dict(input_ids=codes, attention_mask=mask,
+                        labels=labels.masked_fill(mask.unsqueeze(-1) == 0, -100))
         return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
     def eval_inputs(self, length: int, side: str = "right"):
         ids, mask = self._text(length, 10 + length, side)
-        inputs = dict(input_ids=ids, attention_mask=mask)
+        inputs = dict(input_ids=self._codes(ids), attention_mask=mask)
         if self.seq2seq and self.task == "lm":
             inputs["decoder_input_ids"] = _ids((2, length // 2), 3, 3, min(self.vocab, 100))
         return inputs
 
     def generate_inputs(self, sample: bool):
         ids, mask = _padded(6, 4, self.vocab, self.pad, "left")
-        return dict(input_ids=ids, attention_mask=mask, max_new_tokens=GENERATED,
+        return dict(input_ids=self._codes(ids), attention_mask=mask, max_new_tokens=GENERATED,
                     do_sample=sample, pad_token_id=self.pad, use_cache=True)
 
     # ---- the checks: each returns (eager's values, a function giving fulmen's, a reference)

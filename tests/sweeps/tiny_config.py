@@ -124,6 +124,11 @@ CHECKPOINT_FACTS = {
 # per-type keyword arguments the default config is built with, where transformers' own default
 # fails its validator (Gemma-4 assistants: a text config without per-layer inputs)
 DEFAULT_FIXES = {
+    # MusicGen's generate starts every codebook's delay pattern with `decoder_start_token_id`
+    # (2048, the pad and bos id, in every checkpoint's generation config; the decoder config
+    # leaves it None and generate fails)
+    "musicgen": {"decoder": {"decoder_start_token_id": 2048}},
+    "musicgen_melody": {"decoder": {"decoder_start_token_id": 2048}},
     "gemma4_assistant": {"text_config": {"model_type": "gemma4_text",
                                          "hidden_size_per_layer_input": 0,
                                          "vocab_size_per_layer_input": 0}},
