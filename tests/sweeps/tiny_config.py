@@ -290,6 +290,10 @@ def _shrink(d: dict, renumber: dict) -> dict:
             out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
+    parts = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+    if all(isinstance(d.get(k), int) and isinstance(out.get(k), int) for k in parts) \
+            and d["head_dim"] == d["qk_nope_head_dim"] + d["qk_rope_head_dim"]:
+        out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # Mistral-4's MLA heads
     shrink_media(d, out)
     return out
 
