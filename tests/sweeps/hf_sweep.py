@@ -166,8 +166,9 @@ class Case:
 
     def generate_inputs(self, sample: bool):
         ids, mask = _padded(6, 4, self.vocab, self.pad, "left")
+        extra = dict(num_return_sequences=1) if self.codebooks else {}  # MusicGen's generate
         return dict(input_ids=self._codes(ids), attention_mask=mask, max_new_tokens=GENERATED,
-                    do_sample=sample, pad_token_id=self.pad, use_cache=True)
+                    do_sample=sample, pad_token_id=self.pad, use_cache=True, **extra)
 
     # ---- the checks: each returns (eager's values, a function giving fulmen's, a reference)
     def train(self):
