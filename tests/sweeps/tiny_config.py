@@ -118,6 +118,10 @@ CHECKPOINT_FACTS = {
     # the full-attention layers rotate a quarter of each head in M-RoPE pairs of pairs: a head
     # of 16 (NeoMME's checkpoints: 256) rotates 4
     "neomme": {"head_dim": 2 * HEAD_DIM},
+    # semantic segmentation reads four layers' features (`out_indices`, [3, 5, 7, 11] in the
+    # checkpoints): four layers, each one picked
+    "beit": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
+    "data2vec-vision": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
