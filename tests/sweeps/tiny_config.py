@@ -122,6 +122,11 @@ CHECKPOINT_FACTS = {
     # checkpoints): four layers, each one picked
     "beit": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
     "data2vec-vision": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
+    # UperNet's heads read every backbone stage (the auxiliary head the third)
+    "upernet": {"backbone_config": {"out_features": ["stage1", "stage2", "stage3", "stage4"]}},
+    # Sapiens2's segmentation head is two upsampling blocks and a refining conv in its
+    # checkpoints; the default head config has none and its model cannot be built
+    "sapiens2": {"head_config": {"upsample_out_channels": [16, 16], "conv_out_channels": [16]}},
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
