@@ -67,6 +67,7 @@ def test_segmentation_heads_get_the_features_they_read():
     assert len(upernet.backbone_config.out_features) == 4
     head = tiny_config("sapiens2").head_config  # its head read None upsampling channels
     assert head.upsample_out_channels == [16, 16] and head.conv_out_channels == [16]
+    assert tiny_config("sapiens2").num_key_value_heads_per_layer == [4, 2]  # 16, 8 of 4 heads
 
 
 def test_codebook_rows_of_a_codebook_decoder():

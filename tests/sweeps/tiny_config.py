@@ -126,7 +126,10 @@ CHECKPOINT_FACTS = {
     "upernet": {"backbone_config": {"out_features": ["stage1", "stage2", "stage3", "stage4"]}},
     # Sapiens2's segmentation head is two upsampling blocks and a refining conv in its
     # checkpoints; the default head config has none and its model cannot be built
-    "sapiens2": {"head_config": {"upsample_out_channels": [16, 16], "conv_out_channels": [16]}},
+    # and its per-layer key/value head counts (16 and 8 of 16 heads) are a share of the heads
+    "sapiens2": {"head_config": {"upsample_out_channels": [16, 16], "conv_out_channels": [16]},
+                 "num_key_value_heads_per_layer": [HEADS, HEADS // 2],
+                 "num_key_value_attention_heads": HEADS // 2},
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
