@@ -40,6 +40,13 @@ def test_zamba_keeps_two_hybrid_layers():
     assert config.layers_block_type.count("hybrid") == 2
 
 
+def test_xlstm_head_widths_agree_between_cache_and_layers():
+    config = tiny_config("xlstm")  # its cache's heads (rounded to 64) and layers' differed
+    assert config.qk_dim == int(config.hidden_size * config.qk_dim_factor) == 64
+    assert config.v_dim == int(config.hidden_size * config.v_dim_factor) == 64
+    assert config.num_blocks == config.num_hidden_layers == 2
+
+
 def test_gemma4_assistant_text_config_has_no_per_layer_inputs():
     text = tiny_config("gemma4_assistant").text_config  # the default failed its own validator
     assert text.hidden_size_per_layer_input == 0 and text.vocab_size_per_layer_input == 0

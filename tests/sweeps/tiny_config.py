@@ -130,6 +130,10 @@ CHECKPOINT_FACTS = {
     "sapiens2": {"head_config": {"upsample_out_channels": [16, 16], "conv_out_channels": [16]},
                  "num_key_value_heads_per_layer": [HEADS, HEADS // 2],
                  "num_key_value_attention_heads": HEADS // 2},
+    # xLSTM's cache sizes the heads by widths rounded up to 64 and its layers by the unrounded
+    # hidden * factor (4096 * 0.5 in the checkpoints): tiny widths of 64 agree
+    "xlstm": {"qk_dim_factor": 64 / HIDDEN, "v_dim_factor": 64 / HIDDEN,
+              "num_blocks": LAYERS},  # its layer count, spelled twice
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
