@@ -70,6 +70,7 @@ def test_token_ids_and_heads_of_esm_neomme_musicgen():
 def test_segmentation_heads_get_the_features_they_read():
     beit = tiny_config("beit")  # raised: four out_indices needed, two layers kept
     assert beit.out_indices == [1, 2, 3, 4] and beit.num_hidden_layers == 4
+    assert tiny_config("cvt").depth == [1, 2, 3]  # stage s read entry s of depth[s] rates
     upernet = tiny_config("upernet")  # its auxiliary head indexed a third stage of one
     assert len(upernet.backbone_config.out_features) == 4
     head = tiny_config("sapiens2").head_config  # its head read None upsampling channels

@@ -134,6 +134,9 @@ CHECKPOINT_FACTS = {
     # hidden * factor (4096 * 0.5 in the checkpoints): tiny widths of 64 agree
     "xlstm": {"qk_dim_factor": 64 / HIDDEN, "v_dim_factor": 64 / HIDDEN,
               "num_blocks": LAYERS},  # its layer count, spelled twice
+    # CvT's stage s reads entry s of a list `depth[s]` long (its drop-path rates): stage s
+    # needs more than s blocks (the checkpoints: [1, 2, 10])
+    "cvt": {"depth": [1, 2, 3]},
     # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
 }
