@@ -89,6 +89,40 @@ def test_codebook_rows_of_a_codebook_decoder():
     assert len({tuple(r.tolist()) for r in rows[0]}) == 4  # the codebooks differ
 
 
+class _StateCache:
+    """A cache as xLSTM's keeps its recurrent state: a dict of per-layer tuples of tensors."""
+
+    def __init__(self):
+        self.rnn_state = {0: (torch.randn(2, 3), torch.randn(2, 1))}
+
+
+def _step(x, cache):
+    state = cache.rnn_state[0]
+    y = x * state[0] + state[1]
+    state[0].copy_(y)  # the state updated in place, as xLSTM's blocks do
+    return y.tanh()
+
+
+def test_tensors_in_a_tuple_of_an_object_argument_are_read_on_every_call():
+    # xlstm WRONG in the sweep (sampled generate after greedy): the tensors of a tuple held by an
+    # object argument were captured while tracing, so a later call with another cache object
+    # read (and updated) the first call's state
+    import copy
+
+    import fulmen
+
+    jf = fulmen.jit(_step)
+    torch.manual_seed(0)
+    for _ in range(3):
+        cache, x = _StateCache(), torch.randn(2, 3)
+        twin = copy.deepcopy(cache)
+        want, got = _step(x, cache), jf(x, twin)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(twin.rnn_state[0][0], cache.rnn_state[0][0])
+    stats = fulmen.compile_stats(jf)
+    assert stats.cache_misses == 1 and stats.eager_calls == 0
+
+
 @pytest.mark.slow
 def test_gemma4_assistant_drafting_loop_compiles_and_matches_eager():
     import fulmen
