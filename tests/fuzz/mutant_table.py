@@ -2805,4 +2805,9 @@ MUTANTS: list[Mutant] = [
            "        or mode_stack_state_for_pre_dispatch().get(0) is not None",
            "        or False",
            ("tests/tracer/test_dynamic_cost_52.py",)),
+    # --- session 52, h52cfg: tensors in a tuple of an object argument ---
+    Mutant("tensor_in_tuple_of_object_captured", "mutation", "tracer/objects.py",
+           "    return float_in_tuple(root, path)",
+           "    return False",
+           ("tests/models/test_hf_skipped_52.py",)),
 ]
