@@ -33,10 +33,10 @@ from fulmen.tracer.objects import (
     _store,
     _walkable,
     float_in_tuple,
-    tensor_in_tuple,
     follow,
     restore,
     snapshot,
+    tensor_in_tuple,
     unchanged,
     walk,
 )
