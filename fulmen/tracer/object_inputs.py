@@ -36,6 +36,7 @@ from fulmen.tracer.objects import (
     follow,
     restore,
     snapshot,
+    tensor_in_tuple,
     unchanged,
     walk,
 )
@@ -106,12 +107,20 @@ class ObjectInputs:
                     existing.setdefault(id(value), (root_index, path))
                 elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
                     owner = follow(root, path[:-1])
-                    if isinstance(owner, tuple):
-                        continue  # cannot be swapped in place; read as a captured tensor
+                    in_tuple = isinstance(owner, tuple)
+                    if in_tuple and not tensor_in_tuple(root, path):
+                        continue  # a tuple in a tuple: read as a captured tensor
                     proxy = make_proxy(root_index, path, value)
                     held = proxy if stand_in is None else stand_in(root_index, value, proxy)
-                    self._saved.append((owner, path[-1], value))
-                    _store(owner, path[-1], held)
+                    if in_tuple:  # xLSTM's `cache.rnn_state[layer]`: the tuple rebuilt in place
+                        items = list(owner)
+                        items[path[-1][1]] = held
+                        holder = follow(root, path[:-2])
+                        self._saved.append((holder, path[-2], owner))
+                        _store(holder, path[-2], tuple(items))
+                    else:
+                        self._saved.append((owner, path[-1], value))
+                        _store(owner, path[-1], held)
                     self.tensor_paths.append((root_index, path))
                     pairs.append((proxy, value))
                     stored.append(held)

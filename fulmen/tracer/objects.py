@@ -179,6 +179,14 @@ def float_in_tuple(root: Any, path: tuple) -> bool:
     return type(owner) is tuple and not isinstance(holder, tuple)
 
 
+def tensor_in_tuple(root: Any, path: tuple) -> bool:
+    """Whether the tensor at `path` inside `root` is an item of a plain tuple held by a list,
+    dict or object (xLSTM's cache state `rnn_state[layer]`, a tuple of tensors): it becomes an
+    input, traced in a copy of the tuple stored in its place and read through the path on every
+    call (a tensor kept from tracing would be another call's)."""
+    return float_in_tuple(root, path)
+
+
 def follow(root: Any, path: tuple) -> Any:
     """The value at `path` inside `root`."""
     for kind, key in path:

@@ -3074,4 +3074,9 @@ MUTANTS: list[Mutant] = [
            "    if any(isinstance(v, _VARYING) for v in pytree.tree_leaves((args, kwargs))):",
            ("tests/models/test_litgpt_52.py::"
             "test_a_returned_slice_of_a_buffer_to_a_symbolic_length_follows_the_length",)),
+    # --- session 52, h52cfg: tensors in a tuple of an object argument ---
+    Mutant("tensor_in_tuple_of_object_captured", "mutation", "tracer/objects.py",
+           "    return float_in_tuple(root, path)",
+           "    return False",
+           ("tests/models/test_hf_skipped_52.py",)),
 ]

@@ -43,6 +43,23 @@ def _side(config) -> tuple[int, int]:
     return tuple(size[:2]) if isinstance(size, (list, tuple)) else (size, size)
 
 
+# feature-vector widths a model's feature extractor stacks (its frames, delta-expanded and
+# stacked in pairs: 4 mel vectors a frame), keyed by model type
+FEATURE_STACK = {"granite_speech5_ctc": 4}
+
+
+def _feature_width(config) -> int:
+    """The width of one frame of `input_features` of frames x features: the feature projection's
+    input (W2V-BERT's stacked frames), else the mel bins or feature size of the config or of its
+    encoder sub-config (LASR's), times what the feature extractor stacks."""
+    if getattr(config, "feature_projection_input_dim", None):
+        return config.feature_projection_input_dim
+    encoder = getattr(config, "encoder_config", None)
+    width = getattr(config, "feature_size", None) or getattr(config, "num_mel_bins", None) \
+        or getattr(encoder, "num_mel_bins", None) or 80
+    return width * FEATURE_STACK.get(getattr(config, "model_type", None), 1)
+
+
 def _generator(seed: int):
     import torch
 
@@ -93,7 +110,7 @@ class MediaCase:
             positions = getattr(config, "max_source_positions", None)
             if mels and positions:  # (batch, mel bins, frames) the encoder's positions fix
                 return dict(input_features=torch.randn(batch, mels, 2 * positions, generator=g))
-            width = getattr(config, "feature_size", None) or mels or 80
+            width = _feature_width(config)
             frames = int(FRAMES * scale)
             mask = torch.ones(batch, frames, dtype=torch.long)
             mask[-1, frames * 3 // 4:] = 0

@@ -16,7 +16,9 @@ labels on every third real token / one label per row, then eval right-padded at 
 left-padded at 14; a classifier's config without a pad token gets one, each row ends with the
 eos token when the config has one; `--mapping image` / `segment` / `audio` / `ctc`, the image
 classification, semantic segmentation, audio classification and CTC mappings: the checks of
-`tests/sweeps/hf_media.py`, in train() and eval() modes at two batch sizes and resolutions)
+`tests/sweeps/hf_media.py`, in train() and eval() modes at two batch sizes and resolutions; a
+causal draft model reading a target's `shared_kv_states`: the drafting loop of
+`tests/sweeps/hf_assistant.py`)
 
 counting compiles (`compile_stats(...).cache_misses`) and calls that ran eagerly
 (`eager_calls`). Values are compared with fulmen's float64 accuracy rule
@@ -40,6 +42,7 @@ import sys
 import traceback
 import warnings
 
+from tests.sweeps.hf_assistant import AssistantCase, takes_shared_kv
 from tests.sweeps.hf_media import TASKS as MEDIA_TASKS
 from tests.sweeps.hf_media import MediaCase
 from tests.sweeps.runner import result_line, run_cases
@@ -100,6 +103,9 @@ class Case:
 
         self.model, self.seq2seq, self.vocab, self.pad = model, seq2seq, vocab, pad
         self.task, self.eos = task, eos
+        # a decoder of audio codes (MusicGen) reads `num_codebooks` rows of ids per sequence,
+        # (batch * codebooks, length), and its labels as (batch, length, codebooks)
+        self.codebooks = getattr(model.config, "num_codebooks", None) if task == "lm" else None
         self.pristine = copy.deepcopy(model)
         self.twin = copy.deepcopy(model)
         self.jitted = fulmen.jit(self.twin)
@@ -122,6 +128,16 @@ class Case:
             ids[ids.new_tensor([0, 1]), last] = self.eos
         return ids, mask
 
+    def _codes(self, ids):
+        """`ids` (batch, length) as the (batch * codebooks, length) rows of a codebook decoder:
+        the row's ids, shifted within the vocabulary per codebook."""
+        if not self.codebooks:
+            return ids
+        shift = ids.new_tensor(range(self.codebooks)).view(1, -1, 1)
+        low = min(self.vocab, 100)
+        codes = (ids.unsqueeze(1) - 3 + 7 * shift) % (low - 3) + 3
+        return codes.masked_fill(ids.unsqueeze(1) == self.pad, self.pad).flatten(0, 1)
+
     def train_inputs(self):
         ids, mask = self._text(12, 1, "right")
         if self.task == "classify":
@@ -134,19 +150,25 @@ class Case:
             labels = labels.masked_fill(lmask == 0, -100)
         else:
             labels = ids.masked_fill(mask == 0, -100)
+        if self.codebooks:
+            codes = self._codes(ids)
+            labels = codes.view(2, self.codebooks, -1).transpose(1, 2)
+            return dict(input_ids=codes, attention_mask=mask,
+                        labels=labels.masked_fill(mask.unsqueeze(-1) == 0, -100))
         return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
     def eval_inputs(self, length: int, side: str = "right"):
         ids, mask = self._text(length, 10 + length, side)
-        inputs = dict(input_ids=ids, attention_mask=mask)
+        inputs = dict(input_ids=self._codes(ids), attention_mask=mask)
         if self.seq2seq and self.task == "lm":
             inputs["decoder_input_ids"] = _ids((2, length // 2), 3, 3, min(self.vocab, 100))
         return inputs
 
     def generate_inputs(self, sample: bool):
         ids, mask = _padded(6, 4, self.vocab, self.pad, "left")
-        return dict(input_ids=ids, attention_mask=mask, max_new_tokens=GENERATED,
-                    do_sample=sample, pad_token_id=self.pad, use_cache=True)
+        extra = dict(num_return_sequences=1) if self.codebooks else {}  # MusicGen's generate
+        return dict(input_ids=self._codes(ids), attention_mask=mask, max_new_tokens=GENERATED,
+                    do_sample=sample, pad_token_id=self.pad, use_cache=True, **extra)
 
     # ---- the checks: each returns (eager's values, a function giving fulmen's, a reference)
     def train(self):
@@ -271,6 +293,9 @@ def check_type(model_type: str, mapping: str, max_params: float) -> str:
     if params > max_params:
         return result_line("SKIP", f"{params / 1e6:.1f}M parameters")
     task = TASKS.get(mapping, "lm")
+    if task == "lm" and takes_shared_kv(model):  # a draft model (`tests/sweeps/hf_assistant.py`)
+        case = AssistantCase(model, config)
+        return _outcome(case.jitted, case.checks())
     if task in MEDIA_TASKS:
         case = MediaCase(model, config, task)
         return _outcome(case.jitted, case.checks())

@@ -7,8 +7,12 @@ None sizes a model cannot do without, turns dropout off, keeps the first layer o
 layer's entries in every per-layer list, layer-index list and layer-indexed dict together: one
 sliding and one full attention layer), moves special token ids into the small vocabulary, and
 builds the config again; `config_for` picks the sub-config a text-only class is built from.
-Nothing here knows a model by name: a type whose config refuses the shrunk sizes is reported by
-the sweep as skipped, with the error."""
+The rules know no model by name, except `CHECKPOINT_FACTS` and `DEFAULT_FIXES`: per-type facts
+every released checkpoint's config carries and the default config lacks or gets wrong (a
+sub-config field the model reads, layer sections that add up, a width one sub-config hands to
+another); without them transformers refuses the tiny config, or its model fails at any size, while
+a user loading the real config runs the model. A type whose config still refuses the shrunk sizes
+is reported by the sweep as skipped, with the error."""
 
 from __future__ import annotations
 
@@ -88,6 +92,66 @@ LINEAR_KIND, ATTENTION_KIND = "linear_attention", "full_attention"
 # counts a config derives from `num_hidden_layers` in `__post_init__` and stores: set to None so
 # the shrunk config derives them again (HRM's layers per stack)
 DERIVED = ("num_layers_per_stack",)
+# per-type facts of the released checkpoints' configs, merged into the shrunk config (nested
+# dicts merged key by key); each names where the default goes wrong
+CHECKPOINT_FACTS = {
+    # DbrxAttention reads `attn_config.rope_theta`, which every DBRX config.json has
+    # (500000) and `DbrxAttentionConfig` does not declare; it clamps q, k, v by `clip_qkv`
+    # unconditionally (8 in every checkpoint, None by default)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # three layers (an input, a recurrent and an output section of one layer each; sliding and
+    # full attention), in `to_dict`'s spelling: each layer an attention and an mlp block, and the
+    # section counts doubled with it
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2,
+             "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp",
+                             "sliding_attention", "mlp"]},
+    # the adapters hand the text model its hidden width
+    "dots3_note": {"vision_config": {"adapter_out_dim": HIDDEN},
+                   "audio_config": {"adapter_out_dim": HIDDEN}},
+    # the shared hybrid block is tied across hybrid layers: two of them (and a mamba layer)
+    "zamba": {"num_hidden_layers": 3, "mamba_dt_rank": "auto",
+              "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # ESM checkpoints pad with id 1 and mask with id 32 (the default leaves both None and the
+    # embedding reads `input_ids.ne(padding_idx)`)
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # the full-attention layers rotate a quarter of each head in M-RoPE pairs of pairs: a head
+    # of 16 (NeoMME's checkpoints: 256) rotates 4
+    "neomme": {"head_dim": 2 * HEAD_DIM},
+    # semantic segmentation reads four layers' features (`out_indices`, [3, 5, 7, 11] in the
+    # checkpoints): four layers, each one picked
+    "beit": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
+    "data2vec-vision": {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4]},
+    # UperNet's heads read every backbone stage (the auxiliary head the third)
+    "upernet": {"backbone_config": {"out_features": ["stage1", "stage2", "stage3", "stage4"]}},
+    # Sapiens2's segmentation head is two upsampling blocks and a refining conv in its
+    # checkpoints; the default head config has none and its model cannot be built
+    # and its per-layer key/value head counts (16 and 8 of 16 heads) are a share of the heads
+    "sapiens2": {"head_config": {"upsample_out_channels": [16, 16], "conv_out_channels": [16]},
+                 "num_key_value_heads_per_layer": [HEADS, HEADS // 2],
+                 "num_key_value_attention_heads": HEADS // 2},
+    # xLSTM's cache sizes the heads by widths rounded up to 64 and its layers by the unrounded
+    # hidden * factor (4096 * 0.5 in the checkpoints): tiny widths of 64 agree
+    "xlstm": {"qk_dim_factor": 64 / HIDDEN, "v_dim_factor": 64 / HIDDEN,
+              "num_blocks": LAYERS},  # its layer count, spelled twice
+    # CvT's stage s reads entry s of a list `depth[s]` long (its drop-path rates): stage s
+    # needs more than s blocks (the checkpoints: [1, 2, 10])
+    "cvt": {"depth": [1, 2, 3]},
+    # see DEFAULT_FIXES (the size rules would set the per-layer input width again)
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
+}
+# per-type keyword arguments the default config is built with, where transformers' own default
+# fails its validator (Gemma-4 assistants: a text config without per-layer inputs)
+DEFAULT_FIXES = {
+    # MusicGen's generate starts every codebook's delay pattern with `decoder_start_token_id`
+    # (2048, the pad and bos id, in every checkpoint's generation config; the decoder config
+    # leaves it None and generate fails)
+    "musicgen": {"decoder": {"decoder_start_token_id": 2048}},
+    "musicgen_melody": {"decoder": {"decoder_start_token_id": 2048}},
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text",
+                                         "hidden_size_per_layer_input": 0,
+                                         "vocab_size_per_layer_input": 0}},
+}
 PATTERN_MAX = 4  # a short list of layer kinds cycled over the layers (RecurrentGemma's
                  # `block_types`) gets at least that many layers, so each kind runs
 
@@ -245,6 +309,10 @@ def _shrink(d: dict, renumber: dict) -> dict:
             out["n_groups"] = 1
     if "num_kv_heads" in d and isinstance(d["num_kv_heads"], int):
         out["num_kv_heads"] = HEADS // 2
+    parts = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+    if all(isinstance(d.get(k), int) and isinstance(out.get(k), int) for k in parts) \
+            and d["head_dim"] == d["qk_nope_head_dim"] + d["qk_rope_head_dim"]:
+        out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # Mistral-4's MLA heads
     shrink_media(d, out)
     return out
 
@@ -305,12 +373,21 @@ def _renumbered(value, renumber: dict):
     return renumber[value]
 
 
+def _merged(d: dict, facts: dict) -> dict:
+    """`d` with `facts` set (a dict under a key whose value is a dict merged into it)."""
+    out = dict(d)
+    for key, value in facts.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) \
+            and isinstance(out.get(key), dict) else value
+    return out
+
+
 def tiny_config(model_type: str):
     """The tiny config of `model_type` (raises what the config class raises)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
-    shrunk = _shrink(default.to_dict(), {})
+    default = AutoConfig.for_model(model_type, **DEFAULT_FIXES.get(model_type, {}))
+    shrunk = _merged(_shrink(default.to_dict(), {}), CHECKPOINT_FACTS.get(model_type, {}))
     config = type(default).from_dict(shrunk)
     if getattr(config, "is_encoder_decoder", False) \
             and getattr(config, "decoder_start_token_id", None) is None:
