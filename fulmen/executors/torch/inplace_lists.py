@@ -10,14 +10,18 @@ makes a new copy of every tensor it writes, and each input gets its write-back
 Where that is all the trace does with the written inputs, the statement runs ATen's in-place op
 itself, `torchex.aten_in_place('_fused_adamw_', [param], [grad], ...)`, whose results are the
 written inputs, and their write-backs are dropped: the inputs hold eager's values when the trace
-returns (the very kernel eager runs, on the same tensors). The rewrite applies to one statement
-only when every tensor it writes (read from the trace, so conservative):
+returns (the very kernel eager runs, on the same tensors). A chain of such ops on one input
+(foreach AdamW's `_foreach_mul_(params, ...)` then `_foreach_addcdiv_(params, ...)`) runs in
+place link by link. The rewrite applies to one statement only when every tensor it writes (read
+from the trace, so conservative):
 
 - is a distinct trace input that no statement reads before the statement or between it and its
-  write-back `copy_(input, result)` (as `inplace_index.py` asks of `index_copy`; an input
-  overlapping a mutated input runs eagerly: `check_no_input_aliasing`);
-- has a result that is not an output of the trace, and, for an input requiring grad (a
-  parameter), is read by the write-back alone.
+  write-back `copy_(input, ...)` (as `inplace_index.py` asks of `index_copy`; an input
+  overlapping a mutated input runs eagerly: `check_no_input_aliasing`), or the result of an
+  earlier statement so rewritten that no statement reads after this one;
+- has a result that is not an output of the trace, that no statement reads from the input's
+  write-back on unless that copies it (then dropped), and, for an input requiring grad (a
+  parameter), that only these list ops and the write-back read.
 
 The op runs under `no_grad`, as the optimizers run it (the write-back copies so too).
 """
@@ -28,9 +32,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
-from fulmen.executors.torch import torch_ex
+from fulmen.executors.torch import _write_back, torch_ex
 from fulmen.executors.torch.inplace import statement_readers
-from fulmen.executors.torch.inplace_index import _is_write_back as is_write_back
+from fulmen.ops.functionalized import WRITE_BACK
 from fulmen.tracer.aten_inplace import functional_variant, written_arguments
 from fulmen.transforms.base import transform
 
@@ -96,42 +100,70 @@ def aten_lists_in_place(trace: Trace) -> Trace:
     then only written back as ATen's in-place op, without the write-backs (module
     docstring)."""
     bsyms = trace.bsyms
-    inputs = {arg.name for arg in pytree.tree_leaves(trace.args) if isinstance(arg, torch.Tensor)}
+    inputs = {arg.name: arg for arg in pytree.tree_leaves(trace.args)
+              if isinstance(arg, torch.Tensor)}
     readers = statement_readers(bsyms)
     outputs = {leaf.name for leaf in pytree.tree_leaves(trace.output)
                if isinstance(leaf, torch.Tensor)}
+    backs = _write_backs(bsyms)
+    bases: dict[str, str] = {}  # a value written in place -> the input holding it
     changed, dropped = list(bsyms), set()
     for i, bsym in enumerate(bsyms):
         name = _in_place_name(bsym)
         pairs = _pairs(name, bsym) if name is not None else None
         if not pairs:
             continue
-        backs = _write_backs(i, pairs, bsyms, readers, inputs, outputs)
-        if backs is None:
+        found = _bases(i, pairs, bsyms, readers, inputs, outputs, backs, bases)
+        if found is None:
             continue
         changed[i] = bsym.replace(sym=ATEN_IN_PLACE, args=(name, *bsym.args), subsymbols=())
-        dropped |= backs
+        bases.update(found)
+        dropped |= {backs[base][0] for result, base in found.items() if backs[base][1] == result}
     if not dropped:
         return trace
     return trace.replace(bsyms=tuple(b for j, b in enumerate(changed) if j not in dropped))
 
 
-def _write_backs(i: int, pairs: list, bsyms, readers: dict, inputs: set,
-                 outputs: set) -> set[int] | None:
-    """The indices of the write-backs of statement `i`'s written inputs, or None when one of
-    them may not be written in place (module docstring)."""
-    backs: set[int] = set()
-    seen: set[str] = set()
-    for dst, result in pairs:
-        if not isinstance(dst, torch.Tensor) or not isinstance(result, torch.Tensor):
-            return None
-        if dst.name not in inputs or dst.name in seen or result.name in outputs:
-            return None
-        seen.add(dst.name)
-        read = [j for j in readers.get(dst.name, ()) if j != i]
-        if not read or read[0] < i or not is_write_back(bsyms[read[0]], dst, result):
-            return None  # read before the update, or between it and the write-back
-        if dst.requires_grad and readers.get(result.name, ()) != [read[0]]:
-            return None
-        backs.add(read[0])
+def _write_backs(bsyms) -> dict[str, tuple[int, str]]:
+    """Input name -> (index, name of the value copied) of its write-back `copy_(input, value)`
+    (as traced, or as claimed)."""
+    backs = {}
+    for index, bsym in enumerate(bsyms):
+        if (bsym.sym is WRITE_BACK or bsym.sym.impl is _write_back) and len(bsym.args) == 2 \
+                and not bsym.kwargs and all(isinstance(a, torch.Tensor) for a in bsym.args):
+            backs[bsym.args[0].name] = (index, bsym.args[1].name)
     return backs
+
+
+def _bases(i: int, pairs: list, bsyms, readers: dict, inputs: dict, outputs: set, backs: dict,
+           bases: dict) -> dict[str, str] | None:
+    """For each value statement `i` writes, the input whose storage holds it once the
+    statement runs in place; None when one of them may not be written in place (module
+    docstring)."""
+    found: dict[str, str] = {}
+    for dst, result in pairs:
+        if not isinstance(dst, torch.Tensor) or not isinstance(result, torch.Tensor) \
+                or result.name in outputs:
+            return None
+        if dst.name in inputs:  # no reader before, none between it and the write-back
+            base = dst.name
+            read = [j for j in readers.get(dst.name, ()) if j != i]
+            if base not in backs or not read or read[0] != backs[base][0] or read[0] < i:
+                return None
+        elif dst.name in bases:  # an earlier value written in place, read no more after it
+            base = bases[dst.name]
+            if any(j > i for j in readers.get(dst.name, ())):
+                return None
+        else:
+            return None
+        if base in found.values():
+            return None
+        back, copied = backs[base]
+        later = readers.get(result.name, ())
+        if copied != result.name and any(j >= back for j in later):
+            return None  # (the write-back of another value overwrites it)
+        if inputs[base].requires_grad and any(
+                j != back and _in_place_name(bsyms[j]) is None for j in later):
+            return None  # a parameter's new value read only by the step's own list ops
+        found[result.name] = base
+    return found
