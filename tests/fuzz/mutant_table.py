@@ -2814,4 +2814,8 @@ MUTANTS: list[Mutant] = [
            "if base not in backs or not read or read[0] != backs[base][0] or read[0] < i:",
            "if base not in backs or not read or read[0] < i:",
            ("tests/tracer/test_optimizers_52.py",)),
+    Mutant("global_objects_not_function_roots", "mutation", "tracer/objects.py",
+           "    if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):",
+           "    if False:",
+           ("tests/tracer/test_optimizers_52.py",)),
 ]

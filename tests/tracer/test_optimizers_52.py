@@ -120,3 +120,35 @@ def test_an_input_read_after_an_in_place_list_op_is_written_back():
     assert torch.equal(jfn(x_jit, y), fn(x_eager, y))
     assert torch.equal(x_jit, x_eager)
     assert _written_back(jfn) == ["x"]
+
+
+_OPTIMIZER = None  # the optimizer `_train_step` reads as a global
+
+
+def _train_step():
+    _OPTIMIZER.step()
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: optim.Adam(ps, lr=0.1)], ids=["sgd", "adam"])
+def test_a_jitted_function_reading_its_optimizer_as_a_global(make_opt):
+    """A module-level `def train_step(): opt.step()`: the optimizer was no object of the
+    function's (only closure cells and a bound method's `self` were), so the first step's new
+    state stayed a TensorProxy in `opt.state`, and later steps reused the empty-state program
+    (momentum lost, silently)."""
+    global _OPTIMIZER
+    results = []
+    for jit in (True, False):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        _OPTIMIZER = make_opt([w])
+        step = fulmen.jit(_train_step) if jit else _train_step
+        for i in range(4):
+            w.grad = torch.full((3,), float(i + 1))
+            step()
+            assert all(type(value) is torch.Tensor for value in _OPTIMIZER.state[w].values())
+        results.append(w.detach())
+        if jit:
+            stats = fulmen.compile_stats(step)
+    assert torch.equal(*results)
+    assert stats.calls == 4 and stats.eager_calls == 0
