@@ -116,11 +116,11 @@ class CacheKeyBuilder:
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
         self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
-        # a jitted bound method reads its object, a wrapper the objects it closes over (found
-        # again on every call: closure cells change)
+        # a jitted bound method reads its object, a wrapper the objects it closes over or reads
+        # as globals (found again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
         reads_objects = getattr(fn, "__self__", None) is not None or bool(
-            getattr(inner, "__closure__", None))
+            getattr(inner, "__closure__", None)) or bool(function_roots(fn))
         self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
         # positions of the floats read at run time (`DynamicDims.float_positions`, the same

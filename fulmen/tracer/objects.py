@@ -26,6 +26,7 @@ same path, and everything else is copied (`copy.deepcopy` with a prepared memo).
 from __future__ import annotations
 
 import copy
+import dis
 import enum
 import functools
 import logging
@@ -105,9 +106,28 @@ def _walkable(value: Any) -> bool:
     return isinstance(value, (list, tuple, dict)) or is_plain_object(value)
 
 
+# the opcodes that read a name from the globals (Python 3.12 adds LOAD_FROM_DICT_OR_GLOBALS,
+# for class bodies inside functions); a read missed here would be a global left out of the key
+_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code) -> frozenset[str]:
+    """The names `code` and the code objects nested in it read as globals (`_GLOBAL_READS`),
+    unlike `code_names`, whose `co_names` also holds attribute names: `ctx.n = 5` in a custom
+    autograd Function reads no global `n`, and keying a global `n` would retrace the program at
+    each change of it."""
+    names = {instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in _GLOBAL_READS}
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= global_names(const)
+    return frozenset(names)
+
+
 def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
-    """The objects a function reads besides its arguments: the `self` of a bound method and
-    the objects in its closure cells (through weak references and the bound methods and
+    """The objects a function reads besides its arguments: the `self` of a bound method, the
+    plain objects it reads as globals and the objects in its closure cells (through weak references and the bound methods and
     functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order.
     `wanted(value)` chooses them (by default plain objects, and among closure cells only those
     that are not callable: not another jitted function)."""
@@ -130,6 +150,12 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
         elif (is_plain_object(value) and not callable(value)) if wanted is None else \
                 wanted(value):
             found.append(value)
+    if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):
+        # the plain objects it reads as globals, as those of its closure: a module-level
+        # `def train_step(): opt.step()` stores the first step's state into `opt.state`
+        namespace = inner.__globals__
+        found += [namespace[name] for name in sorted(global_names(inner.__code__))
+                  if is_plain_object(namespace.get(name)) and not callable(namespace[name])]
     unique: dict[int, Any] = {}
     for value in found:
         unique.setdefault(id(value), value)

@@ -6,7 +6,6 @@ constant or tensor.
 
 from __future__ import annotations
 
-import dis
 import enum
 import functools
 import hashlib
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import is_plain_object
+from fulmen.tracer.objects import global_names, is_plain_object
 
 try:  # NumPy scalars (`SCALE = np.float32(2.0)`) are values too
     import numpy
@@ -80,23 +79,6 @@ def code_names(code) -> set[str]:
     return names
 
 
-# the opcodes that read a name from the globals (Python 3.12 adds LOAD_FROM_DICT_OR_GLOBALS,
-# for class bodies inside functions); a read missed here would be a global left out of the key
-_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
-
-
-@functools.lru_cache(maxsize=4096)
-def global_names(code) -> frozenset[str]:
-    """The names `code` and the code objects nested in it read as globals (`_GLOBAL_READS`),
-    unlike `code_names`, whose `co_names` also holds attribute names: `ctx.n = 5` in a custom
-    autograd Function reads no global `n`, and keying a global `n` would retrace the program at
-    each change of it."""
-    names = {instruction.argval for instruction in dis.get_instructions(code)
-             if instruction.opname in _GLOBAL_READS}
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= global_names(const)
-    return frozenset(names)
 
 
 def _is_source(value: Any) -> bool:

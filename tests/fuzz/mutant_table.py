@@ -879,9 +879,9 @@ MUTANTS: list[Mutant] = [
            "and all(p.requires_grad for p in traces[-1].args))", AUTODIFF),
     Mutant("pipeline_relu_in_place_before_dels", "passes", "pipeline.py",
            "_AFTER_CLAIMING = (fold_constants, delete_last_used, onednn_linear, pooled_outputs,\n"
-           "                   relu_in_place, index_copy_in_place)",
+           "                   relu_in_place, index_copy_in_place, aten_lists_in_place)",
            "_AFTER_CLAIMING = (fold_constants, relu_in_place, delete_last_used, onednn_linear,\n"
-           "                   pooled_outputs, index_copy_in_place)",
+           "                   pooled_outputs, index_copy_in_place, aten_lists_in_place)",
            ("tests/executors/test_relu_in_place.py", "tests/executors/test_index_copy_in_place.py")),
     Mutant("executor_checker_skipped", "guards", "executors/base.py",
            "if impl.checker is not None and not impl.checker(*bsym.args, **bsym.kwargs):",
@@ -3079,4 +3079,17 @@ MUTANTS: list[Mutant] = [
            "    return float_in_tuple(root, path)",
            "    return False",
            ("tests/models/test_hf_skipped_52.py",)),
+    # --- session 52, h52optim: optimizers' fused and foreach ops in place ---
+    Mutant("aten_in_place_runs_functional", "mutation", "executors/torch/inplace_lists.py",
+           "        getattr(torch.ops.aten, name)(*args, **kwargs)",
+           "        getattr(torch.ops.aten, name[:-1])(*args, **kwargs)",
+           ("tests/tracer/test_optimizers_52.py",)),
+    Mutant("aten_in_place_later_readers_ignored", "mutation", "executors/torch/inplace_lists.py",
+           "if base not in backs or not read or read[0] != backs[base][0] or read[0] < i:",
+           "if base not in backs or not read or read[0] < i:",
+           ("tests/tracer/test_optimizers_52.py",)),
+    Mutant("global_objects_not_function_roots", "mutation", "tracer/objects.py",
+           "    if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):",
+           "    if False:",
+           ("tests/tracer/test_optimizers_52.py",)),
 ]
