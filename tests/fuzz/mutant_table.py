@@ -3037,4 +3037,7 @@ MUTANTS: list[Mutant] = [
     Mutant("object_key_memo_unused", "guards", "tracer/object_key_memo.py",
            "                and self._unchanged():", "                and False:",
            ("tests/tracer/test_object_key_memo.py",)),
+    Mutant("write_back_into_detached_copy", "mutation", "executors/torch/__init__.py",
+           "        dst.detach().copy_(src)", "        dst.detach().clone().copy_(src)",
+           ("tests/tracer/test_object_key_memo.py",)),
 ]

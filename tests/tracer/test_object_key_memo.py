@@ -117,3 +117,27 @@ def test_unchanged_optimizer_is_not_walked(monkeypatch):
             walks.clear()
     assert fulmen.compile_stats(step).eager_calls == 0
     assert walks == []
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_write_back_into_a_parameter_is_seen_by_autograd(jit):
+    """The write-back into a parameter (`executors/torch._write_back`, through `detach()`)
+    updates the parameter itself and its version counter: a graph that saved the parameter
+    before the step refuses its backward, as in eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = fulmen.jit(opt.step) if jit else opt.step
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(3):
+        model(x).square().sum().backward()
+        weight, version = model.weight.detach().clone(), model.weight._version
+        pending = (x @ model.weight.t()).sum()  # saves the weight
+        step()
+        assert model.weight._version > version
+        assert not torch.equal(model.weight.detach(), weight)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pending.backward()
+        opt.zero_grad()
+    if jit:
+        assert fulmen.compile_stats(step).eager_calls == 0
