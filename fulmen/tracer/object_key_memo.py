@@ -35,6 +35,7 @@ import torch
 from fulmen.tracer.key_memo import tensor_check
 from fulmen.tracer.objects import (
     _MAX_SLOTS,
+    _OPAQUE,
     FLOAT_KEY,
     _grad_of,
     _walkable,
@@ -46,7 +47,9 @@ from fulmen.tracer.objects import (
 _is = operator.is_
 _chain = itertools.chain.from_iterable
 _ANY_FLOAT = object()  # stands for a masked float among the compared items
-# leaves whose key is a function of their identity (immutable values, or keyed by identity)
+# leaves whose key is a function of their identity: immutable values, and `objects._OPAQUE`'s
+# (functions, methods, modules, classes: keyed by identity; an LR scheduler wraps `opt.step`
+# in a function the optimizer holds), tensor subclasses excepted
 _IMMUTABLE = frozenset([bool, int, float, complex, str, bytes, type(None), torch.dtype,
                         torch.device, torch.Size, slice, range, type(Ellipsis),
                         torch.memory_format, torch.layout])
@@ -121,7 +124,8 @@ class ObjectKeyMemo:
                     holders.append(value)
             elif type(value) in _TENSOR_TYPES:
                 tensors.append(value)
-            elif type(value) not in _IMMUTABLE and not isinstance(value, enum.Enum):
+            elif isinstance(value, torch.Tensor) or not (
+                    type(value) in _IMMUTABLE or isinstance(value, (enum.Enum, _OPAQUE))):
                 return  # (a numpy array, a set: keyed by what may change in place)
         grads = [_grad_of(t) for t in tensors]
         checked = tensors + [g for g in grads if g is not None]

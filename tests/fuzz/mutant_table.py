@@ -3040,4 +3040,7 @@ MUTANTS: list[Mutant] = [
     Mutant("write_back_into_detached_copy", "mutation", "executors/torch/__init__.py",
            "        dst.detach().copy_(src)", "        dst.detach().clone().copy_(src)",
            ("tests/tracer/test_object_key_memo.py",)),
+    Mutant("object_key_memo_refuses_functions", "guards", "tracer/object_key_memo.py",
+           "isinstance(value, (enum.Enum, _OPAQUE))", "isinstance(value, enum.Enum)",
+           ("tests/tracer/test_object_key_memo.py",)),
 ]

@@ -100,12 +100,15 @@ def _unchanged_misses() -> int:
     return stats.cache_misses
 
 
-def test_unchanged_optimizer_is_not_walked(monkeypatch):
-    """Steps that change only tensor values, grads and the lr reuse the key (no walk)."""
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_unchanged_optimizer_is_not_walked(monkeypatch, scheduler):
+    """Steps that change only tensor values, grads and the lr reuse the key (no walk), under
+    an LR scheduler too (it wraps `opt.step` in a function the optimizer holds)."""
     walks = []
     real = object_key_memo.walk
     monkeypatch.setattr(object_key_memo, "walk", lambda root: walks.append(root) or real(root))
     model, opt = _setup()
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10) if scheduler else None
     step = fulmen.jit(opt.step)
     for i in range(6):
         _backward(model)
@@ -113,6 +116,8 @@ def test_unchanged_optimizer_is_not_walked(monkeypatch):
             _lr(opt)
         step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         if i == 2:
             walks.clear()
     assert fulmen.compile_stats(step).eager_calls == 0
