@@ -44,6 +44,7 @@ from fulmen.tracer.leaf_keys import (
     _walked_key,
     mark_repeated,
 )
+from fulmen.tracer.object_key_memo import ObjectKeyMemo
 from fulmen.tracer.objects import (
     INT_KEY,
     function_roots,
@@ -115,6 +116,7 @@ class CacheKeyBuilder:
         self._set_sources()
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
+        self._root_memos: list[ObjectKeyMemo] = []  # `_fn_roots_key`, one per root
         self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
         # a jitted bound method reads its object, a wrapper the objects it closes over or reads
         # as globals (found again on every call: closure cells change)
@@ -396,7 +398,13 @@ class CacheKeyBuilder:
         if self.fn is None:
             return ()
         masks = _float_masks(self.float_positions) if self.float_positions else {}
-        for root, path in ints or ():
+        if not ints:  # (the common case: each root's key reused while nothing it read changed)
+            memos = self._root_memos
+            while len(memos) < len(self.fn_roots):
+                memos.append(ObjectKeyMemo())
+            return tuple([memo.key(root, _leaf_key, masks.get(-1 - i))
+                          for i, (memo, root) in enumerate(zip(memos, self.fn_roots))])
+        for root, path in ints:
             masks.setdefault(root, {})[path] = INT_KEY
         return tuple([object_key(root, _leaf_key, masks.get(-1 - i))
                       for i, root in enumerate(self.fn_roots)])
