@@ -50,6 +50,31 @@ def test_a_print_in_forward_prints_eagers_text_on_every_call():
         torch.testing.assert_close(got, want)
 
 
+class _PrintingShapes(nn.Module):
+    """A debugging print of sizes only (`print("h", h.shape)`): no tensor's text is asked,
+    so nothing breaks the graph and only the print itself tells a compiled call apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        print("h", h.shape)
+        return h.relu()
+
+
+def test_a_print_of_sizes_only_prints_on_every_call():
+    torch.manual_seed(0)
+    model = _PrintingShapes()
+    jmodel = fulmen.jit(model)
+    for x in [torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)]:
+        want_text, want = _printed(model, x)
+        got_text, got = _printed(jmodel, x)
+        assert got_text == want_text == "h torch.Size([4, 2])\n", (got_text, want_text)
+        torch.testing.assert_close(got, want)
+
+
 def test_output_other_code_writes_is_not_taken_for_a_print():
     """Only what the traced function prints refuses the trace: a function without a print
     is compiled, while the caller's own prints around the calls still reach stdout."""
