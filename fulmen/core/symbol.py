@@ -298,3 +298,16 @@ def flatten(bsym: BoundSymbol, stop: Callable[[BoundSymbol], bool] | None = None
         return [bsym]
     return [part for sub in bsym.subsymbols
             for part in flatten(sub.replace(source=bsym.source), stop)]
+
+
+def free_inputs(bsyms: Iterable[BoundSymbol]) -> list[Proxy]:
+    """The proxies the statements `bsyms` read that none of them defines, in order of first
+    read (a fusion region's inputs; the values a trace prefix reads from outside it)."""
+    defined: set[str] = set()
+    free: dict[str, Proxy] = {}
+    for bsym in bsyms:
+        for proxy in bsym.read_proxies:
+            if proxy.name not in defined:
+                free.setdefault(proxy.name, proxy)
+        defined |= bsym.output_names
+    return list(free.values())

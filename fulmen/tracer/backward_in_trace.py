@@ -47,6 +47,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import BoundSymbol, Trace
 from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
+from fulmen.core.symbol import free_inputs
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.autograd_function import backward_refusal
@@ -93,18 +94,6 @@ def _plain_loss(func, args: tuple, kwargs: dict):
     plain = all(values.get(name) in (None, False) for name in (
         "gradient", "grad_tensors", "grad_variables", "retain_graph", "create_graph", "inputs"))
     return loss if plain and isinstance(loss, TensorProxy) else None
-
-
-def _free_inputs(bsyms) -> tuple[TensorProxy, ...]:
-    """The proxies `bsyms` read that none of them defines, in order of first read."""
-    defined: set[str] = set()
-    free: dict[str, TensorProxy] = {}
-    for bsym in bsyms:
-        for proxy in bsym.proxy_inputs:
-            if proxy.name not in defined:
-                free.setdefault(proxy.name, proxy)
-        defined |= bsym.output_names
-    return tuple(free.values())
 
 
 def _defined(bsyms) -> set[str]:
@@ -198,7 +187,7 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
     if _split is None:
         raise backward_refusal(func, "no autodiff installed")
     prefix = list(ctx.bsyms)
-    free = _free_inputs(prefix)
+    free = tuple(free_inputs(prefix))
     wrt = [p for p in free if isinstance(p, TensorProxy) and p.requires_grad
            and (p.dtype.is_floating_point or p.dtype.is_complex)]
     if loss.name not in _defined(prefix):

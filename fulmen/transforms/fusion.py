@@ -47,6 +47,7 @@ import networkx as nx
 import torch
 
 from fulmen.core import BoundSymbol, Tag, Trace, flatten
+from fulmen.core.symbol import free_inputs
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
 from fulmen.transforms.region_size import is_tiny_region
@@ -442,11 +443,4 @@ def _defined_before_use(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
 
 def region_inputs(region: Sequence[BoundSymbol]) -> list:
     """Proxies a region reads that it does not produce, in first-use order."""
-    produced: set[str] = set()
-    seen: dict[str, object] = {}
-    for bsym in region:
-        for proxy in bsym.read_proxies:
-            if proxy.name not in produced:
-                seen.setdefault(proxy.name, proxy)
-        produced |= bsym.output_names
-    return list(seen.values())
+    return free_inputs(region)
