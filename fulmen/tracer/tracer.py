@@ -313,6 +313,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
              if is_plain_object(leaf)}
     for index, obj in enumerate(function_roots(fn) if module is None else ()):
         roots[-1 - index] = obj  # a bound method's self, objects in the closure
+    # before any proxy is swapped into the objects: a refusal here leaves them as they are
+    held = held_modules(fn if module is None else None, (args, kwargs), list(roots.values()),
+                        module)
+    refuse_held(held)
     objects = ObjectInputs(roots)
     object_pairs = []
     held_at: dict[str, tuple] = {}  # an object-held input's name -> its `(root, path)`
@@ -381,9 +385,6 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
     containers = ArgumentContainers((proxy_args, proxy_kwargs), (args, kwargs))
     stores: list[ModuleStore] = []
     writes: set[tuple[int, str]] = set()
-    held = held_modules(fn if module is None else None, (args, kwargs), list(roots.values()),
-                        module)
-    refuse_held(held)
     try:
         with tracing(ctx), FactoryMode(ctx), answered_for_proxies(), compiled_code_runs_eagerly(), \
                 library_caches_set_aside(), \

@@ -3114,4 +3114,10 @@ MUTANTS: list[Mutant] = [
     Mutant("object_key_memo_refuses_functions", "guards", "tracer/object_key_memo.py",
            "isinstance(value, (enum.Enum, _OPAQUE))", "isinstance(value, enum.Enum)",
            ("tests/tracer/test_object_key_memo.py",)),
+    # --- session 52, lead: a refusal after the objects were swapped -------------------------
+    Mutant("held_refused_after_object_swap", "bridge", "tracer/tracer.py",
+           "    refuse_held(held)\n    objects = ObjectInputs(roots)",
+           "    objects = ObjectInputs(roots)\n    _swap_in = objects.swap_in\n"
+           "    objects.swap_in = lambda *a: (_swap_in(*a), refuse_held(held))[0]",
+           ("tests/tracer/test_refused_objects_52.py",)),
 ]

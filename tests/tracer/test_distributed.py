@@ -187,3 +187,50 @@ def test_fsdp2_of_jitted_blocks_equals_single_process_eager(tmp_path):
     mean_losses = [sum(rank["losses"][step] for rank in ranks) / WORLD for step in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(losses), atol=1e-5,
                                rtol=1e-5)
+
+
+def _step_worker(rank: int, port: int, out_dir: str, wrap: bool) -> None:
+    """A whole training step jitted (forward, `loss.backward()`, momentum SGD, `zero_grad`),
+    closing over a DDP (or `fulmen.jit(DDP)`) and its optimizer: the call runs eagerly (DDP's
+    gradient synchronisation), on the real optimizer."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = fulmen.jit(ddp) if wrap else ddp
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        jstep = fulmen.jit(step)
+        for index in range(STEPS):
+            x, y = _batch(index)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the eager fallback's warning
+                jstep(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+        torch.save([p.detach().clone() for p in model.parameters()],
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["ddp", "jit_of_ddp"])
+def test_a_jitted_training_step_over_ddp_equals_single_process_eager(tmp_path, wrap):
+    mp.spawn(_step_worker, args=(_free_port(), str(tmp_path), wrap), nprocs=WORLD, join=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for index in range(STEPS):
+        x, y = _batch(index)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank in range(WORLD):
+        for actual, expected in zip(torch.load(tmp_path / f"rank{rank}.pt"), model.parameters()):
+            torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
