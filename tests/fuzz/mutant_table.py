@@ -2821,4 +2821,14 @@ MUTANTS: list[Mutant] = [
            "        return True or \\\n",
            ("tests/models/test_hf_call_variants.py::"
             "test_layerdrop_in_training_matches_eager_under_the_same_seed",)),
+    # --- session 52, h52pool: outputs of 1 MiB and more from the pool, in base pages -------
+    Mutant("pool_output_made_once_per_plan", "codegen", "executors/codegen/cpu/plans.py",
+           "    return functools.partial(empty, shape, dtype)",
+           "    return functools.partial(lambda out: out, empty(shape, dtype))",
+           ("tests/executors/test_pool.py::"
+            "test_training_steps_never_reuse_a_mid_sized_output_the_user_keeps",)),
+    Mutant("pool_small_blocks_in_huge_pages", "codegen", "executors/codegen/include/pool.cpp",
+           "size_t(nbytes) >= kPage ? kPage : kSmallPage;", "kPage;",
+           ("tests/executors/test_pool.py::"
+            "test_outputs_under_a_huge_page_are_blocks_of_whole_base_pages",)),
 ]

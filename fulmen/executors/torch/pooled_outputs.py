@@ -6,9 +6,9 @@ the lm_head's weight gradient (`t = torch.matmul(t56, t54)`, 50304 x 128 float32
 pythia-14m) is one of fulmen's own. torch takes it from glibc, which maps such a block freshly
 and gives it back when it is freed (or trims it off the heap's top), so the next step touches
 new pages: one page fault per 4 KiB page, 6,288 for this tensor (counted with `getrusage`
-around each call of the backward). Fused kernels already take outputs of 4 MiB and more from
-the pool (`executors/codegen/cpu/pool.py`), whose blocks stay mapped and are reused once torch
-frees the tensor (for a gradient: when `zero_grad` drops `.grad`, which autograd's
+around each call of the backward). Fused kernels already take outputs of `pool.MIN_BYTES`
+(1 MiB) and more from the pool (`executors/codegen/cpu/pool.py`), whose blocks stay mapped and
+are reused once torch frees the tensor (for a gradient: when `zero_grad` drops `.grad`, which autograd's
 accumulation took over without a copy).
 
 So a statement `t = torch.matmul(a, b)` of the torch executor with two matrices (2-D operands:
