@@ -4,8 +4,7 @@
         -> additive attention masks (`transforms/attention_masks.py`) -> dce -> cse
         -> user transforms -> [value_and_grad (functional grad)]
         -> [autodiff split -> rematerialization -> backward: dce, cse, layer norm reuse
-            (`transforms/layer_norm_reuse.py`), one cat of permuted gradients before one
-            reshape (`transforms/cat_before_reshape.py`)]   (an input requires grad)
+            (`transforms/layer_norm_reuse.py`)]   (an input requires grad)
         -> claiming by the executors (fusion regions, then operators)
         -> statements reading nothing the call brings run once, at compile time
            (`executors/torch/constants.py`) -> `del` insertion
@@ -58,7 +57,6 @@ from fulmen.transforms.attention_masks import additive_attention_masks
 from fulmen.transforms.autodiff import split_forward_backward
 from fulmen.transforms.autodiff.eager_replay import eager_replay, grads_laid_out_as_eager
 from fulmen.transforms.autodiff.joint import value_and_grad_trace
-from fulmen.transforms.cat_before_reshape import cat_before_reshape
 from fulmen.transforms.cse import cse
 from fulmen.transforms.grouped_attention import grouped_attention
 from fulmen.transforms.layer_norm_reuse import reuse_layer_norm
@@ -152,7 +150,6 @@ def _compile_trace(trace: Trace, executors: Sequence[Executor], transforms, wrt,
         run(backward_traces, dce)
         run(backward_traces, cse)
         run(backward_traces, reuse_layer_norm)  # one native_layer_norm for output and statistics
-        run(backward_traces, cat_before_reshape)  # the heads' gradients joined in one copy
         unclaimed = backward_traces[-1]
         # statements the split added twice (attention's float masks), residuals included
         run(traces, cse, frozenset(p.name for p in iter_proxies(traces[-1].output[0])))

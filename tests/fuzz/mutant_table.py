@@ -2831,9 +2831,4 @@ MUTANTS: list[Mutant] = [
            "size_t(nbytes) >= kPage ? kPage : kSmallPage;", "kPage;",
            ("tests/executors/test_pool.py::"
             "test_outputs_under_a_huge_page_are_blocks_of_whole_base_pages",)),
-    # --- session 52, h52pool: the heads' gradients joined by one cat before one reshape ----
-    Mutant("cat_before_reshape_joins_the_last_dim", "passes", "transforms/cat_before_reshape.py",
-           "            joined = prims.cat(permuted, dim)",
-           "            joined = prims.cat(permuted, dim + 1)",
-           ("tests/transforms/test_cat_before_reshape.py",)),
 ]
