@@ -308,3 +308,50 @@ def test_under_recorded_grad_the_operator_is_eagers_matmul():
     torch.testing.assert_close(a.grad, b.sum(1).expand(8, 4))
     with torch.no_grad():
         assert POOLED_MM.impl(a, b).grad_fn is None
+
+
+def _heads_loss(qkv):
+    """litgpt's attention heads: its backward joins the q, k, v gradients with a cat."""
+    b, t, c3 = qkv.shape
+    q, k, v = qkv.split(c3 // 3, dim=-1)
+    q, k, v = [p.reshape(b, t, 4, -1).transpose(1, 2) for p in (q, k, v)]
+    return (torch.sin(q) * k + v * v).sum()
+
+
+def test_the_backwards_large_cat_is_a_pool_block_with_eagers_values(ready):
+    """`make demo`'s backward joins the heads' gradients in a 1.5 MiB cat whose fresh output
+    faulted its pages every step (0.7 ms of the join's 1.8 ms): it runs into a pool block."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 128, 384)
+    jfn = fulmen.jit(_heads_loss)
+    for _ in range(2):
+        got = torch.autograd.grad(jfn(x.requires_grad_()), x)[0]
+        expected = torch.autograd.grad(_heads_loss(x), x)[0]
+        torch.testing.assert_close(got, expected)
+        assert got.stride() == expected.stride()
+    assert "torchex.pooled_cat(" in _backward_statements(jfn)
+
+
+def test_a_cat_eager_lays_out_channels_last_keeps_eagers_call(ready):
+    x = torch.randn(2, 64, 64, 64).to(memory_format=torch.channels_last)
+    jfn = fulmen.jit(lambda a, b: torch.cat([a, b], 1))
+    with torch.no_grad():
+        got = jfn(x, x + 1)
+    expected = torch.cat([x, x + 1], 1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.stride() == expected.stride()
+    assert "pooled_cat" not in _statements(jfn)
+
+
+def test_the_pooled_cat_is_eagers_cat_where_grad_is_recorded_or_inputs_differ(ready):
+    from fulmen.executors.torch.pooled_outputs import POOLED_CAT
+
+    a = torch.randn(512, 1024, requires_grad=True)
+    out = POOLED_CAT.impl([a, a], 0)
+    assert out.grad_fn is not None and out.untyped_storage().resizable()
+    b = torch.randn(512, 1024)
+    torch.testing.assert_close(POOLED_CAT.impl([b, b * 2], -1), torch.cat([b, b * 2], -1),
+                               rtol=0, atol=0)
+    assert not POOLED_CAT.impl([b, b], 1).untyped_storage().resizable()
+    mixed = POOLED_CAT.impl([b, b.double()], 0)  # eager's promotion
+    assert mixed.dtype == torch.float64 and mixed.untyped_storage().resizable()

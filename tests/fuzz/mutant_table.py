@@ -2831,4 +2831,15 @@ MUTANTS: list[Mutant] = [
            "size_t(nbytes) >= kPage ? kPage : kSmallPage;", "kPage;",
            ("tests/executors/test_pool.py::"
             "test_outputs_under_a_huge_page_are_blocks_of_whole_base_pages",)),
+    # --- session 52, h52pool: the backward's large cat into a pool block -----------------
+    Mutant("pooled_cat_of_any_layout", "layout", "executors/torch/pooled_outputs.py",
+           "            and tuple(bsym.output.stride()) == contiguous_strides(bsym.output.shape):",
+           "            and True:",
+           ("tests/executors/test_pool.py::"
+            "test_a_cat_eager_lays_out_channels_last_keeps_eagers_call",)),
+    Mutant("pooled_cat_under_recorded_grad", "bridge", "executors/torch/pooled_outputs.py",
+           "    if _plain(*tensors) or first.dim() == 0 \\\n",
+           "    if first.dim() == 0 \\\n",
+           ("tests/executors/test_pool.py::"
+            "test_the_pooled_cat_is_eagers_cat_where_grad_is_recorded_or_inputs_differ",)),
 ]
