@@ -1663,8 +1663,8 @@ MUTANTS: list[Mutant] = [
            "    if _plain(a, b) or a.dtype != b.dtype:", "    if a.dtype != b.dtype:",
            ("tests/executors/test_pool.py::test_under_recorded_grad_the_operator_is_eagers_matmul",)),
     Mutant("pooled_mm_of_batched_operands", "passes", "executors/torch/pooled_outputs.py",
-           "    return (all(isinstance(a, torch.Tensor) and a.dim() == 2 for a in bsym.args)",
-           "    return (all(isinstance(a, torch.Tensor) for a in bsym.args)",
+           "            and all(isinstance(a, torch.Tensor) and a.dim() == 2 for a in bsym.args):",
+           "            and all(isinstance(a, torch.Tensor) for a in bsym.args):",
            ("tests/executors/test_pool.py::test_small_and_batched_products_keep_eagers_call",)),
     # --- session 45 (h45mut): files the session-44 coverage map found without a row ---------
     Mutant("ewlayout_single_operand_dense_unchecked", "layout", "ops/elementwise_layout.py",
