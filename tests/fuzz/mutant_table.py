@@ -1664,8 +1664,8 @@ MUTANTS: list[Mutant] = [
            "    if _plain(a, b) or a.dtype != b.dtype:", "    if a.dtype != b.dtype:",
            ("tests/executors/test_pool.py::test_under_recorded_grad_the_operator_is_eagers_matmul",)),
     Mutant("pooled_mm_of_batched_operands", "passes", "executors/torch/pooled_outputs.py",
-           "    return (all(isinstance(a, torch.Tensor) and a.dim() == 2 for a in bsym.args)",
-           "    return (all(isinstance(a, torch.Tensor) for a in bsym.args)",
+           "            and all(isinstance(a, torch.Tensor) and a.dim() == 2 for a in bsym.args):",
+           "            and all(isinstance(a, torch.Tensor) for a in bsym.args):",
            ("tests/executors/test_pool.py::test_small_and_batched_products_keep_eagers_call",)),
     # --- session 45 (h45mut): files the session-44 coverage map found without a row ---------
     Mutant("ewlayout_single_operand_dense_unchecked", "layout", "ops/elementwise_layout.py",
@@ -3120,4 +3120,25 @@ MUTANTS: list[Mutant] = [
            "    objects = ObjectInputs(roots)\n    _swap_in = objects.swap_in\n"
            "    objects.swap_in = lambda *a: (_swap_in(*a), refuse_held(held))[0]",
            ("tests/tracer/test_refused_objects_52.py",)),
+    # --- session 52, h52pool: outputs of 1 MiB and more from the pool, in base pages -------
+    Mutant("pool_output_made_once_per_plan", "codegen", "executors/codegen/cpu/plans.py",
+           "    return functools.partial(empty, shape, dtype)",
+           "    return functools.partial(lambda out: out, empty(shape, dtype))",
+           ("tests/executors/test_pool.py::"
+            "test_training_steps_never_reuse_a_mid_sized_output_the_user_keeps",)),
+    Mutant("pool_small_blocks_in_huge_pages", "codegen", "executors/codegen/include/pool.cpp",
+           "size_t(nbytes) >= kPage ? kPage : kSmallPage;", "kPage;",
+           ("tests/executors/test_pool.py::"
+            "test_outputs_under_a_huge_page_are_blocks_of_whole_base_pages",)),
+    # --- session 52, h52pool: the backward's large cat into a pool block -----------------
+    Mutant("pooled_cat_of_any_layout", "layout", "executors/torch/pooled_outputs.py",
+           "            and tuple(bsym.output.stride()) == contiguous_strides(bsym.output.shape):",
+           "            and True:",
+           ("tests/executors/test_pool.py::"
+            "test_a_cat_eager_lays_out_channels_last_keeps_eagers_call",)),
+    Mutant("pooled_cat_under_recorded_grad", "bridge", "executors/torch/pooled_outputs.py",
+           "    if _plain(*tensors) or first.dim() == 0 \\\n",
+           "    if first.dim() == 0 \\\n",
+           ("tests/executors/test_pool.py::"
+            "test_the_pooled_cat_is_eagers_cat_where_grad_is_recorded_or_inputs_differ",)),
 ]

@@ -5,14 +5,20 @@ operating system: glibc maps every allocation over 32 MiB freshly and unmaps it 
 each call takes a page fault per page and the kernel zeroes every page before the kernel can
 write it (measured on the 2-core dev VM: `fill_` into a reused buffer 2.8 ms, into a fresh
 huge-page buffer 6.1 ms, into a fresh 4 KiB-page buffer ~25 ms). `torch.add(a, b, out=c)`
-pays none of this; a training step pays it for every large activation and gradient.
+pays none of this; a training step pays it for every large activation and gradient. Smaller
+outputs pay it too once glibc gives their memory back between steps: `make demo`'s 2 MiB GELU
+outputs and gradients faulted all 512 pages each per step (the same GELU-backward kernel took
+2.05 ms in the first layer, 0.55 ms in the second), about 1,040 faults a step in all; from 1 MiB
+on, none (and CPU time per step down ~5%, `benchmarks/ab.py --cases demo:train`; 512 KiB pooled
+three times as many outputs and gained nothing more).
 
 `empty(shape, dtype)` therefore takes outputs of `MIN_BYTES` and more from a pool: a small
 C++ library (built once with the kernel compiler, cached on disk like a kernel) hands out
 blocks as DLPack tensors whose deleter puts the block back on a free list. torch calls the
 deleter when the tensor's storage dies, i.e. when no tensor, view or saved tensor uses it any
 more, so a block is never reused while anything can still read it. Blocks are advised
-MADV_HUGEPAGE (Linux) and are kept per size (rounded up to 2 MiB); at most `limit` bytes of
+MADV_HUGEPAGE (Linux) and are kept per size (rounded up to 2 MiB; under 2 MiB, to 4 KiB pages,
+so a block holds no more memory than torch.empty's would); at most `limit` bytes of
 free blocks are kept (`FULMEN_CODEGEN_POOL_BYTES`, default min(1 GiB, RAM / 16); 0 turns the
 pool off), beyond that a freed block goes back to the system. `empty_cache()` releases every
 free block; `pool_stats()` reports the pool's state.
@@ -40,7 +46,7 @@ from fulmen.executors.codegen.build import policy, submit
 from fulmen.executors.codegen.cpu import compiler
 from fulmen.executors.codegen.target import header
 
-MIN_BYTES = 4 << 20  # outputs from this size on come from the pool (and get huge pages)
+MIN_BYTES = 1 << 20  # outputs from this size on come from the pool
 CPU = torch.device("cpu")  # explicit: a default device the user set must not apply
 _HUGE = 1 << 21  # bytes of a transparent huge page (x86-64, aarch64 with 4 KiB base pages)
 

@@ -35,7 +35,7 @@ When kernels are compiled is the `policy` (`build.py`: `set_compile_policy`, or 
 - "eager": compiling starts when the region is fused and the first call waits for it (what
   benchmarks and the codegen tests use, to time and check the kernels themselves).
 
-Outputs of 4 MiB and more come from fulmen's buffer pool (`pool.py`): their memory returns to
+Outputs of 1 MiB and more come from fulmen's buffer pool (`pool.py`): their memory returns to
 the pool when torch frees them and is reused without the page faults and zeroing of fresh
 memory, which would otherwise be most of the time of a memory-bound kernel.
 

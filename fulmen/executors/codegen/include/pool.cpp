@@ -22,7 +22,8 @@ struct DLManagedTensor {
 };
 
 namespace {
-const size_t kPage = size_t(1) << 21;
+const size_t kPage = size_t(1) << 21;  // a transparent huge page
+const size_t kSmallPage = size_t(1) << 12;  // a base page: the unit of blocks under kPage
 struct Block { DLManagedTensor managed; int64_t shape[16]; size_t capacity; };
 std::mutex lock;
 std::unordered_map<size_t, std::vector<void*>> free_blocks;  // capacity -> blocks, LIFO
@@ -52,7 +53,10 @@ void put_back(DLManagedTensor* managed) {
 extern "C" DLManagedTensor* fulmen_pool_take(int64_t nbytes, int32_t ndim, const int64_t* shape,
                                               uint8_t code, uint8_t bits) {
   if (ndim < 0 || ndim > 16 || nbytes <= 0) return nullptr;
-  const size_t capacity = (size_t(nbytes) + kPage - 1) / kPage * kPage;
+  // blocks of a huge page and more are whole huge pages; smaller ones whole base pages (a
+  // 1.5 MiB output in a 2 MiB block would hold a quarter more memory than torch.empty's)
+  const size_t unit = size_t(nbytes) >= kPage ? kPage : kSmallPage;
+  const size_t capacity = (size_t(nbytes) + unit - 1) / unit * unit;
   void* data = nullptr;
   {
     std::lock_guard<std::mutex> guard(lock);
@@ -68,14 +72,14 @@ extern "C" DLManagedTensor* fulmen_pool_take(int64_t nbytes, int32_t ndim, const
     in_use += capacity;
   }
   if (data == nullptr) {
-    data = std::aligned_alloc(kPage, capacity);
+    data = std::aligned_alloc(unit, capacity);
     if (data == nullptr) {
       std::lock_guard<std::mutex> guard(lock);
       in_use -= capacity;
       return nullptr;
     }
 #ifdef MADV_HUGEPAGE
-    madvise(data, capacity, MADV_HUGEPAGE);  // a hint: without THP nothing changes
+    if (unit == kPage) madvise(data, capacity, MADV_HUGEPAGE);  // a hint: without THP, nothing
 #endif
   }
   Block* block = new Block();
