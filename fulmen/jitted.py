@@ -35,7 +35,7 @@ from fulmen.executors import resolve_executors
 from fulmen.pipeline import collector_paused
 from fulmen.tracer import CacheKeyBuilder
 from fulmen.tracer.autograd_function import BackwardInTrace
-from fulmen.tracer.dispatch import LazyParameters
+from fulmen.tracer.eager_reasons import LazyParameters
 from fulmen.tracer.explain import describe_call, explain_change, tensor_names
 from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
 from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing

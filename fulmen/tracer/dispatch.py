@@ -30,7 +30,6 @@ not parameters) become extra inputs of the trace, so later mutations of them are
 from __future__ import annotations
 
 import contextlib
-import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -63,34 +62,24 @@ from fulmen.tracer.call_kinds import (
     _is_inplace,
     _name_the_call,
 )
+from fulmen.tracer.eager_reasons import (
+    CapturedOffsetRead,
+    GradInsideNoGrad,
+    LazyBitQuery,
+    LazyParameters,
+    StorageIdentityRead,
+    TensorHookInTrace,
+)
 from fulmen.tracer.fresh_leaves import mark_fresh, mark_no_grad_view
 from fulmen.tracer.host_floats import item_at_run_time
 from fulmen.tracer.layout_truth import LayoutTruth
 from fulmen.tracer.mutation import Functionalizer
 from fulmen.tracer.patching import TracingPatch
+from fulmen.tracer.slice_bounds import INDEXING, bounds_read, tensor_bounded
 from fulmen.tracer.view_calls import VIEW_FUNCTIONS
 
 T = torch.Tensor
 
-
-
-class LazyParameters(RunsEagerly):
-    """The traced code reads a parameter or buffer a lazy module (`nn.LazyLinear`) has not
-    materialised: it has no sizes until that module's first call, which runs eagerly; the
-    calls after it trace again."""
-
-    remembered = False
-
-
-class GradInsideNoGrad(RunsEagerly):
-    """Called with grad disabled, the traced code enables grad and computes on a tensor that
-    requires grad (its graph would be the caller's): the call runs eagerly."""
-
-
-class TensorHookInTrace(RunsEagerly):
-    """The traced code registers a hook on a tensor (`y.register_hook(fn)`, `y.retain_grad()`;
-    Lightning Fabric's module wrapper hooks every output): the call runs eagerly, where the
-    hook fires."""
 
 
 _DETACH = (T.detach, torch.detach, T.data.__get__)  # (`x.data`: detached, as in eager)
@@ -98,54 +87,6 @@ _REQUIRES_GRAD_ = T.requires_grad_
 # (`retain_grad` is a hook too: it keeps the gradient autograd computes for that tensor)
 _TENSOR_HOOKS = frozenset({T.register_hook, T.register_post_accumulate_grad_hook,
                            T.retain_grad})
-
-
-class CapturedOffsetRead(RunsEagerly):
-    """The traced code reads `storage_offset()` of a tensor it closes over (a global, a tensor
-    attribute): the key holds no such offset (`m.t.data = flat[5:9]` keeps the tensor), so the
-    call runs eagerly."""
-
-
-class StorageIdentityRead(RunsEagerly):
-    """The traced code asks where a tensor's memory lies (`x.data_ptr()`,
-    `x.untyped_storage()`: packed-projection or alignment checks): no trace can answer or
-    guard it (every call's tensors lie elsewhere), so the call runs eagerly."""
-
-
-_INDEXING = (T.__getitem__, T.__setitem__)
-
-
-def _index_tensor(bound) -> bool:
-    """Whether a slice bound is a 0-d integer tensor, which eager reads with `__index__`."""
-    return isinstance(bound, TensorProxy) and bound.ndim == 0 and bound.dtype != torch.bool \
-        and not bound.dtype.is_floating_point and not bound.dtype.is_complex
-
-
-def _tensor_bounded(index) -> bool:
-    """Whether a basic index has a slice bounded by a 0-d integer tensor (`x[:n]`)."""
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(item, slice) and any(map(_index_tensor, (item.start, item.stop,
-                                                                   item.step)))
-               for item in items)
-
-
-def _bounds_read(index):
-    """`index` with each 0-d integer tensor bounding a slice read as eager reads it,
-    `operator.index(n)` (a value the trace guards: a graph break)."""
-    def item_read(item):
-        if not isinstance(item, slice):
-            return item
-        return slice(*(operator.index(b) if _index_tensor(b) else b
-                       for b in (item.start, item.stop, item.step)))
-
-    return tuple(map(item_read, index)) if isinstance(index, tuple) else item_read(index)
-
-
-class LazyBitQuery(RunsEagerly):
-    """The traced code asks whether a tensor's conjugate or negative bit is set (`z.is_conj()`,
-    true of `z.conj()` until it is resolved): a proxy carries neither bit, nor does the cache
-    key tell an argument with one from one without, so the call runs eagerly (a traced answer
-    was False, and a branch on it took the other path)."""
 
 
 _LAZY_BIT_QUERIES = frozenset({T.is_conj, T.is_neg, torch.is_conj})
@@ -363,8 +304,8 @@ class TracerCtx(LayoutTruth, TraceCtx):
             )
         if func is T.__iter__:
             return iter(args[0].unbind(0))
-        if func in _INDEXING and len(args) >= 2 and _tensor_bounded(args[1]):
-            args = (args[0], _bounds_read(args[1]), *args[2:])  # `x[:n]`, n a 0-d tensor
+        if func in INDEXING and len(args) >= 2 and tensor_bounded(args[1]):
+            args = (args[0], bounds_read(args[1]), *args[2:])  # `x[:n]`, n a 0-d tensor
         user_args, user_kwargs = args, kwargs
         args, kwargs = self._proxify((args, kwargs))
         dtype = kwargs.get("dtype")

@@ -3057,7 +3057,7 @@ MUTANTS: list[Mutant] = [
            "class ContainerStoreRefused(RunsEagerly.__base__):  # NotYetSupportedError",
            ("tests/tracer/test_user_patterns_52.py",)),
     Mutant("slice_tensor_bound_unread", "mutation", "tracer/dispatch.py",
-           "        if func in _INDEXING and len(args) >= 2 and _tensor_bounded(args[1]):",
+           "        if func in INDEXING and len(args) >= 2 and tensor_bounded(args[1]):",
            "        if False:",
            ("tests/tracer/test_user_patterns_52.py",)),
     Mutant("tree_op_output_count_unchecked", "bridge", "tree.py",
