@@ -3114,4 +3114,8 @@ MUTANTS: list[Mutant] = [
     Mutant("object_key_memo_refuses_functions", "guards", "tracer/object_key_memo.py",
            "isinstance(value, (enum.Enum, _OPAQUE))", "isinstance(value, enum.Enum)",
            ("tests/tracer/test_object_key_memo.py",)),
+    # --- session 52, h52mix: features meeting in training steps ---
+    Mutant("backward_in_trace_rewraps_autograd_forward", "autograd", "transforms/autodiff/split.py",
+           " or bsym.sym is AUTOGRAD_FORWARD):", "):",
+           ("tests/tracer/test_merged_52.py",)),
 ]
