@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
 from fulmen.ops import prims
 from fulmen.proxies import TensorProxy
@@ -166,6 +166,10 @@ def _apart(ctx, forward: list, backward: list, grads: dict, func) -> list:
     return [bsym.renamed(rename, outputs=True) for bsym in backward]
 
 
+def _no_grad(bsym: BoundSymbol) -> BoundSymbol:
+    return bsym.replace(tags=bsym.tags | {CallSiteTag.NO_GRAD})
+
+
 def _real_leaf(ctx, proxy: TensorProxy):
     """The real tensor inside an argument object that `proxy` stands for, or None."""
     for tensor_id, candidate in ctx.object_proxies.items():
@@ -233,7 +237,9 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
         for name in _all_names([bsym]) | bsym.input_names:
             ctx.names.reserve(name)
     backward = _apart(ctx, forward, list(split.backward.bsyms), grads, func)
-    ctx.bsyms[:] = [*forward, *seeds, *backward]
+    # the seeds and the backward run without grad (a later backward in the trace must not
+    # differentiate them: eager's `.grad` has no graph)
+    ctx.bsyms[:] = [*forward, *(_no_grad(b) for b in (*seeds, *backward))]
     ctx.spent_names |= _defined(prefix)
     ctx.backward_in_trace = True
     for proxy in leaves:

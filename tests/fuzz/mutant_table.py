@@ -3116,6 +3116,12 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_object_key_memo.py",)),
     # --- session 52, h52mix: features meeting in training steps ---
     Mutant("backward_in_trace_rewraps_autograd_forward", "autograd", "transforms/autodiff/split.py",
-           " or bsym.sym is AUTOGRAD_FORWARD):", "):",
+           " or bsym.sym is AUTOGRAD_FORWARD\n", "\n",
+           ("tests/tracer/test_merged_52.py",)),
+    Mutant("split_differentiates_no_grad_statements", "autograd", "transforms/autodiff/split.py",
+           "\n            or CallSiteTag.NO_GRAD in bsym.tags):", "):",
+           ("tests/tracer/test_merged_52.py",)),
+    Mutant("backward_in_trace_backward_with_grad", "autograd", "tracer/backward_in_trace.py",
+           "*(_no_grad(b) for b in (*seeds, *backward))]", "*seeds, *backward]",
            ("tests/tracer/test_merged_52.py",)),
 ]
