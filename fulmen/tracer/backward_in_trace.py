@@ -10,7 +10,8 @@
 When the traced code calls `loss.backward()` (or `torch.autograd.backward(loss)`),
 `record_backward` differentiates the statements recorded so far with fulmen's own autodiff
 (`split_forward_backward`, as `fulmen.grad` does): the recorded prefix is replaced by the
-split's forward, followed by a seed of ones and the backward statements. Each gradient is then
+split's forward, followed by a seed of ones and the backward statements (tagged `NO_GRAD`:
+a later backward in the trace does not differentiate them). Each gradient is then
 accumulated as eager's `AccumulateGrad` does: into the gradient the trace sees for the leaf
 (`p.grad += g`, in place, when it has one), or it becomes the leaf's gradient (`p.grad = g`).
 Later reads of `p.grad` in the trace (the optimizer's, `clip_grad_norm_`'s) see the new value,
