@@ -10,7 +10,8 @@
 When the traced code calls `loss.backward()` (or `torch.autograd.backward(loss)`),
 `record_backward` differentiates the statements recorded so far with fulmen's own autodiff
 (`split_forward_backward`, as `fulmen.grad` does): the recorded prefix is replaced by the
-split's forward, followed by a seed of ones and the backward statements. Each gradient is then
+split's forward, followed by a seed of ones and the backward statements (tagged `NO_GRAD`:
+a later backward in the trace does not differentiate them). Each gradient is then
 accumulated as eager's `AccumulateGrad` does: into the gradient the trace sees for the leaf
 (`p.grad += g`, in place, when it has one), or it becomes the leaf's gradient (`p.grad = g`).
 Later reads of `p.grad` in the trace (the optimizer's, `clip_grad_norm_`'s) see the new value,
@@ -45,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from fulmen.core import BoundSymbol, Trace
+from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.proxy import ObjectProxy, iter_proxies, strides_of
 from fulmen.core.symbol import free_inputs
 from fulmen.ops import prims
@@ -155,6 +156,10 @@ def _apart(ctx, forward: list, backward: list, grads: dict, func) -> list:
     return [bsym.renamed(rename, outputs=True) for bsym in backward]
 
 
+def _no_grad(bsym: BoundSymbol) -> BoundSymbol:
+    return bsym.replace(tags=bsym.tags | {CallSiteTag.NO_GRAD})
+
+
 def _real_leaf(ctx, proxy: TensorProxy):
     """The real tensor inside an argument object that `proxy` stands for, or None."""
     for tensor_id, candidate in ctx.object_proxies.items():
@@ -222,7 +227,9 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
         for name in _all_names([bsym]) | bsym.input_names:
             ctx.names.reserve(name)
     backward = _apart(ctx, forward, list(split.backward.bsyms), grads, func)
-    ctx.bsyms[:] = [*forward, *seeds, *backward]
+    # the seeds and the backward run without grad (a later backward in the trace must not
+    # differentiate them: eager's `.grad` has no graph)
+    ctx.bsyms[:] = [*forward, *(_no_grad(b) for b in (*seeds, *backward))]
     ctx.spent_names |= _defined(prefix)
     ctx.backward_in_trace = True
     for proxy in leaves:

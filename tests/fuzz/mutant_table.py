@@ -3141,4 +3141,14 @@ MUTANTS: list[Mutant] = [
            "    if first.dim() == 0 \\\n",
            ("tests/executors/test_pool.py::"
             "test_the_pooled_cat_is_eagers_cat_where_grad_is_recorded_or_inputs_differ",)),
+    # --- session 52, h52mix: features meeting in training steps ---
+    Mutant("backward_in_trace_rewraps_autograd_forward", "autograd", "transforms/autodiff/split.py",
+           " or bsym.sym is AUTOGRAD_FORWARD\n", "\n",
+           ("tests/tracer/test_merged_52.py",)),
+    Mutant("split_differentiates_no_grad_statements", "autograd", "transforms/autodiff/split.py",
+           "\n            or CallSiteTag.NO_GRAD in bsym.tags):", "):",
+           ("tests/tracer/test_merged_52.py",)),
+    Mutant("backward_in_trace_backward_with_grad", "autograd", "tracer/backward_in_trace.py",
+           "*(_no_grad(b) for b in (*seeds, *backward))]", "*seeds, *backward]",
+           ("tests/tracer/test_merged_52.py",)),
 ]

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.core import (
     BoundSymbol,
+    CallSiteTag,
     FulmenError,
     Tag,
     Trace,
@@ -35,6 +36,7 @@ from fulmen.core import (
 from fulmen.core.proxy import ObjectProxy, Proxy, iter_proxies, map_proxies
 from fulmen.core.trace import reserved_names
 from fulmen.ops import prims
+from fulmen.ops.torch_autograd import AUTOGRAD_FORWARD
 from fulmen.proxies import TensorProxy, differentiable_value
 from fulmen.tracer.dispatch import TracerCtx
 from fulmen.transforms.autodiff.registry import bound_arguments, rule_for, saving_forward_for
@@ -110,7 +112,12 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     `graphs` maps the id of a statement to its kept `(graph, wrt)` or its saving backward.
     """
     if (not bsym.input_names & requires or not _is_differentiable(bsym)
-            or Tag.NOT_DIFFERENTIABLE in bsym.sym.tags):
+            or Tag.NOT_DIFFERENTIABLE in bsym.sym.tags or bsym.sym is AUTOGRAD_FORWARD
+            or CallSiteTag.NO_GRAD in bsym.tags):
+        # (an `autograd_forward` is an earlier backward's forward, in a trace holding several
+        # `loss.backward()`s: its graph is spent, and wrapping it again made a statement no
+        # executor runs; a statement recorded under no_grad, or an earlier backward's, makes
+        # values that do not require grad: `p.grad` read after a backward is a constant)
         out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax, zeros_like)
         return
     if not _has_rule(bsym) and not bsym.subsymbols:
