@@ -98,13 +98,16 @@ class CallSiteTag(enum.StrEnum):
     recomputes its values); `NO_GRAD`: recorded under `torch.no_grad()` in a differentiated
     trace; `NO_GRAD_DETACH`: the detach the tracer adds there (NOTE [a view of an input
     returned] in `fulmen.returned_views`); `GRAD`: a data-dependent op run between segments,
-    called with grad mode on (`fulmen.tree`).
+    called with grad mode on (`fulmen.tree`); `TRACED_BACKWARD`: the seed or a statement of a
+    `loss.backward()` traced inside the function (`fulmen.tracer.backward_in_trace`), which a
+    later backward in the same trace does not differentiate (eager's `.grad` has no graph).
     """
 
     CHECKPOINT = "checkpoint"
     NO_GRAD = "no_grad"
     NO_GRAD_DETACH = "no_grad_detach"
     GRAD = "grad"
+    TRACED_BACKWARD = "traced_backward"
 
 
 class Symbol:

@@ -10,8 +10,8 @@
 When the traced code calls `loss.backward()` (or `torch.autograd.backward(loss)`),
 `record_backward` differentiates the statements recorded so far with fulmen's own autodiff
 (`split_forward_backward`, as `fulmen.grad` does): the recorded prefix is replaced by the
-split's forward, followed by a seed of ones and the backward statements (tagged `NO_GRAD`:
-a later backward in the trace does not differentiate them). Each gradient is then
+split's forward, followed by a seed of ones and the backward statements (tagged
+`TRACED_BACKWARD`: a later backward in the trace does not differentiate them). Each gradient is then
 accumulated as eager's `AccumulateGrad` does: into the gradient the trace sees for the leaf
 (`p.grad += g`, in place, when it has one), or it becomes the leaf's gradient (`p.grad = g`).
 Later reads of `p.grad` in the trace (the optimizer's, `clip_grad_norm_`'s) see the new value,
@@ -156,8 +156,8 @@ def _apart(ctx, forward: list, backward: list, grads: dict, func) -> list:
     return [bsym.renamed(rename, outputs=True) for bsym in backward]
 
 
-def _no_grad(bsym: BoundSymbol) -> BoundSymbol:
-    return bsym.replace(tags=bsym.tags | {CallSiteTag.NO_GRAD})
+def _of_the_backward(bsym: BoundSymbol) -> BoundSymbol:
+    return bsym.replace(tags=bsym.tags | {CallSiteTag.TRACED_BACKWARD})
 
 
 def _real_leaf(ctx, proxy: TensorProxy):
@@ -229,7 +229,7 @@ def record_backward(ctx, func, args: tuple, kwargs: dict) -> None:
     backward = _apart(ctx, forward, list(split.backward.bsyms), grads, func)
     # the seeds and the backward run without grad (a later backward in the trace must not
     # differentiate them: eager's `.grad` has no graph)
-    ctx.bsyms[:] = [*forward, *(_no_grad(b) for b in (*seeds, *backward))]
+    ctx.bsyms[:] = [*forward, *(_of_the_backward(b) for b in (*seeds, *backward))]
     ctx.spent_names |= _defined(prefix)
     ctx.backward_in_trace = True
     for proxy in leaves:

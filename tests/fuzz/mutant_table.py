@@ -3146,9 +3146,15 @@ MUTANTS: list[Mutant] = [
            " or bsym.sym is AUTOGRAD_FORWARD\n", "\n",
            ("tests/tracer/test_merged_52.py",)),
     Mutant("split_differentiates_no_grad_statements", "autograd", "transforms/autodiff/split.py",
-           "\n            or CallSiteTag.NO_GRAD in bsym.tags):", "):",
+           "\n            or CallSiteTag.TRACED_BACKWARD in bsym.tags):", "):",
            ("tests/tracer/test_merged_52.py",)),
     Mutant("backward_in_trace_backward_with_grad", "autograd", "tracer/backward_in_trace.py",
-           "*(_no_grad(b) for b in (*seeds, *backward))]", "*seeds, *backward]",
+           "*(_of_the_backward(b) for b in (*seeds, *backward))]", "*seeds, *backward]",
            ("tests/tracer/test_merged_52.py",)),
+    # --- session 52, lead: statements recorded under no_grad are differentiated --------------
+    Mutant("split_skips_no_grad_statements", "autograd", "transforms/autodiff/split.py",
+           "            or CallSiteTag.TRACED_BACKWARD in bsym.tags):",
+           "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
+           "            or CallSiteTag.NO_GRAD in bsym.tags):",
+           ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
 ]

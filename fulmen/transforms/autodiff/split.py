@@ -113,11 +113,13 @@ def _augment(bsym: BoundSymbol, requires: set[str], out: list[BoundSymbol],
     """
     if (not bsym.input_names & requires or not _is_differentiable(bsym)
             or Tag.NOT_DIFFERENTIABLE in bsym.sym.tags or bsym.sym is AUTOGRAD_FORWARD
-            or CallSiteTag.NO_GRAD in bsym.tags):
+            or CallSiteTag.TRACED_BACKWARD in bsym.tags):
         # (an `autograd_forward` is an earlier backward's forward, in a trace holding several
         # `loss.backward()`s: its graph is spent, and wrapping it again made a statement no
-        # executor runs; a statement recorded under no_grad, or an earlier backward's, makes
-        # values that do not require grad: `p.grad` read after a backward is a constant)
+        # executor runs; an earlier backward's statements make values that do not require
+        # grad: `p.grad` read after a backward is a constant. Not `NO_GRAD`: common
+        # subexpression elimination may keep a no_grad statement for a repeat made with grad,
+        # whose values the tracer's detach alone keeps from the gradient)
         out.append(bsym)  # nothing flows through it (e.g. a comparison, an argmax, zeros_like)
         return
     if not _has_rule(bsym) and not bsym.subsymbols:
