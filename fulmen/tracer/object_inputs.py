@@ -34,9 +34,11 @@ from fulmen.tracer.objects import (
     _walkable,
     float_in_tuple,
     follow,
+    path_text,
+    rebuilt_tuples,
     restore,
     snapshot,
-    tensor_in_tuple,
+    tuple_chain,
     unchanged,
     walk,
 )
@@ -53,6 +55,12 @@ def _holds_float_proxy(value: Any, depth: int) -> bool:
 class UnreplayableObjectStore(RunsEagerly):
     """A store into an object the traced code reads whose value cannot be rebuilt on later
     calls: the call runs eagerly."""
+
+
+class UnrebuildableTuple(RunsEagerly):
+    """A tensor inside an object argument is held by a tuple subclass that cannot be rebuilt
+    with a proxy in its place (only plain and named tuples can): capturing the tensor would
+    read the first call's, so the call runs eagerly."""
 
 
 class ObjectInputs:
@@ -107,17 +115,23 @@ class ObjectInputs:
                     existing.setdefault(id(value), (root_index, path))
                 elif isinstance(value, torch.Tensor) and not isinstance(value, TensorProxy):
                     owner = follow(root, path[:-1])
-                    in_tuple = isinstance(owner, tuple)
-                    if in_tuple and not tensor_in_tuple(root, path):
-                        continue  # a tuple in a tuple: read as a captured tensor
+                    start = tuple_chain(root, path) if isinstance(owner, tuple) else None
+                    if isinstance(owner, tuple) and start is None:
+                        continue  # a tuple root is immutable: its tensors are the same objects
                     proxy = make_proxy(root_index, path, value)
                     held = proxy if stand_in is None else stand_in(root_index, value, proxy)
-                    if in_tuple:  # xLSTM's `cache.rnn_state[layer]`: the tuple rebuilt in place
-                        items = list(owner)
-                        items[path[-1][1]] = held
-                        holder = follow(root, path[:-2])
-                        self._saved.append((holder, path[-2], owner))
-                        _store(holder, path[-2], tuple(items))
+                    if start is not None:  # xLSTM's `cache.rnn_state[layer]`: tuples rebuilt
+                        outer = follow(root, path[:start])
+                        rebuilt = rebuilt_tuples(outer, path[start:], held)
+                        if rebuilt is None:
+                            raise UnrebuildableTuple(
+                                f"a tensor of an object argument is held by a "
+                                f"{type(outer).__qualname__} fulmen cannot rebuild "
+                                f"(at {path_text(path)})", op="getitem",
+                                hint="hold it in a list, a plain tuple or a named tuple")
+                        holder = follow(root, path[:start - 1])
+                        self._saved.append((holder, path[start - 1], outer))
+                        _store(holder, path[start - 1], rebuilt)
                     else:
                         self._saved.append((owner, path[-1], value))
                         _store(owner, path[-1], held)

@@ -205,12 +205,35 @@ def float_in_tuple(root: Any, path: tuple) -> bool:
     return type(owner) is tuple and not isinstance(holder, tuple)
 
 
-def tensor_in_tuple(root: Any, path: tuple) -> bool:
-    """Whether the tensor at `path` inside `root` is an item of a plain tuple held by a list,
-    dict or object (xLSTM's cache state `rnn_state[layer]`, a tuple of tensors): it becomes an
-    input, traced in a copy of the tuple stored in its place and read through the path on every
-    call (a tensor kept from tracing would be another call's)."""
-    return float_in_tuple(root, path)
+def tuple_chain(root: Any, path: tuple) -> int | None:
+    """For a tensor at `path` inside `root` whose owner is a tuple: the length `k` of the path
+    to the outermost of the tuples nested in one another that end at its owner, held by a list,
+    dict or object (xLSTM's cache state `rnn_state[layer]`, a tuple of tensors; a tuple of
+    `(key, value)` pairs in a cache: two tuples). The tensor becomes an input, traced in a copy
+    of those tuples stored at `path[:k]` (`rebuilt_tuples`) and read through the path on every
+    call (a tensor kept from tracing would be another call's). None when the tuples reach
+    `root` itself (nothing holds them to store a copy into)."""
+    k = len(path) - 1
+    while k > 0 and isinstance(follow(root, path[:k - 1]), tuple):
+        k -= 1
+    return k if k > 0 else None
+
+
+def rebuilt_tuples(outer: tuple, steps: tuple, value: Any) -> tuple | None:
+    """A copy of the nested tuples `outer` with the item at `steps` (item steps, one per
+    level) replaced by `value`; a named tuple stays of its type. None if a tuple on the way is
+    of a kind that cannot be rebuilt from its items."""
+    index = steps[0][1]
+    inner = value if len(steps) == 1 else rebuilt_tuples(outer[index], steps[1:], value)
+    if inner is None:
+        return None
+    items = list(outer)
+    items[index] = inner
+    kind = type(outer)
+    if kind is tuple:
+        return tuple(items)
+    make = getattr(kind, "_make", None)  # a named tuple
+    return make(items) if callable(make) and hasattr(kind, "_fields") else None
 
 
 def follow(root: Any, path: tuple) -> Any:

@@ -3076,9 +3076,9 @@ MUTANTS: list[Mutant] = [
             "test_a_returned_slice_of_a_buffer_to_a_symbolic_length_follows_the_length",)),
     # --- session 52, h52cfg: tensors in a tuple of an object argument ---
     Mutant("tensor_in_tuple_of_object_captured", "mutation", "tracer/objects.py",
-           "    return float_in_tuple(root, path)",
-           "    return False",
-           ("tests/models/test_hf_skipped_52.py",)),
+           "    return k if k > 0 else None",
+           "    return None",
+           ("tests/models/test_hf_skipped_52.py", "tests/tracer/test_object_tuples_53.py")),
     # --- session 52, h52optim: optimizers' fused and foreach ops in place ---
     Mutant("aten_in_place_runs_functional", "mutation", "executors/torch/inplace_lists.py",
            "        getattr(torch.ops.aten, name)(*args, **kwargs)",
@@ -3157,4 +3157,13 @@ MUTANTS: list[Mutant] = [
            "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
            "            or CallSiteTag.NO_GRAD in bsym.tags):",
            ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
+    # --- session 53, lead: tensors in nested and named tuples of an object argument ---
+    Mutant("tuple_chain_only_innermost", "mutation", "tracer/objects.py",
+           "    while k > 0 and isinstance(follow(root, path[:k - 1]), tuple):",
+           "    while False:",
+           ("tests/tracer/test_object_tuples_53.py",)),
+    Mutant("named_tuple_not_rebuilt", "mutation", "tracer/objects.py",
+           "    return make(items) if callable(make) and hasattr(kind, \"_fields\") else None",
+           "    return None",
+           ("tests/tracer/test_object_tuples_53.py",)),
 ]
