@@ -49,8 +49,8 @@ from fulmen.executors.torch.inplace import relu_in_place
 from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.inplace_lists import aten_lists_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
-from fulmen.executors.torch.reinplace import reinplace
 from fulmen.executors.torch.pooled_outputs import pooled_outputs
+from fulmen.executors.torch.reinplace import reinplace
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
 from fulmen.read_outputs import find_read_outputs, give_outputs

@@ -95,6 +95,20 @@ def test_an_input_read_after_its_new_value_is_computed_keeps_the_copy():
     assert "copy_" in _names(jfn)
 
 
+def _view_read_after_the_new_value(x, y):
+    view = x.t()
+    new = x + y
+    old = view * 2  # the view reads x's old values after `new` is computed
+    x.copy_(new)
+    return old
+
+
+def test_a_view_taken_before_the_update_and_read_after_keeps_the_copy():
+    """`new` may not be computed into `x` while a view of `x` is still to be read."""
+    jfn, _, _ = _check(_view_read_after_the_new_value, _two)
+    assert "copy_" in _names(jfn)
+
+
 def _chain_with_a_value_read_twice(x, y):
     x.mul_(2)
     z = x * y  # reads the intermediate value

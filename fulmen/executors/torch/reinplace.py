@@ -116,12 +116,19 @@ def _hashable(value) -> bool:
 
 
 def _is_detach(bsym: BoundSymbol) -> bool:
-    """`t1 = detach(t0)`: a link of a chain that writes nothing (its result is `t0`'s storage)."""
-    return bsym.sym.executor is torch_ex and bsym.sym.impl in _DETACH and len(bsym.args) == 1 \
+    """`t1 = detach(t0)` or `t1 = clone(t0)`: a link of a chain that writes nothing once `t0`
+    is in the input (a detach is `t0`'s storage; a clone, `x.copy_(t0)`'s functional form,
+    becomes `t0` itself: `same_tensor`)."""
+    return bsym.sym.executor is torch_ex and bsym.sym.impl in _PASSING and len(bsym.args) == 1 \
         and not bsym.kwargs and isinstance(bsym.output, torch.Tensor)
 
 
-_DETACH = (torch.Tensor.detach, torch.detach)
+def _same_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+SAME_TENSOR = torch_ex.register_operator("same_tensor", fn=_same_tensor, meta=_no_meta)
+_PASSING = (torch.Tensor.detach, torch.detach, torch.clone, torch.Tensor.clone)
 # torch callables whose results own fresh storage (the products, normalisations, losses)
 _FRESH_CALLS = frozenset({*_FRESH_PRODUCTS, torch.nn.functional.layer_norm,
                           torch.nn.functional.gelu, torch.nn.functional.relu, torch.relu,
@@ -203,9 +210,9 @@ class _Trace:
     def value_ok(self, value, x) -> bool:
         """`value` may live in `x`'s storage (NOTE [reinplacing is safe when], first rule)."""
         if not isinstance(value, torch.Tensor) or value.requires_grad \
-                or value.name in self.outputs or not _same_layout(value, x):
+                or not _same_layout(value, x):
             return False
-        return not (_sharing(self.bsyms, value.name) & self.outputs)
+        return not (_sharing(self.bsyms, value.name) & self.outputs)  # (`value` among them)
 
     def input_free_after(self, x, first: int, back: int) -> bool:
         """No statement in (`first`, `back`) reads `x` or what may share its storage, and
@@ -263,7 +270,9 @@ def reinplace(trace: Trace) -> Trace:
         holder = x
         for index in chain:
             bsym = trace.bsyms[index]
-            if not _is_detach(bsym):
+            if _is_detach(bsym) and bsym.sym.impl in (torch.clone, torch.Tensor.clone):
+                changed[index] = bsym.replace(sym=SAME_TENSOR, subsymbols=())
+            elif not _is_detach(bsym):
                 plain, without_grad = INTO_FORMS[_op_name(bsym)]
                 grad = x.requires_grad or any(p.requires_grad for p in bsym.proxy_inputs)
                 changed[index] = bsym.replace(sym=without_grad if grad else plain,
