@@ -248,3 +248,21 @@ def test_a_whole_training_step_updates_parameters_in_place_as_eager():
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     assert fulmen.compile_stats(jstep).eager_calls == 0
     assert _into_count(jstep) >= 4
+
+
+def _scale_buffer(buf, scale):
+    buf.mul_(scale)
+    return buf.sum()
+
+
+def test_a_buffer_scaled_by_a_float_read_at_run_time_is_updated_in_place():
+    """The scale changes every call (a float read at run time, `FloatProxy`): the update of
+    a tensor not requiring grad runs in place and the calls after the second compile nothing
+    (the pass once failed on the float operand, and the retrace made it a constant)."""
+    jfn = fulmen.jit(_scale_buffer, executors=["torch"])
+    buf, ref = torch.ones(6), torch.ones(6)
+    for scale in (0.5, 0.7, 0.9, 1.1, 1.3):
+        torch.testing.assert_close(jfn(buf, scale), _scale_buffer(ref, scale), rtol=0, atol=0)
+        torch.testing.assert_close(buf, ref, rtol=0, atol=0)
+    assert fulmen.compile_stats(jfn).cache_misses <= 2
+    assert _into_count(jfn) == 1 and "copy_" not in _names(jfn)

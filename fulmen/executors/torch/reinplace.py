@@ -274,7 +274,8 @@ def reinplace(trace: Trace) -> Trace:
                 changed[index] = bsym.replace(sym=SAME_TENSOR, subsymbols=())
             elif not _is_detach(bsym):
                 plain, without_grad = INTO_FORMS[_op_name(bsym)]
-                grad = x.requires_grad or any(p.requires_grad for p in bsym.proxy_inputs)
+                grad = x.requires_grad or any(isinstance(p, torch.Tensor) and p.requires_grad
+                                              for p in bsym.proxy_inputs)
                 changed[index] = bsym.replace(sym=without_grad if grad else plain,
                                               args=(holder, *bsym.args), subsymbols=())
             holder = bsym.output
