@@ -104,6 +104,7 @@ def main() -> None:
     threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
+    fulmen.executors.codegen.set_compile_policy("eager")  # kernels compiled before timing
     print(f"torch {torch.__version__}, {threads} thread(s); CPU ms per call, medians")
     rows = {"AdamW opt.step": _step_rows("adamw"), "SGD(momentum) opt.step": _step_rows("sgd"),
             "whole step AdamW": _whole_rows()}

@@ -266,3 +266,13 @@ def test_a_buffer_scaled_by_a_float_read_at_run_time_is_updated_in_place():
         torch.testing.assert_close(buf, ref, rtol=0, atol=0)
     assert fulmen.compile_stats(jfn).cache_misses <= 2
     assert _into_count(jfn) == 1 and "copy_" not in _names(jfn)
+
+
+def test_a_buffer_of_changing_size_is_updated_as_eager():
+    """Symbolic sizes are left alone (comparing them would add guards); values are eager's."""
+    jfn = fulmen.jit(_scale_buffer, executors=["torch"])
+    for size in (4, 6, 8, 10):
+        buf, ref = torch.ones(size), torch.ones(size)
+        torch.testing.assert_close(jfn(buf, 0.5), _scale_buffer(ref, 0.5), rtol=0, atol=0)
+        torch.testing.assert_close(buf, ref, rtol=0, atol=0)
+    assert fulmen.compile_stats(jfn).cache_misses <= 3

@@ -21,10 +21,13 @@ elementwise op of `INTO_FORMS`, one tensor out) computes `v_k`, the value writte
 trace input `x`, each `S_j` (j > 1) reading `v_(j-1)`. It is rewritten when (all read from the
 trace, so conservative):
 
-- every `v_j` has `x`'s shape, dtype, device and strides, requires no grad, is not an output of
+- every `v_j` has `x`'s static shape, strides, dtype (not complex) and device, requires no
+  grad, is not an output of
   the trace, and no value that may share its storage (a view of it, anything but the fresh
   results of the ops listed here) is an output either;
 - every `v_j` with j < k is read by `S_(j+1)` alone (nothing reads it once overwritten);
+  a link may also be `detach(v)` or `clone(v)` (the functional form of `x.copy_(v)`), which
+  writes nothing: the clone becomes `same_tensor(v)`, `v` already being in `x`;
 - no statement after `S_1` and before the write-back reads `x` or a value that may share
   storage with `x` (a view taken earlier), except `S_1` reading `x` itself (elementwise, the same
   shape: each element is read before it is written); statements after the write-back read the
@@ -167,7 +170,11 @@ def _sharing(bsyms, seed: str) -> set[str]:
 
 
 def _same_layout(a, b) -> bool:
-    return (a.shape, a.dtype, a.device, a.stride()) == (b.shape, b.dtype, b.device, b.stride())
+    """Same static shape, strides, dtype (not complex: no conjugate views) and device."""
+    layouts = [(*a.shape, *a.stride()), (*b.shape, *b.stride())]
+    if not all(type(v) is int for layout in layouts for v in layout) or a.dtype.is_complex:
+        return False  # (a symbolic size compared would become a guard)
+    return layouts[0] == layouts[1] and (a.dtype, a.device) == (b.dtype, b.device)
 
 
 def _write_backs(bsyms) -> tuple[dict[str, tuple[int, str]], set[str]]:
