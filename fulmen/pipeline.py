@@ -12,6 +12,8 @@
         -> large products of two matrices into pool blocks (`executors/torch/pooled_outputs.py`)
         -> in-place relu on a dying matrix product, index_copy into a written input
            (`executors/torch/inplace.py`, `inplace_index.py`, `inplace_lists.py`)
+        -> a written-back input's new value computed into the input (`executors/torch/
+           reinplace.py`)
         -> Python compilation of the printed trace
     the backward's claiming, `del`s, in-place rewrites and compilation: at its first call, or
         when its stages are asked for (NOTE [the backward compiles when first needed])
@@ -48,6 +50,7 @@ from fulmen.executors.torch.inplace_index import index_copy_in_place
 from fulmen.executors.torch.inplace_lists import aten_lists_in_place
 from fulmen.executors.torch.onednn_linear import onednn_linear
 from fulmen.executors.torch.pooled_outputs import pooled_outputs
+from fulmen.executors.torch.reinplace import reinplace
 from fulmen.logs import get_logger
 from fulmen.proxies import TensorProxy
 from fulmen.read_outputs import find_read_outputs, give_outputs
@@ -72,7 +75,7 @@ _PASSES = get_logger("passes")
 # insertion, large float32 linears on oneDNN, large outputs from the pool, then the in-place
 # rewrites that read where values die
 _AFTER_CLAIMING = (fold_constants, delete_last_used, onednn_linear, pooled_outputs,
-                   relu_in_place, index_copy_in_place, aten_lists_in_place)
+                   relu_in_place, index_copy_in_place, aten_lists_in_place, reinplace)
 
 
 def _claimed_stages(trace: Trace, executors: Sequence[Executor]) -> list[Trace]:

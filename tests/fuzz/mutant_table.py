@@ -879,9 +879,9 @@ MUTANTS: list[Mutant] = [
            "and all(p.requires_grad for p in traces[-1].args))", AUTODIFF),
     Mutant("pipeline_relu_in_place_before_dels", "passes", "pipeline.py",
            "_AFTER_CLAIMING = (fold_constants, delete_last_used, onednn_linear, pooled_outputs,\n"
-           "                   relu_in_place, index_copy_in_place, aten_lists_in_place)",
+           "                   relu_in_place, index_copy_in_place, aten_lists_in_place, reinplace)",
            "_AFTER_CLAIMING = (fold_constants, relu_in_place, delete_last_used, onednn_linear,\n"
-           "                   pooled_outputs, index_copy_in_place, aten_lists_in_place)",
+           "                   pooled_outputs, index_copy_in_place, aten_lists_in_place, reinplace)",
            ("tests/executors/test_relu_in_place.py", "tests/executors/test_index_copy_in_place.py")),
     Mutant("executor_checker_skipped", "guards", "executors/base.py",
            "if impl.checker is not None and not impl.checker(*bsym.args, **bsym.kwargs):",
@@ -3166,4 +3166,20 @@ MUTANTS: list[Mutant] = [
            "    return make(items) if callable(make) and hasattr(kind, \"_fields\") else None",
            "    return None",
            ("tests/tracer/test_object_tuples_53.py",)),
+    # --- session 53, h53reinp: reinplacing a written-back input's update ---
+    Mutant("reinplace_ignores_later_reads", "mutation", "executors/torch/reinplace.py",
+           "                if first < j < back or (j == first and name != x.name):",
+           "                if False:",
+           ("tests/executors/test_reinplace.py::"
+            "test_an_input_read_after_its_new_value_is_computed_keeps_the_copy",)),
+    Mutant("reinplace_value_returned", "mutation", "executors/torch/reinplace.py",
+           "        return not (_sharing(self.bsyms, value.name) & self.outputs)",
+           "        return True",
+           ("tests/executors/test_reinplace.py::"
+            "test_a_returned_value_copied_into_an_input_stays_its_own_tensor",)),
+    Mutant("reinplace_views_not_followed", "mutation", "executors/torch/reinplace.py",
+           "            names |= {p.name for p in bsym.proxy_outputs}",
+           "            pass",
+           ("tests/executors/test_reinplace.py::"
+            "test_a_view_taken_before_the_update_and_read_after_keeps_the_copy",)),
 ]
