@@ -1,0 +1,93 @@
+"""User patterns probed in session 53 (h53probe), each compared with eager: torch's global
+modes set by a bare call inside a jitted function (`torch.set_grad_enabled(False)` not used as a
+context manager, `torch.set_default_dtype`). Eager leaves the mode changed after every call; a
+compiled call did not repeat the call, so from the second call on the caller's mode was kept
+(and the first call ran its program under the mode the function left: a function called under
+`no_grad` that turned grad on returned a result requiring grad). Such calls run eagerly; modes
+changed and put back inside the function are compiled."""
+
+import pytest
+import torch
+
+import fulmen
+
+
+@pytest.fixture(autouse=True)
+def _modes_kept():
+    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    yield
+    torch.set_grad_enabled(grad)
+    torch.set_default_dtype(dtype)
+
+
+def _grad_off(x, w):
+    torch.set_grad_enabled(False)
+    return x @ w
+
+
+def _grad_on_at_the_end(x, w):
+    y = x @ w
+    torch.set_grad_enabled(True)
+    return y * 2
+
+
+@pytest.mark.parametrize("fn,start", [(_grad_off, True), (_grad_on_at_the_end, False)])
+def test_a_bare_set_grad_enabled_leaves_eagers_grad_mode_on_every_call(fn, start):
+    x, w = torch.randn(3, 3), torch.randn(3, 3, requires_grad=True)
+    jitted = fulmen.jit(fn)
+    for _ in range(3):
+        answers = []
+        for call in (fn, jitted):
+            torch.set_grad_enabled(start)
+            out = call(x, w)
+            answers.append((out.detach(), out.requires_grad, torch.is_grad_enabled()))
+        (want, want_grad, want_mode), (got, got_grad, got_mode) = answers
+        torch.testing.assert_close(got, want)
+        assert (got_grad, got_mode) == (want_grad, want_mode)
+        assert want_mode != start  # the function changed the mode
+    assert fulmen.compile_stats(jitted).eager_calls == 3
+
+
+def _double_precision_ones(x):
+    torch.set_default_dtype(torch.float64)
+    return x + torch.ones(3)
+
+
+def test_a_set_default_dtype_inside_leaves_eagers_default_on_every_call():
+    jitted = fulmen.jit(_double_precision_ones)
+    for _ in range(3):
+        answers = []
+        for call in (_double_precision_ones, jitted):
+            torch.set_default_dtype(torch.float32)
+            out = call(torch.ones(3))
+            answers.append((out, torch.get_default_dtype()))
+        (want, want_default), (got, got_default) = answers
+        torch.testing.assert_close(got, want)
+        assert got_default == want_default == torch.float64
+
+
+def _modes_put_back(x, w):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    scale = torch.tensor(2.0).to(x.dtype)
+    torch.set_default_dtype(previous)
+    with torch.set_grad_enabled(False):
+        norm = (x @ w).norm()
+    torch.set_grad_enabled(False)
+    torch.set_grad_enabled(True)
+    return x @ w * scale / norm
+
+
+def test_modes_changed_and_put_back_inside_compile():
+    x, w = torch.randn(3, 3), torch.randn(3, 3, requires_grad=True)
+    w2 = w.detach().clone().requires_grad_()
+    jitted = fulmen.jit(_modes_put_back)
+    for _ in range(2):
+        want, got = _modes_put_back(x, w), jitted(x, w2)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(w2.grad, w.grad)
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0  # (a second compile: the key of `w` then holds its `.grad`)
+    assert stats.cache_misses <= 2
