@@ -91,3 +91,58 @@ def test_modes_changed_and_put_back_inside_compile():
     stats = fulmen.compile_stats(jitted)
     assert stats.eager_calls == 0  # (a second compile: the key of `w` then holds its `.grad`)
     assert stats.cache_misses <= 2
+
+
+# --- a global or closure cell rebound to another module ---
+
+MODEL = torch.nn.Linear(4, 2)
+
+
+def _predict(x):
+    return MODEL(x).softmax(-1)
+
+
+def _answers(jitted, fn, x):
+    return [(jitted(x), fn(x))]
+
+
+def test_a_jitted_function_follows_its_global_model_rebound():
+    """`MODEL = build()` after compiling: the compiled call ran the old model (its parameters
+    are read from the module object the trace reached, whose state had not changed)."""
+    global MODEL
+    old = MODEL
+    try:
+        torch.manual_seed(0)
+        MODEL = torch.nn.Linear(4, 2)
+        jitted = fulmen.jit(_predict)
+        x = torch.randn(3, 4)
+        pairs = _answers(jitted, _predict, x)
+        MODEL = torch.nn.Linear(4, 2)  # same sizes: only the binding tells them apart
+        pairs += _answers(jitted, _predict, x)
+        MODEL = torch.nn.Linear(4, 5)
+        pairs += _answers(jitted, _predict, x) + _answers(jitted, _predict, x)
+        for got, want in pairs:
+            torch.testing.assert_close(got, want)
+        stats = fulmen.compile_stats(jitted)
+        assert stats.eager_calls == 0 and stats.cache_hits >= 1
+    finally:
+        MODEL = old
+
+
+def test_a_jitted_function_follows_its_closure_model_rebound():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def predict(x):
+        return model(x).softmax(-1)
+
+    jitted = fulmen.jit(predict)
+    x = torch.randn(3, 4)
+    pairs = _answers(jitted, predict, x)
+    model[2] = torch.nn.Linear(8, 5)  # a submodule swapped: watched already
+    pairs += _answers(jitted, predict, x)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    pairs += _answers(jitted, predict, x) + _answers(jitted, predict, x)
+    for got, want in pairs:
+        torch.testing.assert_close(got, want)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
