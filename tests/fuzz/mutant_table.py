@@ -3157,4 +3157,12 @@ MUTANTS: list[Mutant] = [
            "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
            "            or CallSiteTag.NO_GRAD in bsym.tags):",
            ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
+    # --- session 53, h53probe: global modes and rebound modules ---
+    Mutant("modes_left_changed_compiled", "guards", "compile_miss.py",
+           "        if modes_snapshot() != modes:", "        if False:",
+           ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("rebound_module_not_keyed", "guards", "tracer/sources.py",
+           " or is_user_class(value) or isinstance(value, torch.nn.Module)\n",
+           " or is_user_class(value)\n",
+           ("tests/tracer/test_user_patterns_53.py",)),
 ]
