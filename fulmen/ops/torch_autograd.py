@@ -98,8 +98,16 @@ AUTOGRAD_VJP = Symbol("autograd_vjp", _autograd_vjp_meta, namespace=AUTODIFF_NAM
 
 
 def _swap_primals(args, kwargs, primals):
-    """Detached copies of the primals that require grad, and the arguments using them."""
-    leaves = {id(p): p.detach().requires_grad_() for p in primals}
+    """Detached copies of the primals that require grad, and the arguments using them.
+    NOTE [a leaf stays itself]: a leaf that requires grad (a parameter) without tensor hooks
+    is used as it is: `torch.autograd.grad` gives its gradient without accumulating into
+    `.grad`, and a user's `autograd.Function` that recomputes in its backward through a closure
+    (`ctx.fn(x)` calling the module whose parameters it saved) differentiates the same tensor
+    it saved, as in eager (a copy was not in that graph: "appears to not have been used in the
+    graph"). A leaf with hooks (`p.register_hook`) is copied: its hooks would run here and
+    again when the outer backward hands it the gradient."""
+    leaves = {id(p): p if p.is_leaf and p.requires_grad and not p._backward_hooks
+              else p.detach().requires_grad_() for p in primals}
     if type(args) is tuple and type(kwargs) is dict and _is_flat(args) \
             and _is_flat(kwargs.values()):  # NOTE [flat arguments]
         get = leaves.get

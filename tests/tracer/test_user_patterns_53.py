@@ -6,6 +6,8 @@ compiled call did not repeat the call, so from the second call on the caller's m
 `no_grad` that turned grad on returned a result requiring grad). Such calls run eagerly; modes
 changed and put back inside the function are compiled."""
 
+import copy
+
 import pytest
 import torch
 
@@ -145,4 +147,101 @@ def test_a_jitted_function_follows_its_closure_model_rebound():
     pairs += _answers(jitted, predict, x) + _answers(jitted, predict, x)
     for got, want in pairs:
         torch.testing.assert_close(got, want)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+# --- an autograd.Function that recomputes its forward in the backward ---
+
+
+class _Recompute(torch.autograd.Function):
+    """A hand-written activation checkpoint: the forward runs `fn` without a graph and saves
+    the input and the parameters `fn` reads; the backward runs `fn` again with grad and
+    differentiates it with respect to them (the parameters reached through `fn`'s closure are
+    the ones saved)."""
+
+    @staticmethod
+    def forward(ctx, fn, allow_unused, x, *params):
+        ctx.fn, ctx.allow_unused = fn, allow_unused
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *params = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        grads = torch.autograd.grad(out, (x, *params), grad, allow_unused=ctx.allow_unused)
+        return (None, None, *grads)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, allow_unused: bool):
+        super().__init__()
+        self.allow_unused = allow_unused
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Recompute.apply(self._block, self.allow_unused, x, *self.proj.parameters())
+
+    def _block(self, x):
+        return torch.nn.functional.gelu(self.proj(x))
+
+
+@pytest.mark.parametrize("allow_unused", [False, True])
+def test_a_function_recomputing_through_its_modules_parameters_trains_as_eager(allow_unused):
+    """The compiled call handed the Function detached copies of the parameters: the backward's
+    graph (built from the module's own parameters) did not reach them, so `autograd.grad`
+    raised, or with `allow_unused=True` the parameters silently got no gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Checkpointed(allow_unused), _Checkpointed(allow_unused))
+    twin = copy.deepcopy(model)
+    jitted = fulmen.jit(twin)
+    for step in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        want, got = model(x), jitted(x2)
+        torch.testing.assert_close(got, want)
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        torch.testing.assert_close(x2.grad, x.grad)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert q.grad is not None, name
+            torch.testing.assert_close(q.grad, p.grad)
+    assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+class _Bilinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
+
+
+def test_a_parameter_hook_runs_once_beside_a_custom_function():
+    """A parameter with a tensor hook is still given to the Function as a copy: the hook runs
+    once per backward, as in eager."""
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    weights[1].data.copy_(weights[0].data)
+    calls = [0, 0]
+    for index, w in enumerate(weights):
+        w.register_hook(lambda g, index=index: calls.__setitem__(index, calls[index] + 1) or g * 2)
+
+    def fn(x, w):
+        return _Bilinear.apply(x, w).relu()
+
+    jitted = fulmen.jit(fn)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        fn(x, weights[0]).sum().backward()
+        jitted(x, weights[1]).sum().backward()
+        torch.testing.assert_close(weights[1].grad, weights[0].grad)
+    assert calls == [2, 2]
     assert fulmen.compile_stats(jitted).eager_calls == 0
