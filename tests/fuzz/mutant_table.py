@@ -3165,4 +3165,11 @@ MUTANTS: list[Mutant] = [
            " or is_user_class(value) or isinstance(value, torch.nn.Module)\n",
            " or is_user_class(value)\n",
            ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("function_call_copies_parameters", "autograd", "ops/torch_autograd.py",
+           "    leaves = {id(p): p if keep_leaves and p.is_leaf",
+           "    leaves = {id(p): p if False and p.is_leaf",
+           ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("function_call_runs_parameter_hooks", "autograd", "ops/torch_autograd.py",
+           "\n              and not p._backward_hooks else", "\n              else",
+           ("tests/tracer/test_user_patterns_53.py",)),
 ]
