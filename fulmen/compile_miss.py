@@ -22,8 +22,8 @@ from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
-from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.global_modes import check_modes_kept, modes_snapshot, restore_modes
+from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_output import catch_prints
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
 from fulmen.tracer.library_flags import answers_given, library_answers_off

@@ -1,10 +1,15 @@
-"""User patterns probed in session 53 (h53probe), each compared with eager: torch's global
-modes set by a bare call inside a jitted function (`torch.set_grad_enabled(False)` not used as a
-context manager, `torch.set_default_dtype`). Eager leaves the mode changed after every call; a
-compiled call did not repeat the call, so from the second call on the caller's mode was kept
-(and the first call ran its program under the mode the function left: a function called under
-`no_grad` that turned grad on returned a result requiring grad). Such calls run eagerly; modes
-changed and put back inside the function are compiled."""
+"""User patterns probed in session 53 (h53probe), each compared with eager:
+
+- torch's global modes set by a bare call inside a jitted function (`torch.set_grad_enabled(
+  False)` not used as a context manager, `torch.set_default_dtype`). Eager leaves the mode
+  changed after every call; a compiled call did not repeat the call, so from the second call on
+  the caller's mode was kept (and a function called under `no_grad` that turned grad on
+  returned a result requiring grad). Such calls run eagerly; modes put back are compiled.
+- a global or closure cell rebound to another `nn.Module` (`MODEL = build()`): the compiled
+  call ran the old module.
+- an `autograd.Function` recomputing its forward in the backward through a closure over the
+  module whose parameters it saved (a hand-written checkpoint): it was given copies of the
+  parameters, so `autograd.grad` raised or (`allow_unused=True`) their gradients were lost."""
 
 import copy
 
@@ -198,7 +203,7 @@ def test_a_function_recomputing_through_its_modules_parameters_trains_as_eager(a
     model = torch.nn.Sequential(_Checkpointed(allow_unused), _Checkpointed(allow_unused))
     twin = copy.deepcopy(model)
     jitted = fulmen.jit(twin)
-    for step in range(2):
+    for _ in range(2):
         x = torch.randn(4, 8, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
         want, got = model(x), jitted(x2)
