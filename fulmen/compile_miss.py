@@ -22,6 +22,7 @@ from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
+from fulmen.tracer.global_modes import check_modes_kept, modes_snapshot, restore_modes
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_output import catch_prints
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
@@ -67,6 +68,7 @@ class CompileMiss:
         classes = self._guard.class_snapshots()
         global_holders = self._guard.global_snapshots()
         given = answers_given()
+        modes = modes_snapshot()
         try:
             with contextlib.nullcontext() if self._library_answers else library_answers_off(), \
                     catch_prints() as prints:
@@ -79,6 +81,7 @@ class CompileMiss:
             # eager's error, which an answer given to a library may have led to)
             restore_classes(classes)
             stored_proxies(global_holders)
+            restore_modes(modes)
             host_random.restore()  # an eager run (`RunsEagerly`) draws what the trace drew
             if isinstance(error, RunsEagerly) and self._eager_allowed:
                 raise  # the call runs eagerly: no report to write
@@ -96,6 +99,7 @@ class CompileMiss:
                 raise
             raise _with_examine_report(error, self._module or self._fn, args, kwargs) from None
         except BaseException:
+            restore_modes(modes)
             host_random.restore()  # the generators left at their sentinel states otherwise
             raise
         leaked, stored = stored_proxies(global_holders)
@@ -119,6 +123,10 @@ class CompileMiss:
             restore_classes(classes)
             host_random.restore()
             prints.refuse_writes()
+        if modes_snapshot() != modes:  # `torch.set_grad_enabled(False)` not undone: eager
+            restore_classes(classes)
+            host_random.restore()
+            check_modes_kept(modes)
         self._guard.add_modules(program.held_modules)
         self._guard.add_functions(pytree.tree_leaves((args, kwargs)))
         self._guard.watch_environment(program.environment_reads)

@@ -76,7 +76,7 @@ def autograd_vjp_impl(fn, args, kwargs, cotangent):
     """
     primals = _primal_leaves(args, kwargs)
     with torch.enable_grad():
-        leaves, args, kwargs = _swap_primals(args, kwargs, primals)
+        leaves, args, kwargs = _swap_primals(args, kwargs, primals, _is_function(fn))
         outputs = fn(*args, **kwargs)
     out_leaves = _output_tensors(outputs)
     cotangents = list(cotangent) if isinstance(cotangent, (tuple, list)) else [cotangent]
@@ -97,9 +97,18 @@ AUTOGRAD_VJP = Symbol("autograd_vjp", _autograd_vjp_meta, namespace=AUTODIFF_NAM
                       is_prim=True, impl=autograd_vjp_impl, tags={"opaque"})
 
 
-def _swap_primals(args, kwargs, primals):
-    """Detached copies of the primals that require grad, and the arguments using them."""
-    leaves = {id(p): p.detach().requires_grad_() for p in primals}
+def _swap_primals(args, kwargs, primals, keep_leaves: bool = False):
+    """Detached copies of the primals that require grad, and the arguments using them.
+    NOTE [a parameter stays itself]: with `keep_leaves` (a user's `autograd.Function`), a leaf
+    that requires grad, is no view and has no tensor hooks (a parameter) is used as it is:
+    `torch.autograd.grad` gives its gradient without accumulating into `.grad`, and a Function
+    that recomputes in its backward through a closure (`ctx.fn(x)` calling the module whose
+    parameters it saved: a hand-written checkpoint) differentiates the very tensor it saved, as
+    in eager (a copy was not in that graph: "appears to not have been used in the graph"). A
+    leaf with hooks (`p.register_hook`) is copied: its hooks would run here and again when the
+    outer backward hands it the gradient; a view's gradient would go to its base."""
+    leaves = {id(p): p if keep_leaves and p.is_leaf and p.requires_grad and not p._is_view()
+              and not p._backward_hooks else p.detach().requires_grad_() for p in primals}
     if type(args) is tuple and type(kwargs) is dict and _is_flat(args) \
             and _is_flat(kwargs.values()):  # NOTE [flat arguments]
         get = leaves.get
@@ -107,6 +116,12 @@ def _swap_primals(args, kwargs, primals):
             k: get(id(x), x) for k, x in kwargs.items()}
     swap = lambda x: leaves.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
     return leaves, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
+
+
+def _is_function(fn) -> bool:
+    """Whether `fn` is the symbol of a user's `autograd.Function` (NOTE [a parameter stays
+    itself])."""
+    return "autograd_function" in getattr(fn, "tags", ())
 
 
 def _detached(outputs):
@@ -133,7 +148,7 @@ def autograd_forward_impl(fn, args, kwargs, mask):
     differentiates the graph: no recomputation, so random ops are exact."""
     primals = [p for p, wanted in zip(_primal_leaves(args, kwargs), mask) if wanted]
     with torch.enable_grad():
-        leaves, args, kwargs = _swap_primals(args, kwargs, primals)
+        leaves, args, kwargs = _swap_primals(args, kwargs, primals, _is_function(fn))
         outputs = fn(*args, **kwargs)
     return _detached(outputs), (outputs, tuple(leaves.values()))
 

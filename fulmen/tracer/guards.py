@@ -380,7 +380,8 @@ class CacheKeyBuilder:
                 if kind in CONTAINERS:
                     if snapshots is not None:
                         snapshots += _container_snapshots(value)
-                elif kind is not float and not isinstance(value, (Tensor, *FUNCTIONS, *ATOMS)):
+                elif kind is not float and not isinstance(
+                        value, (Tensor, torch.nn.Module, *FUNCTIONS, *ATOMS)):
                     snapshots = None  # keyed by `_leaf_key`, which may look deeper
         key = HashedKey((flags, tuple(keys)))
         self._sources_memo.store(values, key, snapshots)

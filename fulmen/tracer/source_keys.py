@@ -43,7 +43,8 @@ def source_key(value: Any) -> Any:
     value; tensors by identity (the program captured that tensor object: its in-place updates
     are seen, a new tensor bound to the name is not; the entry keeps the old one alive, so the
     id cannot be reused while it matters); lists, tuples and dicts by their items, one level
-    deep (`CONFIG["scale"]`, `self.sizes[0]`)."""
+    deep (`CONFIG["scale"]`, `self.sizes[0]`); modules by identity (a global or closure cell
+    rebound to another model)."""
     kind = type(value)
     if kind in _EXACT_SCALARS:  # the common case, without `_leaf_key`'s isinstance chain
         return (kind, value)
@@ -51,6 +52,8 @@ def source_key(value: Any) -> Any:
         return (float, _float_key(value))
     if isinstance(value, Tensor):
         return ("tensor", id(value))
+    if isinstance(value, torch.nn.Module):  # its state is read afresh; another one is a miss
+        return ("module", value)  # (held: its id cannot be reused meanwhile)
     if isinstance(value, FUNCTIONS):  # held in the key: its id cannot be reused meanwhile
         try:
             return ("function", value, hash(value))

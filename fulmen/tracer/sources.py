@@ -96,9 +96,10 @@ ATOMS = (torch.dtype, torch.device, torch.Size, enum.Enum, torch.memory_format, 
 def _is_keyed(value: Any) -> bool:
     """Whether a value read from a closure cell, a global or a module attribute is part of the
     cache key: a source (`source_key`), an atom (`ATOMS`), a function (`ACT = F.relu`, keyed
-    by identity), a plain object (`object_source_key`) or a user class (`class_source_key`)."""
+    by identity), a plain object (`object_source_key`), a user class (`class_source_key`) or an
+    `nn.Module` (by identity: `model = build()` rebinding the global a jitted function calls)."""
     return _is_source(value) or isinstance(value, (*ATOMS, *FUNCTIONS, *NUMPY_ARRAYS)) \
-        or is_plain_object(value) or is_user_class(value)
+        or is_plain_object(value) or is_user_class(value) or isinstance(value, torch.nn.Module)
 
 
 _LIBRARY_DIRS = tuple({path for key in ("stdlib", "platstdlib", "purelib", "platlib")

@@ -3182,4 +3182,19 @@ MUTANTS: list[Mutant] = [
            "            pass",
            ("tests/executors/test_reinplace.py::"
             "test_a_view_taken_before_the_update_and_read_after_keeps_the_copy",)),
+    # --- session 53, h53probe: global modes and rebound modules ---
+    Mutant("modes_left_changed_compiled", "guards", "compile_miss.py",
+           "        if modes_snapshot() != modes:", "        if False:",
+           ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("rebound_module_not_keyed", "guards", "tracer/sources.py",
+           " or is_user_class(value) or isinstance(value, torch.nn.Module)\n",
+           " or is_user_class(value)\n",
+           ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("function_call_copies_parameters", "autograd", "ops/torch_autograd.py",
+           "    leaves = {id(p): p if keep_leaves and p.is_leaf",
+           "    leaves = {id(p): p if False and p.is_leaf",
+           ("tests/tracer/test_user_patterns_53.py",)),
+    Mutant("function_call_runs_parameter_hooks", "autograd", "ops/torch_autograd.py",
+           "\n              and not p._backward_hooks else", "\n              else",
+           ("tests/tracer/test_user_patterns_53.py",)),
 ]
