@@ -32,6 +32,7 @@ from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_clas
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.autodiff import split_forward_backward
+from fulmen.tracer.break_sizes import symbolic_counts
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, OutputsDiffer, PathMiss, TraceTree
 
@@ -284,9 +285,11 @@ class CompileMiss:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
-                with _TRACING, collector_paused(), memoized_symbolic_ops():
+                dims = _path_dims(entry)
+                with _TRACING, collector_paused(), memoized_symbolic_ops(), \
+                        symbolic_counts(entry.fn.sites if dims is None else None):
                     try:
-                        program = self._trace(args, kwargs, _path_dims(entry))
+                        program = self._trace(args, kwargs, dims)
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (
