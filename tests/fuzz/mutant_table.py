@@ -3157,4 +3157,15 @@ MUTANTS: list[Mutant] = [
            "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
            "            or CallSiteTag.NO_GRAD in bsym.tags):",
            ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
+    # --- session 53, h53moe: symbolic counts after a graph break (MoE routing) ---
+    Mutant("count_checks_skipped", "guards", "tree.py",
+           "if all(check(values) for check in node.checks.get(found[0], ())):",
+           "if True:",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_decisions_on_the_count_are_checked_at_each_call",)),
+    Mutant("count_refusal_forgotten", "guards", "tracer/break_sizes.py",
+           "            self.refused.add((site, answer_key(answer)))\n",
+           "            pass\n",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_decisions_on_the_count_are_checked_at_each_call",)),
 ]

@@ -1,0 +1,111 @@
+"""Mixture-of-experts routing: the token count of each expert (the output size of
+`torch.where`, a graph break) is traced symbolic once it has varied, so later steps reuse the
+compiled segments (NOTE [symbolic counts at a break site] in `fulmen.tracer.break_sizes`).
+Every call is compared with eager: values, gradients, and which compiled path it took."""
+
+import copy
+
+import pytest
+import torch
+
+import fulmen
+
+
+class TwoExperts(torch.nn.Module):
+    """Top-1 routing over two linear experts, as HF's MoE blocks do it (`where` + index_add)."""
+
+    def __init__(self, width: int = 8, branch: bool = False) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(width, 2, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+        self.branch = branch
+
+    def forward(self, x):
+        logits = self.gate(x)
+        choice = logits.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            (idx,) = torch.where(choice == i)
+            y = expert(x[idx]) * logits[idx, i:i + 1].sigmoid()
+            if self.branch:  # Python decides on the count: a guard of the symbol
+                y = y * 2 if idx.shape[0] > 6 else y - 1
+            out = out.index_add(0, idx, y)
+        return out
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    (out * out).sum().backward()
+    return out, [p.grad for p in model.parameters()]
+
+
+def _counts(model, x):
+    with torch.no_grad():
+        choice = model.gate(x).argmax(-1)
+    return [int((choice == i).sum()) for i in range(2)]
+
+
+def _compare_training(model, inputs):
+    eager = copy.deepcopy(model)
+    jitted = fulmen.jit(model)
+    for x in inputs:
+        out, grads = _step(jitted, x)
+        want, want_grads = _step(eager, x)
+        torch.testing.assert_close(out, want)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected)
+    return fulmen.compile_stats(jitted)
+
+
+def test_random_routing_training_retraces_once():
+    torch.manual_seed(0)
+    model = TwoExperts()
+    inputs = [torch.randn(16, 8) for _ in range(8)]
+    counts = {tuple(_counts(model, x)) for x in inputs}
+    assert len(counts) >= 5  # the routing varies (the test would pass vacuously otherwise)
+    stats = _compare_training(model, inputs)
+    # the second count is a symbol from then on: one retrace, not one per step
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1, stats.recompile_reasons
+
+
+def test_decisions_on_the_count_are_checked_at_each_call():
+    torch.manual_seed(1)
+    model = TwoExperts(branch=True)
+    inputs = [torch.randn(12, 8) for _ in range(12)]
+    counts = [_counts(model, x)[0] for x in inputs]
+    assert {n > 6 for n in counts if n >= 2} == {True, False}  # both sides of the branch
+    stats = _compare_training(model, inputs)
+    assert stats.eager_calls == 0
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 7])
+def test_counts_zero_and_one_take_their_own_paths(count):
+    torch.manual_seed(2)
+    model = TwoExperts()
+    with torch.no_grad():
+        model.gate.weight.zero_()
+        model.gate.weight[0, 0] = 1.0  # expert 0 takes the tokens whose first feature is > 0
+
+    def batch(n: int) -> torch.Tensor:
+        x = torch.randn(10, 8)
+        x[:, 0] = -1.0
+        x[:n, 0] = 1.0
+        return x
+
+    # the counts vary first (the site goes symbolic), then the specialised ones come
+    inputs = [batch(5), batch(3), batch(4), batch(count), batch(6), batch(count)]
+    stats = _compare_training(model, inputs)
+    assert stats.eager_calls == 0
+
+
+def test_inference_with_varying_routing_reuses_the_symbolic_path():
+    torch.manual_seed(3)
+    model = TwoExperts()
+    jitted = fulmen.jit(model)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(20, 8)
+            torch.testing.assert_close(jitted(x), model(x))
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1, stats.recompile_reasons
