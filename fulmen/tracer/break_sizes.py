@@ -181,9 +181,11 @@ def path_checks(symbols: list[tuple]) -> dict[int, list[Callable]]:
     env = symbols[0][0].node.shape_env
     renamed, depth_of = {}, {}
     for number, depth, index, dim in symbols:
-        name = f"c{depth}_{index}_{dim}"
-        renamed[number.node.expr] = sympy.Symbol(name, integer=True, positive=True)
-        depth_of[number.node.expr] = depth
+        # the symbol the size was made as (`_expr`), not what the ShapeEnv replaced it by: two
+        # outputs of one count (`where`'s indices) are made equal by a guard, renamed both
+        symbol = number.node._expr
+        renamed[symbol] = sympy.Symbol(f"c{depth}_{index}_{dim}", integer=True, positive=True)
+        depth_of[symbol] = depth
     checks: dict[int, list[Callable]] = {}
     exprs = [guard.expr for guard in env.guards]
     exprs += [sympy.Eq(symbol, value) for symbol, value in env.replacements.items()

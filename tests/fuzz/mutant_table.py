@@ -3168,4 +3168,8 @@ MUTANTS: list[Mutant] = [
            "            pass\n",
            ("tests/tracer/test_moe_counts.py::"
             "test_decisions_on_the_count_are_checked_at_each_call",)),
+    Mutant("count_symbol_after_replacement", "guards", "tracer/break_sizes.py",
+           "        symbol = number.node._expr\n", "        symbol = number.node.expr\n",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_two_index_tensors_of_one_count_share_the_symbolic_path",)),
 ]

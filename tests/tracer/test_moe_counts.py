@@ -109,3 +109,28 @@ def test_inference_with_varying_routing_reuses_the_symbolic_path():
             torch.testing.assert_close(jitted(x), model(x))
     stats = fulmen.compile_stats(jitted)
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1, stats.recompile_reasons
+
+
+class TopTwo(torch.nn.Module):
+    """Top-2 routing as HF Mixtral's eager experts do it: `torch.where` of a `(k, tokens)`
+    mask gives two index tensors of one count, which the program uses together."""
+
+    def __init__(self, width: int = 8, experts: int = 3) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(width, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        mask = torch.nn.functional.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            pos, idx = torch.where(mask[i])
+            out = out.index_add(0, idx, expert(x[idx]) * weights[idx, pos, None])
+        return out
+
+
+def test_two_index_tensors_of_one_count_share_the_symbolic_path():
+    torch.manual_seed(4)
+    stats = _compare_training(TopTwo(), [torch.randn(16, 8) for _ in range(6)])
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1, stats.recompile_reasons
