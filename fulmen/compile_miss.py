@@ -32,7 +32,7 @@ from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_clas
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.tracer.break_sizes import symbolic_counts
+from fulmen.tracer.break_sizes import trace_with_counts
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, OutputsDiffer, PathMiss, TraceTree
 
@@ -286,10 +286,12 @@ class CompileMiss:
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
                 dims = _path_dims(entry)
-                with _TRACING, collector_paused(), memoized_symbolic_ops(), \
-                        symbolic_counts(entry.fn.sites if dims is None else None):
-                    try:
-                        program = self._trace(args, kwargs, dims)
+                with _TRACING, collector_paused(), memoized_symbolic_ops():
+                    try:  # (sizes after breaks symbolic where they vary: `break_sizes`)
+                        program = trace_with_counts(
+                            lambda: self._trace(args, kwargs, dims),
+                            entry.fn.sites if dims is None else None,
+                            lambda: torch.random.set_rng_state(rng_state))
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (

@@ -25,6 +25,7 @@ stays static there, so a wrong size never reaches a compiled path.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from fulmen.ops.breaks import answer_key
 from fulmen.tracer.environment import environment_unrecorded
 from fulmen.tracer.symbolic import SymbolicSizes, _row_major, is_symbolic
 
+_RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 GENERIC = "n"  # the size in a generic answer key that a symbol stood for
 
 
@@ -53,11 +55,12 @@ class CountSites:
 
     dims: dict = field(default_factory=dict)
     refused: set = field(default_factory=set)
+    off: bool = False  # a trace with symbolic counts failed: the tree's counts stay exact
 
     def note_miss(self, site, answers: list, answer, refused: bool) -> None:
         """A guard on output shapes at `site`, having answered `answers`, answered `answer`
         with no path for it (`refused`: a generic path's checks failed)."""
-        if site is None:
+        if site is None or self.off:
             return
         if refused:
             self.refused.add((site, answer_key(answer)))
@@ -96,6 +99,25 @@ def symbolic_counts(sites: CountSites | None) -> Iterator[None]:
             yield
     finally:
         _ACTIVE.pop()
+
+
+def trace_with_counts(trace: Callable[[], Any], sites: CountSites | None,
+                      reset: Callable[[], None]) -> Any:
+    """`trace()` with symbolic counts at `sites` (`symbolic_counts`); where that trace fails
+    (an op PyTorch describes only from values given a count as a number: `bincount(i,
+    minlength=n)`), `reset()` and `trace()` again with exact counts, for good in this tree."""
+    if sites is None or not sites.dims:
+        return trace()
+    try:
+        with symbolic_counts(sites):
+            return trace()
+    except Exception as error:  # noqa: BLE001 - traced again with exact counts
+        _RECOMPILES.info("symbolic counts after graph breaks failed (%s: %s); tracing them "
+                         "exactly", type(error).__name__, error)
+        sites.dims.clear()
+        sites.off = True
+        reset()
+        return trace()
 
 
 def _strides_keep(tensor: torch.Tensor, dims: list[int]) -> bool:
@@ -206,5 +228,5 @@ def path_checks(symbols: list[tuple]) -> dict[int, list[Callable]]:
     return checks
 
 
-__all__ = ["CountSites", "count_shape", "generic_dims", "generic_key", "path_checks",
+__all__ = ["CountSites", "count_shape", "trace_with_counts", "generic_dims", "generic_key", "path_checks",
            "site_of", "symbolic_counts"]

@@ -134,3 +134,17 @@ def test_two_index_tensors_of_one_count_share_the_symbolic_path():
     torch.manual_seed(4)
     stats = _compare_training(TopTwo(), [torch.randn(16, 8) for _ in range(6)])
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1, stats.recompile_reasons
+
+
+def test_a_count_given_to_an_op_described_from_values_is_traced_exactly():
+    def fn(x):
+        (idx,) = torch.where(x > 0)
+        counts = torch.bincount(idx % 3, minlength=idx.shape[0])  # needs the count as a number
+        return x[idx].sum() + counts.float().sum() + counts.shape[0]
+
+    jitted = fulmen.jit(fn)
+    for n in (5, 7, 9, 4, 7):
+        x = -torch.ones(12)
+        x[:n] = 1
+        torch.testing.assert_close(jitted(x), fn(x))
+    assert fulmen.compile_stats(jitted).eager_calls == 0
