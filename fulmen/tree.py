@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
+from fulmen.proxies import TensorProxy
 from fulmen.ops.breaks import answer_key, output_shapes
 from fulmen.tracer.break_sizes import (
     CountSites,
@@ -81,7 +82,8 @@ class SegmentNode:
         output / output_spec: at a leaf, the program's output built from the run's values.
         numbers: at a leaf whose output holds traced numbers (a symbolic size returned:
             `x.shape[0]`), `(positions among the output's leaves, their values' function of
-            the call's inputs)`: each call computes them from its own sizes.
+            the values named, names)`: the call's inputs, then its data-dependent ops' outputs;
+            each call computes them from its own sizes.
         closed: the guard has had `MAX_BRANCHES` answers; new ones are not compiled.
     """
 
@@ -169,9 +171,9 @@ class TraceTree:
             depth += 1
         out = map_proxies(real, node.output)
         if node.numbers is not None:  # symbolic sizes returned: this call's values
-            positions, values = node.numbers
+            positions, values, names = node.numbers
             leaves, spec = pytree.tree_flatten(out)
-            for position, value in zip(positions, values(*args)):
+            for position, value in zip(positions, values(*[env[name] for name in names])):
                 leaves[position] = value
             out = pytree.tree_unflatten(leaves, spec)
         if node.output_spec is not None:
@@ -257,8 +259,12 @@ class TraceTree:
                 leaves = pytree.tree_leaves(output)
                 positions = [i for i, leaf in enumerate(leaves)
                              if isinstance(leaf, TRACED_NUMBERS)]
+                # (a count made symbolic at a break is read from its op's output)
+                sources = [*inputs, *(p for s in segments if s.op is not None
+                                      for p in s.op.proxy_outputs if isinstance(p, TensorProxy))]
                 node.numbers = (positions, number_function(
-                    [leaves[i] for i in positions], list(inputs))) if positions else None
+                    [leaves[i] for i in positions], sources),
+                    [p.name for p in sources]) if positions else None
                 # a captured tensor returned as it is (`torch.from_numpy(t.numpy())` after a
                 # break): no segment reads it, the leaf does
                 node.constants = {**node.constants, **{

@@ -213,7 +213,11 @@ def path_checks(symbols: list[tuple]) -> dict[int, list[Callable]]:
     exprs += [sympy.Eq(symbol, value) for symbol, value in env.replacements.items()
               if symbol in renamed]
     printer = PythonPrinter()
+    # a size the trace specialised (another output's, not renamed) is its number
+    constants = {symbol: value for symbol, value in env.replacements.items()
+                 if symbol not in renamed and value.is_number}
     for expr in exprs:
+        expr = expr.xreplace(constants)
         free = expr.free_symbols
         if not free & renamed.keys():
             continue
