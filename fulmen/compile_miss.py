@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
+from fulmen.tracer.break_sizes import trace_with_counts
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_output import catch_prints
 from fulmen.tracer.host_random import HostRandomState, refuse_private_generators
@@ -32,7 +34,6 @@ from fulmen.tracer.source_keys import GlobalStore, changed_classes, restore_clas
 from fulmen.tracer.sym_ops import memoized_symbolic_ops
 from fulmen.tracer.symbolic import FLOAT
 from fulmen.transforms.autodiff import split_forward_backward
-from fulmen.tracer.break_sizes import trace_with_counts
 from fulmen.transforms.segments import split_at_breaks
 from fulmen.tree import MAX_BRANCHES, CompiledSegment, OutputsDiffer, PathMiss, TraceTree
 
@@ -289,7 +290,7 @@ class CompileMiss:
                 with _TRACING, collector_paused(), memoized_symbolic_ops():
                     try:  # (sizes after breaks symbolic where they vary: `break_sizes`)
                         program = trace_with_counts(
-                            lambda: self._trace(args, kwargs, dims),
+                            functools.partial(self._trace, args, kwargs, dims),
                             entry.fn.sites if dims is None else None,
                             lambda: torch.random.set_rng_state(rng_state))
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly

@@ -27,8 +27,8 @@ import torch.utils._pytree as pytree
 from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
-from fulmen.proxies import TensorProxy
 from fulmen.ops.breaks import answer_key, output_shapes
+from fulmen.proxies import TensorProxy
 from fulmen.tracer.break_sizes import (
     CountSites,
     generic_dims,

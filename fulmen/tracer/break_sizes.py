@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from fulmen.ops.breaks import answer_key
+from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.environment import environment_unrecorded
+from fulmen.tracer.int_answers import symbolic_ints_are_ints
 from fulmen.tracer.symbolic import SymbolicSizes, _row_major, is_symbolic
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
@@ -88,9 +90,6 @@ def symbolic_counts(sites: CountSites | None) -> Iterator[None]:
     if sites is None or not sites.dims:
         yield
         return
-    from fulmen.tracer.bool_args import symbolic_bools_decided
-    from fulmen.tracer.int_answers import symbolic_ints_are_ints
-
     # (made before the trace: making a ShapeEnv reads torch's settings from the environment,
     # which a trace would record as the program's)
     _ACTIVE.append((sites, SymbolicSizes()))
