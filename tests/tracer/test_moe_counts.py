@@ -162,3 +162,30 @@ def test_a_returned_count_is_each_calls_own():
         assert jitted(x) == fn(x)
     stats = fulmen.compile_stats(jitted)
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) == 1
+
+
+@pytest.mark.slow  # (about 9 s: a retrace per refused specialisation)
+def test_counts_alternating_between_specialisations_equal_eager_at_every_call():
+    """Decisions on two counts (a bound, an equality, a parity, a comparison of both) with
+    counts from 0 to 16 in random order: every call equals eager, whichever path it takes."""
+
+    def fn(x, w):
+        (a,) = torch.where(x > 0)
+        (b,) = torch.where(x < -0.5)
+        y = (x[a] * w[: a.shape[0]]).sum() if a.shape[0] <= w.shape[0] else x[a].sum()
+        if a.shape[0] == 3:
+            y = y * 3
+        if a.shape[0] % 2 == 0:
+            y = y + 1
+        z = torch.cat([x[a], x[b]]).cumsum(0)[-1] if a.shape[0] + b.shape[0] > 0 else x.sum()
+        if b.shape[0] > a.shape[0]:
+            z = z - 2
+        return y + z + a.shape[0] * b.shape[0]
+
+    generator = torch.Generator().manual_seed(5)
+    jitted, w = fulmen.jit(fn), torch.randn(10, generator=generator)
+    for n in (5, 7, 3, 12, 4, 1, 9):
+        x = torch.randn(16, generator=generator)
+        x[:n] = x[:n].abs() + 0.1
+        x[n:] = -x[n:].abs()
+        torch.testing.assert_close(jitted(x, w), fn(x, w))
