@@ -10,8 +10,8 @@ every step.
 NOTE [symbolic counts at a break site]: once a guard on output shapes gives a second distinct
 answer, its *site* (the user's line and the op) is dynamic for the tree (`CountSites`): the
 dimensions whose sizes differed between the answers. A later trace of the tree gives each such
-dimension at that site a symbol of a ShapeEnv of its own (one per trace, `count_shape`), with
-the real size as its hint, so the segments after the break compute with it as with any
+dimension at that site a symbol of a ShapeEnv of its own (one per retrace, made by
+`symbolic_counts` before the trace; `count_shape`), with the real size as its hint, so the segments after the break compute with it as with any
 symbolic size (the printed segment binds it from the op's output, its input). Sizes 0 and 1
 stay numbers (PyTorch specialises them), and so does an output whose strides would involve the
 size. The tree files that path's child under a *generic* key (`generic_key`: the varying sizes
@@ -19,7 +19,9 @@ replaced by a marker) and checks, at each node, the ShapeEnv's guards whose symb
 bound by then (`path_checks`), with each symbol renamed after where it is bound (`c{depth}_{out}
 _{dim}`), so paths traced in other ShapeEnvs agree. A call whose sizes fail a check takes the
 exact answer's child, or retraces with that answer refused (`CountSites.refused`): the site
-stays static there, so a wrong size never reaches a compiled path.
+stays static there, so a wrong size never reaches a compiled path. Only trees without
+symbolic input sizes do this (one ShapeEnv per trace: the input sizes' entry guard could not
+evaluate a count's symbol).
 """
 
 from __future__ import annotations
