@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from fulmen.pipeline import collector_paused, compile_trace
 from fulmen.tools.examine import examine_quietly
 from fulmen.tracer import trace_program
 from fulmen.tracer.backward_in_trace import run_without_grad, use_autodiff
+from fulmen.tracer.break_sizes import trace_with_counts
 from fulmen.tracer.global_modes import check_modes_kept, modes_snapshot, restore_modes
 from fulmen.tracer.host_floats import items_read_at_run_time
 from fulmen.tracer.host_output import catch_prints
@@ -292,9 +294,13 @@ class CompileMiss:
                 _RECOMPILES.info("new branch of %s: %r", miss.node.reason, miss.answer)
                 self._stats.recompile_reasons.append(
                     [f"graph break {miss.node.reason} answered {miss.answer!r}"])
+                dims = _path_dims(entry)
                 with _TRACING, collector_paused(), memoized_symbolic_ops():
-                    try:
-                        program = self._trace(args, kwargs, _path_dims(entry))
+                    try:  # (sizes after breaks symbolic where they vary: `break_sizes`)
+                        program = trace_with_counts(
+                            functools.partial(self._trace, args, kwargs, dims),
+                            entry.fn.sites if dims is None else None,
+                            lambda: torch.random.set_rng_state(rng_state))
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)
                         return _RanEagerly(self._run_eagerly(args, kwargs, "stores", (

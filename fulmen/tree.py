@@ -27,7 +27,15 @@ import torch.utils._pytree as pytree
 from fulmen.core import BoundSymbol, CallSiteTag, Trace
 from fulmen.core.interpret import bind_outputs
 from fulmen.core.proxy import iter_proxies, map_proxies
-from fulmen.ops.breaks import answer_key
+from fulmen.ops.breaks import answer_key, output_shapes
+from fulmen.proxies import TensorProxy
+from fulmen.tracer.break_sizes import (
+    CountSites,
+    generic_dims,
+    generic_key,
+    path_checks,
+    site_of,
+)
 from fulmen.tracer.breaks import no_autocast
 from fulmen.tracer.call_constants import copy_of
 from fulmen.tracer.objects import TRACED_NUMBERS
@@ -74,7 +82,8 @@ class SegmentNode:
         output / output_spec: at a leaf, the program's output built from the run's values.
         numbers: at a leaf whose output holds traced numbers (a symbolic size returned:
             `x.shape[0]`), `(positions among the output's leaves, their values' function of
-            the call's inputs)`: each call computes them from its own sizes.
+            the values named, names)`: the call's inputs, then its data-dependent ops' outputs;
+            each call computes them from its own sizes.
         closed: the guard has had `MAX_BRANCHES` answers; new ones are not compiled.
     """
 
@@ -94,15 +103,23 @@ class SegmentNode:
     epilogue_spec: Any = None  # at a leaf whose epilogue rebuilds outputs: their treespec
     numbers: tuple | None = None
     fresh: frozenset[str] = frozenset()
+    # NOTE [symbolic counts at a break site] in `fulmen.tracer.break_sizes`: the guard's site,
+    # the answers its children were traced for, the `(output, dim)` pairs a generic child
+    # leaves symbolic, and each generic key's checks of the sizes
+    site: tuple | None = None
+    answers: list = field(default_factory=list)
+    generic: tuple = ()
+    checks: dict = field(default_factory=dict)
 
 
 class PathMiss(Exception):
     """A guard gave an answer with no compiled continuation (`node` is the guard's segment)."""
 
-    def __init__(self, node: SegmentNode, answer: Any) -> None:
+    def __init__(self, node: SegmentNode, answer: Any, refused: bool = False) -> None:
         super().__init__(f"no compiled path for answer {answer!r} of {node.reason}")
         self.node = node
         self.answer = answer
+        self.refused = refused  # a generic path's checks refused the sizes
 
 
 class OutputsDiffer(Exception):
@@ -127,12 +144,14 @@ class TraceTree:
     def __init__(self, arg_names: tuple[str, ...]) -> None:
         self.arg_names = arg_names
         self.root: SegmentNode | None = None
+        self.sites = CountSites()  # break sites whose counts are traced symbolic
 
     def __call__(self, *args):
         env = dict(zip(self.arg_names, args))
         real = _real(env)
         node = self.root
         own: dict[str, torch.Tensor] = {}  # this call's copies of the tensors it made
+        depth, values = 0, {}  # the break reached; the count symbols' values (`_child`)
         while True:
             for name, value in node.constants.items():
                 if name in node.fresh:
@@ -148,20 +167,43 @@ class TraceTree:
                 _run_op(node.op, env)
             fn, guard_args, guard_kwargs = node.guard
             answer = fn(*map_proxies(real, guard_args), **map_proxies(real, guard_kwargs))
-            child = node.children.get(answer_key(answer))
-            if child is None:
-                raise PathMiss(node, answer)
-            node = child
+            node = self._child(node, answer, depth, values)
+            depth += 1
         out = map_proxies(real, node.output)
         if node.numbers is not None:  # symbolic sizes returned: this call's values
-            positions, values = node.numbers
+            positions, values, names = node.numbers
             leaves, spec = pytree.tree_flatten(out)
-            for position, value in zip(positions, values(*args)):
+            for position, value in zip(positions, values(*[env[name] for name in names])):
                 leaves[position] = value
             out = pytree.tree_unflatten(leaves, spec)
         if node.output_spec is not None:
             out = pytree.tree_unflatten(list(out), node.output_spec)
         return out, node
+
+    def _child(self, node: SegmentNode, answer: Any, depth: int, values: dict) -> SegmentNode:
+        """The child of `node` for its guard's `answer` at break `depth`: its generic child
+        where the sizes pass its checks (their symbols bound in `values`), else the exact one.
+
+        Raises:
+            PathMiss: when neither fits (the tree's `sites` updated first)."""
+        refused = False
+        if node.generic:
+            found = generic_key(answer, node.generic, depth)
+            child = node.children.get(found[0]) if found is not None else None
+            if child is not None:
+                values.update(found[1])
+                try:
+                    if all(check(values) for check in node.checks.get(found[0], ())):
+                        return child
+                except ZeroDivisionError:  # a divisor the traced sizes had nonzero
+                    pass
+                refused = True
+        child = node.children.get(answer_key(answer))
+        if child is not None:
+            return child
+        if node.guard[0] is output_shapes:
+            self.sites.note_miss(node.site, node.answers, answer, refused)
+        raise PathMiss(node, answer, refused)
 
     @staticmethod
     def _node(segment: Segment, constants: dict[str, torch.Tensor], old: SegmentNode | None,
@@ -198,9 +240,12 @@ class TraceTree:
         traced call made itself (`TracedProgram.captured_fresh`), copied for each call."""
         path: list[SegmentNode] = []
         parent, key, old = None, None, self.root
-        for segment in segments:
+        symbols: list[tuple] = []  # (SymInt, depth, output, dim) of each count symbol
+        keys: list = []  # the child key taken at each node of `path`
+        for depth, segment in enumerate(segments):
             if parent is not None and old is None and len(parent.children) >= MAX_BRANCHES:
                 parent.closed = True
+                _add_checks(path, keys, symbols)
                 return None
             node = self._node(segment, constants, old, compile_segment)
             node.fresh = node.fresh | (fresh & node.constants.keys())
@@ -214,8 +259,12 @@ class TraceTree:
                 leaves = pytree.tree_leaves(output)
                 positions = [i for i, leaf in enumerate(leaves)
                              if isinstance(leaf, TRACED_NUMBERS)]
+                # (a count made symbolic at a break is read from its op's output)
+                sources = [*inputs, *(p for s in segments if s.op is not None
+                                      for p in s.op.proxy_outputs if isinstance(p, TensorProxy))]
                 node.numbers = (positions, number_function(
-                    [leaves[i] for i in positions], list(inputs))) if positions else None
+                    [leaves[i] for i in positions], sources),
+                    [p.name for p in sources]) if positions else None
                 # a captured tensor returned as it is (`torch.from_numpy(t.numpy())` after a
                 # break): no segment reads it, the leaf does
                 node.constants = {**node.constants, **{
@@ -223,9 +272,26 @@ class TraceTree:
                     if p.name in constants}}
                 node.fresh = node.fresh | (fresh & node.constants.keys())
                 break
-            parent, key = node, answer_key(segment.answer)
+            parent, key = node, self._key(node, segment, depth, symbols)
+            keys.append(key)
             old = node.children.get(key)
+        _add_checks(path, keys, symbols)
         return path
+
+    @staticmethod
+    def _key(node: SegmentNode, segment: Segment, depth: int, symbols: list) -> Any:
+        """The key of the child continuing `segment`'s answer at `node` (break `depth`):
+        generic where the trace gave the op's counts symbols, whose `(SymInt, depth, output,
+        dim)` are added to `symbols` (NOTE [symbolic counts at a break site])."""
+        fn, args, _ = guard_inputs(segment.guard)  # (this path's proxies: `node` may be older)
+        node.site = site_of(segment.guard.source, fn)
+        node.answers.append(segment.answer)
+        dims = generic_dims(args) if fn is output_shapes else ()
+        if not dims:
+            return answer_key(segment.answer)
+        node.generic = dims
+        symbols += [(args[i].shape[d], depth, i, d) for i, d in dims]
+        return generic_key(segment.answer, dims, depth)[0]
 
     def paths(self) -> int:
         """How many paths (leaves) the tree holds."""
@@ -236,6 +302,16 @@ class TraceTree:
                 return 1
             return sum(count(child) for child in node.children.values())
         return count(self.root)
+
+
+def _add_checks(path: list[SegmentNode], keys: list, symbols: list) -> None:
+    """Add the checks of a grafted path's count symbols (`path_checks`) to the generic keys
+    it took, where the path reached their child: a generic child is reached only where every
+    path through it has its sizes' guards hold."""
+    for depth, checks in path_checks(symbols).items():
+        if depth < len(keys) and depth + 1 < len(path):
+            node = path[depth]
+            node.checks[keys[depth]] = [*node.checks.get(keys[depth], ()), *checks]
 
 
 def _reads(segment: Segment) -> list[str]:

@@ -40,6 +40,7 @@ from fulmen.core.trace import not_tracing
 from fulmen.ops.breaks import GRAPH_BREAK_TAG, GUARD, output_shapes
 from fulmen.ops.torch import torch_qualname
 from fulmen.proxies import TensorProxy
+from fulmen.tracer.break_sizes import count_shape
 from fulmen.tracer.objects import TRACED_NUMBERS
 
 _READABLE = {
@@ -197,12 +198,17 @@ class BreakRecorder:
             self._record_guard(fn, copy.deepcopy(out), args, kwargs)
             return out
         proxies: dict[int, TensorProxy] = {}
+        answer, source, depth = output_shapes(*tensors), user_source_location(), len(self.breaks)
+        indices = {id(t): i for i, t in enumerate(tensors)}
 
         def to_proxy(leaf):
             if not isinstance(leaf, torch.Tensor):
                 return leaf
-            proxy = TensorProxy(self.ctx.names.new(), leaf.shape, leaf.dtype, leaf.device,
-                                strides=leaf.stride())
+            # NOTE [symbolic counts at a break site]
+            shape, strides = count_shape(output_shapes, source, indices[id(leaf)], leaf,
+                                         depth, answer)
+            proxy = TensorProxy(self.ctx.names.new(), shape, leaf.dtype, leaf.device,
+                                strides=strides)
             proxies[id(proxy)] = proxy
             self.env[proxy.name] = leaf
             return proxy
@@ -213,5 +219,5 @@ class BreakRecorder:
                                           user_source_location(), frozenset(tags)))
         self.done = len(self.ctx.bsyms)
         outs = [leaf for leaf in pytree.tree_leaves(proxy_out) if isinstance(leaf, TensorProxy)]
-        self._record_guard(output_shapes, output_shapes(*tensors), tuple(outs), {})
+        self._record_guard(output_shapes, answer, tuple(outs), {})
         return proxy_out

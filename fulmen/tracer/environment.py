@@ -146,5 +146,18 @@ def environment_recorded() -> Iterator[EnvironmentAccess]:
                 os.environ.__class__ = _Environ
 
 
+@contextlib.contextmanager
+def environment_unrecorded() -> Iterator[None]:
+    """While active, this thread's environment reads are not the traced program's (fulmen
+    making a symbol: PyTorch's ShapeEnv reads its settings from the environment each time)."""
+    outer = getattr(_local, "access", None)
+    _local.access = None
+    try:
+        yield
+    finally:
+        _local.access = outer
+
+
 __all__ = ["WHOLE", "EnvironmentAccess", "environment_items", "environment_recorded",
+           "environment_unrecorded",
            "environment_source"]

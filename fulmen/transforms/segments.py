@@ -105,6 +105,7 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
             reads |= bsym.input_names
     by_name = {p.name: p for p in trace.args}
     segments = []
+    made: list[Proxy] = []  # the outputs of the data-dependent ops run so far
     for index, (bsyms, guard, op) in enumerate(pieces):
         defined: dict[str, Proxy] = {}
         inputs: dict[str, Proxy] = {}
@@ -115,13 +116,18 @@ def split_at_breaks(trace: Trace, requires_grad: frozenset[str] | set[str] = fro
                     inputs[proxy.name] = arg if arg is not None else _as_input(proxy, requires_grad)
             for proxy in bsym.proxy_outputs:
                 defined[proxy.name] = proxy
-        for arg in size_sources(bsyms, (), tuple(inputs.values()), trace.args):
+        # a count made symbolic at a break (NOTE [symbolic counts at a break site]) is read
+        # from the op's output that holds it
+        for arg in size_sources(bsyms, (), tuple(inputs.values()), (*trace.args, *made)):
             inputs.setdefault(arg.name, arg)
         outputs = tuple(p for name, p in defined.items() if name in read_later[index])
         segment_trace = Trace(f"{trace.name}_segment{index}", tuple(inputs.values()),
                               tuple(bsyms), outputs, provenance=f"segment {index} of the path",
                               seconds=trace.seconds)
         segments.append(Segment(segment_trace, guard, _fingerprint(bsyms, guard, op), op))
+        if op is not None:
+            made += [_as_input(p, requires_grad) for p in op.proxy_outputs
+                     if isinstance(p, TensorProxy)]
     return segments
 
 

@@ -3197,4 +3197,19 @@ MUTANTS: list[Mutant] = [
     Mutant("function_call_runs_parameter_hooks", "autograd", "ops/torch_autograd.py",
            "\n              and not p._backward_hooks else", "\n              else",
            ("tests/tracer/test_user_patterns_53.py",)),
+    # --- session 53, h53moe: symbolic counts after a graph break (MoE routing) ---
+    Mutant("count_checks_skipped", "guards", "tree.py",
+           "if all(check(values) for check in node.checks.get(found[0], ())):",
+           "if True:",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_decisions_on_the_count_are_checked_at_each_call",)),
+    Mutant("count_refusal_forgotten", "guards", "tracer/break_sizes.py",
+           "            self.refused.add((site, answer_key(answer)))\n",
+           "            pass\n",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_decisions_on_the_count_are_checked_at_each_call",)),
+    Mutant("count_symbol_after_replacement", "guards", "tracer/break_sizes.py",
+           "        symbol = number.node._expr\n", "        symbol = number.node.expr\n",
+           ("tests/tracer/test_moe_counts.py::"
+            "test_two_index_tensors_of_one_count_share_the_symbolic_path",)),
 ]
