@@ -3157,4 +3157,9 @@ MUTANTS: list[Mutant] = [
            "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
            "            or CallSiteTag.NO_GRAD in bsym.tags):",
            ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
+    # --- session 53, h53brk: training steps that broke or recompiled ---
+    Mutant("fused_step_writes_stride_0_grads", "mutation", "tracer/inplace_calls.py",
+           "                if argument in kept and overlaps_itself(each):",
+           "                if False:",
+           ("tests/tracer/test_step_breaks_53_fused.py",)),
 ]
