@@ -13,7 +13,14 @@ from collections.abc import Iterator
 import torch
 
 from fulmen.core.trace import TraceCtx, tracing
-from fulmen.ops.host_float import FloatDecided, FloatProxy, has_host_float, host_item, math_function
+from fulmen.ops.host_float import (
+    FloatDecided,
+    FloatProxy,
+    has_host_float,
+    host_item,
+    math_function,
+    sign_class,
+)
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.process_switch import ProcessSwitch
 
@@ -67,13 +74,16 @@ def items_requested() -> bool:
     return getattr(_ITEMS, "on", False)
 
 
-def read_float(ctx: TraceCtx, name: str) -> tuple[FloatProxy, TensorProxy]:
+def read_float(ctx: TraceCtx, name: str, value: float) -> tuple[FloatProxy, TensorProxy]:
     """`(x, carrier)` for a float input read at run time: `carrier` the trace input (a float64
     0-dim tensor, `symbolic.carrier`) called `name`, `x` its value read by the trace's first
-    statement."""
+    statement; `x` compares with zero as `value` (this call's) does, the class of the sign
+    the cache key holds (`objects.float_key`)."""
     carrier = TensorProxy(name, (), torch.float64, "cpu")
     with tracing(ctx):
-        return host_item(carrier), carrier
+        proxy = host_item(carrier)
+    proxy.sign = sign_class(value)
+    return proxy, carrier
 
 
 def item_at_run_time(ctx: TraceCtx, func, args: tuple, kwargs: dict):
