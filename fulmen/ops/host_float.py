@@ -23,12 +23,13 @@ refused (`tracer.host_floats.refuse_nan_constants`): code that reads the number 
 protocols (`from math import sqrt` bound before tracing, a meta kernel sizing `arange`) never
 leaves a constant of one call's value in the program.
 A float input's sign is keyed (`sign_class`: negative, zero, positive or NaN), so comparing it
-with zero, and `bool` of it, answer from that class (SGD's `if momentum != 0` on a momentum
-OneCycleLR cycles: it stayed a run-time input); a float computed from it has no such class.
-Anything else that needs the value itself while tracing raises `FloatDecided`: comparisons,
-`bool`,
-`int`, `round`, hashing, formatting, `float()`, other `math` functions, numpy, a torch call
-with no tensor argument that would compute with it, storing it into an object. The jitted
+with zero, and `bool` of it, answer from that class (SGD's `if momentum != 0` under a momentum
+that OneCycleLR cycles: it stays a run-time input); a float computed from it has no such class.
+Stored into an object (a scheduler's next rate into `param_groups`), it is returned by the
+program and stored by the epilogue (`fulmen.tracer.objects.Epilogue`). Anything else that needs
+the value itself while tracing raises `FloatDecided`: other comparisons, `bool`, `int`,
+`round`, hashing, formatting, `float()`, other `math` functions, numpy, a torch call with no
+tensor argument that would compute with it. The jitted
 function then traces again with its floats as constants (guarded by value, as before).
 """
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fulmen.ops.host_float import sign_class
+from fulmen.ops.host_float import FloatProxy, sign_class
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -362,7 +362,7 @@ class Epilogue:
             if id(value) in self.existing:  # the current call's object
                 root, path = self.existing[id(value)]
                 return follow(roots[root], path) if path else roots[root]
-            if isinstance(value, TensorProxy):
+            if isinstance(value, (TensorProxy, FloatProxy)):
                 return real[value.name]
             if isinstance(value, _OPAQUE) or not _walkable(value):
                 return value  # shared, never copied

@@ -3174,4 +3174,11 @@ MUTANTS: list[Mutant] = [
     Mutant("object_key_memo_ignores_float_sign", "guards", "tracer/object_key_memo.py",
            " or sign_class(items[index]) not in (sign,):", ":",
            ("tests/tracer/test_step_breaks_53_floats.py",)),
+    Mutant("epilogue_stores_float_proxy_itself", "mutation", "tracer/objects.py",
+           "            if isinstance(value, (TensorProxy, FloatProxy)):",
+           "            if isinstance(value, TensorProxy):",
+           ("tests/tracer/test_step_breaks_53_sched.py",)),
+    Mutant("epilogue_stores_symbolic_float_expression", "mutation", "tracer/call_outputs.py",
+           "            elif isinstance(value, torch.SymFloat):", "            elif False:",
+           ("tests/tracer/test_step_breaks_53_sched.py",)),
 ]
