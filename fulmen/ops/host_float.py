@@ -165,6 +165,9 @@ for _name, _fn in _UNARY.items():
 for _name in _MATH:
     _fn = getattr(math, _name)
     SYMBOLS[f"math_{_name}"] = _symbol(f"math_{_name}", _fn, _unary_meta)
+_PICKS = {"min": min, "max": max}  # of two numbers: recorded (Adafactor's `min(lr, 1 / s)`)
+for _name, _fn in _PICKS.items():
+    SYMBOLS[f"builtin_{_name}"] = _symbol(f"builtin_{_name}", _fn, _binary_meta)
 
 
 def _binary(name: str, reflected: bool):
@@ -224,5 +227,23 @@ def math_function(name: str, original):
     return wrapper
 
 
+def pick_function(name: str, original):
+    """Builtin `min` or `max` as called while tracing with FloatProxies: of two numbers one of
+    which is a FloatProxy, recorded (run at run time by the builtin itself, so ties and NaNs
+    pick as eager's); refused (`FloatDecided`) for other calls on a FloatProxy; the original
+    otherwise."""
+    sym = SYMBOLS[f"builtin_{name}"]
+
+    def wrapper(*args, **kwargs):
+        if not any(isinstance(arg, FloatProxy) for arg in (*args, *kwargs.values())):
+            return original(*args, **kwargs)
+        if len(args) != 2 or kwargs or not all(map(_number, args)):
+            raise FloatDecided(name)
+        return sym(*args)
+    wrapper.__name__ = name
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
 __all__ = ["FloatDecided", "FloatProxy", "HOST_ITEM", "SYMBOLS", "has_host_float", "sign_class",
-           "host_item", "math_function"]
+           "host_item", "math_function", "pick_function"]

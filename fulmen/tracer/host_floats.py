@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import math
 import threading
@@ -19,6 +20,7 @@ from fulmen.ops.host_float import (
     has_host_float,
     host_item,
     math_function,
+    pick_function,
     sign_class,
 )
 from fulmen.proxies import TensorProxy
@@ -30,18 +32,28 @@ _ORIGINAL_MATH = {name: value for name, value in vars(math).items()
 _WRAPPED_MATH = {name: math_function(name, value) for name, value in _ORIGINAL_MATH.items()}
 
 
+# builtin `min` and `max`, as found when fulmen was imported
+_ORIGINAL_PICKS = {"min": builtins.min, "max": builtins.max}
+_WRAPPED_PICKS = {name: pick_function(name, value) for name, value in _ORIGINAL_PICKS.items()}
+
+
 def _wrap_math() -> None:
     for name, wrapper in _WRAPPED_MATH.items():
         setattr(math, name, wrapper)
+    for name, wrapper in _WRAPPED_PICKS.items():
+        setattr(builtins, name, wrapper)
 
 
 def _unwrap_math() -> None:
     for name, original in _ORIGINAL_MATH.items():
         setattr(math, name, original)
+    for name, original in _ORIGINAL_PICKS.items():
+        setattr(builtins, name, original)
 
 
-# around a trace with floats read at run time: `math.sqrt(lr)` records a statement (torch's
-# optimizers call `math.sqrt` through the module), other `math` functions on them raise
+# around a trace with floats read at run time: `math.sqrt(lr)` and `min(lr, x)` record a
+# statement (torch's optimizers call `math.sqrt` through the module), other `math` functions on
+# them raise
 _MATH_SWITCH = ProcessSwitch(_wrap_math, _unwrap_math)
 
 

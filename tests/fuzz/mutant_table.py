@@ -3181,4 +3181,7 @@ MUTANTS: list[Mutant] = [
     Mutant("epilogue_stores_symbolic_float_expression", "mutation", "tracer/call_outputs.py",
            "            elif isinstance(value, torch.SymFloat):", "            elif False:",
            ("tests/tracer/test_step_breaks_53_sched.py",)),
+    Mutant("host_min_max_swapped", "guards", "ops/host_float.py",
+           '_PICKS = {"min": min, "max": max}', '_PICKS = {"min": max, "max": min}',
+           ("tests/tracer/test_step_breaks_53_floats.py",)),
 ]

@@ -133,3 +133,54 @@ def test_a_jitted_sgd_step_whose_momentum_drops_to_zero_keeps_eagers_state(trace
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _adafactor_loop(jit: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    fn = fulmen.jit(step) if jit else step
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(10):
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            losses.append(fn(x, y).detach())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return losses + [p.detach().clone() for p in model.parameters()] + state, fn
+
+
+def test_adafactor_min_and_max_of_run_time_floats_compile(traces):
+    """Adafactor's `min(lr, 1 / step ** 0.5)` and `max(eps2, norm.item() / ...)` are recorded
+    (`host_float.pick_function`): its step compiled per step (a graph break with a new answer
+    each step, then eager); now 2 traces over 10 steps."""
+    want, _ = _adafactor_loop(False)
+    traces[0] = 0
+    got, fn = _adafactor_loop(True)
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    stats = fulmen.compile_stats(fn)
+    assert stats.eager_calls <= 1 and stats.cache_hits >= 7, stats
+    assert traces[0] <= 2
+
+
+def _clipped(x, s):
+    return x * min(s, 0.5) + max(0.25, s)
+
+
+def test_min_and_max_of_a_float_argument_pick_as_eager(traces):
+    jfn = fulmen.jit(_clipped)
+    x = torch.arange(4.0)
+    for s in [0.1, 0.2, 0.5, 0.7, 0.25, -1.0, 3.0]:
+        torch.testing.assert_close(jfn(x, s), _clipped(x, s), rtol=0, atol=0)
+    assert traces[0] <= 3  # (the first call runs eagerly; a trace per sign class)
