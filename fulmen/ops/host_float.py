@@ -22,9 +22,14 @@ As a C double a FloatProxy is NaN, and a trace in which a statement takes a NaN 
 refused (`tracer.host_floats.refuse_nan_constants`): code that reads the number past Python's
 protocols (`from math import sqrt` bound before tracing, a meta kernel sizing `arange`) never
 leaves a constant of one call's value in the program.
-Anything that needs the value itself while tracing raises `FloatDecided`: comparisons, `bool`,
-`int`, `round`, hashing, formatting, `float()`, other `math` functions, numpy, a torch call
-with no tensor argument that would compute with it, storing it into an object. The jitted
+A float input's sign is keyed (`sign_class`: negative, zero, positive or NaN), so comparing it
+with zero, and `bool` of it, answer from that class (SGD's `if momentum != 0` under a momentum
+that OneCycleLR cycles: it stays a run-time input); a float computed from it has no such class.
+Stored into an object (a scheduler's next rate into `param_groups`), it is returned by the
+program and stored by the epilogue (`fulmen.tracer.objects.Epilogue`). Anything else that needs
+the value itself while tracing raises `FloatDecided`: other comparisons, `bool`, `int`,
+`round`, hashing, formatting, `float()`, other `math` functions, numpy, a torch call with no
+tensor argument that would compute with it. The jitted
 function then traces again with its floats as constants (guarded by value, as before).
 """
 
@@ -66,6 +71,7 @@ class FloatProxy(float, Proxy):
     def __new__(cls, name: str) -> FloatProxy:
         proxy = super().__new__(cls, math.nan)
         proxy.name = name
+        proxy.sign = None  # a float input's keyed `sign_class`, None where not known
         return proxy
 
     def type_string(self) -> str:
@@ -91,8 +97,32 @@ def _decided(what: str):
     return method
 
 
-for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__",
-              "__hash__", "__int__", "__float__", "__index__", "__round__", "__floor__",
+def sign_class(value: float) -> float:
+    """The class of `value` a float input is keyed by: -1.0, 0.0, 1.0 or NaN, which compares
+    with zero (and is true or false) as `value` does."""
+    if value == 0:
+        return 0.0
+    if value > 0:
+        return 1.0
+    return -1.0 if value < 0 else math.nan
+
+
+def _sign_answer(what: str, answer):
+    def method(self, *args):
+        if self.sign is not None and (not args or (type(args[0]) in (int, float)
+                                                   and args[0] == 0)):
+            return answer(self.sign, *args)
+        raise FloatDecided(what)
+    method.__name__ = what
+    return method
+
+
+for _name, _answer in (("__eq__", operator.eq), ("__ne__", operator.ne), ("__lt__", operator.lt),
+                       ("__le__", operator.le), ("__gt__", operator.gt), ("__ge__", operator.ge),
+                       ("__bool__", bool)):
+    setattr(FloatProxy, _name, _sign_answer(_name, _answer))
+
+for _name in ("__hash__", "__int__", "__float__", "__index__", "__round__", "__floor__",
               "__ceil__", "__trunc__", "__str__", "__format__", "__divmod__", "__rdivmod__",
               "as_integer_ratio", "hex", "is_integer", "__getnewargs__", "conjugate"):
     setattr(FloatProxy, _name, _decided(_name))
@@ -135,6 +165,9 @@ for _name, _fn in _UNARY.items():
 for _name in _MATH:
     _fn = getattr(math, _name)
     SYMBOLS[f"math_{_name}"] = _symbol(f"math_{_name}", _fn, _unary_meta)
+_PICKS = {"min": min, "max": max}  # of two numbers: recorded (Adafactor's `min(lr, 1 / s)`)
+for _name, _fn in _PICKS.items():
+    SYMBOLS[f"builtin_{_name}"] = _symbol(f"builtin_{_name}", _fn, _binary_meta)
 
 
 def _binary(name: str, reflected: bool):
@@ -194,5 +227,23 @@ def math_function(name: str, original):
     return wrapper
 
 
-__all__ = ["FloatDecided", "FloatProxy", "HOST_ITEM", "SYMBOLS", "has_host_float",
-           "host_item", "math_function"]
+def pick_function(name: str, original):
+    """Builtin `min` or `max` as called while tracing with FloatProxies: of two numbers one of
+    which is a FloatProxy, recorded (run at run time by the builtin itself, so ties and NaNs
+    pick as eager's); refused (`FloatDecided`) for other calls on a FloatProxy; the original
+    otherwise."""
+    sym = SYMBOLS[f"builtin_{name}"]
+
+    def wrapper(*args, **kwargs):
+        if not any(isinstance(arg, FloatProxy) for arg in (*args, *kwargs.values())):
+            return original(*args, **kwargs)
+        if len(args) != 2 or kwargs or not all(map(_number, args)):
+            raise FloatDecided(name)
+        return sym(*args)
+    wrapper.__name__ = name
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+__all__ = ["FloatDecided", "FloatProxy", "HOST_ITEM", "SYMBOLS", "has_host_float", "sign_class",
+           "host_item", "math_function", "pick_function"]

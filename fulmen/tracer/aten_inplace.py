@@ -42,6 +42,36 @@ def functional_variant(name: str):
     return getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
 
 
+# NOTE [fused optimizers write their grads only to unscale them]: `torch._fused_adamw_` (and
+# `_fused_adam_`, `_fused_sgd_`, `_fused_adagrad_`) mark `grads` written, but the kernels write
+# them only when given a `grad_scale` (GradScaler's unscaling); without one the functional
+# variant returns the grads unchanged. A gradient with a stride-0 dimension (`p.grad =
+# g.expand(...)`) recorded as written was refused at every call as a self-overlapping write
+# (`input_aliasing`) eager never makes: such a gradient is not recorded written (the others
+# are, so that `executors/torch/inplace_lists.py` still runs the whole op in place).
+def unwritten_arguments(name: str, args: tuple, kwargs: dict) -> frozenset[str]:
+    """The arguments the schema of in-place ATen op `name` marks written that this call leaves
+    as they are (the NOTE above)."""
+    if not name.startswith("_fused_"):
+        return frozenset()
+    schema = _schema(name)
+    names = [argument.name for argument in schema.arguments]
+    if "grad_scale" not in names or "grads" not in names:
+        return frozenset()
+    position = names.index("grad_scale")
+    scale = args[position] if position < len(args) else kwargs.get("grad_scale")
+    return frozenset(("grads",)) if scale is None else frozenset()
+
+
+def overlaps_itself(tensor) -> bool:
+    """Whether two elements of `tensor` (a proxy) lie at one memory location: a dimension of
+    stride 0 and more than one element."""
+    with torch._C.DisableTorchFunctionSubclass():
+        strides = torch.Tensor.stride(tensor)
+    return any(stride == 0 and isinstance(size, int) and size > 1
+               for size, stride in zip(tensor.shape, strides))
+
+
 def returns_nothing(name: str) -> bool:
     """Whether the in-place ATen op `name` returns None in Python (its schema returns
     nothing)."""

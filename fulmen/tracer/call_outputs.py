@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fulmen.core import NotYetSupportedError
+from fulmen.ops.host_float import FloatProxy
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.metadata_inplace import MetadataMutation
 from fulmen.tracer.module_stores import ModuleStore
@@ -73,11 +75,19 @@ def epilogue_values(objects: ObjectInputs, out_leaves: list) -> list[TensorProxy
     numbers: dict[int, Any] = {}  # traced numbers (NOTE [traced numbers in stores])
     arguments = objects.epilogue.arguments  # the call's own tensors: not returned
     for template in templates:
-        values = [template] if isinstance(template, (TensorProxy, *TRACED_NUMBERS)) \
+        values = [template] if isinstance(template, (TensorProxy, FloatProxy, *TRACED_NUMBERS)) \
             else [v for _, v in walk(template)]
         for value in values:
-            if isinstance(value, TensorProxy) and id(value) not in arguments:
+            if isinstance(value, FloatProxy):  # a float read at run time: its value, returned
                 found.setdefault(value.name, value)
+            elif isinstance(value, TensorProxy) and id(value) not in arguments:
+                found.setdefault(value.name, value)
+            elif isinstance(value, torch.SymFloat):
+                # its expression, evaluated per call, would not round as the Python arithmetic
+                # that made it (LinearLR's rate from a symbolic `last_epoch`: an ulp off)
+                raise NotYetSupportedError(
+                    "storing a float computed from a symbolic integer into an object",
+                    op="setattr")
             elif isinstance(value, TRACED_NUMBERS):
                 numbers.setdefault(id(value), value)
     objects.epilogue.names = list(found)

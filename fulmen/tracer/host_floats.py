@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import math
 import threading
@@ -13,7 +14,15 @@ from collections.abc import Iterator
 import torch
 
 from fulmen.core.trace import TraceCtx, tracing
-from fulmen.ops.host_float import FloatDecided, FloatProxy, has_host_float, host_item, math_function
+from fulmen.ops.host_float import (
+    FloatDecided,
+    FloatProxy,
+    has_host_float,
+    host_item,
+    math_function,
+    pick_function,
+    sign_class,
+)
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.process_switch import ProcessSwitch
 
@@ -23,18 +32,28 @@ _ORIGINAL_MATH = {name: value for name, value in vars(math).items()
 _WRAPPED_MATH = {name: math_function(name, value) for name, value in _ORIGINAL_MATH.items()}
 
 
+# builtin `min` and `max`, as found when fulmen was imported
+_ORIGINAL_PICKS = {"min": builtins.min, "max": builtins.max}
+_WRAPPED_PICKS = {name: pick_function(name, value) for name, value in _ORIGINAL_PICKS.items()}
+
+
 def _wrap_math() -> None:
     for name, wrapper in _WRAPPED_MATH.items():
         setattr(math, name, wrapper)
+    for name, wrapper in _WRAPPED_PICKS.items():
+        setattr(builtins, name, wrapper)
 
 
 def _unwrap_math() -> None:
     for name, original in _ORIGINAL_MATH.items():
         setattr(math, name, original)
+    for name, original in _ORIGINAL_PICKS.items():
+        setattr(builtins, name, original)
 
 
-# around a trace with floats read at run time: `math.sqrt(lr)` records a statement (torch's
-# optimizers call `math.sqrt` through the module), other `math` functions on them raise
+# around a trace with floats read at run time: `math.sqrt(lr)` and `min(lr, x)` record a
+# statement (torch's optimizers call `math.sqrt` through the module), other `math` functions on
+# them raise
 _MATH_SWITCH = ProcessSwitch(_wrap_math, _unwrap_math)
 
 
@@ -67,13 +86,16 @@ def items_requested() -> bool:
     return getattr(_ITEMS, "on", False)
 
 
-def read_float(ctx: TraceCtx, name: str) -> tuple[FloatProxy, TensorProxy]:
+def read_float(ctx: TraceCtx, name: str, value: float) -> tuple[FloatProxy, TensorProxy]:
     """`(x, carrier)` for a float input read at run time: `carrier` the trace input (a float64
     0-dim tensor, `symbolic.carrier`) called `name`, `x` its value read by the trace's first
-    statement."""
+    statement; `x` compares with zero as `value` (this call's) does, the class of the sign
+    the cache key holds (`objects.float_key`)."""
     carrier = TensorProxy(name, (), torch.float64, "cpu")
     with tracing(ctx):
-        return host_item(carrier), carrier
+        proxy = host_item(carrier)
+    proxy.sign = sign_class(value)
+    return proxy, carrier
 
 
 def item_at_run_time(ctx: TraceCtx, func, args: tuple, kwargs: dict):

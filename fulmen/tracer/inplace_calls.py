@@ -21,9 +21,11 @@ from fulmen.ops.meta import call_on_meta
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.aten_inplace import (
     functional_variant,
+    overlaps_itself,
     products_of_rounded_scalars,
     returns_nothing,
     rounds_its_scalars,
+    unwritten_arguments,
     written_arguments,
 )
 from fulmen.tracer.batch_norm import functionalize_batch_norm
@@ -226,12 +228,15 @@ class InplaceCalls:
                 values = functional(*r_args, **r_kwargs)
         if len(written) == 1:
             values = (values,)
-        for target, value in zip(targets, values, strict=True):
+        kept = unwritten_arguments(name, r_args, r_kwargs)
+        for (_, argument), target, value in zip(written, targets, values, strict=True):
             many = isinstance(target, (list, tuple))
             for each, new in zip(target, value, strict=True) if many else [(target, value)]:
                 if not isinstance(each, TensorProxy):
                     raise NotYetSupportedError("in-place call on a non-tensor", op=label,
                                                where=user_source_location())
+                if argument in kept and overlaps_itself(each):
+                    continue  # NOTE [fused optimizers write their grads only to unscale them]
                 self.mutate(each, self._fit(new, each, label), label, start)
         if returns_nothing(name):
             return None

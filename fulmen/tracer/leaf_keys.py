@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from fulmen.tracer.objects import (
     FLOAT_KEY,
+    float_key,
     has_argument_grad,
     is_plain_object,
     object_key,
@@ -195,7 +196,7 @@ def _mask_floats(leaves: list, leaf_keys: list, positions, walks: dict) -> None:
             leaf_keys[root] = object_key(leaves[root], _object_leaf_key, paths, walks.get(root))
     for position in positions:
         if type(position) is int and position < len(leaves) and type(leaves[position]) is float:
-            leaf_keys[position] = FLOAT_KEY
+            leaf_keys[position] = float_key(leaves[position])
 
 
 __all__ = ["StateRemoved"]

@@ -20,14 +20,11 @@ from typing import Any
 import torch
 
 from fulmen.core import NotYetSupportedError, RunsEagerly
-from fulmen.ops.host_float import FloatDecided, FloatProxy
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.objects import (
     _COPIED,
-    _MAX_DEPTH,
     _OPAQUE,
     Epilogue,
-    _children,
     _copy_memo,
     _grad_of,
     _store,
@@ -42,14 +39,6 @@ from fulmen.tracer.objects import (
     unchanged,
     walk,
 )
-
-
-def _holds_float_proxy(value: Any, depth: int) -> bool:
-    """Whether `value` is or holds (within `depth` levels) a float read at run time."""
-    if isinstance(value, FloatProxy):
-        return True
-    return depth > 0 and any(_holds_float_proxy(child, depth - 1)
-                             for _, child in _children(value))
 
 
 class UnreplayableObjectStore(RunsEagerly):
@@ -187,8 +176,6 @@ class ObjectInputs:
     def _check_replayable(self, template: Any) -> None:
         """Raise `UnreplayableObjectStore` if a stored value cannot be rebuilt for later calls
         (`Epilogue.run` deep-copies what is new in it: a lock, a file, a C object cannot be)."""
-        if _holds_float_proxy(template, _MAX_DEPTH):  # its value changes per call
-            raise FloatDecided("storing it into an object")
         def kept(value):
             if isinstance(value, _OPAQUE) or id(value) in self.epilogue.existing \
                     or not _walkable(value):

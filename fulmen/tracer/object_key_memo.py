@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fulmen.ops.host_float import sign_class
 from fulmen.tracer.key_memo import tensor_check
 from fulmen.tracer.objects import (
     _MAX_SLOTS,
@@ -70,7 +71,7 @@ class ObjectKeyMemo:
     """The last `object_key` of one root (see the module docstring)."""
 
     __slots__ = ("_root", "_masks", "_key", "_kinds", "_holders", "_owners", "_dicts",
-                 "_views", "_name_views", "_counts", "_items", "_types", "_names", "_floats",
+                 "_views", "_name_views", "_counts", "_items", "_types", "_names", "_floats", "_signs",
                  "_tensors", "_has_grad", "_check")
 
     def __init__(self) -> None:
@@ -95,9 +96,9 @@ class ObjectKeyMemo:
         if tuple(map(len, self._views)) != self._counts:
             return False
         items = list(_chain(self._views))
-        for index in self._floats:
-            if type(items[index]) is not float:
-                return False
+        for index, sign in zip(self._floats, self._signs):
+            if type(items[index]) is not float or sign_class(items[index]) not in (sign,):
+                return False  # (a float's key holds the class of its sign)
             items[index] = _ANY_FLOAT
         if not (all(map(_is, items, self._items))
                 and all(map(_is, map(type, items), self._types))):
@@ -132,7 +133,7 @@ class ObjectKeyMemo:
         check = tensor_check(checked) if checked else None
         if checked and check is None:
             return
-        views, name_views, names, items, floats = [], [], [], [], []
+        views, name_views, names, items, floats, signs = [], [], [], [], [], []
         for holder in holders:
             steps, view, name_view = _steps(holder)
             views.append(view)
@@ -143,6 +144,7 @@ class ObjectKeyMemo:
             for step, item in zip(steps, view):
                 if masks and type(item) is float and (*base, step) in masks:
                     floats.append(len(items))
+                    signs.append(sign_class(item))
                     item = _ANY_FLOAT
                 items.append(item)
         owners = [h for h in holders if is_plain_object(h)]
@@ -152,6 +154,6 @@ class ObjectKeyMemo:
         self._views, self._name_views = tuple(views), tuple(name_views)
         self._counts = tuple(map(len, views))
         self._items, self._types = tuple(items), tuple(map(type, items))
-        self._names, self._floats = tuple(names), tuple(floats)
+        self._names, self._floats, self._signs = tuple(names), tuple(floats), tuple(signs)
         self._tensors, self._has_grad = tensors, [g is not None for g in grads]
         self._check = check

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from fulmen.ops.host_float import FloatProxy, sign_class
 from fulmen.proxies import TensorProxy
 
 TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -67,7 +68,13 @@ ARGUMENTS = "arguments"  # the `roots` key under which `Epilogue.run` finds the 
 MODULE = "module"  # the `roots` key under which `Epilogue.run` finds the jitted module
 _MAX_SLOTS = 4096
 INT_KEY = ("symbolic int",)  # the key of an integer traced as a symbol (its value left out)
-FLOAT_KEY = ("float read at run time",)  # the key of such a float (`fulmen.ops.host_float`)
+FLOAT_KEY = ("float read at run time",)  # the mask of such a float (`fulmen.ops.host_float`)
+
+
+def float_key(value: float) -> tuple:
+    """The key of a float read at run time: its type and the class of its sign, which the
+    trace may have compared with zero (`fulmen.ops.host_float.sign_class`)."""
+    return (*FLOAT_KEY, sign_class(value))
 
 
 def has_argument_grad(t: torch.Tensor) -> bool:
@@ -269,7 +276,7 @@ def object_key(root: Any, leaf_key, masks: dict | None = None, walked: list | No
             if masks and path in masks and type(value) is int and masks[path] is INT_KEY:
                 parts.append((path, INT_KEY))
             elif masks and path in masks and type(value) is float and masks[path] is FLOAT_KEY:
-                parts.append((path, FLOAT_KEY))
+                parts.append((path, float_key(value)))
             else:
                 parts.append((path, type(value) if _walkable(value) else leaf_key(value)))
     return tuple(parts)
@@ -378,7 +385,7 @@ class Epilogue:
             if id(value) in self.existing:  # the current call's object
                 root, path = self.existing[id(value)]
                 return follow(roots[root], path) if path else roots[root]
-            if isinstance(value, TensorProxy):
+            if isinstance(value, (TensorProxy, FloatProxy)):
                 return real[value.name]
             if isinstance(value, _OPAQUE) or not _walkable(value):
                 return value  # shared, never copied

@@ -115,7 +115,7 @@ def number_function(numbers: list, proxies: list) -> Callable:
     source = "\n".join([f"def numbers({''.join(p.name + ', ' for p in proxies)}*_):",
                         *(f"    {line}" for line in lines),
                         f"    return ({', '.join(values)},)"])
-    scope: dict = {"math": math}
+    scope: dict = {"math": math, "torch": torch}  # (a SymFloat prints `torch.sym_float(s0)`)
     exec(compile(source, "<fulmen epilogue numbers>", "exec"), scope)
     function = scope["numbers"]
     function.source = source

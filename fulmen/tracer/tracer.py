@@ -266,7 +266,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, module: torch.nn.M
 
     def make_int(position, label: str, value: int) -> torch.SymInt | None:
         if symbolic is not None and dynamic.get(position) == FLOAT and type(value) is float:
-            made = read_float(ctx, ctx.names.named(f"{label}_carrier"))
+            made = read_float(ctx, ctx.names.named(f"{label}_carrier"), value)
             numbers.append((position, made[0], made[1], value))
             return made[0]
         made = symbolic.symbolize_int(value, ctx.names.named(f"{label}_carrier")) \
