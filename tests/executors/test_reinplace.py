@@ -59,7 +59,9 @@ def test_a_reinplaced_optimizer_step_equals_eager_under_a_schedule(name):
             torch.testing.assert_close(got_state["state"][index][key], value, rtol=1e-5,
                                        atol=1e-6)
     stats = fulmen.compile_stats(step)
-    assert stats.eager_calls == 0 and stats.cache_misses <= 2
+    # (3: the schedule's learning rate reaches exactly 0 at its last step, and the sign of each
+    # run-time float is part of the key, NOTE [floats read at run time])
+    assert stats.eager_calls == 0 and stats.cache_misses <= 3
     assert _into_count(step) >= 3  # the parameters at least are updated in place
 
 
