@@ -48,6 +48,7 @@ DYNAMIC_EDGES = ("tests/tracer/test_dynamic_edges.py",)
 LOSSES = ("tests/ops/test_losses.py",)
 ATTENTION = ("tests/transforms/test_rules_attention.py", "tests/transforms/test_saving_forward.py")
 ACTIVATIONS = ("tests/ops/test_activations.py",)
+BLIND_53 = ("tests/fuzz/test_blind_spots_53.py",)
 
 MUTANTS: list[Mutant] = [
     # --- op decompositions (ops/torch) -------------------------------------------------------
@@ -3157,4 +3158,20 @@ MUTANTS: list[Mutant] = [
            "            or CallSiteTag.TRACED_BACKWARD in bsym.tags\n"
            "            or CallSiteTag.NO_GRAD in bsym.tags):",
            ("tests/tracer/test_modules.py::test_no_grad_and_enable_grad_blocks",)),
+    # --- session 53, h53mut: blind spots (slices, prints, region sizes, kernel cache, keys) ---
+    Mutant("slice_bound_step_unseen", "tracer", "tracer/slice_bounds.py",
+           "(item.start, item.stop,\n", "(item.start, item.stop, None) or (\n",
+           BLIND_53),
+    Mutant("slice_bound_index_not_tuple_unread", "tracer", "tracer/slice_bounds.py",
+           "else item_read(index)", "else index", BLIND_53),
+    Mutant("slice_bound_tuple_unseen", "tracer", "tracer/slice_bounds.py",
+           "items = index if isinstance(index, tuple) else (index,)", "items = (index,)",
+           BLIND_53),
+    Mutant("print_catcher_forgets_earlier_text", "tracer", "tracer/host_output.py",
+           "self.wrote = self.wrote or bool(text)", "self.wrote = bool(text)", BLIND_53),
+    Mutant("print_catcher_keeps_other_threads_text", "tracer", "tracer/host_output.py",
+           "        if threading.get_ident() != self._thread:\n            return self._stream.write",
+           "        if False:\n            return self._stream.write", BLIND_53),
+    Mutant("print_catcher_left_in_place", "tracer", "tracer/host_output.py",
+           "            sys.stdout = stream", "            pass", BLIND_53),
 ]
