@@ -90,3 +90,122 @@ def test_stdout_is_given_back_after_tracing():
             jfn(torch.ones(2))
             print("after")
         assert text.getvalue().endswith("after\n")
+
+
+# --- transforms/region_size.py: which CPU regions stay on torch ----------------------------
+
+
+def _fused_regions(jfn) -> list:
+    trace = fulmen.last_traces(jfn)[-1]
+    return [b for b in trace.bsyms if "fusion" in b.sym.tags]
+
+
+def _four_ops(x, y):
+    return torch.relu(x * y + 1.0) * 2.0
+
+
+def _five_ops(x, y):
+    return (torch.relu(x * y + 1.0) * 2.0).exp()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_tiny_region_bounds_are_inclusive(monkeypatch, dynamic):
+    """`TINY_REGION` (4 torch ops, 16384 elements) is the largest region kept on torch: 4 ops
+    on 16384 elements stay, a 5th op or a 16385th element (or 2-d sizes whose product, not
+    each size, passes the limit) fuse; results equal eager either way."""
+    from fulmen.transforms.region_size import TINY_REGION
+
+    monkeypatch.delenv("FULMEN_FUSE_TINY")
+    max_ops, max_numel = TINY_REGION
+    assert max_ops == 4
+    cases = ((_four_ops, (max_numel,), False), (_five_ops, (max_numel,), True),
+             (_four_ops, (max_numel + 1,), True), (_four_ops, (128, 128), False),
+             (_four_ops, (129, 128), True))
+    for fn, shape, fused in cases:
+        jfn = fulmen.jit(fn, executors=["codegen", "torch"], dynamic=dynamic)
+        x, y = torch.randn(shape), torch.randn(shape)
+        torch.testing.assert_close(jfn(x, y), fn(x, y))
+        assert bool(_fused_regions(jfn)) == fused, (fn.__name__, shape)
+
+
+# --- tracer/key_memo.py: the memo of the sources key --------------------------------------
+
+
+class _Settings:
+    def __init__(self):
+        self.double = True
+
+
+class _Reads(torch.nn.Module):
+    """Asks whether its settings object has an attribute, as HF code asks of its config."""
+
+    def __init__(self):
+        super().__init__()
+        self.settings = _Settings()
+
+    def forward(self, x):
+        return x * 2 if hasattr(self.settings, "double") else x - 1
+
+
+def test_an_attribute_renamed_with_its_value_misses_the_cache():
+    """Renaming a config attribute (same count, same value object) changes what `hasattr`
+    answers: the remembered key must not be reused."""
+    model = _Reads()
+    jmodel = fulmen.jit(model)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jmodel(x), model(x))
+    value = model.settings.double
+    del model.settings.double
+    model.settings.triple = value
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
+SHIFT = -1
+
+
+def _shifted(x):
+    return x + SHIFT
+
+
+def test_keys_of_equal_hash_are_told_apart():
+    """hash(-1) == hash(-2) in Python: cache keys that differ only there have equal hashes and
+    must still be told apart by their values."""
+    global SHIFT
+    jfn = fulmen.jit(_shifted)
+    x = torch.zeros(2)
+    try:
+        for shift in (-1, -2, -1):
+            SHIFT = shift
+            torch.testing.assert_close(jfn(x), _shifted(x))
+    finally:
+        SHIFT = -1
+
+
+# --- executors/codegen/cpu/compiler.py: the kernel cache's key -----------------------------
+
+
+def test_the_kernel_cache_key_follows_flags_and_compiler(monkeypatch):
+    """A kernel built with other flags, or by another compiler, is another cache entry."""
+    from fulmen.executors.codegen.cpu import compiler
+
+    source = "int f() { return 1; }"
+    key = compiler.cache_key(source, "/nonexistent/g++")
+    assert key == compiler.cache_key(source, "/nonexistent/g++")
+    assert key != compiler.cache_key(source, "/nonexistent/clang++")
+    monkeypatch.setattr(compiler, "CXX_FLAGS", (*compiler.CXX_FLAGS[:-1], "-ffp-contract=fast"))
+    assert key != compiler.cache_key(source, "/nonexistent/g++")
+
+
+def test_cxx_names_the_compiler(monkeypatch, tmp_path):
+    """`CXX` chooses the compiler (before g++ or c++ on PATH)."""
+    from fulmen.executors.codegen.cpu import compiler
+
+    fake = tmp_path / "my-c++"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert compiler.compiler() == str(fake)
+    monkeypatch.setenv("CXX", "my-c++")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert compiler.compiler() == str(fake)
