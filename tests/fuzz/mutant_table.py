@@ -3199,4 +3199,7 @@ MUTANTS: list[Mutant] = [
     Mutant("cxx_ignored", "codegen", "executors/codegen/cpu/compiler.py",
            'for name in [cxx] if cxx else ["g++", "c++"]:', 'for name in ["g++", "c++"]:',
            BLIND_53),
+    Mutant("slice_bound_of_one_element_refused", "tracer", "tracer/slice_bounds.py",
+           "all(size == 1 for size in bound.shape)", "bound.ndim == 0", BLIND_53,
+           note="a real bug, fixed in session 53: `x[:n]` with `n` of shape [1]"),
 ]

@@ -44,6 +44,18 @@ def test_every_bound_of_a_slice_may_be_a_zero_dim_tensor(fn):
     assert fulmen.compile_stats(jfn).eager_calls == 0
 
 
+def test_a_slice_bound_may_be_a_one_element_tensor():
+    """Eager reads any integer tensor of one element with `__index__` (`x[:lengths.max(0,
+    keepdim=True).values]`); a bound of shape [1] failed to trace (FulmenError
+    'aten._local_scalar_dense ... reached the dispatcher with a traced tensor')."""
+    jfn = fulmen.jit(_stop_alone)
+    x = torch.randn(7, 5)
+    for k in (2, 3):
+        n = torch.tensor([k])
+        torch.testing.assert_close(jfn(x, n), _stop_alone(x, n))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
 # --- tracer/host_output.py: prints while tracing -----------------------------------------
 
 
