@@ -3202,4 +3202,10 @@ MUTANTS: list[Mutant] = [
     Mutant("slice_bound_of_one_element_refused", "tracer", "tracer/slice_bounds.py",
            "all(size == 1 for size in bound.shape)", "bound.ndim == 0", BLIND_53,
            note="a real bug, fixed in session 53: `x[:n]` with `n` of shape [1]"),
+    Mutant("slice_bound_of_bool_refused", "tracer", "tracer/slice_bounds.py",
+           "        and not bound.dtype.is_floating_point",
+           "        and bound.dtype != torch.bool and not bound.dtype.is_floating_point", BLIND_53,
+           note="a real bug, fixed in session 53: `x[:flag]` with a 0-d bool tensor"),
+    Mutant("slice_bound_of_float_read", "tracer", "tracer/slice_bounds.py",
+           "        and not bound.dtype.is_floating_point", "        and True", BLIND_53),
 ]

@@ -56,6 +56,18 @@ def test_a_slice_bound_may_be_a_one_element_tensor():
     assert fulmen.compile_stats(jfn).eager_calls == 0
 
 
+def test_a_bool_slice_bound_reads_as_eager_and_a_float_one_raises_as_eager():
+    """`x[:flag]` with a 0-d bool tensor slices to 0 or 1 rows in eager (bool is an integer
+    there; it failed to trace, as the [1] bound did); a float tensor bound raises eager's
+    TypeError."""
+    jfn = fulmen.jit(_stop_alone)
+    x = torch.randn(7, 5)
+    for flag in (True, False, True):
+        torch.testing.assert_close(jfn(x, torch.tensor(flag)), _stop_alone(x, torch.tensor(flag)))
+    with pytest.raises(TypeError, match="integer tensors"):
+        fulmen.jit(_stop_alone)(x, torch.tensor(2.0))
+
+
 # --- tracer/host_output.py: prints while tracing -----------------------------------------
 
 
