@@ -3208,4 +3208,11 @@ MUTANTS: list[Mutant] = [
            note="a real bug, fixed in session 53: `x[:flag]` with a 0-d bool tensor"),
     Mutant("slice_bound_of_float_read", "tracer", "tracer/slice_bounds.py",
            "        and not bound.dtype.is_floating_point", "        and True", BLIND_53),
+    Mutant("print_catcher_hides_stream_attributes", "tracer", "tracer/host_output.py",
+           "        return getattr(self._stream, name)",
+           "        raise AttributeError(name)", BLIND_53),
+    Mutant("slice_bound_of_a_write_unread", "tracer", "tracer/slice_bounds.py",
+           "INDEXING = (T.__getitem__, T.__setitem__)", "INDEXING = (T.__getitem__,)", BLIND_53),
+    Mutant("tiny_region_sizes_of_inputs_only", "fusion", "transforms/region_size.py",
+           "iter_proxies((bsym.args, bsym.output))", "iter_proxies(bsym.args)", BLIND_53),
 ]

@@ -4,6 +4,7 @@ one or more rows under `# --- session 53, h53mut` in `tests/fuzz/mutant_table.py
 
 import contextlib
 import io
+import sys
 import threading
 
 import pytest
@@ -105,6 +106,18 @@ def test_another_threads_print_while_tracing_passes_through():
     assert fulmen.compile_stats(jfn).eager_calls == 0
 
 
+def _reads_stream(x):
+    return x * 2 if sys.stdout.encoding else x
+
+
+def test_the_stream_attributes_are_read_while_tracing():
+    """Code that asks `sys.stdout` for an attribute (`encoding`, `isatty`, as progress bars
+    do) reads the real stream's while tracing, and compiles."""
+    jfn = fulmen.jit(_reads_stream)
+    torch.testing.assert_close(jfn(torch.ones(2)), _reads_stream(torch.ones(2)))
+    assert fulmen.compile_stats(jfn).eager_calls == 0
+
+
 def test_stdout_is_given_back_after_tracing():
     """After a compiled call (traced or refused for its print), `print` reaches the stream."""
     for fn in (_ticks, lambda x: x - 1):
@@ -126,6 +139,10 @@ def _fused_regions(jfn) -> list:
 
 def _four_ops(x, y):
     return torch.relu(x * y + 1.0) * 2.0
+
+
+def _broadcast_last(x, y):
+    return (torch.relu(x * 2.0 + 1.0)) * y  # only the last op's output is large
 
 
 def _five_ops(x, y):
@@ -150,6 +167,11 @@ def test_tiny_region_bounds_are_inclusive(monkeypatch, dynamic):
         x, y = torch.randn(shape), torch.randn(shape)
         torch.testing.assert_close(jfn(x, y), fn(x, y))
         assert bool(_fused_regions(jfn)) == fused, (fn.__name__, shape)
+    # an output larger than every input (a broadcast): the output's elements count too
+    jfn = fulmen.jit(_broadcast_last, executors=["codegen", "torch"], dynamic=dynamic)
+    x, y = torch.randn(200, 1), torch.randn(1, 200)
+    torch.testing.assert_close(jfn(x, y), _broadcast_last(x, y))
+    assert _fused_regions(jfn)
 
 
 # --- tracer/key_memo.py: the memo of the sources key --------------------------------------
