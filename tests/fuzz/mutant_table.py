@@ -3215,4 +3215,9 @@ MUTANTS: list[Mutant] = [
            "INDEXING = (T.__getitem__, T.__setitem__)", "INDEXING = (T.__getitem__,)", BLIND_53),
     Mutant("tiny_region_sizes_of_inputs_only", "fusion", "transforms/region_size.py",
            "iter_proxies((bsym.args, bsym.output))", "iter_proxies(bsym.args)", BLIND_53),
+    Mutant("fast_key_ignores_repeated_tensors", "guards", "tracer/guards.py",
+           "if tensor_keys is not None and (len(args) < 2 or len(set(map(id, args)))",
+           "if tensor_keys is not None and (True or len(set(map(id, args)))", BLIND_53),
+    Mutant("slice_bound_of_complex_read", "tracer", "tracer/slice_bounds.py",
+           " and not bound.dtype.is_complex", "", BLIND_53),
 ]
