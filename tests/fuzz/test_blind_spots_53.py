@@ -254,20 +254,38 @@ def test_cxx_names_the_compiler(monkeypatch, tmp_path):
     assert compiler.compiler() == str(fake)
 
 
-# --- tracer/guards.py: the key of positional tensor arguments -----------------------------
+# --- core/symbol.py: statements renamed after common subexpression elimination --------------
 
 
-def _bump_then_read(a, b):
-    a.add_(1.0)
-    return b * 2.0
+def _keyword_reads(x, w):
+    a, b = w * 2.0, w * 2.0  # one value twice: CSE keeps the first
+    c, d = w.exp(), w.exp()
+    return torch.nn.functional.layer_norm(x, (4,), weight=a, bias=b), torch.lerp(x, end=c,
+                                                                                    weight=d)
 
 
-def test_the_same_tensor_twice_is_another_key_than_two_tensors():
-    """`f(x, x)` after `f(x, y)` (plain tensors, the fast key path): the write to `a` is seen
-    through `b` only when both are one tensor, so the two calls cannot share a trace."""
-    jfn = fulmen.jit(_bump_then_read)
-    x, y = torch.zeros(3), torch.ones(3)
-    torch.testing.assert_close(jfn(x, y), torch.full((3,), 2.0))
-    z = torch.zeros(3)
-    torch.testing.assert_close(jfn(z, z), torch.full((3,), 2.0))
-    torch.testing.assert_close(z, torch.ones(3))
+def test_values_read_through_keyword_arguments_are_renamed_with_the_rest():
+    """A repeat removed by CSE is renamed to the value kept wherever it is read, keyword
+    arguments (`weight=`, `bias=`, `end=`) as well as positional ones."""
+    jfn = fulmen.jit(_keyword_reads)
+    x, w = torch.randn(3, 4), torch.randn(4)
+    torch.testing.assert_close(jfn(x, w), _keyword_reads(x, w))
+
+
+# --- executors/codegen/cpu/plans.py: the iteration order of a pointwise kernel -------------
+
+
+def _with_reversed(x, y):
+    return (x + y.permute(*reversed(range(y.dim())))) * 2.0
+
+
+@pytest.mark.parametrize("shape", [(128, 4), (4, 8, 96, 3)])
+def test_a_short_inner_axis_is_iterated_outermost_with_its_strides(shape):
+    """A fused pointwise kernel over a short inner axis (4 or 3 elements, not coalesced: the
+    other input is a reversed permutation) runs its longest axis innermost (`long_inner`);
+    every input's strides move with the sizes, so the result is eager's."""
+    jfn = fulmen.jit(_with_reversed, executors=["codegen", "torch"])
+    x, y = torch.randn(shape), torch.randn(tuple(reversed(shape)))
+    for _ in range(2):
+        torch.testing.assert_close(jfn(x, y), _with_reversed(x, y))
+    assert _fused_regions(jfn)
