@@ -3211,8 +3211,6 @@ MUTANTS: list[Mutant] = [
            "        raise AttributeError(name)", BLIND_53),
     Mutant("slice_bound_of_a_write_unread", "tracer", "tracer/slice_bounds.py",
            "INDEXING = (T.__getitem__, T.__setitem__)", "INDEXING = (T.__getitem__,)", BLIND_53),
-    Mutant("slice_bound_of_complex_read", "tracer", "tracer/slice_bounds.py",
-           " and not bound.dtype.is_complex", "", BLIND_53),
     Mutant("renamed_statement_keeps_keyword_reads", "passes", "core/symbol.py",
            "kwargs=map_proxies(rename, self.kwargs),", "kwargs=self.kwargs,", BLIND_53),
     Mutant("long_inner_strides_not_reordered", "codegen", "executors/codegen/cpu/plans.py",

@@ -279,9 +279,10 @@ def _with_reversed(x, y):
     return (x + y.permute(*reversed(range(y.dim())))) * 2.0
 
 
-@pytest.mark.parametrize("shape", [(128, 4), (4, 8, 96, 3)])
+@pytest.mark.usefixtures("codegen_eager")
+@pytest.mark.parametrize("shape", [(128, 4)])
 def test_a_short_inner_axis_is_iterated_outermost_with_its_strides(shape):
-    """A fused pointwise kernel over a short inner axis (4 or 3 elements, not coalesced: the
+    """A fused pointwise kernel over a short inner axis (4 elements, not coalesced: the
     other input is a reversed permutation) runs its longest axis innermost (`long_inner`);
     every input's strides move with the sizes, so the result is eager's."""
     jfn = fulmen.jit(_with_reversed, executors=["codegen", "torch"])
