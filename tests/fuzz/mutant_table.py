@@ -3216,4 +3216,6 @@ MUTANTS: list[Mutant] = [
     Mutant("long_inner_strides_not_reordered", "codegen", "executors/codegen/cpu/plans.py",
            "return [sizes[d] for d in order], [[row[d] for d in order] for row in rows]",
            "return [sizes[d] for d in order], rows", BLIND_53),
+    Mutant("object_deletion_not_refused", "mutation", "tracer/object_inputs.py",
+           "            if set(saved) - set(now):", "            if False:", BLIND_53),
 ]

@@ -290,3 +290,26 @@ def test_a_short_inner_axis_is_iterated_outermost_with_its_strides(shape):
     for _ in range(2):
         torch.testing.assert_close(jfn(x, y), _with_reversed(x, y))
     assert _fused_regions(jfn)
+
+
+# --- tracer/object_inputs.py: deletions from an object argument ----------------------------
+
+
+class _State:
+    def __init__(self):
+        self.scale, self.scratch = 2.0, 1
+
+
+def _deletes_scratch(state, x):
+    del state.scratch
+    return x * state.scale
+
+
+def test_a_deletion_from_an_object_argument_is_refused_not_lost():
+    """A compiled call would not repeat `del state.scratch` (the object is put back after
+    tracing): the call is refused, not compiled without the deletion."""
+    from fulmen.core import NotYetSupportedError
+
+    jfn, state = fulmen.jit(_deletes_scratch), _State()
+    with pytest.raises(NotYetSupportedError, match="deletes"):
+        jfn(state, torch.ones(2))
