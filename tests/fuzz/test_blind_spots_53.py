@@ -313,3 +313,24 @@ def test_a_deletion_from_an_object_argument_is_refused_not_lost():
     jfn, state = fulmen.jit(_deletes_scratch), _State()
     with pytest.raises(NotYetSupportedError, match="deletes"):
         jfn(state, torch.ones(2))
+
+
+# --- read_outputs.py: an input updated in place before the backward of a read output -------
+
+
+def _scaled_by_input(x, w):
+    h = torch.tanh(w)  # read by the other output: its own autograd node
+    return h * x, h
+
+
+def test_an_input_updated_in_place_before_an_exact_backward_raises_as_eager():
+    """`o = h * x` saved `x` for `h`'s gradient: with a hook on `h` (the exact backward of the
+    stage `h -> o`), `x.mul_(2)` before the backward raises eager's error instead of giving
+    `h` a gradient computed from the new `x`."""
+    for fn in (_scaled_by_input, fulmen.jit(_scaled_by_input)):
+        x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+        out, h = fn(x, w)
+        h.register_hook(lambda grad: grad * 1.0)
+        x.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
