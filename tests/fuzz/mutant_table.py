@@ -3218,8 +3218,7 @@ MUTANTS: list[Mutant] = [
            "return [sizes[d] for d in order], rows", BLIND_53),
     Mutant("object_deletion_not_refused", "mutation", "tracer/object_inputs.py",
            "            if set(saved) - set(now):", "            if False:", BLIND_53),
-    Mutant("read_output_stage_input_version_unchecked", "bridge", "read_outputs.py",
-           "            if self.versions[i] is not None and self.inputs[i]._version != "
-           "self.versions[i]:",
-           "            if False:", BLIND_53),
+    Mutant("row_sums_accumulate_in_float", "codegen", "executors/codegen/cpu/rows.py",
+           'acc_t = "double" if is_float else "int64_t"', 'acc_t = "float" if is_float else "int64_t"',
+           BLIND_53),
 ]
