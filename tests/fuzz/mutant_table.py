@@ -3221,4 +3221,7 @@ MUTANTS: list[Mutant] = [
     Mutant("row_sums_accumulate_in_float", "codegen", "executors/codegen/cpu/rows.py",
            'acc_t = "double" if is_float else "int64_t"', 'acc_t = "float" if is_float else "int64_t"',
            BLIND_53),
+    Mutant("row_float64_partials_in_float", "codegen", "executors/codegen/cpu/rows.py",
+           'part_t = ("double" if dtype == torch.float64 else "float")',
+           'part_t = ("float" if dtype == torch.float64 else "float")', BLIND_53),
 ]

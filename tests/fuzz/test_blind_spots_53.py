@@ -332,3 +332,14 @@ def test_a_long_row_sums_as_accurately_as_eager():
     x[:, :1024] = 1e8 / 1024
     torch.testing.assert_close(jfn(x), _row_sums(x))
     assert _fused_regions(jfn)
+
+
+@pytest.mark.usefixtures("codegen_eager")
+def test_a_float64_row_sums_in_float64_within_a_block():
+    """float64 rows sum in double within a block too: 1e8 + 1 and -1e8 alternating sum to the
+    row's count of ones (float32 partials would round each 1e8 + 1 to 1e8)."""
+    jfn = fulmen.jit(_row_sums, executors=["codegen", "torch"])
+    x = torch.tensor([1e8 + 1, -1e8], dtype=torch.float64).repeat(2, 256)
+    torch.testing.assert_close(jfn(x), _row_sums(x))
+    torch.testing.assert_close(jfn(x), torch.full((2,), 512.0, dtype=torch.float64))
+    assert _fused_regions(jfn)
