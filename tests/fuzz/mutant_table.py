@@ -3224,4 +3224,8 @@ MUTANTS: list[Mutant] = [
     Mutant("row_float64_partials_in_float", "codegen", "executors/codegen/cpu/rows.py",
            'part_t = ("double" if dtype == torch.float64 else "float")',
            'part_t = ("float" if dtype == torch.float64 else "float")', BLIND_53),
+    Mutant("compiler_lookup_cached_across_path_changes", "codegen",
+           "executors/codegen/cpu/compiler.py",
+           'return _find_compiler(os.environ.get("CXX"), os.environ.get("PATH"))',
+           'return _find_compiler(os.environ.get("CXX"), None)', BLIND_53),
 ]

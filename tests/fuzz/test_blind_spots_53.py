@@ -6,6 +6,7 @@ import contextlib
 import io
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,17 +242,23 @@ def test_the_kernel_cache_key_follows_flags_and_compiler(monkeypatch):
 
 
 def test_cxx_names_the_compiler(monkeypatch, tmp_path):
-    """`CXX` chooses the compiler (before g++ or c++ on PATH)."""
+    """`CXX` chooses the compiler (before g++ or c++ on PATH), a bare name found on the PATH
+    of the moment."""
     from fulmen.executors.codegen.cpu import compiler
 
-    fake = tmp_path / "my-c++"
-    fake.write_text("#!/bin/sh\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("CXX", str(fake))
-    assert compiler.compiler() == str(fake)
+    fakes = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        fake = tmp_path / folder / "my-c++"
+        fake.write_text("#!/bin/sh\nexit 1\n")
+        fake.chmod(0o755)
+        fakes.append(str(fake))
+    monkeypatch.setenv("CXX", fakes[0])
+    assert compiler.compiler() == fakes[0]
     monkeypatch.setenv("CXX", "my-c++")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert compiler.compiler() == str(fake)
+    for fake in fakes:
+        monkeypatch.setenv("PATH", str(Path(fake).parent))
+        assert compiler.compiler() == fake
 
 
 # --- core/symbol.py: statements renamed after common subexpression elimination --------------
