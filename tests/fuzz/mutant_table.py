@@ -3228,4 +3228,10 @@ MUTANTS: list[Mutant] = [
            "executors/codegen/cpu/compiler.py",
            'return _find_compiler(os.environ.get("CXX"), os.environ.get("PATH"))',
            'return _find_compiler(os.environ.get("CXX"), None)', BLIND_53),
+    Mutant("dce_drops_unused_draws", "passes", "core/symbol.py",
+           '_EFFECT_TAGS = frozenset({"side_effect", "random"})',
+           '_EFFECT_TAGS = frozenset({"side_effect"})', BLIND_53),
+    Mutant("kernel_cache_key_without_cpu_features", "codegen",
+           "executors/codegen/cpu/compiler.py",
+           "            cpu += cpu_features(f.read())", "            f.read()", BLIND_53),
 ]

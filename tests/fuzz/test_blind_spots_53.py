@@ -241,6 +241,22 @@ def test_the_kernel_cache_key_follows_flags_and_compiler(monkeypatch):
     assert key != compiler.cache_key(source, "/nonexistent/g++")
 
 
+def test_the_kernel_cache_key_follows_the_cpu_features(monkeypatch):
+    """`-march=native` builds for this CPU: a cache shared with a machine of other features
+    (a home directory on a network share) must not hand it this machine's kernels."""
+    from fulmen.executors.codegen.cpu import compiler
+
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo")
+    keys = []
+    for line in ("flags : fpu sse2", "flags : fpu sse2 avx512f"):
+        monkeypatch.setattr(compiler, "cpu_features", lambda text, line=line: line)
+        compiler._toolchain_id.cache_clear()
+        keys.append(compiler.cache_key("int f() { return 1; }", "/nonexistent/g++"))
+    compiler._toolchain_id.cache_clear()
+    assert keys[0] != keys[1]
+
+
 def test_cxx_names_the_compiler(monkeypatch, tmp_path):
     """`CXX` chooses the compiler (before g++ or c++ on PATH), a bare name found on the PATH
     of the moment."""
@@ -350,3 +366,23 @@ def test_a_float64_row_sums_in_float64_within_a_block():
     torch.testing.assert_close(jfn(x), _row_sums(x))
     torch.testing.assert_close(jfn(x), torch.full((2,), 512.0, dtype=torch.float64))
     assert _fused_regions(jfn)
+
+
+# --- core/symbol.py: an unused random draw still advances the generator ---------------------
+
+
+def _unused_draw(x):
+    torch.rand(3)  # its value unused: the draw still moves the generator
+    return x + torch.rand(2)
+
+
+def test_an_unused_random_draw_is_kept():
+    """Dead code elimination keeps a draw whose value is unused, so the next draw gets eager's
+    numbers."""
+    jfn = fulmen.jit(_unused_draw)
+    x = torch.zeros(2)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        want = _unused_draw(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(jfn(x), want)
