@@ -338,36 +338,6 @@ def test_a_deletion_from_an_object_argument_is_refused_not_lost():
         jfn(state, torch.ones(2))
 
 
-# --- executors/codegen/cpu/rows.py: sums of long rows --------------------------------------
-
-
-def _row_sums(x):
-    return (x * 2.0).sum(1)
-
-
-@pytest.mark.usefixtures("codegen_eager")
-def test_a_long_row_sums_as_accurately_as_eager():
-    """A fused sum over rows of 2**20 float32 elements accumulates its blocks' partial sums in
-    double, as accurate as eager's cascade sum: a first block summing to 2e8 and 1023 blocks
-    summing to 2 each (added to 2e8 in float32, each 2 would be lost: 1e-5 relative)."""
-    jfn = fulmen.jit(_row_sums, executors=["codegen", "torch"])
-    x = torch.full((2, 1 << 20), 1.0 / 1024)
-    x[:, :1024] = 1e8 / 1024
-    torch.testing.assert_close(jfn(x), _row_sums(x))
-    assert _fused_regions(jfn)
-
-
-@pytest.mark.usefixtures("codegen_eager")
-def test_a_float64_row_sums_in_float64_within_a_block():
-    """float64 rows sum in double within a block too: 1e8 + 1 and -1e8 alternating sum to the
-    row's count of ones (float32 partials would round each 1e8 + 1 to 1e8)."""
-    jfn = fulmen.jit(_row_sums, executors=["codegen", "torch"])
-    x = torch.tensor([1e8 + 1, -1e8], dtype=torch.float64).repeat(2, 256)
-    torch.testing.assert_close(jfn(x), _row_sums(x))
-    torch.testing.assert_close(jfn(x), torch.full((2,), 512.0, dtype=torch.float64))
-    assert _fused_regions(jfn)
-
-
 # --- core/symbol.py: an unused random draw still advances the generator ---------------------
 
 
