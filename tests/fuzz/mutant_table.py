@@ -3235,4 +3235,8 @@ MUTANTS: list[Mutant] = [
     Mutant("kernel_cache_key_without_cpu_features", "codegen",
            "executors/codegen/cpu/compiler.py",
            "            cpu += cpu_features(f.read())", "            f.read()", BLIND_53),
+    Mutant("key_memo_item_types_unchecked", "guards", "tracer/key_memo.py",
+           "        if not (all(map(_is, items, self._items)) and all(map(_is, map(type, items),\n"
+           "                                                               self._types))):",
+           "        if not all(map(_is, items, self._items)):", BLIND_53),
 ]

@@ -205,6 +205,38 @@ def test_an_attribute_renamed_with_its_value_misses_the_cache():
     torch.testing.assert_close(jmodel(x), model(x))
 
 
+class _ModeA:
+    pass
+
+
+class _ModeB:
+    pass
+
+
+class _Moded(torch.nn.Module):
+    """Branches on the class of an object its settings hold (an activation chosen by type)."""
+
+    def __init__(self):
+        super().__init__()
+        self.settings = _Settings()
+        self.settings.mode = _ModeA()
+
+    def forward(self, x):
+        return x * 2 if isinstance(self.settings.mode, _ModeA) else x * 3
+
+
+def test_an_item_whose_class_is_reassigned_misses_the_cache():
+    """The very object under `settings.mode`, its `__class__` reassigned: the remembered key
+    must not be reused (the full key holds each item's type)."""
+    model = _Moded()
+    jmodel = fulmen.jit(model)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jmodel(x), model(x))
+    model.settings.mode.__class__ = _ModeB
+    torch.testing.assert_close(jmodel(x), model(x))
+
+
 SHIFT = -1
 
 
