@@ -237,6 +237,40 @@ def test_an_item_whose_class_is_reassigned_misses_the_cache():
     torch.testing.assert_close(jmodel(x), model(x))
 
 
+class _Scaler:
+    """A jitted method's own object (`fulmen.jit(scaler.apply)`, keyed by `ObjectKeyMemo`)."""
+
+    def __init__(self):
+        self.mode = _ModeA()
+
+    def apply(self, x):
+        mode = getattr(self, "mode", None)
+        return x - 1 if mode is None else x * 2 if isinstance(mode, _ModeA) else x * 3
+
+
+def test_an_item_of_the_jitted_methods_object_whose_class_is_reassigned_misses_the_cache():
+    """As above for the object of a jitted bound method (`tracer/object_key_memo.py`)."""
+    scaler = _Scaler()
+    jfn = fulmen.jit(scaler.apply)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x), scaler.apply(x))
+    scaler.mode.__class__ = _ModeB
+    torch.testing.assert_close(jfn(x), scaler.apply(x))
+
+
+def test_an_attribute_of_the_jitted_methods_object_renamed_with_its_value_misses_the_cache():
+    """`scaler.mode` renamed `scaler.other` (the same object, as many attributes): the
+    remembered key of the jitted method's object must not be reused."""
+    scaler = _Scaler()
+    jfn = fulmen.jit(scaler.apply)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x), scaler.apply(x))
+    scaler.other = scaler.__dict__.pop("mode")
+    torch.testing.assert_close(jfn(x), scaler.apply(x))
+
+
 SHIFT = -1
 
 
