@@ -3247,4 +3247,8 @@ MUTANTS: list[Mutant] = [
            "        if self._names and not all(map(_is, _chain(self._name_views), self._names)):\n"
            "            return False",
            "        pass", BLIND_53),
+    Mutant("object_key_memo_object_dicts_unchecked", "guards", "tracer/object_key_memo.py",
+           "        if self._owners and not all(map(_is, map(vars, self._owners), self._dicts)):\n"
+           "            return False",
+           "        pass", BLIND_53),
 ]

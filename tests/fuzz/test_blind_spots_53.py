@@ -271,6 +271,20 @@ def test_an_attribute_of_the_jitted_methods_object_renamed_with_its_value_misses
     torch.testing.assert_close(jfn(x), scaler.apply(x))
 
 
+def test_a_change_after_the_objects_dict_was_replaced_misses_the_cache():
+    """`scaler.__dict__` replaced by a copy (the same items: the key is unchanged), then an
+    attribute set through the new dict: the memo must not compare the old dict's items."""
+    scaler = _Scaler()
+    jfn = fulmen.jit(scaler.apply)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x), scaler.apply(x))
+    scaler.__dict__ = dict(scaler.__dict__)
+    torch.testing.assert_close(jfn(x), scaler.apply(x))
+    scaler.mode = None
+    torch.testing.assert_close(jfn(x), scaler.apply(x))
+
+
 SHIFT = -1
 
 
