@@ -3251,4 +3251,7 @@ MUTANTS: list[Mutant] = [
            "        if self._owners and not all(map(_is, map(vars, self._owners), self._dicts)):\n"
            "            return False",
            "        pass", BLIND_53),
+    Mutant("object_key_memo_root_unchecked", "guards", "tracer/object_key_memo.py",
+           "if self._key is not None and self._root is root and",
+           "if self._key is not None and", BLIND_53),
 ]

@@ -285,6 +285,33 @@ def test_a_change_after_the_objects_dict_was_replaced_misses_the_cache():
     torch.testing.assert_close(jfn(x), scaler.apply(x))
 
 
+def _closing_over_a_scaler():
+    scaler = _Scaler()
+
+    def fn(x):
+        return scaler.apply(x)
+
+    def swap(new):
+        nonlocal scaler
+        scaler = new
+
+    return fn, swap
+
+
+def test_another_object_in_the_closure_misses_the_cache():
+    """The closure's object rebound to another of the same contents' types: the memo of the
+    first object's key must not answer for the second."""
+    fn, swap = _closing_over_a_scaler()
+    jfn = fulmen.jit(fn)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x), fn(x))
+    other = _Scaler()
+    other.mode = None
+    swap(other)
+    torch.testing.assert_close(jfn(x), fn(x))
+
+
 SHIFT = -1
 
 
