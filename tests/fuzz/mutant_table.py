@@ -3254,4 +3254,8 @@ MUTANTS: list[Mutant] = [
     Mutant("object_key_memo_root_unchecked", "guards", "tracer/object_key_memo.py",
            "if self._key is not None and self._root is root and",
            "if self._key is not None and", BLIND_53),
+    Mutant("object_key_memo_holder_types_unchecked", "guards", "tracer/object_key_memo.py",
+           "        if not all(map(_is, map(type, self._holders), self._kinds)):\n"
+           "            return False",
+           "        pass", BLIND_53),
 ]

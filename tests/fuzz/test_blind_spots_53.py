@@ -244,8 +244,14 @@ class _Scaler:
         self.mode = _ModeA()
 
     def apply(self, x):
+        if isinstance(self, _LoudScaler):
+            return x * 5
         mode = getattr(self, "mode", None)
         return x - 1 if mode is None else x * 2 if isinstance(mode, _ModeA) else x * 3
+
+
+class _LoudScaler(_Scaler):
+    pass
 
 
 def test_an_item_of_the_jitted_methods_object_whose_class_is_reassigned_misses_the_cache():
@@ -256,6 +262,17 @@ def test_an_item_of_the_jitted_methods_object_whose_class_is_reassigned_misses_t
     for _ in range(3):
         torch.testing.assert_close(jfn(x), scaler.apply(x))
     scaler.mode.__class__ = _ModeB
+    torch.testing.assert_close(jfn(x), scaler.apply(x))
+
+
+def test_the_jitted_methods_object_whose_class_is_reassigned_misses_the_cache():
+    """`scaler.__class__` reassigned (the same attributes): the memo must not answer."""
+    scaler = _Scaler()
+    jfn = fulmen.jit(scaler.apply)
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(jfn(x), scaler.apply(x))
+    scaler.__class__ = _LoudScaler
     torch.testing.assert_close(jfn(x), scaler.apply(x))
 
 
