@@ -3239,10 +3239,6 @@ MUTANTS: list[Mutant] = [
            "        if not (all(map(_is, items, self._items)) and all(map(_is, map(type, items),\n"
            "                                                               self._types))):",
            "        if not all(map(_is, items, self._items)):", BLIND_53),
-    Mutant("object_key_memo_item_types_unchecked", "guards", "tracer/object_key_memo.py",
-           "        if not (all(map(_is, items, self._items))\n"
-           "                and all(map(_is, map(type, items), self._types))):",
-           "        if not all(map(_is, items, self._items)):", BLIND_53),
     Mutant("object_key_memo_names_unchecked", "guards", "tracer/object_key_memo.py",
            "        if self._names and not all(map(_is, _chain(self._name_views), self._names)):\n"
            "            return False",
