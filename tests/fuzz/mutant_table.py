@@ -3254,4 +3254,7 @@ MUTANTS: list[Mutant] = [
            "        if not all(map(_is, map(type, self._holders), self._kinds)):\n"
            "            return False",
            "        pass", BLIND_53),
+    Mutant("tensor_check_without_strides", "guards", "tracer/key_memo.py",
+           "dynamic_dims_strides=[list(t.stride()) for t in tensors])",
+           "dynamic_dims_strides=[[None] * t.dim() for t in tensors])", BLIND_53),
 ]

@@ -318,6 +318,22 @@ def test_another_object_in_the_closure_misses_the_cache():
     torch.testing.assert_close(jfn(x), fn(x))
 
 
+def _doubled(x):
+    return x * 2.0
+
+
+def test_a_transposed_argument_after_hits_keeps_eagers_strides():
+    """The memo of positional tensor keys (`ArgumentKeyMemo`) checks strides too: a square
+    input transposed after several calls gives eager's (transposed) output strides."""
+    jfn = fulmen.jit(_doubled)
+    x = torch.randn(4, 4)
+    for _ in range(3):
+        jfn(x)
+    out, want = jfn(x.t()), _doubled(x.t())
+    torch.testing.assert_close(out, want)
+    assert out.stride() == want.stride() == (1, 4)
+
+
 SHIFT = -1
 
 
