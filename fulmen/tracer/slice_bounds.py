@@ -16,8 +16,9 @@ INDEXING = (T.__getitem__, T.__setitem__)
 
 
 def _index_tensor(bound) -> bool:
-    """Whether a slice bound is a 0-d integer tensor, which eager reads with `__index__`."""
-    return isinstance(bound, TensorProxy) and bound.ndim == 0 and bound.dtype != torch.bool \
+    """Whether a slice bound is an integer (or bool) tensor of one element (0-d, or `[n]`),
+    which eager reads with `__index__`."""
+    return isinstance(bound, TensorProxy) and all(size == 1 for size in bound.shape) \
         and not bound.dtype.is_floating_point and not bound.dtype.is_complex
 
 
