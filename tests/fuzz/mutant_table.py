@@ -3239,4 +3239,15 @@ MUTANTS: list[Mutant] = [
     Mutant("host_min_max_swapped", "guards", "ops/host_float.py",
            '_PICKS = {"min": min, "max": max}', '_PICKS = {"min": max, "max": min}',
            ("tests/tracer/test_step_breaks_53_floats.py",)),
+    # --- session 53, h53scal: run-time floats as codegen kernel arguments ---
+    Mutant("scalar_argument_rounded_to_float32", "codegen", "executors/codegen/cpu/render.py",
+           'expr = f"({ctype})sc{', 'expr = f"({ctype})(float)sc{',
+           ("tests/executors/test_codegen_scalars_53.py",)),
+    Mutant("scalar_addcdiv_divides_first", "codegen", "executors/codegen/lower.py",
+           'op(second, op("mul", s, tensors[1]), tensors[2])',
+           'op("mul", s, op(second, tensors[1], tensors[2]))',
+           ("tests/executors/test_codegen_scalars_53.py",)),
+    Mutant("scalar_addcdiv_overflow_unchecked", "codegen", "executors/codegen/cpu/runtime.py",
+           "if self._checked and any(", "if False and any(",
+           ("tests/executors/test_codegen_scalars_53.py",)),
 ]
