@@ -166,3 +166,24 @@ def test_off_by_default_a_step_stays_eagers_bit_for_bit():
         box.lr = lr
         jf(x, y, z)
     assert "Tensor_addcdiv" in _statement_names(jf)
+
+
+def test_lazy_policy_fallback_then_kernel_match_eager():
+    """Under the default (lazy) policy a region runs its torch fallback, with the float as
+    an argument of the opaque op, until its kernel is built; both equal eager."""
+    set_compile_policy("lazy")
+    box = _Box()
+
+    def f(t, u, v):
+        return _ops(t, u, v, box.lr)
+
+    jf = fulmen.jit(f)
+    torch.manual_seed(2)
+    x, y, z = (torch.randn(40, 48) for _ in range(3))
+    for i in range(10):
+        box.lr = 0.1 + 0.0123456789 * i
+        if i == 6:
+            fulmen.executors.codegen.wait_for_kernels(*fulmen.last_traces(jf))
+        for g, w in zip(jf(x, y, z), _ops(x, y, z, box.lr)):
+            assert _same(g, w), (i, (g - w).abs().max())
+    assert any(name.startswith("fusion") for name in _statement_names(jf))
