@@ -688,8 +688,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_torch_compile_interplay.py",)),
     # --- the CPU runtime's call plans and argument blocks (codegen/cpu/runtime.py) ----------
     Mutant("codegen_plan_key_without_strides", "codegen", "executors/codegen/cpu/runtime.py",
-           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
-           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in tensors])",
+           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in tensors])",
            ("tests/executors/test_codegen_calls.py",)),
     Mutant("codegen_plan_tables_shared_without_source", "codegen",
            "executors/codegen/cpu/plans.py",
@@ -1936,8 +1936,8 @@ MUTANTS: list[Mutant] = [
             "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
     Mutant("codegen_plan_key_without_the_negative_bit", "codegen",
            "executors/codegen/cpu/runtime.py",
-           "t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
-           "t.dtype, t.is_cpu, False) for t in inputs])",
+           "t.dtype, t.is_cpu, t.is_neg()) for t in tensors])",
+           "t.dtype, t.is_cpu, False) for t in tensors])",
            ("tests/executors/test_plan_dtypes.py::"
             "test_a_region_given_a_tensor_with_its_negative_bit_set_gives_eagers_answer",)),
     Mutant("lazy_bit_query_answered_while_tracing", "tracer", "tracer/dispatch.py",
@@ -2180,7 +2180,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_layout_guards.py::"
             "test_the_storage_offset_of_a_tensor_the_code_closes_over_is_eagers",)),
     Mutant("codegen_last_plan_unchecked", "codegen", "executors/codegen/cpu/runtime.py",
-           "                and last[2].check(*inputs):",
+           "                and last[2].check(*tensors):",
            "                and True:",
            ("tests/executors/test_codegen_calls.py::"
             "test_the_last_plan_runs_again_only_for_inputs_its_check_passes",
@@ -2614,8 +2614,8 @@ MUTANTS: list[Mutant] = [
             "test_a_merged_broadcast_is_split_in_a_symbolic_sweep",)),
     Mutant("codegen_symbolic_plan_reused_across_strides", "codegen",
            "executors/codegen/cpu/runtime.py",
-           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
-           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in inputs])",
+           "*[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in tensors])",
+           "*[(t.shape, t.dtype, t.is_cpu, t.is_neg()) for t in tensors])",
            ("tests/executors/test_plan_reuse.py",)),
     Mutant("codegen_plan_check_never_made", "codegen", "executors/codegen/cpu/runtime.py",
            "                plan.uses += 1  # NOTE [a check for reuse]",
@@ -3339,4 +3339,15 @@ MUTANTS: list[Mutant] = [
     Mutant("tensor_check_without_strides", "guards", "tracer/key_memo.py",
            "dynamic_dims_strides=[list(t.stride()) for t in tensors])",
            "dynamic_dims_strides=[[None] * t.dim() for t in tensors])", BLIND_53),
+    # --- session 53, h53scal: run-time floats as codegen kernel arguments ---
+    Mutant("scalar_argument_rounded_to_float32", "codegen", "executors/codegen/cpu/render.py",
+           'expr = f"({ctype})sc{', 'expr = f"({ctype})(float)sc{',
+           ("tests/executors/test_codegen_scalars_53.py",)),
+    Mutant("scalar_addcdiv_divides_first", "codegen", "executors/codegen/lower.py",
+           'op(second, op("mul", s, tensors[1]), tensors[2])',
+           'op("mul", s, op(second, tensors[1], tensors[2]))',
+           ("tests/executors/test_codegen_scalars_53.py",)),
+    Mutant("scalar_addcdiv_overflow_unchecked", "codegen", "executors/codegen/cpu/runtime.py",
+           "if self._checked and any(", "if False and any(",
+           ("tests/executors/test_codegen_scalars_53.py",)),
 ]

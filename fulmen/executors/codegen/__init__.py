@@ -167,7 +167,8 @@ class CodegenExecutor(FusionExecutor):
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
         body = Trace(name, tuple(lowered.inputs), tuple(region), output,
                      provenance=f"fusion region of {self.name}")
-        on_cuda = any(p.device.type == "cuda" for p in lowered.inputs)
+        on_cuda = any(isinstance(p, torch.Tensor) and p.device.type == "cuda"
+                      for p in lowered.inputs)
         runtime = TARGETS["cuda" if on_cuda else "cpu"][1]
         try:
             impl = runtime(name, lowered, functools.partial(_on_torch, body))

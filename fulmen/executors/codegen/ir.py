@@ -68,6 +68,16 @@ class Const:
 
 
 @dataclass(frozen=True)
+class Scalar:
+    """Region input `input`, a Python float read at run time (`FloatProxy`), passed to the
+    kernel as a double argument and rounded to `dtype` as eager rounds a number operand
+    (NOTE [run-time floats as kernel arguments] in `lower.py`)."""
+
+    input: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Op:
     """`name` applied to values `args` (indices of earlier values); `params` are constants such
     as the target dtype of a conversion. `dtype` is the result's dtype."""
@@ -85,8 +95,12 @@ class Kernel:
 
     accesses: tuple[Access, ...]
     access_dtypes: tuple[torch.dtype, ...]
-    values: tuple[Load | Const | Op, ...]
+    values: tuple[Load | Const | Scalar | Op, ...]
     outputs: tuple[int, ...]
+    scalars: tuple[int, ...] = ()  # the region inputs of the `Scalar` arguments, in order
+    # those eager converts with an overflow check (addcdiv's float32 `value`): a finite value
+    # past float32's range raises in eager, so the call runs the region's torch fallback
+    checked: tuple[int, ...] = ()
 
     @property
     def output_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -175,6 +189,8 @@ def _describe(kernel, access_notes: list[str], value_notes: list[str]) -> str:
                 text += f" if v{value.mask}"
         elif isinstance(value, Const):
             text = f"const {value.value!r}"
+        elif isinstance(value, Scalar):
+            text = f"scalar input{value.input}"
         elif isinstance(value, Count):
             text = "count"
         elif isinstance(value, Reduce):

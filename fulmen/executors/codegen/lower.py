@@ -24,6 +24,23 @@ forward value next to its own formula of the same subexpression (a SwiGLU gate's
 earlier one, and a constant with the same value and dtype, is the earlier value (the ops are
 pure: nothing random lowers), so the kernel computes it once, wherever the C++ compiler would
 not have proved the two equal.
+
+NOTE [run-time floats as kernel arguments]: a float read at run time (`FloatProxy`, an LR
+scheduler's rate, Adam's bias corrections) reaches the trace in opaque torch ops
+(`torch.Tensor.div(t, f)`, `addcdiv(..., value=f)`: NOTE [floats read at run time]). The CPU
+target fuses those of `ops.SCALAR_OPS` on float32/float64 tensors as eager's CPU kernels
+compute them: the float is a region input and a kernel argument (`ir.Scalar`), a double
+rounded once to the tensors' dtype (as TensorIterator casts a wrapped number to the common
+dtype), then `t * s`, `t / s` (a quotient, not a product by the reciprocal), `t + s`, `t - s`,
+and `self + s * t1 / t2` (addcdiv), `self + s * t1 * t2` (addcmul) in that order. The value is
+not in the kernel's source, its plan key or any guard: a new rate each step runs the same
+kernel (`cpu/runtime.py` writes it into the call's argument block). Off by default
+(`ops.set_scalar_arguments`, `FULMEN_CODEGEN_SCALARS=1`): the ops themselves are eager's bit
+for bit, but fusing them makes the regions of an optimizer step large enough to take in the
+statements around them (Adam's `lerp`, `addcmul`, `sqrt`), whose kernel spellings differ
+from eager's vectorised ones by an ulp (eager's `lerp`/`addcmul` use fused multiply-adds, its
+float32 `sqrt` is not correctly rounded on this CPU), where today a small model's step runs
+them on torch and equals eager bit for bit (tests/tracer/test_host_floats.py and others).
 """
 
 from __future__ import annotations
@@ -34,8 +51,17 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.core import BoundSymbol
-from fulmen.executors.codegen.ir import MASK_INPUT, Access, Const, Kernel, Load, Op, ViewStep
-from fulmen.executors.codegen.ops import INTS, SELECTS, VIEWS, Unsupported
+from fulmen.executors.codegen.ir import (
+    MASK_INPUT,
+    Access,
+    Const,
+    Kernel,
+    Load,
+    Op,
+    Scalar,
+    ViewStep,
+)
+from fulmen.executors.codegen.ops import INTS, SCALAR_OPS, SELECTS, VIEWS, Unsupported
 from fulmen.executors.codegen.sizes import freeze, same_shape
 from fulmen.transforms.fusion import region_inputs
 
@@ -196,6 +222,8 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
     loads: dict[tuple, int] = {}
     built: dict[tuple, int] = {}
     numbered: dict[tuple, int] = {}  # NOTE [values numbered once]
+    scalars: list[int] = []  # region inputs passed as `Scalar` arguments
+    checked: list[int] = []  # those converted with an overflow check (`Kernel.checked`)
     shape = _iteration_shape(region)
 
     def view_of(proxy) -> tuple:
@@ -245,6 +273,9 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
                 raise Unsupported("a pad or cat inside another one's operand")
             built[key] = select(bsym)
             return built[key]
+        if name in SCALAR_OPS:
+            built[key] = scalar_op(bsym, place)
+            return built[key]
         if name == "convert_element_type":
             args = (operand(bsym.args[0], bsym.args[0].dtype, place),)
         elif name == "where":
@@ -257,6 +288,27 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
                          for i, arg in enumerate(bsym.args))
         built[key] = numbered_value((name, args, out.dtype), Op(name, args, out.dtype))
         return built[key]
+
+    def scalar_op(bsym: BoundSymbol, place: _Place | None) -> int:
+        """An op of `SCALAR_OPS` (NOTE [run-time floats as kernel arguments])."""
+        name, dtype = bsym.sym.name, bsym.output.dtype
+        ntensors = SCALAR_OPS[name]
+        tensors = [operand(a, dtype, place) for a in bsym.args[:ntensors]]
+        number = bsym.args[1] if ntensors == 1 else bsym.kwargs["value"]
+        index = input_index[number.name]
+        if index not in scalars:
+            scalars.append(index)
+        s = numbered_value(("scalar", index, dtype), Scalar(index, dtype))
+
+        def op(op_name: str, a: int, b: int) -> int:
+            return numbered_value((op_name, (a, b), dtype), Op(op_name, (a, b), dtype))
+
+        if ntensors == 1:
+            return op(name.removeprefix("Tensor_"), tensors[0], s)
+        if dtype == torch.float32 and index not in checked:
+            checked.append(index)  # `value.to<float>()` raises on overflow
+        second = "div" if name == "Tensor_addcdiv" else "mul"
+        return op("add", tensors[0], op(second, op("mul", s, tensors[1]), tensors[2]))
 
     def numbered_value(key: tuple, value) -> int:
         if key not in numbered:
@@ -350,7 +402,8 @@ def lower(region: list[BoundSymbol], outputs: list, check_only: bool = False) ->
             kernel_outputs.append(kind[1])
         else:
             plan.append(("view", kind[1]))
-    kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs))
+    kernel = Kernel(tuple(accesses), tuple(access_dtypes), tuple(values), tuple(kernel_outputs),
+                    tuple(scalars), tuple(checked))
     return LoweredRegion(kernel, freeze(shape), tuple(inputs), tuple(plan))
 
 

@@ -21,15 +21,17 @@ of a quotient.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from numbers import Number
 
 import torch
 
 from fulmen.core import BoundSymbol, Proxy
+from fulmen.ops.host_float import FloatProxy
 
 __all__ = ["ALL", "BOOL", "FLOATS", "INTS", "MATH", "NUMERIC", "OPS", "POW_CONSTANT",
-           "REDUCTIONS", "SELECTS", "VIEWS", "WIDE_FLOATS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
+           "REDUCTIONS", "SCALAR_OPS", "SELECTS", "VIEWS", "set_scalar_arguments", "WIDE_FLOATS", "KernelOp", "Unsupported", "dtype_class", "fusible"]
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 WIDE_FLOATS = frozenset({torch.float32, torch.float64})
@@ -42,6 +44,25 @@ MATH = "math"  # spelled as the target's math-library function of the op's name
 VIEWS = frozenset({"broadcast_in_dim", "permute", "slice", "squeeze", "reshape", "flip"})
 # prims that pick each point from one operand read at a shifted point, or a constant (lower.py)
 SELECTS = frozenset({"pad", "cat"})
+# opaque torch ops of a tensor and a float read at run time (`FloatProxy`), lowered as eager's
+# CPU kernels compute them (lower.py: NOTE [run-time floats as kernel arguments]): the op ->
+# the positions of its tensor operands
+SCALAR_OPS = {"Tensor_mul": 1, "Tensor_div": 1, "Tensor_add": 1, "Tensor_sub": 1,
+              "Tensor_addcdiv": 3}
+# whether they are fused (off by default: NOTE [run-time floats as kernel arguments])
+_SCALAR_ARGUMENTS = [os.environ.get("FULMEN_CODEGEN_SCALARS", "0") == "1"]
+
+
+def set_scalar_arguments(enabled: bool) -> bool:
+    """Whether codegen fuses the ops of `SCALAR_OPS` from now on (traces compiled later; the
+    variable `FULMEN_CODEGEN_SCALARS=1` sets it at import); returns the previous setting.
+
+    Example:
+        >>> previous = set_scalar_arguments(True)   # jit(opt.step): one kernel per parameter
+    """
+    previous = _SCALAR_ARGUMENTS[0]
+    _SCALAR_ARGUMENTS[0] = bool(enabled)
+    return previous
 
 
 class Unsupported(Exception):
@@ -149,6 +170,8 @@ def fusible(bsym: BoundSymbol, target) -> bool:
         True
     """
     sym = bsym.sym
+    if target is not None and sym.name in SCALAR_OPS and not sym.is_prim:
+        return target.scalars and _SCALAR_ARGUMENTS[0] and _fusible_scalar_op(bsym)
     if target is None or not sym.is_prim or bsym.kwargs:
         return False
     if any(isinstance(a, torch.Tensor) and not isinstance(a, Proxy) for a in bsym.args):
@@ -203,3 +226,27 @@ def _fusible_select(bsym: BoundSymbol) -> bool:
     tensors = bsym.args[0]
     return (isinstance(tensors, (list, tuple)) and len(tensors) > 0
             and all(isinstance(t, Proxy) and t.dtype in ALL for t in tensors))
+
+
+def _fusible_scalar_op(bsym: BoundSymbol) -> bool:
+    """An opaque op of `SCALAR_OPS` (no decomposition) whose tensors are float32/float64, of
+    one static shape, that of its output, and whose number is a float read at run time
+    (`tensor * lr`; `addcdiv`/`addcmul` with `value=` one): eager computes it in the tensors'
+    dtype with the float rounded to it. float16/bfloat16 (computed in float32 by eager),
+    integer tensors (promoted to a float result), broadcasting and alpha= stay on torch."""
+    if bsym.subsymbols:
+        return False
+    ntensors = SCALAR_OPS[bsym.sym.name]
+    tensors, rest = bsym.args[:ntensors], bsym.args[ntensors:]
+    if ntensors == 1:
+        number, kwargs_ok = (rest[0] if len(rest) == 1 else None), not bsym.kwargs
+    else:
+        number, kwargs_ok = bsym.kwargs.get("value"), not rest and set(bsym.kwargs) == {"value"}
+    out = bsym.output
+    if not kwargs_ok or not isinstance(number, FloatProxy) or not isinstance(out, Proxy) \
+            or not isinstance(out, torch.Tensor):
+        return False
+    shape = tuple(out.shape)
+    return out.dtype in WIDE_FLOATS and all(type(s) is int for s in shape) and all(
+        isinstance(t, Proxy) and isinstance(t, torch.Tensor) and t.dtype == out.dtype
+        and tuple(t.shape) == shape for t in tensors)

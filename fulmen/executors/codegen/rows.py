@@ -39,7 +39,7 @@ from fulmen.executors.codegen.ir import (
     ViewStep,
 )
 from fulmen.executors.codegen.lower import cast_scalar, lower, number_dtype
-from fulmen.executors.codegen.ops import REDUCTIONS, SELECTS, VIEWS, Unsupported
+from fulmen.executors.codegen.ops import REDUCTIONS, SCALAR_OPS, SELECTS, VIEWS, Unsupported
 from fulmen.executors.codegen.sizes import freeze, same, same_shape
 from fulmen.transforms.fusion import region_inputs
 
@@ -275,8 +275,8 @@ def _row_lowering(region: list[BoundSymbol], outputs: list):
     def statement(bsym) -> None:
         name = bsym.sym.name
         out = bsym.output
-        if name in SELECTS:
-            raise Unsupported(f"{name} in a row kernel")  # pointwise kernels only (lower.py)
+        if name in SELECTS or name in SCALAR_OPS:  # pointwise kernels only (lower.py)
+            raise Unsupported(f"{name} in a row kernel")
         if name in VIEWS:
             kind = view_of(bsym.args[0])
             if kind[0] == "column":

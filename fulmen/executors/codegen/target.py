@@ -59,6 +59,7 @@ class Target:
     overrides: dict[tuple[str, str], str] = {}  # (op, dtype class) -> this target's spelling
     unfusible: frozenset[tuple[str, str]] = frozenset()  # (op, dtype class) not rendered here
     selects = False  # whether its pointwise renderer and runtime take masked loads (pad, cat)
+    scalars = False  # whether its pointwise kernels take run-time floats as arguments (`Scalar`)
 
     def available(self) -> bool:
         """Whether kernels of this target can be built in this process at all."""

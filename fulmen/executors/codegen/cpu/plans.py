@@ -86,7 +86,7 @@ class Plan:
     `masks` (the plan's own tensors), then one base per `Copy` in `copies`, made anew by each
     call. `news` allocate the outputs. `fn` is the kernel compiled for `layout` (the
     pointers' inner-stride classes). A block holds the sizes and strides, written once, and
-    the pointers of one call: blocks not in use wait in `free`, and a call takes one from it
+    the pointers (then the run-time floats: `nscalars`) of one call: blocks not in use wait in `free`, and a call takes one from it
     (or makes one), so calls on several threads (the GIL is released while a kernel runs)
     never share a block."""
 
@@ -94,7 +94,7 @@ class Plan:
                  "block_type", "free", "direct", "views", "check", "uses")
 
     def __init__(self, fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
-                 ninputs: int) -> None:
+                 ninputs: int, nscalars: int = 0) -> None:
         self.fn, self.layout, self.direct, self.views = fn, layout, direct, views
         self.check = None  # C++ check of the inputs' metadata (NOTE [the last plan])
         self.uses = 0  # table hits until the check is made (NOTE [a check for reuse])
@@ -115,7 +115,8 @@ class Plan:
         flat = [s for row in rows for s in row]
         self.start = 4 + len(sizes) + len(flat)
         self.header = (len(sizes), arg, nthreads, self.start, *sizes, *flat)
-        self.block_type = ctypes.c_int64 * (self.start + len(pointers) + len(out_specs))
+        self.block_type = ctypes.c_int64 * (self.start + len(pointers) + len(out_specs)
+                                            + nscalars)  # a run-time float's bits each
         self.free = deque((self.block(),))
 
     def block(self):

@@ -3,7 +3,9 @@
     void fulmen_kernel(int64_t ndim, const int64_t* sizes, const int64_t* strides,
                        char* const* ptrs, int64_t block, int64_t nthreads)
 
-`strides` holds one row of `ndim` element strides per pointer (accesses, then outputs). The
+`strides` holds one row of `ndim` element strides per pointer (accesses, then outputs); after
+the pointers, `ptrs` holds the bits of one double per run-time float argument
+(`Kernel.scalars`, NOTE [run-time floats as kernel arguments] in `lower.py`). The
 iteration space is split into rows (all dims but the last) and blocks of `block` elements of
 the last dim; OpenMP shares tasks among `nthreads` threads. The inner loop is a
 `#pragma omp simd` loop; its addressing is specialised on each pointer's inner-stride class
@@ -26,7 +28,7 @@ float16/bfloat16 after each op, the prelude's helpers). A Python number exponent
 from __future__ import annotations
 
 from fulmen.executors.codegen.cpu.target import CPU, PRELUDE
-from fulmen.executors.codegen.ir import Const, Kernel, Load
+from fulmen.executors.codegen.ir import Const, Kernel, Load, Scalar
 
 __all__ = ["render"]
 
@@ -49,6 +51,8 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
              "  }",
              "  const int64_t span = (mid + nspans - 1) / nspans;",
              "  nspans = (mid + span - 1) / span;",
+             *[f"  double sc{k};\n  std::memcpy(&sc{k}, ptrs + {nptr + k}, sizeof(double));"
+               for k in range(len(kernel.scalars))],
              "  #pragma omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1)",
              "  for (int64_t task = 0; task < runs * nspans * nblocks; ++task) {",
              "    const int64_t j0 = (task % nblocks) * block;",
@@ -85,6 +89,8 @@ def render(kernel: Kernel, layout: tuple[int, ...]) -> str:
                 expr = f"({names[value.mask]} ? {expr} : {CPU.literal(0, value.dtype)})"
         elif isinstance(value, Const):
             expr = CPU.literal(value.value, value.dtype)
+        elif isinstance(value, Scalar):  # rounded to the dtype, as eager casts a number
+            expr = f"({ctype})sc{kernel.scalars.index(value.input)}"
         else:
             expr = CPU.value(kernel, value, names)
         lines.append(f"        const {ctype} {name} = {expr};")

@@ -46,6 +46,7 @@ executor from then on: never a crash, never a wrong result.
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 from concurrent.futures import Future
 
@@ -83,6 +84,22 @@ __all__ = ["FusedRegion", "render_any"]
 
 CHECK_AFTER = 2  # table hits of a plan before its check is made (NOTE [a check for reuse])
 GRAIN = 32768  # elements below which a kernel runs on one thread (as torch's GRAIN_SIZE)
+_DOUBLE, _INT64 = struct.Struct("<d"), struct.Struct("<q")
+
+
+def _bits(value: float) -> int:
+    """The bits of a run-time float argument as the int64 its slot of the block holds (NOTE
+    [run-time floats as kernel arguments] in `lower.py`)."""
+    return _INT64.unpack(_DOUBLE.pack(value))[0]
+
+
+def _overflows(value: float) -> bool:
+    """Whether eager's checked conversion of `value` to float32 raises (finite, past its
+    range; infinities and NaN convert)."""
+    return math.isfinite(value) and abs(value) > FLOAT32_MAX
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _submit(source: str) -> Future:
@@ -120,6 +137,10 @@ class FusedRegion(RegionCallable):
         source = self._source(contiguous)
         self._plans = plan_table(self, source)
         self._last = None  # (threads, input count, tensor check, plan) of the last plan run
+        # run-time float inputs (`Kernel.scalars`): in no key or check, written by each call
+        self._scalars = getattr(self.kernel, "scalars", ())
+        self._checked = getattr(self.kernel, "checked", ())
+        self._tensors = tuple(i for i in range(len(lowered.inputs)) if i not in self._scalars)
         if policy.mode == "eager" or compiler.is_kernel_cached(source):
             self._start(contiguous)  # the common layout, in the background
 
@@ -188,18 +209,19 @@ class FusedRegion(RegionCallable):
 
     def _run(self, inputs):
         threads = torch.get_num_threads()
+        tensors = [inputs[i] for i in self._tensors] if self._scalars else inputs
         last = self._last  # NOTE [the last plan]
         if last is not None and last[0] == threads and len(inputs) == last[1] \
-                and last[2].check(*inputs):
+                and last[2].check(*tensors):
             plan = last[3]
         else:
             key = (threads,
-                   *[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in inputs])
+                   *[(t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg()) for t in tensors])
             plan = self._plans.get(key)
             if plan is not None and plan.check is None and plan.uses < CHECK_AFTER:
                 plan.uses += 1  # NOTE [a check for reuse]
                 if plan.uses == CHECK_AFTER:
-                    plan.check = tensor_check(inputs)
+                    plan.check = tensor_check(tensors)
             elif plan is None:
                 lowered = self.bind(inputs)
                 if not self.accepts(inputs):
@@ -217,6 +239,8 @@ class FusedRegion(RegionCallable):
             # a plan another region of this signature made (`plan_table`): this region runs
             # it with its own kernel, once its compile policy has it (it raises Fallback before)
             plan.fn = self._kernel_for(plan.layout)
+        if self._checked and any(_overflows(inputs[i]) for i in self._checked):
+            raise Fallback  # eager raises its error (`Kernel.checked`)
         outs = [new() for new in plan.news]
         if plan.extra:  # masks (the plan's) and copies (this call's) stay alive past the kernel
             inputs = (*inputs, *plan.masks, *[copy.base(inputs) for copy in plan.copies])
@@ -225,8 +249,11 @@ class FusedRegion(RegionCallable):
             block = free.pop()  # a block no other thread is using (deque.pop is atomic)
         except IndexError:
             block = plan.block()
-        block[plan.start:] = [inputs[i].data_ptr() + o for i, o in plan.reads] + \
+        words = [inputs[i].data_ptr() + o for i, o in plan.reads] + \
             [out.data_ptr() for out in outs]
+        if self._scalars:
+            words += [_bits(inputs[i]) for i in self._scalars]
+        block[plan.start:] = words
         plan.fn(block)
         free.append(block)
         if plan.direct:  # the kernel's outputs are the region's, in order
@@ -364,4 +391,4 @@ class FusedRegion(RegionCallable):
             [plan[1] for plan in lowered.outputs] == list(range(len(out_specs)))
         views = None if direct else strided_views(lowered, inputs)
         return Plan(fn, layout, sizes, rows, pointers, arg, nthreads, out_specs, direct, views,
-                     len(inputs))
+                     len(inputs), len(self._scalars))

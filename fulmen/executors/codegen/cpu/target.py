@@ -43,6 +43,7 @@ class CppTarget(Target):
     math_names = {"round": "nearbyint"}
     int64_min = "std::numeric_limits<int64_t>::min()"
     selects = True
+    scalars = True
 
     def nan(self, dtype: torch.dtype) -> str:
         return f"std::numeric_limits<{self.compute[dtype]}>::quiet_NaN()"
