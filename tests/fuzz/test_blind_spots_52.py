@@ -153,7 +153,9 @@ def test_arithmetic_on_a_changing_float_is_pythons():
     x = torch.randn(4, dtype=torch.float64)
     for t in (0.25, 1.5, 2.75, 4.5, -1.25):
         torch.testing.assert_close(jfn(x, t), _host_float_math(x, t))
-    assert fulmen.compile_stats(jfn).cache_misses <= 2  # the float is read at run time
+    # the float is read at run time; its sign is keyed (NOTE [floats read at run time]): the
+    # negative value is one more entry
+    assert fulmen.compile_stats(jfn).cache_misses <= 3
 
 
 
