@@ -38,7 +38,7 @@ from fulmen.tracer.autograd_function import BackwardInTrace
 from fulmen.tracer.eager_reasons import LazyParameters
 from fulmen.tracer.explain import describe_call, explain_change, tensor_names
 from fulmen.tracer.host_floats import items_read_at_run_time, items_requested
-from fulmen.tracer.input_aliasing import AliasedInputs, check_no_input_aliasing
+from fulmen.tracer.input_aliasing import AliasedInputs
 from fulmen.tracer.input_names import _path_name, _positional_names, state_slots
 from fulmen.tracer.module_hooks import (
     HeldModulesWatch,
@@ -203,7 +203,7 @@ class _Jitted(CompileMiss, NotWalked):
             if objects is not None:
                 roots = {i: leaves[i] if i >= 0 else self._guard.fn_roots[-1 - i]
                          for i in objects.roots}
-                object_tensors = objects.read_tensors(roots)
+                object_tensors = entry.read_object_tensors(roots)
             if entry.int_positions:  # (read before the epilogue stores new values)
                 carriers = [carrier(number_at(leaves, self._guard.fn_roots, p))
                             for p in entry.int_positions]
@@ -218,12 +218,17 @@ class _Jitted(CompileMiss, NotWalked):
         inputs = [leaves[i] for i in entry.tensor_positions]
         if objects is not None:
             inputs += object_tensors
+        fresh: list[int] = []  # inputs this call allocated itself (`AliasingMemo.check`)
         if entry.int_positions:
+            fresh += range(len(inputs), len(inputs) + len(carriers))
             inputs += carriers
-        inputs += [*state, *entry.captured_now()]
+        inputs += state
+        if entry.captured_fresh:
+            fresh += [len(inputs) + index for index in entry.captured_fresh]
+        inputs += entry.captured_now()
         if entry.mutated_inputs:  # in-place updates of inputs: they must not alias each other
             try:
-                check_no_input_aliasing(inputs, entry.mutated_inputs)
+                entry.aliasing.check(inputs, entry.mutated_inputs, fresh)
             except AliasedInputs as error:  # checked before anything ran: eager's answer
                 return self._eagerly_or_raise(args, kwargs, error)
         if entry.tree:
