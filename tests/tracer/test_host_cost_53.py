@@ -173,3 +173,29 @@ def test_two_inputs_made_to_share_storage_on_a_later_call():
         torch.testing.assert_close(got, f(ref[a[0]:a[1]], ref[b[0]:b[1]]))
         torch.testing.assert_close(buf, ref)
     assert fulmen.compile_stats(jf).cache_hits >= 3  # (one symbolic entry: its memo)
+
+
+# --- a compile pass's own bug is raised under the test suite's FULMEN_CHECK=1 ---
+
+def test_pass_bug_under_symbolic_floats_is_raised_in_tests(monkeypatch):
+    # a pass that fails (TypeError: a bug, not a FulmenError refusal) only once floats are read
+    # at run time: the fallback to constants hid it as a recompile; the test settings raise it
+    from fulmen import jitted
+    from fulmen.transforms.base import transform
+
+    @transform("fails on run-time floats")
+    def fails_on_floats(trace):
+        if len(trace.args) == 2:  # `s` read at run time (a float64 carrier), `x`
+            raise TypeError("planted pass bug")
+        return trace
+
+    monkeypatch.setattr(jitted, "CHECK_SOURCE", True)
+    jf = fulmen.jit(lambda x, s: x * s, transforms=[fails_on_floats])
+    x = torch.randn(3)
+    with pytest.raises(TypeError, match="planted pass bug"):
+        for s in (0.5, 0.25, 0.125, 2.0):
+            torch.testing.assert_close(jf(x, s), x * s)
+    monkeypatch.setattr(jitted, "CHECK_SOURCE", False)  # users: the fallback stays
+    jf = fulmen.jit(lambda x, s: x * s, transforms=[fails_on_floats])
+    for s in (0.5, 0.25, 0.125, 2.0):
+        torch.testing.assert_close(jf(x, s), x * s)
