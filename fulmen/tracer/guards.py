@@ -28,6 +28,7 @@ from fulmen.tracer.key_memo import (
     ArgumentKeyMemo,
     HashedKey,
     KeyMemo,
+    RootsMemo,
     TensorKeyMemo,
     holder_snapshot,
     typed_snapshot,
@@ -133,6 +134,7 @@ class CacheKeyBuilder:
         self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
         self._root_memos: list[ObjectKeyMemo] = []  # `_fn_roots_key`, one per root
         self._root_hashed: list[HashedKey | None] = []  # ... and its last key, hashed
+        self._roots_memo = RootsMemo()  # `function_roots(self.fn)`, found on every call
         self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
         # a jitted bound method reads its object, a wrapper the objects it closes over or reads
         # as globals (found again on every call: closure cells change)
@@ -318,7 +320,7 @@ class CacheKeyBuilder:
         `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
         Python scalars the code can read besides its arguments (see `scalar_sources`)."""
         if self.fn is not None:  # (before the sources: they leave these objects to their key)
-            self.fn_roots = function_roots(self.fn)
+            self.fn_roots = self._roots_memo.roots(self.fn)
         return (
             process_state_key(),
             self._sources_key(),

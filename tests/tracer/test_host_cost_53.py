@@ -199,3 +199,95 @@ def test_pass_bug_under_symbolic_floats_is_raised_in_tests(monkeypatch):
     jf = fulmen.jit(lambda x, s: x * s, transforms=[fails_on_floats])
     for s in (0.5, 0.25, 0.125, 2.0):
         torch.testing.assert_close(jf(x, s), x * s)
+
+
+# --- RootsMemo: the same roots as `function_roots` after every change it must see ---
+
+class _Holder:
+    pass
+
+
+class _CallableHolder:
+    def __call__(self):
+        return None
+
+
+_MEMO_GLOBAL = _Holder()
+
+
+_MEMO_OTHER = _Holder()
+
+
+def _other_code():
+    inner = None
+
+    def other():
+        return inner, _MEMO_OTHER
+
+    return other.__code__
+
+
+def _roots_case():
+    import weakref
+
+    first, target = _Holder(), _Holder()
+    ref = weakref.ref(target)
+
+    def inner():
+        return first, ref
+
+    def fn():
+        return inner(), _MEMO_GLOBAL
+
+    def set_first(value):
+        nonlocal first
+        first = value
+
+    def set_ref(value):
+        nonlocal ref
+        ref = value
+
+    return fn, set_first, set_ref, target
+
+
+def test_roots_memo_sees_every_rebinding():
+    global _MEMO_GLOBAL
+    import weakref
+
+    from fulmen.tracer.key_memo import RootsMemo
+    from fulmen.tracer.objects import function_roots
+
+    fn, set_first, set_ref, target = _roots_case()
+    memo = RootsMemo()
+
+    def same():
+        got, want = memo.roots(fn), function_roots(fn)
+        assert [id(r) for r in got] == [id(r) for r in want]
+        assert [id(r) for r in memo.roots(fn)] == [id(r) for r in want]  # (from the memo)
+        return want
+
+    saved = _MEMO_GLOBAL
+    try:
+        assert len(same()) == 3
+        set_first(_Holder())  # a closure cell of a nested function reassigned
+        same()
+        other = _Holder()
+        set_ref(weakref.ref(other))  # a weak reference to another object
+        assert other in same()
+        del other  # the referent dies (no memo holds it): the weak reference answers None
+        assert len(same()) == 2
+        set_ref(weakref.ref(target))
+        set_ref(None)  # (weak references are never remembered: the rest is)
+        same()
+        assert memo._fn is fn
+        _MEMO_GLOBAL = _Holder()  # a rebound global
+        assert _MEMO_GLOBAL in same()
+        _MEMO_GLOBAL.__class__ = _CallableHolder  # now callable: no root
+        assert _MEMO_GLOBAL not in same()
+        _MEMO_GLOBAL.__class__ = _Holder
+        assert _MEMO_GLOBAL in same()
+        fn.__code__ = _other_code()  # reads another global
+        roots = same()
+        assert _MEMO_OTHER in roots and _MEMO_GLOBAL not in roots
+    finally:
+        _MEMO_GLOBAL = saved
