@@ -14,9 +14,7 @@ Computing the key is the whole cost of a cache hit besides the call itself, so t
 
 from __future__ import annotations
 
-import builtins
 import functools
-import types
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from fulmen.tracer.key_memo import (
     RootsMemo,
     TensorKeyMemo,
     holder_snapshot,
+    reads_unbound_globals,
     typed_snapshot,
 )
 from fulmen.tracer.leaf_keys import (
@@ -51,7 +50,6 @@ from fulmen.tracer.object_key_memo import ObjectKeyMemo
 from fulmen.tracer.objects import (
     INT_KEY,
     function_roots,
-    global_names,
     is_plain_object,
     object_key,
     snapshot,
@@ -92,18 +90,6 @@ _MAX_HELD_MODULES = 4096  # a bound on the modules whose flags the key covers (`
 _MAX_ARGUMENT_CODE = 4096  # ... on the arguments' functions and classes scanned (`add_functions`)
 
 
-def _reads_unbound_globals(fn: Any) -> bool:
-    """Whether `fn` reads a global that is not bound yet (or bound to None, nor a builtin): an
-    optimizer assigned to it after `fulmen.jit(train_step)` is one of its objects, keyed on
-    every call as those found when jitting (a key without it ran a stale program, or failed to
-    find the object a compiled call reads)."""
-    if not isinstance(fn, types.FunctionType):
-        return False
-    namespace = fn.__globals__
-    return any(namespace.get(name) is None and name not in vars(builtins)
-               for name in global_names(fn.__code__))
-
-
 class CacheKeyBuilder:
     """Builds the cache key of a call; `modules` are the submodules whose `training` is guarded.
 
@@ -141,7 +127,7 @@ class CacheKeyBuilder:
         inner = getattr(fn, "__func__", fn)
         reads_objects = getattr(fn, "__self__", None) is not None or bool(
             getattr(inner, "__closure__", None)) or bool(function_roots(fn)) \
-            or _reads_unbound_globals(inner)
+            or reads_unbound_globals(inner)
         self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
         # positions of the floats read at run time (`DynamicDims.float_positions`, the same

@@ -17,17 +17,22 @@ whose hash is computed once: a cache lookup of the same key object then costs no
 `TensorKeyMemo` does the same for the metadata of a module's parameters and buffers: their key
 is reused while PyTorch's C++ tensor check (`TensorGuards`) says each still has the sizes,
 strides, dtype, device and requires_grad it had.
+
+`RootsMemo` does the same for `objects.function_roots` of a jitted function (its optimizer,
+the objects in its closure cells and globals), found on every call.
 """
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import operator
+import types
 from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import function_roots
+from fulmen.tracer.objects import function_roots, global_names
 
 _is = operator.is_
 _chain = itertools.chain.from_iterable
@@ -313,3 +318,15 @@ class RootsMemo:
         self._values, self._types = tuple(values), tuple(map(type, values))
         self._namespace, self._names = namespace, tuple(names)
         self._globals = tuple(global_values)
+
+
+def reads_unbound_globals(fn: Any) -> bool:
+    """Whether `fn` reads a global that is not bound yet (or bound to None, nor a builtin): an
+    optimizer assigned to it after `fulmen.jit(train_step)` is one of its objects, keyed on
+    every call as those found when jitting (a key without it ran a stale program, or failed to
+    find the object a compiled call reads)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    namespace = fn.__globals__
+    return any(namespace.get(name) is None and name not in vars(builtins)
+               for name in global_names(fn.__code__))

@@ -3258,7 +3258,7 @@ MUTANTS: list[Mutant] = [
            "        return self.__dict__[\"_first\"]",
            ("tests/tracer/test_host_cost_53.py",)),
     Mutant("unbound_global_roots_not_keyed", "guards", "tracer/guards.py",
-           "            or _reads_unbound_globals(inner)", "            or False",
+           "            or reads_unbound_globals(inner)", "            or False",
            ("tests/tracer/test_host_cost_53.py",)),
     Mutant("pass_bug_hidden_by_fallback", "passes", "jitted.py",
            "if self._strict_dynamic or _pass_bug(error):", "if self._strict_dynamic:",
