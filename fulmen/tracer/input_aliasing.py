@@ -133,14 +133,15 @@ class AliasingMemo:
     addresses and byte counts are those of the last call that passed, this call passes too: read
     by three C-level passes instead of a Python loop and a sort over ~100 optimizer tensors.
     Anything else (a non-contiguous input, one moved or resized, a different count) runs the
-    whole check, and only a call whose ranges are all disjoint is remembered. Only integers are kept: no tensor is held alive, and an address reused by a
-    new tensor of the same size spans the same bytes."""
+    whole check, and only a call whose ranges are all disjoint is remembered. Only integers
+    are kept: no tensor is held alive, and an address reused by a new tensor of the same size
+    spans the same bytes. Addresses and sizes are stored as one pair (one store: a concurrent
+    call never sees the addresses of one call with the sizes of another)."""
 
-    __slots__ = ("_ptrs", "_sizes")
+    __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        self._ptrs: list | None = None
-        self._sizes: list = []
+        self._last: tuple | None = None  # (addresses, byte counts) of the last call passed
 
     def check(self, inputs, mutated: tuple[int, ...], fresh=()) -> None:
         """`check_no_input_aliasing(inputs, mutated)`, skipped where its answer is known.
@@ -153,13 +154,13 @@ class AliasingMemo:
             sizes = list(map(_nbytes, inputs))
             for index in fresh:
                 ptrs[index] = sizes[index] = None
-            if ptrs == self._ptrs and sizes == self._sizes:
+            if (ptrs, sizes) == self._last:
                 return
-        self._ptrs = None
+        self._last = None
         # remembered only where no ranges overlap at all: overlapping ranges on two devices
         # pass too, and the same addresses could later lie on one device
         if check_no_input_aliasing(inputs, mutated) and contiguous:
-            self._ptrs, self._sizes = ptrs, sizes
+            self._last = (ptrs, sizes)
 
 
 __all__ = ["AliasedInputs", "AliasingMemo", "check_no_input_aliasing"]
