@@ -3,6 +3,7 @@ traces and how to feed it) and what `fulmen.compile_stats` reports (`CompileStat
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 
 from fulmen.core import Trace
 from fulmen.tracer.call_constants import copy_of
+from fulmen.tracer.input_aliasing import AliasingMemo
 from fulmen.tracer.object_inputs import ObjectInputs
 
 
@@ -51,6 +53,16 @@ class CacheEntry:
     sizes: list | None = None
     # the call structure it was compiled for (`fulmen.cache_policy.CacheLimits`)
     structure: int = -1
+    # the input-aliasing check of `mutated_inputs`, remembering the last call that passed
+    aliasing: AliasingMemo = field(default_factory=AliasingMemo, repr=False)
+    _object_reader: Callable | None = field(default=None, repr=False)
+
+    def read_object_tensors(self, roots: dict[int, Any]) -> list[torch.Tensor]:
+        """`self.objects.read_tensors(roots)` (the tensors inside the call's objects, in input
+        order), by a function generated once per entry (`object_reader`)."""
+        if self._object_reader is None:
+            self._object_reader = object_reader(self.objects.tensor_paths)
+        return self._object_reader(roots)
 
     def captured_now(self) -> tuple:
         """The captured tensors for this call (module tensor attributes as they are now, a new
@@ -65,6 +77,40 @@ class CacheEntry:
         for index in self.captured_fresh:
             values[index] = copy_of(values[index])
         return tuple(values)
+
+
+def object_reader(tensor_paths: list[tuple[int, tuple]]) -> Callable:
+    """A function of `roots` returning `[follow(roots[root], path) for root, path in
+    tensor_paths]`, written out as one Python expression per path (`roots[-1].param_groups[0]
+    [K[0]][3]`: every step read in the same order, through the same `getattr` and `[]`), so a
+    call does not loop over the steps of ~100 optimizer paths in Python. Keys and attribute
+    names that are not plain identifiers are passed as constants `K`."""
+    constants: list = []
+
+    def constant(value: Any) -> str:
+        constants.append(value)
+        return f"K[{len(constants) - 1}]"
+
+    roots = sorted({root for root, _ in tensor_paths})
+    lines = ["def read(roots):"]
+    lines += [f"    r{j} = roots[{root!r}]" for j, root in enumerate(roots)]
+    local = {root: f"r{j}" for j, root in enumerate(roots)}
+    exprs = []
+    for root, path in tensor_paths:
+        expr = local[root]
+        for kind, key in path:
+            if kind == "attr" and type(key) is str and key.isidentifier() \
+                    and not keyword.iskeyword(key):
+                expr += f".{key}"
+            elif kind == "attr":
+                expr = f"getattr({expr}, {constant(key)})"
+            else:
+                expr += f"[{constant(key)}]"
+        exprs.append(expr)
+    lines.append(f"    return [{', '.join(exprs)}]")
+    namespace = {"K": tuple(constants)}
+    exec(compile("\n".join(lines), "<fulmen object tensors>", "exec"), namespace)  # noqa: S102
+    return namespace["read"]
 
 
 @dataclass
@@ -106,4 +152,4 @@ class CompileStats:
         return sum(entry.fn.paths() for entry in self.cache.values() if entry.tree)
 
 
-__all__ = ["CacheEntry", "CompileStats"]
+__all__ = ["CacheEntry", "CompileStats", "object_reader"]

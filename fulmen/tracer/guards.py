@@ -26,8 +26,10 @@ from fulmen.tracer.key_memo import (
     ArgumentKeyMemo,
     HashedKey,
     KeyMemo,
+    RootsMemo,
     TensorKeyMemo,
     holder_snapshot,
+    reads_unbound_globals,
     typed_snapshot,
 )
 from fulmen.tracer.leaf_keys import (
@@ -117,12 +119,15 @@ class CacheKeyBuilder:
         self._state_memo = TensorKeyMemo(_state_key)  # parameters and buffers
         self._argument_memo = ArgumentKeyMemo(_argument_tensor_key)  # positional tensors
         self._root_memos: list[ObjectKeyMemo] = []  # `_fn_roots_key`, one per root
+        self._root_hashed: list[HashedKey | None] = []  # ... and its last key, hashed
+        self._roots_memo = RootsMemo()  # `function_roots(self.fn)`, found on every call
         self.flag_reads = FlagReads()  # autograd flags of real tensors programs read
         # a jitted bound method reads its object, a wrapper the objects it closes over or reads
         # as globals (found again on every call: closure cells change)
         inner = getattr(fn, "__func__", fn)
         reads_objects = getattr(fn, "__self__", None) is not None or bool(
-            getattr(inner, "__closure__", None)) or bool(function_roots(fn))
+            getattr(inner, "__closure__", None)) or bool(function_roots(fn)) \
+            or reads_unbound_globals(inner)
         self.fn = fn if fn is not None and not modules and reads_objects else None
         self.fn_roots: list = []
         # positions of the floats read at run time (`DynamicDims.float_positions`, the same
@@ -301,7 +306,7 @@ class CacheKeyBuilder:
         `PROCESS_STATES`, NOTE [process state in the key]), module training flags, and the
         Python scalars the code can read besides its arguments (see `scalar_sources`)."""
         if self.fn is not None:  # (before the sources: they leave these objects to their key)
-            self.fn_roots = function_roots(self.fn)
+            self.fn_roots = self._roots_memo.roots(self.fn)
         return (
             process_state_key(),
             self._sources_key(),
@@ -400,14 +405,25 @@ class CacheKeyBuilder:
             return ()
         masks = _float_masks(self.float_positions) if self.float_positions else {}
         if not ints:  # (the common case: each root's key reused while nothing it read changed)
-            memos = self._root_memos
+            memos, hashed = self._root_memos, self._root_hashed
             while len(memos) < len(self.fn_roots):
                 memos.append(ObjectKeyMemo())
-            return tuple([memo.key(root, _leaf_key, masks.get(-1 - i))
-                          for i, (memo, root) in enumerate(zip(memos, self.fn_roots))])
+                hashed.append(None)
+            keys = []
+            for i, (memo, root) in enumerate(zip(memos, self.fn_roots)):
+                key = memo.key(root, _leaf_key, masks.get(-1 - i))
+                # NOTE [hashed root keys]: an optimizer's key has a part per walked slot (an
+                # AdamW over 18 parameters: ~1,600), hashed again by every cache lookup; the
+                # memo returns the very same tuple while nothing changed, so its `HashedKey`
+                # is reused (a recomputed key, equal or not, is hashed anew)
+                held = hashed[i]
+                if held is None or held.key is not key:
+                    held = hashed[i] = HashedKey(key)
+                keys.append(held)
+            return tuple(keys)
         for root, path in ints:
             masks.setdefault(root, {})[path] = INT_KEY
-        return tuple([object_key(root, _leaf_key, masks.get(-1 - i))
+        return tuple([HashedKey(object_key(root, _leaf_key, masks.get(-1 - i)))
                       for i, root in enumerate(self.fn_roots)])
 
     def key(self, args: tuple, kwargs: dict, state: list[Tensor] | tuple = (),

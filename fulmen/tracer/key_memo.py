@@ -17,15 +17,22 @@ whose hash is computed once: a cache lookup of the same key object then costs no
 `TensorKeyMemo` does the same for the metadata of a module's parameters and buffers: their key
 is reused while PyTorch's C++ tensor check (`TensorGuards`) says each still has the sizes,
 strides, dtype, device and requires_grad it had.
+
+`RootsMemo` does the same for `objects.function_roots` of a jitted function (its optimizer,
+the objects in its closure cells and globals), found on every call.
 """
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import operator
+import types
 from typing import Any
 
 import torch
+
+from fulmen.tracer.objects import function_roots, global_names
 
 _is = operator.is_
 _chain = itertools.chain.from_iterable
@@ -229,3 +236,97 @@ class TensorKeyMemo:
         key = HashedKey(tuple([self.key_of(t) for t in tensors]))
         self._check, self._key, self._count = tensor_check(tensors), key, len(tensors)
         return key
+
+
+_code_of = operator.attrgetter("__code__")
+_cell_contents = operator.attrgetter("cell_contents")
+
+
+def _type_decides_plainness(value: Any) -> bool:
+    """Whether `objects.is_plain_object(value)` and `callable(value)` are functions of
+    `type(value)`: not so where `hasattr(value, "__dict__")` may reach a `__getattr__`."""
+    kind = type(value)
+    return not hasattr(kind, "__getattr__") or any("__dict__" in vars(k) for k in kind.__mro__)
+
+
+class RootsMemo:
+    """`objects.function_roots(fn)` of a jitted function, reused while every read it made
+    gives what it gave (the function's own objects are found again on every call: closure
+    cells and globals may be rebound).
+
+    NOTE [function roots memo]: the answer depends on the functions and methods it visits (a
+    function's `__code__` is writable, its `__closure__` and `__globals__` are not, a method's
+    `__self__` and `__func__` neither), on each closure cell's contents, each weak reference's
+    referent, the values the code reads as globals, and on the type of every value it judges
+    (`is_plain_object`, `callable`). The memo keeps each of those (holding them alive, so
+    identities cannot be reused) and compares them by identity at C level. A traversal through
+    another kind of callable, an empty cell, a weak reference (the memo would keep its
+    referent alive) or a value whose plainness its type does not decide is not remembered."""
+
+    __slots__ = ("_fn", "_roots", "_functions", "_codes", "_cells", "_contents", "_values", "_types", "_namespace", "_names", "_globals")
+
+    def __init__(self) -> None:
+        self._fn = None
+
+    def roots(self, fn: Any) -> list:
+        """`function_roots(fn)`, from the memo where nothing it read changed."""
+        if self._fn is fn and self._unchanged():
+            return list(self._roots)
+        log: list = []
+        roots = function_roots(fn, log=log)
+        self._remember(fn, roots, log)
+        return roots
+
+    def _unchanged(self) -> bool:
+        if not all(map(_is, map(_code_of, self._functions), self._codes)):
+            return False
+        try:
+            contents = list(map(_cell_contents, self._cells))
+        except ValueError:  # a cell emptied (`del` of a closed-over name)
+            return False
+        if not all(map(_is, contents, self._contents)):
+            return False
+        if self._names and not all(map(_is, map(self._namespace.get, self._names),
+                                           self._globals)):
+            return False
+        return all(map(_is, map(type, self._values), self._types))
+
+    def _remember(self, fn: Any, roots: list, log: list) -> None:
+        self._fn = None
+        if None in log:
+            return
+        functions, codes, cells, contents, values = [], [], [], [], []
+        namespace, names, global_values = None, [], []
+        for entry in log:
+            kind = entry[0]
+            if kind == "code":
+                functions.append(entry[1])
+                codes.append(entry[2])
+            elif kind == "cell":
+                cells.append(entry[1])
+                contents.append(entry[2])
+            elif kind == "value":
+                values.append(entry[1])
+            else:  # "globals"
+                namespace, names, global_values = entry[1], entry[2], entry[3]
+                values += global_values
+        if not all(map(_type_decides_plainness, values)):
+            return
+        self._fn, self._roots = fn, tuple(roots)
+        self._functions, self._codes = tuple(functions), tuple(codes)
+        self._cells, self._contents = tuple(cells), tuple(contents)
+        self._values, self._types = tuple(values), tuple(map(type, values))
+        self._namespace, self._names = namespace, tuple(names)
+        self._globals = tuple(global_values)
+
+
+def reads_unbound_globals(fn: Any) -> bool:
+    """Whether `fn` reads a global that is not bound yet (or bound to None, nor a builtin): an
+    optimizer assigned to it after `fulmen.jit(train_step)` is one of its objects, keyed on
+    every call as those found when jitting (a key without it ran a stale program, or failed to
+    find the object a compiled call reads)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    namespace = fn.__globals__
+    return any(namespace.get(name) is None and name not in vars(builtins)
+               for name in global_names(fn.__code__))

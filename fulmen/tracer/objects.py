@@ -132,28 +132,44 @@ def global_names(code) -> frozenset[str]:
     return frozenset(names)
 
 
-def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
+def function_roots(fn: Any, depth: int = 0, wanted=None, log: list | None = None) -> list[Any]:
     """The objects a function reads besides its arguments: the `self` of a bound method, the
     plain objects it reads as globals and the objects in its closure cells (through weak references and the bound methods and
     functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order.
     `wanted(value)` chooses them (by default plain objects, and among closure cells only those
-    that are not callable: not another jitted function)."""
+    that are not callable: not another jitted function). `log` (a list) gets every read the
+    answer depends on (`key_memo.RootsMemo`), or None where a read is not one it can repeat."""
     found: list[Any] = []
     if depth > 2:
         return found
+    if log is not None and not (type(fn) is types.FunctionType or (
+            type(fn) is types.MethodType and type(fn.__func__) is types.FunctionType)):
+        log.append(None)  # (`__self__`, `__closure__` of other callables may change)
     bound = getattr(fn, "__self__", None)
+    if log is not None:
+        log.append(("value", bound))
     if is_plain_object(bound) if wanted is None else wanted(bound):
         found.append(bound)
     inner = getattr(fn, "__func__", fn)
+    if log is not None and type(inner) is types.FunctionType:
+        log.append(("code", inner, inner.__code__))
     for cell in getattr(inner, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:
+            if log is not None:
+                log.append(None)
             continue
+        if log is not None:
+            log.append(("cell", cell, value))
         if isinstance(value, weakref.ReferenceType):
             value = value()
+            if log is not None:  # (a memo would hold the referent alive)
+                log.append(None)
+        if log is not None:
+            log.append(("value", value))
         if isinstance(value, (types.FunctionType, types.MethodType)):
-            found += function_roots(value, depth + 1, wanted)
+            found += function_roots(value, depth + 1, wanted, log)
         elif (is_plain_object(value) and not callable(value)) if wanted is None else \
                 wanted(value):
             found.append(value)
@@ -161,7 +177,10 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
         # the plain objects it reads as globals, as those of its closure: a module-level
         # `def train_step(): opt.step()` stores the first step's state into `opt.state`
         namespace = inner.__globals__
-        found += [namespace[name] for name in sorted(global_names(inner.__code__))
+        names = sorted(global_names(inner.__code__))
+        if log is not None:
+            log.append(("globals", namespace, names, [namespace.get(name) for name in names]))
+        found += [namespace[name] for name in names
                   if is_plain_object(namespace.get(name)) and not callable(namespace[name])]
     unique: dict[int, Any] = {}
     for value in found:
