@@ -157,16 +157,34 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
         elif (is_plain_object(value) and not callable(value)) if wanted is None else \
                 wanted(value):
             found.append(value)
+        elif wanted is None:  # `opts = [opt]` ... `opts[0].step()`: the objects a list holds
+            found += _held_objects(value)
     if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):
         # the plain objects it reads as globals, as those of its closure: a module-level
         # `def train_step(): opt.step()` stores the first step's state into `opt.state`
         namespace = inner.__globals__
-        found += [namespace[name] for name in sorted(global_names(inner.__code__))
-                  if is_plain_object(namespace.get(name)) and not callable(namespace[name])]
+        for name in sorted(global_names(inner.__code__)):
+            value = namespace.get(name)
+            found += [value] if is_plain_object(value) and not callable(value) else \
+                _held_objects(value)
     unique: dict[int, Any] = {}
     for value in found:
         unique.setdefault(id(value), value)
     return list(unique.values())
+
+
+def _held_objects(value: Any) -> list[Any]:
+    """The plain, non-callable objects a list, tuple or dict read by a function holds as its
+    items (one level): an optimizer kept in `opts = [opt]` stores its first step's state into
+    `opt.state` as one held directly does, so it is a root too (else the state made while
+    tracing, proxies, stayed in the real optimizer after a call that ran eagerly)."""
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif type(value) is dict:
+        items = list(value.values())
+    else:
+        return []
+    return [item for item in items if is_plain_object(item) and not callable(item)]
 
 
 def walk(root: Any) -> list[tuple[tuple, Any]]:

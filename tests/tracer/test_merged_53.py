@@ -1,0 +1,51 @@
+"""Session 53's features meeting each other (issue 18): whole jitted training steps (backward in
+the trace, optimizers, schedulers) reached through the containers users keep them in, compared
+with eager over several steps."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fulmen
+
+
+def _container_step(jit: bool, holder_kind: str, optimizer_kind: str):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    if optimizer_kind == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    holder = {"list": [optimizer], "tuple": (optimizer,), "dict": {0: optimizer}}[holder_kind]
+
+    def step():  # the first step makes the optimizer's state (momentum, exp_avg, step)
+        holder[0].step()
+        holder[0].zero_grad()
+
+    fn = fulmen.jit(step) if jit else step
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        F.mse_loss(model(torch.randn(5, 6, generator=generator)),
+                   torch.randn(5, 4, generator=generator)).backward()
+        fn()
+    state = [value for per in optimizer.state.values() for value in per.values()]
+    return [p.detach().clone() for p in model.parameters()] + state, fn
+
+
+@pytest.mark.parametrize("holder_kind", ["list", "tuple", "dict"])
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adamw"])
+def test_an_optimizer_kept_in_a_closure_container_steps_as_eager(holder_kind, optimizer_kind):
+    """`opts = [opt]` ... `opts[0].step()` in the jitted function: the optimizer was no object
+    root (only objects held directly by a closure cell or a global were), so the state its first
+    step made while tracing (proxies) stayed in the real `opt.state`; the call then ran eagerly
+    (a closed-over `.grad`) on that state: FulmenError 'a TensorProxy was used outside tracing',
+    and the optimizer was left broken. Now the container's objects are roots: compiled, eager's
+    values."""
+    got, fn = _container_step(True, holder_kind, optimizer_kind)
+    want, _ = _container_step(False, holder_kind, optimizer_kind)
+    assert len(got) == len(want) >= 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    stats = fulmen.compile_stats(fn)
+    assert stats.calls == 3 and stats.eager_calls == 0
