@@ -3239,4 +3239,8 @@ MUTANTS: list[Mutant] = [
     Mutant("host_min_max_swapped", "guards", "ops/host_float.py",
            '_PICKS = {"min": min, "max": max}', '_PICKS = {"min": max, "max": min}',
            ("tests/tracer/test_step_breaks_53_floats.py",)),
+    # --- session 53, h53mix: the merged features together ---
+    Mutant("closure_container_objects_not_roots", "objects", "tracer/objects.py",
+           "            found += _held_objects(value)\n", "            pass\n",
+           ("tests/tracer/test_merged_53.py",)),
 ]
