@@ -141,6 +141,12 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
     found: list[Any] = []
     if depth > 2:
         return found
+    if isinstance(fn, functools.partial):  # `jit(partial(step, opt))`: its bound arguments
+        if wanted is None:
+            for value in (*fn.args, *fn.keywords.values()):
+                found += [value] if is_plain_object(value) and not callable(value) else \
+                    _held_objects(value)
+        return _unique(found + function_roots(fn.func, depth, wanted))
     bound = getattr(fn, "__self__", None)
     if is_plain_object(bound) if wanted is None else wanted(bound):
         found.append(bound)
@@ -167,24 +173,44 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
             value = namespace.get(name)
             found += [value] if is_plain_object(value) and not callable(value) else \
                 _held_objects(value)
+    if wanted is None and isinstance(inner, types.FunctionType):
+        # default argument values (`def step(x, opt=opt)`), read when the call leaves them out
+        for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):
+            found += [value] if is_plain_object(value) and not callable(value) else \
+                _held_objects(value)
+    return _unique(found)
+
+
+def _unique(found: list[Any]) -> list[Any]:
     unique: dict[int, Any] = {}
     for value in found:
         unique.setdefault(id(value), value)
     return list(unique.values())
 
 
-def _held_objects(value: Any) -> list[Any]:
+_HELD_ITEMS = 8  # the most items of a container whose objects `_held_objects` takes
+
+
+def _held_objects(value: Any, depth: int = 0) -> list[Any]:
     """The plain, non-callable objects a list, tuple or dict read by a function holds as its
-    items (one level): an optimizer kept in `opts = [opt]` stores its first step's state into
+    items: an optimizer kept in `opts = [opt]` stores its first step's state into
     `opt.state` as one held directly does, so it is a root too (else the state made while
-    tracing, proxies, stayed in the real optimizer after a call that ran eagerly)."""
+    tracing, proxies, stayed in the real optimizer after a call that ran eagerly); containers
+    nested in them too, two levels deep. Only small containers (`_HELD_ITEMS`): a list of many
+    records the function reads is data, each of them walked by every call's key otherwise."""
     if isinstance(value, (list, tuple)):
         items = value
     elif type(value) is dict:
         items = list(value.values())
     else:
         return []
-    return [item for item in items if is_plain_object(item) and not callable(item)]
+    if len(items) > _HELD_ITEMS:
+        return []
+    found = [item for item in items if is_plain_object(item) and not callable(item)]
+    if depth < 1:
+        for item in items:
+            found += _held_objects(item, depth + 1)
+    return found
 
 
 def walk(root: Any) -> list[tuple[tuple, Any]]:

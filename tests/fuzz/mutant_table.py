@@ -3243,4 +3243,7 @@ MUTANTS: list[Mutant] = [
     Mutant("closure_container_objects_not_roots", "objects", "tracer/objects.py",
            "            found += _held_objects(value)\n", "            pass\n",
            ("tests/tracer/test_merged_53.py",)),
+    Mutant("function_defaults_not_roots", "objects", "tracer/objects.py",
+           "for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):",
+           "for value in ():", ("tests/tracer/test_merged_53.py",)),
 ]

@@ -2,6 +2,8 @@
 the trace, optimizers, schedulers) reached through the containers users keep them in, compared
 with eager over several steps."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,13 +19,25 @@ def _container_step(jit: bool, holder_kind: str, optimizer_kind: str):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    holder = {"list": [optimizer], "tuple": (optimizer,), "dict": {0: optimizer}}[holder_kind]
+    holder = {"list": [optimizer], "tuple": (optimizer,), "dict": {0: optimizer},
+              "nested": [[optimizer]]}.get(holder_kind)
 
     def step():  # the first step makes the optimizer's state (momentum, exp_avg, step)
-        holder[0].step()
-        holder[0].zero_grad()
+        held = holder[0][0] if holder_kind == "nested" else holder[0]
+        held.step()
+        held.zero_grad()
 
-    fn = fulmen.jit(step) if jit else step
+    def step_default(opt=optimizer):
+        opt.step()
+        opt.zero_grad()
+
+    def step_partial(opt):
+        opt.step()
+        opt.zero_grad()
+
+    fn = {"default": step_default, "partial": functools.partial(step_partial, optimizer)
+          }.get(holder_kind, step)
+    fn = fulmen.jit(fn) if jit else fn
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         F.mse_loss(model(torch.randn(5, 6, generator=generator)),
@@ -33,15 +47,16 @@ def _container_step(jit: bool, holder_kind: str, optimizer_kind: str):
     return [p.detach().clone() for p in model.parameters()] + state, fn
 
 
-@pytest.mark.parametrize("holder_kind", ["list", "tuple", "dict"])
+@pytest.mark.parametrize("holder_kind", ["list", "tuple", "dict", "nested", "default", "partial"])
 @pytest.mark.parametrize("optimizer_kind", ["sgd", "adamw"])
 def test_an_optimizer_kept_in_a_closure_container_steps_as_eager(holder_kind, optimizer_kind):
     """`opts = [opt]` ... `opts[0].step()` in the jitted function: the optimizer was no object
     root (only objects held directly by a closure cell or a global were), so the state its first
     step made while tracing (proxies) stayed in the real `opt.state`; the call then ran eagerly
     (a closed-over `.grad`) on that state: FulmenError 'a TensorProxy was used outside tracing',
-    and the optimizer was left broken. Now the container's objects are roots: compiled, eager's
-    values."""
+    and the optimizer was left broken. The same for one in a nested list, a default argument
+    value or a `functools.partial`'s bound argument. Now those objects are roots: compiled,
+    eager's values."""
     got, fn = _container_step(True, holder_kind, optimizer_kind)
     want, _ = _container_step(False, holder_kind, optimizer_kind)
     assert len(got) == len(want) >= 3
