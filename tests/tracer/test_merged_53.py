@@ -64,3 +64,46 @@ def test_an_optimizer_kept_in_a_closure_container_steps_as_eager(holder_kind, op
         torch.testing.assert_close(a, b)
     stats = fulmen.compile_stats(fn)
     assert stats.calls == 3 and stats.eager_calls == 0
+
+
+_MODEL = None  # rebound between calls, as a notebook rebinds its global model
+
+
+def _rebound_global_loop(jit: bool):
+    global _MODEL
+    torch.manual_seed(0)
+    models = [nn.Linear(6, 4), nn.Linear(6, 4)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+
+    def step(x, y):
+        loss = F.mse_loss(_MODEL(x), y)
+        loss.backward()
+        for optimizer in optimizers:  # the other model's parameters have no gradient
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.detach()
+
+    fn = fulmen.jit(step) if jit else step
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for call in range(5):
+        _MODEL = models[call % 2]
+        losses.append(fn(torch.randn(5, 6, generator=generator),
+                         torch.randn(5, 4, generator=generator)))
+    state = [value for o in optimizers for per in o.state.values() for value in per.values()]
+    return losses + [p.detach().clone() for m in models for p in m.parameters()] + state, fn
+
+
+def test_a_rebound_global_model_trains_with_optimizers_from_a_closure_list():
+    """A global model rebound between calls (keyed by identity, h53probe) trained by a step
+    with `loss.backward()` inside (backward in the trace) and two optimizers kept in a list
+    (the other model's parameters without gradients): each model's step compiles and equals
+    eager (losses, parameters, momentum buffers). A scenario guard, passing before this
+    branch's change too."""
+    got, fn = _rebound_global_loop(True)
+    want, _ = _rebound_global_loop(False)
+    assert len(got) == len(want) == 5 + 4 + 4
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    stats = fulmen.compile_stats(fn)
+    assert stats.calls == 5 and stats.eager_calls == 0
