@@ -150,6 +150,8 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
     bound = getattr(fn, "__self__", None)
     if is_plain_object(bound) if wanted is None else wanted(bound):
         found.append(bound)
+    elif wanted is None:  # a module's method stepping `self.opt`
+        found += _module_optimizers(bound)
     inner = getattr(fn, "__func__", fn)
     for cell in getattr(inner, "__closure__", None) or ():
         try:
@@ -164,7 +166,7 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
                 wanted(value):
             found.append(value)
         elif wanted is None:  # `opts = [opt]` ... `opts[0].step()`: the objects a list holds
-            found += _held_objects(value)
+            found += _held_objects(value) + _module_optimizers(value)
     if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):
         # the plain objects it reads as globals, as those of its closure: a module-level
         # `def train_step(): opt.step()` stores the first step's state into `opt.state`
@@ -172,7 +174,7 @@ def function_roots(fn: Any, depth: int = 0, wanted=None) -> list[Any]:
         for name in sorted(global_names(inner.__code__)):
             value = namespace.get(name)
             found += [value] if is_plain_object(value) and not callable(value) else \
-                _held_objects(value)
+                _held_objects(value) + _module_optimizers(value)
     if wanted is None and isinstance(inner, types.FunctionType):
         # default argument values (`def step(x, opt=opt)`), read when the call leaves them out
         for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):
@@ -186,6 +188,17 @@ def _unique(found: list[Any]) -> list[Any]:
     for value in found:
         unique.setdefault(id(value), value)
     return list(unique.values())
+
+
+def _module_optimizers(value: Any) -> list[Any]:
+    """The optimizers and LR schedulers a module holds as plain attributes (`self.opt`, as a
+    model with its own training step keeps them): roots as if the function held them itself
+    (else their first step's state, proxies, stayed in the real optimizer). Only these kinds:
+    a module's other attributes (an HF config) are read as constants."""
+    if not isinstance(value, torch.nn.Module):
+        return []
+    kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    return [item for item in vars(value).values() if isinstance(item, kinds)]
 
 
 _HELD_ITEMS = 8  # the most items of a container whose objects `_held_objects` takes

@@ -3246,4 +3246,7 @@ MUTANTS: list[Mutant] = [
     Mutant("function_defaults_not_roots", "objects", "tracer/objects.py",
            "for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):",
            "for value in ():", ("tests/tracer/test_merged_53.py",)),
+    Mutant("module_optimizers_not_roots", "objects", "tracer/objects.py",
+           "return [item for item in vars(value).values() if isinstance(item, kinds)]",
+           "return []", ("tests/tracer/test_merged_53.py",)),
 ]

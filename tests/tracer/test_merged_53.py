@@ -107,3 +107,51 @@ def test_a_rebound_global_model_trains_with_optimizers_from_a_closure_list():
         torch.testing.assert_close(a, b)
     stats = fulmen.compile_stats(fn)
     assert stats.calls == 5 and stats.eager_calls == 0
+
+
+class _SelfStepping(nn.Module):
+    """A model keeping its optimizer, with its own training step."""
+
+    def __init__(self, backward_inside: bool):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.opt = torch.optim.AdamW(self.lin.parameters(), lr=1e-2, weight_decay=0.1)
+        self.backward_inside = backward_inside
+
+    def train_step(self, x, y):
+        if self.backward_inside:
+            F.mse_loss(self.lin(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return x.sum()
+
+
+def _self_stepping_loop(jit: bool, backward_inside: bool):
+    torch.manual_seed(0)
+    net = _SelfStepping(backward_inside)
+    fn = fulmen.jit(net.train_step) if jit else net.train_step
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 4, generator=generator)
+        if not backward_inside:
+            F.mse_loss(net.lin(x), y).backward()
+        fn(x, y)
+    state = [value for per in net.opt.state.values() for value in per.values()]
+    lr = torch.tensor(net.opt.param_groups[0]["lr"])
+    return [p.detach().clone() for p in net.lin.parameters()] + state + [lr], fn
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_a_modules_own_optimizer_steps_as_eager(backward_inside):
+    """`jit(model.train_step)` stepping `self.opt` (a module attribute): the optimizer was no
+    object root (the bound `self` is a module, not a plain object), so its first step's state,
+    proxies, stayed in `self.opt.state`: with the backward outside, FulmenError 'a TensorProxy
+    was used outside tracing' on the eager fallback; with it inside, every call ran eagerly.
+    Now a module's optimizers and schedulers are roots: compiled, eager's values."""
+    got, fn = _self_stepping_loop(True, backward_inside)
+    want, _ = _self_stepping_loop(False, backward_inside)
+    assert len(got) == len(want) == 2 + 6 + 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    stats = fulmen.compile_stats(fn)
+    assert stats.calls == 4 and stats.eager_calls == 0
