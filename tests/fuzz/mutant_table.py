@@ -3241,7 +3241,8 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_step_breaks_53_floats.py",)),
     # --- session 53, h53mix: the merged features together ---
     Mutant("closure_container_objects_not_roots", "objects", "tracer/objects.py",
-           "            found += _held_objects(value)\n", "            pass\n",
+           "            found += _held_objects(value) + _module_optimizers(value)\n",
+           "            found += _module_optimizers(value)\n",
            ("tests/tracer/test_merged_53.py",)),
     Mutant("function_defaults_not_roots", "objects", "tracer/objects.py",
            "for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):",
