@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fulmen.tracer.objects import function_roots, global_names
+from fulmen.tracer.objects import _module_optimizers, function_roots, global_names
 
 _is = operator.is_
 _chain = itertools.chain.from_iterable
@@ -257,13 +257,15 @@ class RootsMemo:
     NOTE [function roots memo]: the answer depends on the functions and methods it visits (a
     function's `__code__` is writable, its `__closure__` and `__globals__` are not, a method's
     `__self__` and `__func__` neither), on each closure cell's contents, each weak reference's
-    referent, the values the code reads as globals, and on the type of every value it judges
+    referent, the values the code reads as globals, the optimizers a module it meets holds as attributes
+    (asked again on every call), and on the type of every value it judges
     (`is_plain_object`, `callable`). The memo keeps each of those (holding them alive, so
     identities cannot be reused) and compares them by identity at C level. A traversal through
-    another kind of callable, an empty cell, a weak reference (the memo would keep its
+    another kind of callable, a list, tuple or dict whose items it reads, an empty cell, a weak reference (the memo would keep its
     referent alive) or a value whose plainness its type does not decide is not remembered."""
 
-    __slots__ = ("_fn", "_roots", "_functions", "_codes", "_cells", "_contents", "_values", "_types", "_namespace", "_names", "_globals")
+    __slots__ = ("_fn", "_roots", "_functions", "_codes", "_cells", "_contents", "_values",
+                 "_types", "_namespace", "_names", "_globals", "_modules")
 
     def __init__(self) -> None:
         self._fn = None
@@ -289,13 +291,17 @@ class RootsMemo:
         if self._names and not all(map(_is, map(self._namespace.get, self._names),
                                            self._globals)):
             return False
+        for module, optimizers in self._modules:  # (`model.opt = ...` after the first call)
+            now = _module_optimizers(module)
+            if len(now) != len(optimizers) or not all(map(_is, now, optimizers)):
+                return False
         return all(map(_is, map(type, self._values), self._types))
 
     def _remember(self, fn: Any, roots: list, log: list) -> None:
         self._fn = None
         if None in log:
             return
-        functions, codes, cells, contents, values = [], [], [], [], []
+        functions, codes, cells, contents, values, modules = [], [], [], [], [], []
         namespace, names, global_values = None, [], []
         for entry in log:
             kind = entry[0]
@@ -307,6 +313,8 @@ class RootsMemo:
                 contents.append(entry[2])
             elif kind == "value":
                 values.append(entry[1])
+            elif kind == "module":
+                modules.append((entry[1], entry[2]))
             else:  # "globals"
                 namespace, names, global_values = entry[1], entry[2], entry[3]
                 values += global_values
@@ -318,6 +326,7 @@ class RootsMemo:
         self._values, self._types = tuple(values), tuple(map(type, values))
         self._namespace, self._names = namespace, tuple(names)
         self._globals = tuple(global_values)
+        self._modules = tuple(modules)
 
 
 def reads_unbound_globals(fn: Any) -> bool:

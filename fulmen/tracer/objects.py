@@ -135,7 +135,10 @@ def global_names(code) -> frozenset[str]:
 def function_roots(fn: Any, depth: int = 0, wanted=None, log: list | None = None) -> list[Any]:
     """The objects a function reads besides its arguments: the `self` of a bound method, the
     plain objects it reads as globals and the objects in its closure cells (through weak references and the bound methods and
-    functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order.
+    functions found there, as an LR scheduler wraps `optimizer.step`), in a fixed order; also
+    those held one step away: in small lists, tuples and dicts it reads (`opts[0].step()`,
+    `_held_objects`), as a module's optimizers (`self.opt`, `_module_optimizers`), as default
+    argument values and as a `functools.partial`'s bound arguments.
     `wanted(value)` chooses them (by default plain objects, and among closure cells only those
     that are not callable: not another jitted function). `log` (a list) gets every read the
     answer depends on (`key_memo.RootsMemo`), or None where a read is not one it can repeat."""
@@ -145,11 +148,19 @@ def function_roots(fn: Any, depth: int = 0, wanted=None, log: list | None = None
     if log is not None and not (type(fn) is types.FunctionType or (
             type(fn) is types.MethodType and type(fn.__func__) is types.FunctionType)):
         log.append(None)  # (`__self__`, `__closure__` of other callables may change)
+    if isinstance(fn, functools.partial):  # `jit(partial(step, opt))`: its bound arguments
+        if wanted is None:
+            for value in (*fn.args, *fn.keywords.values()):
+                found += [value] if is_plain_object(value) and not callable(value) else \
+                    _held_objects(value)
+        return _unique(found + function_roots(fn.func, depth, wanted, log))
     bound = getattr(fn, "__self__", None)
     if log is not None:
         log.append(("value", bound))
     if is_plain_object(bound) if wanted is None else wanted(bound):
         found.append(bound)
+    elif wanted is None:  # a module's method stepping `self.opt`
+        found += _module_optimizers(bound, log)
     inner = getattr(fn, "__func__", fn)
     if log is not None and type(inner) is types.FunctionType:
         log.append(("code", inner, inner.__code__))
@@ -173,6 +184,8 @@ def function_roots(fn: Any, depth: int = 0, wanted=None, log: list | None = None
         elif (is_plain_object(value) and not callable(value)) if wanted is None else \
                 wanted(value):
             found.append(value)
+        elif wanted is None:  # `opts = [opt]` ... `opts[0].step()`: the objects a list holds
+            found += _held_objects(value, log=log) + _module_optimizers(value, log)
     if wanted is None and depth == 0 and isinstance(inner, types.FunctionType):
         # the plain objects it reads as globals, as those of its closure: a module-level
         # `def train_step(): opt.step()` stores the first step's state into `opt.state`
@@ -180,12 +193,69 @@ def function_roots(fn: Any, depth: int = 0, wanted=None, log: list | None = None
         names = sorted(global_names(inner.__code__))
         if log is not None:
             log.append(("globals", namespace, names, [namespace.get(name) for name in names]))
-        found += [namespace[name] for name in names
-                  if is_plain_object(namespace.get(name)) and not callable(namespace[name])]
+        for name in names:
+            value = namespace.get(name)
+            found += [value] if is_plain_object(value) and not callable(value) else \
+                _held_objects(value, log=log) + _module_optimizers(value, log)
+    if wanted is None and isinstance(inner, types.FunctionType):
+        # default argument values (`def step(x, opt=opt)`), read when the call leaves them out
+        for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):
+            held = [value] if is_plain_object(value) and not callable(value) else \
+                _held_objects(value)
+            if held and log is not None:
+                log.append(None)  # (`__defaults__` may be assigned)
+            found += held
+    return _unique(found)
+
+
+def _unique(found: list[Any]) -> list[Any]:
     unique: dict[int, Any] = {}
     for value in found:
         unique.setdefault(id(value), value)
     return list(unique.values())
+
+
+def _module_optimizers(value: Any, log: list | None = None) -> list[Any]:
+    """The optimizers and LR schedulers a module holds as plain attributes (`self.opt`, as a
+    model with its own training step keeps them): roots as if the function held them itself
+    (else their first step's state, proxies, stayed in the real optimizer). Only these kinds:
+    a module's other attributes (an HF config) are read as constants. `log`: as
+    `function_roots`'s (the module and what it gave: `RootsMemo` asks again)."""
+    if not isinstance(value, torch.nn.Module):
+        return []
+    kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    found = [item for item in vars(value).values() if isinstance(item, kinds)]
+    if log is not None:
+        log.append(("module", value, tuple(found)))
+    return found
+
+
+_HELD_ITEMS = 8  # the most items of a container whose objects `_held_objects` takes
+
+
+def _held_objects(value: Any, depth: int = 0, log: list | None = None) -> list[Any]:
+    """The plain, non-callable objects a list, tuple or dict read by a function holds as its
+    items: an optimizer kept in `opts = [opt]` stores its first step's state into
+    `opt.state` as one held directly does, so it is a root too (else the state made while
+    tracing, proxies, stayed in the real optimizer after a call that ran eagerly); containers
+    nested in them too, two levels deep. Only small containers (`_HELD_ITEMS`): a list of many
+    records the function reads is data, each of them walked by every call's key otherwise.
+    `log`: as `function_roots`'s (a container's items may change: not remembered)."""
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif type(value) is dict:
+        items = list(value.values())
+    else:
+        return []
+    if log is not None:
+        log.append(None)
+    if len(items) > _HELD_ITEMS:
+        return []
+    found = [item for item in items if is_plain_object(item) and not callable(item)]
+    if depth < 1:
+        for item in items:
+            found += _held_objects(item, depth + 1)
+    return found
 
 
 def walk(root: Any) -> list[tuple[tuple, Any]]:

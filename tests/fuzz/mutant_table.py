@@ -3390,4 +3390,15 @@ MUTANTS: list[Mutant] = [
            "        if not all(map(_is, map(_code_of, self._functions), self._codes)):",
            "        if False:",
            ("tests/tracer/test_host_cost_53.py",)),
+    # --- session 53, h53mix: the merged features together ---
+    Mutant("closure_container_objects_not_roots", "objects", "tracer/objects.py",
+           "            found += _held_objects(value, log=log) + _module_optimizers(value, log)\n",
+           "            found += _module_optimizers(value, log)\n",
+           ("tests/tracer/test_merged_53.py",)),
+    Mutant("function_defaults_not_roots", "objects", "tracer/objects.py",
+           "for value in (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values()):",
+           "for value in ():", ("tests/tracer/test_merged_53.py",)),
+    Mutant("module_optimizers_not_roots", "objects", "tracer/objects.py",
+           "found = [item for item in vars(value).values() if isinstance(item, kinds)]",
+           "found = []", ("tests/tracer/test_merged_53.py",)),
 ]
