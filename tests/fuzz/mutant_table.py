@@ -3401,4 +3401,10 @@ MUTANTS: list[Mutant] = [
     Mutant("module_optimizers_not_roots", "objects", "tracer/objects.py",
            "found = [item for item in vars(value).values() if isinstance(item, kinds)]",
            "found = []", ("tests/tracer/test_merged_53.py",)),
+    # --- session 53, lead: h53mix's roots merged with h53host's RootsMemo ---
+    Mutant("roots_memo_ignores_module_optimizers", "objects", "tracer/key_memo.py",
+           "        for module, optimizers in self._modules:",
+           "        for module, optimizers in ():",
+           ("tests/tracer/test_merged_53.py::"
+            "test_a_module_optimizer_replaced_after_compiling_is_the_one_stepped",)),
 ]

@@ -155,3 +155,29 @@ def test_a_modules_own_optimizer_steps_as_eager(backward_inside):
         torch.testing.assert_close(a, b)
     stats = fulmen.compile_stats(fn)
     assert stats.calls == 4 and stats.eager_calls == 0
+
+
+def _replaced_optimizer_loop(jit: bool):
+    torch.manual_seed(0)
+    net = _SelfStepping(True)
+    fn = fulmen.jit(net.train_step) if jit else net.train_step
+    generator = torch.Generator().manual_seed(2)
+    for step in range(5):
+        if step == 2:  # a new optimizer assigned to the module after compiling
+            net.opt = torch.optim.SGD(net.lin.parameters(), lr=0.05, momentum=0.9)
+        fn(torch.randn(5, 6, generator=generator), torch.randn(5, 4, generator=generator))
+    buffers = [per["momentum_buffer"] for per in net.opt.state.values()]
+    return [p.detach().clone() for p in net.lin.parameters()] + buffers, fn
+
+
+def test_a_module_optimizer_replaced_after_compiling_is_the_one_stepped():
+    """`net.opt = SGD(...)` between calls of `jit(net.train_step)`: the memo of the function's
+    roots (`key_memo.RootsMemo`) asks the module for its optimizers again, so the new one is
+    the root stepped (its momentum buffers real tensors equal to eager's), not the old one."""
+    got, fn = _replaced_optimizer_loop(True)
+    want, _ = _replaced_optimizer_loop(False)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert type(a) is torch.Tensor
+        torch.testing.assert_close(a, b)
+    assert fulmen.compile_stats(fn).eager_calls == 0
