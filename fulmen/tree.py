@@ -33,6 +33,7 @@ from fulmen.tracer.break_sizes import (
     CountSites,
     generic_dims,
     generic_key,
+    input_value_name,
     path_checks,
     site_of,
 )
@@ -145,13 +146,15 @@ class TraceTree:
         self.arg_names = arg_names
         self.root: SegmentNode | None = None
         self.sites = CountSites()  # break sites whose counts are traced symbolic
+        self.reads: tuple = ()  # `(input name, dim)` whose sizes the count checks read
 
     def __call__(self, *args):
         env = dict(zip(self.arg_names, args))
         real = _real(env)
         node = self.root
         own: dict[str, torch.Tensor] = {}  # this call's copies of the tensors it made
-        depth, values = 0, {}  # the break reached; the count symbols' values (`_child`)
+        depth = 0  # the break reached; the count symbols' and inputs' sizes (`_child`):
+        values = {input_value_name(name, dim): env[name].shape[dim] for name, dim in self.reads}
         while True:
             for name, value in node.constants.items():
                 if name in node.fresh:
@@ -245,7 +248,7 @@ class TraceTree:
         for depth, segment in enumerate(segments):
             if parent is not None and old is None and len(parent.children) >= MAX_BRANCHES:
                 parent.closed = True
-                _add_checks(path, keys, symbols)
+                self._add_checks(path, keys, symbols)
                 return None
             node = self._node(segment, constants, old, compile_segment)
             node.fresh = node.fresh | (fresh & node.constants.keys())
@@ -275,7 +278,7 @@ class TraceTree:
             parent, key = node, self._key(node, segment, depth, symbols)
             keys.append(key)
             old = node.children.get(key)
-        _add_checks(path, keys, symbols)
+        self._add_checks(path, keys, symbols)
         return path
 
     @staticmethod
@@ -293,6 +296,18 @@ class TraceTree:
         symbols += [(args[i].shape[d], depth, i, d) for i, d in dims]
         return generic_key(segment.answer, dims, depth)[0]
 
+    def _add_checks(self, path: list[SegmentNode], keys: list, symbols: list) -> None:
+        """Add the checks of a grafted path's count symbols (`path_checks`) to the generic
+        keys it took, where the path reached their child: a generic child is reached only
+        where every path through it has its sizes' guards hold (the input sizes they read
+        bound at each call: `reads`)."""
+        found, reads = path_checks(symbols, self.arg_names)
+        self.reads = tuple(sorted({*self.reads, *reads}))
+        for depth, checks in found.items():
+            if depth < len(keys) and depth + 1 < len(path):
+                node = path[depth]
+                node.checks[keys[depth]] = [*node.checks.get(keys[depth], ()), *checks]
+
     def paths(self) -> int:
         """How many paths (leaves) the tree holds."""
         def count(node: SegmentNode | None) -> int:
@@ -304,14 +319,6 @@ class TraceTree:
         return count(self.root)
 
 
-def _add_checks(path: list[SegmentNode], keys: list, symbols: list) -> None:
-    """Add the checks of a grafted path's count symbols (`path_checks`) to the generic keys
-    it took, where the path reached their child: a generic child is reached only where every
-    path through it has its sizes' guards hold."""
-    for depth, checks in path_checks(symbols).items():
-        if depth < len(keys) and depth + 1 < len(path):
-            node = path[depth]
-            node.checks[keys[depth]] = [*node.checks.get(keys[depth], ()), *checks]
 
 
 def _reads(segment: Segment) -> list[str]:

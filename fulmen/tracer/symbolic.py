@@ -160,6 +160,12 @@ def _shape_env_class() -> type:
     return _SHAPE_ENV_CLASS[0]
 
 
+# the attribute of a ShapeEnv holding the symbols of counts after graph breaks made in it
+# (`fulmen.tracer.break_sizes.count_shape`): guards on them are checked by the trace tree at
+# the break binding them, not by the entry's shape guard (`SymbolicSizes.guard`)
+COUNT_SYMBOLS = "_fulmen_count_symbols"
+
+
 class SymbolicSizes:
     """The symbolic sizes of one trace: a `ShapeEnv`, and which input dimension each symbol
     was made for.
@@ -336,8 +342,24 @@ class SymbolicSizes:
         # ignore_static=False: a symbol the trace specialised (`int(n)`, a meta kernel's
         # check) has become a number, and its input's size must be guarded as one
         names = [f"t{i}" for i in range(len(self.proxies))]
-        guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
-                                         ignore_static=False)
+        counts = getattr(self.env, COUNT_SYMBOLS, None)
+        if counts:  # NOTE [symbolic counts at a break site]: their guards are the tree's
+            kept = self.env.guards
+            self.env.guards = [g for g in kept if not g.expr.free_symbols & counts]
+            try:
+                guards = self.env.produce_guards(self.proxies,
+                                                 [LocalSource(n) for n in names],
+                                                 ignore_static=False)
+            except (AssertionError, RuntimeError):  # (a size no input holds)
+                guards = ["L['count"]
+            finally:
+                self.env.guards = kept
+            if any("L['count" in guard for guard in guards):
+                # an input size the trace replaced by a count's expression: never hit
+                return lambda leaves: False
+        else:
+            guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
+                                             ignore_static=False)
         unread = tuple(f"L['{name}'].storage_offset() == " for name, p in
                        zip(names, self.positions) if p not in offsets_read)
         guards = [g for g in guards if not (g.startswith(unread)

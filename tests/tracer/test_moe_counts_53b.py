@@ -1,0 +1,63 @@
+"""Symbolic counts after a graph break in trees whose input sizes are symbolic too (NOTE
+[symbolic counts at a break site] in `fulmen.tracer.break_sizes`): a mixture of experts trained
+with varying sequence lengths retraces a bounded number of times, not at every step, and every
+call equals eager, including the specialised counts (0, 1, a count equal to the length)."""
+
+import copy
+
+import torch
+
+import fulmen
+from tests.tracer.test_moe_counts import TwoExperts, _step
+
+
+def _compare(model, inputs):
+    eager = copy.deepcopy(model)
+    jitted = fulmen.jit(model)
+    for x in inputs:
+        out, grads = _step(jitted, x)
+        want, want_grads = _step(eager, x)
+        torch.testing.assert_close(out, want)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected)
+    return fulmen.compile_stats(jitted)
+
+
+def test_varying_lengths_and_routing_retrace_a_bounded_number_of_times():
+    torch.manual_seed(0)
+    model = TwoExperts()
+    lengths = [12, 16, 20, 24] * 3
+    inputs = [torch.randn(n, 8) for n in lengths]
+    stats = _compare(model, inputs)
+    # an entry for the first length, one with a symbolic length; in it one retrace for the
+    # counts going symbolic: not one per step
+    assert stats.eager_calls == 0, stats.eager_calls
+    assert len(stats.recompile_reasons) <= 4, stats.recompile_reasons
+    assert stats.recompile_reasons[0][0].startswith("x.shape changed")  # (lengths symbolic)
+
+
+def test_counts_related_to_the_length_are_checked_with_the_calls_length():
+    """Decisions relating a count to the (symbolic) length, and the specialised counts 0, 1
+    and a count equal to the length: each call takes a path traced for its own case."""
+
+    def fn(x, w):
+        (a,) = torch.where(x > 0)
+        y = x[a] * 2
+        if a.shape[0] * 2 > x.shape[0]:  # a count against the input's length
+            y = y + 1
+        if a.shape[0] == x.shape[0] - 1:
+            y = y * 3
+        return y.sum() + a.shape[0] + (w[: a.shape[0]].sum() if a.shape[0] <= w.shape[0] else 0)
+
+    def batch(length: int, count: int) -> torch.Tensor:
+        x = -torch.rand(length) - 0.1
+        x[torch.randperm(length)[:count]] = 1.0
+        return x
+
+    jitted, w = fulmen.jit(fn), torch.randn(9)
+    calls = [(12, 5), (16, 3), (16, 7), (20, 4), (12, 9), (20, 11), (16, 15), (20, 19),
+             (12, 0), (16, 1), (20, 20), (12, 12), (16, 10), (12, 6), (20, 2), (16, 9)]
+    for length, count in calls:
+        x = batch(length, count)
+        torch.testing.assert_close(jitted(x, w), fn(x, w))
+    assert fulmen.compile_stats(jitted).eager_calls == 0
