@@ -342,24 +342,21 @@ class SymbolicSizes:
         # ignore_static=False: a symbol the trace specialised (`int(n)`, a meta kernel's
         # check) has become a number, and its input's size must be guarded as one
         names = [f"t{i}" for i in range(len(self.proxies))]
-        counts = getattr(self.env, COUNT_SYMBOLS, None)
-        if counts:  # NOTE [symbolic counts at a break site]: their guards are the tree's
-            kept = self.env.guards
-            self.env.guards = [g for g in kept if not g.expr.free_symbols & counts]
-            try:
-                guards = self.env.produce_guards(self.proxies,
-                                                 [LocalSource(n) for n in names],
-                                                 ignore_static=False)
-            except (AssertionError, RuntimeError):  # (a size no input holds)
-                guards = ["L['count"]
-            finally:
-                self.env.guards = kept
-            if any("L['count" in guard for guard in guards):
-                # an input size the trace replaced by a count's expression: never hit
-                return lambda leaves: False
-        else:
+        counts = getattr(self.env, COUNT_SYMBOLS, set())
+        kept = self.env.guards  # (NOTE [symbolic counts at a break site]: the tree's guards)
+        self.env.guards = [g for g in kept if not g.expr.free_symbols & counts]
+        try:
             guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
                                              ignore_static=False)
+        except (AssertionError, RuntimeError):
+            if not counts:
+                raise
+            guards = ["L['count"]  # (a size no input holds)
+        finally:
+            self.env.guards = kept
+        if counts and any("L['count" in guard for guard in guards):
+            # an input size the trace replaced by a count's expression: never hit
+            return lambda leaves: False
         unread = tuple(f"L['{name}'].storage_offset() == " for name, p in
                        zip(names, self.positions) if p not in offsets_read)
         guards = [g for g in guards if not (g.startswith(unread)

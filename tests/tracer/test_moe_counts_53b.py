@@ -26,7 +26,7 @@ def _compare(model, inputs):
 def test_varying_lengths_and_routing_retrace_a_bounded_number_of_times():
     torch.manual_seed(0)
     model = TwoExperts()
-    lengths = [12, 16, 20, 24] * 3
+    lengths = [12, 16, 20, 24] * 2
     inputs = [torch.randn(n, 8) for n in lengths]
     stats = _compare(model, inputs)
     # an entry for the first length, one with a symbolic length; in it one retrace for the
@@ -61,3 +61,22 @@ def test_counts_related_to_the_length_are_checked_with_the_calls_length():
         x = batch(length, count)
         torch.testing.assert_close(jitted(x, w), fn(x, w))
     assert fulmen.compile_stats(jitted).eager_calls == 0
+
+
+def test_sizes_made_after_the_break_from_the_length_and_the_count():
+    """A segment after the break reads both the input's symbolic length and the count (one
+    ShapeEnv holds both: symbols of two would share names)."""
+
+    def fn(x):
+        (a,) = torch.where(x > 0)
+        out = x.new_zeros(x.shape[0] + 1).index_add(0, a, x[a] * 2)
+        return out, x.new_ones(a.shape[0], x.shape[0]).cumsum(1) * x[a, None]
+
+    jitted = fulmen.jit(fn)
+    for length, count in [(12, 5), (16, 3), (16, 7), (20, 4), (12, 9), (20, 11), (16, 13)]:
+        x = -torch.rand(length) - 0.1
+        x[torch.randperm(length)[:count]] = 1.0 + torch.rand(count)
+        for got, want in zip(jitted(x), fn(x)):
+            torch.testing.assert_close(got, want)
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 3, stats.recompile_reasons
