@@ -287,9 +287,12 @@ class TraceTree:
         generic where the trace gave the op's counts symbols, whose `(SymInt, depth, output,
         dim)` are added to `symbols` (NOTE [symbolic counts at a break site])."""
         fn, args, _ = guard_inputs(segment.guard)  # (this path's proxies: `node` may be older)
-        node.site = site_of(segment.guard.source, fn)
+        shapes = fn is output_shapes
+        node.site = site_of(segment.guard.source, fn,
+                            segment.op.sym.name if shapes and segment.op is not None else "",
+                            len(segment.answer) if shapes else 0)
         node.answers.append(segment.answer)
-        dims = generic_dims(args) if fn is output_shapes else ()
+        dims = generic_dims(args) if shapes else ()
         if not dims:
             return answer_key(segment.answer)
         node.generic = dims

@@ -44,11 +44,13 @@ _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.log
 GENERIC = "n"  # the size in a generic answer key that a symbol stood for
 
 
-def site_of(source, fn) -> tuple | None:
-    """The site of a break: its user line and question (None without a source line)."""
+def site_of(source, fn, op: str = "", outputs: int = 0) -> tuple | None:
+    """The site of a break: its user line, question, data-dependent op and number of
+    outputs (None without a source line): two ops of one line (HF Mixtral's
+    `torch.where(expert_mask[expert_idx])` indexes by a tensor, then counts) vary apart."""
     if source is None:
         return None
-    return (source.filename, source.lineno, getattr(fn, "__qualname__", repr(fn)))
+    return (source.filename, source.lineno, getattr(fn, "__qualname__", repr(fn)), op, outputs)
 
 
 @dataclass
@@ -133,15 +135,17 @@ def _strides_keep(tensor: torch.Tensor, dims: list[int]) -> bool:
 
 
 def count_shape(fn, source, index: int, tensor: torch.Tensor, depth: int,
-                answer, inputs_env: Callable[[], Any] = lambda: None) -> tuple[tuple, tuple]:
+                answer, inputs_env: Callable[[], Any] = lambda: None,
+                op: str = "") -> tuple[tuple, tuple]:
     """`(shape, strides)` for the proxy of output `index` of a data-dependent op, the real
     `tensor`, at break `depth` of the trace: symbolic in the dims its site varies in (NOTE
     [symbolic counts at a break site]), else the real ones. `inputs_env()` is the ShapeEnv
-    of the trace's symbolic input sizes (None without): the count symbols are made in it."""
+    of the trace's symbolic input sizes (None without): the count symbols are made in it;
+    `op` names the data-dependent op (`site_of`)."""
     plain = tuple(tensor.shape), tuple(tensor.stride())
 
     sites, sizes = _ACTIVE[-1]
-    site = site_of(source, fn)
+    site = site_of(source, fn, op, len(answer))
     if sites is None or site not in sites.dims or (site, answer_key(answer)) in sites.refused:
         return plain
     dims = [d for i, d in sites.dims[site] if i == index and d < tensor.dim()

@@ -207,7 +207,8 @@ class BreakRecorder:
                 return leaf
             # NOTE [symbolic counts at a break site]
             shape, strides = count_shape(output_shapes, source, indices[id(leaf)], leaf,
-                                         depth, answer, lambda: _inputs_shape_env(self.ctx))
+                                         depth, answer, lambda: _inputs_shape_env(self.ctx),
+                                         sym.name)
             proxy = TensorProxy(self.ctx.names.new(), shape, leaf.dtype, leaf.device,
                                 strides=strides)
             proxies[id(proxy)] = proxy

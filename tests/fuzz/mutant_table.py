@@ -3257,4 +3257,8 @@ MUTANTS: list[Mutant] = [
            "                            entry.fn.sites,",
            "                            entry.fn.sites if dims is None else None,",
            ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("break_site_ignores_op", "guards", "tracer/break_sizes.py",
+           'getattr(fn, "__qualname__", repr(fn)), op, outputs)',
+           'getattr(fn, "__qualname__", repr(fn)))',
+           ("tests/tracer/test_moe_counts_53b.py",)),
 ]

@@ -80,3 +80,33 @@ def test_sizes_made_after_the_break_from_the_length_and_the_count():
             torch.testing.assert_close(got, want)
     stats = fulmen.compile_stats(jitted)
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 3, stats.recompile_reasons
+
+
+class HitExperts(torch.nn.Module):
+    """HF Mixtral's eager experts: a loop over the experts hit, each indexing the routing mask
+    by a 0-d tensor (a break whose size is the token count, varying with the length) and
+    `torch.where` on it on the same line (a break whose size is the expert's count)."""
+
+    def __init__(self, width: int = 8, experts: int = 3) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(width, experts, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(experts, width, width) / width ** 0.5)
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(chosen, self.w.shape[0]).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        out = torch.zeros_like(x)
+        for e in hit:
+            e = e[0]
+            pos, idx = torch.where(mask[e])
+            out = out.index_add(0, idx, (x[idx] @ self.w[e]) * weights[idx, pos, None])
+        return out
+
+
+def test_two_breaks_of_one_line_vary_apart():
+    torch.manual_seed(6)
+    inputs = [torch.randn(n, 8) for n in [8, 12, 16, 20] * 2]
+    stats = _compare(HitExperts(), inputs)
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 4, stats.recompile_reasons
