@@ -19,9 +19,14 @@ replaced by a marker) and checks, at each node, the ShapeEnv's guards whose symb
 bound by then (`path_checks`), with each symbol renamed after where it is bound (`c{depth}_{out}
 _{dim}`), so paths traced in other ShapeEnvs agree. A call whose sizes fail a check takes the
 exact answer's child, or retraces with that answer refused (`CountSites.refused`): the site
-stays static there, so a wrong size never reaches a compiled path. Only trees without
-symbolic input sizes do this (one ShapeEnv per trace: the input sizes' entry guard could not
-evaluate a count's symbol).
+stays static there, so a wrong size never reaches a compiled path.
+
+In a tree whose input sizes are symbolic (a length that varies), the count symbols are made in
+the trace's own ShapeEnv, beside the inputs' (two ShapeEnvs would give symbols of one name):
+the entry's shape guard leaves out every guard on a count symbol (`COUNT_SYMBOLS` in
+`fulmen.tracer.symbolic`), and `path_checks` checks those at the node, reading the input sizes
+they involve from the call's inputs (`TraceTree.reads`). A site is one line *and* op (two breaks
+of one line vary apart).
 """
 
 from __future__ import annotations
