@@ -203,7 +203,7 @@ def generic_key(answer, dims: tuple, depth: int) -> tuple[Any, dict] | None:
 
 def _input_names(env, symbols, names) -> dict:
     """Symbol -> `(input name, dim)` for the symbols among `symbols` that are a size of a
-    trace input in `names` (an integer's carrier `(0, n)` holds it as dim 1)."""
+    trace input in `names` (an integer's symbol is none: a check on it refuses)."""
     from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 
     found = {}
@@ -212,9 +212,6 @@ def _input_names(env, symbols, names) -> dict:
             if isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE \
                     and isinstance(source.base, LocalSource) and source.base.local_name in names:
                 found[symbol] = (source.base.local_name, source.idx)
-                break
-            if type(source) is LocalSource and source.local_name in names:
-                found[symbol] = (source.local_name, 1)
                 break
     return found
 
