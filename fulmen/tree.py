@@ -111,6 +111,12 @@ class SegmentNode:
     answers: list = field(default_factory=list)
     generic: tuple = ()
     checks: dict = field(default_factory=dict)
+    # at a leaf: the trace inputs, then the data-dependent ops' outputs (`numbers`' sources),
+    # how many of them are inputs, and the outputs' names an epilogue reads counts from
+    sources: tuple = ()
+    inputs: int = 0
+    count_names: tuple = ()
+    bound: Any = None  # the `objects` whose epilogue `count_names` was set for
 
 
 class PathMiss(Exception):
@@ -147,6 +153,7 @@ class TraceTree:
         self.root: SegmentNode | None = None
         self.sites = CountSites()  # break sites whose counts are traced symbolic
         self.reads: tuple = ()  # `(input name, dim)` whose sizes the count checks read
+        self.last_counts: list = []  # the op outputs the last call's leaf read counts from
 
     def __call__(self, *args):
         env = dict(zip(self.arg_names, args))
@@ -172,6 +179,10 @@ class TraceTree:
             answer = fn(*map_proxies(real, guard_args), **map_proxies(real, guard_kwargs))
             node = self._child(node, answer, depth, values)
             depth += 1
+        if node.objects is not node.bound:  # (a new path's epilogue: once)
+            self._bind_epilogue(node)
+        if node.count_names:  # (the epilogue's numbers hold counts: this call's)
+            self.last_counts = [env[name] for name in node.count_names]
         out = map_proxies(real, node.output)
         if node.numbers is not None:  # symbolic sizes returned: this call's values
             positions, values, names = node.numbers
@@ -265,6 +276,7 @@ class TraceTree:
                 # (a count made symbolic at a break is read from its op's output)
                 sources = [*inputs, *(p for s in segments if s.op is not None
                                       for p in s.op.proxy_outputs if isinstance(p, TensorProxy))]
+                node.sources, node.inputs = tuple(sources), len(inputs)
                 node.numbers = (positions, number_function(
                     [leaves[i] for i in positions], sources),
                     [p.name for p in sources]) if positions else None
@@ -310,6 +322,23 @@ class TraceTree:
             if depth < len(keys) and depth + 1 < len(path):
                 node = path[depth]
                 node.checks[keys[depth]] = [*node.checks.get(keys[depth], ()), *checks]
+
+    def _bind_epilogue(self, leaf: SegmentNode) -> None:
+        """Where the epilogue of `leaf`'s path stores numbers holding a count after a break
+        (`obj.seen += idx.shape[0]`: `symbolic._counts_unbound`), compute them from the
+        inputs and this call's op outputs (`last_counts`), as a returned count is."""
+        objects, leaf.count_names = leaf.objects, ()
+        leaf.bound, epilogue = objects, objects.epilogue if objects is not None else None
+        numbers = getattr(epilogue.number_fn, "counts", None) if epilogue else None
+        if numbers is None:
+            return
+        function, inputs = number_function(numbers, list(leaf.sources)), leaf.inputs
+        leaf.count_names = tuple(p.name for p in leaf.sources[inputs:])
+
+        def counted(*args):
+            return function(*args[:inputs], *self.last_counts)
+
+        epilogue.number_fn = counted
 
     def paths(self) -> int:
         """How many paths (leaves) the tree holds."""

@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fulmen.core.printer import symbol_bindings
+from fulmen.core import FulmenError
+from fulmen.core.printer import bindable_symbols, symbol_bindings
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.formatting import SHAPE_ENV_MARK
 from fulmen.tracer.objects import follow, function_roots
@@ -108,6 +109,10 @@ def number_function(numbers: list, proxies: list) -> Callable:
 
     exprs = [number.node.expr for number in numbers]
     symbols = set().union(*(expr.free_symbols for expr in exprs))
+    counts = set().union(*(getattr(n.node.shape_env, COUNT_SYMBOLS, ()) for n in numbers))
+    unbound = symbols - bindable_symbols(proxies, symbols)
+    if unbound and unbound <= counts:  # (else `symbol_bindings` raises)
+        return _counts_unbound(numbers)
     lines = symbol_bindings(proxies, symbols, "the epilogue's numbers")
     printer = PythonPrinter()
     values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"
@@ -120,6 +125,19 @@ def number_function(numbers: list, proxies: list) -> Callable:
     function = scope["numbers"]
     function.source = source
     return function
+
+
+def _counts_unbound(numbers: list) -> Callable:
+    """The `number_function` of numbers holding a count after a graph break (NOTE [symbolic
+    counts at a break site]): the call's inputs do not hold it; the trace tree's leaf replaces
+    it by one reading the op's output (`TraceTree.bind_epilogue`). Raises if called."""
+
+    def numbers_after_breaks(*_):
+        raise FulmenError("the epilogue's numbers hold a count after a graph break, read only "
+                          "at the trace tree's leaf", op="print the epilogue's numbers")
+
+    numbers_after_breaks.counts = numbers
+    return numbers_after_breaks
 
 
 def has_symbolic_shape(tensor: torch.Tensor) -> bool:

@@ -3261,4 +3261,10 @@ MUTANTS: list[Mutant] = [
            'getattr(fn, "__qualname__", repr(fn)), op, outputs)',
            'getattr(fn, "__qualname__", repr(fn)))',
            ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("epilogue_counts_read_stale", "mutation", "tree.py",
+           "        if node.count_names:  #", "        if node.count_names and not self.last_counts:  #",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("epilogue_counts_stay_exact", "mutation", "tracer/symbolic.py",
+           "    if unbound and unbound <= counts:", "    if False:",
+           ("tests/tracer/test_moe_counts_53b.py",)),
 ]

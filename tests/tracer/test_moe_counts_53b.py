@@ -110,3 +110,32 @@ def test_two_breaks_of_one_line_vary_apart():
     inputs = [torch.randn(n, 8) for n in [8, 12, 16, 20] * 2]
     stats = _compare(HitExperts(), inputs)
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 4, stats.recompile_reasons
+
+
+class Seen:
+    """An object a jitted function counts into (a token counter of a router)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.area = 0
+
+
+def _counted(x, stats):
+    (idx,) = torch.where(x[:, 0] > 0)
+    stats.seen = stats.seen + idx.shape[0]
+    stats.area += idx.shape[0] * x.shape[0]  # a count times the (symbolic) length
+    return x[idx].sum(0)
+
+
+def test_a_count_stored_into_an_object_is_each_calls_own():
+    jitted, mine, theirs = fulmen.jit(_counted), Seen(), Seen()
+    calls = [(12, 5), (12, 7), (16, 3), (16, 9), (20, 0), (20, 1), (12, 12), (16, 6), (20, 11)]
+    for length, count in calls:
+        x = torch.randn(length, 4)
+        x[:, 0] = -1.0
+        x[torch.randperm(length)[:count], 0] = 1.0
+        torch.testing.assert_close(jitted(x, mine), _counted(x, theirs))
+        assert (mine.seen, mine.area) == (theirs.seen, theirs.area)
+    stats = fulmen.compile_stats(jitted)
+    # the counts symbolic once they vary (0 and 1 take exact paths): not a retrace per call
+    assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 6, stats.recompile_reasons
