@@ -26,7 +26,8 @@ the trace's own ShapeEnv, beside the inputs' (two ShapeEnvs would give symbols o
 the entry's shape guard leaves out every guard on a count symbol (`COUNT_SYMBOLS` in
 `fulmen.tracer.symbolic`), and `path_checks` checks those at the node, reading the input sizes
 they involve from the call's inputs (`TraceTree.reads`). A site is one line *and* op (two breaks
-of one line vary apart).
+of one line vary apart). A count stored into an object (`stats.seen += idx.shape[0]`) is
+computed by the epilogue from the leaf's op outputs (`TraceTree._bind_epilogue`).
 """
 
 from __future__ import annotations
