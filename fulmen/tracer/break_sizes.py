@@ -18,8 +18,9 @@ size. The tree files that path's child under a *generic* key (`generic_key`: the
 replaced by a marker) and checks, at each node, the ShapeEnv's guards whose symbols are all
 bound by then (`path_checks`), with each symbol renamed after where it is bound (`c{depth}_{out}
 _{dim}`), so paths traced in other ShapeEnvs agree. A call whose sizes fail a check takes the
-exact answer's child, or retraces with that answer refused (`CountSites.refused`): the site
-stays static there, so a wrong size never reaches a compiled path.
+exact answer's child, or retraces (see below for when that answer is refused,
+`CountSites.refused`: the site stays static there), so a wrong size never reaches a compiled
+path.
 
 In a tree whose input sizes are symbolic (a length that varies), the count symbols are made in
 the trace's own ShapeEnv, beside the inputs' (two ShapeEnvs would give symbols of one name):
@@ -27,7 +28,10 @@ the entry's shape guard leaves out every guard on a count symbol (`COUNT_SYMBOLS
 `fulmen.tracer.symbolic`), and `path_checks` checks those at the node, reading the input sizes
 they involve from the call's inputs (`TraceTree.reads`). A site is one line *and* op (two breaks
 of one line vary apart). A count stored into an object (`stats.seen += idx.shape[0]`) is
-computed by the epilogue from the leaf's op outputs (`TraceTree._bind_epilogue`).
+computed by the epilogue from the leaf's op outputs (`TraceTree._bind_epilogue`). One generic
+key holds up to `MAX_VARIANTS` generic children (`tree.Variant`: the key and the texts of the
+path's checks there), each taken where its own checks hold: a program deciding on `n % 2`
+gets one per class; sizes no child takes retrace symbolically, past the cap they are refused.
 """
 
 from __future__ import annotations
@@ -262,16 +266,24 @@ def path_checks(symbols: list[tuple], names: tuple = ()) -> tuple[dict[int, list
         inputs = _input_names(env, free - renamed.keys(), names)
         if not free <= renamed.keys() | inputs.keys():
             depth = min(depth_of.values())
-            checks.setdefault(depth, []).append(lambda values: False)
+            checks.setdefault(depth, []).append(_check(lambda values: False, "False"))
             continue
         reads |= set(inputs.values())
         depth = max(depth_of[s] for s in free if s in depth_of)
         named = {**renamed, **{symbol: sympy.Symbol(input_value_name(*inputs[symbol]),
                                                      integer=True) for symbol in inputs}}
-        code = compile(printer.doprint(expr.xreplace(named)), "<fulmen count checks>", "eval")
-        checks.setdefault(depth, []).append(
-            lambda values, code=code: bool(eval(code, SYMPY_INTERP, dict(values))))
+        text = printer.doprint(expr.xreplace(named))
+        code = compile(text, "<fulmen count checks>", "eval")
+        checks.setdefault(depth, []).append(_check(
+            lambda values, code=code: bool(eval(code, SYMPY_INTERP, dict(values))), text))
     return checks, reads
+
+
+def _check(function: Callable, text: str) -> Callable:
+    """`function`, a count check, with its expression as `text` (a generic child's checks
+    tell it from another's of the same key: `TraceTree._key`)."""
+    function.text = text
+    return function
 
 
 __all__ = ["CountSites", "count_shape", "trace_with_counts", "generic_dims", "generic_key",

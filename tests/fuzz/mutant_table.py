@@ -3199,7 +3199,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_user_patterns_53.py",)),
     # --- session 53, h53moe: symbolic counts after a graph break (MoE routing) ---
     Mutant("count_checks_skipped", "guards", "tree.py",
-           "if all(check(values) for check in node.checks.get(found[0], ())):",
+           "if all(check(values) for check in node.checks[key]):",
            "if True:",
            ("tests/tracer/test_moe_counts.py::"
             "test_decisions_on_the_count_are_checked_at_each_call",)),
@@ -3207,7 +3207,9 @@ MUTANTS: list[Mutant] = [
            "            self.refused.add((site, answer_key(answer)))\n",
            "            pass\n",
            ("tests/tracer/test_moe_counts.py::"
-            "test_decisions_on_the_count_are_checked_at_each_call",)),
+            "test_decisions_on_the_count_are_checked_at_each_call",
+            "tests/tracer/test_moe_counts_53b.py::"
+            "test_counts_split_into_classes_get_a_generic_child_each")),
     Mutant("count_symbol_after_replacement", "guards", "tracer/break_sizes.py",
            "        symbol = number.node._expr\n", "        symbol = number.node.expr\n",
            ("tests/tracer/test_moe_counts.py::"
@@ -3266,5 +3268,11 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_moe_counts_53b.py",)),
     Mutant("epilogue_counts_stay_exact", "mutation", "tracer/symbolic.py",
            "    if unbound and unbound <= counts:", "    if False:",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("one_generic_child_per_key", "guards", "tree.py",
+           "            refused = len(keys) >= MAX_VARIANTS", "            refused = bool(keys)",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("generic_children_keyed_without_checks", "guards", "tree.py",
+           "tuple(sorted(check.text for check in checks)))", "())",
            ("tests/tracer/test_moe_counts_53b.py",)),
 ]

@@ -5,9 +5,11 @@ call equals eager, including the specialised counts (0, 1, a count equal to the 
 
 import copy
 
+import pytest
 import torch
 
 import fulmen
+from fulmen.tree import MAX_VARIANTS
 from tests.tracer.test_moe_counts import TwoExperts, _step
 
 
@@ -139,3 +141,38 @@ def test_a_count_stored_into_an_object_is_each_calls_own():
     stats = fulmen.compile_stats(jitted)
     # the counts symbolic once they vary (0 and 1 take exact paths): not a retrace per call
     assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 6, stats.recompile_reasons
+
+
+@pytest.mark.parametrize("thirds", [False, True])
+def test_counts_split_into_classes_get_a_generic_child_each(thirds):
+    """Decisions on a count's parity and remainder (classes no bound tells apart): one
+    generic child per class under one key, each taken only where its checks hold; past
+    `MAX_VARIANTS` classes (`thirds`: six) the answers are refused, traced exactly."""
+
+    def fn(x):
+        (a,) = torch.where(x > 0)
+        y = x[a] * 2
+        y = y + 1 if a.shape[0] % 2 == 0 else y * 3
+        if a.shape[0] % 3 == 1:
+            y = y - 5
+        elif thirds and a.shape[0] % 3 == 2:
+            y = y * 7
+        return y.sum()
+
+    jitted, generator = fulmen.jit(fn), torch.Generator().manual_seed(7)
+    counts = [5, 7, 4, 9, 6, 11, 8, 13, 10, 3, 12, 15, 14, 2, 16, 0, 1, 17, 19, 18, 21, 20]
+    for n in counts:
+        x = -torch.rand(24, generator=generator) - 0.1
+        x[:n] = 1 + torch.rand(n, generator=generator)
+        torch.testing.assert_close(jitted(x), fn(x))
+    stats = fulmen.compile_stats(jitted)
+
+    def widest(node) -> int:
+        return max([len(keys) for keys in node.variants.values()]
+                   + [widest(child) for child in node.children.values()], default=0)
+
+    trees = [entry.fn for entry in stats.cache.values() if entry.tree]
+    assert trees and max(widest(tree.root) for tree in trees) == MAX_VARIANTS
+    if not thirds:  # four classes, then 0 and 1 exact: no eager call
+        assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 7, \
+            stats.recompile_reasons
