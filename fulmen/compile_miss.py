@@ -299,7 +299,7 @@ class CompileMiss:
                     try:  # (sizes after breaks symbolic where they vary: `break_sizes`)
                         program = trace_with_counts(
                             functools.partial(self._trace, args, kwargs, dims),
-                            entry.fn.sites if dims is None else None,
+                            entry.fn.sites,
                             lambda: torch.random.set_rng_state(rng_state))
                     except (StoresDifferPerPath, RunsEagerly) as error:  # this path runs eagerly
                         torch.random.set_rng_state(rng_state)

@@ -33,6 +33,7 @@ from fulmen.tracer.break_sizes import (
     CountSites,
     generic_dims,
     generic_key,
+    input_value_name,
     path_checks,
     site_of,
 )
@@ -43,6 +44,7 @@ from fulmen.tracer.symbolic import number_function
 from fulmen.transforms.segments import Segment, guard_inputs, with_outputs
 
 MAX_BRANCHES = 8  # distinct answers one guard may have before new ones run eagerly
+MAX_VARIANTS = 4  # generic children of one key (each with its checks) before sizes refused
 
 
 @dataclass
@@ -110,6 +112,22 @@ class SegmentNode:
     answers: list = field(default_factory=list)
     generic: tuple = ()
     checks: dict = field(default_factory=dict)
+    variants: dict = field(default_factory=dict)  # generic key -> its children's keys
+    # at a leaf: the trace inputs, then the data-dependent ops' outputs (`numbers`' sources),
+    # how many of them are inputs, and the outputs' names an epilogue reads counts from
+    sources: tuple = ()
+    inputs: int = 0
+    count_names: tuple = ()
+    bound: Any = None  # the `objects` whose epilogue `count_names` was set for
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The key of a generic child: its generic answer key and the texts of its checks (one
+    key may hold several generic children, each where its own checks hold: `n % 2`)."""
+
+    base: Any
+    checks: tuple
 
 
 class PathMiss(Exception):
@@ -145,13 +163,16 @@ class TraceTree:
         self.arg_names = arg_names
         self.root: SegmentNode | None = None
         self.sites = CountSites()  # break sites whose counts are traced symbolic
+        self.reads: tuple = ()  # `(input name, dim)` whose sizes the count checks read
+        self.last_counts: list = []  # the op outputs the last call's leaf read counts from
 
     def __call__(self, *args):
         env = dict(zip(self.arg_names, args))
         real = _real(env)
         node = self.root
         own: dict[str, torch.Tensor] = {}  # this call's copies of the tensors it made
-        depth, values = 0, {}  # the break reached; the count symbols' values (`_child`)
+        depth = 0  # the break reached; the count symbols' and inputs' sizes (`_child`):
+        values = {input_value_name(name, dim): env[name].shape[dim] for name, dim in self.reads}
         while True:
             for name, value in node.constants.items():
                 if name in node.fresh:
@@ -169,6 +190,10 @@ class TraceTree:
             answer = fn(*map_proxies(real, guard_args), **map_proxies(real, guard_kwargs))
             node = self._child(node, answer, depth, values)
             depth += 1
+        if node.objects is not node.bound:  # (a new path's epilogue: once)
+            self._bind_epilogue(node)
+        if node.count_names:  # (the epilogue's numbers hold counts: this call's)
+            self.last_counts = [env[name] for name in node.count_names]
         out = map_proxies(real, node.output)
         if node.numbers is not None:  # symbolic sizes returned: this call's values
             positions, values, names = node.numbers
@@ -189,15 +214,18 @@ class TraceTree:
         refused = False
         if node.generic:
             found = generic_key(answer, node.generic, depth)
-            child = node.children.get(found[0]) if found is not None else None
-            if child is not None:
+            keys = node.variants.get(found[0], ()) if found is not None else ()
+            if keys:
                 values.update(found[1])
+            for key in keys:  # (each generic child holds where its own checks do)
                 try:
-                    if all(check(values) for check in node.checks.get(found[0], ())):
-                        return child
+                    if all(check(values) for check in node.checks[key]):
+                        return node.children[key]
                 except ZeroDivisionError:  # a divisor the traced sizes had nonzero
                     pass
-                refused = True
+            # sizes no generic child's checks take: a new one, or after `MAX_VARIANTS`
+            # the answer refused (traced exactly)
+            refused = len(keys) >= MAX_VARIANTS
         child = node.children.get(answer_key(answer))
         if child is not None:
             return child
@@ -240,12 +268,10 @@ class TraceTree:
         traced call made itself (`TracedProgram.captured_fresh`), copied for each call."""
         path: list[SegmentNode] = []
         parent, key, old = None, None, self.root
-        symbols: list[tuple] = []  # (SymInt, depth, output, dim) of each count symbol
-        keys: list = []  # the child key taken at each node of `path`
+        checks = self._checks(segments)
         for depth, segment in enumerate(segments):
             if parent is not None and old is None and len(parent.children) >= MAX_BRANCHES:
                 parent.closed = True
-                _add_checks(path, keys, symbols)
                 return None
             node = self._node(segment, constants, old, compile_segment)
             node.fresh = node.fresh | (fresh & node.constants.keys())
@@ -253,6 +279,10 @@ class TraceTree:
                 self.root = node
             else:
                 parent.children[key] = node
+                if isinstance(key, Variant):
+                    variants = parent.variants.setdefault(key.base, [])
+                    if key not in variants:
+                        variants.append(key)
             path.append(node)
             if segment.guard is None:
                 node.output, node.output_spec = output, output_spec
@@ -262,6 +292,7 @@ class TraceTree:
                 # (a count made symbolic at a break is read from its op's output)
                 sources = [*inputs, *(p for s in segments if s.op is not None
                                       for p in s.op.proxy_outputs if isinstance(p, TensorProxy))]
+                node.sources, node.inputs = tuple(sources), len(inputs)
                 node.numbers = (positions, number_function(
                     [leaves[i] for i in positions], sources),
                     [p.name for p in sources]) if positions else None
@@ -272,26 +303,60 @@ class TraceTree:
                     if p.name in constants}}
                 node.fresh = node.fresh | (fresh & node.constants.keys())
                 break
-            parent, key = node, self._key(node, segment, depth, symbols)
-            keys.append(key)
+            parent, key = node, self._key(node, segment, depth, checks.get(depth, []))
             old = node.children.get(key)
-        _add_checks(path, keys, symbols)
         return path
 
+    def _checks(self, segments: list[Segment]) -> dict[int, list[Callable]]:
+        """The checks of a path's count symbols (`path_checks`), by the break depth whose
+        generic key holds them (the input sizes they read bound at each call: `reads`)."""
+        symbols: list[tuple] = []  # (SymInt, depth, output, dim) of each count symbol
+        for depth, segment in enumerate(segments):
+            if segment.guard is None:
+                break
+            fn, args, _ = guard_inputs(segment.guard)
+            if fn is output_shapes:
+                symbols += [(args[i].shape[d], depth, i, d) for i, d in generic_dims(args)]
+        found, reads = path_checks(symbols, self.arg_names)
+        self.reads = tuple(sorted({*self.reads, *reads}))
+        return found
+
     @staticmethod
-    def _key(node: SegmentNode, segment: Segment, depth: int, symbols: list) -> Any:
+    def _key(node: SegmentNode, segment: Segment, depth: int, checks: list) -> Any:
         """The key of the child continuing `segment`'s answer at `node` (break `depth`):
-        generic where the trace gave the op's counts symbols, whose `(SymInt, depth, output,
-        dim)` are added to `symbols` (NOTE [symbolic counts at a break site])."""
+        a `Variant` of the generic key where the trace gave the op's counts symbols, told
+        apart by the path's `checks` there (NOTE [symbolic counts at a break site])."""
         fn, args, _ = guard_inputs(segment.guard)  # (this path's proxies: `node` may be older)
-        node.site = site_of(segment.guard.source, fn)
+        shapes = fn is output_shapes
+        node.site = site_of(segment.guard.source, fn,
+                            segment.op.sym.name if shapes and segment.op is not None else "",
+                            len(segment.answer) if shapes else 0)
         node.answers.append(segment.answer)
-        dims = generic_dims(args) if fn is output_shapes else ()
+        dims = generic_dims(args) if shapes else ()
         if not dims:
             return answer_key(segment.answer)
         node.generic = dims
-        symbols += [(args[i].shape[d], depth, i, d) for i, d in dims]
-        return generic_key(segment.answer, dims, depth)[0]
+        key = Variant(generic_key(segment.answer, dims, depth)[0],
+                      tuple(sorted(check.text for check in checks)))
+        node.checks[key] = checks
+        return key
+
+    def _bind_epilogue(self, leaf: SegmentNode) -> None:
+        """Where the epilogue of `leaf`'s path stores numbers holding a count after a break
+        (`obj.seen += idx.shape[0]`: `symbolic._counts_unbound`), compute them from the
+        inputs and this call's op outputs (`last_counts`), as a returned count is."""
+        objects, leaf.count_names = leaf.objects, ()
+        leaf.bound, epilogue = objects, objects.epilogue if objects is not None else None
+        numbers = getattr(epilogue.number_fn, "counts", None) if epilogue else None
+        if numbers is None:
+            return
+        function, inputs = number_function(numbers, list(leaf.sources)), leaf.inputs
+        leaf.count_names = tuple(p.name for p in leaf.sources[inputs:])
+
+        def counted(*args):
+            return function(*args[:inputs], *self.last_counts)
+
+        epilogue.number_fn = counted
 
     def paths(self) -> int:
         """How many paths (leaves) the tree holds."""
@@ -304,14 +369,6 @@ class TraceTree:
         return count(self.root)
 
 
-def _add_checks(path: list[SegmentNode], keys: list, symbols: list) -> None:
-    """Add the checks of a grafted path's count symbols (`path_checks`) to the generic keys
-    it took, where the path reached their child: a generic child is reached only where every
-    path through it has its sizes' guards hold."""
-    for depth, checks in path_checks(symbols).items():
-        if depth < len(keys) and depth + 1 < len(path):
-            node = path[depth]
-            node.checks[keys[depth]] = [*node.checks.get(keys[depth], ()), *checks]
 
 
 def _reads(segment: Segment) -> list[str]:

@@ -18,10 +18,20 @@ size. The tree files that path's child under a *generic* key (`generic_key`: the
 replaced by a marker) and checks, at each node, the ShapeEnv's guards whose symbols are all
 bound by then (`path_checks`), with each symbol renamed after where it is bound (`c{depth}_{out}
 _{dim}`), so paths traced in other ShapeEnvs agree. A call whose sizes fail a check takes the
-exact answer's child, or retraces with that answer refused (`CountSites.refused`): the site
-stays static there, so a wrong size never reaches a compiled path. Only trees without
-symbolic input sizes do this (one ShapeEnv per trace: the input sizes' entry guard could not
-evaluate a count's symbol).
+exact answer's child, or retraces (see below for when that answer is refused,
+`CountSites.refused`: the site stays static there), so a wrong size never reaches a compiled
+path.
+
+In a tree whose input sizes are symbolic (a length that varies), the count symbols are made in
+the trace's own ShapeEnv, beside the inputs' (two ShapeEnvs would give symbols of one name):
+the entry's shape guard leaves out every guard on a count symbol (`COUNT_SYMBOLS` in
+`fulmen.tracer.symbolic`), and `path_checks` checks those at the node, reading the input sizes
+they involve from the call's inputs (`TraceTree.reads`). A site is one line *and* op (two breaks
+of one line vary apart). A count stored into an object (`stats.seen += idx.shape[0]`) is
+computed by the epilogue from the leaf's op outputs (`TraceTree._bind_epilogue`). One generic
+key holds up to `MAX_VARIANTS` generic children (`tree.Variant`: the key and the texts of the
+path's checks there), each taken where its own checks hold: a program deciding on `n % 2`
+gets one per class; sizes no child takes retrace symbolically, past the cap they are refused.
 """
 
 from __future__ import annotations
@@ -38,17 +48,19 @@ from fulmen.ops.breaks import answer_key
 from fulmen.tracer.bool_args import symbolic_bools_decided
 from fulmen.tracer.environment import environment_unrecorded
 from fulmen.tracer.int_answers import symbolic_ints_are_ints
-from fulmen.tracer.symbolic import SymbolicSizes, _row_major, is_symbolic
+from fulmen.tracer.symbolic import COUNT_SYMBOLS, SymbolicSizes, _row_major, is_symbolic
 
 _RECOMPILES = logging.getLogger("fulmen.recompiles")  # the topic of `fulmen.logs`
 GENERIC = "n"  # the size in a generic answer key that a symbol stood for
 
 
-def site_of(source, fn) -> tuple | None:
-    """The site of a break: its user line and question (None without a source line)."""
+def site_of(source, fn, op: str = "", outputs: int = 0) -> tuple | None:
+    """The site of a break: its user line, question, data-dependent op and number of
+    outputs (None without a source line): two ops of one line (HF Mixtral's
+    `torch.where(expert_mask[expert_idx])` indexes by a tensor, then counts) vary apart."""
     if source is None:
         return None
-    return (source.filename, source.lineno, getattr(fn, "__qualname__", repr(fn)))
+    return (source.filename, source.lineno, getattr(fn, "__qualname__", repr(fn)), op, outputs)
 
 
 @dataclass
@@ -133,14 +145,17 @@ def _strides_keep(tensor: torch.Tensor, dims: list[int]) -> bool:
 
 
 def count_shape(fn, source, index: int, tensor: torch.Tensor, depth: int,
-                answer) -> tuple[tuple, tuple]:
+                answer, inputs_env: Callable[[], Any] = lambda: None,
+                op: str = "") -> tuple[tuple, tuple]:
     """`(shape, strides)` for the proxy of output `index` of a data-dependent op, the real
     `tensor`, at break `depth` of the trace: symbolic in the dims its site varies in (NOTE
-    [symbolic counts at a break site]), else the real ones."""
+    [symbolic counts at a break site]), else the real ones. `inputs_env()` is the ShapeEnv
+    of the trace's symbolic input sizes (None without): the count symbols are made in it;
+    `op` names the data-dependent op (`site_of`)."""
     plain = tuple(tensor.shape), tuple(tensor.stride())
 
     sites, sizes = _ACTIVE[-1]
-    site = site_of(source, fn)
+    site = site_of(source, fn, op, len(answer))
     if sites is None or site not in sites.dims or (site, answer_key(answer)) in sites.refused:
         return plain
     dims = [d for i, d in sites.dims[site] if i == index and d < tensor.dim()
@@ -152,13 +167,16 @@ def count_shape(fn, source, index: int, tensor: torch.Tensor, depth: int,
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
     shape: list = list(tensor.shape)
+    env = inputs_env() or sizes.env
+    counts = env.__dict__.setdefault(COUNT_SYMBOLS, set())  # (left out of the entry's guard)
     with environment_unrecorded():  # (PyTorch's reads of its settings, not the program's)
         for dim in dims:
             source_name = LocalSource(f"count{depth}_{index}_{dim}")
-            expr = sizes.env.create_symbol(int(tensor.shape[dim]), source=source_name,
-                                           dynamic_dim=DimDynamic.DYNAMIC)
-            shape[dim] = sizes.env.create_symintnode(expr, hint=int(tensor.shape[dim]),
-                                                     source=source_name)
+            expr = env.create_symbol(int(tensor.shape[dim]), source=source_name,
+                                     dynamic_dim=DimDynamic.DYNAMIC)
+            counts.add(expr)
+            shape[dim] = env.create_symintnode(expr, hint=int(tensor.shape[dim]),
+                                               source=source_name)
     if not row_major:
         return tuple(shape), tuple(tensor.stride())
     strides, acc = [], 1
@@ -188,17 +206,39 @@ def generic_key(answer, dims: tuple, depth: int) -> tuple[Any, dict] | None:
     return answer_key(tuple(tuple(s) for s in shapes)), bindings
 
 
-def path_checks(symbols: list[tuple]) -> dict[int, list[Callable]]:
-    """The checks of one grafted path: break depth -> functions of the canonical symbols'
-    values (`generic_key`'s bindings) that hold where the path's ShapeEnv's guards do.
-    `symbols` holds `(SymInt, depth, output, dim)` for each count symbol of the path; a guard
-    is checked at the deepest break binding one of its symbols. A guard on a symbol no break
-    binds (none should exist) makes the first generic node refuse every call."""
+def _input_names(env, symbols, names) -> dict:
+    """Symbol -> `(input name, dim)` for the symbols among `symbols` that are a size of a
+    trace input in `names` (an integer's symbol is none: a check on it refuses)."""
+    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
+    found = {}
+    for symbol in symbols:
+        for source in env.var_to_sources.get(symbol, ()):
+            if isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE \
+                    and isinstance(source.base, LocalSource) and source.base.local_name in names:
+                found[symbol] = (source.base.local_name, source.idx)
+                break
+    return found
+
+
+def input_value_name(name: str, dim: int) -> str:
+    """The name a count check reads the size `dim` of trace input `name` as."""
+    return f"i_{name}_{dim}"
+
+
+def path_checks(symbols: list[tuple], names: tuple = ()) -> tuple[dict[int, list[Callable]], set]:
+    """`(checks, reads)`: the checks of one grafted path, break depth -> functions of the
+    canonical symbols' values (`generic_key`'s bindings, and the sizes of the trace inputs
+    `reads` names as `(name, dim)`, bound as `input_value_name`) that hold where the path's
+    ShapeEnv's guards on its counts do. `symbols` holds `(SymInt, depth, output, dim)` for
+    each count symbol of the path; a guard is checked at the deepest break binding one of its
+    symbols. A guard on a symbol neither a break nor an input in `names` binds (none should
+    exist) makes the first generic node refuse every call."""
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
     from torch.utils._sympy.printers import PythonPrinter
 
     if not symbols:
-        return {}
+        return {}, set()
     import sympy
 
     env = symbols[0][0].node.shape_env
@@ -217,21 +257,35 @@ def path_checks(symbols: list[tuple]) -> dict[int, list[Callable]]:
     # a size the trace specialised (another output's, not renamed) is its number
     constants = {symbol: value for symbol, value in env.replacements.items()
                  if symbol not in renamed and value.is_number}
+    reads: set = set()
     for expr in exprs:
         expr = expr.xreplace(constants)
         free = expr.free_symbols
         if not free & renamed.keys():
-            continue
-        if not free <= renamed.keys():
+            continue  # (the entry's shape guard checks it: `SymbolicSizes.guard`)
+        inputs = _input_names(env, free - renamed.keys(), names)
+        if not free <= renamed.keys() | inputs.keys():
             depth = min(depth_of.values())
-            checks.setdefault(depth, []).append(lambda values: False)
+            checks.setdefault(depth, []).append(_check(lambda values: False, "False"))
             continue
+        reads |= set(inputs.values())
         depth = max(depth_of[s] for s in free if s in depth_of)
-        code = compile(printer.doprint(expr.xreplace(renamed)), "<fulmen count checks>", "eval")
-        checks.setdefault(depth, []).append(
-            lambda values, code=code: bool(eval(code, SYMPY_INTERP, dict(values))))
-    return checks
+        named = {**renamed, **{symbol: sympy.Symbol(input_value_name(*inputs[symbol]),
+                                                     integer=True) for symbol in inputs}}
+        text = printer.doprint(expr.xreplace(named))
+        code = compile(text, "<fulmen count checks>", "eval")
+        checks.setdefault(depth, []).append(_check(
+            lambda values, code=code: bool(eval(code, SYMPY_INTERP, dict(values))), text))
+    return checks, reads
 
 
-__all__ = ["CountSites", "count_shape", "trace_with_counts", "generic_dims", "generic_key", "path_checks",
+def _check(function: Callable, text: str) -> Callable:
+    """`function`, a count check, with its expression as `text` (a generic child's checks
+    tell it from another's of the same key: `TraceTree._key`)."""
+    function.text = text
+    return function
+
+
+__all__ = ["CountSites", "count_shape", "trace_with_counts", "generic_dims", "generic_key",
+           "input_value_name", "path_checks",
            "site_of", "symbolic_counts"]

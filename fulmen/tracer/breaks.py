@@ -42,6 +42,7 @@ from fulmen.ops.torch import torch_qualname
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.break_sizes import count_shape
 from fulmen.tracer.objects import TRACED_NUMBERS
+from fulmen.tracer.symbolic import is_symbolic
 
 _READABLE = {
     torch.Tensor.__bool__: "bool", torch.Tensor.item: "item", torch.Tensor.tolist: "tolist",
@@ -206,7 +207,8 @@ class BreakRecorder:
                 return leaf
             # NOTE [symbolic counts at a break site]
             shape, strides = count_shape(output_shapes, source, indices[id(leaf)], leaf,
-                                         depth, answer)
+                                         depth, answer, lambda: _inputs_shape_env(self.ctx),
+                                         sym.name)
             proxy = TensorProxy(self.ctx.names.new(), shape, leaf.dtype, leaf.device,
                                 strides=strides)
             proxies[id(proxy)] = proxy
@@ -221,3 +223,13 @@ class BreakRecorder:
         outs = [leaf for leaf in pytree.tree_leaves(proxy_out) if isinstance(leaf, TensorProxy)]
         self._record_guard(output_shapes, answer, tuple(outs), {})
         return proxy_out
+
+
+def _inputs_shape_env(ctx):
+    """The ShapeEnv of the trace's symbolic input sizes, or None where it has none: a count
+    symbol lives in it (NOTE [symbolic counts at a break site])."""
+    for proxy in ctx.mutation.inputs.values():
+        for size in proxy.shape:
+            if is_symbolic(size):
+                return size.node.shape_env
+    return None

@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fulmen.core.printer import symbol_bindings
+from fulmen.core import FulmenError
+from fulmen.core.printer import bindable_symbols, symbol_bindings
 from fulmen.proxies import TensorProxy
 from fulmen.tracer.formatting import SHAPE_ENV_MARK
 from fulmen.tracer.objects import follow, function_roots
@@ -108,6 +109,10 @@ def number_function(numbers: list, proxies: list) -> Callable:
 
     exprs = [number.node.expr for number in numbers]
     symbols = set().union(*(expr.free_symbols for expr in exprs))
+    counts = set().union(*(getattr(n.node.shape_env, COUNT_SYMBOLS, ()) for n in numbers))
+    unbound = symbols - bindable_symbols(proxies, symbols)
+    if unbound and unbound <= counts:  # (else `symbol_bindings` raises)
+        return _counts_unbound(numbers)
     lines = symbol_bindings(proxies, symbols, "the epilogue's numbers")
     printer = PythonPrinter()
     values = [f"{number.node.pytype.__name__}({printer.doprint(expr)})"
@@ -120,6 +125,19 @@ def number_function(numbers: list, proxies: list) -> Callable:
     function = scope["numbers"]
     function.source = source
     return function
+
+
+def _counts_unbound(numbers: list) -> Callable:
+    """The `number_function` of numbers holding a count after a graph break (NOTE [symbolic
+    counts at a break site]): the call's inputs do not hold it; the trace tree's leaf replaces
+    it by one reading the op's output (`TraceTree.bind_epilogue`). Raises if called."""
+
+    def numbers_after_breaks(*_):
+        raise FulmenError("the epilogue's numbers hold a count after a graph break, read only "
+                          "at the trace tree's leaf", op="print the epilogue's numbers")
+
+    numbers_after_breaks.counts = numbers
+    return numbers_after_breaks
 
 
 def has_symbolic_shape(tensor: torch.Tensor) -> bool:
@@ -158,6 +176,12 @@ def _shape_env_class() -> type:
 
         _SHAPE_ENV_CLASS.append(FulmenShapeEnv)
     return _SHAPE_ENV_CLASS[0]
+
+
+# the attribute of a ShapeEnv holding the symbols of counts after graph breaks made in it
+# (`fulmen.tracer.break_sizes.count_shape`): guards on them are checked by the trace tree at
+# the break binding them, not by the entry's shape guard (`SymbolicSizes.guard`)
+COUNT_SYMBOLS = "_fulmen_count_symbols"
 
 
 class SymbolicSizes:
@@ -336,8 +360,21 @@ class SymbolicSizes:
         # ignore_static=False: a symbol the trace specialised (`int(n)`, a meta kernel's
         # check) has become a number, and its input's size must be guarded as one
         names = [f"t{i}" for i in range(len(self.proxies))]
-        guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
-                                         ignore_static=False)
+        counts = getattr(self.env, COUNT_SYMBOLS, set())
+        kept = self.env.guards  # (NOTE [symbolic counts at a break site]: the tree's guards)
+        self.env.guards = [g for g in kept if not g.expr.free_symbols & counts]
+        try:
+            guards = self.env.produce_guards(self.proxies, [LocalSource(n) for n in names],
+                                             ignore_static=False)
+        except (AssertionError, RuntimeError):
+            if not counts:
+                raise
+            guards = ["L['count"]  # (a size no input holds)
+        finally:
+            self.env.guards = kept
+        if counts and any("L['count" in guard for guard in guards):
+            # an input size the trace replaced by a count's expression: never hit
+            return lambda leaves: False
         unread = tuple(f"L['{name}'].storage_offset() == " for name, p in
                        zip(names, self.positions) if p not in offsets_read)
         guards = [g for g in guards if not (g.startswith(unread)

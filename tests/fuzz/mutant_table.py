@@ -3200,7 +3200,7 @@ MUTANTS: list[Mutant] = [
            ("tests/tracer/test_user_patterns_53.py",)),
     # --- session 53, h53moe: symbolic counts after a graph break (MoE routing) ---
     Mutant("count_checks_skipped", "guards", "tree.py",
-           "if all(check(values) for check in node.checks.get(found[0], ())):",
+           "if all(check(values) for check in node.checks[key]):",
            "if True:",
            ("tests/tracer/test_moe_counts.py::"
             "test_decisions_on_the_count_are_checked_at_each_call",)),
@@ -3208,7 +3208,9 @@ MUTANTS: list[Mutant] = [
            "            self.refused.add((site, answer_key(answer)))\n",
            "            pass\n",
            ("tests/tracer/test_moe_counts.py::"
-            "test_decisions_on_the_count_are_checked_at_each_call",)),
+            "test_decisions_on_the_count_are_checked_at_each_call",
+            "tests/tracer/test_moe_counts_53b.py::"
+            "test_counts_split_into_classes_get_a_generic_child_each")),
     Mutant("count_symbol_after_replacement", "guards", "tracer/break_sizes.py",
            "        symbol = number.node._expr\n", "        symbol = number.node.expr\n",
            ("tests/tracer/test_moe_counts.py::"
@@ -3407,4 +3409,38 @@ MUTANTS: list[Mutant] = [
            "        for module, optimizers in ():",
            ("tests/tracer/test_merged_53.py::"
             "test_a_module_optimizer_replaced_after_compiling_is_the_one_stepped",)),
+    # --- session 53, h53moe2: symbolic counts in trees with symbolic input sizes ---
+    Mutant("count_symbols_in_a_shape_env_of_their_own", "guards", "tracer/break_sizes.py",
+           "    env = inputs_env() or sizes.env", "    env = sizes.env",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("entry_guard_keeps_count_guards", "guards", "tracer/symbolic.py",
+           "[g for g in kept if not g.expr.free_symbols & counts]", "list(kept)",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("count_checks_skip_input_sizes", "guards", "tracer/break_sizes.py",
+           "        reads |= set(inputs.values())", "        continue",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("count_checks_read_stale_input_sizes", "guards", "tree.py",
+           "values = {input_value_name(name, dim): env[name].shape[dim] for",
+           "values = {input_value_name(name, dim): 16 for",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("no_symbolic_counts_with_symbolic_inputs", "guards", "compile_miss.py",
+           "                            entry.fn.sites,",
+           "                            entry.fn.sites if dims is None else None,",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("break_site_ignores_op", "guards", "tracer/break_sizes.py",
+           'getattr(fn, "__qualname__", repr(fn)), op, outputs)',
+           'getattr(fn, "__qualname__", repr(fn)))',
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("epilogue_counts_read_stale", "mutation", "tree.py",
+           "        if node.count_names:  #", "        if node.count_names and not self.last_counts:  #",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("epilogue_counts_stay_exact", "mutation", "tracer/symbolic.py",
+           "    if unbound and unbound <= counts:", "    if False:",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("one_generic_child_per_key", "guards", "tree.py",
+           "            refused = len(keys) >= MAX_VARIANTS", "            refused = bool(keys)",
+           ("tests/tracer/test_moe_counts_53b.py",)),
+    Mutant("generic_children_keyed_without_checks", "guards", "tree.py",
+           "tuple(sorted(check.text for check in checks)))", "())",
+           ("tests/tracer/test_moe_counts_53b.py",)),
 ]
