@@ -17,19 +17,6 @@ import fulmen
 import fulmen.jitted
 
 
-@pytest.fixture
-def traces(monkeypatch):
-    count = [0]
-    original = fulmen.jitted._Jitted._compile_call
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(fulmen.jitted._Jitted, "_compile_call", counted)
-    return count
-
-
 def _printing_step(model, opt):
     def step(x, y):
         loss = F.mse_loss(model(x), y)

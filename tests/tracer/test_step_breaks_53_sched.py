@@ -29,19 +29,6 @@ _SCHEDULERS = {
 }
 
 
-@pytest.fixture
-def traces(monkeypatch):
-    count = [0]
-    original = fulmen.jitted._Jitted._compile_call
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(fulmen.jitted._Jitted, "_compile_call", counted)
-    return count
-
-
 def _loop(jit: bool, make_sched, steps: int = 10):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
