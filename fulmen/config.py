@@ -70,6 +70,10 @@ VARIABLES: dict[str, Variable] = {variable.name: variable for variable in (
     Variable("FULMEN_CODEGEN_POOL_BYTES", int, None,
              "bytes of free blocks the CPU output pool keeps (0 turns it off); unset: "
              "min(1 GiB, RAM / 16) (`executors/codegen/cpu/pool.py`)"),
+    Variable("FULMEN_CODEGEN_SCALARS", int, 0,
+             "`1`: CPU kernels take floats read at run time as arguments, so the ops of "
+             "`executors/codegen/ops.SCALAR_OPS` fuse (off by default: NOTE [run-time floats as "
+             "kernel arguments]); read at import, `ops.set_scalar_arguments` changes it"),
 )}
 
 

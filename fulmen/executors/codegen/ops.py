@@ -21,12 +21,12 @@ of a quotient.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from numbers import Number
 
 import torch
 
+from fulmen import config
 from fulmen.core import BoundSymbol, Proxy
 from fulmen.ops.host_float import FloatProxy
 
@@ -50,7 +50,7 @@ SELECTS = frozenset({"pad", "cat"})
 SCALAR_OPS = {"Tensor_mul": 1, "Tensor_div": 1, "Tensor_add": 1, "Tensor_sub": 1,
               "Tensor_addcdiv": 3}
 # whether they are fused (off by default: NOTE [run-time floats as kernel arguments])
-_SCALAR_ARGUMENTS = [os.environ.get("FULMEN_CODEGEN_SCALARS", "0") == "1"]
+_SCALAR_ARGUMENTS = [config.get("FULMEN_CODEGEN_SCALARS") == 1]
 
 
 def set_scalar_arguments(enabled: bool) -> bool:
