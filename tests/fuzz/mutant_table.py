@@ -3422,7 +3422,9 @@ MUTANTS: list[Mutant] = [
     Mutant("count_checks_read_stale_input_sizes", "guards", "tree.py",
            "values = {input_value_name(name, dim): env[name].shape[dim] for",
            "values = {input_value_name(name, dim): 16 for",
-           ("tests/tracer/test_moe_counts_53b.py",)),
+           ("tests/tracer/test_moe_counts_53b.py::"
+            "test_a_symbolic_length_entry_checks_counts_against_each_calls_length",
+            "tests/tracer/test_moe_counts_53b.py")),
     Mutant("no_symbolic_counts_with_symbolic_inputs", "guards", "compile_miss.py",
            "                            entry.fn.sites,",
            "                            entry.fn.sites if dims is None else None,",

@@ -176,3 +176,26 @@ def test_counts_split_into_classes_get_a_generic_child_each(thirds):
     if not thirds:  # four classes, then 0 and 1 exact: no eager call
         assert stats.eager_calls == 0 and len(stats.recompile_reasons) <= 7, \
             stats.recompile_reasons
+
+
+def _count_against_length(x):
+    (a,) = torch.where(x > 0)
+    y = x[a] * 2
+    if a.shape[0] * 2 > x.shape[0]:  # decided per call from the count and the length
+        y = y + 1
+    return y.sum()
+
+
+def test_a_symbolic_length_entry_checks_counts_against_each_calls_length():
+    """One entry with a symbolic length and symbolic counts serves lengths 16-32: its check
+    `2 * count > length` must read each call's length (a length read from another call took
+    the wrong branch at 24/10, 20/9 and 32/12). No path specialises the length here."""
+    jitted = fulmen.jit(_count_against_length)
+    calls = [(12, 5), (16, 5), (16, 9), (16, 6), (16, 10), (24, 10), (24, 13), (20, 9),
+             (20, 11), (32, 12), (32, 17), (24, 10)]
+    for length, count in calls:
+        x = -torch.rand(length) - 0.1
+        x[torch.randperm(length)[:count]] = 1.0
+        torch.testing.assert_close(jitted(x), _count_against_length(x))
+    stats = fulmen.compile_stats(jitted)
+    assert stats.eager_calls == 0 and stats.cache_misses <= 2
