@@ -3,26 +3,14 @@
 with varying sequence lengths retraces a bounded number of times, not at every step, and every
 call equals eager, including the specialised counts (0, 1, a count equal to the length)."""
 
-import copy
 
 import pytest
 import torch
 
 import fulmen
 from fulmen.tree import MAX_VARIANTS
-from tests.tracer.test_moe_counts import TwoExperts, _step
-
-
-def _compare(model, inputs):
-    eager = copy.deepcopy(model)
-    jitted = fulmen.jit(model)
-    for x in inputs:
-        out, grads = _step(jitted, x)
-        want, want_grads = _step(eager, x)
-        torch.testing.assert_close(out, want)
-        for got, expected in zip(grads, want_grads):
-            torch.testing.assert_close(got, expected)
-    return fulmen.compile_stats(jitted)
+from tests.tracer.test_moe_counts import TwoExperts
+from tests.tracer.test_moe_counts import _compare_training as _compare
 
 
 def test_varying_lengths_and_routing_retrace_a_bounded_number_of_times():
